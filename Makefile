@@ -1,0 +1,34 @@
+# The two commands of the README. Each builds its own virtual environment on first use.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[runner,dev]'
+	touch $(STAMP)
+
+## demo: the main job on the embedded defaults (SQLite, local spot provider, local store, terminal)
+demo: $(STAMP)
+	$(VENV)/bin/trainbot demo $(ARGS)
+
+## test: lint, type-check and the whole test suite
+test: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(PY) -m ruff check . && $(PY) -m ruff format --check . && $(PY) -m mypy
+
+## bench: every benchmark in quick mode
+bench: $(STAMP)
+	for b in bench/bench_*.py; do $(PY) $$b --quick || exit 1; done
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Chat front ends over the jobs service: Slack (Bolt) and the console."""

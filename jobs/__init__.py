@@ -1,0 +1,1 @@
+"""The trainbot control plane: service layer, lifecycle, providers, scheduler."""

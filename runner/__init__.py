@@ -1,0 +1,16 @@
+"""trainbot-runner: the process on every spot instance.
+
+It supervises the training process, checkpoints to the object store, catches the
+preemption notice and reports telemetry. It never imports ``jobs`` or ``bot``.
+"""
+
+from __future__ import annotations
+
+__all__ = ["EXIT_FAILED", "EXIT_PREEMPTED", "EXIT_SUCCEEDED"]
+
+#: The training finished.
+EXIT_SUCCEEDED = 0
+#: Preempted, and a checkpoint is committed: resubmit and resume (EX_TEMPFAIL).
+EXIT_PREEMPTED = 75
+#: Anything else non-zero is a failure; this is the one the runner itself uses.
+EXIT_FAILED = 1

@@ -1,0 +1,1 @@
+"""Example training scripts that use the session API."""

@@ -1,0 +1,280 @@
+"""Object stores for checkpoints: a local directory and S3 (``runner.s3``).
+
+A store is a flat namespace of keys (``run-1/step-0000000010/shard-00000.bin``) under a
+root URI. Objects are written through a stream that commits on ``close()`` and is
+discarded on ``abort()``, so a half-written object never shows under its key. Small
+objects (the manifest) are written with :meth:`Store.put_bytes`, which is atomic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Protocol
+from urllib.parse import unquote, urlparse
+
+from runner.errors import BadURIError, StoreError
+
+#: S3's DeleteObjects takes at most this many keys a call; local deletes use it too.
+DELETE_BATCH = 1000
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One object in a store."""
+
+    #: Key relative to the store root, "/"-separated.
+    key: str
+    #: Size in bytes.
+    size: int
+    #: Last modification, seconds since the epoch.
+    mtime: float
+
+
+class WriteStream(Protocol):
+    """A binary stream that creates one object when closed."""
+
+    def write(self, data: bytes | memoryview, /) -> int: ...
+
+    def close(self) -> None:
+        """Make the object durable and visible under its key."""
+
+    def abort(self) -> None:
+        """Discard everything written; the key keeps whatever it had before."""
+
+
+class Store(Protocol):
+    """Where checkpoints live. Keys are relative to the root URI."""
+
+    #: The root URI, normalised (``file:///abs/path`` or ``s3://bucket/prefix``).
+    uri: str
+
+    def open_write(self, key: str) -> WriteStream: ...
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        """Write a small object atomically and durably."""
+
+    def open_read(self, key: str) -> BinaryIO:
+        """A readable binary stream (``read``/``readinto``); raises StoreError if absent."""
+
+    def get_bytes(self, key: str) -> bytes: ...
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """Every object whose key starts with ``prefix``, sorted by key."""
+
+    def delete(self, keys: Sequence[str]) -> int:
+        """Delete keys in batches of at most DELETE_BATCH; returns how many were deleted."""
+
+    def exists(self, key: str) -> bool: ...
+
+
+def _check_key(key: str) -> str:
+    parts = key.split("/")
+    if not key or key.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise StoreError(f"invalid object key {key!r}: use a relative path without '..'")
+    return key
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _LocalWrite:
+    """Writes to ``key.partial-<pid>``, fsyncs, then renames over the key."""
+
+    def __init__(self, final: Path) -> None:
+        self._final = final
+        self._tmp = final.with_name(f".{final.name}.partial-{os.getpid()}-{time.monotonic_ns()}")
+        self._file: BinaryIO | None = open(self._tmp, "wb", buffering=0)  # noqa: SIM115
+
+    def write(self, data: bytes | memoryview, /) -> int:
+        assert self._file is not None, "stream is closed"
+        view = memoryview(data).cast("B")
+        total = 0
+        while total < len(view):
+            written = self._file.write(view[total:])
+            total += written or 0
+        return total
+
+    def close(self) -> None:
+        if self._file is None:
+            return
+        try:
+            os.fdatasync(self._file.fileno())
+        finally:
+            self._file.close()
+            self._file = None
+        os.replace(self._tmp, self._final)
+        _fsync_dir(self._final.parent)
+
+    def abort(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        with contextlib.suppress(FileNotFoundError):
+            self._tmp.unlink()
+
+
+class LocalStore:
+    """A directory on a local (or mounted) file system."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root).expanduser().resolve()
+        self.uri = self.root.as_uri()
+
+    def _path(self, key: str) -> Path:
+        return self.root.joinpath(*_check_key(key).split("/"))
+
+    def _writable_parent(self, path: Path) -> None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(
+                f"cannot create {path.parent} in checkpoint store {self.uri}: {exc.strerror}; "
+                "check the path and its permissions"
+            ) from exc
+
+    def open_write(self, key: str) -> WriteStream:
+        path = self._path(key)
+        self._writable_parent(path)
+        try:
+            return _LocalWrite(path)
+        except OSError as exc:
+            raise StoreError(
+                f"cannot write {key} to checkpoint store {self.uri}: {exc.strerror}; "
+                "check that the directory is writable and the disk is not full"
+            ) from exc
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        stream = self.open_write(key)
+        try:
+            stream.write(data)
+            stream.close()
+        except OSError as exc:
+            stream.abort()
+            raise StoreError(f"cannot write {key} to {self.uri}: {exc.strerror}") from exc
+
+    def open_read(self, key: str) -> BinaryIO:
+        try:
+            return open(self._path(key), "rb")  # noqa: SIM115
+        except FileNotFoundError as exc:
+            raise StoreError(f"{key} is missing from checkpoint store {self.uri}") from exc
+        except OSError as exc:
+            raise StoreError(f"cannot read {key} from {self.uri}: {exc.strerror}") from exc
+
+    def get_bytes(self, key: str) -> bytes:
+        with self.open_read(key) as f:
+            return f.read()
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        if not self.root.is_dir():
+            return []
+        out: list[ObjectInfo] = []
+        # Walk only the directory that can hold the prefix, not the whole store.
+        base_rel = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        base = self.root.joinpath(*base_rel.split("/")) if base_rel else self.root
+        if not base.is_dir():
+            return []
+        for dirpath, dirnames, filenames in os.walk(base):
+            dirnames.sort()
+            rel_dir = os.path.relpath(dirpath, self.root)
+            for name in filenames:
+                if name.startswith(".") and ".partial-" in name:
+                    continue
+                key = name if rel_dir == "." else f"{rel_dir.replace(os.sep, '/')}/{name}"
+                if not key.startswith(prefix):
+                    continue
+                try:
+                    st = os.stat(os.path.join(dirpath, name))
+                except FileNotFoundError:
+                    continue
+                out.append(ObjectInfo(key=key, size=st.st_size, mtime=st.st_mtime))
+        out.sort(key=lambda o: o.key)
+        return out
+
+    def delete(self, keys: Sequence[str]) -> int:
+        deleted = 0
+        parents: set[Path] = set()
+        for start in range(0, len(keys), DELETE_BATCH):
+            for key in keys[start : start + DELETE_BATCH]:
+                path = self._path(key)
+                try:
+                    path.unlink()
+                    deleted += 1
+                    parents.add(path.parent)
+                except FileNotFoundError:
+                    pass
+        # Remove directories left empty (a pruned step), deepest first.
+        for parent in sorted(parents, key=lambda p: len(p.parts), reverse=True):
+            with contextlib.suppress(OSError):
+                leftovers = [p for p in parent.iterdir() if ".partial-" in p.name]
+                for p in leftovers:
+                    p.unlink()
+                parent.rmdir()
+        return deleted
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def local_path(self, key: str) -> Path:
+        """Where a key lives on disk (the local store only)."""
+        return self._path(key)
+
+    def remove_tree(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def open_store(uri: str | Path, *, endpoint_url: str | None = None) -> Store:
+    """The store for a URI: a path, ``file://…`` or ``s3://bucket/prefix``.
+
+    ``endpoint_url`` (or ``TRAINBOT_S3_ENDPOINT_URL``/``AWS_ENDPOINT_URL_S3``) points S3
+    at any S3-compatible service.
+    """
+    text = str(uri).strip()
+    if not text:
+        raise BadURIError("the checkpoint URI is empty: give a directory, file://… or s3://…")
+    parsed = urlparse(text)
+    if parsed.scheme in ("", "file"):
+        if parsed.scheme == "file":
+            if parsed.netloc not in ("", "localhost"):
+                raise BadURIError(
+                    f"{text!r} names a remote host; file:// URIs must be file:///absolute/path"
+                )
+            path = unquote(parsed.path)
+        else:
+            path = text
+        return LocalStore(path)
+    if parsed.scheme == "s3":
+        if not parsed.netloc:
+            raise BadURIError(f"{text!r} has no bucket: write s3://BUCKET/PREFIX")
+        from runner.s3 import S3Store  # boto3 is imported only where S3 is used
+
+        return S3Store(
+            bucket=parsed.netloc,
+            prefix=parsed.path.strip("/"),
+            endpoint_url=endpoint_url
+            or os.environ.get("TRAINBOT_S3_ENDPOINT_URL")
+            or os.environ.get("AWS_ENDPOINT_URL_S3"),
+        )
+    raise BadURIError(
+        f"unsupported checkpoint URI scheme {parsed.scheme!r} in {text!r}: "
+        "use a local path, file:///path or s3://bucket/prefix"
+    )
+
+
+def iter_chunks(stream: BinaryIO, size: int = 8 << 20) -> Iterator[bytes]:
+    """Read a stream in chunks until it ends."""
+    while True:
+        chunk = stream.read(size)
+        if not chunk:
+            return
+        yield chunk
