@@ -73,7 +73,7 @@ class Store(Protocol):
     def exists(self, key: str) -> bool: ...
 
 
-def _check_key(key: str) -> str:
+def check_key(key: str) -> str:
     parts = key.split("/")
     if not key or key.startswith("/") or any(p in ("", ".", "..") for p in parts):
         raise StoreError(f"invalid object key {key!r}: use a relative path without '..'")
@@ -132,7 +132,7 @@ class LocalStore:
         self.uri = self.root.as_uri()
 
     def _path(self, key: str) -> Path:
-        return self.root.joinpath(*_check_key(key).split("/"))
+        return self.root.joinpath(*check_key(key).split("/"))
 
     def _writable_parent(self, path: Path) -> None:
         try:
@@ -165,7 +165,7 @@ class LocalStore:
 
     def open_read(self, key: str) -> BinaryIO:
         try:
-            return open(self._path(key), "rb")  # noqa: SIM115
+            return open(self._path(key), "rb")
         except FileNotFoundError as exc:
             raise StoreError(f"{key} is missing from checkpoint store {self.uri}") from exc
         except OSError as exc:

@@ -1,0 +1,547 @@
+"""Parse ``/train …`` text into typed command objects.
+
+This module is pure (no I/O, no clock), so the Slack listeners and the console share one
+grammar and it can be fuzzed. Each command's help text is its class docstring: the first
+line is the summary shown by ``/train help``, the rest (with an example) is shown by
+``/train help <command>``. ``parse`` either returns a :class:`Command` or raises
+:class:`CommandError` whose message says what was wrong and shows the usage line.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import re
+import shlex
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+__all__ = [
+    "MAX_SNOOZE_S",
+    "USAGE",
+    "Ack",
+    "BotError",
+    "Budget",
+    "Cleanup",
+    "Command",
+    "CommandError",
+    "Help",
+    "Launch",
+    "ListRuns",
+    "Logs",
+    "Oncall",
+    "Preflight",
+    "Resubmit",
+    "Snooze",
+    "Spend",
+    "Status",
+    "Stop",
+    "UserRef",
+    "help_text",
+    "parse",
+    "parse_duration",
+]
+
+#: A snooze longer than this is almost always a typo, and it would hide a real problem.
+MAX_SNOOZE_S = 7 * 24 * 3600
+
+
+class BotError(Exception):
+    """Root of every error the chat front ends raise on purpose."""
+
+
+class CommandError(BotError):
+    """The ``/train`` text does not follow the grammar; the message shows how to fix it."""
+
+
+@dataclass(frozen=True)
+class Command:
+    """Base of every parsed command; ``verb`` and ``usage`` describe its grammar."""
+
+    verb: ClassVar[str] = ""
+    usage: ClassVar[str] = ""
+
+
+@dataclass(frozen=True)
+class Launch(Command):
+    """Start a run from a spec; preflight checks run first and ask you to confirm.
+
+    Overrides change the spec for this run only. Without a spec, opens the launch form.
+    Example: /train launch gpt-small budget.usd=800 resources.zone=us-east-1b
+    """
+
+    verb: ClassVar[str] = "launch"
+    usage: ClassVar[str] = "/train launch [<spec> [key.path=value …]]"
+
+    #: Spec name, or None to open the launch form.
+    spec: str | None
+    #: Inline overrides, ``key.path=value``, in the order given.
+    overrides: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Preflight(Command):
+    """Run the preflight checks (quota, capacity, data locality, dry run) without launching.
+
+    Example: /train preflight gpt-small accelerator.count=8
+    """
+
+    verb: ClassVar[str] = "preflight"
+    usage: ClassVar[str] = "/train preflight <spec> [key.path=value …]"
+
+    #: Spec name.
+    spec: str
+    #: Inline overrides, ``key.path=value``, in the order given.
+    overrides: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Status(Command):
+    """Show a run's state, step, spend and alerts; without a run, a summary of yours.
+
+    Example: /train status r-7f3a2c
+    """
+
+    verb: ClassVar[str] = "status"
+    usage: ClassVar[str] = "/train status [<run>]"
+
+    #: Run id, or None for a summary.
+    run: str | None = None
+
+
+@dataclass(frozen=True)
+class ListRuns(Command):
+    """List runs: yours, the active ones (default) or all of them.
+
+    Example: /train list mine
+    """
+
+    verb: ClassVar[str] = "list"
+    usage: ClassVar[str] = "/train list [mine|active|all]"
+    scopes: ClassVar[tuple[str, ...]] = ("mine", "active", "all")
+
+    #: One of ``scopes``.
+    scope: str = "active"
+
+
+@dataclass(frozen=True)
+class Stop(Command):
+    """Stop a run: checkpoint, terminate its instance, stop billing.
+
+    Example: /train stop r-7f3a2c
+    """
+
+    verb: ClassVar[str] = "stop"
+    usage: ClassVar[str] = "/train stop <run>"
+
+    #: Run id.
+    run: str
+
+
+@dataclass(frozen=True)
+class Resubmit(Command):
+    """Start a new attempt of a run from its last committed checkpoint.
+
+    Example: /train resubmit r-7f3a2c
+    """
+
+    verb: ClassVar[str] = "resubmit"
+    usage: ClassVar[str] = "/train resubmit <run>"
+
+    #: Run id.
+    run: str
+
+
+@dataclass(frozen=True)
+class Logs(Command):
+    """Show the latest log lines and events of a run.
+
+    Example: /train logs r-7f3a2c
+    """
+
+    verb: ClassVar[str] = "logs"
+    usage: ClassVar[str] = "/train logs <run>"
+
+    #: Run id.
+    run: str
+
+
+@dataclass(frozen=True)
+class Ack(Command):
+    """Acknowledge an alert: it stops notifying and will not escalate.
+
+    Example: /train ack a-91b2
+    """
+
+    verb: ClassVar[str] = "ack"
+    usage: ClassVar[str] = "/train ack <alert>"
+
+    #: Alert id.
+    alert: str
+
+
+@dataclass(frozen=True)
+class Snooze(Command):
+    """Silence an alert for a while (s, m, h or d; at most 7 days).
+
+    Example: /train snooze a-91b2 2h
+    """
+
+    verb: ClassVar[str] = "snooze"
+    usage: ClassVar[str] = "/train snooze <alert> <duration>"
+
+    #: Alert id.
+    alert: str
+    #: How long to stay silent, in seconds (1 … MAX_SNOOZE_S).
+    seconds: int
+
+
+@dataclass(frozen=True)
+class Spend(Command):
+    """Show spend per run and per user for the last day (default), week or month.
+
+    Example: /train spend week
+    """
+
+    verb: ClassVar[str] = "spend"
+    usage: ClassVar[str] = "/train spend [day|week|month]"
+    periods: ClassVar[tuple[str, ...]] = ("day", "week", "month")
+
+    #: One of ``periods``.
+    period: str = "day"
+
+
+@dataclass(frozen=True)
+class Budget(Command):
+    """Show run and team budgets, what is spent, and the alert thresholds.
+
+    Example: /train budget
+    """
+
+    verb: ClassVar[str] = "budget"
+    usage: ClassVar[str] = "/train budget"
+
+
+@dataclass(frozen=True)
+class UserRef:
+    """A chat user as typed: a Slack mention carries an id, a plain ``@name`` only a name."""
+
+    #: Slack user id (``U123…``), or None for a plain ``@name``.
+    user_id: str | None
+    #: Display name, or None for a bare ``<@U123>`` mention.
+    name: str | None
+
+
+@dataclass(frozen=True)
+class Oncall(Command):
+    """Show who is on call, or hand on-call over to someone.
+
+    Example: /train oncall @dana
+    """
+
+    verb: ClassVar[str] = "oncall"
+    usage: ClassVar[str] = "/train oncall [@user]"
+
+    #: The new on-call engineer, or None to show the current one.
+    user: UserRef | None = None
+
+
+@dataclass(frozen=True)
+class Cleanup(Command):
+    """Delete a run's old checkpoints by its retention policy; the newest is always kept.
+
+    With --dry-run, lists what would be deleted and deletes nothing.
+    Example: /train cleanup r-7f3a2c --dry-run
+    """
+
+    verb: ClassVar[str] = "cleanup"
+    usage: ClassVar[str] = "/train cleanup <run> [--dry-run]"
+
+    #: Run id.
+    run: str
+    #: Report only; delete nothing.
+    dry_run: bool = False
+
+
+@dataclass(frozen=True)
+class Help(Command):
+    """Show the commands, or the details of one.
+
+    Example: /train help snooze
+    """
+
+    verb: ClassVar[str] = "help"
+    usage: ClassVar[str] = "/train help [<command>]"
+
+    #: A verb, or None for the list of commands.
+    command: str | None = None
+
+
+_RUN_ID = re.compile(r"r-[a-z0-9]{1,64}", re.ASCII)
+_ALERT_ID = re.compile(r"a-[a-z0-9]{1,64}", re.ASCII)
+# The same names jobs/spec.py accepts, so a bad one fails here, with the usage line.
+_SPEC = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]{0,127}", re.ASCII)
+_OVERRIDE_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_\-]*(\.[A-Za-z0-9_\-]+)*", re.ASCII)
+_DURATION_PART = re.compile(r"([0-9]+)([smhd])", re.ASCII)
+_DURATION = re.compile(r"([0-9]+[smhd])+", re.ASCII)
+_MENTION = re.compile(r"<@([A-Za-z0-9]+)(?:\|([^<>|]+))?>", re.ASCII)
+_AT_NAME = re.compile(r"@([A-Za-z0-9][A-Za-z0-9._\-]{0,79})", re.ASCII)
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+# Slack and phones turn straight quotes into curly ones; shlex only knows the straight kind.
+_QUOTES = str.maketrans({"“": '"', "”": '"', "‘": "'", "’": "'"})
+
+
+def _fail(cls: type[Command], problem: str) -> CommandError:
+    return CommandError(f"{problem}\nUsage: {cls.usage}")
+
+
+def _no_args(cls: type[Command], args: Sequence[str]) -> None:
+    if args:
+        raise _fail(cls, f"`{cls.verb}` takes no arguments, got {_show(args[0])}.")
+
+
+def _at_most(cls: type[Command], args: Sequence[str], n: int) -> None:
+    if len(args) > n:
+        raise _fail(cls, f"Too many arguments to `{cls.verb}`: {_show(args[n])} is extra.")
+
+
+def _show(token: str) -> str:
+    """Quote a user token for an error message, cut short so a paste cannot flood the chat."""
+    return repr(token if len(token) <= 40 else token[:37] + "...")
+
+
+def _run_id(cls: type[Command], token: str) -> str:
+    run = token.strip("`").lower()
+    if not _RUN_ID.fullmatch(run):
+        raise _fail(cls, f"{_show(token)} is not a run id; run ids look like r-7f3a2c.")
+    return run
+
+
+def _alert_id(cls: type[Command], token: str) -> str:
+    alert = token.strip("`").lower()
+    if not _ALERT_ID.fullmatch(alert):
+        raise _fail(cls, f"{_show(token)} is not an alert id; alert ids look like a-91b2.")
+    return alert
+
+
+def _one_run(cls: type[Command], args: Sequence[str]) -> str:
+    if not args:
+        raise _fail(cls, f"`{cls.verb}` needs a run id.")
+    _at_most(cls, args, 1)
+    return _run_id(cls, args[0])
+
+
+def _spec_and_overrides(
+    cls: type[Command], args: Sequence[str]
+) -> tuple[str | None, tuple[str, ...]]:
+    if not args:
+        return None, ()
+    spec, rest = args[0], args[1:]
+    if "=" in spec:
+        raise _fail(cls, f"Name the spec before the overrides: {_show(spec)} is an override.")
+    if not _SPEC.fullmatch(spec):
+        raise _fail(
+            cls, f"{_show(spec)} is not a spec name; use letters, digits, '-', '_' and '.'."
+        )
+    overrides: list[str] = []
+    seen: set[str] = set()
+    for token in rest:
+        key, eq, value = token.partition("=")
+        if not eq:
+            raise _fail(cls, f"{_show(token)} is not an override; write key.path=value.")
+        if not key or not _OVERRIDE_KEY.fullmatch(key):
+            raise _fail(cls, f"{_show(token)} has no valid key; write key.path=value.")
+        if not value:
+            raise _fail(cls, f"{_show(token)} has no value; write {key}=<value>.")
+        if key in seen:
+            raise _fail(cls, f"{key} is set twice; keep one.")
+        seen.add(key)
+        overrides.append(f"{key}={value}")
+    return spec, tuple(overrides)
+
+
+def parse_duration(text: str) -> int:
+    """Seconds in ``90s``, ``30m``, ``2h``, ``1d`` or ``1h30m``, bounded by MAX_SNOOZE_S."""
+    lowered = text.lower()
+    if not _DURATION.fullmatch(lowered):
+        raise CommandError(
+            f"{_show(text)} is not a duration; write a number and a unit (s, m, h or d): 30m, 2h."
+        )
+    seconds = sum(int(n) * _UNIT_S[u] for n, u in _DURATION_PART.findall(lowered))
+    if seconds <= 0:
+        raise CommandError(f"{_show(text)} is zero; snooze for at least 1s.")
+    if seconds > MAX_SNOOZE_S:
+        raise CommandError(f"{_show(text)} is longer than 7 days; snooze for 7d at most.")
+    return seconds
+
+
+def _user(cls: type[Command], text: str) -> UserRef:
+    mention = _MENTION.fullmatch(text)
+    if mention:
+        name = mention.group(2)
+        return UserRef(user_id=mention.group(1).upper(), name=(name or "").strip() or None)
+    at = _AT_NAME.fullmatch(text)
+    if at:
+        return UserRef(user_id=None, name=at.group(1))
+    raise _fail(cls, f"{_show(text)} is not a user; mention them, like @dana.")
+
+
+def _parse_launch(args: Sequence[str]) -> Command:
+    spec, overrides = _spec_and_overrides(Launch, args)
+    return Launch(spec=spec, overrides=overrides)
+
+
+def _parse_preflight(args: Sequence[str]) -> Command:
+    spec, overrides = _spec_and_overrides(Preflight, args)
+    if spec is None:
+        raise _fail(Preflight, "`preflight` needs a spec name.")
+    return Preflight(spec=spec, overrides=overrides)
+
+
+def _parse_status(args: Sequence[str]) -> Command:
+    _at_most(Status, args, 1)
+    return Status(run=_run_id(Status, args[0]) if args else None)
+
+
+def _parse_list(args: Sequence[str]) -> Command:
+    _at_most(ListRuns, args, 1)
+    if not args:
+        return ListRuns()
+    scope = args[0].lower()
+    if scope not in ListRuns.scopes:
+        raise _fail(ListRuns, f"{_show(args[0])} is not one of mine, active, all.")
+    return ListRuns(scope=scope)
+
+
+def _parse_snooze(args: Sequence[str]) -> Command:
+    if len(args) < 2:
+        raise _fail(Snooze, "`snooze` needs an alert id and a duration.")
+    _at_most(Snooze, args, 2)
+    alert = _alert_id(Snooze, args[0])
+    try:
+        seconds = parse_duration(args[1])
+    except CommandError as exc:
+        raise _fail(Snooze, str(exc)) from None
+    return Snooze(alert=alert, seconds=seconds)
+
+
+def _parse_ack(args: Sequence[str]) -> Command:
+    if not args:
+        raise _fail(Ack, "`ack` needs an alert id.")
+    _at_most(Ack, args, 1)
+    return Ack(alert=_alert_id(Ack, args[0]))
+
+
+def _parse_spend(args: Sequence[str]) -> Command:
+    _at_most(Spend, args, 1)
+    if not args:
+        return Spend()
+    period = args[0].lower()
+    if period not in Spend.periods:
+        raise _fail(Spend, f"{_show(args[0])} is not one of day, week, month.")
+    return Spend(period=period)
+
+
+def _parse_budget(args: Sequence[str]) -> Command:
+    _no_args(Budget, args)
+    return Budget()
+
+
+def _parse_oncall(args: Sequence[str]) -> Command:
+    if not args:
+        return Oncall()
+    # A legacy mention may carry a display name with spaces: <@U123|Dana Scully>.
+    return Oncall(user=_user(Oncall, " ".join(args)))
+
+
+def _parse_cleanup(args: Sequence[str]) -> Command:
+    flags = [a for a in args if a.startswith("--")]
+    rest = [a for a in args if not a.startswith("--")]
+    for flag in flags:
+        if flag.lower() not in ("--dry-run", "--dryrun"):
+            raise _fail(Cleanup, f"Unknown option {_show(flag)}; the only one is --dry-run.")
+    return Cleanup(run=_one_run(Cleanup, rest), dry_run=bool(flags))
+
+
+def _parse_help(args: Sequence[str]) -> Command:
+    _at_most(Help, args, 1)
+    if not args:
+        return Help()
+    return Help(command=_known_verb(args[0]))
+
+
+_PARSERS: dict[str, tuple[type[Command], Callable[[Sequence[str]], Command]]] = {
+    "launch": (Launch, _parse_launch),
+    "preflight": (Preflight, _parse_preflight),
+    "status": (Status, _parse_status),
+    "list": (ListRuns, _parse_list),
+    "stop": (Stop, lambda args: Stop(run=_one_run(Stop, args))),
+    "resubmit": (Resubmit, lambda args: Resubmit(run=_one_run(Resubmit, args))),
+    "logs": (Logs, lambda args: Logs(run=_one_run(Logs, args))),
+    "ack": (Ack, _parse_ack),
+    "snooze": (Snooze, _parse_snooze),
+    "spend": (Spend, _parse_spend),
+    "budget": (Budget, _parse_budget),
+    "oncall": (Oncall, _parse_oncall),
+    "cleanup": (Cleanup, _parse_cleanup),
+    "help": (Help, _parse_help),
+}
+
+#: The usage line of every command, by verb, in the order ``/train help`` lists them.
+USAGE: Mapping[str, str] = {verb: cls.usage for verb, (cls, _) in _PARSERS.items()}
+
+
+def _known_verb(word: str) -> str:
+    verb = word.lower()
+    if verb in _PARSERS:
+        return verb
+    close = difflib.get_close_matches(verb, list(_PARSERS), n=1, cutoff=0.6)
+    if close:
+        cls, _ = _PARSERS[close[0]]
+        raise CommandError(
+            f"Unknown command {_show(word)}. Did you mean `{close[0]}`?\nUsage: {cls.usage}"
+        )
+    raise CommandError(
+        f"Unknown command {_show(word)}. Type `/train help` for the list of commands."
+    )
+
+
+def parse(text: str) -> Command:
+    """Turn the text after ``/train`` into a command; an empty text asks for help."""
+    try:
+        tokens = shlex.split(text.translate(_QUOTES))
+    except ValueError:
+        raise CommandError(
+            "A quote is not closed; close it or leave quotes out. "
+            "Type `/train help` for the list of commands."
+        ) from None
+    if tokens and tokens[0].lower() == "/train":
+        tokens = tokens[1:]
+    if not tokens:
+        return Help()
+    _, parser = _PARSERS[_known_verb(tokens[0])]
+    return parser(tokens[1:])
+
+
+def _doc(cls: type[Command]) -> tuple[str, str]:
+    doc = inspect.cleandoc(cls.__doc__ or "")
+    summary, _, rest = doc.partition("\n")
+    return summary.strip(), rest.strip()
+
+
+def help_text(command_name: str | None = None) -> str:
+    """The list of commands (one line each), or the details of one, from the docstrings."""
+    if command_name is None:
+        lines = ["Commands:"]
+        for verb, (cls, _) in _PARSERS.items():
+            summary, _ = _doc(cls)
+            lines.append(f"`{USAGE[verb]}` — {summary}")
+        lines.append("Type `/train help <command>` for details.")
+        return "\n".join(lines)
+    cls, _ = _PARSERS[_known_verb(command_name)]
+    summary, details = _doc(cls)
+    parts = [f"`{cls.usage}`", summary]
+    if details:
+        parts.append(details)
+    return "\n".join(parts)

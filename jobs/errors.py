@@ -1,0 +1,143 @@
+"""Errors raised by the control plane on purpose.
+
+Every message is written for the person who has to act on it: it says what happened,
+to which run or setting, and what to do next. Front ends show ``str(error)`` as is and
+never a traceback, so a message must make sense on its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "ConflictError",
+    "DatabaseError",
+    "IllegalTransition",
+    "NotFound",
+    "PermissionDenied",
+    "SettingsError",
+    "SpecError",
+    "TrainbotError",
+    "describe_validation_error",
+]
+
+
+class TrainbotError(Exception):
+    """Root of every error the control plane raises on purpose."""
+
+
+class SettingsError(TrainbotError):
+    """A ``TRAINBOT_*`` environment variable is missing, malformed or inconsistent.
+
+    ``problems`` holds one line per bad variable, each starting with the variable's name.
+    """
+
+    def __init__(self, message: str, *, problems: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.problems: list[str] = problems if problems is not None else [message]
+
+
+class SpecError(TrainbotError):
+    """A job spec could not be found, parsed or validated.
+
+    ``problems`` holds ``(key_path, message)`` pairs; ``key_path`` is the dotted path
+    into the spec (``budget.usd``), or ``""`` when the problem is the file as a whole.
+    """
+
+    def __init__(self, message: str, *, problems: list[tuple[str, str]] | None = None) -> None:
+        super().__init__(message)
+        self.problems: list[tuple[str, str]] = problems if problems is not None else []
+
+    @property
+    def key_paths(self) -> list[str]:
+        """The dotted key paths the problems are about, in order."""
+        return [path for path, _ in self.problems]
+
+
+class IllegalTransition(TrainbotError):
+    """A run or attempt was asked to move to a state its state machine does not allow."""
+
+    def __init__(self, message: str, *, current: str, target: str) -> None:
+        super().__init__(message)
+        self.current = current
+        self.target = target
+
+
+class NotFound(TrainbotError):
+    """A run, attempt, alert or spec that was named does not exist."""
+
+
+class PermissionDenied(TrainbotError):
+    """The person or runner asking is not allowed to do this."""
+
+
+class ConflictError(TrainbotError):
+    """The change collides with existing state (a duplicate key, a concurrent update)."""
+
+
+class DatabaseError(TrainbotError):
+    """The database could not be reached, is locked, or is at an unknown schema revision."""
+
+
+# Plain-English replacements for pydantic's error types. Anything not listed keeps
+# pydantic's own message, which is already specific.
+_EXPECTED = {
+    "int_parsing": "expected a whole number",
+    "int_type": "expected a whole number",
+    "int_from_float": "expected a whole number",
+    "float_parsing": "expected a number",
+    "float_type": "expected a number",
+    "bool_parsing": "expected true or false",
+    "bool_type": "expected true or false",
+    "string_type": "expected text",
+    "list_type": "expected a list",
+    "dict_type": "expected a mapping of keys to values",
+    "model_type": "expected a mapping of keys to values",
+    "model_attributes_type": "expected a mapping of keys to values",
+    "missing": "is required",
+    "too_short": "needs at least {min_length} item(s)",
+    "too_long": "takes at most {max_length} item(s)",
+    "string_too_short": "must not be empty",
+}
+
+_BOUNDS = {
+    "greater_than": "must be greater than {gt}",
+    "greater_than_equal": "must be at least {ge}",
+    "less_than": "must be less than {lt}",
+    "less_than_equal": "must be at most {le}",
+}
+
+
+def _number(value: Any) -> Any:
+    # pydantic reports the bound of a float field as 0.0; people write 0.
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def describe_validation_error(error: Any, *, with_value: bool = True) -> str:
+    """One pydantic error (an item of ``ValidationError.errors()``) as a fix-it phrase.
+
+    Settings and specs both report validation problems; one wording keeps them alike.
+    The phrase carries no location; callers prefix the variable name or key path.
+    ``with_value`` appends the offending input, ``(got -5)``, for callers that do not
+    show it themselves.
+    """
+    got = f" (got {error.get('input')!r})" if with_value else ""
+    kind = str(error.get("type", ""))
+    ctx = error.get("ctx") or {}
+    if kind == "value_error":
+        message = str(ctx.get("error", error.get("msg", "")))
+        return message.removeprefix("Value error, ")
+    if kind == "literal_error":
+        expected = str(ctx.get("expected", ""))
+        return f"expected one of {expected}{got}"
+    if kind == "enum":
+        return f"expected one of {ctx.get('expected', '')}{got}"
+    if kind in _BOUNDS:
+        bounds = {key: _number(value) for key, value in ctx.items()}
+        return f"{_BOUNDS[kind].format(**bounds)}{got}"
+    if kind in _EXPECTED:
+        phrase = _EXPECTED[kind].format(**ctx) if ctx else _EXPECTED[kind]
+        return phrase if kind == "missing" else f"{phrase}{got}"
+    return str(error.get("msg", kind))

@@ -1,0 +1,176 @@
+"""The run and attempt state machines.
+
+A *run* is what a person launched; an *attempt* is one instance working on it. A run
+lives through many attempts: each preemption ends one attempt (``PREEMPTED``) and puts
+the run in ``RECOVERING`` until the next attempt is running.
+
+Every state change goes through :func:`transition`, which checks the tables below,
+so an impossible move (a finished run that starts running again because a late event
+arrived) fails loudly instead of corrupting the record. Terminal states are final.
+Moving to the state a thing is already in is rejected too: it means an event was
+processed twice, and the caller should notice.
+
+Decisions the design left open:
+
+- ``PREFLIGHT → LAUNCHING`` when every check passes and nothing needs a person's
+  confirmation; ``AWAITING_CONFIRMATION`` only when a check warned or the estimate
+  must be confirmed.
+- ``LAUNCHING`` is the first launch only. After a preemption the run stays in
+  ``RECOVERING`` through the backoff and the next launch, and returns to ``RUNNING``
+  when the new attempt runs (``RUNNING ⇄ RECOVERING``). A first launch that finds no
+  capacity also goes to ``RECOVERING`` (the resubmit policy tries the next zone).
+- Any non-terminal run may be ``STOPPED`` (a person asked) or ``FAILED`` (something
+  broke that retrying will not fix). ``BUDGET_EXCEEDED`` is reachable only once money
+  is being spent: from ``LAUNCHING``, ``RUNNING`` and ``RECOVERING``.
+- An attempt may end from ``REQUESTED`` or ``PROVISIONING`` too: the provider refused
+  it (``FAILED``), it was preempted or vanished while booting (``PREEMPTED``, ``LOST``),
+  or we terminated it (``TERMINATED``).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import overload
+
+from jobs.errors import IllegalTransition
+
+__all__ = [
+    "ATTEMPT_TRANSITIONS",
+    "RUN_TRANSITIONS",
+    "AttemptState",
+    "RunState",
+    "transition",
+]
+
+
+class RunState(str, Enum):
+    """Where a run is in its life."""
+
+    PENDING = "PENDING"
+    PREFLIGHT = "PREFLIGHT"
+    PREFLIGHT_FAILED = "PREFLIGHT_FAILED"
+    AWAITING_CONFIRMATION = "AWAITING_CONFIRMATION"
+    LAUNCHING = "LAUNCHING"
+    RUNNING = "RUNNING"
+    RECOVERING = "RECOVERING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    STOPPED = "STOPPED"
+    BUDGET_EXCEEDED = "BUDGET_EXCEEDED"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def is_terminal(self) -> bool:
+        """Whether the run is over; nothing moves it on from here."""
+        return not RUN_TRANSITIONS[self]
+
+
+class AttemptState(str, Enum):
+    """Where one instance working on a run is in its life."""
+
+    REQUESTED = "REQUESTED"
+    PROVISIONING = "PROVISIONING"
+    RUNNING = "RUNNING"
+    PREEMPTED = "PREEMPTED"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    LOST = "LOST"
+    TERMINATED = "TERMINATED"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def is_terminal(self) -> bool:
+        """Whether the attempt is over (its instance is gone or going)."""
+        return not ATTEMPT_TRANSITIONS[self]
+
+
+_R = RunState
+_ABANDON = frozenset({_R.STOPPED, _R.FAILED})
+_SPENDING_END = frozenset({_R.STOPPED, _R.FAILED, _R.BUDGET_EXCEEDED})
+
+#: Legal next states of a run. A state with no successors is terminal.
+RUN_TRANSITIONS: dict[RunState, frozenset[RunState]] = {
+    _R.PENDING: frozenset({_R.PREFLIGHT}) | _ABANDON,
+    _R.PREFLIGHT: frozenset({_R.PREFLIGHT_FAILED, _R.AWAITING_CONFIRMATION, _R.LAUNCHING})
+    | _ABANDON,
+    _R.AWAITING_CONFIRMATION: frozenset({_R.LAUNCHING}) | _ABANDON,
+    _R.LAUNCHING: frozenset({_R.RUNNING, _R.RECOVERING}) | _SPENDING_END,
+    _R.RUNNING: frozenset({_R.RECOVERING, _R.SUCCEEDED}) | _SPENDING_END,
+    _R.RECOVERING: frozenset({_R.RUNNING}) | _SPENDING_END,
+    _R.PREFLIGHT_FAILED: frozenset(),
+    _R.SUCCEEDED: frozenset(),
+    _R.FAILED: frozenset(),
+    _R.STOPPED: frozenset(),
+    _R.BUDGET_EXCEEDED: frozenset(),
+}
+
+_A = AttemptState
+_ENDED = frozenset({_A.PREEMPTED, _A.FAILED, _A.LOST, _A.TERMINATED})
+
+#: Legal next states of an attempt. A state with no successors is terminal.
+ATTEMPT_TRANSITIONS: dict[AttemptState, frozenset[AttemptState]] = {
+    _A.REQUESTED: frozenset({_A.PROVISIONING}) | _ENDED,
+    _A.PROVISIONING: frozenset({_A.RUNNING}) | _ENDED,
+    _A.RUNNING: frozenset({_A.SUCCEEDED}) | _ENDED,
+    _A.PREEMPTED: frozenset(),
+    _A.SUCCEEDED: frozenset(),
+    _A.FAILED: frozenset(),
+    _A.LOST: frozenset(),
+    _A.TERMINATED: frozenset(),
+}
+
+
+def _names(states: frozenset[RunState] | frozenset[AttemptState]) -> str:
+    return ", ".join(sorted(state.value for state in states))
+
+
+@overload
+def transition(
+    current: RunState, target: RunState, *, subject_id: str | None = None
+) -> RunState: ...
+
+
+@overload
+def transition(
+    current: AttemptState, target: AttemptState, *, subject_id: str | None = None
+) -> AttemptState: ...
+
+
+def transition(
+    current: RunState | AttemptState,
+    target: RunState | AttemptState,
+    *,
+    subject_id: str | None = None,
+) -> RunState | AttemptState:
+    """Return ``target`` if ``current`` may move there; raise :class:`IllegalTransition`.
+
+    The one gate for every state change of a run or an attempt. ``subject_id`` (the run
+    or attempt id) is named in the error.
+    """
+    if isinstance(current, RunState) and isinstance(target, RunState):
+        allowed: frozenset[RunState] | frozenset[AttemptState] = RUN_TRANSITIONS[current]
+        kind, after_end = "run", "Launch a new run instead."
+    elif isinstance(current, AttemptState) and isinstance(target, AttemptState):
+        allowed = ATTEMPT_TRANSITIONS[current]
+        kind = "attempt"
+        after_end = "A late event from its instance can be ignored; a retry is a new attempt."
+    else:
+        raise TypeError(f"cannot move a {type(current).__name__} to a {type(target).__name__}")
+    if target in allowed:
+        return target
+    subject = f"{kind} {subject_id}" if subject_id else f"the {kind}"
+    if current.is_terminal():
+        message = f"{subject} is {current}, which is final; it cannot become {target}. {after_end}"
+    elif current is target:
+        message = (
+            f"{subject} is already {current}; the same change was applied twice, so "
+            "check for a duplicated event or command."
+        )
+    else:
+        message = (
+            f"{subject} cannot go from {current} to {target}; from {current} it can only "
+            f"become {_names(allowed)}. This is a bug in the caller: please report it."
+        )
+    raise IllegalTransition(message, current=current.value, target=target.value)

@@ -1,0 +1,361 @@
+"""The control plane's tables (SQLModel), the same on SQLite and PostgreSQL.
+
+Conventions that keep both databases alike:
+
+- Datetimes are timezone-aware UTC in Python. :class:`UTCDateTime` rejects naive
+  values on the way in (a naive time is a bug: whose local time?), stores naive UTC
+  on SQLite and ``timestamptz`` on PostgreSQL, and hands back aware UTC from both.
+- States are stored as their names in a ``VARCHAR(32)``, not as a database enum, so
+  adding a state needs no enum migration; :class:`EnumText` turns them back into members.
+- JSON columns use SQLAlchemy's portable ``JSON``. Mutating a loaded dict in place
+  is not tracked: assign a new value.
+- Constraint and index names follow :data:`NAMING_CONVENTION`, so migrations can
+  refer to them on both databases.
+
+The schema is created by the migrations in ``jobs/migrations`` (:func:`jobs.db.migrate`),
+never by ``create_all``; a test checks the two agree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from datetime import datetime, timezone
+from enum import Enum
+from typing import Any
+
+from sqlalchemy import JSON, DateTime, Dialect, Index, String, UniqueConstraint
+from sqlalchemy.types import TypeDecorator
+from sqlmodel import Field, SQLModel
+
+from jobs.lifecycle import AttemptState, RunState
+
+__all__ = [
+    "NAMING_CONVENTION",
+    "Alert",
+    "AlertState",
+    "Attempt",
+    "Budget",
+    "Checkpoint",
+    "CommandLog",
+    "EnumText",
+    "Event",
+    "Run",
+    "SchedulerLease",
+    "Severity",
+    "SpendRecord",
+    "UTCDateTime",
+    "alert_dedupe_key",
+    "hash_token",
+    "new_id",
+    "utcnow",
+]
+
+#: Names for constraints and indexes, identical on every database.
+NAMING_CONVENTION: dict[str, str] = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+SQLModel.metadata.naming_convention = NAMING_CONVENTION
+
+
+def utcnow() -> datetime:
+    """The current time, aware, in UTC: the only kind of datetime the tables accept."""
+    return datetime.now(timezone.utc)
+
+
+def new_id(prefix: str) -> str:
+    """A short random id people can type in chat (``r-3f9c2a1b``)."""
+    return f"{prefix}-{secrets.token_hex(4)}"
+
+
+def hash_token(token: str) -> str:
+    """What is stored for a runner token: its SHA-256, never the token itself."""
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+def alert_dedupe_key(run_id: str | None, rule: str, key: str) -> str:
+    """The value that keeps one open alert per (run, rule, key); see :class:`Alert`."""
+    return f"{run_id or '-'}|{rule}|{key}"
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A datetime column that stores and returns aware UTC on every database."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None or value.utcoffset() is None:
+            raise ValueError(
+                f"naive datetime {value.isoformat()} given to a UTC column: pass an aware "
+                "datetime, e.g. datetime.now(timezone.utc)"
+            )
+        value = value.astimezone(timezone.utc)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=timezone.utc)
+        return value.astimezone(timezone.utc)
+
+
+class EnumText(TypeDecorator[Enum]):
+    """A ``str`` Enum stored as its value in a ``VARCHAR(32)``."""
+
+    impl = String(32)
+    cache_ok = True
+
+    def __init__(self, enum_cls: type[Enum]) -> None:
+        super().__init__()
+        self.enum_cls = enum_cls
+
+    def process_bind_param(self, value: Enum | str | None, dialect: Dialect) -> str | None:
+        if value is None:
+            return None
+        return str(self.enum_cls(value).value)
+
+    def process_result_value(self, value: str | None, dialect: Dialect) -> Enum | None:
+        return None if value is None else self.enum_cls(value)
+
+
+class AlertState(str, Enum):
+    """An alert's lifecycle, after PagerDuty: ``OPEN → ACKED → RESOLVED``."""
+
+    OPEN = "OPEN"
+    ACKED = "ACKED"
+    RESOLVED = "RESOLVED"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Severity(str, Enum):
+    """How loud an alert is; only ``CRITICAL`` escalates to the on-call group."""
+
+    INFO = "INFO"
+    WARNING = "WARNING"
+    CRITICAL = "CRITICAL"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Run(SQLModel, table=True):
+    """One launched training job, from ``/train launch`` to its final state."""
+
+    __tablename__ = "runs"
+
+    id: str = Field(default_factory=lambda: new_id("r"), primary_key=True)
+    #: The spec it was launched from, and the spec as validated (overrides applied).
+    spec_name: str = Field(index=True)
+    spec: dict[str, Any] = Field(default_factory=dict, sa_type=JSON)
+    state: RunState = Field(default=RunState.PENDING, sa_type=EnumText(RunState), index=True)
+    #: Why it is in its state, for people (the failing check, who stopped it).
+    reason: str | None = None
+    #: Chat user id of who launched it, and where it reports.
+    requester: str = Field(index=True)
+    channel: str | None = Field(default=None, index=True)
+    thread_ts: str | None = None
+    #: Checkpoint root resolved at submit (the spec's, or the process default).
+    checkpoint_uri: str | None = None
+    #: The budget alerts and the hard cap are measured against.
+    budget_usd: float | None = None
+    #: Steps the training is expected to take, when known (progress).
+    target_steps: int | None = None
+    #: Latest step reported by any attempt, and latest committed checkpoint step.
+    last_step: int | None = None
+    last_committed_step: int | None = None
+    #: Attempts ended by preemption so far (the resubmit policy reads it).
+    preemptions: int = 0
+    #: Key of the chat command that created it: a retried command finds this run.
+    idempotency_key: str | None = Field(default=None, unique=True)
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+    updated_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+    ended_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+
+
+class Attempt(SQLModel, table=True):
+    """One instance working on a run. A preemption ends it; the next attempt is a new row."""
+
+    __tablename__ = "attempts"
+    __table_args__ = (UniqueConstraint("run_id", "number"),)
+
+    id: str = Field(default_factory=lambda: new_id("a"), primary_key=True)
+    run_id: str = Field(foreign_key="runs.id", index=True)
+    #: 1 for the first attempt of a run, then 2, 3…
+    number: int
+    state: AttemptState = Field(
+        default=AttemptState.REQUESTED, sa_type=EnumText(AttemptState), index=True
+    )
+    provider: str
+    region: str | None = None
+    zone: str | None = None
+    instance_type: str | None = None
+    #: The provider's id for the instance (EC2 instance id, GCE name, local pid).
+    instance_id: str | None = Field(default=None, index=True)
+    spot: bool = True
+    instances: int = 1
+    #: Price per instance-hour at launch, refreshed while it runs.
+    price_per_hour: float | None = None
+    #: SHA-256 of the runner's token (:func:`hash_token`); set to NULL when the attempt
+    #: ends, which revokes the token.
+    token_hash: str | None = Field(default=None, unique=True)
+    exit_code: int | None = None
+    #: Why it ended, for people ("spot interruption notice", "no heartbeat for 15 min").
+    end_reason: str | None = None
+    last_heartbeat: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    last_step: int | None = None
+    #: Highest event sequence number stored, so the ingest API can acknowledge batches.
+    last_seq: int | None = None
+    #: When the runner or the provider first reported the preemption notice.
+    preemption_notice_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+    started_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    ended_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+
+
+class Event(SQLModel, table=True):
+    """One telemetry event from a runner. ``(attempt_id, seq)`` makes redelivery harmless."""
+
+    __tablename__ = "events"
+    __table_args__ = (
+        UniqueConstraint("attempt_id", "seq"),
+        Index("ix_events_run_id_type_time", "run_id", "type", "time"),
+    )
+
+    id: int | None = Field(default=None, primary_key=True)
+    attempt_id: str = Field(foreign_key="attempts.id")
+    run_id: str = Field(foreign_key="runs.id")
+    seq: int
+    #: The wire event type (``metrics``, ``checkpoint``, ``preempted``…).
+    type: str
+    #: When the runner says it happened.
+    time: datetime = Field(sa_type=UTCDateTime)
+    data: dict[str, Any] = Field(default_factory=dict, sa_type=JSON)
+    received_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+
+
+class Checkpoint(SQLModel, table=True):
+    """A committed checkpoint (its manifest exists in the store)."""
+
+    __tablename__ = "checkpoints"
+    __table_args__ = (UniqueConstraint("run_id", "step"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    run_id: str = Field(foreign_key="runs.id")
+    attempt_id: str | None = Field(default=None, foreign_key="attempts.id")
+    step: int
+    #: The checkpoint's directory in the store (``…/{run_id}/step-0000000100``).
+    uri: str
+    bytes: int = 0
+    committed_at: datetime = Field(sa_type=UTCDateTime)
+    #: Metrics at that step, for keep-best retention.
+    metrics: dict[str, Any] = Field(default_factory=dict, sa_type=JSON)
+    #: Set when retention deleted it from the store.
+    deleted_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+
+
+class Alert(SQLModel, table=True):
+    """An alert and its lifecycle.
+
+    Deduplication: ``dedupe_key`` is :func:`alert_dedupe_key` while the alert is OPEN or
+    ACKED and NULL once RESOLVED. It is UNIQUE, and NULLs never collide, so the
+    database allows one unresolved alert per (run, rule, key) and any number of
+    resolved ones, on SQLite and PostgreSQL alike. Whoever resolves an alert must clear it.
+    """
+
+    __tablename__ = "alerts"
+
+    id: str = Field(default_factory=lambda: new_id("al"), primary_key=True)
+    #: ``None`` for alerts about a team budget rather than a run.
+    run_id: str | None = Field(default=None, foreign_key="runs.id", index=True)
+    rule: str
+    #: What the rule is about within the run (a metric name, a threshold), or "".
+    key: str = ""
+    dedupe_key: str | None = Field(default=None, unique=True)
+    severity: Severity = Field(default=Severity.WARNING, sa_type=EnumText(Severity))
+    state: AlertState = Field(default=AlertState.OPEN, sa_type=EnumText(AlertState), index=True)
+    title: str
+    detail: str = ""
+    #: What to do about it.
+    hint: str = ""
+    #: Times the rule fired while this alert was unresolved.
+    count: int = 1
+    first_seen: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+    last_seen: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+    acked_by: str | None = None
+    acked_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    resolved_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    snoozed_until: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    escalated_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    #: The chat message showing it, updated on repeats instead of posting again.
+    message_channel: str | None = None
+    message_ts: str | None = None
+
+
+class SpendRecord(SQLModel, table=True):
+    """Money one attempt accrued over one interval: price × hours × instances."""
+
+    __tablename__ = "spend_records"
+    __table_args__ = (UniqueConstraint("attempt_id", "period_start"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    attempt_id: str = Field(foreign_key="attempts.id")
+    run_id: str = Field(foreign_key="runs.id", index=True)
+    period_start: datetime = Field(sa_type=UTCDateTime)
+    period_end: datetime = Field(sa_type=UTCDateTime, index=True)
+    usd: float
+    instances: int = 1
+    price_per_hour: float
+
+
+class Budget(SQLModel, table=True):
+    """A spending limit for a team (channel) or one run, with the thresholds it alerts at."""
+
+    __tablename__ = "budgets"
+    __table_args__ = (UniqueConstraint("scope", "name"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    #: ``"team"`` (name is a channel) or ``"run"`` (name is a run id).
+    scope: str
+    name: str
+    usd: float
+    #: ``"month"`` for team budgets; ``"run"`` for a run's lifetime.
+    period: str = "month"
+    #: Percentages that alert, and those already alerted in the current period.
+    thresholds: list[int] = Field(default_factory=lambda: [50, 80, 100], sa_type=JSON)
+    alerted: list[int] = Field(default_factory=list, sa_type=JSON)
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+    updated_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+
+
+class SchedulerLease(SQLModel, table=True):
+    """A named lease: the replica holding an unexpired one runs the scheduled jobs."""
+
+    __tablename__ = "scheduler_leases"
+
+    name: str = Field(primary_key=True)
+    holder: str
+    acquired_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+    expires_at: datetime = Field(sa_type=UTCDateTime)
+
+
+class CommandLog(SQLModel, table=True):
+    """Commands already handled, by idempotency key: a retried command counts once."""
+
+    __tablename__ = "command_log"
+
+    key: str = Field(primary_key=True)
+    #: What kind of command it was (``launch``, ``stop``, ``ack``…).
+    kind: str = ""
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+    #: What the first handling produced, returned again to a retry.
+    result: dict[str, Any] | None = Field(default=None, sa_type=JSON)

@@ -1,0 +1,299 @@
+"""The one interface between the control plane and a place that runs instances.
+
+Everything that crosses it is a frozen dataclass, so a provider cannot hand the service
+layer a live SDK object, and the service layer cannot reach into a provider's state.
+Cloud SDKs are imported only in their provider module (``aws.py``, ``gcp.py``);
+``local.py`` needs nothing but the standard library.
+
+Quota and capacity are separate questions on purpose: a quota of 8 A100s in a region says
+nothing about whether any zone has one free right now, and the preflight report has to
+say which of the two stops a run.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Protocol, runtime_checkable
+
+from jobs.errors import TrainbotError
+
+__all__ = [
+    "TAG_ATTEMPT_ID",
+    "TAG_IDEMPOTENCY_KEY",
+    "TAG_MANAGED",
+    "TAG_OWNER",
+    "TAG_RUN_ID",
+    "CapacityError",
+    "InstanceInfo",
+    "InstanceNotFound",
+    "InstanceState",
+    "InstanceStatus",
+    "LaunchRequest",
+    "PriceQuote",
+    "Provider",
+    "ProviderError",
+    "ProviderPermissionError",
+    "QuotaExceeded",
+    "QuotaInfo",
+    "ResourceRequest",
+    "ZoneCapacity",
+]
+
+# Tags every provider puts on the instances it launches. ``list_instances`` finds
+# instances by TAG_MANAGED; reconciliation matches the others against the database.
+# Lowercase with hyphens, so they are valid as AWS tags and as GCP labels alike.
+TAG_MANAGED = "trainbot-managed"
+TAG_RUN_ID = "trainbot-run-id"
+TAG_ATTEMPT_ID = "trainbot-attempt-id"
+TAG_OWNER = "trainbot-owner"
+TAG_IDEMPOTENCY_KEY = "trainbot-idempotency-key"
+
+
+# -- errors ------------------------------------------------------------------------------
+
+
+class ProviderError(TrainbotError):
+    """A provider refused or failed a request; the message says which and what to do."""
+
+
+class QuotaExceeded(ProviderError):
+    """The quota for the accelerator type in the region does not cover the request.
+
+    Not worth retrying in another zone: quotas are per region (and per account).
+    """
+
+    def __init__(self, message: str, *, quota: QuotaInfo | None = None) -> None:
+        super().__init__(message)
+        self.quota = quota
+
+
+class CapacityError(ProviderError):
+    """The zone has no capacity for the type right now: try the next zone."""
+
+    def __init__(self, message: str, *, zone: str | None = None) -> None:
+        super().__init__(message)
+        self.zone = zone
+
+
+class InstanceNotFound(ProviderError):
+    """The provider has no instance with this id (never launched, or long gone)."""
+
+    def __init__(self, message: str, *, instance_id: str) -> None:
+        super().__init__(message)
+        self.instance_id = instance_id
+
+
+class ProviderPermissionError(ProviderError):
+    """The credentials lack a permission; ``permission`` names it (``ec2:RunInstances``)."""
+
+    def __init__(self, message: str, *, permission: str) -> None:
+        super().__init__(message)
+        self.permission = permission
+
+
+# -- data crossing the boundary ----------------------------------------------------------
+
+
+class InstanceState(str, enum.Enum):
+    """What a provider can say about one instance, seen from outside it."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    TERMINATED = "terminated"
+    FAILED = "failed"
+    SUCCEEDED = "succeeded"
+    UNKNOWN = "unknown"
+
+    def is_terminal(self) -> bool:
+        """The instance will not run again; its attempt is over."""
+        return self in _TERMINAL
+
+
+_TERMINAL = frozenset(
+    {
+        InstanceState.PREEMPTED,
+        InstanceState.TERMINATED,
+        InstanceState.FAILED,
+        InstanceState.SUCCEEDED,
+    }
+)
+
+
+@dataclass(frozen=True)
+class ResourceRequest:
+    """What a run needs from one instance, in the provider's own vocabulary."""
+
+    # Provider name, as in the registry: "local", "aws", "gcp".
+    cloud: str
+    # Region the quota is counted in and the instance runs in ("us-east-1", "local").
+    region: str
+    # Zones the run may use, in order of preference; empty means any zone of the region.
+    zones: Sequence[str] = ()
+    # Accelerator type as the provider names it ("A100", "nvidia-tesla-a100"); None: CPU only.
+    accelerator_type: str | None = None
+    # Accelerators per instance; 0 for a CPU-only run.
+    accelerator_count: int = 0
+    # Provider instance type ("p4d.24xlarge", "a2-highgpu-1g"); None: the provider picks.
+    instance_type: str | None = None
+    # Spot (preemptible) capacity rather than on-demand.
+    spot: bool = True
+    # Virtual CPUs per instance; None when the instance type decides.
+    cpus: int | None = None
+
+
+@dataclass(frozen=True)
+class QuotaInfo:
+    """The quota that binds a request, and whether it covers it."""
+
+    # The quota's limit, in ``unit``.
+    limit: float
+    # How much of it is in use now.
+    used: float
+    # How much the request needs on top of ``used``.
+    needed: float
+    # What is counted: "GPUs", "vCPUs", "cores".
+    unit: str
+    # used + needed <= limit.
+    ok: bool
+    # One line naming the quota, region and figures, for the preflight report.
+    detail: str
+    # What to do when not ok (the console page or command to raise it); "" when ok.
+    remedy: str = ""
+
+
+@dataclass(frozen=True)
+class ZoneCapacity:
+    """Whether one zone can take the request now."""
+
+    # Zone name ("us-east-1a", "local-a").
+    zone: str
+    # The zone offers the type now (as far as the provider can tell).
+    available: bool
+    # Higher is better (AWS spot placement score 1-10); None when the provider has none.
+    score: float | None = None
+    # Why it is or is not available, for the preflight report.
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class PriceQuote:
+    """Price of one instance of the request, per hour."""
+
+    # USD per instance-hour on spot capacity.
+    spot_usd_per_hour: float
+    # USD per instance-hour on demand.
+    on_demand_usd_per_hour: float
+    # Where the figures come from ("aws pricing api", "local: configured").
+    source: str
+    # When the figures were true (timezone-aware UTC).
+    as_of: datetime
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    """Everything a provider needs to start the instance for one attempt."""
+
+    # The run this attempt belongs to.
+    run_id: str
+    # The attempt this instance is for; one attempt, one instance.
+    attempt_id: str
+    # Who launched the run (chat user id); becomes a tag for cost reports.
+    owner: str
+    # What the instance needs.
+    request: ResourceRequest
+    # Zone to launch in, chosen from ``capacity()``.
+    zone: str
+    # Command the instance runs, normally ``trainbot-runner exec -- <spec command>``.
+    command: Sequence[str]
+    # Environment for the command. Holds the per-attempt runner token: never log or
+    # persist it, hence repr=False.
+    env: Mapping[str, str] = field(default_factory=dict, repr=False)
+    # Declared size of the scratch volume in bytes; the runner reports disk use against it.
+    scratch_bytes: int = 0
+    # Same key, same instance: a retried launch adopts the instance it already started.
+    idempotency_key: str = ""
+    # Spot capacity rather than on-demand (after N preemptions the policy switches).
+    spot: bool = True
+
+
+@dataclass(frozen=True)
+class InstanceInfo:
+    """One instance a provider knows about, as found by launch or list_instances."""
+
+    # Provider instance id ("i-0abc…", "local-3f2a…").
+    instance_id: str
+    # From the TAG_RUN_ID tag; "" when the instance carries none.
+    run_id: str
+    # From the TAG_ATTEMPT_ID tag; "" when the instance carries none.
+    attempt_id: str
+    # Zone it runs in.
+    zone: str
+    # State when it was looked at.
+    state: InstanceState
+    # When it was launched (timezone-aware UTC).
+    launched_at: datetime
+    # Every tag on the instance, the trainbot ones included.
+    tags: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class InstanceStatus:
+    """The state of one instance, and why."""
+
+    # Provider instance id.
+    instance_id: str
+    # What the provider says.
+    state: InstanceState
+    # Why, in words, for the run's thread ("preempted: spot capacity reclaimed").
+    reason: str
+    # Exit code of the command when the provider knows it (local does; clouds mostly not).
+    exit_code: int | None = None
+    # When the preemption happened, if it was one (timezone-aware UTC).
+    preempted_at: datetime | None = None
+
+
+# -- the interface -----------------------------------------------------------------------
+
+
+@runtime_checkable
+class Provider(Protocol):
+    """A place that runs instances: a cloud, or the laptop."""
+
+    # Registry name: "local", "aws", "gcp".
+    name: str
+
+    def quota(self, req: ResourceRequest) -> QuotaInfo:
+        """Quota for the exact accelerator type in the exact region, against the request."""
+        ...
+
+    def capacity(self, req: ResourceRequest) -> list[ZoneCapacity]:
+        """Which zones offer the type now, best first."""
+        ...
+
+    def price(self, req: ResourceRequest, *, zone: str | None = None) -> PriceQuote:
+        """Spot and on-demand USD per hour for one instance of the request."""
+        ...
+
+    def bucket_region(self, uri: str) -> str | None:
+        """Region of a data or checkpoint bucket; None when this provider cannot tell."""
+        ...
+
+    def launch(self, req: LaunchRequest) -> InstanceInfo:
+        """Start the attempt's instance; a second call with the same key returns it again."""
+        ...
+
+    def status(self, instance_id: str) -> InstanceStatus:
+        """What the instance is doing; raises InstanceNotFound for an unknown id."""
+        ...
+
+    def terminate(self, instance_id: str) -> None:
+        """Stop the instance for good; terminating a finished one is not an error."""
+        ...
+
+    def list_instances(self) -> list[InstanceInfo]:
+        """Every instance tagged by trainbot, so reconciliation can find orphans."""
+        ...

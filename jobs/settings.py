@@ -1,0 +1,271 @@
+"""Process settings, from ``TRAINBOT_*`` environment variables.
+
+Every setting has a default that gives the embedded setup: SQLite and checkpoints under
+the state directory, the local spot provider, the console notifier, the ingest API on
+127.0.0.1:8787. A laptop needs no variables at all; production sets the database URL,
+the provider, an object store and the Slack secrets.
+
+The state directory defaults to ``~/.trainbot`` rather than ``./.trainbot`` so that
+``trainbot shell`` and ``trainbot serve`` started from different directories see the
+same runs. Set ``TRAINBOT_STATE_DIR`` to keep a project's state apart.
+
+Settings are validated once, at start (:func:`load_settings`); a bad value stops the
+process with a :class:`~jobs.errors.SettingsError` naming each variable and its fix.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import zoneinfo
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from datetime import time
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+from jobs.errors import SettingsError, describe_validation_error
+
+__all__ = ["ENV_PREFIX", "SHIPPED_SPECS_DIR", "Settings", "env_name", "load_settings"]
+
+#: Every variable this module reads starts with this.
+ENV_PREFIX = "TRAINBOT_"
+
+#: The example specs that ship inside the package (``tiny``, ``diverge``).
+SHIPPED_SPECS_DIR = Path(__file__).resolve().parent / "specs"
+
+_HHMM = re.compile(r"^([01]?\d|2[0-3]):([0-5]\d)$")
+_LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+_ANY_HOSTS = ("0.0.0.0", "::", "")
+
+CommaList = Annotated[list[str], NoDecode]
+
+# Set while load_settings() builds a Settings from a mapping it has already read, so the
+# model does not read os.environ a second time behind the mapping's back.
+_FROM_MAPPING: ContextVar[bool] = ContextVar("_FROM_MAPPING", default=False)
+
+
+def env_name(field: str) -> str:
+    """The environment variable that sets a :class:`Settings` field."""
+    return f"{ENV_PREFIX}{field.upper()}"
+
+
+def _default_cores() -> int:
+    return os.cpu_count() or 1
+
+
+class Settings(BaseSettings):
+    """Everything the control plane process needs to know before it starts."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_ignore_empty=True,
+        extra="ignore",
+        validate_default=True,
+    )
+
+    #: Where the embedded database, local checkpoints and spools live.
+    state_dir: Path = Path("~/.trainbot")
+    #: SQLAlchemy URL. Empty means ``sqlite:///{state_dir}/trainbot.db``.
+    database_url: str = ""
+    #: Which provider launches instances.
+    provider: Literal["local", "aws", "gcp"] = "local"
+    #: Root URI for checkpoints when a spec names none. Empty means ``{state_dir}/checkpoints``.
+    checkpoint_uri: str = ""
+    #: Directory of job specs (``<name>.yaml``). Defaults to the examples shipped in the package.
+    specs_dir: Path = SHIPPED_SPECS_DIR
+    #: Where alerts and run updates are posted.
+    notifier: Literal["console", "slack"] = "console"
+    #: Address the HTTP server (Slack endpoints, runner ingest API) listens on.
+    ingest_host: str = "127.0.0.1"
+    #: Port of the HTTP server; 0 picks a free one (tests).
+    ingest_port: int = Field(default=8787, ge=0, le=65535)
+    #: Base URL runners use to reach the ingest API. Empty means derived from host and port.
+    public_url: str = ""
+    #: Slack app credentials; required when the notifier is Slack.
+    slack_signing_secret: SecretStr | None = None
+    slack_bot_token: SecretStr | None = None
+    slack_app_token: SecretStr | None = None
+    #: Channels (ids or names) where commands are accepted; empty means every channel.
+    allowed_channels: CommaList = Field(default_factory=list)
+    #: Slack user ids who may stop anyone's run and change team budgets.
+    admins: CommaList = Field(default_factory=list)
+    #: Local provider: seconds between the preemption notice (SIGTERM) and the kill, like
+    #: GCP's 30 s window.
+    local_termination_window_s: float = Field(default=30.0, gt=0)
+    #: Local provider: the pretend spot price, so the demo shows spend.
+    local_price_per_hour_usd: float = Field(default=1.0, ge=0)
+    #: Local provider: mean seconds between simulated preemptions; unset means none.
+    local_mean_time_between_preemptions_s: float | None = Field(default=None, gt=0)
+    #: Local provider: CPU cores its instances may use together.
+    local_cores: int = Field(default_factory=_default_cores, ge=1)
+    #: IANA time zone for the daily digest and "yesterday".
+    timezone: str = "UTC"
+    #: Local time of day the spend digest is posted.
+    digest_time: time = time(9, 0)
+    #: An instance silent this long is terminated, so nothing bills forever.
+    heartbeat_deadline_s: float = Field(default=900.0, gt=0)
+    #: An unacknowledged critical alert pages the on-call group after this long.
+    escalation_delay_s: float = Field(default=900.0, gt=0)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # No .env files or secret directories: the environment is the one source, so
+        # what an operator sees with `env | grep TRAINBOT_` is what the process uses.
+        if _FROM_MAPPING.get():
+            return (init_settings,)
+        return (init_settings, env_settings)
+
+    @field_validator("state_dir", mode="after")
+    @classmethod
+    def _absolute_state_dir(cls, value: Path) -> Path:
+        return value.expanduser().absolute()
+
+    @field_validator("specs_dir", mode="after")
+    @classmethod
+    def _absolute_specs_dir(cls, value: Path) -> Path:
+        return value.expanduser().absolute()
+
+    @field_validator("allowed_channels", "admins", mode="before")
+    @classmethod
+    def _split_commas(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [item.strip() for item in value.split(",") if item.strip()]
+        return value
+
+    @field_validator("timezone")
+    @classmethod
+    def _known_timezone(cls, value: str) -> str:
+        try:
+            zoneinfo.ZoneInfo(value)
+        except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+            raise ValueError(
+                "unknown time zone: use an IANA name such as UTC or Europe/Berlin"
+            ) from None
+        return value
+
+    @field_validator("digest_time", mode="before")
+    @classmethod
+    def _parse_hhmm(cls, value: Any) -> Any:
+        if isinstance(value, time):
+            return value
+        match = _HHMM.match(str(value).strip())
+        if match is None:
+            raise ValueError("expected HH:MM in 24-hour time, e.g. 09:00")
+        return time(int(match.group(1)), int(match.group(2)))
+
+    @field_validator("public_url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        if value and not value.startswith(("http://", "https://")):
+            raise ValueError("expected an http:// or https:// URL the runners can reach")
+        return value.rstrip("/")
+
+    @model_validator(mode="after")
+    def _derive_and_check(self) -> Settings:
+        if not self.database_url:
+            self.database_url = f"sqlite:///{self.state_dir / 'trainbot.db'}"
+        if not self.checkpoint_uri:
+            self.checkpoint_uri = (self.state_dir / "checkpoints").as_uri()
+        if not self.public_url:
+            host = "127.0.0.1" if self.ingest_host in _ANY_HOSTS else self.ingest_host
+            if ":" in host:
+                host = f"[{host}]"
+            self.public_url = f"http://{host}:{self.ingest_port}"
+        problems = self._inconsistencies()
+        if problems:
+            raise SettingsError(_summary(problems), problems=problems)
+        return self
+
+    def _inconsistencies(self) -> list[str]:
+        problems: list[str] = []
+        if self.notifier == "slack":
+            for field in ("slack_signing_secret", "slack_bot_token"):
+                if getattr(self, field) is None:
+                    problems.append(
+                        f"{env_name(field)} is not set: the Slack notifier needs it; copy it "
+                        "from the Slack app's settings, or set TRAINBOT_NOTIFIER=console"
+                    )
+        if self.provider != "local":
+            if self.checkpoint_uri.startswith(("file:", "/")) or "://" not in self.checkpoint_uri:
+                problems.append(
+                    f"{env_name('checkpoint_uri')}={self.checkpoint_uri!r}: cloud instances "
+                    f"cannot reach a local directory; set it to s3://bucket/prefix"
+                )
+            host = self.public_url.split("://", 1)[-1].split("/", 1)[0].rsplit(":", 1)[0]
+            if host.strip("[]") in _LOOPBACK_HOSTS:
+                problems.append(
+                    f"{env_name('public_url')}={self.public_url!r}: cloud instances cannot "
+                    f"reach a loopback address; set it to the control plane's public "
+                    f"https:// URL"
+                )
+        return problems
+
+    @property
+    def tz(self) -> zoneinfo.ZoneInfo:
+        """The digest time zone as an object (validated at load)."""
+        return zoneinfo.ZoneInfo(self.timezone)
+
+
+def _summary(problems: list[str]) -> str:
+    if len(problems) == 1:
+        return f"bad setting: {problems[0]}"
+    lines = "\n".join(f"  - {problem}" for problem in problems)
+    return f"{len(problems)} bad settings:\n{lines}"
+
+
+def _is_secret(field: str) -> bool:
+    return field.startswith("slack_")
+
+
+@contextmanager
+def _only_init_values() -> Iterator[None]:
+    token = _FROM_MAPPING.set(True)
+    try:
+        yield
+    finally:
+        _FROM_MAPPING.reset(token)
+
+
+def load_settings(env: Mapping[str, str] | None = None) -> Settings:
+    """Read and validate the settings from ``env`` (default: ``os.environ``).
+
+    Variables are matched case-insensitively; empty ones count as unset; unknown
+    ``TRAINBOT_*`` variables are ignored (the runner and the tests use a few of their
+    own). Raises :class:`SettingsError` listing every bad variable by its name.
+    """
+    source = os.environ if env is None else env
+    by_upper = {key.upper(): value for key, value in source.items()}
+    values: dict[str, Any] = {}
+    for field in Settings.model_fields:
+        raw = by_upper.get(env_name(field))
+        if raw is not None and raw != "":
+            values[field] = raw
+    try:
+        with _only_init_values():
+            return Settings(**values)
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            field = str(error["loc"][0]) if error["loc"] else ""
+            shown = "<hidden>" if _is_secret(field) else repr(values.get(field))
+            problems.append(
+                f"{env_name(field)}={shown}: {describe_validation_error(error, with_value=False)}"
+            )
+        raise SettingsError(_summary(problems), problems=problems) from None

@@ -1,0 +1,628 @@
+"""Asynchronous, atomic checkpoints in a store.
+
+Layout under a run's store root::
+
+    step-0000000120/shard-00000.bin   raw tensor bytes, 64-byte aligned
+    step-0000000120/meta.pt           skeleton + tensor index (torch.save, loaded weights_only)
+    step-0000000120/manifest.json     files, sizes, sha256, step, metrics, time: written LAST
+
+A step without a manifest does not exist. "Latest" is found by listing manifests, never
+from a mutable pointer. The training loop blocks only while tensors are copied into
+reusable staging buffers; hashing, writing and uploading run on a background thread, with
+at most one save in flight.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import math
+import re
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runner.errors import CheckpointError, NoCheckpointError, RunnerError, StoreError
+from runner.state import TensorSpec, as_bytes, dtype_from_name, flatten, unflatten
+from runner.store import ObjectInfo, Store, WriteStream
+
+log = logging.getLogger(__name__)
+
+FORMAT = "trainbot-checkpoint/1"
+MANIFEST = "manifest.json"
+META = "meta.pt"
+ALIGN = 64
+_OWN_BELOW = 1 << 20
+_STEP_RE = re.compile(r"^step-(\d{10})/")
+
+
+def step_dir(step: int) -> str:
+    return f"step-{step:010d}"
+
+
+def _finite(metrics: dict[str, Any] | None) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for k, v in (metrics or {}).items():
+        try:
+            f = float(v)
+        except (TypeError, ValueError):
+            continue
+        out[str(k)] = f if math.isfinite(f) else None
+    return out
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file of a checkpoint."""
+
+    #: File name inside the step directory.
+    name: str
+    #: Size in bytes.
+    size: int
+    #: Hex sha256 of the whole file.
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a committed checkpoint holds. Its presence is the commit."""
+
+    #: Training steps completed when the state was captured.
+    step: int
+    #: Unix time of the snapshot.
+    time: float
+    #: Every file, with size and checksum.
+    files: tuple[FileEntry, ...]
+    #: Total bytes of the files.
+    bytes: int
+    #: Seconds from the end of the snapshot to the manifest write.
+    write_s: float
+    #: User metrics at the step (non-finite values stored as null).
+    metrics: dict[str, float | None] = field(default_factory=dict)
+    #: Format tag.
+    format: str = FORMAT
+    #: "state" (written by the session API) or "files" (a directory synced by the supervisor).
+    kind: str = "state"
+    #: For "files" checkpoints, the name of the directory the script wrote.
+    label: str | None = None
+
+    def to_json(self) -> bytes:
+        doc = asdict(self)
+        doc["files"] = [asdict(f) for f in self.files]
+        return json.dumps(doc, indent=1, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes, *, where: str) -> Manifest:
+        try:
+            doc = json.loads(raw)
+            if doc.get("format") != FORMAT:
+                raise ValueError(f"format is {doc.get('format')!r}, expected {FORMAT!r}")
+            files = tuple(
+                FileEntry(name=str(f["name"]), size=int(f["size"]), sha256=str(f["sha256"]))
+                for f in doc["files"]
+            )
+            if not files:
+                raise ValueError("it lists no files")
+            for f in files:
+                parts = f.name.split("/")
+                if f.name.startswith("/") or ".." in parts or "" in parts or len(f.sha256) != 64:
+                    raise ValueError(f"bad file entry {f.name!r}")
+            kind = str(doc.get("kind", "state"))
+            if kind not in ("state", "files"):
+                raise ValueError(f"unknown kind {kind!r}")
+            return cls(
+                step=int(doc["step"]),
+                time=float(doc["time"]),
+                files=files,
+                bytes=int(doc["bytes"]),
+                write_s=float(doc["write_s"]),
+                metrics={
+                    str(k): (None if v is None else float(v)) for k, v in doc["metrics"].items()
+                },
+                kind=kind,
+                label=None if doc.get("label") is None else str(doc["label"]),
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"corrupt manifest {where}: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class CommitInfo:
+    """A checkpoint that has been committed."""
+
+    #: Step of the checkpoint.
+    step: int
+    #: Bytes written.
+    bytes: int
+    #: Seconds the background write took (snapshot end to manifest).
+    write_s: float
+    #: Seconds the caller was blocked (waiting for a previous save plus the snapshot).
+    stall_s: float
+    #: URI of the step directory.
+    uri: str
+
+
+@dataclass(frozen=True)
+class CheckpointEntry:
+    """A committed checkpoint found by listing manifests."""
+
+    step: int
+    #: Modification time of the manifest object (commit time).
+    committed_at: float
+
+
+@dataclass(frozen=True)
+class StepScan:
+    """One listing of a run's step directories."""
+
+    #: Committed checkpoints (a manifest exists), oldest first.
+    committed: list[CheckpointEntry]
+    #: Every object of every step directory, committed or torn, by step.
+    objects: dict[int, list[ObjectInfo]]
+
+
+def scan(store: Store) -> StepScan:
+    """List the store once and sort what is there into steps."""
+    committed: list[CheckpointEntry] = []
+    objects: dict[int, list[ObjectInfo]] = {}
+    for obj in store.list("step-"):
+        m = _STEP_RE.match(obj.key)
+        if not m:
+            continue
+        step = int(m.group(1))
+        objects.setdefault(step, []).append(obj)
+        if obj.key == f"{m.group(0)}{MANIFEST}":
+            committed.append(CheckpointEntry(step=step, committed_at=obj.mtime))
+    committed.sort(key=lambda e: e.step)
+    return StepScan(committed=committed, objects=objects)
+
+
+def list_committed(store: Store) -> list[CheckpointEntry]:
+    """Committed checkpoints, oldest first: every step directory with a manifest."""
+    return scan(store).committed
+
+
+def read_manifest(store: Store, step: int) -> Manifest:
+    key = f"{step_dir(step)}/{MANIFEST}"
+    return Manifest.from_json(store.get_bytes(key), where=f"{store.uri}/{key}")
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+class _Staging:
+    """Reusable CPU buffers for one layout of tensors (allocating per save page-faults)."""
+
+    def __init__(self) -> None:
+        self._layout: list[tuple[torch.dtype, tuple[int, ...]]] = []
+        self._buffers: list[torch.Tensor] = []
+
+    def copy(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        layout = [(t.dtype, tuple(t.shape)) for t in tensors]
+        pin = torch.cuda.is_available() and any(t.is_cuda for t in tensors)
+        if layout != self._layout:
+            self._buffers = [
+                torch.empty(shape, dtype=dtype, pin_memory=pin) for dtype, shape in layout
+            ]
+            self._layout = layout
+        for buf, src in zip(self._buffers, tensors, strict=True):
+            buf.copy_(src.detach(), non_blocking=src.is_cuda)
+        if pin:
+            torch.cuda.synchronize()
+        return self._buffers
+
+
+def _plan(tensors: list[torch.Tensor], shard_bytes: int) -> list[TensorSpec]:
+    specs: list[TensorSpec] = []
+    shard, offset = 0, 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if offset and offset + nbytes > shard_bytes:
+            shard, offset = shard + 1, 0
+        specs.append(
+            TensorSpec(
+                shard=f"shard-{shard:05d}.bin",
+                offset=offset,
+                nbytes=nbytes,
+                dtype=str(t.dtype).removeprefix("torch."),
+                shape=tuple(t.shape),
+            )
+        )
+        offset += -(-nbytes // ALIGN) * ALIGN
+    return specs
+
+
+class _HashingWriter:
+    """Writes chunks to a store stream while a second thread hashes them."""
+
+    def __init__(self, stream: WriteStream, hasher: ThreadPoolExecutor, chunk: int) -> None:
+        self.stream = stream
+        self.sha = hashlib.sha256()
+        self.size = 0
+        self._pool = hasher
+        self._chunk = chunk
+        self._pending: Future[None] | None = None
+
+    def write(self, data: memoryview) -> None:
+        for start in range(0, len(data), self._chunk):
+            piece = data[start : start + self._chunk]
+            if self._pending is not None:
+                self._pending.result()
+            self._pending = self._pool.submit(self.sha.update, piece)
+            self.stream.write(piece)
+            self.size += len(piece)
+
+    def finish(self) -> str:
+        if self._pending is not None:
+            self._pending.result()
+        self.stream.close()
+        return self.sha.hexdigest()
+
+
+class CheckpointWriter:
+    """Saves states of a run asynchronously into a store, at most one save in flight."""
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        shard_bytes: int = 512 << 20,
+        chunk_bytes: int = 8 << 20,
+        on_commit: Callable[[CommitInfo], None] | None = None,
+        on_error: Callable[[int, Exception], None] | None = None,
+    ) -> None:
+        self.store = store
+        self.shard_bytes = shard_bytes
+        self.chunk_bytes = chunk_bytes
+        self._on_commit = on_commit
+        self._on_error = on_error
+        self._staging = _Staging()
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-write")
+        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-hash")
+        self._inflight: Future[CommitInfo] | None = None
+        self._lock = threading.Lock()
+        #: Last committed checkpoint.
+        self.last_commit: CommitInfo | None = None
+        #: Bytes per second measured on the last write; None before the first.
+        self.bandwidth_bps: float | None = None
+        #: Size of the last state saved, for estimating the next write.
+        self.last_bytes: int | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self._inflight is not None and not self._inflight.done()
+
+    def save(
+        self, step: int, state: Any, *, metrics: dict[str, Any] | None = None
+    ) -> Future[CommitInfo]:
+        """Snapshot ``state`` now and write it in the background.
+
+        Blocks while a previous save finishes (at most one in flight) and while tensors are
+        copied into staging buffers; returns a future that resolves when the manifest is written.
+        """
+        start = time.perf_counter()
+        self.wait()
+        skeleton, tensors = flatten(state)
+        staged = self._staging.copy([t.contiguous() for t in tensors])
+        specs = _plan(staged, self.shard_bytes)
+        meta = io.BytesIO()
+        torch.save({"skeleton": skeleton, "tensors": [asdict(s) for s in specs]}, meta)
+        snap_time = time.time()
+        stall = time.perf_counter() - start
+        with self._lock:
+            self._inflight = self._worker.submit(
+                self._write,
+                step,
+                staged,
+                specs,
+                meta.getvalue(),
+                snap_time,
+                _finite(metrics),
+                stall,
+            )
+        return self._inflight
+
+    def wait(self, timeout: float | None = None) -> CommitInfo | None:
+        """Wait for the save in flight; None if there was none or it failed."""
+        fut = self._inflight
+        if fut is None:
+            return None
+        try:
+            return fut.result(timeout=timeout)
+        except TimeoutError:
+            raise
+        except Exception:
+            return None  # reported through on_error when it happened
+
+    def close(self) -> None:
+        self.wait()
+        self._worker.shutdown(wait=True)
+        self._hasher.shutdown(wait=True)
+
+    def _write(
+        self,
+        step: int,
+        staged: list[torch.Tensor],
+        specs: list[TensorSpec],
+        meta: bytes,
+        snap_time: float,
+        metrics: dict[str, float | None],
+        stall: float,
+    ) -> CommitInfo:
+        t0 = time.perf_counter()
+        sd = step_dir(step)
+        files: list[FileEntry] = []
+        stream: WriteStream | None = None
+        try:
+            by_shard: dict[str, list[tuple[TensorSpec, torch.Tensor]]] = {}
+            for spec, t in zip(specs, staged, strict=True):
+                by_shard.setdefault(spec.shard, []).append((spec, t))
+            for shard, items in by_shard.items():
+                stream = self.store.open_write(f"{sd}/{shard}")
+                writer = _HashingWriter(stream, self._hasher, self.chunk_bytes)
+                for spec, t in items:
+                    if writer.size < spec.offset:
+                        writer.write(memoryview(bytes(spec.offset - writer.size)))
+                    if spec.nbytes:
+                        writer.write(memoryview(as_bytes(t).numpy()))
+                files.append(FileEntry(name=shard, size=writer.size, sha256=writer.finish()))
+                stream = None
+            stream = self.store.open_write(f"{sd}/{META}")
+            stream.write(meta)
+            stream.close()
+            stream = None
+            files.append(
+                FileEntry(name=META, size=len(meta), sha256=hashlib.sha256(meta).hexdigest())
+            )
+            total = sum(f.size for f in files)
+            write_s = time.perf_counter() - t0
+            manifest = Manifest(
+                step=step,
+                time=snap_time,
+                files=tuple(files),
+                bytes=total,
+                write_s=write_s,
+                metrics=metrics,
+            )
+            self.store.put_bytes(f"{sd}/{MANIFEST}", manifest.to_json())
+            write_s = time.perf_counter() - t0
+        except Exception as exc:
+            if stream is not None:
+                try:
+                    stream.abort()
+                except Exception:  # the original error matters more
+                    log.debug("abort after a failed write also failed", exc_info=True)
+            log.error("checkpoint at step %d was not committed: %s", step, exc)
+            if self._on_error is not None:
+                self._on_error(step, exc)
+            raise
+        info = CommitInfo(
+            step=step, bytes=total, write_s=write_s, stall_s=stall, uri=f"{self.store.uri}/{sd}"
+        )
+        self.last_commit = info
+        self.last_bytes = total
+        self.bandwidth_bps = total / write_s if write_s > 0 else None
+        if self._on_commit is not None:
+            self._on_commit(info)
+        return info
+
+
+def commit_files(
+    store: Store,
+    step: int,
+    root: Path,
+    *,
+    metrics: dict[str, Any] | None = None,
+    chunk_bytes: int = 8 << 20,
+) -> CommitInfo:
+    """Upload a directory a script wrote as one checkpoint (files first, manifest last)."""
+    t0 = time.perf_counter()
+    sd = step_dir(step)
+    files: list[FileEntry] = []
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-hash") as hasher:
+        for path in sorted(p for p in root.rglob("*") if p.is_file()):
+            name = path.relative_to(root).as_posix()
+            stream = store.open_write(f"{sd}/{name}")
+            writer = _HashingWriter(stream, hasher, chunk_bytes)
+            try:
+                with open(path, "rb") as f:
+                    while chunk := f.read(chunk_bytes):
+                        writer.write(memoryview(chunk))
+                digest = writer.finish()
+            except BaseException:
+                stream.abort()
+                raise
+            files.append(FileEntry(name=name, size=writer.size, sha256=digest))
+    if not files:
+        raise CheckpointError(f"{root} is empty: nothing to checkpoint")
+    total = sum(f.size for f in files)
+    manifest = Manifest(
+        step=step,
+        time=time.time(),
+        files=tuple(files),
+        bytes=total,
+        write_s=time.perf_counter() - t0,
+        metrics=_finite(metrics),
+        kind="files",
+        label=root.name,
+    )
+    store.put_bytes(f"{sd}/{MANIFEST}", manifest.to_json())
+    write_s = time.perf_counter() - t0
+    return CommitInfo(step=step, bytes=total, write_s=write_s, stall_s=0.0, uri=f"{store.uri}/{sd}")
+
+
+def download_files(store: Store, manifest: Manifest, dest: Path) -> Path:
+    """Restore a "files" checkpoint into ``dest/<label>``, verifying every checksum."""
+    target = dest / (manifest.label or step_dir(manifest.step))
+    sd = step_dir(manifest.step)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-verify") as hasher:
+        for entry in manifest.files:
+            data = _read_verified(store, f"{sd}/{entry.name}", entry, hasher, 16 << 20)
+            out = target.joinpath(*entry.name.split("/"))
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with open(out, "wb") as f:
+                f.write(memoryview(data.numpy()))
+    return target
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+@dataclass
+class Restored:
+    """A checkpoint loaded from the store."""
+
+    #: Step of the checkpoint loaded.
+    step: int
+    #: The nested state, as it was saved.
+    state: Any
+    manifest: Manifest
+    #: Newer checkpoints that were skipped, with why.
+    skipped: list[tuple[int, str]]
+    #: Seconds spent reading and verifying.
+    restore_s: float
+
+
+def _read_verified(
+    store: Store, key: str, entry: FileEntry, hasher: ThreadPoolExecutor, chunk: int
+) -> torch.Tensor:
+    buf = torch.empty(entry.size, dtype=torch.uint8)
+    view = memoryview(buf.numpy())
+    sha = hashlib.sha256()
+    pending: Future[None] | None = None
+    got = 0
+    with store.open_read(key) as f:
+        while got < entry.size:
+            n = f.readinto(view[got : min(entry.size, got + chunk)])
+            if not n:
+                break
+            if pending is not None:
+                pending.result()
+            pending = hasher.submit(sha.update, view[got : got + n])
+            got += n
+        extra = f.read(1)
+    if pending is not None:
+        pending.result()
+    if got != entry.size or extra:
+        raise CheckpointError(
+            f"{store.uri}/{key} is {'longer' if extra else got} bytes, manifest says {entry.size}"
+        )
+    if sha.hexdigest() != entry.sha256:
+        raise CheckpointError(f"checksum mismatch in {store.uri}/{key}")
+    return buf
+
+
+def load_checkpoint(store: Store, manifest: Manifest, *, chunk_bytes: int = 16 << 20) -> Any:
+    """Read and verify every file of a checkpoint, and rebuild its state."""
+    sd = step_dir(manifest.step)
+    if manifest.kind != "state":
+        raise CheckpointError(
+            f"{store.uri}/{sd} holds a script's files, not a session state: "
+            "restore it with `trainbot-runner exec --sync-dir`"
+        )
+    entries = {f.name: f for f in manifest.files}
+    if META not in entries:
+        raise CheckpointError(f"{store.uri}/{sd} has no {META} in its manifest")
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-verify") as hasher:
+        data: dict[str, torch.Tensor] = {}
+        for name, entry in entries.items():
+            try:
+                data[name] = _read_verified(store, f"{sd}/{name}", entry, hasher, chunk_bytes)
+            except StoreError as exc:
+                raise CheckpointError(f"shard missing or unreadable: {exc}") from exc
+    try:
+        meta = torch.load(io.BytesIO(data.pop(META).numpy().tobytes()), weights_only=True)
+        tensors = []
+        for raw in meta["tensors"]:
+            spec = TensorSpec(**{**raw, "shape": tuple(raw["shape"])})
+            shard = data[spec.shard]
+            flat = shard[spec.offset : spec.offset + spec.nbytes]
+            t = flat.view(dtype_from_name(spec.dtype)).reshape(spec.shape)
+            # Small tensors get their own storage: some consumers (Generator.set_state)
+            # assume a tensor starts at its storage's first byte. Large ones stay views.
+            tensors.append(t.clone() if spec.nbytes < _OWN_BELOW else t)
+        return unflatten(meta["skeleton"], tensors)
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(
+            f"{store.uri}/{sd}/{META} does not describe the shards: {exc}"
+        ) from exc
+
+
+def restore_latest(store: Store, *, below: int | None = None) -> Restored:
+    """Load the newest committed checkpoint that verifies; fall back past corrupt ones."""
+    t0 = time.perf_counter()
+    skipped: list[tuple[int, str]] = []
+    entries = list_committed(store)
+    for entry in reversed(entries):
+        if below is not None and entry.step >= below:
+            continue
+        try:
+            manifest = read_manifest(store, entry.step)
+            state = load_checkpoint(store, manifest)
+        except (CheckpointError, StoreError) as exc:
+            log.warning(
+                "checkpoint step %d is unusable (%s); trying the previous one", entry.step, exc
+            )
+            skipped.append((entry.step, str(exc)))
+            continue
+        return Restored(
+            step=entry.step,
+            state=state,
+            manifest=manifest,
+            skipped=skipped,
+            restore_s=time.perf_counter() - t0,
+        )
+    if skipped:
+        raise CheckpointError(
+            f"no usable checkpoint in {store.uri}: "
+            + "; ".join(f"step {s}: {why}" for s, why in skipped)
+        )
+    raise NoCheckpointError(f"no committed checkpoint in {store.uri}")
+
+
+def verify(store: Store, step: int) -> list[str]:
+    """Problems with one committed checkpoint; an empty list means it verifies."""
+    try:
+        load_checkpoint(store, read_manifest(store, step))
+    except (CheckpointError, StoreError) as exc:
+        return [str(exc)]
+    return []
+
+
+def delete_steps(store: Store, found: StepScan, steps: set[int]) -> int:
+    """Delete whole steps, manifests first, so a half-deleted step no longer exists."""
+    keys = [obj.key for step in steps for obj in found.objects.get(step, [])]
+    keys.sort(key=lambda k: (not k.endswith("/" + MANIFEST), k))
+    return store.delete(keys)
+
+
+__all__ = [
+    "CheckpointEntry",
+    "CheckpointError",
+    "CheckpointWriter",
+    "CommitInfo",
+    "Manifest",
+    "NoCheckpointError",
+    "Restored",
+    "RunnerError",
+    "commit_files",
+    "delete_steps",
+    "download_files",
+    "list_committed",
+    "load_checkpoint",
+    "read_manifest",
+    "restore_latest",
+    "scan",
+    "step_dir",
+    "verify",
+]

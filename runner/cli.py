@@ -1,0 +1,271 @@
+"""``trainbot-runner``: the command on every instance.
+
+    trainbot-runner exec [--sync-dir DIR] -- CMD…        run and supervise a training command
+    trainbot-runner dry-run [--steps N] [--mtbp S] -- CMD…  checkpoint, kill, restore, verify
+    trainbot-runner checkpoints list|verify|prune URI    inspect or prune one run's checkpoints
+
+URI is one run's checkpoint root: ``{checkpoint_uri}/{run_id}`` (a path, file://… or s3://…).
+Exit codes: 0 success, 75 preempted with a checkpoint committed, anything else failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from runner import EXIT_FAILED
+from runner.checkpoint import list_committed, read_manifest, verify
+from runner.dryrun import run_dry_run
+from runner.errors import CheckpointError, RunnerError
+from runner.retention import RetentionPolicy, prune
+from runner.store import open_store
+from runner.supervisor import DirSync, Supervisor
+from runner.telemetry import EventSink, NullSink, Reporter
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> float:
+    """'90s', '10m', '2h', '7d' or plain seconds."""
+    raw = text.strip().lower()
+    try:
+        if raw and raw[-1] in _UNITS:
+            value = float(raw[:-1]) * _UNITS[raw[-1]]
+        else:
+            value = float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration like 90s, 10m, 2h or 7d")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return value
+
+
+def _best(text: str) -> tuple[str, str, int]:
+    parts = text.split(":")
+    if not parts[0] or len(parts) > 3 or (len(parts) > 1 and parts[1] not in ("min", "max")):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: write METRIC[:min|max[:COUNT]], e.g. loss:min:2"
+        )
+    mode = parts[1] if len(parts) > 1 else "min"
+    count = _positive_int(parts[2]) if len(parts) > 2 else 1
+    return parts[0], mode, count
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="trainbot-runner",
+        description="Run, checkpoint and supervise training on spot capacity.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    ex = sub.add_parser("exec", help="run and supervise a training command")
+    ex.add_argument(
+        "--sync-dir",
+        type=Path,
+        help="directory the script writes checkpoint folders into (synced to the store)",
+    )
+    ex.add_argument("--settle", type=parse_duration, default=2.0, help="quiet time before sync")
+    ex.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD…")
+
+    dr = sub.add_parser("dry-run", help="checkpoint, kill, restart, restore and verify a command")
+    dr.add_argument("--steps", type=_positive_int, default=5, help="steps before the checkpoint")
+    dr.add_argument(
+        "--mtbp", type=parse_duration, default=3600.0, help="mean time between preemptions"
+    )
+    dr.add_argument("--checkpoint-uri", help="store root (default $TRAINBOT_CHECKPOINT_URI)")
+    dr.add_argument("--run-id", help="namespace for the dry run's checkpoints")
+    dr.add_argument("--report", type=Path, help="write the report as JSON here")
+    dr.add_argument("--timeout", type=parse_duration, default=600.0)
+    dr.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD…")
+
+    ck = sub.add_parser("checkpoints", help="list, verify or prune one run's checkpoints")
+    cks = ck.add_subparsers(dest="action", required=True, metavar="ACTION")
+    ls = cks.add_parser("list", help="committed checkpoints, oldest first")
+    ls.add_argument("uri")
+    ls.add_argument("--json", action="store_true")
+    vf = cks.add_parser("verify", help="check sizes and sha256 of checkpoints")
+    vf.add_argument("uri")
+    vf.add_argument("--step", type=int, help="one step (default: all)")
+    pr = cks.add_parser("prune", help="delete checkpoints by a retention policy")
+    pr.add_argument("uri")
+    pr.add_argument("--keep-last", type=_positive_int, default=3)
+    pr.add_argument("--keep-every", type=_positive_int, help="also keep multiples of K steps")
+    pr.add_argument("--keep-best", type=_best, help="METRIC[:min|max[:COUNT]]")
+    pr.add_argument("--max-age", type=parse_duration, help="e.g. 7d")
+    pr.add_argument("--dry-run", action="store_true", help="say what would go, delete nothing")
+    return p
+
+
+def _command(args: argparse.Namespace) -> list[str]:
+    cmd = list(args.command)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        raise RunnerError(f"no command given: write `trainbot-runner {args.cmd} -- python train.py`")
+    return cmd
+
+
+def _sink_from_env() -> EventSink:
+    url = os.environ.get("TRAINBOT_INGEST_URL")
+    token = os.environ.get("TRAINBOT_TOKEN")
+    if not url:
+        return NullSink()
+    if not token:
+        raise RunnerError("TRAINBOT_INGEST_URL is set but TRAINBOT_TOKEN is not")
+    attempt = os.environ.get("TRAINBOT_ATTEMPT_ID") or "local-1"
+    spool = Path(os.environ.get("TRAINBOT_SPOOL_DIR") or Path.cwd() / ".trainbot-spool" / attempt)
+    return Reporter(
+        url,
+        token,
+        attempt=attempt,
+        run=os.environ.get("TRAINBOT_RUN_ID") or "local",
+        spool_dir=spool,
+    )
+
+
+def _exec(args: argparse.Namespace) -> int:
+    from runner.session import run_store
+
+    cmd = _command(args)
+    window = float(os.environ.get("TRAINBOT_TERMINATION_WINDOW_S") or 30)
+    scratch_bytes = os.environ.get("TRAINBOT_SCRATCH_BYTES")
+    dir_sync = None
+    if args.sync_dir is not None:
+        store = run_store(
+            os.environ.get("TRAINBOT_CHECKPOINT_URI") or "checkpoints",
+            os.environ.get("TRAINBOT_RUN_ID") or "local",
+        )
+        dir_sync = DirSync(store=store, root=args.sync_dir, settle_s=args.settle)
+    sink = _sink_from_env()
+    try:
+        sup = Supervisor(
+            cmd,
+            sink=sink,
+            window_s=window,
+            preemption_sources=os.environ.get("TRAINBOT_PREEMPTION_SOURCES", ""),
+            dir_sync=dir_sync,
+            scratch_bytes=int(scratch_bytes) if scratch_bytes else None,
+        )
+        return sup.run()
+    finally:
+        sink.close(timeout=30.0)
+
+
+def _dry_run(args: argparse.Namespace) -> int:
+    uri = args.checkpoint_uri or os.environ.get("TRAINBOT_CHECKPOINT_URI")
+    if not uri:
+        raise RunnerError("say where checkpoints go: --checkpoint-uri or TRAINBOT_CHECKPOINT_URI")
+    run_id = args.run_id or f"{os.environ.get('TRAINBOT_RUN_ID') or 'local'}-dry-run"
+    report = run_dry_run(
+        _command(args),
+        checkpoint_uri=uri,
+        run_id=run_id,
+        steps=args.steps,
+        mtbp_s=args.mtbp,
+        timeout_s=args.timeout,
+    )
+    for line in report.lines():
+        print(line)
+    if args.report is not None:
+        args.report.write_text(report.to_json())
+    print(json.dumps(json.loads(report.to_json())))
+    return 0 if report.ok else EXIT_FAILED
+
+
+def _when(ts: float) -> str:
+    return datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def _checkpoints(args: argparse.Namespace) -> int:
+    store = open_store(args.uri)
+    entries = list_committed(store)
+    if args.action == "list":
+        rows = []
+        for e in entries:
+            try:
+                m = read_manifest(store, e.step)
+                rows.append({"step": e.step, "bytes": m.bytes, "time": m.time, "metrics": m.metrics})
+            except CheckpointError as exc:
+                rows.append({"step": e.step, "error": str(exc)})
+        if args.json:
+            print(json.dumps(rows))
+        elif not rows:
+            print(f"no committed checkpoints in {store.uri}")
+        else:
+            print(f"{'STEP':>10}  {'BYTES':>14}  {'WRITTEN':20}  METRICS")
+            for r in rows:
+                if "error" in r:
+                    print(f"{r['step']:>10}  {'corrupt':>14}  {r['error']}")
+                    continue
+                metrics = " ".join(f"{k}={v:.4g}" for k, v in r["metrics"].items() if v is not None)
+                print(f"{r['step']:>10}  {r['bytes']:>14,}  {_when(r['time']):20}  {metrics}")
+        return 0
+    if args.action == "verify":
+        steps = [args.step] if args.step is not None else [e.step for e in entries]
+        if not steps:
+            print(f"no committed checkpoints in {store.uri}")
+            return EXIT_FAILED
+        bad = 0
+        for step in steps:
+            problems = verify(store, step)
+            bad += bool(problems)
+            print(f"step {step}: " + ("ok" if not problems else "; ".join(problems)))
+        return EXIT_FAILED if bad else 0
+    best = args.keep_best or (None, "min", 1)
+    policy = RetentionPolicy(
+        keep_last=args.keep_last,
+        keep_every_steps=args.keep_every,
+        keep_best_metric=best[0],
+        keep_best_mode=best[1],
+        keep_best_count=best[2],
+        max_age_s=args.max_age,
+    )
+    result = prune(store, policy, now=time.time(), dry_run=args.dry_run)
+    verb = "would delete" if args.dry_run else "deleted"
+    print(
+        f"{verb} {len(result.deleted)} checkpoint(s) {list(result.deleted)} and "
+        f"{len(result.torn)} torn save(s) {list(result.torn)}, {result.bytes_freed:,} bytes; "
+        f"kept {list(result.kept)}"
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(
+        level=os.environ.get("TRAINBOT_LOG_LEVEL", "WARNING").upper(),
+        format="trainbot-runner: %(levelname)s %(message)s",
+    )
+    args = build_parser().parse_args(argv)
+    try:
+        if args.cmd == "exec":
+            return _exec(args)
+        if args.cmd == "dry-run":
+            return _dry_run(args)
+        return _checkpoints(args)
+    except RunnerError as exc:
+        print(f"trainbot-runner: error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,242 @@
+"""``trainbot-runner dry-run -- CMD…``: prove the checkpoint round trip before paying for a run.
+
+Phase one runs the command for a few steps and commits a checkpoint to the real store;
+the process is then killed with SIGKILL, as a lost instance would be. Phase two starts
+it again: it must restore, show a state bit-identical to the one saved (a sha256 over
+every tensor and RNG state), and run two more steps. The report gives the step time,
+the checkpoint size, write and restore seconds, and Daly's optimal checkpoint interval
+√(2CM) − C for a mean time between preemptions M.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from runner.checkpoint import delete_steps, scan
+from runner.errors import RunnerError
+from runner.preemption import flush_fits
+from runner.session import run_store
+from runner.telemetry import follow_file
+
+#: Termination windows of the providers: seconds between the notice and the kill.
+WINDOWS_S = {"aws": 120.0, "gcp": 30.0}
+
+
+def daly_interval(checkpoint_s: float, mtbp_s: float) -> float:
+    """Daly's first-order optimum √(2CM) − C, never shorter than one checkpoint."""
+    if checkpoint_s <= 0 or mtbp_s <= 0:
+        raise RunnerError("Daly's interval needs a positive checkpoint time and MTBP")
+    return max(checkpoint_s, math.sqrt(2 * checkpoint_s * mtbp_s) - checkpoint_s)
+
+
+@dataclass
+class DryRunReport:
+    """What the dry run measured and whether the round trip held."""
+
+    ok: bool = False
+    steps_before_kill: int = 0
+    steps_after_restore: int = 0
+    step_time_s: float | None = None
+    checkpoint_bytes: int | None = None
+    write_s: float | None = None
+    restore_s: float | None = None
+    saved_sha256: str | None = None
+    restored_sha256: str | None = None
+    mtbp_s: float = 3600.0
+    daly_interval_s: float | None = None
+    #: Whether an emergency checkpoint fits each provider's termination window.
+    emergency_fits: dict[str, bool] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    def lines(self) -> list[str]:
+        def fmt(v: float | None, unit: str) -> str:
+            return "n/a" if v is None else f"{v:.3f}{unit}"
+
+        out = [
+            f"dry run: {'PASSED' if self.ok else 'FAILED'}",
+            f"  step time        {fmt(self.step_time_s, ' s')}",
+            f"  checkpoint       {self.checkpoint_bytes or 0:,} bytes, "
+            f"write {fmt(self.write_s, ' s')}, restore {fmt(self.restore_s, ' s')}",
+            f"  state after restore bit-identical: {self.saved_sha256 == self.restored_sha256}",
+            f"  Daly interval    {fmt(self.daly_interval_s, ' s')} for MTBP {self.mtbp_s:.0f} s",
+        ]
+        for name, fits in sorted(self.emergency_fits.items()):
+            window = WINDOWS_S[name]
+            out.append(f"  emergency checkpoint within {name}'s {window:.0f} s window: {fits}")
+        out.extend(f"  problem: {p}" for p in self.problems)
+        return out
+
+
+class _Phase:
+    """One process of the dry run, with its events collected."""
+
+    def __init__(self, command: Sequence[str], env: dict[str, str], events: Path) -> None:
+        events.touch()
+        self.follower = follow_file(events)
+        self.events: list[tuple[str, float, dict[str, Any]]] = []
+        self.proc = subprocess.Popen(list(command), env=env, start_new_session=True)
+
+    def pump(self) -> None:
+        self.events.extend(self.follower)
+
+    def find(self, type_: str, **match: Any) -> dict[str, Any] | None:
+        for t, _, data in self.events:
+            if t != type_:
+                continue
+            inner = data.get("report", data)
+            if all(inner.get(k) == v for k, v in match.items()):
+                return dict(inner)
+        return None
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+def run_dry_run(
+    command: Sequence[str],
+    *,
+    checkpoint_uri: str,
+    run_id: str,
+    steps: int = 5,
+    mtbp_s: float = 3600.0,
+    timeout_s: float = 600.0,
+    env: Mapping[str, str] | None = None,
+) -> DryRunReport:
+    """Run both phases and report. The run id should be the dry run's own namespace."""
+    if not command:
+        raise RunnerError("no command: write `trainbot-runner dry-run -- python train.py …`")
+    if steps < 1:
+        raise RunnerError("the dry run needs at least one step before the checkpoint")
+    report = DryRunReport(mtbp_s=mtbp_s)
+    store = run_store(checkpoint_uri, run_id)
+    found = scan(store)
+    delete_steps(store, found, set(found.objects))  # a dry run starts from nothing
+    base = dict(os.environ if env is None else env)
+    base.update(TRAINBOT_RUN_ID=run_id, TRAINBOT_CHECKPOINT_URI=checkpoint_uri)
+    for key in ("TRAINBOT_INGEST_URL", "TRAINBOT_CHECKPOINT_INTERVAL_S", "TRAINBOT_STOP_FILE"):
+        base.pop(key, None)
+    deadline = time.monotonic() + timeout_s
+    with tempfile.TemporaryDirectory(prefix="trainbot-dry-run-") as tmp:
+        first = _Phase(
+            command,
+            {
+                **base,
+                "TRAINBOT_MAX_STEPS": str(steps),
+                "TRAINBOT_DRY_RUN_PHASE": "save",
+                "TRAINBOT_EVENTS_FILE": str(Path(tmp) / "save.jsonl"),
+            },
+            Path(tmp) / "save.jsonl",
+        )
+        try:
+            saved = _wait_for(first, "dry_run", deadline, phase="saved")
+        finally:
+            first.kill()
+            first.pump()
+        if saved is None:
+            report.problems.append(_why_not(first, "commit a checkpoint", deadline))
+            return report
+        report.steps_before_kill = int(saved["step"])
+        report.saved_sha256 = str(saved["state_sha256"])
+        times = [d["step_time_s"] for t, _, d in first.events if t == "metrics"]
+        if len(times) > 1:
+            times = times[1:]  # the first step pays for warm-up
+        report.step_time_s = statistics.median(times) if times else None
+        commit = first.find("checkpoint_committed", step=report.steps_before_kill)
+        if commit is not None:
+            report.checkpoint_bytes = int(commit["bytes"])
+            report.write_s = float(commit["write_s"])
+
+        second = _Phase(
+            command,
+            {
+                **base,
+                "TRAINBOT_DRY_RUN_PHASE": "verify",
+                "TRAINBOT_EVENTS_FILE": str(Path(tmp) / "verify.jsonl"),
+            },
+            Path(tmp) / "verify.jsonl",
+        )
+        try:
+            while second.proc.poll() is None and time.monotonic() < deadline:
+                second.pump()
+                time.sleep(0.05)
+        finally:
+            second.kill()
+            second.pump()
+        restored = second.find("dry_run", phase="restored")
+        restore_event = second.find("restored")
+        if restore_event is not None:
+            report.restore_s = float(restore_event["restore_s"])
+        if restored is None:
+            report.problems.append(_why_not(second, "restore the checkpoint", deadline))
+            return report
+        report.restored_sha256 = str(restored["state_sha256"])
+        last = [d["step"] for t, _, d in second.events if t == "metrics"]
+        report.steps_after_restore = max(last, default=int(restored["step"])) - int(
+            restored["step"]
+        )
+        if int(restored["step"]) != report.steps_before_kill:
+            report.problems.append(
+                f"restored step {restored['step']} but step {report.steps_before_kill} was saved"
+            )
+        if report.restored_sha256 != report.saved_sha256:
+            report.problems.append(
+                "the restored state differs from the saved one: some state is not tracked "
+                "(model, optimizer, scheduler, data position) or is not deterministic"
+            )
+        if second.proc.returncode != 0:
+            report.problems.append(f"after the restore the command exited {second.proc.returncode}")
+        elif report.steps_after_restore < 2:
+            report.problems.append("the command did not run two steps after the restore")
+    if report.write_s is not None:
+        report.daly_interval_s = daly_interval(report.write_s, mtbp_s)
+        for name, window in WINDOWS_S.items():
+            report.emergency_fits[name] = flush_fits(
+                nbytes=report.checkpoint_bytes or 0,
+                bandwidth_bps=(report.checkpoint_bytes or 0) / report.write_s
+                if report.write_s > 0
+                else None,
+                time_left_s=window,
+            )
+    report.ok = not report.problems
+    return report
+
+
+def _wait_for(phase: _Phase, type_: str, deadline: float, **match: Any) -> dict[str, Any] | None:
+    while time.monotonic() < deadline:
+        phase.pump()
+        found = phase.find(type_, **match)
+        if found is not None:
+            return found
+        if phase.proc.poll() is not None:
+            phase.pump()
+            return phase.find(type_, **match)
+        time.sleep(0.05)
+    return None
+
+
+def _why_not(phase: _Phase, what: str, deadline: float) -> str:
+    code = phase.proc.poll()
+    if time.monotonic() >= deadline:
+        return f"timed out before the command could {what}"
+    if not phase.events:
+        return (
+            f"the command exited {code} without reporting anything: the dry run needs a "
+            "script that uses the session API (runner.session.Session)"
+        )
+    return f"the command exited {code} before it could {what}"

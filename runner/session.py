@@ -1,0 +1,526 @@
+"""The session API: what a torch training loop needs to survive spot capacity.
+
+    with Session.from_env() as s:
+        s.track(model=model, optimizer=opt, scheduler=sched, data=loader)
+        for step in s.steps(total_steps):
+            batch = s.next_batch(it)
+            loss = train_step(batch)
+            s.log(loss=loss.item())
+    sys.exit(s.exit_code)
+
+The session restores the newest committed checkpoint (every tracked object, every RNG,
+the step), checkpoints asynchronously when its policy says so, reports telemetry, and
+ends the loop on a preemption notice, a dry-run limit or a stop request, flushing a
+checkpoint if one fits the time left. The signal handler only sets a flag; the loop acts
+between steps.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import socket
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Protocol
+
+from runner import EXIT_FAILED, EXIT_PREEMPTED, EXIT_SUCCEEDED
+from runner.checkpoint import CheckpointWriter, CommitInfo, restore_latest
+from runner.errors import NoCheckpointError, RunnerError
+from runner.preemption import (
+    Notice,
+    PreemptionFlag,
+    SignalHandlers,
+    flush_fits,
+    start_pollers,
+)
+from runner.state import capture_rng, flatten, restore_rng, state_digest
+from runner.store import Store, open_store
+from runner.telemetry import EventSink, FileSink, NullSink, Reporter
+
+log = logging.getLogger(__name__)
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any, /) -> Any: ...
+
+
+class SaveDecision(Protocol):
+    """Whether to checkpoint after a step (orbax's SaveDecisionPolicy, with time passed in)."""
+
+    def should_save(self, *, step: int, now: float, last_step: int, last_time: float) -> bool: ...
+
+
+@dataclass(frozen=True)
+class EverySteps:
+    steps: int
+
+    def should_save(self, *, step: int, now: float, last_step: int, last_time: float) -> bool:
+        return step - last_step >= self.steps
+
+
+@dataclass(frozen=True)
+class EverySeconds:
+    seconds: float
+
+    def should_save(self, *, step: int, now: float, last_step: int, last_time: float) -> bool:
+        return step > last_step and now - last_time >= self.seconds
+
+
+@dataclass(frozen=True)
+class AnyOf:
+    policies: tuple[SaveDecision, ...]
+
+    def should_save(self, *, step: int, now: float, last_step: int, last_time: float) -> bool:
+        return any(
+            p.should_save(step=step, now=now, last_step=last_step, last_time=last_time)
+            for p in self.policies
+        )
+
+
+def _env_float(env: Mapping[str, str], name: str) -> float | None:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise RunnerError(f"{name}={raw!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value <= 0:
+        raise RunnerError(f"{name}={raw!r} must be a positive number")
+    return value
+
+
+def _env_int(env: Mapping[str, str], name: str) -> int | None:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise RunnerError(f"{name}={raw!r} is not a whole number") from None
+    if value <= 0:
+        raise RunnerError(f"{name}={raw!r} must be positive")
+    return value
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """Everything a session takes from its environment (``TRAINBOT_*``)."""
+
+    #: Run id; checkpoints live under ``{checkpoint_uri}/{run_id}``.
+    run_id: str = "local"
+    #: Attempt id (one per instance), carried on every event.
+    attempt_id: str = "local-1"
+    #: Where checkpoints go: a path, file:// or s3://.
+    checkpoint_uri: str = "checkpoints"
+    #: Checkpoint every N steps.
+    every_steps: int | None = None
+    #: Checkpoint every T seconds (the control plane passes Daly's interval here).
+    every_s: float | None = None
+    #: Stop (with a checkpoint) after this many steps: the dry-run limit.
+    max_steps: int | None = None
+    #: Seconds between a SIGTERM and the SIGKILL that follows it.
+    window_s: float = 30.0
+    #: Metadata pollers to run: "aws", "gcp", "aws,gcp" or "" (none).
+    preemption_sources: str = ""
+    #: JSONL file the supervisor tails (set by ``trainbot-runner exec``).
+    events_file: str | None = None
+    #: Ingest URL and token for direct reporting (without a supervisor).
+    ingest_url: str | None = None
+    token: str | None = field(default=None, repr=False)
+    spool_dir: str | None = None
+    #: "save" or "verify" while ``trainbot-runner dry-run`` drives the script.
+    dry_run_phase: str | None = None
+    #: A file whose appearance asks the loop to stop (deliberate stop).
+    stop_file: str | None = None
+    #: Emit a metrics event every N steps.
+    metrics_every: int = 1
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> SessionConfig:
+        e = os.environ if env is None else env
+        phase = e.get("TRAINBOT_DRY_RUN_PHASE") or None
+        if phase not in (None, "save", "verify"):
+            raise RunnerError(f"TRAINBOT_DRY_RUN_PHASE={phase!r}: expected 'save' or 'verify'")
+        return cls(
+            run_id=e.get("TRAINBOT_RUN_ID") or "local",
+            attempt_id=e.get("TRAINBOT_ATTEMPT_ID") or "local-1",
+            checkpoint_uri=e.get("TRAINBOT_CHECKPOINT_URI") or "checkpoints",
+            every_steps=_env_int(e, "TRAINBOT_CHECKPOINT_EVERY_STEPS"),
+            every_s=_env_float(e, "TRAINBOT_CHECKPOINT_INTERVAL_S"),
+            max_steps=_env_int(e, "TRAINBOT_MAX_STEPS"),
+            window_s=_env_float(e, "TRAINBOT_TERMINATION_WINDOW_S") or 30.0,
+            preemption_sources=e.get("TRAINBOT_PREEMPTION_SOURCES", ""),
+            events_file=e.get("TRAINBOT_EVENTS_FILE") or None,
+            ingest_url=e.get("TRAINBOT_INGEST_URL") or None,
+            token=e.get("TRAINBOT_TOKEN") or None,
+            spool_dir=e.get("TRAINBOT_SPOOL_DIR") or None,
+            dry_run_phase=phase,
+            stop_file=e.get("TRAINBOT_STOP_FILE") or None,
+            metrics_every=_env_int(e, "TRAINBOT_METRICS_EVERY") or 1,
+        )
+
+    def decision(self) -> SaveDecision | None:
+        policies: list[SaveDecision] = []
+        if self.every_steps:
+            policies.append(EverySteps(self.every_steps))
+        if self.every_s:
+            policies.append(EverySeconds(self.every_s))
+        if not policies:
+            return None
+        return policies[0] if len(policies) == 1 else AnyOf(tuple(policies))
+
+
+def run_store(checkpoint_uri: str, run_id: str) -> Store:
+    """The store rooted at one run's checkpoints."""
+    return open_store(f"{checkpoint_uri.rstrip('/')}/{run_id}")
+
+
+def _default_sink(cfg: SessionConfig) -> EventSink:
+    if cfg.events_file:
+        return FileSink(Path(cfg.events_file))
+    if cfg.ingest_url and cfg.token:
+        spool = Path(cfg.spool_dir or Path.cwd() / ".trainbot-spool" / cfg.attempt_id)
+        return Reporter(
+            cfg.ingest_url, cfg.token, attempt=cfg.attempt_id, run=cfg.run_id, spool_dir=spool
+        )
+    return NullSink()
+
+
+class Session:
+    """One process's part of a run. Use it as a context manager around the training loop."""
+
+    def __init__(
+        self,
+        config: SessionConfig,
+        *,
+        sink: EventSink | None = None,
+        store: Store | None = None,
+        flag: PreemptionFlag | None = None,
+        decision: SaveDecision | None = None,
+        install_signals: bool = True,
+    ) -> None:
+        self.config = config
+        self.sink = sink if sink is not None else _default_sink(config)
+        self.store = store if store is not None else run_store(config.checkpoint_uri, config.run_id)
+        self.flag = flag if flag is not None else PreemptionFlag()
+        self.decision = decision or config.decision() or EverySteps(100)
+        self.writer = CheckpointWriter(
+            self.store, on_commit=self._committed, on_error=self._save_failed
+        )
+        self._tracked: dict[str, Stateful] = {}
+        self._install_signals = install_signals
+        self._signals: SignalHandlers | None = None
+        self._pollers: Any = None
+        #: Steps completed so far (restored, then counted).
+        self.step = 0
+        #: Step of the newest committed checkpoint known to this process.
+        self.committed_step: int | None = None
+        #: Why the loop ended: "finished", "preempted", "limit", "stopped", "failed".
+        self.stop_reason: str | None = None
+        self.exit_code: int = EXIT_FAILED
+        self._restored = False
+        self._last_save_step = 0
+        self._last_save_time = time.monotonic()
+        self._metrics: dict[str, float] = {}
+        self._loss: float | None = None
+        self._wait_s = 0.0
+        self._stop_checked = 0.0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **kwargs: Any) -> Session:
+        return cls(SessionConfig.from_env(env), **kwargs)
+
+    # -- set-up and teardown
+
+    def __enter__(self) -> Session:
+        if self._install_signals:
+            self._signals = SignalHandlers(self.flag, window_s=self.config.window_s)
+            self._signals.__enter__()
+        self._pollers = start_pollers(self.flag, sources=self.config.preemption_sources)
+        self.sink.emit("started", {"pid": os.getpid(), "host": socket.gethostname()})
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is not None and not isinstance(exc, SystemExit):
+            self.stop_reason = "failed"
+            self.exit_code = EXIT_FAILED
+            # The loop crashed: the last committed checkpoint stands; do not save a broken state.
+            self.writer.wait()
+        self.close()
+
+    def close(self) -> None:
+        self.writer.close()
+        if self._pollers is not None:
+            self._pollers.stop()
+            self._pollers = None
+        if self._signals is not None:
+            self._signals.__exit__(None, None, None)
+            self._signals = None
+        self.sink.emit("exit", {"code": self.exit_code, "reason": self._exit_reason()})
+        self.sink.close()
+
+    def _exit_reason(self) -> str:
+        if self.exit_code == EXIT_SUCCEEDED:
+            return "stopped" if self.stop_reason == "stopped" else "succeeded"
+        if self.exit_code == EXIT_PREEMPTED:
+            return "preempted"
+        return "failed"
+
+    # -- state
+
+    def track(self, **objects: Stateful) -> None:
+        """Objects saved and restored with every checkpoint (model, optimizer, data …)."""
+        for name, obj in objects.items():
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise RunnerError(
+                    f"{name} has no state_dict()/load_state_dict(): wrap it so it can be saved"
+                )
+            self._tracked[name] = obj
+
+    def state(self) -> dict[str, Any]:
+        """The whole training state as it is now."""
+        return {
+            "step": self.step,
+            "objects": {name: obj.state_dict() for name, obj in self._tracked.items()},
+            "rng": capture_rng(),
+        }
+
+    def state_digest(self) -> str:
+        return state_digest(self.state())
+
+    def restore(self) -> int:
+        """Load the newest committed checkpoint into the tracked objects; returns its step."""
+        self._restored = True
+        try:
+            restored = restore_latest(self.store)
+        except NoCheckpointError:
+            self.sink.emit("restored", {"step": 0, "fallback_from": None, "restore_s": 0.0})
+            return 0
+        state = restored.state
+        missing = set(self._tracked) - set(state["objects"])
+        if missing:
+            raise RunnerError(
+                f"checkpoint step {restored.step} has no state for {sorted(missing)}: "
+                "track the same objects as the run that saved it"
+            )
+        for name, obj in self._tracked.items():
+            obj.load_state_dict(state["objects"][name])
+        restore_rng(state["rng"])
+        self.step = int(state["step"])
+        self.committed_step = self.step
+        self._last_save_step = self.step
+        for skipped_step, why in restored.skipped:
+            msg = f"checkpoint step {skipped_step} is corrupt ({why}); fell back to {self.step}"
+            log.warning(msg)
+            self.sink.emit("log", {"level": "warning", "message": msg})
+        self.sink.emit(
+            "restored",
+            {
+                "step": self.step,
+                "fallback_from": restored.skipped[0][0] if restored.skipped else None,
+                "restore_s": restored.restore_s,
+            },
+        )
+        print(f"trainbot: resumed at step {self.step}", file=sys.stderr, flush=True)
+        if self.config.dry_run_phase == "verify":
+            self._dry_run_event("restored")
+        return self.step
+
+    # -- the loop
+
+    def steps(self, total: int) -> Iterator[int]:
+        """Yield step indices from the restored step to ``total``; ends early when told to."""
+        if not self._restored:
+            self.restore()
+        limit = self.config.max_steps
+        if self.config.dry_run_phase == "verify":
+            limit = self.step + 2
+        while self.step < total:
+            if self._must_stop():
+                break
+            started = time.perf_counter()
+            self._wait_s = 0.0
+            self._loss = None
+            self._metrics = {}
+            yield self.step
+            self.step += 1
+            self._report_step(time.perf_counter() - started)
+            if limit is not None and self.step >= limit:
+                self.stop_reason = "limit"
+                break
+            now = time.monotonic()
+            if self.decision.should_save(
+                step=self.step,
+                now=now,
+                last_step=self._last_save_step,
+                last_time=self._last_save_time,
+            ):
+                self._save()
+        else:
+            self.stop_reason = "finished"
+        self._finish()
+
+    def next_batch(self, it: Iterator[Any]) -> Any:
+        """``next(it)``, timed: the data-wait fraction is built from this."""
+        t0 = time.perf_counter()
+        try:
+            return next(it)
+        finally:
+            self._wait_s += time.perf_counter() - t0
+
+    def log(self, loss: float | None = None, **metrics: float) -> None:
+        """Metrics of the current step."""
+        if loss is not None:
+            self._loss = float(loss)
+        self._metrics.update({k: float(v) for k, v in metrics.items()})
+
+    def _report_step(self, step_time: float) -> None:
+        loss = self._loss
+        diverged = loss is not None and not math.isfinite(loss)
+        if self.step % self.config.metrics_every and not diverged:
+            return
+        wait = min(1.0, self._wait_s / step_time) if step_time > 0 else None
+        self.sink.emit(
+            "metrics",
+            {
+                "step": self.step,
+                "loss": loss,
+                "step_time_s": step_time,
+                "data_wait_fraction": wait,
+                "metrics": dict(self._metrics),
+            },
+        )
+
+    def _must_stop(self) -> bool:
+        if self.flag.is_set:
+            self.stop_reason = "stopped" if self._notice_source() == "stop" else "preempted"
+            return True
+        stop_file = self.config.stop_file
+        if stop_file:
+            now = time.monotonic()
+            if now - self._stop_checked >= 1.0:
+                self._stop_checked = now
+                if os.path.exists(stop_file):
+                    self.flag.set(
+                        Notice(
+                            source="stop",
+                            reason="stop requested",
+                            received_at=now,
+                            deadline=now + 3600,
+                        )
+                    )
+                    self.stop_reason = "stopped"
+                    return True
+        return False
+
+    def _notice_source(self) -> str | None:
+        notice = self.flag.notice
+        return notice.source if notice else None
+
+    # -- checkpoints
+
+    def _committed(self, info: CommitInfo) -> None:
+        self.committed_step = max(self.committed_step or 0, info.step)
+        self.sink.emit(
+            "checkpoint_committed",
+            {"step": info.step, "bytes": info.bytes, "write_s": info.write_s, "uri": info.uri},
+        )
+
+    def _save_failed(self, step: int, exc: Exception) -> None:
+        self.sink.emit("checkpoint_failed", {"step": step, "error": str(exc)})
+
+    def _save(self) -> None:
+        metrics = dict(self._metrics)
+        if self._loss is not None:
+            metrics["loss"] = self._loss
+        self.writer.save(self.step, self.state(), metrics=metrics)
+        self._last_save_step = self.step
+        self._last_save_time = time.monotonic()
+
+    def _save_now(self, timeout: float | None = None) -> bool:
+        """Save the current state and wait for the commit."""
+        if self.committed_step == self.step:
+            return True
+        self._save()
+        try:
+            info = self.writer.wait(timeout=timeout)
+        except TimeoutError:
+            return False
+        return info is not None and info.step == self.step
+
+    def _finish(self) -> None:
+        reason = self.stop_reason
+        if reason == "finished":
+            ok = self._save_now()
+            self.exit_code = EXIT_SUCCEEDED if ok else EXIT_FAILED
+        elif reason == "limit":
+            ok = self._save_now()
+            self.exit_code = EXIT_SUCCEEDED if ok else EXIT_FAILED
+            if ok and self.config.dry_run_phase == "save":
+                self._dry_run_event("saved")
+                self._await_kill()
+        elif reason in ("preempted", "stopped"):
+            self._flush_on_notice()
+
+    def _flush_on_notice(self) -> None:
+        notice = self.flag.notice
+        left = self.flag.time_left()
+        self.sink.emit(
+            "preemption_notice",
+            {"source": notice.source if notice else "signal", "time_left_s": left},
+        )
+        # Finish the save in flight, if any, within the window.
+        try:
+            self.writer.wait(timeout=left)
+        except TimeoutError:
+            pass
+        if self.committed_step != self.step:
+            left = self.flag.time_left()
+            nbytes = self.writer.last_bytes or self._state_bytes()
+            if flush_fits(nbytes=nbytes, bandwidth_bps=self.writer.bandwidth_bps, time_left_s=left):
+                self._save_now(timeout=left)
+            else:
+                msg = (
+                    f"no time for an emergency checkpoint of {nbytes} bytes "
+                    f"({left:.1f}s left); resuming from step {self.committed_step}"
+                )
+                log.warning(msg)
+                self.sink.emit("log", {"level": "warning", "message": msg})
+        if self.stop_reason == "stopped":
+            self.exit_code = EXIT_SUCCEEDED if self.committed_step == self.step else EXIT_FAILED
+        else:
+            self.exit_code = EXIT_PREEMPTED if self.committed_step is not None else EXIT_FAILED
+
+    def _state_bytes(self) -> int:
+        _, tensors = flatten(self.state())
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    # -- dry run
+
+    def _dry_run_event(self, phase: str) -> None:
+        report = {"phase": phase, "step": self.step, "state_sha256": self.state_digest()}
+        self.sink.emit("dry_run", {"report": report})
+        print(json.dumps({"dry_run": report}), file=sys.stderr, flush=True)
+
+    def _await_kill(self) -> None:
+        """In the dry run's first phase, wait to be killed like a lost instance would be."""
+        if hasattr(self.sink, "flush"):
+            self.sink.flush(10.0)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not self.flag.is_set:
+            time.sleep(0.05)

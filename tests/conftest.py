@@ -1,0 +1,28 @@
+"""Fixtures shared by every test package."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from tests.fakes.moto_server import MotoServer
+
+
+@pytest.fixture(scope="session")
+def moto_server() -> Iterator[str]:
+    """moto's server for the whole session; yields its endpoint URL.
+
+    Fake credentials and a region are set (unless already set) so that boto3 never looks
+    for real ones, and never asks an instance metadata service that is not there.
+    """
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+    server = MotoServer()
+    try:
+        yield server.start()
+    finally:
+        server.stop()

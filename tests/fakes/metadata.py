@@ -1,0 +1,285 @@
+"""Local instance-metadata servers that speak AWS IMDSv2 and GCE's metadata protocol.
+
+Real HTTP on 127.0.0.1 (port 0), so the runner's pollers are tested over the wire exactly
+as they talk to 169.254.169.254 and metadata.google.internal.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import TracebackType
+from urllib.parse import parse_qs, urlsplit
+
+__all__ = ["FakeGceMetadata", "FakeImds", "Seen"]
+
+_TTL_HEADER = "X-aws-ec2-metadata-token-ttl-seconds"
+_TOKEN_HEADER = "X-aws-ec2-metadata-token"
+_ACTION_PATH = "/latest/meta-data/spot/instance-action"
+_PREEMPTED_PATH = "/computeMetadata/v1/instance/preempted"
+
+
+@dataclass(frozen=True)
+class Seen:
+    """One request as the fake saw it."""
+
+    method: str
+    #: Path with query string.
+    path: str
+    #: The status the fake answered.
+    status: int
+    #: Whether the request carried an IMDSv2 token header (AWS only).
+    had_token: bool = False
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    fake: _FakeServer
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+
+    def do_GET(self) -> None:
+        self.server.fake._handle(self, "GET")
+
+    def do_PUT(self) -> None:
+        self.server.fake._handle(self, "PUT")
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+    def reply(self, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+class _FakeServer:
+    """A threaded HTTP server with a request log and injectable failures."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Condition()
+        self.seen: list[Seen] = []
+        self._failures: list[int] = []
+        self._closing = False
+        self._server = _Server(("127.0.0.1", 0), _Handler)
+        self._server.fake = self
+        host, port = self._server.server_address[:2]
+        self.url = f"http://{host!s}:{port}"
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
+        self._thread.start()
+
+    def fail_next(self, count: int, *, status: int = 500) -> None:
+        """Answer the next ``count`` requests with ``status`` and no body."""
+        with self._lock:
+            self._failures.extend([status] * count)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closing = True
+            self._lock.notify_all()
+        self._server.shutdown()
+        self._server.server_close()
+
+    def __enter__(self) -> _FakeServer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _record(self, seen: Seen) -> None:
+        with self._lock:
+            self.seen.append(seen)
+
+    def _handle(self, req: _Handler, method: str) -> None:
+        with self._lock:
+            failure = self._failures.pop(0) if self._failures else None
+        if failure is not None:
+            self._record(Seen(method, req.path, failure))
+            req.reply(failure, b"")
+            return
+        self._serve(req, method)
+
+    def _serve(self, req: _Handler, method: str) -> None:
+        raise NotImplementedError
+
+
+class FakeImds(_FakeServer):
+    """AWS instance metadata with ``http-tokens=required`` (IMDSv2 only).
+
+    ``PUT /latest/api/token`` with the TTL header gives a token that lives that many
+    seconds; every GET needs a live token or gets 401. ``spot/instance-action`` is 404
+    until :meth:`schedule_interruption`.
+    """
+
+    def __init__(self) -> None:
+        self._tokens: dict[str, float] = {}
+        self._action: bytes | None = None
+        super().__init__()
+
+    def __enter__(self) -> FakeImds:
+        return self
+
+    def schedule_interruption(self, action: str, at_wallclock: float | str) -> None:
+        """Publish an interruption notice. ``at_wallclock``: seconds since the epoch, or
+        the exact ``time`` text to send (to test unreadable times)."""
+        if isinstance(at_wallclock, str):
+            when = at_wallclock
+        else:
+            stamp = datetime.fromtimestamp(at_wallclock, tz=timezone.utc)
+            when = stamp.strftime("%Y-%m-%dT%H:%M:%SZ")
+        with self._lock:
+            self._action = json.dumps({"action": action, "time": when}).encode()
+
+    def expire_tokens(self) -> None:
+        """Revoke every token issued so far, as if their TTL had run out."""
+        with self._lock:
+            self._tokens.clear()
+
+    @property
+    def token_puts(self) -> int:
+        return self._count(lambda s: s.method == "PUT" and s.status == 200)
+
+    @property
+    def unauthorized(self) -> int:
+        return self._count(lambda s: s.status == 401)
+
+    @property
+    def gets_without_token(self) -> int:
+        return self._count(lambda s: s.method == "GET" and not s.had_token)
+
+    @property
+    def action_gets(self) -> int:
+        return self._count(lambda s: s.method == "GET" and s.path == _ACTION_PATH)
+
+    def _count(self, pred: Callable[[Seen], bool]) -> int:
+        with self._lock:
+            return sum(1 for s in self.seen if pred(s))
+
+    def _serve(self, req: _Handler, method: str) -> None:
+        path = urlsplit(req.path).path
+        token = req.headers.get(_TOKEN_HEADER)
+        status, body, headers = self._answer(req, method, path, token)
+        self._record(Seen(method, req.path, status, had_token=token is not None))
+        req.reply(status, body, {"Content-Type": "text/plain", **headers})
+
+    def _answer(
+        self, req: _Handler, method: str, path: str, token: str | None
+    ) -> tuple[int, bytes, dict[str, str]]:
+        if method == "PUT":
+            if path != "/latest/api/token":
+                return 405, b"", {}
+            if req.headers.get("X-Forwarded-For"):
+                return 403, b"", {}
+            try:
+                ttl = int(req.headers.get(_TTL_HEADER, ""))
+            except ValueError:
+                return 400, b"", {}
+            if not 1 <= ttl <= 21600:
+                return 400, b"", {}
+            new = secrets.token_urlsafe(32)
+            with self._lock:
+                self._tokens[new] = time.monotonic() + ttl
+            return 200, new.encode(), {_TTL_HEADER: str(ttl)}
+        with self._lock:
+            expiry = self._tokens.get(token or "")
+            if expiry is None or expiry <= time.monotonic():
+                return 401, b"", {}
+            action = self._action
+        if path != _ACTION_PATH or action is None:
+            return 404, b"", {}
+        return 200, action, {}
+
+
+class FakeGceMetadata(_FakeServer):
+    """GCE metadata for ``instance/preempted``, with ``wait_for_change``, ``last_etag``
+    and ``timeout_sec``. Requests without ``Metadata-Flavor: Google`` get 403."""
+
+    #: How long a long poll waits when the client gives no timeout_sec.
+    default_timeout_sec = 60
+
+    def __init__(self) -> None:
+        self._preempted = False
+        self._version = itertools.count()
+        self._etag = self._new_etag()
+        self.pending = 0
+        super().__init__()
+
+    def __enter__(self) -> FakeGceMetadata:
+        return self
+
+    def preempt(self) -> None:
+        """Flip ``preempted`` to TRUE and answer every pending long poll."""
+        with self._lock:
+            self._preempted = True
+            self._etag = self._new_etag()
+            self._lock.notify_all()
+
+    def wait_pending(self, count: int = 1, *, timeout: float = 5.0) -> bool:
+        """Wait until ``count`` long polls are blocked in the server."""
+        with self._lock:
+            return self._lock.wait_for(lambda: self.pending >= count, timeout)
+
+    @property
+    def forbidden(self) -> int:
+        with self._lock:
+            return sum(1 for s in self.seen if s.status == 403)
+
+    def _new_etag(self) -> str:
+        seed = f"{self._preempted}-{next(self._version)}".encode()
+        return hashlib.sha256(seed).hexdigest()[:16]
+
+    def _serve(self, req: _Handler, method: str) -> None:
+        status, body, headers = self._answer(req, method)
+        self._record(Seen(method, req.path, status))
+        req.reply(status, body, {"Content-Type": "application/text", **headers})
+
+    def _answer(self, req: _Handler, method: str) -> tuple[int, bytes, dict[str, str]]:
+        parts = urlsplit(req.path)
+        if req.headers.get("Metadata-Flavor") != "Google" or req.headers.get("X-Forwarded-For"):
+            return 403, b"Missing Metadata-Flavor:Google header.\n", {}
+        if method != "GET":
+            return 405, b"", {}
+        if parts.path != _PREEMPTED_PATH:
+            return 404, b"", {}
+        query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+        wait = query.get("wait_for_change", "false").lower() == "true"
+        try:
+            timeout = int(query.get("timeout_sec", self.default_timeout_sec))
+        except ValueError:
+            return 400, b"timeout_sec must be an integer\n", {}
+        last = query.get("last_etag")
+        with self._lock:
+            if wait:
+                # Without last_etag: wait for the next change. With a stale one: answer now.
+                seen = self._etag if last is None else last
+                self.pending += 1
+                self._lock.notify_all()
+                try:
+                    self._lock.wait_for(
+                        lambda: self._etag != seen or self._closing, timeout=max(0, timeout)
+                    )
+                finally:
+                    self.pending -= 1
+            value = b"TRUE" if self._preempted else b"FALSE"
+            etag = self._etag
+        return 200, value, {"ETag": etag, "Metadata-Flavor": "Google"}
