@@ -196,7 +196,7 @@ def _num(data: Mapping[str, Any], key: str) -> float | None:
         return None
     if isinstance(value, (int, float)):
         return float(value)
-    if isinstance(value, str):  # JSON has no NaN; a runner may send "nan" or "inf".
+    if isinstance(value, str):  # JSON has no NaN: the wire sends "NaN", "Infinity".
         try:
             return float(value)
         except ValueError:
@@ -615,7 +615,10 @@ def _is_preemption(obs: Obs) -> bool:
         return True
     if obs.type != "exit":
         return False
-    return obs.data.get("reason") == "preempted" or _int(obs.data, "code") == EXIT_PREEMPTED
+    reason = obs.data.get("reason")
+    if reason is not None:  # the runner's reason wins: a stop may also exit with 75
+        return reason == "preempted"
+    return _int(obs.data, "code") == EXIT_PREEMPTED
 
 
 class Preemption:

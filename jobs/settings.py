@@ -15,6 +15,7 @@ process with a :class:`~jobs.errors.SettingsError` naming each variable and its 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import zoneinfo
@@ -145,6 +146,13 @@ class Settings(BaseSettings):
     @field_validator("allowed_channels", "admins", mode="before")
     @classmethod
     def _split_commas(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip().startswith("["):
+            try:
+                return json.loads(value)
+            except json.JSONDecodeError:
+                raise ValueError(
+                    'expected a comma-separated list (C01,C02) or a JSON list (["C01", "C02"])'
+                ) from None
         if isinstance(value, str):
             return [item.strip() for item in value.split(",") if item.strip()]
         return value

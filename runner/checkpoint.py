@@ -362,6 +362,8 @@ class CheckpointWriter:
         files: list[FileEntry] = []
         stream: WriteStream | None = None
         try:
+            # Re-saving a step (after a fallback past a corrupt one) first uncommits it.
+            self.store.delete([f"{sd}/{MANIFEST}"])
             by_shard: dict[str, list[tuple[TensorSpec, torch.Tensor]]] = {}
             for spec, t in zip(specs, staged, strict=True):
                 by_shard.setdefault(spec.shard, []).append((spec, t))

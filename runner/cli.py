@@ -265,6 +265,14 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILED
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # a bug, not bad input: say so without a traceback
+        logging.getLogger(__name__).debug("unexpected error", exc_info=True)
+        print(
+            f"trainbot-runner: unexpected error: {type(exc).__name__}: {exc} "
+            "(run with TRAINBOT_LOG_LEVEL=DEBUG for the traceback)",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
 
 
 if __name__ == "__main__":

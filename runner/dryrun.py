@@ -217,15 +217,15 @@ def run_dry_run(
     return report
 
 
-def _wait_for(phase: _Phase, type_: str, deadline: float, **match: Any) -> dict[str, Any] | None:
+def _wait_for(proc: _Phase, type_: str, deadline: float, **match: Any) -> dict[str, Any] | None:
     while time.monotonic() < deadline:
-        phase.pump()
-        found = phase.find(type_, **match)
+        proc.pump()
+        found = proc.find(type_, **match)
         if found is not None:
             return found
-        if phase.proc.poll() is not None:
-            phase.pump()
-            return phase.find(type_, **match)
+        if proc.proc.poll() is not None:
+            proc.pump()
+            return proc.find(type_, **match)
         time.sleep(0.05)
     return None
 

@@ -35,7 +35,7 @@ from runner.errors import RunnerError
 __all__ = [
     "AWS_TOKEN_TTL_S",
     "SOURCES",
-    "UNMEASURED_MIN_TIME_LEFT_S",
+    "ASSUMED_BANDWIDTH_BPS",
     "AwsSpotPoller",
     "GcpPreemptedPoller",
     "Notice",
@@ -59,7 +59,10 @@ SOURCES = ("signal", "aws", "gcp", "stop")
 #: With no write bandwidth measured yet, an emergency checkpoint is attempted only when at
 #: least this much time is left: AWS's 120 s window qualifies, GCE's 30 s does not, since a
 #: torn flush there would cost the upload and still lose the step.
-UNMEASURED_MIN_TIME_LEFT_S = 60.0
+#: Write bandwidth assumed before any save has been measured: a cautious figure for an
+#: object store over the network (25 MB/s), so a first emergency flush of a small state
+#: still happens and one of many gigabytes is not started in a 30 s window.
+ASSUMED_BANDWIDTH_BPS = 25e6
 #: How often a main-thread waiter re-reads the flag: a signal handler cannot wake it
 #: through an Event (that takes a lock), so it notices within this long instead.
 _WAIT_SLICE_S = 0.05
@@ -249,8 +252,8 @@ def flush_fits(
 
     A flush that cannot finish is worse than none: it spends the window and leaves a torn
     step. The estimate is ``overhead_s + safety * nbytes / bandwidth_bps <= time_left_s``
-    from the write bandwidth measured on earlier saves. With no measurement yet it fits
-    only when at least :data:`UNMEASURED_MIN_TIME_LEFT_S` is left. With no deadline known
+    from the write bandwidth measured on earlier saves. With no measurement yet it assumes
+    :data:`ASSUMED_BANDWIDTH_BPS`. With no deadline known
     (``time_left_s`` None) it always fits.
     """
     if nbytes < 0:
@@ -258,7 +261,7 @@ def flush_fits(
     if time_left_s is None:
         return True
     if bandwidth_bps is None or bandwidth_bps <= 0:
-        return time_left_s >= UNMEASURED_MIN_TIME_LEFT_S
+        bandwidth_bps = ASSUMED_BANDWIDTH_BPS
     return overhead_s + safety * nbytes / bandwidth_bps <= time_left_s
 
 

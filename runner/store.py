@@ -211,8 +211,10 @@ class LocalStore:
                     path.unlink()
                     deleted += 1
                     parents.add(path.parent)
-                except FileNotFoundError:
+                except (FileNotFoundError, NotADirectoryError):
                     pass
+                except OSError as exc:
+                    raise StoreError(f"cannot delete {key} from {self.uri}: {exc.strerror}") from exc
         # Remove directories left empty (a pruned step), deepest first.
         for parent in sorted(parents, key=lambda p: len(p.parts), reverse=True):
             with contextlib.suppress(OSError):

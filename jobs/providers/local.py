@@ -222,7 +222,8 @@ def _wrap_main(argv: Sequence[str]) -> int:
     try:
         child = subprocess.Popen(command, stdin=subprocess.DEVNULL)
     except OSError as e:
-        print(f"trainbot: cannot start {command[:1]}: {e}", file=sys.stderr, flush=True)
+        name = command[0] if command else ""
+        print(f"trainbot: cannot start {name!r}: {e}", file=sys.stderr, flush=True)
         code = 127 if isinstance(e, FileNotFoundError) else 126
     else:
         code = child.wait()
@@ -365,9 +366,7 @@ class LocalProvider:
         quota = self.quota(req)
         zones = [ZoneCapacity(zone=ZONE, available=quota.ok, score=None, detail=quota.detail)]
         zones += [
-            ZoneCapacity(
-                zone=z, available=False, detail=f"the local provider has one zone, {ZONE}"
-            )
+            ZoneCapacity(zone=z, available=False, detail=f"the local provider has one zone, {ZONE}")
             for z in dict.fromkeys(req.zones)
             if z != ZONE
         ]
@@ -401,6 +400,8 @@ class LocalProvider:
                 f"the local provider has one zone, {ZONE}; it cannot launch in {req.zone!r}",
                 zone=req.zone,
             )
+        if self._closed:
+            raise ProviderError("this local provider is closed; make a new one to launch")
         key = req.idempotency_key or f"{req.run_id}/{req.attempt_id}"
         with self._lock, self._launch_lock():
             record = next((r for r in self._records() if r.idempotency_key == key), None)
@@ -563,10 +564,15 @@ class LocalProvider:
     def _records(self) -> list[_Record]:
         records = []
         for d in self._instances.iterdir():
-            if _ID.fullmatch(d.name):
+            if not _ID.fullmatch(d.name):
+                continue
+            try:
                 data = _read_json(d / _INSTANCE)
-                if data is not None:
-                    records.append(_Record.from_json(data))
+            except ProviderError as e:  # one damaged record must not hide the others
+                log.warning("skipping local instance %s: %s", d.name, e)
+                continue
+            if data is not None:
+                records.append(_Record.from_json(data))
         return sorted(records, key=lambda r: (r.launched_at, r.instance_id))
 
     def _read_process(self, instance_id: str) -> _Process | None:
@@ -749,8 +755,7 @@ class LocalProvider:
                     how += " (a checkpoint is committed)"
             return make(
                 InstanceState.PREEMPTED,
-                f"preempted (spot capacity reclaimed) at {at.isoformat(timespec='seconds')};"
-                f" {how}",
+                f"preempted (spot capacity reclaimed) at {at.isoformat(timespec='seconds')}; {how}",
                 exit_code=code,
                 preempted_at=at,
             )

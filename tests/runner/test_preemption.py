@@ -16,7 +16,7 @@ import pytest
 
 from runner.errors import RunnerError
 from runner.preemption import (
-    UNMEASURED_MIN_TIME_LEFT_S,
+    ASSUMED_BANDWIDTH_BPS,
     AwsSpotPoller,
     GcpPreemptedPoller,
     Notice,
@@ -471,8 +471,12 @@ def test_flush_fits_compares_the_estimated_write_time_with_the_time_left() -> No
 
 def test_flush_fits_without_a_bandwidth_or_a_deadline() -> None:
     assert flush_fits(nbytes=10**12, bandwidth_bps=None, time_left_s=None)
-    assert flush_fits(nbytes=1, bandwidth_bps=None, time_left_s=UNMEASURED_MIN_TIME_LEFT_S)
-    assert not flush_fits(nbytes=1, bandwidth_bps=None, time_left_s=30.0)
-    assert not flush_fits(nbytes=1, bandwidth_bps=0.0, time_left_s=30.0)
+    # Unmeasured: the cautious assumed bandwidth decides.
+    one_gib = 1 << 30
+    needed = 1.0 + 1.5 * one_gib / ASSUMED_BANDWIDTH_BPS
+    assert flush_fits(nbytes=one_gib, bandwidth_bps=None, time_left_s=needed + 0.1)
+    assert not flush_fits(nbytes=one_gib, bandwidth_bps=None, time_left_s=needed - 0.1)
+    assert not flush_fits(nbytes=one_gib, bandwidth_bps=0.0, time_left_s=30.0)
+    assert flush_fits(nbytes=10**6, bandwidth_bps=None, time_left_s=30.0)
     with pytest.raises(ValueError, match="bytes"):
         flush_fits(nbytes=-1, bandwidth_bps=1e8, time_left_s=10.0)

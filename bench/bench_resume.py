@@ -1,0 +1,159 @@
+"""How long a restarted training process takes to get back to training.
+
+A checkpoint of the model + Adam state is written once through a ``Session``. Then,
+interleaved and repeated:
+
+- ours: a new process (``bench/_resume_child.py``) imports torch and the runner, builds
+  the model skeleton, restores the newest checkpoint through ``Session`` (list, manifest,
+  shards read and sha256-verified, ``load_state_dict``) and prints the time of its first
+  step; measured from just before this process spawns it;
+- raw: a new process imports torch and reads the same files (shards and meta.pt) into
+  memory, and prints the time it is done.
+
+Before each run the page cache is dropped (root only; otherwise both run on a warm cache
+and the output says so), then python + torch are imported once in a throwaway process,
+so that the checkpoint files are read cold and the libraries warm, for both contenders.
+Goal: ours <= 1.5 x raw.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._common import (
+    MiB,
+    BenchError,
+    Never,
+    build_model,
+    child_env,
+    disk_of,
+    drop_page_cache,
+    emit,
+    log,
+    median,
+    parse_args,
+    rounded,
+    temp_dir,
+)
+from runner.checkpoint import MANIFEST, list_committed, read_manifest, step_dir
+from runner.session import Session, SessionConfig, run_store
+
+GOAL = 1.5
+RUN_ID = "resume"
+CHILD = Path(__file__).resolve().parent / "_resume_child.py"
+RAW_READ = """
+import sys, time
+import torch
+for path in sys.argv[1:]:
+    with open(path, "rb", buffering=0) as f:
+        data = f.read()
+print(time.time(), flush=True)
+"""
+WARM_LIBS = "import torch, runner.session"
+TIMEOUT_S = 600.0
+
+
+def _extra(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--keep-page-cache",
+        action="store_true",
+        help="do not drop the page cache (it affects everything on the machine)",
+    )
+
+
+def write_checkpoint(root: Path, size_bytes: int) -> list[Path]:
+    """One committed checkpoint of the state, written the way a run writes it."""
+    model, opt = build_model(size_bytes)
+    config = SessionConfig(run_id=RUN_ID, checkpoint_uri=str(root))
+    with Session(config, decision=Never(), install_signals=False) as s:
+        s.track(model=model, optimizer=opt)
+        for _ in s.steps(1):
+            pass
+    if s.exit_code != 0:
+        raise BenchError(f"writing the checkpoint failed (exit code {s.exit_code})")
+    store = run_store(str(root), RUN_ID)
+    (entry,) = list_committed(store)
+    manifest = read_manifest(store, entry.step)
+    step = root / RUN_ID / step_dir(entry.step)
+    return [step / f.name for f in manifest.files] + [step / MANIFEST]
+
+
+def _run(cmd: list[str], env: dict[str, str]) -> tuple[float, str]:
+    """Spawn ``cmd``; the time just before spawning and its stdout's last line."""
+    spawned = time.time()
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=TIMEOUT_S)
+    if done.returncode != 0:
+        raise BenchError(f"{cmd[1]} exited with {done.returncode}: {done.stderr[-500:]}")
+    return spawned, done.stdout.strip().splitlines()[-1]
+
+
+def main(argv: list[str] | None = None) -> None:
+    opts, args = parse_args(__doc__ or "", argv, extra=_extra)
+    log(f"resume: {opts.size_bytes / MiB:.0f} MiB state, {opts.repeats} rounds")
+    ours: list[dict[str, Any]] = []
+    raw_s: list[float] = []
+    cold: bool | None = None
+    with temp_dir(opts.parent_dir, "bench-resume") as root:
+        files = write_checkpoint(root, opts.size_bytes)
+        nbytes = sum(p.stat().st_size for p in files)
+        env = child_env({"TRAINBOT_CHECKPOINT_URI": str(root), "TRAINBOT_RUN_ID": RUN_ID})
+        size_mb = str(opts.size_bytes / MiB)
+
+        def prepare() -> bool:
+            dropped = False if args.keep_page_cache else drop_page_cache()
+            subprocess.run([sys.executable, "-c", WARM_LIBS], check=True, env=env)
+            return dropped
+
+        for r in range(opts.repeats):
+            for contender in ("ours", "raw") if r % 2 == 0 else ("raw", "ours"):
+                dropped = prepare()
+                cold = dropped if cold is None else cold and dropped
+                if contender == "ours":
+                    spawned, line = _run([sys.executable, str(CHILD), size_mb], env)
+                    got = json.loads(line)
+                    ours.append({k: v - spawned for k, v in got.items() if k.endswith("_at")})
+                else:
+                    paths = [str(p) for p in files]
+                    spawned, line = _run([sys.executable, "-c", RAW_READ, *paths], env)
+                    raw_s.append(float(line) - spawned)
+            o = ours[-1]
+            log(
+                f"  round {r + 1}: ours {o['first_step_at']:.3f}s (imports {o['imported_at']:.3f}"
+                f", model {o['built_at']:.3f}, restored {o['restored_at']:.3f}), "
+                f"raw {raw_s[-1]:.3f}s"
+            )
+    ours_s = median([o["first_step_at"] for o in ours])
+    raw = median(raw_s)
+    emit(
+        "resume",
+        ratio=ours_s / raw,
+        goal=GOAL,
+        op="<=",
+        figures={
+            "checkpoint_bytes": nbytes,
+            "ours_to_first_step_s": rounded(ours_s),
+            "raw_read_s": rounded(raw),
+            "ours_imports_done_s": rounded(median([o["imported_at"] for o in ours])),
+            "ours_model_built_s": rounded(median([o["built_at"] for o in ours])),
+            "ours_restored_s": rounded(median([o["restored_at"] for o in ours])),
+            "ours_all_s": [rounded(o["first_step_at"]) for o in ours],
+            "raw_all_s": [rounded(v) for v in raw_s],
+            "page_cache": "dropped before each run, libraries re-warmed"
+            if cold
+            else "warm cache",
+            "disk": disk_of(opts.parent_dir),
+        },
+        opts=opts,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,245 @@
+"""Engine, sessions and migrations for SQLite (embedded) and PostgreSQL (production).
+
+SQLite is tuned for a control plane with threads: WAL (readers never block the
+writer), foreign keys enforced, a busy timeout, and ``BEGIN IMMEDIATE`` for every
+transaction. The last one matters: with SQLite's default deferred transactions two
+sessions that read and then write deadlock on the lock upgrade, and SQLite fails one
+at once instead of waiting out the busy timeout. Taking the write lock at ``BEGIN``
+makes them queue. The price is that SQLite sessions run one at a time, so keep them
+short: never hold a session open across a network call.
+
+Migrations are Alembic's, configured in code (no ``alembic.ini``); to draft a new
+revision against a scratch database::
+
+    from alembic import command
+    from jobs.db import alembic_config, make_engine, migrate
+    engine = make_engine("sqlite:////tmp/draft.db"); migrate(engine)
+    with engine.begin() as conn:
+        command.revision(alembic_config(conn), "add x", autogenerate=True, rev_id="0002")
+
+then review the generated file; ``tests/jobs/test_db.py`` checks it matches the models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from alembic.util import CommandError
+from sqlalchemy import Connection, Engine, create_engine, event, text
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError, IntegrityError, NoSuchModuleError, OperationalError
+from sqlalchemy.pool import StaticPool
+from sqlmodel import Session
+
+from jobs.errors import ConflictError, DatabaseError, SettingsError
+
+__all__ = [
+    "MIGRATIONS_DIR",
+    "alembic_config",
+    "current_revision",
+    "head_revision",
+    "make_engine",
+    "migrate",
+    "session_scope",
+]
+
+#: The Alembic script directory shipped in the package.
+MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
+
+#: Seconds a SQLite connection waits for another's write lock before giving up.
+SQLITE_BUSY_TIMEOUT_S = 30.0
+
+# Arbitrary constant: the PostgreSQL advisory lock that makes concurrent replicas
+# migrate one after the other instead of racing on CREATE TABLE.
+_MIGRATION_LOCK_ID = 0x7472_6169_6E62  # "trainb"
+
+_URL_EXAMPLES = (
+    "use sqlite:////absolute/path/trainbot.db or postgresql://user:password@host:5432/dbname"
+)
+
+
+def _parse_url(url: str) -> URL:
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        raise SettingsError(
+            f"TRAINBOT_DATABASE_URL is not a database URL: {_URL_EXAMPLES}"
+        ) from None
+    if parsed.drivername in ("postgres", "postgresql"):
+        # "postgres://" is what Heroku-style providers hand out; SQLAlchemy wants the full name.
+        parsed = parsed.set(drivername="postgresql+psycopg2")
+    backend = parsed.get_backend_name()
+    if backend not in ("sqlite", "postgresql"):
+        raise SettingsError(
+            f"TRAINBOT_DATABASE_URL uses {backend!r}, which trainbot does not support: "
+            f"{_URL_EXAMPLES}"
+        )
+    return parsed
+
+
+def make_engine(url: str, *, echo: bool = False) -> Engine:
+    """An engine for a SQLite or PostgreSQL URL, configured for this control plane.
+
+    Raises :class:`SettingsError` for a URL that is malformed, names another database,
+    or needs a driver that is not installed. Connecting happens later, on first use.
+    """
+    parsed = _parse_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        return _sqlite_engine(parsed, echo=echo)
+    try:
+        return create_engine(parsed, echo=echo, pool_pre_ping=True)
+    except (ModuleNotFoundError, NoSuchModuleError):
+        raise SettingsError(
+            "TRAINBOT_DATABASE_URL names PostgreSQL but its driver is missing: "
+            "pip install 'trainbot[postgres]' (psycopg2-binary)"
+        ) from None
+
+
+def _sqlite_engine(parsed: URL, *, echo: bool) -> Engine:
+    database = parsed.database or ""
+    connect_args: dict[str, Any] = {
+        "check_same_thread": False,
+        "timeout": SQLITE_BUSY_TIMEOUT_S,
+    }
+    if database in ("", ":memory:"):
+        # One shared connection, or every thread would get its own empty database.
+        engine = create_engine(parsed, echo=echo, connect_args=connect_args, poolclass=StaticPool)
+    else:
+        directory = Path(database).expanduser().absolute().parent
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise SettingsError(
+                f"cannot create {directory} for the SQLite database ({exc.strerror}): set "
+                "TRAINBOT_STATE_DIR or TRAINBOT_DATABASE_URL to a writable place"
+            ) from None
+        engine = create_engine(parsed, echo=echo, connect_args=connect_args)
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        # Let SQLAlchemy, not the sqlite3 module, decide where transactions begin.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute("PRAGMA foreign_keys=ON")
+            cursor.execute(f"PRAGMA busy_timeout={int(SQLITE_BUSY_TIMEOUT_S * 1000)}")
+            if database not in ("", ":memory:"):
+                cursor.execute("PRAGMA journal_mode=WAL")
+                cursor.execute("PRAGMA synchronous=NORMAL")
+        finally:
+            cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection: Connection) -> None:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
+def _first_line(exc: Exception) -> str:
+    cause = getattr(exc, "orig", None) or exc
+    return str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+
+
+@contextmanager
+def session_scope(engine: Engine) -> Iterator[Session]:
+    """A session that commits when the block ends and rolls back if it raises.
+
+    Objects stay usable after the block (``expire_on_commit=False``), so a use-case
+    can return what it wrote. A constraint violation becomes :class:`ConflictError`
+    and an unreachable or locked database :class:`DatabaseError`; nothing is left
+    half-written in either case.
+    """
+    session = Session(engine, expire_on_commit=False)
+    try:
+        yield session
+        session.commit()
+    except IntegrityError as exc:
+        session.rollback()
+        raise ConflictError(
+            f"the database refused the change ({_first_line(exc)}): a record with the "
+            "same key exists or a referenced one does not; if this repeats a command "
+            "that already succeeded, there is nothing to do"
+        ) from exc
+    except OperationalError as exc:
+        session.rollback()
+        raise DatabaseError(
+            f"the database failed ({_first_line(exc)}): check that it is running and "
+            "that TRAINBOT_DATABASE_URL points at it, then retry"
+        ) from exc
+    except BaseException:
+        session.rollback()
+        raise
+    finally:
+        session.close()
+
+
+def alembic_config(connection: Connection | None = None, *, url: str | None = None) -> Config:
+    """Alembic's configuration for ``jobs/migrations``, built in code.
+
+    ``connection`` is what the migrations run on; ``url`` is only for offline
+    (``--sql``) rendering.
+    """
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    config.set_main_option("path_separator", "os")
+    config.set_main_option("file_template", "%%(rev)s_%%(slug)s")
+    if url is not None:
+        config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    if connection is not None:
+        config.attributes["connection"] = connection
+    return config
+
+
+def head_revision() -> str:
+    """The newest schema revision this version of trainbot knows."""
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    if head is None:
+        raise DatabaseError("jobs/migrations has no revisions: the package is incomplete")
+    return head
+
+
+def current_revision(engine: Engine) -> str | None:
+    """The schema revision the database is at; ``None`` before the first migration."""
+    try:
+        with engine.connect() as connection:
+            return MigrationContext.configure(connection).get_current_revision()
+    except OperationalError as exc:
+        raise DatabaseError(
+            f"cannot read the schema revision ({_first_line(exc)}): check that the database "
+            "is running and that TRAINBOT_DATABASE_URL points at it"
+        ) from exc
+
+
+def migrate(engine: Engine) -> None:
+    """Bring the schema up to the newest revision (``alembic upgrade head``).
+
+    Safe to call at every start and from several replicas at once: it does nothing
+    when the schema is current, and on PostgreSQL an advisory lock serialises
+    concurrent callers. The whole upgrade is one transaction where the database
+    allows (both do), so a failure leaves the previous schema intact.
+    """
+    try:
+        with engine.begin() as connection:
+            if connection.dialect.name == "postgresql":
+                connection.execute(
+                    text("SELECT pg_advisory_xact_lock(:lock_id)"), {"lock_id": _MIGRATION_LOCK_ID}
+                )
+            command.upgrade(alembic_config(connection), "head")
+    except CommandError as exc:
+        raise DatabaseError(
+            f"cannot migrate the database: {exc}. If a newer trainbot has migrated it, "
+            "run that version (or newer) instead"
+        ) from exc
+    except OperationalError as exc:
+        raise DatabaseError(
+            f"cannot migrate the database ({_first_line(exc)}): check that it is running and "
+            "that TRAINBOT_DATABASE_URL points at it"
+        ) from exc

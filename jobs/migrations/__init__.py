@@ -1,0 +1,1 @@
+"""Alembic migrations for the control plane's database; run them with ``jobs.db.migrate``."""

@@ -1,0 +1,75 @@
+"""Shared fixtures for the control plane's tests.
+
+``db_engine`` is a migrated database, once on SQLite (a file in the test's temporary
+directory) and once on PostgreSQL when ``TRAINBOT_TEST_POSTGRES_URL`` is set (each
+test gets a fresh schema, dropped afterwards). Tests that take it run against both,
+so nothing works on one database by accident. ``empty_engine`` is the same before
+migration. ``settings`` are the embedded defaults with the state under ``tmp_path``.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import Engine, text
+from sqlalchemy.engine import make_url
+
+from jobs.db import make_engine, migrate
+from jobs.settings import Settings, load_settings
+
+POSTGRES_URL_ENV = "TRAINBOT_TEST_POSTGRES_URL"
+
+
+def _with_search_path(url: str, schema: str) -> str:
+    """The URL with libpq's ``options`` set so every connection uses ``schema``."""
+    parsed = make_url(url)
+    options = parsed.query.get("options", "")
+    if isinstance(options, tuple):
+        options = " ".join(options)
+    options = f"{options} -csearch_path={schema}".strip()
+    return parsed.update_query_dict({"options": options}).render_as_string(hide_password=False)
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def empty_engine(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Engine]:
+    """An engine on an empty database: SQLite, or a fresh PostgreSQL schema."""
+    if request.param == "sqlite":
+        engine = make_engine(f"sqlite:///{tmp_path / 'trainbot.db'}")
+        yield engine
+        engine.dispose()
+        return
+    url = os.environ.get(POSTGRES_URL_ENV)
+    if not url:
+        pytest.skip(
+            f"{POSTGRES_URL_ENV} is not set: set it to a PostgreSQL URL such as "
+            "postgresql://postgres@127.0.0.1:5432/test to run the PostgreSQL variant"
+        )
+    schema = f"trainbot_test_{uuid.uuid4().hex[:12]}"
+    admin = make_engine(url)
+    with admin.begin() as connection:
+        connection.execute(text(f'CREATE SCHEMA "{schema}"'))
+    engine = make_engine(_with_search_path(url, schema))
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+        with admin.begin() as connection:
+            connection.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()
+
+
+@pytest.fixture
+def db_engine(empty_engine: Engine) -> Engine:
+    """An engine on a database migrated to the newest revision."""
+    migrate(empty_engine)
+    return empty_engine
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    """The embedded defaults, with the state directory under the test's tmp_path."""
+    return load_settings({"TRAINBOT_STATE_DIR": str(tmp_path / "state")})

@@ -1,0 +1,253 @@
+"""Checkpoints: format, atomic commit, fallback past corruption, clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from runner.checkpoint import (
+    MANIFEST,
+    CheckpointWriter,
+    commit_files,
+    download_files,
+    list_committed,
+    load_checkpoint,
+    read_manifest,
+    restore_latest,
+    step_dir,
+    verify,
+)
+from runner.errors import BadURIError, CheckpointError, NoCheckpointError, StoreError
+from runner.state import capture_rng, restore_rng, state_digest
+from runner.store import LocalStore, open_store
+
+
+def sample_state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(3, 8, generator=g)).sum().backward()
+    opt.step()
+    return {
+        "model": model.state_dict(),
+        "optim": opt.state_dict(),
+        "bf16": torch.randn(5, 3, generator=g).to(torch.bfloat16),
+        "ints": torch.arange(7, dtype=torch.int64),
+        "mask": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 4),
+        "rng": capture_rng(),
+        "np": np.arange(5, dtype=np.float32),
+        "meta": {"epoch": 2, "name": "x", "pair": (1, 2.5), "none": None},
+    }
+
+
+def test_round_trip_is_bit_identical(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    state = sample_state()
+    writer = CheckpointWriter(store, shard_bytes=1024)  # force several shards
+    info = writer.save(10, state, metrics={"loss": 1.25, "bad": float("nan")}).result()
+    writer.close()
+    assert info.step == 10 and info.bytes > 0
+    manifest = read_manifest(store, 10)
+    assert manifest.metrics == {"loss": 1.25, "bad": None}
+    assert len([f for f in manifest.files if f.name.startswith("shard-")]) > 1
+    restored = restore_latest(store)
+    assert restored.step == 10 and restored.skipped == []
+    assert state_digest(restored.state) == state_digest(state)
+    assert restored.state["meta"]["pair"] == (1, 2.5)
+    assert restored.state["bf16"].dtype == torch.bfloat16
+    # RNG states restored from a checkpoint drive the generators exactly as before.
+    restore_rng(restored.state["rng"])
+    a = torch.rand(3)
+    restore_rng(state["rng"])
+    assert torch.equal(a, torch.rand(3))
+
+
+def test_manifest_is_written_last_and_lists_checksums(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    writer = CheckpointWriter(store)
+    writer.save(1, sample_state()).result()
+    writer.close()
+    doc = json.loads((tmp_path / step_dir(1) / MANIFEST).read_text())
+    assert doc["step"] == 1 and doc["format"].startswith("trainbot-checkpoint/")
+    names = {f["name"] for f in doc["files"]}
+    on_disk = {p.name for p in (tmp_path / step_dir(1)).iterdir()} - {MANIFEST}
+    assert names == on_disk
+    manifest_mtime = (tmp_path / step_dir(1) / MANIFEST).stat().st_mtime_ns
+    for name in names:
+        assert (tmp_path / step_dir(1) / name).stat().st_mtime_ns <= manifest_mtime
+    for f in doc["files"]:
+        assert len(f["sha256"]) == 64 and f["size"] == (tmp_path / step_dir(1) / f["name"]).stat().st_size
+
+
+def test_at_most_one_save_in_flight_and_staging_is_not_shared(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    writer = CheckpointWriter(store)
+    t = torch.zeros(1000)
+    futures = []
+    for step in range(1, 6):
+        t.fill_(step)
+        futures.append(writer.save(step, {"t": t}))
+        t.fill_(-1)  # mutating after save() must not leak into the checkpoint
+    writer.close()
+    assert [f.result().step for f in futures] == [1, 2, 3, 4, 5]
+    for step in range(1, 6):
+        state = load_checkpoint(store, read_manifest(store, step))
+        assert torch.equal(state["t"], torch.full((1000,), float(step)))
+
+
+def _corrupt(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["manifest", "checksum", "missing-shard", "truncated", "meta"])
+def test_damaged_newest_checkpoint_falls_back_to_previous(tmp_path: Path, damage: str) -> None:
+    store = LocalStore(tmp_path)
+    writer = CheckpointWriter(store)
+    good, bad = sample_state(1), sample_state(2)
+    writer.save(5, good).result()
+    writer.save(9, bad).result()
+    writer.close()
+    sd = tmp_path / step_dir(9)
+    shard = sd / "shard-00000.bin"
+    if damage == "manifest":
+        (sd / MANIFEST).write_text("{not json")
+    elif damage == "checksum":
+        _corrupt(shard)
+    elif damage == "missing-shard":
+        shard.unlink()
+    elif damage == "truncated":
+        shard.write_bytes(shard.read_bytes()[:-10])
+    else:
+        _corrupt(sd / "meta.pt")
+    restored = restore_latest(store)
+    assert restored.step == 5
+    assert state_digest(restored.state) == state_digest(good)
+    assert restored.skipped and restored.skipped[0][0] == 9
+    assert verify(store, 9) and not verify(store, 5)
+    # The good checkpoint is still there and untouched.
+    assert [e.step for e in list_committed(store)] == [5, 9]
+
+
+def test_every_checkpoint_damaged_is_a_clear_error(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    writer = CheckpointWriter(store)
+    writer.save(3, sample_state()).result()
+    writer.close()
+    (tmp_path / step_dir(3) / MANIFEST).write_text('{"format": "other"}')
+    with pytest.raises(CheckpointError, match="no usable checkpoint.*step 3: corrupt manifest"):
+        restore_latest(store)
+
+
+def test_empty_store_has_no_checkpoint(tmp_path: Path) -> None:
+    with pytest.raises(NoCheckpointError, match="no committed checkpoint"):
+        restore_latest(LocalStore(tmp_path / "nothing"))
+
+
+def test_step_without_manifest_does_not_exist(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    writer = CheckpointWriter(store)
+    writer.save(2, sample_state()).result()
+    writer.close()
+    torn = tmp_path / step_dir(7)
+    torn.mkdir()
+    (torn / "shard-00000.bin").write_bytes(b"half")
+    assert [e.step for e in list_committed(store)] == [2]
+    assert restore_latest(store).step == 2
+
+
+@pytest.mark.parametrize("uri", ["", "ftp://host/x", "s3://", "file://otherhost/x"])
+def test_bad_uri_is_a_clear_error(uri: str) -> None:
+    with pytest.raises(BadURIError):
+        open_store(uri)
+
+
+def test_unwritable_store_keeps_previous_checkpoint(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "ck")
+    writer = CheckpointWriter(store)
+    writer.save(1, sample_state()).result()
+    errors: list[tuple[int, Exception]] = []
+    # Make the next step directory impossible to create: a file stands in its place.
+    (tmp_path / "ck" / step_dir(2)).write_bytes(b"in the way")
+    bad = CheckpointWriter(store, on_error=lambda s, e: errors.append((s, e)))
+    with pytest.raises(StoreError, match="cannot create"):
+        bad.save(2, sample_state()).result()
+    bad.close()
+    writer.close()
+    assert errors and errors[0][0] == 2
+    assert restore_latest(store).step == 1
+
+
+def test_files_checkpoint_round_trip(tmp_path: Path) -> None:
+    src = tmp_path / "out" / "epoch-3"
+    (src / "sub").mkdir(parents=True)
+    (src / "weights.bin").write_bytes(os.urandom(3000))
+    (src / "sub" / "opt.bin").write_bytes(b"abc")
+    store = LocalStore(tmp_path / "store")
+    info = commit_files(store, 3, src, metrics={"loss": 0.5})
+    manifest = read_manifest(store, 3)
+    assert info.bytes == 3003 and manifest.kind == "files" and manifest.label == "epoch-3"
+    target = download_files(store, manifest, tmp_path / "restore")
+    assert (target / "weights.bin").read_bytes() == (src / "weights.bin").read_bytes()
+    assert (target / "sub" / "opt.bin").read_bytes() == b"abc"
+    with pytest.raises(CheckpointError, match="files"):
+        load_checkpoint(store, manifest)
+
+
+WRITER_CHILD = textwrap.dedent(
+    """
+    import sys, torch
+    from runner.checkpoint import CheckpointWriter
+    from runner.store import LocalStore
+    writer = CheckpointWriter(LocalStore(sys.argv[1]), shard_bytes=4 << 20, chunk_bytes=1 << 20)
+    t = torch.empty(3 << 20)  # 12 MiB, several shards
+    print("ready", flush=True)
+    step = int(sys.argv[2])
+    while True:
+        step += 1
+        t.fill_(float(step))
+        writer.save(step, {"t": t, "step": step})
+    """
+)
+
+
+@pytest.mark.slow
+def test_kill_9_during_writes_never_loads_a_torn_checkpoint(tmp_path: Path) -> None:
+    """Kill -9 at random points of a stream of checkpoint writes; restore gets the newest
+    complete checkpoint, and its content is exactly what that step saved."""
+    rng = random.Random(1234)
+    root = tmp_path / "ck"
+    for _round in range(6):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", WRITER_CHILD, str(root), str(_round * 100_000)],
+            stdout=subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": str(Path.cwd())},
+        )
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+        time.sleep(rng.uniform(0.05, 0.6))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        store = LocalStore(root)
+        committed = [e.step for e in list_committed(store)]
+        if not committed:
+            continue
+        restored = restore_latest(store)
+        assert restored.skipped == []
+        assert restored.step == committed[-1]
+        assert restored.state["step"] == restored.step
+        assert torch.equal(restored.state["t"], torch.full((3 << 20,), float(restored.step)))
+    assert list_committed(LocalStore(root)), "no checkpoint was ever committed"

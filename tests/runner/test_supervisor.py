@@ -1,0 +1,159 @@
+"""`trainbot-runner exec`: signal forwarding, telemetry to the ingest API, file sync."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from runner import EXIT_PREEMPTED, EXIT_SUCCEEDED
+from runner.checkpoint import list_committed, read_manifest
+from runner.store import LocalStore
+from tests.fakes.ingest import FakeIngest
+from tests.runner.tinyproc import ROOT, TINY, tiny_env
+
+pytestmark = pytest.mark.slow
+
+
+def _exec(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "runner.cli", "exec", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_sigterm_to_the_supervisor_flushes_the_child_and_reports_everything(
+    tmp_path: Path,
+) -> None:
+    with FakeIngest(token="tok-1").start() as ingest:
+        env = tiny_env(tmp_path, run_id="r-sup")
+        env.pop("TRAINBOT_EVENTS_FILE")
+        env.update(
+            TRAINBOT_INGEST_URL=ingest.url,
+            TRAINBOT_TOKEN="tok-1",
+            TRAINBOT_ATTEMPT_ID="r-sup-1",
+            TRAINBOT_SPOOL_DIR=str(tmp_path / "spool"),
+            TRAINBOT_CHECKPOINT_EVERY_STEPS="1000",
+        )
+        proc = _exec(
+            ["--", sys.executable, "-m", "runner.examples.tiny", *TINY, "--steps", "100000"], env
+        )
+
+        def metrics() -> int:
+            return sum(1 for e in ingest.accepted if e.type == "metrics")
+
+        assert ingest.wait_for(lambda: metrics() >= 10, timeout=60), proc.stderr
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == EXIT_PREEMPTED, err
+        assert ingest.wait_for(lambda: any(e.type == "exit" for e in ingest.accepted), 10)
+    types = [e.type for e in ingest.accepted]
+    assert types.count("exit") == 1 and types.count("preemption_notice") == 1
+    exit_event = next(e for e in ingest.accepted if e.type == "exit")
+    assert exit_event.data == {"code": EXIT_PREEMPTED, "reason": "preempted"}
+    committed = [e for e in ingest.accepted if e.type == "checkpoint_committed"]
+    assert committed, "the emergency flush must be reported"
+    store = LocalStore(tmp_path / "ck" / "r-sup")
+    assert list_committed(store)[-1].step == committed[-1].data["step"]
+    # Seqs are 0..n-1 with no gaps and nothing accepted twice.
+    seqs = ingest.accepted_seqs()
+    assert sorted(seqs) == list(range(len(seqs)))
+    assert all(e.attempt == "r-sup-1" and e.run == "r-sup" for e in ingest.accepted)
+    assert "system" in types and "heartbeat" in types
+
+
+FILE_WRITER = textwrap.dedent(
+    """
+    import os, pathlib, signal, sys, time
+    root = pathlib.Path(os.environ["TRAINBOT_CHECKPOINT_DIR"])
+    existing = sorted(root.glob("epoch-*"))
+    start = int(existing[-1].name.split("-")[1]) if existing else 0
+    print("start", start, flush=True)
+    stop = False
+    def on_term(*_):
+        global stop
+        stop = True
+    signal.signal(signal.SIGTERM, on_term)
+    for epoch in range(start + 1, 1000):
+        time.sleep(0.2)
+        d = root / f"epoch-{epoch}"
+        d.mkdir(parents=True)
+        (d / "weights.bin").write_bytes(bytes([epoch % 256]) * 1000)
+        if stop:
+            sys.exit(0)
+    """
+)
+
+
+def test_a_script_that_only_writes_files_gets_them_synced_and_restored(tmp_path: Path) -> None:
+    env = tiny_env(tmp_path, run_id="r-files")
+    env.pop("TRAINBOT_EVENTS_FILE")
+    sync = tmp_path / "instance-1" / "ckpt"
+    proc = _exec(
+        ["--sync-dir", str(sync), "--settle", "0.3", "--", sys.executable, "-c", FILE_WRITER], env
+    )
+    time.sleep(3)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    # The script exits 0 after SIGTERM, but the run was preempted with files committed.
+    assert proc.returncode == EXIT_PREEMPTED, err
+    store = LocalStore(tmp_path / "ck" / "r-files")
+    steps = [e.step for e in list_committed(store)]
+    assert steps and steps == sorted(steps)
+    newest = read_manifest(store, steps[-1])
+    assert newest.kind == "files" and newest.label == f"epoch-{steps[-1]}"
+
+    # A new instance (empty disk) gets the newest directory back before the script starts.
+    sync2 = tmp_path / "instance-2" / "ckpt"
+    proc = _exec(
+        ["--sync-dir", str(sync2), "--", sys.executable, "-c", FILE_WRITER + "\nsys.exit(0)"],
+        env,
+    )
+    # The script resumes from the restored epoch; stop it once it says so.
+    assert proc.stdout is not None
+    first_line = proc.stdout.readline()
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=30)
+    assert first_line.strip() == f"start {steps[-1]}"
+    restored = sync2 / f"epoch-{steps[-1]}" / "weights.bin"
+    assert restored.read_bytes() == bytes([steps[-1] % 256]) * 1000
+
+
+def test_exit_codes_pass_through(tmp_path: Path) -> None:
+    env = tiny_env(tmp_path)
+    env.pop("TRAINBOT_EVENTS_FILE")
+    ok = _exec(["--", sys.executable, "-c", "pass"], env)
+    ok.communicate(timeout=30)
+    assert ok.returncode == EXIT_SUCCEEDED
+    bad = _exec(["--", sys.executable, "-c", "import sys; sys.exit(3)"], env)
+    bad.communicate(timeout=30)
+    assert bad.returncode == 3
+    missing = _exec(["--", str(tmp_path / "no-such-program")], env)
+    _, err = missing.communicate(timeout=30)
+    assert missing.returncode == 1 and "cannot start" in err and "Traceback" not in err
+    none = _exec([], env)
+    _, err = none.communicate(timeout=30)
+    assert none.returncode == 1 and "no command given" in err
+
+
+def test_env_is_passed_to_the_child(tmp_path: Path) -> None:
+    env = tiny_env(tmp_path, run_id="r-env")
+    env.pop("TRAINBOT_EVENTS_FILE")
+    out_file = tmp_path / "env.txt"
+    code = "import os, sys; open(sys.argv[1], 'w').write(repr(sorted((k, v) for k, v in os.environ.items() if k.startswith('TRAINBOT_'))))"
+    proc = _exec(["--", sys.executable, "-c", code, str(out_file)], env)
+    proc.communicate(timeout=30)
+    seen = dict(eval(out_file.read_text()))  # noqa: S307 - our own repr of a list of pairs
+    assert seen["TRAINBOT_RUN_ID"] == "r-env"
+    assert seen["TRAINBOT_CHECKPOINT_URI"] == str(tmp_path / "ck")
+    assert "TRAINBOT_EVENTS_FILE" in seen and "TRAINBOT_TERMINATION_WINDOW_S" in seen
+    assert os.fspath(ROOT) in env["PYTHONPATH"]

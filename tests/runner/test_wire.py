@@ -1,0 +1,208 @@
+"""The telemetry wire format: round trips, non-finite floats, and every kind of bad batch."""
+
+from __future__ import annotations
+
+import json
+import math
+from fractions import Fraction
+from typing import Any
+
+import pytest
+
+from runner.errors import WireError
+from runner.wire import (
+    EVENT_TYPES,
+    WIRE_VERSION,
+    Event,
+    decode_batch,
+    encode_batch,
+    validate_payload,
+)
+
+PAYLOADS: dict[str, dict[str, Any]] = {
+    "metrics": {
+        "step": 10,
+        "loss": 2.5,
+        "step_time_s": 0.31,
+        "data_wait_fraction": 0.2,
+        "metrics": {"lr": 0.001, "acc": 0.5},
+    },
+    "system": {
+        "gpu_util": 87.5,
+        "gpu_count": 8,
+        "disk_used": 10**12,
+        "disk_total": 2 * 10**12,
+        "disk_path": "/scratch",
+    },
+    "checkpoint_committed": {
+        "step": 100,
+        "bytes": 123456789,
+        "write_s": 4.2,
+        "uri": "s3://bucket/run-1/step-0000000100",
+    },
+    "checkpoint_failed": {"step": 100, "error": "S3 SlowDown"},
+    "restored": {"step": 100, "fallback_from": 200, "restore_s": 3.0},
+    "preemption_notice": {"source": "aws", "time_left_s": 118.0},
+    "exit": {"code": 75, "reason": "preempted"},
+    "heartbeat": {"step": None},
+    "log": {"level": "warning", "message": "data loader slow"},
+    "dry_run": {"report": {"step_time_s": 0.3, "checkpoint_bytes": 1024, "ok": True}},
+    "started": {"pid": 4242, "host": "ip-10-0-0-1"},
+}
+
+
+def make_events(*, attempt: str = "att-1", run: str = "run-1") -> list[Event]:
+    return [
+        Event(attempt=attempt, seq=i, type=t, time=1_700_000_000.0 + i, run=run, data=d)
+        for i, (t, d) in enumerate(sorted(PAYLOADS.items()))
+    ]
+
+
+def body(events: list[dict[str, Any]], **top: Any) -> bytes:
+    obj: dict[str, Any] = {"v": WIRE_VERSION, "attempt": "att-1", "run": "run-1", "events": events}
+    obj.update(top)
+    return json.dumps(obj).encode()
+
+
+def wire_event(seq: int = 0, type: str = "heartbeat", **data: Any) -> dict[str, Any]:
+    payload = dict(PAYLOADS[type])
+    payload.update(data)
+    return {"seq": seq, "type": type, "time": 1.0, "data": payload}
+
+
+def test_every_type_has_a_sample() -> None:
+    assert set(PAYLOADS) == EVENT_TYPES
+
+
+def test_round_trip_of_every_type() -> None:
+    events = make_events()
+    raw = encode_batch(events)
+    top = json.loads(raw)
+    assert top["v"] == 1 and top["attempt"] == "att-1" and top["run"] == "run-1"
+    assert set(top["events"][0]) == {"seq", "type", "time", "data"}
+    assert decode_batch(raw) == events
+
+
+def test_nan_and_infinity_survive_as_standard_json() -> None:
+    event = Event(
+        attempt="a",
+        seq=0,
+        type="metrics",
+        time=1.0,
+        run="r",
+        data={
+            "step": 1,
+            "loss": math.nan,
+            "step_time_s": math.inf,
+            "data_wait_fraction": None,
+            "metrics": {"grad_norm": -math.inf, "ok": 1.0},
+            "extra": {"nested": [math.nan, "text"]},
+        },
+    )
+    raw = encode_batch([event])
+
+    def strict(name: str) -> None:
+        raise AssertionError(f"non-standard JSON literal {name}")
+
+    json.loads(raw, parse_constant=strict)
+    assert b'"NaN"' in raw and b'"Infinity"' in raw and b'"-Infinity"' in raw
+    data = decode_batch(raw)[0].data
+    assert math.isnan(data["loss"])
+    assert data["step_time_s"] == math.inf
+    assert data["metrics"]["grad_norm"] == -math.inf
+    assert math.isnan(data["extra"]["nested"][0]) and data["extra"]["nested"][1] == "text"
+
+
+def test_declared_strings_stay_strings() -> None:
+    event = Event("a", 0, "log", 1.0, "r", {"level": "info", "message": "NaN"})
+    assert decode_batch(encode_batch([event]))[0].data["message"] == "NaN"
+
+
+def test_numbers_are_normalised_and_extras_pass_through() -> None:
+    data = validate_payload(
+        "metrics",
+        {"step": 3, "loss": Fraction(1, 2), "step_time_s": 1, "data_wait_fraction": 0,
+         "metrics": {}, "tokens": 99},
+    )
+    assert data["loss"] == 0.5 and isinstance(data["step_time_s"], float)
+    assert data["tokens"] == 99
+
+
+@pytest.mark.parametrize(
+    ("raw", "where"),
+    [
+        (b"{not json", "body: not valid JSON"),
+        (b"[1, 2]", "body: expected a JSON object"),
+        (b'{"v": 1, "attempt": "a", "run": "r", "events": [{"seq": 0, "type": "metrics",'
+         b' "time": 1, "data": {"step": 1, "loss": NaN}}]}', "body: NaN"),
+        (body([wire_event()], v=2), "v: unsupported wire version 2"),
+        (body([wire_event()], v=True), "v: unsupported wire version"),
+        (json.dumps({"attempt": "a", "run": "r", "events": []}).encode(), "v: missing"),
+        (json.dumps({"v": 1, "attempt": "a", "run": "r"}).encode(), "events: missing"),
+        (body([wire_event()], attempt=""), "attempt: expected a non-empty string"),
+        (body([wire_event()], run=7), "run: expected a non-empty string"),
+        (body({"seq": 0}), "events: expected a list"),  # type: ignore[arg-type]
+        (body([]), "events: the batch is empty"),
+        (body([wire_event(), 5]), "events[1]: expected an object"),
+        (body([{"seq": 0, "type": "heartbeat", "data": {}}]), "events[0].time: missing"),
+        (body([wire_event(0), wire_event(1, "metrics", step="3")]),
+         "events[1].data.step: expected an integer"),
+        (body([wire_event(0, "metrics", step=True)]), "events[0].data.step: expected an integer"),
+        (body([wire_event(0, "metrics", step=-1)]), "events[0].data.step: expected an integer >= 0"),
+        (body([wire_event(0), {**wire_event(1), "data": {"step": None}}, wire_event(2, "restored",
+              restore_s="slow")]), "events[2].data.restore_s: expected a number"),
+        (body([wire_event(0), {"seq": 1, "type": "metrics", "time": 1.0,
+               "data": {"loss": 1.0}}]), "events[1].data.step: missing"),
+        (body([{**wire_event(0), "type": "gossip"}]), "events[0].type: unknown event type"),
+        (body([wire_event(-1)]), "events[0].seq: expected an integer >= 0"),
+        (body([wire_event(1.5)]), "events[0].seq: expected an integer"),  # type: ignore[arg-type]
+        (body([{**wire_event(0), "time": "noon"}]), "events[0].time: expected a number"),
+        (body([{**wire_event(0), "time": "NaN"}]), "events[0].time: expected unix seconds"),
+        (body([{**wire_event(0), "data": [1]}]), "events[0].data: expected an object"),
+        (body([wire_event(0), {**wire_event(1), "attempt": "other"}]),
+         "events[1].attempt: 'other' differs"),
+        (body([wire_event(0, "system", gpu_util=150)]), "events[0].data.gpu_util: expected a number in"),
+        (body([wire_event(0, "metrics", data_wait_fraction=1.5)]),
+         "events[0].data.data_wait_fraction"),
+        (body([wire_event(0, "metrics", metrics={"acc": "high"})]),
+         "events[0].data.metrics.acc: expected a number"),
+        (body([wire_event(0, "exit", reason="exploded")]), "events[0].data.reason: expected one of"),
+        (body([wire_event(0, "dry_run", report=[])]), "events[0].data.report: expected an object"),
+        (body([wire_event(0, "log", message=None)]), "events[0].data.message: expected a string"),
+    ],
+)
+def test_malformed_batches_name_the_field(raw: bytes, where: str) -> None:
+    with pytest.raises(WireError) as info:
+        decode_batch(raw)
+    assert str(info.value).startswith(where.split(":")[0])
+    assert where in str(info.value)
+
+
+def test_too_many_events() -> None:
+    raw = body([wire_event(i) for i in range(4)])
+    assert len(decode_batch(raw, max_events=4)) == 4
+    with pytest.raises(WireError, match=r"^events: 4 events in one batch, more than 3"):
+        decode_batch(raw, max_events=3)
+
+
+def test_encode_refuses_mixed_attempts_and_runs() -> None:
+    events = make_events()
+    mixed = [events[0], Event("att-2", 1, "heartbeat", 1.0, "run-1", {"step": 1})]
+    with pytest.raises(WireError, match=r"^events\[1\]\.attempt: 'att-2' differs"):
+        encode_batch(mixed)
+    mixed = [events[0], Event("att-1", 1, "heartbeat", 1.0, "run-2", {"step": 1})]
+    with pytest.raises(WireError, match=r"^events\[1\]\.run: 'run-2' differs"):
+        encode_batch(mixed)
+    with pytest.raises(WireError, match="empty"):
+        encode_batch([])
+
+
+def test_encode_validates_events() -> None:
+    good = make_events()[0]
+    bad = Event("att-1", 1, "checkpoint_committed", 1.0, "run-1", {"step": 1, "bytes": 2})
+    with pytest.raises(WireError, match=r"^events\[1\]\.data\.write_s: missing"):
+        encode_batch([good, bad])
+    with pytest.raises(WireError, match=r"^events\[0\]\.seq"):
+        encode_batch([Event("att-1", -5, "heartbeat", 1.0, "run-1", {"step": 1})])
+    with pytest.raises(WireError, match="not JSON-able"):
+        encode_batch([Event("att-1", 0, "heartbeat", 1.0, "run-1", {"step": 1, "x": object()})])
