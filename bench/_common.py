@@ -107,9 +107,7 @@ class Mlp(nn.Module):
 
     def __init__(self, width: int, *, layers: int = LAYERS, device: str | None = None) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(
-            nn.Linear(width, width, device=device) for _ in range(layers)
-        )
+        self.layers = nn.ModuleList(nn.Linear(width, width, device=device) for _ in range(layers))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:

@@ -171,7 +171,7 @@ class Logs(Command):
 class Ack(Command):
     """Acknowledge an alert: it stops notifying and will not escalate.
 
-    Example: /train ack a-91b2
+    Example: /train ack al-91b2
     """
 
     verb: ClassVar[str] = "ack"
@@ -185,7 +185,7 @@ class Ack(Command):
 class Snooze(Command):
     """Silence an alert for a while (s, m, h or d; at most 7 days).
 
-    Example: /train snooze a-91b2 2h
+    Example: /train snooze al-91b2 2h
     """
 
     verb: ClassVar[str] = "snooze"
@@ -279,7 +279,7 @@ class Help(Command):
 
 
 _RUN_ID = re.compile(r"r-[a-z0-9]{1,64}", re.ASCII)
-_ALERT_ID = re.compile(r"a-[a-z0-9]{1,64}", re.ASCII)
+_ALERT_ID = re.compile(r"al-[a-z0-9]{1,64}", re.ASCII)
 # The same names jobs/spec.py accepts, so a bad one fails here, with the usage line.
 _SPEC = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]{0,127}", re.ASCII)
 _OVERRIDE_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_\-]*(\.[A-Za-z0-9_\-]+)*", re.ASCII)
@@ -321,7 +321,7 @@ def _run_id(cls: type[Command], token: str) -> str:
 def _alert_id(cls: type[Command], token: str) -> str:
     alert = token.strip("`").lower()
     if not _ALERT_ID.fullmatch(alert):
-        raise _fail(cls, f"{_show(token)} is not an alert id; alert ids look like a-91b2.")
+        raise _fail(cls, f"{_show(token)} is not an alert id; alert ids look like al-91b2.")
     return alert
 
 

@@ -244,6 +244,8 @@ class AlertThresholds(_Section):
     loss_spike_factor: float = Field(default=3.0, gt=1)
     #: ...when it lasts this many consecutive points.
     loss_spike_points: int = Field(default=3, ge=1)
+    #: Points in the least-squares fit that detects a rising loss.
+    trend_points: int = Field(default=20, ge=3)
     #: Device utilisation below this percentage...
     low_util_percent: float = Field(default=40.0, ge=0, le=100)
     #: ...for this long alerts.
@@ -255,9 +257,11 @@ class AlertThresholds(_Section):
     #: This many preemptions...
     repeated_preemptions: int = Field(default=3, ge=1)
     #: ...within this window alert as repeated preemptions.
-    preemption_window_s: Duration = Field(default=3600.0, gt=0)
+    repeated_window_s: Duration = Field(default=3600.0, gt=0)
     #: No event from the runner for this long is a lost heartbeat.
     heartbeat_deadline_s: Duration = Field(default=120.0, gt=0)
+    #: Without a GPU, a mean data-wait fraction above this is an input-bound run.
+    data_wait_fraction: float = Field(default=0.5, gt=0, le=1)
 
 
 class Notify(_Section):

@@ -80,7 +80,7 @@ def test_defaults_fill_everything_but_the_command(specs_dir: Path) -> None:
     assert spec.alerts.disk_percent == 90.0
     assert spec.alerts.disk_horizon_s == 1800.0
     assert spec.alerts.repeated_preemptions == 3
-    assert spec.alerts.preemption_window_s == 3600.0
+    assert spec.alerts.repeated_window_s == 3600.0
     assert spec.alerts.heartbeat_deadline_s == 120.0
     assert spec.dry_run.enabled is True
 
