@@ -28,8 +28,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import (
-    MiB,
     BenchError,
+    MiB,
     child_env,
     dd_write,
     disk_of,

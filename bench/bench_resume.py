@@ -29,8 +29,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import (
-    MiB,
     BenchError,
+    MiB,
     Never,
     build_model,
     child_env,

@@ -217,6 +217,14 @@ class Attempt(SQLModel, table=True):
     last_seq: int | None = None
     #: When the runner or the provider first reported the preemption notice.
     preemption_notice_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    #: Step this attempt resumed from (the newest committed checkpoint at launch).
+    resumed_from_step: int | None = None
+    #: Steps done after the last committed checkpoint and lost when the attempt ended.
+    lost_steps: int = 0
+    #: Paid seconds whose work was lost (since the last commit, plus start-up to restore).
+    lost_seconds: float = 0.0
+    #: Seconds the runner measured per step (median of recent steps), for lost-work figures.
+    step_time_s: float | None = None
     created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
     started_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
     ended_at: datetime | None = Field(default=None, sa_type=UTCDateTime)

@@ -1,0 +1,185 @@
+"""What the control plane tells people, as data; the chat front ends render it.
+
+The jobs layer never formats chat text. It posts typed messages through a
+:class:`Notifier` (the console prints them, Slack renders Block Kit), and records every
+step of the story in a :class:`Journal` (the demo's ``--events`` file, tests, logs).
+A message without ``thread_ts`` is a run's root message; everything else about the run
+goes in its thread.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+from jobs.models import utcnow
+
+
+@dataclass(frozen=True)
+class MessageRef:
+    """Where a posted message lives, so it can be updated in place."""
+
+    #: Channel id (or the console's channel name).
+    channel: str
+    #: Message timestamp, Slack's message id.
+    ts: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Message:
+    """Base of every message."""
+
+    #: Channel to post in.
+    channel: str
+    #: The run's root message, when this belongs in its thread.
+    thread_ts: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunCard(Message):
+    """The run's root message: updated in place as the run moves."""
+
+    run_id: str
+    spec_name: str
+    state: str
+    requester: str
+    attempt: int = 0
+    step: int | None = None
+    target_steps: int | None = None
+    loss: float | None = None
+    spent_usd: float = 0.0
+    budget_usd: float | None = None
+    instance_id: str | None = None
+    zone: str | None = None
+    reason: str | None = None
+
+
+@dataclass(frozen=True)
+class CheckLine:
+    """One preflight check as shown to people."""
+
+    name: str
+    #: "pass", "warn" or "fail".
+    status: str
+    detail: str
+    remedy: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreflightMessage(Message):
+    """The preflight report, posted in the run's thread."""
+
+    run_id: str
+    checks: tuple[CheckLine, ...]
+    #: True when no check failed.
+    ok: bool
+    #: True when warnings wait for a "Launch anyway".
+    needs_confirmation: bool
+    estimate_usd: float | None = None
+    interval_s: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlertMessage(Message):
+    """An alert; updated in place on repeats, acknowledgement and resolution."""
+
+    alert_id: str
+    run_id: str | None
+    rule: str
+    severity: str
+    state: str
+    title: str
+    detail: str
+    hint: str
+    count: int = 1
+    acked_by: str | None = None
+    acked_at: datetime | None = None
+    snoozed_until: datetime | None = None
+    #: User group mentioned when an unacknowledged critical alert escalates.
+    escalate_to: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class DigestMessage(Message):
+    """The daily spend digest for one channel."""
+
+    #: The figures, as computed by ``jobs.spend`` (a plain mapping keeps this module light).
+    figures: dict[str, Any]
+    #: Optional chart image (PNG bytes).
+    chart_png: bytes | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TextMessage(Message):
+    """A line in a run's thread: launched, preempted, resubmitted, checkpoint summary …"""
+
+    #: What kind of line, for styling: launched, preempted, resubmitted, checkpoint, info, error.
+    kind: str
+    text: str
+    run_id: str | None = None
+
+
+class Notifier(Protocol):
+    """Posts and updates messages. Implementations queue; they never drop."""
+
+    def post(self, msg: Message) -> MessageRef: ...
+
+    def update(self, ref: MessageRef, msg: Message) -> None: ...
+
+
+class Journal(Protocol):
+    """Records what happened, one typed event at a time (the demo's --events file)."""
+
+    def record(self, type: str, run: str | None, /, **data: Any) -> None: ...
+
+
+class NullJournal:
+    def record(self, type: str, run: str | None, /, **data: Any) -> None:
+        return None
+
+
+class JsonlJournal:
+    """Appends ``{"type", "run", "time", …}`` lines to a file; thread-safe."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+
+    def record(self, type: str, run: str | None, /, **data: Any) -> None:
+        line = {"type": type, "run": run, "time": utcnow().isoformat(), **data}
+        text = json.dumps(line, default=str, sort_keys=True)
+        with self._lock:
+            self._file.write(text + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+class FanoutJournal:
+    """Records into several journals (a file and a progress display, say)."""
+
+    def __init__(self, *journals: Journal) -> None:
+        self.journals = journals
+
+    def record(self, type: str, run: str | None, /, **data: Any) -> None:
+        for j in self.journals:
+            j.record(type, run, **data)
+
+
+class CallbackJournal:
+    """Calls a function for each record (tests, progress displays)."""
+
+    def __init__(self, fn: Callable[[str, str | None, dict[str, Any]], None]) -> None:
+        self.fn = fn
+
+    def record(self, type: str, run: str | None, /, **data: Any) -> None:
+        self.fn(type, run, data)
