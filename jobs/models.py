@@ -177,6 +177,10 @@ class Run(SQLModel, table=True):
     preemptions: int = 0
     #: Key of the chat command that created it: a retried command finds this run.
     idempotency_key: str | None = Field(default=None, unique=True)
+    #: The preflight report (checks and figures), once preflight has run.
+    preflight: dict[str, Any] | None = Field(default=None, sa_type=JSON)
+    #: Seconds between checkpoints chosen at preflight (Daly's optimum for "auto").
+    checkpoint_interval_s: float | None = None
     created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
     updated_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
     ended_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
@@ -367,3 +371,15 @@ class CommandLog(SQLModel, table=True):
     created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
     #: What the first handling produced, returned again to a retry.
     result: dict[str, Any] | None = Field(default=None, sa_type=JSON)
+
+
+class OnCall(SQLModel, table=True):
+    """Who is on call for a channel: mentioned when a critical alert escalates."""
+
+    __tablename__ = "oncall"
+
+    channel: str = Field(primary_key=True)
+    #: A Slack user id or user-group handle ("U123", "S0ONCALL", "@ml-oncall").
+    user: str
+    set_by: str
+    set_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)

@@ -140,6 +140,8 @@ class Resources(_Section):
     instance_type: str | None = None
     #: Instances launched together (multi-node); spend is per instance.
     instances: int = Field(default=1, ge=1)
+    #: Scratch disk of each instance, in GB (logs and local checkpoints fill it).
+    disk_gb: float = Field(default=100.0, gt=0)
     #: Spot/preemptible capacity (the point of trainbot); ``False`` pays on-demand prices.
     spot: bool = True
     #: Launch on-demand when no zone has spot capacity.

@@ -51,6 +51,7 @@ TABLES = {
     "budgets",
     "scheduler_leases",
     "command_log",
+    "oncall",
 }
 
 

@@ -1,0 +1,97 @@
+"""The dependencies every use-case takes: built once by ``jobs.bootstrap``.
+
+Use-cases are plain functions of ``(deps, …)``; nothing here reaches for a global. Tests
+build a ``Deps`` of their own with a temp database, the local provider and an in-memory
+notifier.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy.engine import Engine
+
+from jobs.models import utcnow
+from jobs.notify import Journal, Notifier, NullJournal
+from jobs.providers.base import Provider
+from jobs.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def load_secret(state_dir: Path) -> bytes:
+    """The control plane's secret for deriving runner tokens; created once, mode 0600."""
+    path = state_dir / "secret"
+    state_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return bytes.fromhex(path.read_text().strip())
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    return bytes.fromhex(path.read_text().strip())
+
+
+@dataclass
+class Deps:
+    """What the control plane's use-cases work with."""
+
+    settings: Settings
+    engine: Engine
+    provider: Provider
+    notifier: Notifier
+    journal: Journal = field(default_factory=NullJournal)
+    #: Secret used to derive per-attempt runner tokens (so a relaunch after a crash can
+    #: give the instance the same token that is stored hashed).
+    secret: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
+    clock: Callable[[], datetime] = utcnow
+    #: Where runners send events (``{public_url}/v1/events``); set once the server listens.
+    ingest_url: str = ""
+    _pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=4, thread_name_prefix="trainbot")
+    )
+    _timers: list[threading.Timer] = field(default_factory=list)
+    _closed: bool = False
+
+    def runner_token(self, attempt_id: str) -> str:
+        """Random per attempt (attempt ids are random) and reproducible by this control plane."""
+        return hmac.new(self.secret, attempt_id.encode(), hashlib.sha256).hexdigest()
+
+    def background(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        """Run slow work off the request thread; failures are logged, never lost silently."""
+
+        def guarded() -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except Exception:
+                log.exception("background task %s failed", getattr(fn, "__name__", fn))
+                raise
+
+        return self._pool.submit(guarded)
+
+    def later(self, delay_s: float, fn: Callable[..., Any], /, *args: Any) -> None:
+        """Call ``fn`` after a delay (a resubmit backoff). The reconcile job is the backstop
+        if the process dies first, so this needs no persistence."""
+        if self._closed:
+            return
+        timer = threading.Timer(max(0.0, delay_s), lambda: self.background(fn, *args))
+        timer.daemon = True
+        self._timers = [t for t in self._timers if t.is_alive()] + [timer]
+        timer.start()
+
+    def close(self) -> None:
+        self._closed = True
+        for t in self._timers:
+            t.cancel()
+        self._pool.shutdown(wait=True, cancel_futures=False)

@@ -1,0 +1,896 @@
+"""Preflight: the five questions that end runs early, asked before anything is paid for.
+
+Quota, capacity, data locality, a real checkpoint round trip, and cost. Each check is a
+small object behind :class:`Check`; it returns a :class:`CheckResult` that says what it
+found (with figures) and, when it warns or fails, what to do. Checks run in order and
+see the results before them (the budget needs the dry run's step time), so a check that
+cannot answer says so instead of guessing.
+
+Nothing here formats chat text or touches the database: :func:`run_preflight` returns a
+:class:`PreflightReport`, the service decides the run's next state from ``ok`` and
+``needs_confirmation``, and :meth:`PreflightReport.to_message` hands the front ends data.
+
+The runner (and so torch) is imported only when a dry run or Daly's formula is needed,
+so the control plane imports this module without the ``runner`` extra.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+from urllib.parse import unquote, urlparse
+
+from jobs.errors import TrainbotError
+from jobs.notify import CheckLine, PreflightMessage
+from jobs.providers.base import Provider, ResourceRequest, ZoneCapacity
+from jobs.providers.local import REGION as LOCAL_REGION
+from jobs.providers.local import LocalProvider
+from jobs.spec import JobSpec
+from runner.errors import RunnerError
+
+if TYPE_CHECKING:
+    from runner.dryrun import DryRunReport
+
+__all__ = [
+    "DEFAULT_REGIONS",
+    "DEFAULT_SPOT_MTBP_S",
+    "BudgetCheck",
+    "CapacityCheck",
+    "Check",
+    "CheckResult",
+    "DataLocalityCheck",
+    "DryRunCheck",
+    "PreflightContext",
+    "PreflightReport",
+    "QuotaCheck",
+    "Status",
+    "assumed_mtbp_s",
+    "checkpoint_interval",
+    "default_checks",
+    "resource_request",
+    "run_preflight",
+    "target_steps",
+]
+
+log = logging.getLogger(__name__)
+
+#: Mean time between preemptions assumed for spot capacity when nothing better is known.
+#: Published spot interruption rates are mostly under 5 % a month per instance, but the
+#: GPU types people want are reclaimed far more often; 6 hours keeps Daly's interval short.
+DEFAULT_SPOT_MTBP_S = 6 * 3600.0
+
+#: The region a run goes to when its spec names none. The Provider protocol answers
+#: quota and capacity for one region at a time, so "pick a region" means this default.
+DEFAULT_REGIONS: Mapping[str, str] = {
+    "local": LOCAL_REGION,
+    "aws": "us-east-1",
+    "gcp": "us-central1",
+}
+
+#: Command-line flags whose value is the run's total number of steps (argparse style).
+_STEP_FLAGS = ("--steps", "--max-steps", "--max_steps")
+
+#: Variables of the control plane's own environment a local dry run inherits, as on a
+#: fresh machine; the control plane's secrets (Slack token, cloud keys) stay behind.
+_PASSTHROUGH_ENV = (
+    "PATH",
+    "HOME",
+    "USER",
+    "LOGNAME",
+    "LANG",
+    "LC_ALL",
+    "LC_CTYPE",
+    "TZ",
+    "TMPDIR",
+    "VIRTUAL_ENV",
+    "PYTHONPATH",
+    "LD_LIBRARY_PATH",
+    "CUDA_VISIBLE_DEVICES",
+)
+
+
+class Status(str, enum.Enum):
+    """A check's verdict. WARN waits for a person to say "launch anyway"."""
+
+    PASS = "pass"
+    WARN = "warn"
+    FAIL = "fail"
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """One check's answer, written for the person deciding whether to launch."""
+
+    #: "quota", "capacity", "data", "dry_run", "budget".
+    name: str
+    status: Status
+    #: What was found, with figures.
+    detail: str
+    #: What to do; always set when the status is WARN or FAIL.
+    remedy: str = ""
+    #: Figures for later checks and the report; JSON-able.
+    data: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.status is not Status.PASS and not self.remedy.strip():
+            raise ValueError(f"the {self.name} check gave {self.status.value} without a remedy")
+
+    def as_dict(self) -> dict[str, Any]:
+        """The result as JSON-able data, for the journal's ``preflight_check`` event."""
+        return {
+            "name": self.name,
+            "status": self.status.value,
+            "detail": self.detail,
+            "remedy": self.remedy,
+            "data": dict(self.data),
+        }
+
+
+@dataclass(frozen=True)
+class PreflightContext:
+    """What every check of one run's preflight shares."""
+
+    spec: JobSpec
+    run_id: str
+    provider: Provider
+    #: The spec's resources in the provider's vocabulary (see :func:`resource_request`).
+    request: ResourceRequest
+    #: Root of the real checkpoint store; the dry run writes under ``{run_id}-dry-run``.
+    checkpoint_uri: str
+    #: Mean seconds between preemptions assumed for the provider (see :func:`assumed_mtbp_s`).
+    mtbp_s: float
+    #: Environment for the dry run's process on top of a minimal one (``PYTHONPATH`` …).
+    env: Mapping[str, str]
+    #: Where dry-run scratch goes.
+    workdir: Path
+
+    def __post_init__(self) -> None:
+        if not self.mtbp_s > 0 or not math.isfinite(self.mtbp_s):
+            raise ValueError(f"mtbp_s must be a positive number of seconds (got {self.mtbp_s})")
+
+    @property
+    def dry_run_id(self) -> str:
+        """The dry run's namespace in the checkpoint store, apart from the run's own."""
+        return f"{self.run_id}-dry-run"
+
+
+class Check(Protocol):
+    """One preflight question."""
+
+    name: str
+
+    def run(self, ctx: PreflightContext, *, prior: Mapping[str, CheckResult]) -> CheckResult:
+        """Answer it; ``prior`` holds the results of the checks that ran before, by name."""
+        ...
+
+
+# -- quota and capacity ------------------------------------------------------------------
+
+
+class QuotaCheck:
+    """The quota for the exact type in the exact region covers the request.
+
+    New cloud accounts start with a GPU quota of 0, and raising it takes days, so this
+    is the first thing to know.
+    """
+
+    name: str = "quota"
+
+    def run(self, ctx: PreflightContext, *, prior: Mapping[str, CheckResult]) -> CheckResult:
+        quota = ctx.provider.quota(ctx.request)
+        data = asdict(quota)
+        if quota.ok:
+            return CheckResult(self.name, Status.PASS, quota.detail, data=data)
+        what = _describe_request(ctx.request)
+        return CheckResult(
+            self.name,
+            Status.FAIL,
+            f"{quota.detail} — not enough for {what} "
+            f"({quota.used:g} used + {quota.needed:g} needed > limit {quota.limit:g} {quota.unit})",
+            quota.remedy
+            or f"raise the {quota.unit} quota in {ctx.request.region}, or ask for fewer",
+            data=data,
+        )
+
+
+class CapacityCheck:
+    """Which zones offer the type now, ranked: capacity is a separate question from quota.
+
+    With ``resources.on_demand_fallback`` and no spot capacity anywhere, it asks again
+    for on-demand capacity and warns that the run will pay on-demand prices.
+    """
+
+    name: str = "capacity"
+
+    def run(self, ctx: PreflightContext, *, prior: Mapping[str, CheckResult]) -> CheckResult:
+        req = ctx.request
+        zones = ctx.provider.capacity(req)
+        available = _ranked(zones)
+        what = _describe_request(req)
+        if not available and req.spot and ctx.spec.resources.on_demand_fallback:
+            on_demand = ctx.provider.capacity(replace(req, spot=False))
+            ranked = _ranked(on_demand)
+            if ranked:
+                names = ", ".join(z.zone for z in ranked)
+                return CheckResult(
+                    self.name,
+                    Status.WARN,
+                    f"no zone of {req.region} has spot capacity for {what} now; "
+                    f"on-demand capacity in {names}",
+                    "launch anyway to run on demand at on-demand prices (the budget check "
+                    "uses them), or wait and run preflight again for spot capacity",
+                    data=_capacity_data(on_demand, ranked, on_demand=True),
+                )
+        if not available:
+            found = "; ".join(f"{z.zone}: {z.detail}" for z in zones if z.detail) or "none listed"
+            return CheckResult(
+                self.name,
+                Status.FAIL,
+                f"no zone of {req.region} offers {what} now ({found}); capacity is a separate "
+                "question from quota: a quota that allows it does not mean a zone has it free",
+                "try again later, list other zones or another region in resources.region/"
+                "resources.zones, pick another accelerator type, or set "
+                "resources.on_demand_fallback=true",
+                data=_capacity_data(zones, available, on_demand=False),
+            )
+        data = _capacity_data(zones, available, on_demand=False)
+        listing = ", ".join(_zone_text(z) for z in available)
+        missing = [z for z in req.zones if z not in {a.zone for a in available}]
+        if missing:
+            return CheckResult(
+                self.name,
+                Status.WARN,
+                f"{what}: only {listing} of the requested zones "
+                f"{', '.join(req.zones)} offer it now; {', '.join(missing)} do not",
+                f"the launch will use {available[0].zone}; drop {', '.join(missing)} from "
+                "resources.zones, or leave zones empty to let the ranking choose",
+                data=data,
+            )
+        return CheckResult(
+            self.name, Status.PASS, f"{what} available now in {listing} (best first)", data=data
+        )
+
+
+def _ranked(zones: Sequence[ZoneCapacity]) -> list[ZoneCapacity]:
+    """Available zones, highest score first; the provider's order breaks ties."""
+    available = [z for z in zones if z.available]
+    return sorted(available, key=lambda z: -z.score if z.score is not None else math.inf)
+
+
+def _capacity_data(
+    zones: Sequence[ZoneCapacity], ranked: Sequence[ZoneCapacity], *, on_demand: bool
+) -> dict[str, Any]:
+    return {
+        "zones": [z.zone for z in ranked],
+        "all": [asdict(z) for z in zones],
+        "on_demand": on_demand,
+    }
+
+
+def _zone_text(zone: ZoneCapacity) -> str:
+    return zone.zone if zone.score is None else f"{zone.zone} (score {zone.score:g})"
+
+
+# -- data locality -----------------------------------------------------------------------
+
+
+class DataLocalityCheck:
+    """The dataset is in the accelerators' region.
+
+    Reading a dataset across regions is slow (the GPUs wait on input) and billed per
+    gigabyte, every epoch. A local path is checked for existence when the run is local.
+    Relative paths are taken from the control plane's working directory, where local
+    instances start.
+    """
+
+    name: str = "data"
+
+    def run(self, ctx: PreflightContext, *, prior: Mapping[str, CheckResult]) -> CheckResult:
+        uri = ctx.spec.data_uri
+        if uri is None:
+            return CheckResult(self.name, Status.PASS, "no dataset declared (data_uri is unset)")
+        region = ctx.request.region
+        data: dict[str, Any] = {"uri": uri, "region": region}
+        parsed = urlparse(uri)
+        if parsed.scheme in ("", "file"):
+            path = Path(unquote(parsed.path) if parsed.scheme == "file" else uri).expanduser()
+            data["path"] = str(path)
+            if ctx.request.cloud != "local":
+                return CheckResult(
+                    self.name,
+                    Status.WARN,
+                    f"data_uri {uri} is a path on the instance; it cannot be checked from here",
+                    f"make sure the {ctx.request.cloud} image has {path}, or stage the data "
+                    f"into a bucket in {region} and set data_uri to it",
+                    data=data,
+                )
+            if not path.exists():
+                return CheckResult(
+                    self.name,
+                    Status.FAIL,
+                    f"the dataset path {path.resolve()} does not exist on this machine",
+                    f"create or copy the data to {path.resolve()}, or fix data_uri in the spec",
+                    data=data,
+                )
+            return CheckResult(
+                self.name, Status.PASS, f"dataset {path} is on this machine", data=data
+            )
+        bucket_region = ctx.provider.bucket_region(uri)
+        data["bucket_region"] = bucket_region
+        if bucket_region is None:
+            return CheckResult(
+                self.name,
+                Status.WARN,
+                f"cannot tell which region holds {uri} (the {ctx.provider.name} provider "
+                "cannot see that bucket)",
+                f"check that {uri} is in {region}; if not, stage the data into a bucket in "
+                f"{region} to avoid cross-region reads",
+                data=data,
+            )
+        if bucket_region != region:
+            return CheckResult(
+                self.name,
+                Status.FAIL,
+                f"the dataset {uri} is in {bucket_region} but the accelerators run in "
+                f"{region}: every read would cross regions (slow, and billed per GB)",
+                f"stage the data into a bucket in {region} and point data_uri at it, or set "
+                f"resources.region={bucket_region} if the accelerators are available there",
+                data=data,
+            )
+        return CheckResult(self.name, Status.PASS, f"dataset {uri} is in {region}", data=data)
+
+
+# -- dry run -----------------------------------------------------------------------------
+
+
+class DryRunCheck:
+    """The real command, on this machine's CPU, through a checkpoint round trip.
+
+    It runs ``spec.dry_run.steps`` steps, commits a checkpoint to the real store under
+    ``{run_id}-dry-run``, is killed, restored, verified bit-identical and run two more
+    steps (``runner.dryrun``). The process gets the spec's ``env``, the context's ``env``,
+    ``TRAINBOT_DATA_URI`` (``dry_run.sample``, else ``data_uri``) so a script can read a
+    small sample, and ``TRAINBOT_SCRATCH_DIR`` under the context's workdir. The directory
+    of this interpreter comes first on ``PATH``, so ``python`` in a command is the one that
+    has the runner installed. On success the dry-run checkpoints are deleted; on failure
+    they are kept for inspection.
+    """
+
+    name: str = "dry_run"
+
+    def __init__(self, *, timeout_s: float = 600.0) -> None:
+        self.timeout_s = timeout_s
+
+    def run(self, ctx: PreflightContext, *, prior: Mapping[str, CheckResult]) -> CheckResult:
+        settings = ctx.spec.dry_run
+        if not settings.enabled:
+            return CheckResult(
+                self.name,
+                Status.WARN,
+                "the dry run is disabled (dry_run.enabled=false): checkpoint and restore are "
+                "untested, and there is no step time for the cost estimate",
+                "set dry_run.enabled=true, unless this command is known to restore correctly",
+                data={"skipped": True},
+            )
+        from runner.dryrun import run_dry_run
+
+        try:
+            report = run_dry_run(
+                ctx.spec.command,
+                checkpoint_uri=ctx.checkpoint_uri,
+                run_id=ctx.dry_run_id,
+                steps=settings.steps,
+                mtbp_s=ctx.mtbp_s,
+                timeout_s=self.timeout_s,
+                env=self._environment(ctx),
+            )
+        except RunnerError as exc:
+            return CheckResult(
+                self.name,
+                Status.FAIL,
+                f"the dry run could not start: {exc}",
+                f"check that the checkpoint store {ctx.checkpoint_uri} is reachable and "
+                "writable from the control plane, then run preflight again",
+            )
+        result = self.evaluate(report, ctx)
+        if result.status is not Status.FAIL:
+            self._clean_up(ctx)
+        return result
+
+    def evaluate(self, report: DryRunReport, ctx: PreflightContext) -> CheckResult:
+        """Judge a dry run's report for this context's provider (its termination window)."""
+        data: dict[str, Any] = asdict(report)
+        where = f"{ctx.checkpoint_uri.rstrip('/')}/{ctx.dry_run_id}"
+        data["store"] = where
+        if not report.ok:
+            problems = "; ".join(report.problems) or "it did not complete"
+            return CheckResult(
+                self.name,
+                Status.FAIL,
+                f"the dry run of `{' '.join(ctx.spec.command)}` failed: {problems}",
+                "fix the training script so it saves and restores all of its state through "
+                "the session API (runner.session.Session), run it with `trainbot-runner "
+                f"dry-run -- …` until it passes, then run preflight again; its checkpoints "
+                f"are kept in {where}",
+                data=data,
+            )
+        interval = checkpoint_interval(ctx.spec, write_s=report.write_s, mtbp_s=ctx.mtbp_s)
+        data["interval_s"] = interval
+        figures = (
+            f"{report.steps_before_kill} steps at {_seconds(report.step_time_s)} a step; "
+            f"checkpoint {_bytes(report.checkpoint_bytes)} written in {_seconds(report.write_s)}, "
+            f"restored bit-identical in {_seconds(report.restore_s)}; "
+            f"checkpoint interval {_interval_text(ctx.spec, interval, ctx.mtbp_s)}"
+        )
+        if not ctx.spec.dry_run.local:
+            figures += " (dry runs on a cloud instance are not available yet: ran on this CPU)"
+        window = _termination_window_s(ctx)
+        if window is None:
+            return CheckResult(self.name, Status.PASS, figures, data=data)
+        fits = _emergency_fits(report, window)
+        data["termination_window_s"] = window
+        data["emergency_fits_window"] = fits
+        if fits:
+            return CheckResult(
+                self.name,
+                Status.PASS,
+                f"{figures}; an emergency checkpoint fits the {window:.0f} s termination window",
+                data=data,
+            )
+        return CheckResult(
+            self.name,
+            Status.WARN,
+            f"{figures}; an emergency checkpoint of {_bytes(report.checkpoint_bytes)} does not "
+            f"fit the {ctx.provider.name} provider's {window:.0f} s termination window, so a "
+            "preemption loses the work since the last scheduled checkpoint",
+            "make checkpoints smaller (shard them, drop what can be recomputed) or faster "
+            "(a store in the same region), or accept losing up to one checkpoint interval "
+            "per preemption",
+            data=data,
+        )
+
+    @staticmethod
+    def _environment(ctx: PreflightContext) -> dict[str, str]:
+        env = {k: os.environ[k] for k in _PASSTHROUGH_ENV if k in os.environ}
+        interpreter_dir = str(Path(sys.executable).parent)
+        env["PATH"] = os.pathsep.join(p for p in (interpreter_dir, env.get("PATH")) if p)
+        env.update(ctx.spec.env)
+        env.update(ctx.env)
+        sample = ctx.spec.dry_run.sample or ctx.spec.data_uri
+        if sample:
+            env["TRAINBOT_DATA_URI"] = sample
+        scratch = ctx.workdir / ctx.dry_run_id
+        scratch.mkdir(parents=True, exist_ok=True)
+        env["TRAINBOT_SCRATCH_DIR"] = str(scratch)
+        return env
+
+    @staticmethod
+    def _clean_up(ctx: PreflightContext) -> None:
+        """Delete the dry run's checkpoints: nobody resumes from them, and they cost storage."""
+        from runner.checkpoint import delete_steps, scan
+        from runner.session import run_store
+
+        try:
+            store = run_store(ctx.checkpoint_uri, ctx.dry_run_id)
+            found = scan(store)
+            delete_steps(store, found, set(found.objects))
+        except RunnerError as exc:
+            log.warning("run %s: could not delete the dry run's checkpoints: %s", ctx.run_id, exc)
+
+
+def _termination_window_s(ctx: PreflightContext) -> float | None:
+    """Seconds between the provider's preemption notice and the kill; None when unknown."""
+    from runner.dryrun import WINDOWS_S
+
+    if isinstance(ctx.provider, LocalProvider):
+        return ctx.provider.termination_window_s
+    return WINDOWS_S.get(ctx.request.cloud)
+
+
+def _emergency_fits(report: DryRunReport, window_s: float) -> bool:
+    from runner.preemption import flush_fits
+
+    nbytes = report.checkpoint_bytes or 0
+    write_s = report.write_s or 0.0
+    return flush_fits(
+        nbytes=nbytes,
+        bandwidth_bps=nbytes / write_s if write_s > 0 else None,
+        time_left_s=window_s,
+    )
+
+
+def checkpoint_interval(spec: JobSpec, *, write_s: float | None, mtbp_s: float) -> float | None:
+    """Seconds between checkpoints: the spec's, or for ``"auto"`` Daly's √(2CM) − C.
+
+    ``None`` when the spec says ``"auto"`` and there is no measured checkpoint time C.
+    """
+    fixed = spec.checkpoint.interval_s
+    if fixed is not None:
+        return fixed
+    if write_s is None or write_s <= 0:
+        return None
+    from runner.dryrun import daly_interval
+
+    return daly_interval(write_s, mtbp_s)
+
+
+def _interval_text(spec: JobSpec, interval: float | None, mtbp_s: float) -> str:
+    if interval is None:
+        return "unknown (no checkpoint time measured)"
+    if spec.checkpoint.interval_s is not None:
+        return f"{_seconds(interval)} (from the spec)"
+    return f"{_seconds(interval)} (Daly's optimum for a preemption every {_seconds(mtbp_s)})"
+
+
+# -- budget ------------------------------------------------------------------------------
+
+
+class BudgetCheck:
+    """The estimated cost against ``budget.usd``; the estimate becomes the alert budget.
+
+    Estimate = price × instances × expected hours. The price is the provider's spot price
+    (on-demand when the run is not spot, or falls back to it) in the best zone found by
+    the capacity check. Expected hours come from the dry run's step time × the target
+    steps, read from the command's ``--steps N`` (or ``--max-steps``); the spec has no
+    step count of its own. To that is added the first-order overhead of checkpointing and
+    preemptions (Daly): C/τ for writing, and (τ/2 + R)/M of work redone after each
+    preemption on spot, for interval τ, write time C, restore time R and mean time between
+    preemptions M. ``max_hours`` caps the hours, and stands in for them (an upper bound)
+    when the command gives no step count or there is no step time. The step time comes
+    from a CPU dry run, so for GPU runs the estimate is conservative.
+    """
+
+    name: str = "budget"
+
+    def run(self, ctx: PreflightContext, *, prior: Mapping[str, CheckResult]) -> CheckResult:
+        spec = ctx.spec
+        dry = prior.get("dry_run")
+        dry_data = dry.data if dry is not None and dry.status is not Status.FAIL else {}
+        capacity = prior.get("capacity")
+        zones = list(capacity.data.get("zones", [])) if capacity is not None else []
+        on_demand = not ctx.request.spot or (
+            capacity is not None and bool(capacity.data.get("on_demand"))
+        )
+        quote = ctx.provider.price(ctx.request, zone=zones[0] if zones else None)
+        hourly = quote.on_demand_usd_per_hour if on_demand else quote.spot_usd_per_hour
+        instances = spec.resources.instances
+        write_s = _number(dry_data.get("write_s"))
+        interval = checkpoint_interval(spec, write_s=write_s, mtbp_s=ctx.mtbp_s)
+        hours, basis = self._expected_hours(ctx, dry_data, interval=interval, spot=not on_demand)
+        estimate = None if hours is None else hourly * instances * hours
+        cap_usd = None if spec.max_hours is None else hourly * instances * spec.max_hours
+        kind = "on-demand" if on_demand else "spot"
+        price_text = f"{_usd(hourly)}/h {kind} × {instances} instance(s)"
+        data: dict[str, Any] = {
+            "estimate_usd": estimate,
+            "expected_hours": hours,
+            "usd_per_hour": hourly,
+            "price_kind": kind,
+            "price_source": quote.source,
+            "instances": instances,
+            "interval_s": interval,
+            "max_hours_usd": cap_usd,
+            "budget_usd": spec.budget.usd,
+            "basis": basis,
+        }
+        budget = spec.budget.usd
+        if estimate is None:
+            detail = f"cannot estimate the cost ({basis}); price {price_text}"
+            if budget is not None:
+                return CheckResult(
+                    self.name,
+                    Status.PASS,
+                    f"{detail}; budget.usd {_usd(budget)} alerts at {_percentages(spec)}",
+                    data=data,
+                )
+            return CheckResult(
+                self.name,
+                Status.WARN,
+                f"{detail}; no budget.usd either, so nothing alerts on spend",
+                "set budget.usd, or give the command --steps N or the spec max_hours so "
+                "preflight can estimate the cost and alert on it",
+                data=data,
+            )
+        detail = f"estimate {_usd(estimate)}: {price_text} × {hours:.2f} h ({basis})"
+        if budget is None:
+            return CheckResult(
+                self.name,
+                Status.PASS,
+                f"{detail}; no budget.usd, so the estimate becomes the run's budget alert "
+                f"({_percentages(spec)})",
+                data=data,
+            )
+        warnings: list[str] = []
+        remedies: list[str] = []
+        if estimate > budget:
+            stop = math.floor(100 * budget / estimate)
+            warnings.append(f"the estimate is above budget.usd {_usd(budget)}")
+            if spec.budget.hard_cap:
+                remedies.append(
+                    f"raise budget.usd to at least {_usd(estimate)}, or expect the hard cap to "
+                    f"stop the run at about {stop}% of its work"
+                )
+            else:
+                remedies.append(
+                    f"raise budget.usd to at least {_usd(estimate)}: without a hard cap the run "
+                    "will overspend, with alerts only"
+                )
+        if cap_usd is not None and cap_usd > budget and not math.isclose(cap_usd, estimate):
+            warnings.append(
+                f"max_hours {spec.max_hours:g} h allows {_usd(cap_usd)}, above budget.usd "
+                f"{_usd(budget)}"
+            )
+            remedies.append(
+                f"lower max_hours to {budget / (hourly * instances):.1f} h or raise budget.usd "
+                f"to {_usd(cap_usd)} so the two limits agree"
+            )
+        if warnings:
+            return CheckResult(
+                self.name,
+                Status.WARN,
+                f"{detail}; " + "; ".join(warnings),
+                "; ".join(remedies),
+                data=data,
+            )
+        return CheckResult(
+            self.name,
+            Status.PASS,
+            f"{detail}; within budget.usd {_usd(budget)} ({100 * estimate / budget:.0f}%)",
+            data=data,
+        )
+
+    @staticmethod
+    def _expected_hours(
+        ctx: PreflightContext,
+        dry_data: Mapping[str, Any],
+        *,
+        interval: float | None,
+        spot: bool,
+    ) -> tuple[float | None, str]:
+        """Hours the run is expected to take, and how that was worked out, in words."""
+        spec = ctx.spec
+        steps = target_steps(spec.command)
+        step_time = _number(dry_data.get("step_time_s"))
+        if steps is None or step_time is None:
+            missing = "no --steps N in the command" if steps is None else "no dry-run step time"
+            if spec.max_hours is None:
+                return None, f"{missing} and no max_hours"
+            return spec.max_hours, f"{missing}: max_hours as the upper bound"
+        write_s = _number(dry_data.get("write_s")) or 0.0
+        restore_s = _number(dry_data.get("restore_s")) or 0.0
+        overhead = 0.0
+        if interval is not None and interval > 0:
+            overhead += write_s / interval
+            if spot:
+                overhead += (interval / 2 + restore_s) / ctx.mtbp_s
+        hours = steps * step_time * (1 + overhead) / 3600
+        basis = (
+            f"{steps} steps × {_seconds(step_time)} from the dry run, "
+            f"+{100 * overhead:.1f}% for checkpoints and preemptions"
+        )
+        if spec.max_hours is not None and hours > spec.max_hours:
+            return spec.max_hours, f"{basis}, capped by max_hours"
+        return hours, basis
+
+
+def target_steps(command: Sequence[str]) -> int | None:
+    """The run's total steps from ``--steps N`` / ``--steps=N`` (last one wins), if given."""
+    found: int | None = None
+    for i, arg in enumerate(command):
+        flag, eq, value = arg.partition("=")
+        if flag not in _STEP_FLAGS:
+            continue
+        if not eq:
+            value = command[i + 1] if i + 1 < len(command) else ""
+        try:
+            steps = int(value)
+        except ValueError:
+            continue
+        if steps > 0:
+            found = steps
+    return found
+
+
+# -- running them ------------------------------------------------------------------------
+
+
+def default_checks(*, dry_run_timeout_s: float = 600.0) -> list[Check]:
+    """The five checks, in the order their answers are needed."""
+    return [
+        QuotaCheck(),
+        CapacityCheck(),
+        DataLocalityCheck(),
+        DryRunCheck(timeout_s=dry_run_timeout_s),
+        BudgetCheck(),
+    ]
+
+
+@dataclass(frozen=True)
+class PreflightReport:
+    """Every check's result, and the figures the service keeps for the run."""
+
+    results: tuple[CheckResult, ...]
+    #: The budget check's cost estimate (USD), the run's alert budget without budget.usd.
+    estimate_usd: float | None = None
+    #: The chosen checkpoint interval in seconds (the spec's, or Daly's for "auto").
+    interval_s: float | None = None
+    #: Hours the estimate assumes.
+    expected_hours: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        """No check failed."""
+        return all(r.status is not Status.FAIL for r in self.results)
+
+    @property
+    def needs_confirmation(self) -> bool:
+        """Nothing failed, but a warning waits for a person's "launch anyway"."""
+        return self.ok and any(r.status is Status.WARN for r in self.results)
+
+    def result(self, name: str) -> CheckResult | None:
+        """The named check's result, if it ran."""
+        return next((r for r in self.results if r.name == name), None)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-able form, to store on the run."""
+        return {
+            "ok": self.ok,
+            "needs_confirmation": self.needs_confirmation,
+            "estimate_usd": self.estimate_usd,
+            "interval_s": self.interval_s,
+            "expected_hours": self.expected_hours,
+            "results": [r.as_dict() for r in self.results],
+        }
+
+    def to_message(self, *, channel: str, thread_ts: str | None, run_id: str) -> PreflightMessage:
+        """The report as the message the front ends render in the run's thread."""
+        return PreflightMessage(
+            channel=channel,
+            thread_ts=thread_ts,
+            run_id=run_id,
+            checks=tuple(
+                CheckLine(name=r.name, status=r.status.value, detail=r.detail, remedy=r.remedy)
+                for r in self.results
+            ),
+            ok=self.ok,
+            needs_confirmation=self.needs_confirmation,
+            estimate_usd=self.estimate_usd,
+            interval_s=self.interval_s,
+        )
+
+
+def run_preflight(
+    ctx: PreflightContext,
+    checks: Sequence[Check] | None = None,
+    *,
+    on_result: Callable[[CheckResult], None] | None = None,
+) -> PreflightReport:
+    """Run every check in order, so the person sees all the problems at once.
+
+    A check that raises becomes a FAIL carrying the error's message (the traceback goes
+    to the log, never to the user). ``on_result`` is called after each check, for
+    progress and the journal's ``preflight_check`` events.
+    """
+    results: dict[str, CheckResult] = {}
+    ordered: list[CheckResult] = []
+    for check in default_checks() if checks is None else checks:
+        try:
+            result = check.run(ctx, prior=dict(results))
+        except Exception as exc:  # noqa: BLE001 - any failure of a check is reported as FAIL
+            result = _crashed(check.name, exc, run_id=ctx.run_id)
+        results[result.name] = result
+        ordered.append(result)
+        if on_result is not None:
+            on_result(result)
+    budget = results.get("budget")
+    dry = results.get("dry_run")
+    interval = _number(budget.data.get("interval_s")) if budget is not None else None
+    if interval is None and dry is not None:
+        interval = _number(dry.data.get("interval_s"))
+    if interval is None:
+        interval = ctx.spec.checkpoint.interval_s
+    return PreflightReport(
+        results=tuple(ordered),
+        estimate_usd=_number(budget.data.get("estimate_usd")) if budget is not None else None,
+        interval_s=interval,
+        expected_hours=_number(budget.data.get("expected_hours")) if budget is not None else None,
+    )
+
+
+def _crashed(name: str, exc: Exception, *, run_id: str) -> CheckResult:
+    if isinstance(exc, (TrainbotError, RunnerError)):
+        log.warning("run %s: preflight check %s failed: %s", run_id, name, exc)
+        remedy = "fix what the message says, then run preflight again"
+    else:
+        log.exception("run %s: preflight check %s crashed", run_id, name)
+        remedy = (
+            "this looks like a bug or an outage: run preflight again, and if it repeats, "
+            "report it with the control plane's log"
+        )
+    message = str(exc).strip() or type(exc).__name__
+    return CheckResult(
+        name, Status.FAIL, f"the {name} check could not finish: {message}", remedy, data={}
+    )
+
+
+# -- building a context ------------------------------------------------------------------
+
+
+def resource_request(spec: JobSpec) -> ResourceRequest:
+    """The spec's resources in the provider's terms; no region means the cloud's default."""
+    res = spec.resources
+    acc = res.accelerator
+    return ResourceRequest(
+        cloud=res.cloud,
+        region=res.region or DEFAULT_REGIONS[res.cloud],
+        zones=tuple(res.zones),
+        accelerator_type=acc.type if acc is not None else None,
+        accelerator_count=acc.count if acc is not None else 0,
+        instance_type=res.instance_type,
+        spot=res.spot,
+    )
+
+
+def assumed_mtbp_s(provider: Provider) -> float:
+    """Mean seconds between preemptions to plan for: the local provider's configured mean,
+    else :data:`DEFAULT_SPOT_MTBP_S`."""
+    if isinstance(provider, LocalProvider) and provider.mean_time_between_preemptions_s:
+        return provider.mean_time_between_preemptions_s
+    return DEFAULT_SPOT_MTBP_S
+
+
+# -- formatting --------------------------------------------------------------------------
+
+
+def _describe_request(req: ResourceRequest) -> str:
+    if req.accelerator_count > 0:
+        thing = f"{req.accelerator_count} × {req.accelerator_type or 'GPU'}"
+    elif req.instance_type:
+        thing = req.instance_type
+    else:
+        thing = f"{req.cpus or 1} CPU core(s)"
+    return f"{thing} ({'spot' if req.spot else 'on-demand'}, {req.region})"
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def _usd(value: float) -> str:
+    return f"${value:,.2f}"
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "n/a"
+    if value < 1:
+        return f"{value * 1000:.0f} ms"
+    if value < 120:
+        return f"{value:.1f} s"
+    if value < 7200:
+        return f"{value / 60:.0f} min"
+    return f"{value / 3600:.1f} h"
+
+
+def _bytes(value: int | None) -> str:
+    if value is None:
+        return "n/a"
+    size = float(value)
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1000:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{size:.1f} TB"
+
+
+def _percentages(spec: JobSpec) -> str:
+    return "/".join(str(p) for p in spec.budget.thresholds) + " %"

@@ -1,0 +1,744 @@
+"""The life of a run's attempts: launch, events from the runner, end, resubmit, reconcile.
+
+Every launch writes the attempt row (with its token's hash) *before* calling the
+provider, and the provider's launch is idempotent on the attempt id. So a control plane
+killed between the provider call and the database write finds, on restart, an attempt
+without an instance: reconcile adopts the instance tagged with that attempt (or
+launches it, which returns the same instance), and terminates anything tagged by
+trainbot that no live attempt owns. There is exactly one instance per attempt.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlmodel import Session, col, select
+
+from jobs import alerts
+from jobs.db import session_scope
+from jobs.deps import Deps
+from jobs.errors import ConflictError, NotFound
+from jobs.lifecycle import AttemptState, RunState, transition
+from jobs.models import Attempt, Checkpoint, Event, Run, hash_token
+from jobs.notify import RunCard, TextMessage
+from jobs.providers.base import (
+    CapacityError,
+    InstanceNotFound,
+    InstanceState,
+    LaunchRequest,
+    ProviderError,
+    ResourceRequest,
+)
+from jobs.rules import AlertConfig, AutoResubmit, LostHeartbeat, Obs, Preemption, RunContext
+from jobs.spec import JobSpec
+
+log = logging.getLogger(__name__)
+
+#: How long an attempt may sit REQUESTED without an instance before reconcile relaunches
+#: it (the launch is idempotent, so this adopts an instance a crash left unrecorded).
+ADOPT_AFTER_S = 20.0
+
+
+def spec_of(run: Run) -> JobSpec:
+    return JobSpec.model_validate(run.spec)
+
+
+def channel_of(run: Run) -> str:
+    return run.channel or "trainbot"
+
+
+def alert_config(spec: JobSpec) -> AlertConfig:
+    return AlertConfig(**spec.alerts.model_dump())
+
+
+def active_attempt(session: Session, run_id: str) -> Attempt | None:
+    rows = session.exec(
+        select(Attempt).where(Attempt.run_id == run_id).order_by(col(Attempt.number).desc())
+    ).all()
+    for a in rows:
+        if not a.state.is_terminal():
+            return a
+    return None
+
+
+def latest_attempt(session: Session, run_id: str) -> Attempt | None:
+    return session.exec(
+        select(Attempt).where(Attempt.run_id == run_id).order_by(col(Attempt.number).desc())
+    ).first()
+
+
+def card(session: Session, run: Run) -> RunCard:
+    from jobs.spend import run_spent
+
+    att = latest_attempt(session, run.id)
+    last = session.exec(
+        select(Event.data)
+        .where(Event.run_id == run.id, Event.type == "metrics")
+        .order_by(col(Event.id).desc())
+    ).first()
+    loss = last.get("loss") if last else None
+    return RunCard(
+        channel=channel_of(run),
+        run_id=run.id,
+        spec_name=run.spec_name,
+        state=run.state.value,
+        requester=run.requester,
+        attempt=att.number if att else 0,
+        step=run.last_step,
+        target_steps=run.target_steps,
+        loss=float(loss) if isinstance(loss, int | float) else None,
+        spent_usd=round(run_spent(session, run.id), 4),
+        budget_usd=run.budget_usd,
+        instance_id=att.instance_id if att else None,
+        zone=att.zone if att else None,
+        reason=run.reason,
+    )
+
+
+def refresh_card(deps: Deps, session: Session, run: Run) -> None:
+    """Update the run's root message in place."""
+    if run.thread_ts is None:
+        return
+    from jobs.notify import MessageRef
+
+    deps.notifier.update(MessageRef(channel=channel_of(run), ts=run.thread_ts), card(session, run))
+
+
+def say(deps: Deps, run: Run, kind: str, text: str) -> None:
+    deps.notifier.post(
+        TextMessage(
+            channel=channel_of(run), thread_ts=run.thread_ts, kind=kind, text=text, run_id=run.id
+        )
+    )
+
+
+def move_run(
+    session: Session, run: Run, target: RunState, *, now: datetime, reason: str | None = None
+) -> bool:
+    """Transition a run if it is not already there; returns whether it moved."""
+    if run.state == target:
+        return False
+    run.state = transition(run.state, target, subject_id=run.id)
+    run.updated_at = now
+    if reason is not None:
+        run.reason = reason
+    if target.is_terminal():
+        run.ended_at = now
+    session.add(run)
+    return True
+
+
+# ----------------------------------------------------------------------------- launch
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the next attempt goes."""
+
+    zone: str | None
+    spot: bool
+
+
+def choose_placement(deps: Deps, session: Session, run: Run, spec: JobSpec) -> Placement:
+    """The resubmit policy: same zone first, then the next zone; on-demand after N preemptions."""
+    prev = latest_attempt(session, run.id)
+    spot = spec.resources.spot
+    limit = spec.resubmit.on_demand_after_preemptions
+    if (
+        spot
+        and limit is not None
+        and run.preemptions >= limit
+        and spec.resources.on_demand_fallback
+    ):
+        spot = False
+    req = resource_request(spec, spot=spot)
+    try:
+        ranked = [z.zone for z in deps.provider.capacity(req) if z.available]
+    except ProviderError as exc:
+        log.warning("capacity lookup for %s failed: %s", run.id, exc)
+        ranked = []
+    zones = ranked or list(spec.resources.zones) or [None]  # type: ignore[list-item]
+    if prev is None or prev.zone is None or not spec.resubmit.zone_failover:
+        return Placement(zone=zones[0], spot=spot)
+    if prev.state == AttemptState.PREEMPTED and prev.zone in zones and len(zones) > 1:
+        return Placement(zone=zones[(zones.index(prev.zone) + 1) % len(zones)], spot=spot)
+    return Placement(zone=prev.zone if prev.zone in zones else zones[0], spot=spot)
+
+
+def resource_request(spec: JobSpec, *, spot: bool | None = None) -> ResourceRequest:
+    acc = spec.resources.accelerator
+    return ResourceRequest(
+        cloud=spec.resources.cloud,
+        region=spec.resources.region or "local",
+        zones=tuple(spec.resources.zones),
+        accelerator_type=acc.type if acc else None,
+        accelerator_count=acc.count if acc else 0,
+        instance_type=spec.resources.instance_type,
+        spot=spec.resources.spot if spot is None else spot,
+    )
+
+
+def runner_command(deps: Deps, spec: JobSpec) -> list[str]:
+    """What the instance runs: the supervisor around the spec's command."""
+    command = list(spec.command)
+    local = deps.settings.provider == "local"
+    if local and command and command[0] in ("python", "python3"):
+        command[0] = sys.executable  # the local "instance" shares this machine's interpreter
+    runner = [sys.executable, "-m", "runner.cli"] if local else ["trainbot-runner"]
+    return [*runner, "exec", "--", *command]
+
+
+def runner_env(deps: Deps, run: Run, attempt: Attempt, spec: JobSpec) -> dict[str, str]:
+    env = dict(spec.env)
+    env.update(
+        TRAINBOT_RUN_ID=run.id,
+        TRAINBOT_ATTEMPT_ID=attempt.id,
+        TRAINBOT_CHECKPOINT_URI=run.checkpoint_uri or deps.settings.checkpoint_uri,
+        TRAINBOT_TOKEN=deps.runner_token(attempt.id),
+        TRAINBOT_TERMINATION_WINDOW_S=str(deps.settings.local_termination_window_s),
+        TRAINBOT_METRICS_EVERY="1",
+    )
+    if deps.ingest_url:
+        env["TRAINBOT_INGEST_URL"] = deps.ingest_url
+    if run.checkpoint_interval_s:
+        env["TRAINBOT_CHECKPOINT_INTERVAL_S"] = f"{run.checkpoint_interval_s:.3f}"
+    if spec.checkpoint.every_steps:
+        env["TRAINBOT_CHECKPOINT_EVERY_STEPS"] = str(spec.checkpoint.every_steps)
+    if deps.settings.provider == "local":
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    else:
+        env["TRAINBOT_PREEMPTION_SOURCES"] = spec.resources.cloud
+    return env
+
+
+def launch_attempt(deps: Deps, run_id: str) -> Attempt | None:
+    """Start the next attempt of a run, if it needs one. Safe to call concurrently."""
+    now = deps.clock()
+    with session_scope(deps.engine) as session:
+        run = session.get(Run, run_id)
+        if run is None or run.state not in (RunState.LAUNCHING, RunState.RECOVERING):
+            return None
+        if active_attempt(session, run_id) is not None:
+            return None
+        spec = spec_of(run)
+        prev = latest_attempt(session, run_id)
+        number = (prev.number if prev else 0) + 1
+        if number > spec.resubmit.max_attempts:
+            move_run(
+                session,
+                run,
+                RunState.FAILED,
+                now=now,
+                reason=(
+                    f"gave up after {spec.resubmit.max_attempts} attempts; raise "
+                    "resubmit.max_attempts or move the run to another zone or region"
+                ),
+            )
+            deps.journal.record("run_finished", run.id, state="FAILED", reason=run.reason)
+            say(deps, run, "error", f"Run {run.id} failed: {run.reason}.")
+            refresh_card(deps, session, run)
+            return None
+        placement = choose_placement(deps, session, run, spec)
+        attempt = Attempt(
+            run_id=run_id,
+            number=number,
+            provider=deps.provider.name,
+            region=spec.resources.region,
+            zone=placement.zone,
+            instance_type=spec.resources.instance_type,
+            spot=placement.spot,
+            instances=spec.resources.instances,
+            resumed_from_step=run.last_committed_step,
+        )
+        attempt.token_hash = hash_token(deps.runner_token(attempt.id))
+        session.add(attempt)
+        try:
+            session.flush()
+        except ConflictError:
+            return None  # another thread created this attempt number first
+        attempt_id = attempt.id
+    return _provision(deps, attempt_id)
+
+
+def _provision(deps: Deps, attempt_id: str) -> Attempt | None:
+    """Call the provider for a REQUESTED attempt (first launch, or adoption after a crash)."""
+    with session_scope(deps.engine) as session:
+        attempt = session.get(Attempt, attempt_id)
+        if attempt is None or attempt.state != AttemptState.REQUESTED:
+            return attempt
+        run = session.get(Run, attempt.run_id)
+        assert run is not None
+        spec = spec_of(run)
+        req = LaunchRequest(
+            run_id=run.id,
+            attempt_id=attempt.id,
+            owner=run.requester,
+            request=resource_request(spec, spot=attempt.spot),
+            zone=attempt.zone,
+            command=runner_command(deps, spec),
+            env=runner_env(deps, run, attempt, spec),
+            scratch_bytes=int(spec.resources.disk_gb * 1e9),
+            idempotency_key=attempt.id,
+            spot=attempt.spot,
+        )
+    now = deps.clock()
+    try:
+        info = deps.provider.launch(req)
+        price = deps.provider.price(req.request, zone=req.zone)
+    except (CapacityError, ProviderError) as exc:
+        with session_scope(deps.engine) as session:
+            attempt = session.get(Attempt, attempt_id)
+            run = session.get(Run, attempt.run_id) if attempt else None
+            if attempt is None or run is None:
+                return None
+            attempt.state = transition(attempt.state, AttemptState.FAILED, subject_id=attempt.id)
+            attempt.end_reason = str(exc)
+            attempt.ended_at = now
+            attempt.token_hash = None
+            session.add(attempt)
+            say(deps, run, "error", f"Attempt {attempt.number} of {run.id} could not launch: {exc}")
+            if run.state == RunState.LAUNCHING:
+                move_run(session, run, RunState.RECOVERING, now=now)
+            backoff = spec_of(run).resubmit.backoff_s
+        deps.later(backoff, launch_attempt, deps, attempt.run_id)
+        return None
+    with session_scope(deps.engine) as session:
+        attempt = session.get(Attempt, attempt_id)
+        assert attempt is not None
+        run = session.get(Run, attempt.run_id)
+        assert run is not None
+        attempt.instance_id = info.instance_id
+        attempt.zone = info.zone or attempt.zone
+        attempt.state = transition(attempt.state, AttemptState.PROVISIONING, subject_id=attempt.id)
+        attempt.started_at = now
+        attempt.price_per_hour = (
+            price.spot_usd_per_hour if attempt.spot else price.on_demand_usd_per_hour
+        )
+        session.add(attempt)
+        deps.journal.record(
+            "launched",
+            run.id,
+            attempt=attempt.number,
+            attempt_id=attempt.id,
+            instance=info.instance_id,
+            zone=attempt.zone,
+            spot=attempt.spot,
+            price_per_hour=attempt.price_per_hour,
+            resume_from_step=attempt.resumed_from_step,
+        )
+        market = "spot" if attempt.spot else "on-demand"
+        resume = (
+            f", resuming from step {attempt.resumed_from_step}" if attempt.resumed_from_step else ""
+        )
+        say(
+            deps,
+            run,
+            "launched",
+            f"Attempt {attempt.number} launched on {market} instance {info.instance_id} "
+            f"in {attempt.zone} at ${attempt.price_per_hour:.2f}/h{resume}.",
+        )
+        refresh_card(deps, session, run)
+        session.expunge(attempt)
+        return attempt
+
+
+# ----------------------------------------------------------------------------- events
+
+
+def on_attempt_event(deps: Deps, attempt_id: str, type_: str, data: dict[str, Any]) -> None:
+    """React to a runner event that the ingest API has stored."""
+    now = deps.clock()
+    ended: tuple[AttemptState, int | None, str] | None = None
+    with session_scope(deps.engine) as session:
+        attempt = session.get(Attempt, attempt_id)
+        run = session.get(Run, attempt.run_id) if attempt else None
+        if attempt is None or run is None:
+            return
+        if type_ == "started" and run.state in (RunState.LAUNCHING, RunState.RECOVERING):
+            move_run(session, run, RunState.RUNNING, now=now)
+            refresh_card(deps, session, run)
+        elif type_ == "restored":
+            step = int(data.get("step") or 0)
+            if step > 0:
+                deps.journal.record("resumed", run.id, attempt=attempt.number, step=step)
+                say(deps, run, "resumed", f"Attempt {attempt.number} resumed at step {step}.")
+        elif type_ == "checkpoint_committed":
+            deps.journal.record(
+                "checkpoint_committed",
+                run.id,
+                attempt=attempt.number,
+                step=data.get("step"),
+                bytes=data.get("bytes"),
+                write_s=data.get("write_s"),
+            )
+            refresh_card(deps, session, run)
+        elif type_ == "preemption_notice":
+            deps.journal.record(
+                "preemption_notice",
+                run.id,
+                attempt=attempt.number,
+                source=data.get("source"),
+                time_left_s=data.get("time_left_s"),
+            )
+            left = data.get("time_left_s")
+            say(
+                deps,
+                run,
+                "preempted",
+                f"Preemption notice for attempt {attempt.number} ({data.get('source')}); "
+                + (f"{left:.0f} s to flush a checkpoint." if isinstance(left, int | float) else ""),
+            )
+        elif type_ == "exit":
+            code = int(data.get("code", 1))
+            reason = str(data.get("reason", "failed"))
+            state = {
+                "succeeded": AttemptState.SUCCEEDED,
+                "preempted": AttemptState.PREEMPTED,
+                "stopped": AttemptState.TERMINATED,
+            }.get(reason, AttemptState.FAILED)
+            ended = (state, code, f"runner exited {code} ({reason})")
+    if ended is not None:
+        end_attempt(deps, attempt_id, state=ended[0], exit_code=ended[1], reason=ended[2])
+
+
+def end_attempt(
+    deps: Deps,
+    attempt_id: str,
+    *,
+    state: AttemptState,
+    exit_code: int | None = None,
+    reason: str,
+) -> None:
+    """Close an attempt: revoke its token, shut its instance down, move the run on."""
+    now = deps.clock()
+    resubmit_after: float | None = None
+    instance_id: str | None = None
+    with session_scope(deps.engine) as session:
+        attempt = session.get(Attempt, attempt_id)
+        if attempt is None or attempt.state.is_terminal():
+            return
+        run = session.get(Run, attempt.run_id)
+        assert run is not None
+        spec = spec_of(run)
+        attempt.state = transition(attempt.state, state, subject_id=attempt.id)
+        attempt.exit_code = exit_code
+        attempt.end_reason = reason
+        attempt.ended_at = now
+        attempt.token_hash = None  # revokes the runner's token
+        instance_id = attempt.instance_id
+        if state in (AttemptState.PREEMPTED, AttemptState.LOST):
+            _record_lost_work(session, run, attempt, now=now)
+        session.add(attempt)
+        if state == AttemptState.SUCCEEDED:
+            if move_run(session, run, RunState.SUCCEEDED, now=now):
+                deps.journal.record("run_finished", run.id, state="SUCCEEDED", step=run.last_step)
+                say(deps, run, "finished", f"Run {run.id} finished at step {run.last_step}.")
+        elif state in (AttemptState.PREEMPTED, AttemptState.LOST):
+            run.preemptions += 1
+            session.add(run)
+            deps.journal.record(
+                "preempted",
+                run.id,
+                attempt=attempt.number,
+                lost=state == AttemptState.LOST,
+                committed_step=run.last_committed_step,
+                lost_steps=attempt.lost_steps,
+                lost_seconds=round(attempt.lost_seconds, 3),
+            )
+            say(
+                deps,
+                run,
+                "preempted",
+                f"Attempt {attempt.number} "
+                f"{'was lost' if state == AttemptState.LOST else 'was preempted'}"
+                f" ({reason}); last committed step {run.last_committed_step}.",
+            )
+            if run.state in (RunState.RUNNING, RunState.LAUNCHING):
+                move_run(session, run, RunState.RECOVERING, now=now)
+            if run.state == RunState.RECOVERING:
+                resubmit_after = spec.resubmit.backoff_s
+            _preemption_alerts(deps, session, run, attempt, now=now)
+        elif state == AttemptState.FAILED and not run.state.is_terminal():
+            move_run(session, run, RunState.FAILED, now=now, reason=reason)
+            deps.journal.record("run_finished", run.id, state="FAILED", reason=reason)
+            say(deps, run, "error", f"Run {run.id} failed: {reason}.")
+        refresh_card(deps, session, run)
+    if instance_id is not None:
+        try:
+            deps.provider.terminate(instance_id)  # scripted, not remembered
+        except InstanceNotFound:
+            pass
+        except ProviderError as exc:
+            log.warning("terminating %s failed (reconcile will retry): %s", instance_id, exc)
+    if resubmit_after is not None:
+        deps.later(resubmit_after, resubmit_if_due, deps, attempt_id)
+
+
+def _record_lost_work(session: Session, run: Run, attempt: Attempt, *, now: datetime) -> None:
+    committed = run.last_committed_step or 0
+    reached = attempt.last_step or committed
+    attempt.lost_steps = max(0, reached - committed)
+    if attempt.step_time_s:
+        attempt.lost_seconds = attempt.lost_steps * attempt.step_time_s
+    else:
+        last_commit = session.exec(
+            select(Checkpoint)
+            .where(Checkpoint.attempt_id == attempt.id)
+            .order_by(col(Checkpoint.committed_at).desc())
+        ).first()
+        since = last_commit.committed_at if last_commit else attempt.started_at
+        attempt.lost_seconds = max(0.0, (now - since).total_seconds()) if since else 0.0
+
+
+def _preemption_alerts(
+    deps: Deps, session: Session, run: Run, attempt: Attempt, *, now: datetime
+) -> None:
+    spec = spec_of(run)
+    cfg = alert_config(spec)
+    ctx = run_context(session, run, attempt, now=now)
+    obs = [
+        Obs(
+            time=now.timestamp(),
+            type="exit",
+            data={"reason": "preempted", "attempt": attempt.number},
+        )
+    ]
+    signals = Preemption(cfg).evaluate(obs, now=now.timestamp(), ctx=ctx)
+    alerts.process_signals(
+        session,
+        run=run,
+        signals=signals,
+        now=now,
+        target=alert_target(run),
+        notifier=deps.notifier,
+        journal=deps.journal,
+    )
+
+
+def alert_target(run: Run) -> alerts.AlertTarget:
+    return alerts.AlertTarget(
+        channel=channel_of(run),
+        thread_ts=run.thread_ts,
+        oncall_group=spec_of(run).notify.oncall_group,
+    )
+
+
+def run_context(
+    session: Session, run: Run, attempt: Attempt | None, *, now: datetime
+) -> RunContext:
+    from jobs.spend import run_spent
+
+    spec = spec_of(run)
+    ended = session.exec(
+        select(Attempt.ended_at).where(
+            Attempt.run_id == run.id,
+            Attempt.state.in_([AttemptState.PREEMPTED, AttemptState.LOST]),  # type: ignore[attr-defined]
+        )
+    ).all()
+    return RunContext(
+        run_id=run.id,
+        budget_usd=run.budget_usd,
+        spent_usd=run_spent(session, run.id),
+        thresholds_pct=tuple(float(t) for t in spec.budget.thresholds),
+        hard_cap=spec.budget.hard_cap,
+        last_heartbeat=attempt.last_heartbeat.timestamp()
+        if attempt and attempt.last_heartbeat
+        else None,
+        preemption_times=tuple(t.timestamp() for t in ended if t is not None),
+        attempt_number=attempt.number if attempt else 0,
+        last_committed_step=run.last_committed_step,
+        current_step=run.last_step,
+    )
+
+
+def resubmit_if_due(deps: Deps, previous_attempt_id: str) -> None:
+    """Launch the next attempt after a preemption, reporting the work lost."""
+    with session_scope(deps.engine) as session:
+        prev = session.get(Attempt, previous_attempt_id)
+        run = session.get(Run, prev.run_id) if prev else None
+        if prev is None or run is None or run.state != RunState.RECOVERING:
+            return
+        if active_attempt(session, run.id) is not None:
+            return
+        run_id = run.id
+    attempt = launch_attempt(deps, run_id)
+    if attempt is None:
+        return
+    now = deps.clock()
+    with session_scope(deps.engine) as session:
+        run = session.get(Run, run_id)
+        prev = session.get(Attempt, previous_attempt_id)
+        assert run is not None and prev is not None
+        deps.journal.record(
+            "resubmitted",
+            run.id,
+            attempt=attempt.number,
+            zone=attempt.zone,
+            spot=attempt.spot,
+            resume_from_step=attempt.resumed_from_step,
+            lost_steps=prev.lost_steps,
+            lost_seconds=round(prev.lost_seconds, 3),
+        )
+        spec = spec_of(run)
+        obs = [
+            Obs(
+                time=now.timestamp(),
+                type="resubmitted",
+                data={
+                    "attempt": attempt.number,
+                    "lost_steps": prev.lost_steps,
+                    "lost_seconds": prev.lost_seconds,
+                    "zone": attempt.zone or "",
+                },
+            )
+        ]
+        signals = AutoResubmit(alert_config(spec)).evaluate(
+            obs, now=now.timestamp(), ctx=run_context(session, run, attempt, now=now)
+        )
+        alerts.process_signals(
+            session,
+            run=run,
+            signals=signals,
+            now=now,
+            target=alert_target(run),
+            notifier=deps.notifier,
+            journal=deps.journal,
+        )
+
+
+# ----------------------------------------------------------------------------- reconcile
+
+
+@dataclass(frozen=True)
+class _Live:
+    """What reconcile needs of a live attempt, read in one transaction."""
+
+    attempt_id: str
+    run_id: str
+    instance_id: str | None
+    created_at: datetime
+    #: Last sign of life: heartbeat, else start, else creation.
+    seen: datetime
+    heartbeat_deadline_s: float
+
+
+def reconcile(deps: Deps) -> dict[str, int]:
+    """Compare the provider's instances with the database and repair the difference."""
+    now = deps.clock()
+    counts = {"adopted": 0, "ended": 0, "orphans": 0, "launched": 0, "lost": 0}
+    with session_scope(deps.engine) as session:
+        rows = session.exec(
+            select(Attempt, Run)
+            .join(Run, col(Run.id) == col(Attempt.run_id))
+            .where(
+                col(Attempt.state).in_(
+                    [AttemptState.REQUESTED, AttemptState.PROVISIONING, AttemptState.RUNNING]
+                )
+            )
+        ).all()
+        live = {
+            a.id: _Live(
+                attempt_id=a.id,
+                run_id=a.run_id,
+                instance_id=a.instance_id,
+                created_at=a.created_at,
+                seen=a.last_heartbeat or a.started_at or a.created_at,
+                heartbeat_deadline_s=spec_of(r).alerts.heartbeat_deadline_s,
+            )
+            for a, r in rows
+        }
+    try:
+        instances = deps.provider.list_instances()
+    except ProviderError as exc:
+        log.warning("reconcile could not list instances: %s", exc)
+        return counts
+    by_attempt = {i.attempt_id: i for i in instances}
+    # Orphans: tagged by us, owned by no live attempt.
+    for inst in instances:
+        if inst.attempt_id not in live and not inst.state.is_terminal():
+            deps.provider.terminate(inst.instance_id)
+            deps.journal.record("orphan_terminated", inst.run_id, instance=inst.instance_id)
+            counts["orphans"] += 1
+    for a in live.values():
+        if a.instance_id is None:
+            if a.attempt_id in by_attempt or (now - a.created_at).total_seconds() > ADOPT_AFTER_S:
+                _provision(deps, a.attempt_id)  # idempotent launch: adopts what is there
+                counts["adopted"] += 1
+            continue
+        try:
+            status = deps.provider.status(a.instance_id)
+        except InstanceNotFound:
+            end_attempt(deps, a.attempt_id, state=AttemptState.LOST, reason="instance vanished")
+            counts["lost"] += 1
+            continue
+        ended = _ENDED_BY_PROVIDER.get(status.state)
+        if ended is not None:
+            end_attempt(
+                deps, a.attempt_id, state=ended, exit_code=status.exit_code, reason=status.reason
+            )
+            counts["ended"] += 1
+        elif (now - a.seen).total_seconds() > a.heartbeat_deadline_s:
+            _lost_heartbeat(deps, a.attempt_id, now=now, since=a.seen)
+            counts["lost"] += 1
+    counts["launched"] += _launch_due(deps, now=now)
+    return counts
+
+
+_ENDED_BY_PROVIDER = {
+    InstanceState.PREEMPTED: AttemptState.PREEMPTED,
+    InstanceState.SUCCEEDED: AttemptState.SUCCEEDED,
+    InstanceState.FAILED: AttemptState.FAILED,
+    InstanceState.TERMINATED: AttemptState.TERMINATED,
+}
+
+
+def _lost_heartbeat(deps: Deps, attempt_id: str, *, now: datetime, since: datetime) -> None:
+    with session_scope(deps.engine) as session:
+        attempt = session.get(Attempt, attempt_id)
+        run = session.get(Run, attempt.run_id) if attempt else None
+        if attempt is None or run is None:
+            return
+        spec = spec_of(run)
+        signals = LostHeartbeat(alert_config(spec)).evaluate(
+            [], now=now.timestamp(), ctx=run_context(session, run, attempt, now=now)
+        )
+        alerts.process_signals(
+            session, run=run, signals=signals, now=now, target=alert_target(run),
+            notifier=deps.notifier, journal=deps.journal,
+        )  # fmt: skip
+    silent = int((now - since).total_seconds())
+    end_attempt(deps, attempt_id, state=AttemptState.LOST, reason=f"no heartbeat for {silent} s")
+
+
+def _launch_due(deps: Deps, *, now: datetime) -> int:
+    """Runs waiting for an attempt whose backoff is over (the backstop for lost timers)."""
+    due: list[str] = []
+    with session_scope(deps.engine) as session:
+        runs = session.exec(
+            select(Run).where(col(Run.state).in_([RunState.LAUNCHING, RunState.RECOVERING]))
+        ).all()
+        for run in runs:
+            if active_attempt(session, run.id) is not None:
+                continue
+            prev = latest_attempt(session, run.id)
+            backoff = timedelta(seconds=spec_of(run).resubmit.backoff_s)
+            if prev is None or prev.ended_at is None or now - prev.ended_at >= backoff:
+                due.append(run.id)
+    launched = 0
+    for run_id in due:
+        if launch_attempt(deps, run_id) is not None:
+            launched += 1
+    return launched
+
+
+def get_run(session: Session, run_id: str) -> Run:
+    run = session.get(Run, run_id)
+    if run is None:
+        raise NotFound(f"no run {run_id}: `/train list all` shows the runs this channel has")
+    return run
