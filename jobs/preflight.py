@@ -379,8 +379,16 @@ class DryRunCheck:
                 "set dry_run.enabled=true, unless this command is known to restore correctly",
                 data={"skipped": True},
             )
-        from runner.dryrun import run_dry_run
-
+        try:
+            from runner.dryrun import run_dry_run
+        except ImportError as exc:
+            return CheckResult(
+                self.name,
+                Status.FAIL,
+                f"the dry run cannot start here: {exc}",
+                "install the runner's dependencies next to the control plane "
+                "(pip install 'trainbot[runner]'), or set dry_run.enabled=false",
+            )
         try:
             report = run_dry_run(
                 ctx.spec.command,
@@ -441,14 +449,15 @@ class DryRunCheck:
             return CheckResult(
                 self.name,
                 Status.PASS,
-                f"{figures}; an emergency checkpoint fits the {window:.0f} s termination window",
+                f"{figures}; an emergency checkpoint fits the {_seconds(window)} "
+                "termination window",
                 data=data,
             )
         return CheckResult(
             self.name,
             Status.WARN,
             f"{figures}; an emergency checkpoint of {_bytes(report.checkpoint_bytes)} does not "
-            f"fit the {ctx.provider.name} provider's {window:.0f} s termination window, so a "
+            f"fit the {ctx.provider.name} provider's {_seconds(window)} termination window, so a "
             "preemption loses the work since the last scheduled checkpoint",
             "make checkpoints smaller (shard them, drop what can be recomputed) or faster "
             "(a store in the same region), or accept losing up to one checkpoint interval "
@@ -783,7 +792,7 @@ def run_preflight(
     for check in default_checks() if checks is None else checks:
         try:
             result = check.run(ctx, prior=dict(results))
-        except Exception as exc:  # noqa: BLE001 - any failure of a check is reported as FAIL
+        except Exception as exc:  # any failure of a check is reported as a FAIL
             result = _crashed(check.name, exc, run_id=ctx.run_id)
         results[result.name] = result
         ordered.append(result)
@@ -875,7 +884,7 @@ def _seconds(value: float | None) -> str:
     if value < 1:
         return f"{value * 1000:.0f} ms"
     if value < 120:
-        return f"{value:.1f} s"
+        return f"{value:.3g} s"
     if value < 7200:
         return f"{value / 60:.0f} min"
     return f"{value / 3600:.1f} h"

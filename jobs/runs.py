@@ -44,6 +44,17 @@ log = logging.getLogger(__name__)
 ADOPT_AFTER_S = 20.0
 
 
+#: Runner variable naming the directory of a run's checkpoints under the checkpoint URI.
+PREFIX_ENV = "TRAINBOT_CHECKPOINT_PREFIX"
+
+
+def checkpoint_prefix(run: Run) -> str:
+    """A run's checkpoints live in ``{checkpoint_uri}/{prefix}``: its own id, unless it
+    resumes another run's checkpoints (a resubmit of a finished run)."""
+    env = run.spec.get("env") or {}
+    return str(env.get(PREFIX_ENV) or run.id)
+
+
 def spec_of(run: Run) -> JobSpec:
     return JobSpec.model_validate(run.spec)
 

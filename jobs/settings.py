@@ -107,6 +107,9 @@ class Settings(BaseSettings):
     local_price_per_hour_usd: float = Field(default=1.0, ge=0)
     #: Local provider: mean seconds between simulated preemptions; unset means none.
     local_mean_time_between_preemptions_s: float | None = Field(default=None, gt=0)
+    #: Mean seconds between preemptions to plan checkpoints for (Daly's interval); unset
+    #: means the provider's own figure (6 h for spot capacity).
+    assumed_mtbp_s: float | None = Field(default=None, gt=0)
     #: Local provider: CPU cores its instances may use together.
     local_cores: int = Field(default_factory=_default_cores, ge=1)
     #: IANA time zone for the daily digest and "yesterday".

@@ -151,7 +151,9 @@ def _exec(args: argparse.Namespace) -> int:
     if args.sync_dir is not None:
         store = run_store(
             os.environ.get("TRAINBOT_CHECKPOINT_URI") or "checkpoints",
-            os.environ.get("TRAINBOT_RUN_ID") or "local",
+            os.environ.get("TRAINBOT_CHECKPOINT_PREFIX")
+            or os.environ.get("TRAINBOT_RUN_ID")
+            or "local",
         )
         dir_sync = DirSync(store=store, root=args.sync_dir, settle_s=args.settle)
     sink = _sink_from_env()

@@ -10,6 +10,7 @@ the checkpoint size, write and restore seconds, and Daly's optimal checkpoint in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -21,7 +22,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from runner.checkpoint import delete_steps, scan
 from runner.errors import RunnerError
@@ -84,11 +85,19 @@ class DryRunReport:
 class _Phase:
     """One process of the dry run, with its events collected."""
 
-    def __init__(self, command: Sequence[str], env: dict[str, str], events: Path) -> None:
+    def __init__(
+        self, command: Sequence[str], env: dict[str, str], events: Path, log: IO[bytes] | None
+    ) -> None:
         events.touch()
         self.follower = follow_file(events)
         self.events: list[tuple[str, float, dict[str, Any]]] = []
-        self.proc = subprocess.Popen(list(command), env=env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            list(command),
+            env=env,
+            start_new_session=True,
+            stdout=log,
+            stderr=subprocess.STDOUT if log is not None else None,
+        )
 
     def pump(self) -> None:
         self.events.extend(self.follower)
@@ -117,8 +126,13 @@ def run_dry_run(
     mtbp_s: float = 3600.0,
     timeout_s: float = 600.0,
     env: Mapping[str, str] | None = None,
+    log_path: Path | None = None,
 ) -> DryRunReport:
-    """Run both phases and report. The run id should be the dry run's own namespace."""
+    """Run both phases and report. The run id should be the dry run's own namespace.
+
+    The command's output goes to ``log_path`` when given (the control plane keeps it out
+    of its own terminal), else to this process's stdout and stderr.
+    """
     if not command:
         raise RunnerError("no command: write `trainbot-runner dry-run -- python train.py …`")
     if steps < 1:
@@ -132,77 +146,95 @@ def run_dry_run(
     for key in ("TRAINBOT_INGEST_URL", "TRAINBOT_CHECKPOINT_INTERVAL_S", "TRAINBOT_STOP_FILE"):
         base.pop(key, None)
     deadline = time.monotonic() + timeout_s
-    with tempfile.TemporaryDirectory(prefix="trainbot-dry-run-") as tmp:
-        first = _Phase(
-            command,
-            {
-                **base,
-                "TRAINBOT_MAX_STEPS": str(steps),
-                "TRAINBOT_DRY_RUN_PHASE": "save",
-                "TRAINBOT_EVENTS_FILE": str(Path(tmp) / "save.jsonl"),
-            },
-            Path(tmp) / "save.jsonl",
+    with contextlib.ExitStack() as stack:
+        log = stack.enter_context(open(log_path, "ab")) if log_path is not None else None
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="trainbot-dry-run-"))
+        return _run_phases(
+            command, report, base, deadline, Path(tmp), log, steps=steps, mtbp_s=mtbp_s
         )
-        try:
-            saved = _wait_for(first, "dry_run", deadline, phase="saved")
-        finally:
-            first.kill()
-            first.pump()
-        if saved is None:
-            report.problems.append(_why_not(first, "commit a checkpoint", deadline))
-            return report
-        report.steps_before_kill = int(saved["step"])
-        report.saved_sha256 = str(saved["state_sha256"])
-        times = [d["step_time_s"] for t, _, d in first.events if t == "metrics"]
-        if len(times) > 1:
-            times = times[1:]  # the first step pays for warm-up
-        report.step_time_s = statistics.median(times) if times else None
-        commit = first.find("checkpoint_committed", step=report.steps_before_kill)
-        if commit is not None:
-            report.checkpoint_bytes = int(commit["bytes"])
-            report.write_s = float(commit["write_s"])
 
-        second = _Phase(
-            command,
-            {
-                **base,
-                "TRAINBOT_DRY_RUN_PHASE": "verify",
-                "TRAINBOT_EVENTS_FILE": str(Path(tmp) / "verify.jsonl"),
-            },
-            Path(tmp) / "verify.jsonl",
-        )
-        try:
-            while second.proc.poll() is None and time.monotonic() < deadline:
-                second.pump()
-                time.sleep(0.05)
-        finally:
-            second.kill()
+
+def _run_phases(
+    command: Sequence[str],
+    report: DryRunReport,
+    base: dict[str, str],
+    deadline: float,
+    tmp: Path,
+    log: IO[bytes] | None,
+    *,
+    steps: int,
+    mtbp_s: float,
+) -> DryRunReport:
+    first = _Phase(
+        command,
+        {
+            **base,
+            "TRAINBOT_MAX_STEPS": str(steps),
+            "TRAINBOT_DRY_RUN_PHASE": "save",
+            "TRAINBOT_EVENTS_FILE": str(tmp / "save.jsonl"),
+        },
+        tmp / "save.jsonl",
+        log,
+    )
+    try:
+        saved = _wait_for(first, "dry_run", deadline, phase="saved")
+    finally:
+        first.kill()
+        first.pump()
+    if saved is None:
+        report.problems.append(_why_not(first, "commit a checkpoint", deadline))
+        return report
+    report.steps_before_kill = int(saved["step"])
+    report.saved_sha256 = str(saved["state_sha256"])
+    times = [d["step_time_s"] for t, _, d in first.events if t == "metrics"]
+    if len(times) > 1:
+        times = times[1:]  # the first step pays for warm-up
+    report.step_time_s = statistics.median(times) if times else None
+    commit = first.find("checkpoint_committed", step=report.steps_before_kill)
+    if commit is not None:
+        report.checkpoint_bytes = int(commit["bytes"])
+        report.write_s = float(commit["write_s"])
+
+    second = _Phase(
+        command,
+        {
+            **base,
+            "TRAINBOT_DRY_RUN_PHASE": "verify",
+            "TRAINBOT_EVENTS_FILE": str(tmp / "verify.jsonl"),
+        },
+        tmp / "verify.jsonl",
+        log,
+    )
+    try:
+        while second.proc.poll() is None and time.monotonic() < deadline:
             second.pump()
-        restored = second.find("dry_run", phase="restored")
-        restore_event = second.find("restored")
-        if restore_event is not None:
-            report.restore_s = float(restore_event["restore_s"])
-        if restored is None:
-            report.problems.append(_why_not(second, "restore the checkpoint", deadline))
-            return report
-        report.restored_sha256 = str(restored["state_sha256"])
-        last = [d["step"] for t, _, d in second.events if t == "metrics"]
-        report.steps_after_restore = max(last, default=int(restored["step"])) - int(
-            restored["step"]
+            time.sleep(0.05)
+    finally:
+        second.kill()
+        second.pump()
+    restored = second.find("dry_run", phase="restored")
+    restore_event = second.find("restored")
+    if restore_event is not None:
+        report.restore_s = float(restore_event["restore_s"])
+    if restored is None:
+        report.problems.append(_why_not(second, "restore the checkpoint", deadline))
+        return report
+    report.restored_sha256 = str(restored["state_sha256"])
+    last = [d["step"] for t, _, d in second.events if t == "metrics"]
+    report.steps_after_restore = max(last, default=int(restored["step"])) - int(restored["step"])
+    if int(restored["step"]) != report.steps_before_kill:
+        report.problems.append(
+            f"restored step {restored['step']} but step {report.steps_before_kill} was saved"
         )
-        if int(restored["step"]) != report.steps_before_kill:
-            report.problems.append(
-                f"restored step {restored['step']} but step {report.steps_before_kill} was saved"
-            )
-        if report.restored_sha256 != report.saved_sha256:
-            report.problems.append(
-                "the restored state differs from the saved one: some state is not tracked "
-                "(model, optimizer, scheduler, data position) or is not deterministic"
-            )
-        if second.proc.returncode != 0:
-            report.problems.append(f"after the restore the command exited {second.proc.returncode}")
-        elif report.steps_after_restore < 2:
-            report.problems.append("the command did not run two steps after the restore")
+    if report.restored_sha256 != report.saved_sha256:
+        report.problems.append(
+            "the restored state differs from the saved one: some state is not tracked "
+            "(model, optimizer, scheduler, data position) or is not deterministic"
+        )
+    if second.proc.returncode != 0:
+        report.problems.append(f"after the restore the command exited {second.proc.returncode}")
+    elif report.steps_after_restore < 2:
+        report.problems.append("the command did not run two steps after the restore")
     if report.write_s is not None:
         report.daly_interval_s = daly_interval(report.write_s, mtbp_s)
         for name, window in WINDOWS_S.items():

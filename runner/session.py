@@ -122,6 +122,9 @@ class SessionConfig:
     attempt_id: str = "local-1"
     #: Where checkpoints go: a path, file:// or s3://.
     checkpoint_uri: str = "checkpoints"
+    #: Directory of this run's checkpoints under the URI (default: the run id); a
+    #: resubmitted run names its predecessor's to resume from it.
+    checkpoint_prefix: str | None = None
     #: Checkpoint every N steps.
     every_steps: int | None = None
     #: Checkpoint every T seconds (the control plane passes Daly's interval here).
@@ -155,6 +158,7 @@ class SessionConfig:
             run_id=e.get("TRAINBOT_RUN_ID") or "local",
             attempt_id=e.get("TRAINBOT_ATTEMPT_ID") or "local-1",
             checkpoint_uri=e.get("TRAINBOT_CHECKPOINT_URI") or "checkpoints",
+            checkpoint_prefix=e.get("TRAINBOT_CHECKPOINT_PREFIX") or None,
             every_steps=_env_int(e, "TRAINBOT_CHECKPOINT_EVERY_STEPS"),
             every_s=_env_float(e, "TRAINBOT_CHECKPOINT_INTERVAL_S"),
             max_steps=_env_int(e, "TRAINBOT_MAX_STEPS"),
@@ -211,7 +215,11 @@ class Session:
     ) -> None:
         self.config = config
         self.sink = sink if sink is not None else _default_sink(config)
-        self.store = store if store is not None else run_store(config.checkpoint_uri, config.run_id)
+        self.store = (
+            store
+            if store is not None
+            else run_store(config.checkpoint_uri, config.checkpoint_prefix or config.run_id)
+        )
         self.flag = flag if flag is not None else PreemptionFlag()
         self.decision = decision or config.decision() or EverySteps(100)
         self.writer = CheckpointWriter(

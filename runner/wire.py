@@ -29,7 +29,7 @@ passed through. "number" accepts an int or a float and decodes to a float.
 ``checkpoint_committed``
     ``step`` int >= 0; ``bytes`` int >= 0; ``write_s`` number; ``uri`` string.
 ``checkpoint_failed``
-    ``step`` int >= 0; ``error`` string.
+    ``step`` int (-1 when the failure is not tied to a step); ``error`` string.
 ``restored``
     ``step`` int >= 0 (0: fresh start); ``fallback_from`` int or null (the step whose
     checkpoint was corrupt); ``restore_s`` number.
@@ -220,7 +220,7 @@ _SCHEMA: dict[str, tuple[_Field, ...]] = {
         _Field("write_s", _number()),
         _Field("uri", _string, text=True),
     ),
-    "checkpoint_failed": (_Field("step", _STEP), _Field("error", _string, text=True)),
+    "checkpoint_failed": (_Field("step", _integer()), _Field("error", _string, text=True)),
     "restored": (
         _Field("step", _STEP),
         _Field("fallback_from", _optional(_integer(minimum=0))),

@@ -309,7 +309,12 @@ def test_system_sampler_emits_and_stops_promptly(tmp_path: Path) -> None:
     follower = follow_file(path)
     records: list[Any] = []
     sampler = SystemSampler(sink, tmp_path, interval_s=0.02, current_step=lambda: 7).start()
-    assert wait_until(lambda: (records.extend(follower), len(records) >= 4)[1])
+
+    def four_records() -> bool:
+        records.extend(follower)
+        return len(records) >= 4
+
+    assert wait_until(four_records)
     sampler.stop()
     slow = SystemSampler(sink, tmp_path, interval_s=60).start()
     started = time.monotonic()

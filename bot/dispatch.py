@@ -1,0 +1,131 @@
+"""From a typed command to the service call and a reply: shared by every front end.
+
+Listeners stay thin: parse, call :func:`dispatch`, render. No traceback ever reaches a
+user: our own errors become their message, anything else a short apology (and a log
+line with the traceback for the operator).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from bot import messages
+from bot.commands import (
+    Ack,
+    Budget,
+    Cleanup,
+    Command,
+    CommandError,
+    Help,
+    Launch,
+    ListRuns,
+    Logs,
+    Oncall,
+    Preflight,
+    Resubmit,
+    Snooze,
+    Spend,
+    Status,
+    Stop,
+    help_text,
+    parse,
+)
+from jobs import service
+from jobs.deps import Deps
+from jobs.errors import TrainbotError
+from jobs.service import Actor
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What a command answers: text for the person who asked, and the data behind it."""
+
+    text: str
+    #: True for errors and help: Slack shows these only to the person who asked.
+    ephemeral: bool = False
+    #: The run or alert the reply is about, for front ends that add buttons.
+    run_id: str | None = None
+    alert_id: str | None = None
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+def handle_text(deps: Deps, text: str, actor: Actor, *, key: str | None = None) -> Reply:
+    """Parse and run one `/train …` command."""
+    try:
+        command = parse(text)
+    except CommandError as exc:
+        return Reply(text=str(exc), ephemeral=True)
+    return dispatch(deps, command, actor, key=key)
+
+
+def dispatch(deps: Deps, command: Command, actor: Actor, *, key: str | None = None) -> Reply:
+    try:
+        return _dispatch(deps, command, actor, key=key)
+    except TrainbotError as exc:
+        return Reply(text=messages.error(str(exc)), ephemeral=True)
+    except Exception:
+        log.exception("command %r failed", command)
+        return Reply(text=messages.unexpected(), ephemeral=True)
+
+
+def _dispatch(deps: Deps, command: Command, actor: Actor, *, key: str | None) -> Reply:
+    if isinstance(command, Help):
+        return Reply(text=help_text(command.command), ephemeral=True)
+    if isinstance(command, Launch | Preflight):
+        if command.spec is None:
+            names = ", ".join(service.specs(deps)) or "none"
+            return Reply(
+                text=f"Which spec? /train launch <spec> [key=value …]. Specs: {names}",
+                ephemeral=True,
+            )
+        launch = isinstance(command, Launch)
+        run = service.submit(
+            deps,
+            spec_name=command.spec,
+            overrides=command.overrides,
+            actor=actor,
+            idempotency_key=key,
+            launch=launch,
+        )
+        say = messages.submitted if launch else messages.preflight_only
+        return Reply(text=say(run.id, run.spec_name), run_id=run.id)
+    if isinstance(command, Status):
+        cards = service.status(deps, command.run, actor)
+        return Reply(text=messages.run_list(cards, "active"), run_id=command.run)
+    if isinstance(command, ListRuns):
+        cards = service.list_runs(deps, command.scope, actor)
+        return Reply(text=messages.run_list(cards, command.scope))
+    if isinstance(command, Stop):
+        run = service.stop(deps, command.run, actor)
+        return Reply(text=messages.stopped(run.id), run_id=run.id)
+    if isinstance(command, Resubmit):
+        run = service.resubmit(deps, command.run, actor)
+        return Reply(text=messages.resubmitted(command.run, run.id), run_id=run.id)
+    if isinstance(command, Logs):
+        return Reply(text=service.logs(deps, command.run, actor), ephemeral=True)
+    if isinstance(command, Ack):
+        alert = service.acknowledge(deps, command.alert, actor)
+        return Reply(text=messages.acked(alert.id, alert.acked_by or actor.user), alert_id=alert.id)
+    if isinstance(command, Snooze):
+        alert = service.snooze(deps, command.alert, command.seconds, actor)
+        return Reply(text=messages.snoozed(alert.id, alert.snoozed_until), alert_id=alert.id)
+    if isinstance(command, Spend):
+        report = service.spend_report(deps, command.period, actor)
+        return Reply(text=messages.spend_report(report), data=report)
+    if isinstance(command, Budget):
+        return Reply(text=messages.budget_table(service.budgets(deps, actor)))
+    if isinstance(command, Oncall):
+        user = None
+        if command.user is not None:
+            ref = command.user
+            user = f"<@{ref.user_id}>" if ref.user_id else f"@{ref.name}"
+        current = service.oncall(deps, user, actor)
+        return Reply(text=messages.oncall(current, changed=user is not None))
+    if isinstance(command, Cleanup):
+        summary = service.cleanup(deps, command.run, actor, dry_run=command.dry_run)
+        return Reply(text=messages.cleanup(summary), run_id=command.run, data=summary)
+    raise CommandError(f"{type(command).__name__} is not handled yet")

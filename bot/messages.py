@@ -1,0 +1,248 @@
+"""Every user-facing sentence, in one place: messages and replies rendered as text.
+
+Written for a tired on-call engineer: what happened, to which run, what it costs, what to
+do. The console prints these; the Slack views build their Block Kit from the same
+functions, so both front ends say the same thing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+from jobs.notify import (
+    AlertMessage,
+    DigestMessage,
+    Message,
+    PreflightMessage,
+    RunCard,
+    TextMessage,
+)
+
+STATUS_ICON = {"pass": "✓", "warn": "!", "fail": "✗"}
+SEVERITY_ICON = {"info": "ℹ", "warning": "⚠", "critical": "‼"}
+STATE_WORD = {
+    "PENDING": "pending",
+    "PREFLIGHT": "running preflight checks",
+    "PREFLIGHT_FAILED": "preflight failed",
+    "AWAITING_CONFIRMATION": "waiting for confirmation",
+    "LAUNCHING": "launching",
+    "RUNNING": "running",
+    "RECOVERING": "recovering from a preemption",
+    "SUCCEEDED": "finished",
+    "FAILED": "failed",
+    "STOPPED": "stopped",
+    "BUDGET_EXCEEDED": "stopped at its budget cap",
+}
+
+
+def usd(value: float | None) -> str:
+    if value is None:
+        return "n/a"
+    return f"${value:,.2f}" if value >= 0.01 or value == 0 else f"${value:.4f}"
+
+
+def pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}%"
+
+
+def when(value: datetime | None) -> str:
+    return value.strftime("%H:%M UTC") if value else "n/a"
+
+
+def run_card(card: RunCard) -> str:
+    progress = ""
+    if card.step is not None:
+        progress = f" · step {card.step}" + (f"/{card.target_steps}" if card.target_steps else "")
+    loss = ""
+    if card.loss is not None:
+        loss = " · loss " + ("NaN" if math.isnan(card.loss) else f"{card.loss:.4g}")
+    budget = f" of {usd(card.budget_usd)}" if card.budget_usd else ""
+    where = f" · {card.instance_id} in {card.zone}" if card.instance_id else ""
+    attempt = f" · attempt {card.attempt}" if card.attempt else ""
+    reason = f" — {card.reason}" if card.reason and card.state not in ("RUNNING",) else ""
+    return (
+        f"[{card.run_id}] {card.spec_name} by {card.requester}: "
+        f"{STATE_WORD.get(card.state, card.state.lower())}{reason}{attempt}{progress}{loss}"
+        f" · spent {usd(card.spent_usd)}{budget}{where}"
+    )
+
+
+def preflight_report(msg: PreflightMessage) -> str:
+    lines = [f"Preflight for {msg.run_id}:"]
+    for check in msg.checks:
+        lines.append(f"  {STATUS_ICON.get(check.status, '?')} {check.name}: {check.detail}")
+        if check.remedy and check.status != "pass":
+            lines.append(f"      → {check.remedy}")
+    if msg.estimate_usd is not None:
+        lines.append(f"  Estimated cost {usd(msg.estimate_usd)}; budget alert set there.")
+    if msg.interval_s is not None:
+        lines.append(f"  Checkpoint every {msg.interval_s:.1f} s.")
+    if not msg.ok:
+        lines.append("  Not launched: fix the failed checks and launch again.")
+    elif msg.needs_confirmation:
+        lines.append(f"  Warnings above. Launch anyway: /train resubmit {msg.run_id}")
+    else:
+        lines.append("  All checks passed: launching.")
+    return "\n".join(lines)
+
+
+def alert(msg: AlertMessage) -> str:
+    icon = SEVERITY_ICON.get(msg.severity.lower(), "!")
+    head = f"{icon} {msg.severity.upper()} [{msg.alert_id}] {msg.title}"
+    if msg.count > 1:
+        head += f" (×{msg.count})"
+    lines = [head]
+    if msg.detail:
+        lines.append(f"    {msg.detail}")
+    if msg.hint:
+        lines.append(f"    → {msg.hint}")
+    if msg.escalate_to:
+        lines.append(f"    Escalated to {msg.escalate_to}: unacknowledged.")
+    if msg.state == "ACKED":
+        lines.append(f"    Acknowledged by {msg.acked_by} at {when(msg.acked_at)}.")
+    elif msg.state == "RESOLVED":
+        lines.append("    Resolved.")
+    elif msg.snoozed_until is not None:
+        lines.append(f"    Snoozed until {when(msg.snoozed_until)}.")
+    else:
+        lines.append(f"    /train ack {msg.alert_id} · /train snooze {msg.alert_id} 1h")
+    return "\n".join(lines)
+
+
+def digest(msg: DigestMessage) -> str:
+    f = msg.figures
+    lines = [
+        f"Daily spend digest for {msg.channel} ({f.get('date', '')}):",
+        f"  yesterday {usd(f.get('yesterday_usd'))} · month to date "
+        f"{usd(f.get('month_to_date_usd'))}",
+        f"  preemptions {f.get('preemptions', 0)} · goodput {pct(f.get('goodput'))} · "
+        f"GPU-hours lost {f.get('gpu_hours_lost', 0):.2f} · instance-hours lost "
+        f"{f.get('instance_hours_lost', 0):.3f}",
+    ]
+    for row in f.get("per_run", [])[:10]:
+        lines.append(
+            f"  {row.get('run_id')} {row.get('spec', '')} ({row.get('requester', '')}): "
+            f"{usd(row.get('usd'))}, {row.get('preemptions', 0)} preemption(s), "
+            f"goodput {pct(row.get('goodput'))}, {str(row.get('state', '')).lower()}"
+        )
+    for row in f.get("per_user", [])[:10]:
+        lines.append(f"  {row.get('user')}: {usd(row.get('usd'))}")
+    if msg.chart_png:
+        lines.append(f"  (spend chart attached, {len(msg.chart_png):,} bytes PNG)")
+    return "\n".join(lines)
+
+
+def text(msg: TextMessage) -> str:
+    return msg.text
+
+
+def render(msg: Message) -> str:
+    """Any message as text."""
+    if isinstance(msg, RunCard):
+        return run_card(msg)
+    if isinstance(msg, PreflightMessage):
+        return preflight_report(msg)
+    if isinstance(msg, AlertMessage):
+        return alert(msg)
+    if isinstance(msg, DigestMessage):
+        return digest(msg)
+    if isinstance(msg, TextMessage):
+        return text(msg)
+    return str(msg)
+
+
+# ----------------------------------------------------------------------------- replies
+
+
+def submitted(run_id: str, spec: str) -> str:
+    return f"Run {run_id} ({spec}) submitted: preflight is running; the report goes in its thread."
+
+
+def preflight_only(run_id: str, spec: str) -> str:
+    return f"Preflight of {spec} started as {run_id}; nothing launches until you confirm."
+
+
+def confirmed(run_id: str) -> str:
+    return f"Launching {run_id} despite the preflight warnings."
+
+
+def stopped(run_id: str) -> str:
+    return f"Stopping {run_id}: its runner flushes a checkpoint and the instance shuts down."
+
+
+def resubmitted(old: str, new: str) -> str:
+    if old == new:
+        return f"Launching the next attempt of {old} from its newest checkpoint."
+    return f"Resubmitted {old} as {new}; it resumes from {old}'s newest checkpoint."
+
+
+def acked(alert_id: str, user: str) -> str:
+    return f"Alert {alert_id} acknowledged by {user}; it will not notify or escalate again."
+
+
+def snoozed(alert_id: str, until: datetime | None) -> str:
+    return f"Alert {alert_id} snoozed until {when(until)}."
+
+
+def run_list(cards: Sequence[RunCard], scope: str) -> str:
+    if not cards:
+        return f"No {'' if scope == 'all' else scope + ' '}runs. Start one with /train launch <spec>."
+    return "\n".join(run_card(c) for c in cards)
+
+
+def spend_report(report: Mapping[str, Any]) -> str:
+    lines = [
+        f"Spend ({report.get('period', 'day')}, since {report.get('since', '')}): "
+        f"{usd(report.get('total_usd'))}"
+    ]
+    for row in report.get("per_run", [])[:15]:
+        lines.append(f"  {row.get('run_id')} ({row.get('requester', '')}): {usd(row.get('usd'))}")
+    for row in report.get("per_user", [])[:15]:
+        lines.append(f"  {row.get('user')}: {usd(row.get('usd'))}")
+    return "\n".join(lines)
+
+
+def budget_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    if not rows:
+        return "No runs with budgets in this channel."
+    out = []
+    for r in rows:
+        share = f" ({r['pct']:.0f}%)" if r.get("pct") is not None else ""
+        out.append(
+            f"  {r['run_id']}: {usd(r['spent_usd'])} of {usd(r.get('budget_usd'))}{share}, "
+            f"{str(r['state']).lower()}"
+        )
+    return "Budgets:\n" + "\n".join(out)
+
+
+def oncall(user: str | None, *, changed: bool) -> str:
+    if user is None:
+        return "Nobody is on call for this channel. Set someone: /train oncall @user"
+    if changed:
+        return f"{user} is now on call here; unacknowledged critical alerts escalate to them."
+    return f"{user} is on call for this channel."
+
+
+def cleanup(summary: Mapping[str, Any]) -> str:
+    if "error" in summary:
+        return f"Cleanup of {summary['run_id']} failed: {summary['error']}"
+    verb = "Would delete" if summary.get("dry_run") else "Deleted"
+    return (
+        f"{verb} checkpoints {summary['deleted']} of {summary['run_id']} "
+        f"({summary['bytes_freed']:,} bytes) and torn saves {summary['torn']}; "
+        f"kept {summary['kept']}."
+    )
+
+
+def error(message: str) -> str:
+    return f"Sorry — {message}"
+
+
+def unexpected() -> str:
+    return (
+        "Something went wrong on our side; nothing was changed. "
+        "The control plane's log has the details."
+    )

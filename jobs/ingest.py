@@ -1,0 +1,841 @@
+"""The runner events API: authenticate a batch, store it once, apply it, evaluate the alerts.
+
+A runner (:class:`runner.telemetry.Reporter`) posts batches of up to 500 events encoded by
+:mod:`runner.wire`, with its attempt's token as ``Authorization: Bearer …``. One batch is
+one database transaction:
+
+- the attempt row is read (and on PostgreSQL locked ``FOR UPDATE``) by id, and its
+  ``token_hash`` compared with the caller's: a token revoked a moment ago (the attempt
+  ended, ``token_hash`` is NULL) is refused even when the short-lived lookup cache still
+  knew it, so revocation takes effect at once;
+- events are inserted with one ``executemany`` of ``INSERT … ON CONFLICT (attempt_id, seq)
+  DO NOTHING``. ``(attempt, seq)`` is the event's identity, so a retried batch stores
+  nothing twice and is acknowledged with ``duplicates = n``. Which events are new is known
+  *before* inserting: ``attempts.last_seq`` is the highest stored seq, so a batch above it
+  needs no look-up, and only a batch that reaches back under it costs one indexed range
+  query. The attempt lock makes that exact; ``ON CONFLICT`` stays as the backstop;
+- the new events' side effects (heartbeat, steps, checkpoints, ``started`` → ``RUNNING``,
+  the preemption notice, the restored step) are applied in the same transaction, so the
+  facts derived from events never disagree with the events stored.
+
+After the commit, lifecycle events go to ``on_attempt_event`` (the service layer ends the
+attempt on ``exit`` and resubmits) and the run's alert rules are evaluated once over an
+in-memory window of recent observations; signals go to ``on_signals`` within the same
+request, so a NaN loss is an alert before the runner's POST returns. Callback failures are
+logged and never reach the runner: its events are stored, and a 5xx would only make it
+send them again.
+
+Malformed input never raises out of :meth:`IngestService.handle` and never changes state:
+every check that can refuse a batch runs before the transaction starts.
+
+Spend is not known here: :class:`~jobs.rules.RunContext` gets ``spent_usd=0.0``, so the
+budget rule stays quiet on this path and the spend job, which knows the money, drives it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import statistics
+import threading
+import time as _time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Any, cast
+
+from sqlalchemy import (
+    Connection,
+    Engine,
+    Table,
+    and_,
+    bindparam,
+    case,
+    column,
+    select,
+    table,
+    update,
+)
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+from sqlalchemy.sql.dml import Insert
+from sqlmodel import Session, SQLModel
+
+from jobs.errors import IllegalTransition
+from jobs.lifecycle import AttemptState, transition
+from jobs.models import Attempt, Checkpoint, Run, hash_token, utcnow
+from jobs.models import Event as EventRow
+from jobs.rules import AlertConfig, Obs, Rule, RunContext, Signal, default_rules, evaluate_all
+from jobs.spec import AlertThresholds
+from runner.errors import WireError
+from runner.wire import Event, decode_batch, json_safe, restore_floats
+
+__all__ = [
+    "LIFECYCLE_EVENTS",
+    "WINDOW_MAX_OBS",
+    "WINDOW_SPAN_S",
+    "IngestResult",
+    "IngestService",
+]
+
+log = logging.getLogger(__name__)
+
+#: Event types the service layer reacts to; passed to ``on_attempt_event`` once each.
+LIFECYCLE_EVENTS = frozenset(
+    {"started", "checkpoint_committed", "preemption_notice", "exit", "restored", "dry_run"}
+)
+#: Event types the alert rules look at.
+WINDOW_EVENTS = frozenset(
+    {"metrics", "system", "preemption_notice", "exit", "checkpoint_committed"}
+)
+#: The rules' window per run (see :class:`_Series`): the last hour; per event type, the
+#: newest RECENT_OBS observations in full and older ones thinned to one per BUCKET_S,
+#: so at most 5 × (200 + 240) = 2,200 observations in all.
+WINDOW_SPAN_S = 3600.0
+RECENT_OBS = 200
+BUCKET_S = 15.0
+WINDOW_MAX_OBS = len(WINDOW_EVENTS) * (RECENT_OBS + int(WINDOW_SPAN_S // BUCKET_S))
+#: After a restart a window is rebuilt from the newest this-many events of each type
+#: (within the hour) in the events table.
+REBUILD_OBS = 1000
+#: Runs whose window is kept in memory; the least recently reporting one is dropped first
+#: (and rebuilt from the events table if it reports again).
+MAX_WINDOWS = 256
+#: How long a token → attempt look-up is trusted before the database is asked again.
+#: Revocation does not wait for it: the transaction re-checks the hash on the locked row.
+TOKEN_CACHE_S = 1.0
+_TOKEN_CACHE_MAX = 4096
+
+# The widest integer PostgreSQL's INTEGER columns hold (seq, steps, bytes are INTEGER).
+_INT4_MAX = 2**31 - 1
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+_NAIVE_EPOCH = datetime(1970, 1, 1)
+#: The events insert's columns, in the order of the row tuples.
+_EVENT_COLUMNS = ("attempt_id", "run_id", "seq", "type", "time", "data", "received_at")
+_STEP_EVENTS = frozenset({"metrics", "heartbeat", "checkpoint_committed", "restored"})
+_JSON = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
+
+
+def _table(model: type[SQLModel]) -> Table:
+    return cast(Table, model.__table__)  # type: ignore[attr-defined]
+
+
+_ATTEMPTS = _table(Attempt)
+_RUNS = _table(Run)
+_EVENTS = _table(EventRow)
+_CHECKPOINTS = _table(Checkpoint)
+
+SignalSink = Callable[[str, list[Signal], datetime], None]
+AttemptEventSink = Callable[[str, str, dict[str, Any]], None]
+
+
+@dataclass(frozen=True)
+class IngestResult:
+    """What the HTTP layer sends back: a status and a JSON body."""
+
+    #: 200 stored (or already stored); 400 malformed; 401 unknown or revoked token;
+    #: 403 token of another attempt; 413 too large; 503 database unavailable; 500 a bug.
+    status: int
+    #: ``{"accepted": n, "duplicates": m}`` or ``{"error": "..."}``.
+    body: dict[str, Any]
+
+
+def _error(status: int, message: str) -> IngestResult:
+    return IngestResult(status, {"error": message})
+
+
+@dataclass(frozen=True)
+class _Principal:
+    """Who a token belongs to."""
+
+    token_hash: str
+    attempt_id: str
+    run_id: str
+
+
+@dataclass
+class _Applied:
+    """What one committed batch changed, for the callbacks and the rules."""
+
+    accepted: int
+    duplicates: int
+    run_id: str
+    attempt_number: int
+    #: New events of LIFECYCLE_EVENTS types, in seq order.
+    lifecycle: list[Event] = field(default_factory=list)
+    observations: list[Obs] = field(default_factory=list)
+    last_step: int | None = None
+    last_committed_step: int | None = None
+    budget_usd: float | None = None
+    preemption_times: tuple[float, ...] = ()
+    max_time: float = 0.0
+
+
+class _Series:
+    """One event type's observations: every recent one, then a thinned hour behind them.
+
+    Runners report metrics many times a second, and the rules re-read the whole window
+    on every batch, so a window of every event would cost the rules time per event that
+    grows with the window, and a flood of metrics would push the few system samples
+    (the GPU-utilisation rule needs five minutes of them) out of a shared bound. So each
+    type keeps its newest ``RECENT_OBS`` observations in full (spikes and trends need
+    consecutive points), and older ones thinned to one per ``BUCKET_S`` seconds
+    (baselines, means and time coverage survive thinning). A non-finite loss always
+    wins its bucket, so a NaN is never thinned away. Appends are O(1) amortised.
+    """
+
+    __slots__ = ("history", "last_bucket", "recent")
+
+    def __init__(self) -> None:
+        self.recent: deque[Obs] = deque()
+        self.history: deque[Obs] = deque()
+        self.last_bucket = -1.0
+
+    def add(self, obs: Obs) -> None:
+        recent = self.recent
+        recent.append(obs)
+        if len(recent) > RECENT_OBS:
+            self._retire(recent.popleft())
+
+    def _retire(self, obs: Obs) -> None:
+        bucket = obs.time // BUCKET_S
+        history = self.history
+        if history and bucket == self.last_bucket:
+            if _non_finite_loss(obs) and not _non_finite_loss(history[-1]):
+                history[-1] = obs
+            return
+        history.append(obs)
+        self.last_bucket = bucket
+
+    def trim(self, horizon: float) -> None:
+        for part in (self.history, self.recent):
+            while part and part[0].time < horizon:
+                part.popleft()
+
+    def __len__(self) -> int:
+        return len(self.history) + len(self.recent)
+
+
+def _non_finite_loss(obs: Obs) -> bool:
+    loss = obs.data.get("loss")
+    return isinstance(loss, float) and not math.isfinite(loss)
+
+
+class _Window:
+    """One run's rules and recent observations, per event type; used under its lock."""
+
+    def __init__(self, rules: Sequence[Rule], *, thresholds: tuple[float, ...], hard_cap: bool):
+        self.lock = threading.Lock()
+        self.rules = list(rules)
+        self.thresholds = thresholds
+        self.hard_cap = hard_cap
+        self.series: dict[str, _Series] = {kind: _Series() for kind in sorted(WINDOW_EVENTS)}
+        self.newest = 0.0
+
+    def extend(self, observations: Sequence[Obs]) -> None:
+        series = self.series
+        for obs in observations:
+            series[obs.type].add(obs)
+        if observations:
+            self.newest = max(self.newest, max(o.time for o in observations))
+            horizon = self.newest - WINDOW_SPAN_S
+            for part in series.values():
+                part.trim(horizon)
+
+    def observations(self) -> list[Obs]:
+        """What the rules see: every series, each oldest first (the rules sort by time)."""
+        out: list[Obs] = []
+        for part in self.series.values():
+            out.extend(part.history)
+            out.extend(part.recent)
+        return out
+
+
+def _bearer(authorization: str | None) -> str | None:
+    if not authorization:
+        return None
+    scheme, _, token = authorization.strip().partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        return None
+    return token
+
+
+def _as_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _event_datetime(seconds: float) -> datetime:
+    return _EPOCH + timedelta(seconds=seconds)
+
+
+def _dumps(data: Mapping[str, Any]) -> str:
+    """Standard JSON (PostgreSQL refuses NaN): non-finite floats travel as the wire's strings."""
+    try:
+        return _JSON.encode(data)
+    except ValueError:
+        return _JSON.encode(json_safe(data))
+
+
+def _check_ranges(events: Sequence[Event]) -> str | None:
+    """What the wire allows but the tables cannot hold; checked before anything is written."""
+    for index, event in enumerate(events):
+        if event.seq > _INT4_MAX:
+            return f"events[{index}].seq: {event.seq} is above {_INT4_MAX}"
+        step = event.data.get("step") if event.type in _STEP_EVENTS else None
+        if isinstance(step, int) and step > _INT4_MAX:
+            return f"events[{index}].data.step: {step} is above {_INT4_MAX}"
+        try:
+            _event_datetime(event.time)
+        except OverflowError:
+            return f"events[{index}].time: {event.time} is not a plausible unix time"
+    return None
+
+
+def _spec_facts(run: Run) -> tuple[AlertConfig, tuple[float, ...], bool]:
+    """Alert thresholds, budget thresholds and hard cap from the run's stored spec.
+
+    A spec that does not parse (an old row, a hand-made test run) falls back to the
+    defaults with a warning: a run must never go unwatched because of its spec.
+    """
+    spec: Mapping[str, Any] = run.spec if isinstance(run.spec, Mapping) else {}
+    try:
+        alerts = AlertThresholds.model_validate(spec.get("alerts") or {})
+        cfg = AlertConfig(**alerts.model_dump())
+    except (ValueError, TypeError) as exc:
+        log.warning("run %s: alert thresholds unusable (%s); using the defaults", run.id, exc)
+        cfg = AlertConfig()
+    budget = spec.get("budget")
+    if not isinstance(budget, Mapping):
+        budget = {}
+    raw = budget.get("thresholds", [50, 80, 100])
+    thresholds = tuple(
+        float(t)
+        for t in (raw if isinstance(raw, list) else [])
+        if isinstance(t, int | float) and not isinstance(t, bool)
+    )
+    return cfg, thresholds, bool(budget.get("hard_cap", True))
+
+
+class IngestService:
+    """The runner events API, independent of HTTP: ``handle(authorization, body)``.
+
+    Thread-safe; one instance serves every request thread of the process.
+    ``rules_for(run)`` picks a run's alert rules (default: :func:`jobs.rules.default_rules`
+    with the thresholds of the run's spec); it is called when the run's window is built,
+    the first batch after start or after :meth:`forget_run`.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        rules_for: Callable[[Run], Sequence[Rule]] | None = None,
+        on_signals: SignalSink | None = None,
+        on_attempt_event: AttemptEventSink | None = None,
+        now: Callable[[], datetime] = utcnow,
+        max_body_bytes: int = 8 << 20,
+    ) -> None:
+        self._engine = engine
+        self._rules_for = rules_for
+        self._on_signals = on_signals
+        self._on_attempt_event = on_attempt_event
+        self._now = now
+        self.max_body_bytes = max_body_bytes
+        self._postgres = engine.dialect.name == "postgresql"
+        self._tokens: OrderedDict[str, tuple[_Principal, float]] = OrderedDict()
+        self._tokens_lock = threading.Lock()
+        self._windows: OrderedDict[str, _Window] = OrderedDict()
+        self._windows_lock = threading.Lock()
+        self._build_statements()
+
+    # --- the request ----------------------------------------------------------------
+
+    def handle(self, authorization: str | None, body: bytes) -> IngestResult:
+        """Authenticate, decode, store and apply one batch; never raises."""
+        try:
+            return self._handle(authorization, body)
+        except Exception:  # a bug must not take the server down; the runner retries
+            log.exception("ingest failed unexpectedly; the batch was not stored")
+            return _error(500, "internal error while storing the batch; it will be retried")
+
+    def forget_run(self, run_id: str) -> None:
+        """Drop a run's window and rules (it ended, or its spec changed); rebuilt on demand."""
+        with self._windows_lock:
+            self._windows.pop(run_id, None)
+
+    def _handle(self, authorization: str | None, body: bytes) -> IngestResult:
+        if len(body) > self.max_body_bytes:
+            return _error(
+                413,
+                f"batch of {len(body)} bytes is over the {self.max_body_bytes}-byte limit; "
+                "send fewer events per batch",
+            )
+        token = _bearer(authorization)
+        if token is None:
+            return _error(401, "missing 'Authorization: Bearer <runner token>' header")
+        principal = self._principal(hash_token(token))
+        if principal is None:
+            return _error(401, _REVOKED)
+        try:
+            events = decode_batch(body)
+        except WireError as exc:
+            return _error(400, str(exc))
+        first = events[0]
+        if first.attempt != principal.attempt_id or first.run != principal.run_id:
+            return _error(
+                403,
+                f"this token belongs to attempt {principal.attempt_id} of run "
+                f"{principal.run_id}, but the batch is for attempt {first.attempt} of run "
+                f"{first.run}: a token is scoped to its attempt",
+            )
+        problem = _check_ranges(events)
+        if problem is not None:
+            return _error(400, problem)
+        now = self._now()
+        try:
+            applied = self._store(principal, events, now=now)
+        except (SQLAlchemyError, DBAPIError) as exc:
+            log.warning("ingest could not store a batch of attempt %s: %s", first.attempt, exc)
+            return _error(503, "the database is unavailable; the batch was not stored, retry")
+        if applied is None:
+            self._drop_token(principal.token_hash)
+            return _error(401, _REVOKED)
+        if applied.accepted:
+            self._after_commit(principal.attempt_id, applied, now=now)
+        return IngestResult(200, {"accepted": applied.accepted, "duplicates": applied.duplicates})
+
+    # --- tokens ---------------------------------------------------------------------
+
+    def _principal(self, token_hash: str) -> _Principal | None:
+        clock = _time.monotonic()
+        with self._tokens_lock:
+            hit = self._tokens.get(token_hash)
+            if hit is not None and hit[1] > clock:
+                return hit[0]
+        attempts = _ATTEMPTS.c
+        with self._engine.connect() as connection:
+            row = connection.execute(
+                select(attempts.id, attempts.run_id).where(attempts.token_hash == token_hash)
+            ).first()
+        if row is None:
+            return None
+        principal = _Principal(token_hash, row.id, row.run_id)
+        with self._tokens_lock:
+            self._tokens[token_hash] = (principal, clock + TOKEN_CACHE_S)
+            self._tokens.move_to_end(token_hash)
+            while len(self._tokens) > _TOKEN_CACHE_MAX:
+                self._tokens.popitem(last=False)
+        return principal
+
+    def _drop_token(self, token_hash: str) -> None:
+        with self._tokens_lock:
+            self._tokens.pop(token_hash, None)
+
+    # --- the transaction ------------------------------------------------------------
+
+    def _build_statements(self) -> None:
+        """Build the statements once; SQLAlchemy's cache then compiles each once."""
+        attempts = _ATTEMPTS.c
+        runs = _RUNS.c
+        events = _EVENTS.c
+        read_attempt = select(
+            attempts.token_hash,
+            attempts.number,
+            attempts.state,
+            attempts.last_step,
+            attempts.last_seq,
+            attempts.started_at,
+            attempts.preemption_notice_at,
+        ).where(attempts.id == bindparam("attempt_id"))
+        self._read_attempt = read_attempt.with_for_update() if self._postgres else read_attempt
+        self._read_run = select(runs.last_step, runs.last_committed_step, runs.budget_usd).where(
+            runs.id == bindparam("run_id")
+        )
+        self._existing_seqs = select(events.seq).where(
+            and_(
+                events.attempt_id == bindparam("attempt_id"),
+                events.seq.between(bindparam("low"), bindparam("high")),
+            )
+        )
+        self._preemptions = select(attempts.ended_at).where(
+            attempts.run_id == bindparam("run_id"),
+            attempts.state.in_([AttemptState.PREEMPTED, AttemptState.LOST]),
+            attempts.ended_at.is_not(None),
+        )
+        # Untyped: the rows arrive already in the database's form (JSON text, and times
+        # as SQLite's DATETIME text or aware datetimes for psycopg2), which keeps the
+        # per-row Python to the minimum; this is the hot path.
+        raw_events = table("events", *(column(name) for name in _EVENT_COLUMNS))
+        dialect_insert = postgresql.insert if self._postgres else sqlite.insert
+        self._insert_events: Insert = dialect_insert(raw_events).on_conflict_do_nothing(
+            index_elements=["attempt_id", "seq"]
+        )
+        compiled = self._insert_events.compile(dialect=self._engine.dialect)
+        if compiled.positiontup is not None and tuple(compiled.positiontup) != _EVENT_COLUMNS:
+            raise RuntimeError(f"unexpected events insert parameters {compiled.positiontup}")
+        self._insert_events_sql = str(compiled)
+        ckpt_insert = dialect_insert(_CHECKPOINTS)
+        self._upsert_checkpoint = ckpt_insert.on_conflict_do_update(
+            index_elements=["run_id", "step"],
+            set_={
+                "attempt_id": ckpt_insert.excluded.attempt_id,
+                "uri": ckpt_insert.excluded.uri,
+                "bytes": ckpt_insert.excluded.bytes,
+                "committed_at": ckpt_insert.excluded.committed_at,
+                "metrics": ckpt_insert.excluded.metrics,
+                "deleted_at": None,
+            },
+        )
+        self._update_run_step = (
+            update(_RUNS)
+            .where(runs.id == bindparam("run_id"))
+            .values(
+                last_step=case(
+                    (runs.last_step.is_(None), bindparam("step")),
+                    (runs.last_step < bindparam("step"), bindparam("step")),
+                    else_=runs.last_step,
+                )
+            )
+        )
+        self._update_run_committed = (
+            update(_RUNS)
+            .where(runs.id == bindparam("run_id"))
+            .values(
+                last_committed_step=case(
+                    (runs.last_committed_step.is_(None), bindparam("step")),
+                    (runs.last_committed_step < bindparam("step"), bindparam("step")),
+                    else_=runs.last_committed_step,
+                )
+            )
+        )
+
+    def _time_param(self) -> Callable[[float], Any]:
+        if self._postgres:
+            return _event_datetime
+        # The text SQLAlchemy's SQLite DATETIME stores (what UTCDateTime writes): naive UTC.
+        return lambda seconds: (_NAIVE_EPOCH + timedelta(seconds=seconds)).isoformat(
+            " ", "microseconds"
+        )
+
+    def _insert(self, connection: Connection, rows: list[tuple[Any, ...]]) -> None:
+        """One executemany of the events insert.
+
+        On SQLite the precompiled statement goes to the driver as is, with the rows as
+        tuples: SQLAlchemy's per-row parameter processing would cost more than SQLite's
+        insert. On PostgreSQL it goes through Core, whose "insertmanyvalues" batches the
+        rows into a few multi-row INSERTs instead of one round trip per row.
+        """
+        if self._postgres:
+            names = _EVENT_COLUMNS
+            connection.execute(
+                self._insert_events, [dict(zip(names, r, strict=True)) for r in rows]
+            )
+        else:
+            connection.exec_driver_sql(self._insert_events_sql, rows)
+
+    def _store(
+        self, principal: _Principal, events: list[Event], *, now: datetime
+    ) -> _Applied | None:
+        """One transaction; ``None`` when the token was revoked meanwhile."""
+        attempt_id = principal.attempt_id
+        with self._engine.begin() as connection:
+            attempt = connection.execute(self._read_attempt, {"attempt_id": attempt_id}).first()
+            if attempt is None or attempt.token_hash != principal.token_hash:
+                return None
+            new, duplicates = self._new_events(connection, attempt.last_seq, attempt_id, events)
+            applied = _Applied(
+                accepted=len(new),
+                duplicates=duplicates,
+                run_id=principal.run_id,
+                attempt_number=attempt.number,
+            )
+            if not new:
+                return applied
+            as_time = self._time_param()
+            received = as_time(now.timestamp())
+            run_id = principal.run_id
+            rows: list[tuple[Any, ...]] = []
+            steps: list[int] = []
+            step_times: list[float] = []
+            last_metrics: dict[int, Mapping[str, Any]] = {}
+            observations = applied.observations
+            for event in new:
+                kind, data = event.type, event.data
+                rows.append(
+                    (
+                        attempt_id,
+                        run_id,
+                        event.seq,
+                        kind,
+                        as_time(event.time),
+                        _dumps(data),
+                        received,
+                    )
+                )
+                if kind == "metrics":  # most events: the shortest path
+                    steps.append(data["step"])
+                    step_time = data["step_time_s"]
+                    if step_time == step_time:  # not NaN
+                        step_times.append(step_time)
+                    last_metrics[data["step"]] = data
+                    observations.append(Obs(event.time, kind, data))
+                elif kind == "system":
+                    observations.append(Obs(event.time, kind, data))
+                else:
+                    self._rare(event, attempt.number, steps, applied)
+            applied.max_time = max(e.time for e in new)
+            self._insert(connection, rows)
+            self._apply(
+                connection,
+                attempt,
+                new,
+                steps=steps,
+                step_times=step_times,
+                last_metrics=last_metrics,
+                applied=applied,
+                now=now,
+            )
+        return applied
+
+    @staticmethod
+    def _rare(event: Event, attempt_number: int, steps: list[int], applied: _Applied) -> None:
+        """Everything but metrics and system: a few per batch at most."""
+        kind, data = event.type, event.data
+        if kind in _STEP_EVENTS:
+            step = _as_int(data.get("step"))
+            if step is not None:
+                steps.append(step)
+        if kind in WINDOW_EVENTS:
+            applied.observations.append(Obs(event.time, kind, {**data, "attempt": attempt_number}))
+        if kind in LIFECYCLE_EVENTS:
+            applied.lifecycle.append(event)
+
+    def _new_events(
+        self, connection: Connection, last_seq: int | None, attempt_id: str, events: list[Event]
+    ) -> tuple[list[Event], int]:
+        """The events not stored yet (first of each seq), and how many were duplicates."""
+        seqs = [e.seq for e in events]
+        low = min(seqs)
+        existing: set[int] = set()
+        if last_seq is not None and low <= last_seq:
+            existing = set(
+                connection.execute(
+                    self._existing_seqs,
+                    {"attempt_id": attempt_id, "low": low, "high": max(seqs)},
+                ).scalars()
+            )
+        if not existing and len(set(seqs)) == len(seqs):
+            return events, 0
+        new: list[Event] = []
+        for event in events:
+            if event.seq not in existing:
+                existing.add(event.seq)
+                new.append(event)
+        return new, len(events) - len(new)
+
+    def _apply(
+        self,
+        connection: Connection,
+        attempt: Any,
+        new: list[Event],
+        *,
+        steps: list[int],
+        step_times: list[float],
+        last_metrics: Mapping[int, Mapping[str, Any]],
+        applied: _Applied,
+        now: datetime,
+    ) -> None:
+        """The side effects of the new events, inside the batch's transaction."""
+        attempts = _ATTEMPTS.c
+        run_id, attempt_id = applied.run_id, new[0].attempt
+        values: dict[str, Any] = {
+            "last_heartbeat": now,
+            "last_seq": max(e.seq for e in new)
+            if attempt.last_seq is None
+            else max(attempt.last_seq, max(e.seq for e in new)),
+        }
+        top_step = max(steps) if steps else None
+        if top_step is not None and (attempt.last_step is None or top_step > attempt.last_step):
+            values["last_step"] = top_step
+        if step_times:
+            values["step_time_s"] = statistics.median(step_times)
+        state = attempt.state
+        committed: list[Event] = []
+        for event in applied.lifecycle:
+            kind, data = event.type, event.data
+            if kind == "started":
+                state = self._started(state, attempt_id)
+                if attempt.started_at is None:
+                    values.setdefault("started_at", _event_datetime(event.time))
+            elif kind == "restored":
+                values["resumed_from_step"] = data["step"]
+            elif kind == "preemption_notice" and attempt.preemption_notice_at is None:
+                values.setdefault("preemption_notice_at", _event_datetime(event.time))
+            elif kind == "checkpoint_committed":
+                committed.append(event)
+        if state != attempt.state:
+            values["state"] = state
+        connection.execute(update(_ATTEMPTS).where(attempts.id == attempt_id).values(**values))
+        if top_step is not None:
+            connection.execute(self._update_run_step, {"run_id": run_id, "step": top_step})
+        for event in committed:
+            data = event.data
+            step = data["step"]
+            metrics = data.get("metrics")
+            if not isinstance(metrics, Mapping):
+                at_step = last_metrics.get(step)
+                metrics = {}
+                if at_step is not None:
+                    metrics = dict(at_step.get("metrics") or {})
+                    if at_step.get("loss") is not None:
+                        metrics["loss"] = at_step["loss"]
+            connection.execute(
+                self._upsert_checkpoint,
+                {
+                    "run_id": run_id,
+                    "attempt_id": attempt_id,
+                    "step": step,
+                    "uri": data["uri"],
+                    "bytes": min(data["bytes"], _INT4_MAX) if self._postgres else data["bytes"],
+                    "committed_at": _event_datetime(event.time),
+                    "metrics": json_safe(dict(metrics)),
+                    "deleted_at": None,
+                },
+            )
+        if committed:
+            top = max(e.data["step"] for e in committed)
+            connection.execute(self._update_run_committed, {"run_id": run_id, "step": top})
+        run = connection.execute(self._read_run, {"run_id": run_id}).first()
+        if run is not None:
+            applied.last_step = run.last_step
+            applied.last_committed_step = run.last_committed_step
+            applied.budget_usd = run.budget_usd
+        applied.preemption_times = tuple(
+            t.timestamp()
+            for t in connection.execute(self._preemptions, {"run_id": run_id}).scalars()
+        )
+
+    @staticmethod
+    def _started(state: AttemptState, attempt_id: str) -> AttemptState:
+        """``started`` moves a booting attempt to RUNNING; any other state stays as it is."""
+        try:
+            if state is AttemptState.REQUESTED:
+                state = transition(state, AttemptState.PROVISIONING, subject_id=attempt_id)
+            if state is AttemptState.PROVISIONING:
+                state = transition(state, AttemptState.RUNNING, subject_id=attempt_id)
+        except IllegalTransition as exc:  # cannot happen from the states above; be safe
+            log.warning("ignored 'started' of attempt %s: %s", attempt_id, exc)
+        if state.is_terminal():
+            log.info("attempt %s reported 'started' after it ended (%s)", attempt_id, state)
+        return state
+
+    # --- after the commit -------------------------------------------------------------
+
+    def _after_commit(self, attempt_id: str, applied: _Applied, *, now: datetime) -> None:
+        if self._on_attempt_event is not None:
+            for event in applied.lifecycle:
+                try:
+                    self._on_attempt_event(attempt_id, event.type, event.data)
+                except Exception:
+                    log.exception("on_attempt_event(%s, %s) failed", attempt_id, event.type)
+        try:
+            self._evaluate(applied, now=now)
+        except Exception:
+            log.exception("alert rules of run %s failed on a batch", applied.run_id)
+
+    def _evaluate(self, applied: _Applied, *, now: datetime) -> None:
+        run_id = applied.run_id
+        window, fresh = self._window(run_id, applied)
+        if window is None:
+            return
+        with window.lock:
+            if not fresh:
+                window.extend(applied.observations)
+            ctx = RunContext(
+                run_id=run_id,
+                budget_usd=applied.budget_usd,
+                spent_usd=0.0,  # the spend job drives the budget rule; see the module doc
+                thresholds_pct=window.thresholds,
+                hard_cap=window.hard_cap,
+                last_heartbeat=now.timestamp(),
+                preemption_times=applied.preemption_times,
+                attempt_number=applied.attempt_number,
+                last_committed_step=applied.last_committed_step,
+                current_step=applied.last_step,
+            )
+            signals = evaluate_all(
+                window.rules, window.observations(), now=now.timestamp(), ctx=ctx
+            )
+        if signals and self._on_signals is not None:
+            try:
+                self._on_signals(run_id, signals, now)
+            except Exception:
+                log.exception("on_signals for run %s failed", run_id)
+
+    def _window(self, run_id: str, applied: _Applied) -> tuple[_Window | None, bool]:
+        """The run's window, building it from the events table when it is not in memory.
+
+        ``fresh`` is True when it was just read from the table, which already holds this
+        batch's events (they were committed), so they must not be appended again.
+        """
+        with self._windows_lock:
+            window = self._windows.get(run_id)
+            if window is not None:
+                self._windows.move_to_end(run_id)
+                return window, False
+        window = self._load_window(run_id, since=applied.max_time - WINDOW_SPAN_S)
+        if window is None:
+            return None, False
+        with self._windows_lock:
+            existing = self._windows.get(run_id)
+            if existing is not None:  # another thread built it meanwhile
+                return existing, False
+            self._windows[run_id] = window
+            while len(self._windows) > MAX_WINDOWS:
+                self._windows.popitem(last=False)
+        return window, True
+
+    def _load_window(self, run_id: str, *, since: float) -> _Window | None:
+        events = _EVENTS.c
+        attempts = _ATTEMPTS.c
+        with Session(self._engine) as session:
+            run = session.get(Run, run_id)
+            if run is None:
+                return None
+            if self._rules_for is not None:
+                rules: Sequence[Rule] = self._rules_for(run)
+                _, thresholds, hard_cap = _spec_facts(run)
+            else:
+                cfg, thresholds, hard_cap = _spec_facts(run)
+                rules = default_rules(cfg)
+            window = _Window(rules, thresholds=thresholds, hard_cap=hard_cap)
+            connection = session.connection()
+            for kind in sorted(WINDOW_EVENTS):
+                rows = connection.execute(
+                    select(events.time, events.data, attempts.number)
+                    .join_from(_EVENTS, _ATTEMPTS, attempts.id == events.attempt_id)
+                    .where(
+                        events.run_id == run_id,
+                        events.type == kind,
+                        events.time >= _event_datetime(max(since, 0.0)),
+                    )
+                    .order_by(events.time.desc(), events.id.desc())
+                    .limit(REBUILD_OBS)
+                ).all()
+                observations = []
+                for row in reversed(rows):
+                    data = restore_floats(row.data) if isinstance(row.data, Mapping) else {}
+                    if kind not in ("metrics", "system"):
+                        data = {**data, "attempt": row.number}
+                    observations.append(Obs(row.time.timestamp(), kind, data))
+                window.extend(observations)
+        return window
+
+
+_REVOKED = (
+    "unknown or revoked runner token: the attempt has ended or the token is wrong; "
+    "stop sending for this attempt"
+)

@@ -1,0 +1,275 @@
+"""The bodies of the scheduled jobs: reconcile, spend, escalation, cleanup, digest.
+
+Each is a plain function of ``deps`` (and ``now`` from ``deps.clock``), so tests call
+them directly; ``jobs.scheduler`` only decides when they run and on which replica.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+from zoneinfo import ZoneInfo
+
+from sqlmodel import Session, col, select
+
+from jobs import alerts, spend
+from jobs.db import session_scope
+from jobs.deps import Deps
+from jobs.lifecycle import AttemptState, RunState
+from jobs.models import Alert, Checkpoint, OnCall, Run
+from jobs.notify import DigestMessage
+from jobs.rules import Severity, Signal
+from jobs.runs import (
+    active_attempt,
+    alert_target,
+    checkpoint_prefix,
+    end_attempt,
+    get_run,
+    move_run,
+    reconcile,
+    refresh_card,
+    say,
+    spec_of,
+)
+from runner.errors import RunnerError
+from runner.retention import RetentionPolicy, prune
+from runner.session import run_store
+
+log = logging.getLogger(__name__)
+
+
+def reconcile_job(deps: Deps) -> dict[str, int]:
+    return reconcile(deps)
+
+
+# ----------------------------------------------------------------------------- spend
+
+
+def spend_job(deps: Deps) -> list[str]:
+    """Accrue spend, alert on budget thresholds, stop runs at their hard cap."""
+    now = deps.clock()
+    to_stop: list[tuple[str, str | None]] = []
+    with session_scope(deps.engine) as session:
+        spend.accrue(session, now=now)
+        for status in spend.check_budgets(session, now=now):
+            run = session.get(Run, status.name) if status.scope == "run" else None
+            signals = [_budget_signal(status, pct) for pct in status.crossed]
+            for pct in status.crossed:
+                deps.journal.record(
+                    "budget_threshold",
+                    run.id if run else None,
+                    scope=status.scope,
+                    name=status.name,
+                    threshold=pct,
+                    spent_usd=round(status.spent, 2),
+                    budget_usd=status.usd,
+                )
+            if signals:
+                target = (
+                    alert_target(run)
+                    if run is not None
+                    else alerts.AlertTarget(channel=status.name, thread_ts=None, oncall_group=None)
+                )
+                alerts.process_signals(
+                    session, run=run, signals=signals, now=now, target=target,
+                    notifier=deps.notifier, journal=deps.journal,
+                )  # fmt: skip
+            if status.hard_cap_hit and run is not None and not run.state.is_terminal():
+                attempt = active_attempt(session, run.id)
+                reason = f"hard budget cap: ${status.spent:.2f} of ${status.usd:.2f} spent"
+                if move_run(session, run, RunState.BUDGET_EXCEEDED, now=now, reason=reason):
+                    say(deps, run, "error", f"{run.id} stopped at its budget cap ({reason}).")
+                    deps.journal.record("run_finished", run.id, state="BUDGET_EXCEEDED")
+                    refresh_card(deps, session, run)
+                    to_stop.append((run.id, attempt.id if attempt else None))
+    for _, attempt_id in to_stop:
+        if attempt_id is not None:
+            end_attempt(deps, attempt_id, state=AttemptState.TERMINATED, reason="budget cap")
+    return [run_id for run_id, _ in to_stop]
+
+
+def _budget_signal(status: spend.BudgetStatus, pct: int) -> Signal:
+    who = f"run {status.name}" if status.scope == "run" else f"channel {status.name}"
+    critical = pct >= 100
+    return Signal(
+        rule="budget",
+        key=f"threshold-{pct}",
+        severity=Severity.CRITICAL if critical else Severity.WARNING,
+        title=f"{who} has spent {status.pct:.0f}% of its ${status.usd:,.2f} budget",
+        detail=f"${status.spent:,.2f} spent; threshold {pct}% crossed",
+        hint=(
+            "the hard cap stops the run; raise budget.usd and resubmit to continue"
+            if status.hard_cap_hit
+            else "check the run is converging; raise budget.usd if the spend is expected"
+        ),
+        data={"stop": status.hard_cap_hit, "pct": pct},
+    )
+
+
+# ----------------------------------------------------------------------------- escalation
+
+
+def escalation_job(deps: Deps) -> list[str]:
+    now = deps.clock()
+    with session_scope(deps.engine) as session:
+
+        def group_for(alert: Alert) -> str | None:
+            return _oncall_for(session, alert)
+
+        escalated = alerts.escalate_due(
+            session,
+            now=now,
+            delay_s=deps.settings.escalation_delay_s,
+            notifier=deps.notifier,
+            journal=deps.journal,
+            oncall_group=group_for,
+        )
+        return [a.id for a in escalated]
+
+
+def _oncall_for(session: Session, alert: Alert) -> str | None:
+    run = session.get(Run, alert.run_id) if alert.run_id else None
+    if run is not None:
+        group = spec_of(run).notify.oncall_group
+        if group:
+            return group
+    channel = run.channel if run is not None else alert.message_channel
+    row = session.get(OnCall, channel) if channel else None
+    return row.user if row else None
+
+
+# ----------------------------------------------------------------------------- cleanup
+
+
+def retention_policy(run: Run) -> RetentionPolicy:
+    r = spec_of(run).retention
+    return RetentionPolicy(
+        keep_last=r.keep_last,
+        keep_every_steps=r.keep_every_steps,
+        keep_best_metric=r.keep_best.metric if r.keep_best else None,
+        keep_best_mode=r.keep_best.mode if r.keep_best else "min",
+        keep_best_count=r.keep_best.count if r.keep_best else 1,
+        max_age_s=r.max_age,
+    )
+
+
+def prune_run(deps: Deps, run_id: str, *, dry_run: bool = False) -> dict[str, Any]:
+    """Apply one run's retention policy to its checkpoints."""
+    now = deps.clock()
+    with session_scope(deps.engine) as session:
+        run = get_run(session, run_id)
+        store = run_store(
+            run.checkpoint_uri or deps.settings.checkpoint_uri, checkpoint_prefix(run)
+        )
+        policy = retention_policy(run)
+    try:
+        result = prune(store, policy, now=now.timestamp(), dry_run=dry_run)
+    except RunnerError as exc:
+        log.warning("cleanup of %s failed: %s", run_id, exc)
+        return {"run_id": run_id, "error": str(exc)}
+    summary = {
+        "run_id": run_id,
+        "deleted": list(result.deleted),
+        "kept": list(result.kept),
+        "torn": list(result.torn),
+        "bytes_freed": result.bytes_freed,
+        "dry_run": dry_run,
+    }
+    if not dry_run and (result.deleted or result.torn):
+        with session_scope(deps.engine) as session:
+            rows = session.exec(
+                select(Checkpoint).where(
+                    Checkpoint.run_id == run_id,
+                    col(Checkpoint.step).in_(list(result.deleted)),
+                    col(Checkpoint.deleted_at).is_(None),
+                )
+            ).all()
+            for row in rows:
+                row.deleted_at = now
+                session.add(row)
+        deps.journal.record(
+            "cleanup", run_id, **{k: v for k, v in summary.items() if k != "run_id"}
+        )
+    return summary
+
+
+def cleanup_job(deps: Deps) -> list[dict[str, Any]]:
+    """Prune every run that has checkpoints; runs that ended long ago included."""
+    with session_scope(deps.engine) as session:
+        run_ids = session.exec(
+            select(Run.id).where(col(Run.last_committed_step).is_not(None))
+        ).all()
+    return [prune_run(deps, run_id) for run_id in run_ids]
+
+
+# ----------------------------------------------------------------------------- digest
+
+
+def digest_job(deps: Deps, *, channels: list[str] | None = None) -> list[dict[str, Any]]:
+    """Post each channel's daily spend digest."""
+    now = deps.clock()
+    tz = ZoneInfo(deps.settings.timezone)
+    posted = []
+    with session_scope(deps.engine) as session:
+        spend.accrue(session, now=now)
+        if channels is None:
+            channels = sorted(
+                {c for c in session.exec(select(Run.channel).distinct()).all() if c is not None}
+            )
+        for channel in channels:
+            figures = spend.digest_figures(session, channel=channel, now=now, tz=tz)
+            try:
+                chart = spend.spend_chart_png(figures)
+            except Exception as exc:  # a chart is a nicety; the figures must still go out
+                log.warning("digest chart for %s failed: %s", channel, exc)
+                chart = None
+            deps.notifier.post(DigestMessage(channel=channel, figures=figures, chart_png=chart))
+            deps.journal.record("digest", None, channel=channel, **_digest_summary(figures))
+            posted.append(figures)
+    return posted
+
+
+def _digest_summary(figures: dict[str, Any]) -> dict[str, Any]:
+    keys = (
+        "yesterday_usd",
+        "month_to_date_usd",
+        "preemptions",
+        "goodput",
+        "gpu_hours_lost",
+        "instance_hours_lost",
+    )
+    return {k: figures.get(k) for k in keys if k in figures}
+
+
+def run_summary(deps: Deps, run_id: str) -> dict[str, Any]:
+    """The final summary: spend, goodput, lost work, checkpoints kept."""
+    from jobs.models import Attempt
+
+    with session_scope(deps.engine) as session:
+        run = get_run(session, run_id)
+        attempts = session.exec(select(Attempt).where(Attempt.run_id == run_id)).all()
+        paid = sum(
+            ((a.ended_at or deps.clock()) - a.started_at).total_seconds()
+            for a in attempts
+            if a.started_at is not None
+        )
+        lost = sum(a.lost_seconds for a in attempts)
+        kept = session.exec(
+            select(Checkpoint.step).where(
+                Checkpoint.run_id == run_id, col(Checkpoint.deleted_at).is_(None)
+            )
+        ).all()
+        return {
+            "run_id": run_id,
+            "state": run.state.value,
+            "spent_usd": round(spend.run_spent(session, run_id), 4),
+            "budget_usd": run.budget_usd,
+            "attempts": len(attempts),
+            "preemptions": run.preemptions,
+            "paid_s": round(paid, 1),
+            "lost_s": round(lost, 1),
+            "lost_steps": sum(a.lost_steps for a in attempts),
+            "goodput": round(1 - lost / paid, 4) if paid > 0 else None,
+            "last_step": run.last_step,
+            "checkpoints_kept": sorted(set(kept)),
+        }

@@ -1,0 +1,597 @@
+"""Preflight: quota, capacity, data locality, the real dry run, and the cost estimate.
+
+The local provider is real. Where a branch needs answers the laptop cannot give (a
+bucket in another region, AWS's quota remedy, placement scores), ``CloudAnswers`` is a
+small implementation of the Provider protocol whose questions return fixed answers;
+the cloud providers themselves are tested against their real protocols elsewhere.
+One real dry run of the tiny example covers the end-to-end path.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jobs.errors import SpecError
+from jobs.notify import PreflightMessage
+from jobs.preflight import (
+    DEFAULT_SPOT_MTBP_S,
+    BudgetCheck,
+    CapacityCheck,
+    Check,
+    CheckResult,
+    DataLocalityCheck,
+    DryRunCheck,
+    PreflightContext,
+    PreflightReport,
+    QuotaCheck,
+    Status,
+    assumed_mtbp_s,
+    checkpoint_interval,
+    default_checks,
+    resource_request,
+    run_preflight,
+    target_steps,
+)
+from jobs.providers.base import (
+    InstanceInfo,
+    InstanceStatus,
+    LaunchRequest,
+    PriceQuote,
+    Provider,
+    ProviderError,
+    QuotaInfo,
+    ResourceRequest,
+    ZoneCapacity,
+)
+from jobs.providers.local import LocalProvider
+from jobs.spec import JobSpec, parse_spec
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY_COMMAND = "python -m runner.examples.tiny --dim 32 --batch 8 --steps 100"
+
+
+# -- helpers -----------------------------------------------------------------------------
+
+
+@dataclass
+class CloudAnswers:
+    """A Provider whose questions have fixed answers; it launches nothing."""
+
+    name: str = "aws"
+    quota_info: QuotaInfo = field(
+        default_factory=lambda: QuotaInfo(
+            limit=8, used=0, needed=1, unit="GPUs", ok=True, detail="8 A100 GPUs in us-east-1"
+        )
+    )
+    #: Zones answered for spot requests, and for on-demand ones.
+    spot_zones: list[ZoneCapacity] = field(default_factory=list)
+    on_demand_zones: list[ZoneCapacity] = field(default_factory=list)
+    spot_usd: float = 2.0
+    on_demand_usd: float = 6.0
+    buckets: dict[str, str] = field(default_factory=dict)
+    priced_zones: list[str | None] = field(default_factory=list)
+
+    def quota(self, req: ResourceRequest) -> QuotaInfo:
+        return self.quota_info
+
+    def capacity(self, req: ResourceRequest) -> list[ZoneCapacity]:
+        return list(self.spot_zones if req.spot else self.on_demand_zones)
+
+    def price(self, req: ResourceRequest, *, zone: str | None = None) -> PriceQuote:
+        self.priced_zones.append(zone)
+        return PriceQuote(
+            spot_usd_per_hour=self.spot_usd,
+            on_demand_usd_per_hour=self.on_demand_usd,
+            source="fixed",
+            as_of=datetime(2024, 5, 1, tzinfo=timezone.utc),
+        )
+
+    def bucket_region(self, uri: str) -> str | None:
+        if uri.startswith("s3://forbidden"):
+            raise ProviderError("access denied to s3://forbidden: grant s3:GetBucketLocation")
+        return self.buckets.get(uri.split("/")[2])
+
+    def launch(self, req: LaunchRequest) -> InstanceInfo:
+        raise ProviderError("CloudAnswers launches nothing")
+
+    def status(self, instance_id: str) -> InstanceStatus:
+        raise ProviderError("CloudAnswers launches nothing")
+
+    def terminate(self, instance_id: str) -> None:
+        raise ProviderError("CloudAnswers launches nothing")
+
+    def list_instances(self) -> list[InstanceInfo]:
+        return []
+
+
+def spec(**data: Any) -> JobSpec:
+    data.setdefault("command", TINY_COMMAND)
+    return parse_spec(data, name="t")
+
+
+def context(
+    tmp_path: Path,
+    job: JobSpec,
+    provider: Provider,
+    *,
+    mtbp_s: float = 3600.0,
+    request: ResourceRequest | None = None,
+) -> PreflightContext:
+    return PreflightContext(
+        spec=job,
+        run_id="r-pre",
+        provider=provider,
+        request=request or resource_request(job),
+        checkpoint_uri=str(tmp_path / "ck"),
+        mtbp_s=mtbp_s,
+        env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+        workdir=tmp_path / "work",
+    )
+
+
+@pytest.fixture
+def local(tmp_path: Path) -> Iterator[LocalProvider]:
+    with LocalProvider(
+        tmp_path / "state", gpu_names=[], spot_usd_per_hour=2.0, on_demand_usd_per_hour=6.0
+    ) as provider:
+        yield provider
+
+
+def dry_result(**data: Any) -> CheckResult:
+    return CheckResult("dry_run", Status.PASS, "measured", data=data)
+
+
+@dataclass
+class Fixed:
+    """A check that answers what it is told, or raises it."""
+
+    name: str
+    answer: CheckResult | Exception
+    seen: list[Mapping[str, CheckResult]] = field(default_factory=list)
+
+    def run(self, ctx: PreflightContext, *, prior: Mapping[str, CheckResult]) -> CheckResult:
+        self.seen.append(dict(prior))
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return self.answer
+
+
+def result(name: str, status: Status) -> CheckResult:
+    return CheckResult(name, status, f"{name} {status.value}", "" if status is Status.PASS else "x")
+
+
+# -- quota ---------------------------------------------------------------------------------
+
+
+def test_quota_of_zero_gpus_fails_with_a_remedy(tmp_path: Path, local: LocalProvider) -> None:
+    ctx = context(tmp_path, spec(resources={"accelerator": "A100:1"}), local)
+    got = QuotaCheck().run(ctx, prior={})
+    assert got.status is Status.FAIL
+    assert "0 A100 GPU(s)" in got.detail and "limit 0 GPUs" in got.detail
+    assert "cloud provider" in got.remedy
+    assert got.data["limit"] == 0 and got.data["needed"] == 1
+
+
+def test_quota_for_a_cpu_run_passes_on_this_machine(tmp_path: Path, local: LocalProvider) -> None:
+    got = QuotaCheck().run(context(tmp_path, spec(), local), prior={})
+    assert got.status is Status.PASS
+    assert "cores on this machine" in got.detail and got.remedy == ""
+
+
+def test_quota_failure_carries_the_providers_remedy(tmp_path: Path) -> None:
+    cloud = CloudAnswers(
+        quota_info=QuotaInfo(
+            limit=0,
+            used=0,
+            needed=8,
+            unit="vCPUs",
+            ok=False,
+            detail="Running On-Demand P instances: 0 vCPUs in us-east-1",
+            remedy="request an increase of L-417A185B in Service Quotas",
+        )
+    )
+    job = spec(resources={"cloud": "aws", "region": "us-east-1", "accelerator": "A100:8"})
+    got = QuotaCheck().run(context(tmp_path, job, cloud), prior={})
+    assert got.status is Status.FAIL
+    assert got.remedy == "request an increase of L-417A185B in Service Quotas"
+    assert "8 × A100 (spot, us-east-1)" in got.detail
+
+
+# -- capacity ------------------------------------------------------------------------------
+
+
+def test_no_capacity_anywhere_fails_and_says_it_is_not_quota(
+    tmp_path: Path, local: LocalProvider
+) -> None:
+    ctx = context(tmp_path, spec(resources={"accelerator": "L4:1"}), local)
+    got = CapacityCheck().run(ctx, prior={})
+    assert got.status is Status.FAIL
+    assert "separate question from quota" in got.detail and "local-a" in got.detail
+    assert "on_demand_fallback" in got.remedy
+    assert got.data["zones"] == []
+
+
+def test_capacity_passes_with_the_local_zone(tmp_path: Path, local: LocalProvider) -> None:
+    got = CapacityCheck().run(context(tmp_path, spec(), local), prior={})
+    assert got.status is Status.PASS
+    assert got.data["zones"] == ["local-a"] and "local-a" in got.detail
+
+
+def test_capacity_in_only_some_requested_zones_warns(tmp_path: Path, local: LocalProvider) -> None:
+    job = spec(resources={"region": "local", "zones": ["local-a", "local-b"]})
+    got = CapacityCheck().run(context(tmp_path, job, local), prior={})
+    assert got.status is Status.WARN
+    assert "local-b" in got.detail and "local-b" in got.remedy
+    assert got.data["zones"] == ["local-a"]
+
+
+def test_capacity_ranks_zones_by_score(tmp_path: Path) -> None:
+    cloud = CloudAnswers(
+        spot_zones=[
+            ZoneCapacity("us-east-1a", True, 3),
+            ZoneCapacity("us-east-1b", False, None, "no A100 offering"),
+            ZoneCapacity("us-east-1c", True, 9),
+        ]
+    )
+    job = spec(resources={"cloud": "aws", "region": "us-east-1", "accelerator": "A100:1"})
+    got = CapacityCheck().run(context(tmp_path, job, cloud), prior={})
+    assert got.status is Status.PASS
+    assert got.data["zones"] == ["us-east-1c", "us-east-1a"]
+    assert got.detail.index("us-east-1c (score 9)") < got.detail.index("us-east-1a (score 3)")
+
+
+def test_on_demand_fallback_warns_and_the_budget_prices_on_demand(tmp_path: Path) -> None:
+    cloud = CloudAnswers(
+        spot_zones=[ZoneCapacity("us-east-1a", False, None, "no spot capacity")],
+        on_demand_zones=[ZoneCapacity("us-east-1a", True, None)],
+    )
+    job = spec(
+        command="python train.py --steps 3600",
+        resources={
+            "cloud": "aws",
+            "region": "us-east-1",
+            "accelerator": "A100:1",
+            "on_demand_fallback": True,
+        },
+        checkpoint={"interval": "10m"},
+    )
+    ctx = context(tmp_path, job, cloud)
+    capacity = CapacityCheck().run(ctx, prior={})
+    assert capacity.status is Status.WARN and capacity.data["on_demand"] is True
+    assert "on-demand prices" in capacity.remedy
+    budget = BudgetCheck().run(
+        ctx, prior={"capacity": capacity, "dry_run": dry_result(step_time_s=1.0, write_s=0.0)}
+    )
+    assert budget.data["usd_per_hour"] == 6.0 and budget.data["price_kind"] == "on-demand"
+    assert cloud.priced_zones == ["us-east-1a"]
+    # 3600 steps of 1 s, no checkpoint cost and no preemptions on demand: one hour.
+    assert budget.data["expected_hours"] == pytest.approx(1.0)
+    assert budget.data["estimate_usd"] == pytest.approx(6.0)
+
+
+# -- data locality ---------------------------------------------------------------------------
+
+
+def test_no_dataset_passes(tmp_path: Path, local: LocalProvider) -> None:
+    got = DataLocalityCheck().run(context(tmp_path, spec(), local), prior={})
+    assert got.status is Status.PASS and "no dataset" in got.detail
+
+
+def test_missing_local_data_path_fails_naming_it(tmp_path: Path, local: LocalProvider) -> None:
+    missing = tmp_path / "nowhere" / "data.bin"
+    got = DataLocalityCheck().run(context(tmp_path, spec(data_uri=str(missing)), local), prior={})
+    assert got.status is Status.FAIL
+    assert str(missing) in got.detail and str(missing) in got.remedy
+
+
+def test_existing_local_data_passes_also_as_file_uri(tmp_path: Path, local: LocalProvider) -> None:
+    data = tmp_path / "data.bin"
+    data.write_bytes(b"12+7=19.\n")
+    for uri in (str(data), data.as_uri()):
+        got = DataLocalityCheck().run(context(tmp_path, spec(data_uri=uri), local), prior={})
+        assert got.status is Status.PASS, got.detail
+
+
+def test_bucket_of_unknown_region_warns(tmp_path: Path, local: LocalProvider) -> None:
+    ctx = context(tmp_path, spec(data_uri="s3://corpus/train"), local)
+    got = DataLocalityCheck().run(ctx, prior={})
+    assert got.status is Status.WARN
+    assert "s3://corpus/train" in got.detail and "local" in got.remedy
+
+
+def test_data_in_another_region_fails(tmp_path: Path) -> None:
+    cloud = CloudAnswers(buckets={"corpus": "eu-west-1", "near": "us-east-1"})
+    resources = {"cloud": "aws", "region": "us-east-1"}
+    far = context(tmp_path, spec(data_uri="s3://corpus/train", resources=resources), cloud)
+    got = DataLocalityCheck().run(far, prior={})
+    assert got.status is Status.FAIL
+    assert "eu-west-1" in got.detail and "us-east-1" in got.detail
+    assert "stage the data into a bucket in us-east-1" in got.remedy
+    near = context(tmp_path, spec(data_uri="s3://near/train", resources=resources), cloud)
+    assert DataLocalityCheck().run(near, prior={}).status is Status.PASS
+
+
+def test_a_local_path_for_a_cloud_run_cannot_be_checked(tmp_path: Path) -> None:
+    job = spec(data_uri="/mnt/data", resources={"cloud": "gcp", "region": "us-central1"})
+    got = DataLocalityCheck().run(context(tmp_path, job, CloudAnswers(name="gcp")), prior={})
+    assert got.status is Status.WARN and "us-central1" in got.remedy
+
+
+# -- checkpoint interval and budget ----------------------------------------------------------
+
+
+def test_auto_interval_is_dalys_optimum() -> None:
+    from runner.dryrun import daly_interval
+
+    auto = spec()
+    assert auto.checkpoint.interval == "auto"
+    assert checkpoint_interval(auto, write_s=2.0, mtbp_s=3600) == pytest.approx(
+        math.sqrt(2 * 2.0 * 3600) - 2.0
+    )
+    assert checkpoint_interval(auto, write_s=2.0, mtbp_s=3600) == daly_interval(2.0, 3600)
+    assert checkpoint_interval(auto, write_s=None, mtbp_s=3600) is None
+    fixed = spec(checkpoint={"interval": "90s"})
+    assert checkpoint_interval(fixed, write_s=2.0, mtbp_s=3600) == 90.0
+
+
+def test_target_steps_from_the_command() -> None:
+    assert target_steps(["python", "t.py", "--steps", "100"]) == 100
+    assert target_steps(["python", "t.py", "--max-steps=7", "--steps", "9"]) == 9
+    assert target_steps(["python", "t.py", "--steps"]) is None
+    assert target_steps(["python", "t.py", "--stepsize", "3"]) is None
+
+
+def test_estimate_over_budget_warns_with_the_hard_cap_share(
+    tmp_path: Path, local: LocalProvider
+) -> None:
+    job = spec(
+        command="python train.py --steps 7200",
+        resources={"instances": 2},
+        checkpoint={"interval": "10m"},
+        budget={"usd": 3},
+    )
+    ctx = context(tmp_path, job, local, mtbp_s=7200)
+    got = BudgetCheck().run(
+        ctx, prior={"dry_run": dry_result(step_time_s=0.5, write_s=2.0, restore_s=1.0)}
+    )
+    overhead = 2.0 / 600 + (300 + 1.0) / 7200
+    hours = 7200 * 0.5 * (1 + overhead) / 3600
+    assert got.data["expected_hours"] == pytest.approx(hours)
+    assert got.data["estimate_usd"] == pytest.approx(2.0 * 2 * hours)
+    assert got.status is Status.WARN
+    assert "above budget.usd $3.00" in got.detail
+    stop = math.floor(100 * 3 / (4 * hours))
+    assert f"stop the run at about {stop}%" in got.remedy and "raise budget.usd" in got.remedy
+
+
+def test_estimate_within_budget_passes(tmp_path: Path, local: LocalProvider) -> None:
+    job = spec(budget={"usd": 50}, checkpoint={"interval": "10m"})
+    got = BudgetCheck().run(
+        context(tmp_path, job, local), prior={"dry_run": dry_result(step_time_s=0.5)}
+    )
+    # 100 steps (from TINY_COMMAND) of 0.5 s at $2/h, +τ/2M of work redone after preemptions.
+    assert got.status is Status.PASS
+    assert got.data["estimate_usd"] == pytest.approx(2.0 * 100 * 0.5 * (1 + 300 / 3600) / 3600)
+    assert "within budget.usd $50.00" in got.detail
+
+
+def test_without_budget_the_estimate_becomes_the_alert_budget(
+    tmp_path: Path, local: LocalProvider
+) -> None:
+    job = spec(command="python train.py --steps=3600")
+    got = BudgetCheck().run(
+        context(tmp_path, job, local), prior={"dry_run": dry_result(step_time_s=1.0, write_s=1.0)}
+    )
+    assert got.status is Status.PASS
+    assert got.data["estimate_usd"] is not None and got.data["estimate_usd"] > 2.0
+    assert got.data["interval_s"] == pytest.approx(math.sqrt(2 * 1.0 * 3600) - 1.0)
+    assert "becomes the run's budget alert" in got.detail
+
+
+def test_max_hours_that_could_outspend_the_budget_warns(
+    tmp_path: Path, local: LocalProvider
+) -> None:
+    job = spec(max_hours=10, budget={"usd": 5}, checkpoint={"interval": "10m"})
+    got = BudgetCheck().run(
+        context(tmp_path, job, local), prior={"dry_run": dry_result(step_time_s=0.1)}
+    )
+    assert got.status is Status.WARN
+    assert "max_hours 10 h allows $20.00" in got.detail
+    assert "lower max_hours to 2.5 h" in got.remedy
+
+
+def test_without_a_step_count_max_hours_is_the_upper_bound(
+    tmp_path: Path, local: LocalProvider
+) -> None:
+    job = spec(command="python train.py", max_hours=2, budget={"usd": 3})
+    got = BudgetCheck().run(context(tmp_path, job, local), prior={})
+    assert got.data["expected_hours"] == 2 and got.data["estimate_usd"] == pytest.approx(4.0)
+    assert got.status is Status.WARN and "max_hours as the upper bound" in got.detail
+    assert got.remedy.count("raise budget.usd") == 1
+
+
+def test_no_estimate_and_no_budget_warns(tmp_path: Path, local: LocalProvider) -> None:
+    got = BudgetCheck().run(context(tmp_path, spec(command="python train.py"), local), prior={})
+    assert got.status is Status.WARN and got.data["estimate_usd"] is None
+    assert "--steps N" in got.remedy and "budget.usd" in got.remedy
+    with_budget = spec(command="python train.py", budget={"usd": 5})
+    assert BudgetCheck().run(context(tmp_path, with_budget, local), prior={}).status is Status.PASS
+
+
+# -- running the checks ----------------------------------------------------------------------
+
+
+def test_a_check_that_raises_becomes_a_fail_and_the_rest_still_run(
+    tmp_path: Path, local: LocalProvider
+) -> None:
+    after = Fixed("budget", result("budget", Status.PASS))
+    checks: list[Check] = [
+        Fixed("quota", RuntimeError("connection reset by peer")),
+        Fixed("data", SpecError("data_uri is malformed: fix it")),
+        after,
+    ]
+    seen: list[CheckResult] = []
+    report = run_preflight(context(tmp_path, spec(), local), checks, on_result=seen.append)
+    quota, data, budget = report.results
+    assert quota.status is Status.FAIL and "connection reset by peer" in quota.detail
+    assert "Traceback" not in quota.detail and "report it" in quota.remedy
+    assert data.status is Status.FAIL and "data_uri is malformed" in data.detail
+    assert "fix what the message says" in data.remedy
+    assert budget.status is Status.PASS
+    assert set(after.seen[0]) == {"quota", "data"}
+    assert seen == list(report.results)
+    assert not report.ok and not report.needs_confirmation
+
+
+def test_a_provider_error_in_a_real_check_is_reported(tmp_path: Path) -> None:
+    job = spec(data_uri="s3://forbidden/x", resources={"cloud": "aws", "region": "us-east-1"})
+    report = run_preflight(context(tmp_path, job, CloudAnswers()), [DataLocalityCheck()])
+    (got,) = report.results
+    assert got.status is Status.FAIL and "s3:GetBucketLocation" in got.detail
+
+
+def test_a_warning_without_a_remedy_is_refused() -> None:
+    with pytest.raises(ValueError, match="without a remedy"):
+        CheckResult("data", Status.WARN, "odd")
+
+
+@pytest.mark.parametrize(
+    ("statuses", "ok", "confirm"),
+    [
+        ((Status.PASS, Status.PASS), True, False),
+        ((Status.PASS, Status.WARN), True, True),
+        ((Status.WARN, Status.FAIL), False, False),
+    ],
+)
+def test_report_ok_and_needs_confirmation(
+    statuses: Sequence[Status], ok: bool, confirm: bool
+) -> None:
+    report = PreflightReport(results=tuple(result(f"c{i}", s) for i, s in enumerate(statuses)))
+    assert report.ok is ok and report.needs_confirmation is confirm
+
+
+def test_report_figures_and_message(tmp_path: Path, local: LocalProvider) -> None:
+    budget = CheckResult(
+        "budget", Status.PASS, "fine", data={"estimate_usd": 1.5, "expected_hours": 0.75,
+                                            "interval_s": 42.0}
+    )  # fmt: skip
+    checks: list[Check] = [
+        Fixed("quota", result("quota", Status.WARN)),
+        Fixed("budget", budget),
+    ]
+    report = run_preflight(context(tmp_path, spec(), local), checks)
+    assert (report.estimate_usd, report.expected_hours, report.interval_s) == (1.5, 0.75, 42.0)
+    msg = report.to_message(channel="C1", thread_ts="123.4", run_id="r-pre")
+    assert isinstance(msg, PreflightMessage)
+    assert [(c.name, c.status, c.remedy) for c in msg.checks] == [
+        ("quota", "warn", "x"),
+        ("budget", "pass", ""),
+    ]
+    assert msg.ok and msg.needs_confirmation and msg.estimate_usd == 1.5
+    assert msg.interval_s == 42.0 and msg.thread_ts == "123.4"
+    assert json.loads(json.dumps(report.as_dict()))["results"][1]["data"]["interval_s"] == 42.0
+
+
+def test_without_figures_the_report_keeps_the_specs_interval(
+    tmp_path: Path, local: LocalProvider
+) -> None:
+    job = spec(checkpoint={"interval": "30s"})
+    report = run_preflight(context(tmp_path, job, local), [Fixed("q", result("q", Status.PASS))])
+    assert report.interval_s == 30.0 and report.estimate_usd is None
+
+
+def test_resource_request_and_assumed_mtbp(tmp_path: Path, local: LocalProvider) -> None:
+    job = spec(resources={"cloud": "aws", "accelerator": "A100:8", "spot": False, "instances": 2})
+    req = resource_request(job)
+    assert (req.cloud, req.region, req.accelerator_type, req.accelerator_count) == (
+        "aws",
+        "us-east-1",
+        "A100",
+        8,
+    )
+    assert req.spot is False and req.zones == ()
+    assert resource_request(spec()).region == "local"
+    assert assumed_mtbp_s(local) == DEFAULT_SPOT_MTBP_S
+    with LocalProvider(tmp_path / "s2", mean_time_between_preemptions_s=600) as preempting:
+        assert assumed_mtbp_s(preempting) == 600
+    assert [c.name for c in default_checks()] == ["quota", "capacity", "data", "dry_run", "budget"]
+
+
+# -- the dry run -----------------------------------------------------------------------------
+
+
+def test_disabled_dry_run_warns(tmp_path: Path, local: LocalProvider) -> None:
+    job = spec(dry_run={"enabled": False})
+    got = DryRunCheck().run(context(tmp_path, job, local), prior={})
+    assert got.status is Status.WARN and "dry_run.enabled=true" in got.remedy
+
+
+def test_dry_run_of_a_script_without_the_session_api_fails(
+    tmp_path: Path, local: LocalProvider
+) -> None:
+    job = spec(command=[sys.executable, "-c", "print('no checkpoints here')"], dry_run={"steps": 2})
+    got = DryRunCheck(timeout_s=60).run(context(tmp_path, job, local), prior={})
+    assert got.status is Status.FAIL
+    assert "session API" in got.detail and "trainbot-runner dry-run" in got.remedy
+    assert got.data["ok"] is False
+
+
+@pytest.mark.slow
+def test_full_preflight_with_the_real_dry_run(tmp_path: Path) -> None:
+    from runner.dryrun import DryRunReport, daly_interval
+
+    job = spec(command=TINY_COMMAND, budget={"usd": 5}, dry_run={"steps": 4})
+    with LocalProvider(
+        tmp_path / "state", gpu_names=[], spot_usd_per_hour=1.0, mean_time_between_preemptions_s=600
+    ) as provider:
+        ctx = context(tmp_path, job, provider, mtbp_s=assumed_mtbp_s(provider))
+        names: list[str] = []
+        report = run_preflight(ctx, on_result=lambda r: names.append(r.name))
+
+        assert names == ["quota", "capacity", "data", "dry_run", "budget"]
+        statuses = {r.name: r.status for r in report.results}
+        assert statuses == dict.fromkeys(names, Status.PASS), [r.detail for r in report.results]
+        assert report.ok and not report.needs_confirmation
+
+        dry = report.result("dry_run")
+        assert dry is not None
+        d = dry.data
+        assert d["ok"] and d["steps_before_kill"] == 4 and d["steps_after_restore"] >= 2
+        assert d["saved_sha256"] == d["restored_sha256"]
+        assert d["checkpoint_bytes"] > 0 and d["write_s"] > 0 and d["restore_s"] > 0
+        assert d["step_time_s"] > 0 and d["termination_window_s"] == 30.0
+        assert d["emergency_fits_window"] is True and "30 s termination window" in dry.detail
+        # checkpoint.interval is "auto": Daly's optimum from the measured C and M = 600 s.
+        assert report.interval_s == pytest.approx(daly_interval(d["write_s"], 600.0))
+        assert d["interval_s"] == pytest.approx(report.interval_s)
+        # The checkpoint went to the real store, in the dry run's own namespace, and is gone.
+        namespace = tmp_path / "ck" / "r-pre-dry-run"
+        assert d["store"].endswith("r-pre-dry-run") and namespace.is_dir()
+        assert not list(namespace.rglob("manifest.json"))
+        assert not (tmp_path / "ck" / "r-pre").exists()
+
+        budget = report.result("budget")
+        assert budget is not None and budget.data["interval_s"] == report.interval_s
+        write, restore, tau = d["write_s"], d["restore_s"], d["interval_s"]
+        overhead = write / tau + (tau / 2 + restore) / 600.0
+        hours = 100 * d["step_time_s"] * (1 + overhead) / 3600
+        assert report.expected_hours == pytest.approx(hours)
+        assert report.estimate_usd == pytest.approx(1.0 * hours)
+        assert json.loads(json.dumps(report.as_dict()))["ok"] is True
+
+        # The same measurements under a window too short for any flush: a warning.
+        measured = DryRunReport(**{k: d[k] for k in asdict(DryRunReport())})
+        with LocalProvider(tmp_path / "s2", termination_window_s=0.5) as tight:
+            warned = DryRunCheck().evaluate(measured, context(tmp_path, job, tight))
+        assert warned.status is Status.WARN
+        assert "500 ms termination window" in warned.detail
+        assert "smaller" in warned.remedy
