@@ -2,8 +2,9 @@
 
 The benchmarks run as scripts (``python bench/bench_x.py --quick``), so they put the
 repository root on ``sys.path`` before importing this module. Every figure is produced by
-running the contenders side by side in one process tree, interleaved and repeated,
-because the machines these run on are noisy; medians are reported.
+running the contenders side by side in one process tree, interleaved and repeated (the
+order flips every round), with a sync and a pause before each, because the machines these
+run on are noisy; medians are reported.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +29,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from runner.errors import RunnerError
 
 MiB = 1 << 20
 #: Model + optimizer state in full mode and in quick mode.
@@ -71,7 +75,7 @@ def parse_args(
         default=None,
         help=f"MiB of model + optimizer state (default {FULL_MB}, or {QUICK_MB} with --quick)",
     )
-    p.add_argument("--repeats", type=int, default=None, help="rounds (default 5, or 3 quick)")
+    p.add_argument("--repeats", type=int, default=None, help="rounds (default 6, or 3 quick)")
     p.add_argument(
         "--dir",
         type=Path,
@@ -82,7 +86,7 @@ def parse_args(
         extra(p)
     args = p.parse_args(argv)
     size_mb = args.size_mb if args.size_mb is not None else QUICK_MB if args.quick else FULL_MB
-    repeats = args.repeats if args.repeats is not None else 3 if args.quick else 5
+    repeats = args.repeats if args.repeats is not None else 3 if args.quick else 6
     if not (math.isfinite(size_mb) and size_mb > 0):
         p.error(f"--size-mb must be a positive number, got {size_mb}")
     if repeats < 1:
@@ -200,12 +204,13 @@ def disk_of(path: Path) -> str:
 _DD_SECONDS = re.compile(r"copied, ([0-9.]+) s")
 
 
-def dd_write(path: Path, nbytes: int) -> float:
-    """Seconds ``dd`` takes to write ``nbytes`` of zeros to a new file and fdatasync it:
-    the raw sequential write bandwidth of the disk. The file is removed afterwards."""
+def dd_write(path: Path, nbytes: int, *, source: Path | None = None) -> float:
+    """Seconds ``dd`` takes to write ``nbytes`` to a new file and fdatasync it: the raw
+    sequential write bandwidth of the disk. It writes zeros from /dev/zero, or the bytes of
+    ``source`` (see :func:`random_source`). The file is removed afterwards."""
     cmd = [
         "dd",
-        "if=/dev/zero",
+        f"if={source or '/dev/zero'}",
         f"of={path}",
         "bs=16M",
         f"count={nbytes}",
@@ -224,12 +229,43 @@ def dd_write(path: Path, nbytes: int) -> float:
     return float(found.group(1))
 
 
+@contextlib.contextmanager
+def random_source(fallback_dir: Path, nbytes: int) -> Iterator[Path]:
+    """A file of ``nbytes`` random bytes, in memory (/dev/shm) where there is room, for dd
+    to write real data: some virtual disks store zeros faster than anything else, which
+    makes /dev/zero overstate the bandwidth a checkpoint gets. Removed on the way out."""
+    shm = Path("/dev/shm")
+    parent = fallback_dir
+    with contextlib.suppress(OSError):
+        if shm.is_dir() and shutil.disk_usage(shm).free > 2 * nbytes:
+            parent = shm
+    fd, name = tempfile.mkstemp(prefix="trainbot-bench-random-", dir=parent)
+    path = Path(name)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            left = nbytes
+            while left:
+                n = min(left, 64 * MiB)
+                f.write(torch.randint(0, 256, (n,), dtype=torch.uint8).numpy().data)
+                left -= n
+        yield path
+    finally:
+        path.unlink(missing_ok=True)
+
+
 def child_env(overrides: Mapping[str, str]) -> dict[str, str]:
     """This process's environment without any ``TRAINBOT_*`` setting, plus ``overrides``:
     a benchmark's training process must not report to, or write into, a real run."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINBOT_")}
     env.update(overrides)
     return env
+
+
+def settle(opts: Options) -> None:
+    """Between two contenders: flush what the last one left dirty (and the discards of the
+    files it deleted), then pause, so that no contender pays for the one before it."""
+    os.sync()
+    time.sleep(0.2 if opts.quick else 1.0)
 
 
 def drop_page_cache() -> bool:
@@ -291,6 +327,19 @@ def emit(
     }
     sys.stdout.flush()
     print(json.dumps(doc), flush=True)
+
+
+def run(main: Callable[[], None]) -> int:
+    """Run a benchmark's main; a known failure is one line on stderr, not a traceback."""
+    try:
+        main()
+    except (BenchError, RunnerError) as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted; temporary files removed", file=sys.stderr, flush=True)
+        return 130
+    return 0
 
 
 def log(message: str) -> None:

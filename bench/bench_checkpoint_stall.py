@@ -36,6 +36,8 @@ from bench._common import (
     median,
     parse_args,
     rounded,
+    run,
+    settle,
     temp_dir,
     tensor_bytes,
     training_state,
@@ -133,6 +135,7 @@ def main(argv: list[str] | None = None) -> None:
             for r in range(opts.repeats):
                 order = contenders if r % 2 == 0 else contenders[::-1]
                 for name, run in order:
+                    settle(opts)
                     got = run()
                     if got is not None:
                         times[name].append(got)
@@ -167,4 +170,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run(main))

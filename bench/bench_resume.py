@@ -41,6 +41,7 @@ from bench._common import (
     median,
     parse_args,
     rounded,
+    run,
     temp_dir,
 )
 from runner.checkpoint import MANIFEST, list_committed, read_manifest, step_dir
@@ -110,9 +111,10 @@ def main(argv: list[str] | None = None) -> None:
         size_mb = str(opts.size_bytes / MiB)
 
         def prepare() -> bool:
-            dropped = False if args.keep_page_cache else drop_page_cache()
+            if args.keep_page_cache or not drop_page_cache():
+                return False
             subprocess.run([sys.executable, "-c", WARM_LIBS], check=True, env=env)
-            return dropped
+            return True
 
         for r in range(opts.repeats):
             for contender in ("ours", "raw") if r % 2 == 0 else ("raw", "ours"):
@@ -165,4 +167,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run(main))

@@ -64,7 +64,8 @@ def _summary(msg: Message) -> str:
     if isinstance(msg, RunCard):
         return f"{msg.state}|{msg.attempt}|{msg.reason}"
     if isinstance(msg, AlertMessage):
-        return f"{msg.state}|{msg.count}|{msg.severity}|{msg.escalate_to}|{msg.snoozed_until}"
+        # A repeat raises the count on the message; only a change of state is news here.
+        return f"{msg.state}|{msg.severity}|{msg.escalate_to}|{msg.snoozed_until}"
     return messages.render(msg)
 
 

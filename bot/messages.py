@@ -189,7 +189,9 @@ def snoozed(alert_id: str, until: datetime | None) -> str:
 
 def run_list(cards: Sequence[RunCard], scope: str) -> str:
     if not cards:
-        return f"No {'' if scope == 'all' else scope + ' '}runs. Start one with /train launch <spec>."
+        return (
+            f"No {'' if scope == 'all' else scope + ' '}runs. Start one with /train launch <spec>."
+        )
     return "\n".join(run_card(c) for c in cards)
 
 

@@ -59,7 +59,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.sql.dml import Insert
 from sqlmodel import Session, SQLModel
 
@@ -112,6 +112,8 @@ _TOKEN_CACHE_MAX = 4096
 _INT4_MAX = 2**31 - 1
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 _NAIVE_EPOCH = datetime(1970, 1, 1)
+#: 9999-12-31 23:59:59 UTC, the last second a datetime holds.
+_MAX_UNIX_TIME = 253_402_300_799.0
 #: The events insert's columns, in the order of the row tuples.
 _EVENT_COLUMNS = ("attempt_id", "run_id", "seq", "type", "time", "data", "received_at")
 _STEP_EVENTS = frozenset({"metrics", "heartbeat", "checkpoint_committed", "restored"})
@@ -144,6 +146,13 @@ class IngestResult:
 
 def _error(status: int, message: str) -> IngestResult:
     return IngestResult(status, {"error": message})
+
+
+def _unavailable(exc: SQLAlchemyError) -> IngestResult:
+    # The driver's message names the table or the connection problem, never parameters.
+    reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+    log.warning("ingest: the database failed, batch not stored: %s", reason[0] if reason else exc)
+    return _error(503, "the database is unavailable; the batch was not stored: retry later")
 
 
 @dataclass(frozen=True)
@@ -287,9 +296,7 @@ def _check_ranges(events: Sequence[Event]) -> str | None:
         step = event.data.get("step") if event.type in _STEP_EVENTS else None
         if isinstance(step, int) and step > _INT4_MAX:
             return f"events[{index}].data.step: {step} is above {_INT4_MAX}"
-        try:
-            _event_datetime(event.time)
-        except OverflowError:
+        if event.time >= _MAX_UNIX_TIME:
             return f"events[{index}].time: {event.time} is not a plausible unix time"
     return None
 
@@ -376,7 +383,10 @@ class IngestService:
         token = _bearer(authorization)
         if token is None:
             return _error(401, "missing 'Authorization: Bearer <runner token>' header")
-        principal = self._principal(hash_token(token))
+        try:
+            principal = self._principal(hash_token(token))
+        except SQLAlchemyError as exc:
+            return _unavailable(exc)
         if principal is None:
             return _error(401, _REVOKED)
         try:
@@ -397,9 +407,8 @@ class IngestService:
         now = self._now()
         try:
             applied = self._store(principal, events, now=now)
-        except (SQLAlchemyError, DBAPIError) as exc:
-            log.warning("ingest could not store a batch of attempt %s: %s", first.attempt, exc)
-            return _error(503, "the database is unavailable; the batch was not stored, retry")
+        except SQLAlchemyError as exc:
+            return _unavailable(exc)
         if applied is None:
             self._drop_token(principal.token_hash)
             return _error(401, _REVOKED)
@@ -477,6 +486,7 @@ class IngestService:
         if compiled.positiontup is not None and tuple(compiled.positiontup) != _EVENT_COLUMNS:
             raise RuntimeError(f"unexpected events insert parameters {compiled.positiontup}")
         self._insert_events_sql = str(compiled)
+        self._insert_events_returning = self._insert_events.returning(raw_events.c.seq)
         ckpt_insert = dialect_insert(_CHECKPOINTS)
         self._upsert_checkpoint = ckpt_insert.on_conflict_do_update(
             index_elements=["run_id", "step"],
@@ -526,13 +536,15 @@ class IngestService:
         On SQLite the precompiled statement goes to the driver as is, with the rows as
         tuples: SQLAlchemy's per-row parameter processing would cost more than SQLite's
         insert. On PostgreSQL it goes through Core, whose "insertmanyvalues" batches the
-        rows into a few multi-row INSERTs instead of one round trip per row.
+        rows into a few multi-row INSERTs instead of one round trip per row; SQLAlchemy
+        does that for ``ON CONFLICT`` only with ``RETURNING``, hence the returned seqs.
         """
         if self._postgres:
             names = _EVENT_COLUMNS
             connection.execute(
-                self._insert_events, [dict(zip(names, r, strict=True)) for r in rows]
-            )
+                self._insert_events_returning,
+                [dict(zip(names, r, strict=True)) for r in rows],
+            ).all()
         else:
             connection.exec_driver_sql(self._insert_events_sql, rows)
 

@@ -398,6 +398,7 @@ class DryRunCheck:
                 mtbp_s=ctx.mtbp_s,
                 timeout_s=self.timeout_s,
                 env=self._environment(ctx),
+                log_path=ctx.workdir / "dry-run.log",
             )
         except RunnerError as exc:
             return CheckResult(

@@ -34,7 +34,15 @@ from jobs.providers.base import (
     ProviderError,
     ResourceRequest,
 )
-from jobs.rules import AlertConfig, AutoResubmit, LostHeartbeat, Obs, Preemption, RunContext
+from jobs.rules import (
+    AlertConfig,
+    AutoResubmit,
+    LostHeartbeat,
+    Obs,
+    Preemption,
+    RepeatedPreemptions,
+    RunContext,
+)
 from jobs.spec import JobSpec
 
 log = logging.getLogger(__name__)
@@ -376,6 +384,10 @@ def on_attempt_event(deps: Deps, attempt_id: str, type_: str, data: dict[str, An
             refresh_card(deps, session, run)
         elif type_ == "restored":
             step = int(data.get("step") or 0)
+            if step > 0 and attempt.started_at is not None:
+                # Booting and restoring a resumed attempt is paid time that makes no progress.
+                attempt.lost_seconds += max(0.0, (now - attempt.started_at).total_seconds())
+                session.add(attempt)
             if step > 0:
                 deps.journal.record("resumed", run.id, attempt=attempt.number, step=step)
                 say(deps, run, "resumed", f"Attempt {attempt.number} resumed at step {step}.")
@@ -427,6 +439,13 @@ def end_attempt(
     reason: str,
 ) -> None:
     """Close an attempt: revoke its token, shut its instance down, move the run on."""
+    if state == AttemptState.TERMINATED:
+        # We end it: let the runner flush and report before its token is revoked.
+        with session_scope(deps.engine) as session:
+            attempt = session.get(Attempt, attempt_id)
+            instance = attempt.instance_id if attempt and not attempt.state.is_terminal() else None
+        if instance is not None:
+            _terminate(deps, instance)
     now = deps.clock()
     resubmit_after: float | None = None
     instance_id: str | None = None
@@ -437,6 +456,10 @@ def end_attempt(
         run = session.get(Run, attempt.run_id)
         assert run is not None
         spec = spec_of(run)
+        if state == AttemptState.SUCCEEDED and attempt.state != AttemptState.RUNNING:
+            # It ran to the end but its "started" event never arrived (events lost, or
+            # the provider saw the exit first): it was running all the same.
+            attempt.state = transition(attempt.state, AttemptState.RUNNING, subject_id=attempt.id)
         attempt.state = transition(attempt.state, state, subject_id=attempt.id)
         attempt.exit_code = exit_code
         attempt.end_reason = reason
@@ -480,15 +503,19 @@ def end_attempt(
             deps.journal.record("run_finished", run.id, state="FAILED", reason=reason)
             say(deps, run, "error", f"Run {run.id} failed: {reason}.")
         refresh_card(deps, session, run)
-    if instance_id is not None:
-        try:
-            deps.provider.terminate(instance_id)  # scripted, not remembered
-        except InstanceNotFound:
-            pass
-        except ProviderError as exc:
-            log.warning("terminating %s failed (reconcile will retry): %s", instance_id, exc)
+    if instance_id is not None and state != AttemptState.TERMINATED:
+        _terminate(deps, instance_id)  # scripted, not remembered
     if resubmit_after is not None:
         deps.later(resubmit_after, resubmit_if_due, deps, attempt_id)
+
+
+def _terminate(deps: Deps, instance_id: str) -> None:
+    try:
+        deps.provider.terminate(instance_id)
+    except InstanceNotFound:
+        pass
+    except ProviderError as exc:
+        log.warning("terminating %s failed (reconcile will retry): %s", instance_id, exc)
 
 
 def _record_lost_work(session: Session, run: Run, attempt: Attempt, *, now: datetime) -> None:
@@ -520,7 +547,10 @@ def _preemption_alerts(
             data={"reason": "preempted", "attempt": attempt.number},
         )
     ]
-    signals = Preemption(cfg).evaluate(obs, now=now.timestamp(), ctx=ctx)
+    signals = [
+        *Preemption(cfg).evaluate(obs, now=now.timestamp(), ctx=ctx),
+        *RepeatedPreemptions(cfg).evaluate(obs, now=now.timestamp(), ctx=ctx),
+    ]
     alerts.process_signals(
         session,
         run=run,

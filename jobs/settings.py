@@ -194,7 +194,7 @@ class Settings(BaseSettings):
             self.database_url = f"sqlite:///{self.state_dir / 'trainbot.db'}"
         if not self.checkpoint_uri:
             self.checkpoint_uri = (self.state_dir / "checkpoints").as_uri()
-        if not self.public_url:
+        if not self.public_url and self.ingest_port != 0:  # port 0: known once bound
             host = "127.0.0.1" if self.ingest_host in _ANY_HOSTS else self.ingest_host
             if ":" in host:
                 host = f"[{host}]"

@@ -131,7 +131,9 @@ def _sink_from_env() -> EventSink:
     if not token:
         raise RunnerError("TRAINBOT_INGEST_URL is set but TRAINBOT_TOKEN is not")
     attempt = os.environ.get("TRAINBOT_ATTEMPT_ID") or "local-1"
-    spool = Path(os.environ.get("TRAINBOT_SPOOL_DIR") or Path.cwd() / ".trainbot-spool" / attempt)
+    scratch = os.environ.get("TRAINBOT_SCRATCH_DIR")
+    default_root = Path(scratch) / ".spool" if scratch else Path.cwd() / ".trainbot-spool"
+    spool = Path(os.environ.get("TRAINBOT_SPOOL_DIR") or default_root / attempt)
     return Reporter(
         url,
         token,
@@ -165,6 +167,7 @@ def _exec(args: argparse.Namespace) -> int:
             preemption_sources=os.environ.get("TRAINBOT_PREEMPTION_SOURCES", ""),
             dir_sync=dir_sync,
             scratch_bytes=int(scratch_bytes) if scratch_bytes else None,
+            sample_s=float(os.environ.get("TRAINBOT_SYSTEM_SAMPLE_S") or 10.0),
         )
         return sup.run()
     finally:

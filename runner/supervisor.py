@@ -32,7 +32,7 @@ from runner.checkpoint import (
 from runner.errors import CheckpointError, RunnerError, StoreError
 from runner.preemption import PreemptionFlag, SignalHandlers, start_pollers
 from runner.store import Store
-from runner.telemetry import EventSink, SystemSampler, follow_file
+from runner.telemetry import EventSink, FileFollower, SystemSampler, follow_file
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +133,8 @@ class Supervisor:
         self.install_signals = install_signals
         #: The child's exit code, once it has exited.
         self.child_code: int | None = None
+        #: The exit code the child reported in its last event, if it uses the session API.
+        self._child_reported: int | None = None
 
     def run(self) -> int:
         with tempfile.TemporaryDirectory(prefix="trainbot-exec-") as tmp:
@@ -205,10 +207,13 @@ class Supervisor:
         self.sink.emit("exit", {"code": result, "reason": reason})
         return result
 
-    def _forward(self, follower: object) -> None:
-        for type_, when, data in follower:  # type: ignore[attr-defined]
-            if type_ in ("exit", "preemption_notice"):
-                continue  # the supervisor reports these itself, once
+    def _forward(self, follower: FileFollower) -> None:
+        for type_, when, data in follower:
+            if type_ == "exit":
+                self._child_reported = int(data["code"])
+                continue  # the supervisor reports the exit itself, once
+            if type_ == "preemption_notice":
+                continue
             self.sink.emit(type_, data, time=when)
 
     def _sync(self, *, final: bool) -> None:
@@ -228,6 +233,10 @@ class Supervisor:
             self.sink.emit("checkpoint_failed", {"step": -1, "error": str(exc)})
 
     def _exit_code(self, code: int) -> int:
+        if code < 0 and self._child_reported is not None:
+            # The child decided its exit code and said so, then a second SIGTERM (sent to
+            # the whole process group as well as forwarded by us) ended it first.
+            code = self._child_reported
         if code == EXIT_PREEMPTED:
             return EXIT_PREEMPTED
         if self.flag.is_set and self.dir_sync is not None and self.dir_sync.done:

@@ -297,9 +297,11 @@ class LocalProvider:
         seed: int | None = None,
         gpu_names: Sequence[str] | None = None,
         workdir: Path | str | None = None,
+        cores: int | None = None,
     ) -> None:
         """``gpu_names``: the GPUs to offer (None: ask ``nvidia-smi -L``). ``workdir``: where
-        commands start (None: the control plane's working directory, for ``train.py``)."""
+        commands start (None: the control plane's working directory, for ``train.py``).
+        ``cores``: the CPU cores instances may share (None: this machine's count)."""
         for label, value in (
             ("termination_window_s", termination_window_s),
             ("terminate_grace_s", terminate_grace_s),
@@ -322,6 +324,7 @@ class LocalProvider:
         self._rng = random.Random(seed)
         self._gpu_names = list(gpu_names) if gpu_names is not None else None
         self._workdir = str(workdir) if workdir is not None else None
+        self.cores = cores if cores is not None else (os.cpu_count() or 1)
         self._instances = self.state_dir / "instances"
         self._instances.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
@@ -336,14 +339,14 @@ class LocalProvider:
     def quota(self, req: ResourceRequest) -> QuotaInfo:
         """Cores and GPUs of this machine, less what running local instances asked for."""
         live = [r for r in self._records() if self._state_of(r).state is InstanceState.RUNNING]
-        cores = os.cpu_count() or 1
+        cores = self.cores
         used_cpus = sum(r.cpus for r in live)
         cpu = _quota(
             limit=cores,
             used=used_cpus,
             needed=req.cpus or 1,
             unit="cores",
-            detail=f"{cores} cores on this machine",
+            detail=f"{cores} cores for local instances",
             remedy=f"ask for at most {max(cores - used_cpus, 0)} cpus, or stop a local run",
         )
         if req.accelerator_count <= 0 or not cpu.ok:

@@ -1,0 +1,94 @@
+"""``trainbot``: the control plane and its front ends.
+
+    trainbot demo [--events FILE]   the whole product on this machine, in a few minutes
+    trainbot shell                  a terminal chat over the same commands as Slack
+    trainbot serve                  the control plane: HTTP (ingest, Slack), scheduler, database
+
+Settings come from ``TRAINBOT_*`` environment variables; every one has an embedded
+default (SQLite in ~/.trainbot, the local spot provider, a local checkpoint store, the
+terminal as chat).
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from jobs.errors import TrainbotError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="trainbot",
+        description="Chat-ops for long training runs on spot GPUs.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    demo = sub.add_parser("demo", help="run the whole story locally: preflight to digest")
+    demo.add_argument("--events", type=Path, help="write every event as JSON lines here")
+    demo.add_argument(
+        "--state-dir", type=Path, help="keep the demo's database and checkpoints here"
+    )
+    demo.add_argument("--timeout", type=float, default=900.0, help="give up after N seconds")
+    sub.add_parser("shell", help="a terminal chat over the command layer")
+    sub.add_parser("serve", help="run the control plane until stopped")
+    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    return p
+
+
+def _shell() -> int:
+    from bot.console import ConsoleNotifier, Shell
+    from jobs.bootstrap import ControlPlane
+    from jobs.settings import load_settings
+
+    settings = load_settings()
+    with ControlPlane(settings, notifier=ConsoleNotifier()) as cp:
+        return Shell(cp.deps, user=getpass.getuser()).loop()
+
+
+def _serve() -> int:
+    from bot.console import ConsoleNotifier
+    from jobs.bootstrap import ControlPlane
+    from jobs.settings import load_settings
+
+    settings = load_settings()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    with ControlPlane(settings, notifier=ConsoleNotifier()) as cp:
+        assert cp.server is not None
+        print(f"trainbot control plane on {cp.server.url} (Ctrl-C to stop)", flush=True)
+        stop.wait()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else os.environ.get("TRAINBOT_LOG_LEVEL", "WARNING"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        if args.cmd == "demo":
+            from bot.demo import run_demo
+
+            return run_demo(events=args.events, state_dir=args.state_dir, timeout_s=args.timeout)
+        if args.cmd == "shell":
+            return _shell()
+        return _serve()
+    except TrainbotError as exc:
+        print(f"trainbot: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,285 @@
+"""``trainbot demo``: the whole product on one machine, with no cloud and no Slack.
+
+Real pieces throughout: the control plane with SQLite, its HTTP ingest API and its
+scheduler; the local spot provider running ``trainbot-runner exec`` around a real torch
+model on CPU; a local checkpoint store; the terminal as the chat. The demo types the
+same `/train` commands a person would, preempts an instance the way a cloud does
+(SIGTERM, then SIGKILL after the window), and waits for each part of the story to
+happen, failing loudly if one does not.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TextIO
+
+from bot.console import ConsoleNotifier, Shell
+from jobs import tasks
+from jobs.bootstrap import ControlPlane
+from jobs.db import session_scope
+from jobs.models import Alert, Attempt
+from jobs.notify import FanoutJournal, JsonlJournal
+from jobs.lifecycle import RunState
+from jobs.runs import active_attempt
+from jobs.service import wait_for
+from jobs.settings import load_settings
+
+#: The event types a complete story contains (README: "Demo events").
+STORY = (
+    "preflight_check",
+    "launched",
+    "checkpoint_committed",
+    "preemption_notice",
+    "preempted",
+    "resubmitted",
+    "resumed",
+    "alert_opened",
+    "alert_acknowledged",
+    "budget_threshold",
+    "cleanup",
+    "digest",
+    "run_finished",
+)
+
+
+class DemoError(Exception):
+    """A part of the story did not happen."""
+
+
+class Story:
+    """The journal the demo watches: every record, and a way to wait for one."""
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+        self._cond = threading.Condition()
+
+    def record(self, type: str, run: str | None, /, **data: Any) -> None:
+        with self._cond:
+            self.records.append({"type": type, "run": run, **data})
+            self._cond.notify_all()
+
+    def find(self, pred: Callable[[dict[str, Any]], bool]) -> dict[str, Any] | None:
+        with self._cond:
+            return next((r for r in self.records if pred(r)), None)
+
+    def wait(self, what: str, pred: Callable[[dict[str, Any]], bool], timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                found = next((r for r in self.records if pred(r)), None)
+                if found is not None:
+                    return found
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DemoError(f"timed out after {timeout:.0f} s waiting for {what}")
+                self._cond.wait(min(left, 0.5))
+
+
+class Progress:
+    """Numbered headings with elapsed time, so a person sees where the story is."""
+
+    def __init__(self, total: int, out: TextIO) -> None:
+        self.total = total
+        self.out = out
+        self.start = time.monotonic()
+        self.n = 0
+
+    def step(self, title: str) -> None:
+        self.n += 1
+        elapsed = time.monotonic() - self.start
+        print(
+            f"\n━━ [{self.n}/{self.total}] {title}  ({elapsed:5.1f} s)",
+            file=self.out,
+            flush=True,
+        )
+
+
+def _settings(state_dir: Path) -> Any:
+    return load_settings(
+        {
+            "TRAINBOT_STATE_DIR": str(state_dir),
+            "TRAINBOT_INGEST_PORT": "0",
+            "TRAINBOT_LOCAL_PRICE_PER_HOUR_USD": "6",
+            "TRAINBOT_LOCAL_TERMINATION_WINDOW_S": "30",
+            "TRAINBOT_ASSUMED_MTBP_S": "120",
+            "TRAINBOT_ESCALATION_DELAY_S": "600",
+            "TRAINBOT_HEARTBEAT_DEADLINE_S": "120",
+            "TRAINBOT_LOCAL_CORES": "8",
+        }
+    )
+
+
+def run_demo(
+    *,
+    events: Path | None = None,
+    state_dir: Path | None = None,
+    timeout_s: float = 900.0,
+    out: TextIO | None = None,
+) -> int:
+    out = out or sys.stdout
+    own_dir = state_dir is None
+    root = Path(tempfile.mkdtemp(prefix="trainbot-demo-")) if state_dir is None else state_dir
+    story = Story()
+    journals: list[Any] = [story]
+    jsonl = JsonlJournal(events) if events is not None else None
+    if jsonl is not None:
+        journals.append(jsonl)
+    notifier = ConsoleNotifier(out, channel="#ml-training")
+    progress = Progress(12, out)
+    try:
+        with ControlPlane(
+            _settings(root),
+            notifier=notifier,
+            journal=FanoutJournal(*journals),
+            scheduler_intervals={"reconcile": 2, "spend": 2, "escalation": 5},
+        ) as cp:
+            _story(cp, story, progress, out, timeout_s=timeout_s)
+        return 0
+    except DemoError as exc:
+        print(f"\ndemo FAILED: {exc}", file=out, flush=True)
+        return 1
+    finally:
+        if jsonl is not None:
+            jsonl.close()
+        if own_dir:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _story(
+    cp: ControlPlane, story: Story, progress: Progress, out: TextIO, *, timeout_s: float
+) -> None:
+    deps = cp.deps
+    shell = Shell(deps, user="ada", channel="#ml-training", out=out)
+    t = min(timeout_s, 300.0)
+
+    def of(run: str, type_: str, **match: Any) -> Callable[[dict[str, Any]], bool]:
+        return lambda r: (
+            r["run"] == run and r["type"] == type_ and all(r.get(k) == v for k, v in match.items())
+        )
+
+    progress.step("Submit the example spec: /train launch tiny")
+    reply = shell.run_line("/train launch tiny")
+    assert reply is not None and reply.run_id is not None
+    run1 = reply.run_id
+
+    progress.step("Preflight: quota, capacity, data, a real dry run, budget")
+    for check in ("quota", "capacity", "data", "dry_run", "budget"):
+        story.wait(f"the {check} check", of(run1, "preflight_check", check=check), t)
+
+    progress.step("Launch on the local spot provider; checkpoints are committed")
+    story.wait("the launch", of(run1, "launched"), t)
+    _wait_count(story, "two committed checkpoints", of(run1, "checkpoint_committed"), 2, t)
+
+    progress.step("A preemption: SIGTERM, the 30 s window, an emergency flush")
+    with session_scope(deps.engine) as session:
+        attempt = active_attempt(session, run1)
+        assert attempt is not None and attempt.instance_id is not None
+        instance = attempt.instance_id
+    deps.provider.preempt(instance)  # type: ignore[attr-defined]
+    story.wait("the runner's preemption notice", of(run1, "preemption_notice"), t)
+    preempted = story.wait("the preempted attempt", of(run1, "preempted"), t)
+    print(
+        f"   committed step {preempted['committed_step']}, lost {preempted['lost_steps']} step(s)",
+        file=out,
+    )
+
+    progress.step("Automatic resubmit; the run resumes at the committed step")
+    resub = story.wait("the resubmit", of(run1, "resubmitted"), t)
+    resumed = story.wait("the resume", of(run1, "resumed"), t)
+    if resumed["step"] != resub["resume_from_step"]:
+        raise DemoError(f"resumed at step {resumed['step']}, expected {resub['resume_from_step']}")
+
+    progress.step("A second run diverges; its alert is acknowledged")
+    reply = shell.run_line("/train launch diverge")
+    assert reply is not None and reply.run_id is not None
+    run2 = reply.run_id
+    opened = story.wait(
+        "the divergent-loss alert", of(run2, "alert_opened", rule="divergent_loss"), t
+    )
+    shell.run_line(f"/train ack {opened['alert_id']}")
+    story.wait("the acknowledgement", of(run2, "alert_acknowledged"), t)
+
+    progress.step("A slow input pipeline: low utilisation, named by its data-wait")
+    reply = shell.run_line("/train launch slow-input")
+    assert reply is not None and reply.run_id is not None
+    run3 = reply.run_id
+    # Its budget is below the estimate: preflight warns and waits for a person.
+    state = wait_for(deps, run3, {RunState.AWAITING_CONFIRMATION, RunState.LAUNCHING}, timeout_s=t)
+    if state == RunState.AWAITING_CONFIRMATION:
+        shell.run_line(f"/train resubmit {run3}")  # "Launch anyway"
+    low = story.wait(
+        "the low-utilisation alert", of(run3, "alert_opened", rule="low_utilisation"), t
+    )
+    print(f"   {low.get('title', '')}", file=out)
+
+    progress.step("A small scratch volume fills: the disk alert")
+    story.wait("the disk alert", of(run3, "alert_opened", rule="disk"), t)
+
+    progress.step("Budget thresholds: 50 %, 80 %, then the hard cap")
+    for pct in (50, 80, 100):
+        story.wait(f"the {pct} % threshold", of(run3, "budget_threshold", threshold=pct), t)
+    story.wait("the hard cap", of(run3, "run_finished", state="BUDGET_EXCEEDED"), t)
+
+    for run in (run1, run2):
+        story.wait(
+            f"{run} to finish",
+            lambda r, run=run: r["run"] == run and r["type"] == "run_finished",
+            t,
+        )
+
+    progress.step("Cleanup prunes old checkpoints by retention")
+    for summary in tasks.cleanup_job(deps):
+        if summary.get("deleted"):
+            print(
+                f"   {summary['run_id']}: deleted {len(summary['deleted'])}, kept {summary['kept']}",
+                file=out,
+            )
+    story.wait("a cleanup", lambda r: r["type"] == "cleanup", 5)
+
+    progress.step("The daily spend digest")
+    tasks.digest_job(deps)
+    story.wait("the digest", lambda r: r["type"] == "digest", 5)
+
+    progress.step("Final summary")
+    for run in (run1, run2, run3):
+        summary = tasks.run_summary(deps, run)
+        story.record("summary", run, **summary)
+        print(
+            f"   {run}: {summary['state'].lower()}, spent ${summary['spent_usd']:.4f}, "
+            f"{summary['attempts']} attempt(s), {summary['preemptions']} preemption(s), "
+            f"goodput {_pct(summary['goodput'])}, lost {summary['lost_steps']} step(s) "
+            f"({summary['lost_s']:.1f} s), checkpoints kept {summary['checkpoints_kept']}",
+            file=out,
+        )
+    with session_scope(deps.engine) as session:
+        acked = session.query(Alert).filter(Alert.acked_by.is_not(None)).count()  # type: ignore[union-attr]
+        attempts = session.query(Attempt).count()
+    missing = [t for t in STORY if story.find(lambda r, t=t: r["type"] == t) is None]
+    if missing:
+        raise DemoError(f"the story is missing {', '.join(missing)}")
+    print(
+        f"\nDemo complete: {len(story.records)} events, {attempts} attempts, "
+        f"{acked} alert(s) acknowledged. Every step of the story happened.",
+        file=out,
+        flush=True,
+    )
+
+
+def _wait_count(
+    story: Story, what: str, pred: Callable[[dict[str, Any]], bool], n: int, timeout: float
+) -> None:
+    deadline = time.monotonic() + timeout
+    while sum(1 for r in list(story.records) if pred(r)) < n:
+        if time.monotonic() > deadline:
+            raise DemoError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}%"

@@ -1,0 +1,45 @@
+"""The ingest benchmark still runs and still speaks its output format.
+
+Run as the Makefile runs it (a script, ``--quick``) on a tiny workload; timings at this
+size mean nothing, so only the shape of the last line is checked, never ``met`` or the
+figures' values.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["--quick", "--batches", "2", "--batch-size", "50", "--repeats", "1", "--alert-trials", "1"]
+
+
+def test_bench_ingest_prints_its_figures_as_the_last_line(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_ingest.py"), *TINY, "--dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=False,
+    )
+
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["bench"] == "ingest"
+    assert result["goal"] == 1.0
+    assert isinstance(result["met"], bool)
+    assert isinstance(result["ratio"], float)
+    figures = result["figures"]
+    assert isinstance(figures["sqlite_events_per_s"], float)
+    assert isinstance(figures["alert_latency_s"], float)
+    assert set(figures["breakdown_us_per_event"]) == {"decode_batch", "rules", "store_and_rest"}
+    if os.environ.get("TRAINBOT_TEST_POSTGRES_URL"):
+        assert isinstance(figures["postgres_events_per_s"], float)
+    else:
+        assert figures["postgres_events_per_s"] is None
+        assert "TRAINBOT_TEST_POSTGRES_URL" in figures["postgres_skipped"]
+    assert list(tmp_path.iterdir()) == []  # the SQLite file was removed

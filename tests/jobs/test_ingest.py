@@ -1,0 +1,610 @@
+"""The runner events API in process: auth, idempotency, side effects, alert rules.
+
+Every test runs on SQLite and, when ``TRAINBOT_TEST_POSTGRES_URL`` is set, PostgreSQL.
+Batches are real wire bodies from :func:`runner.wire.encode_batch`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, func, select, text
+from sqlmodel import Session, col
+from sqlmodel import select as sm_select
+
+from jobs.ingest import RECENT_OBS, IngestService
+from jobs.lifecycle import AttemptState
+from jobs.models import Attempt, Checkpoint, Event, Run, hash_token
+from jobs.rules import DivergentLoss, Rule, Signal
+from runner.wire import Event as WireEvent
+from runner.wire import encode_batch
+
+NOW = datetime(2026, 3, 1, 12, 0, tzinfo=timezone.utc)
+T0 = NOW.timestamp() - 600
+TOKEN = "tok-attempt-1"
+
+
+class Clock:
+    """A settable ``now`` for the service."""
+
+    def __init__(self, at: datetime = NOW) -> None:
+        self.at = at
+
+    def __call__(self) -> datetime:
+        return self.at
+
+
+class Recorder:
+    """Collects what the service hands to its callbacks."""
+
+    def __init__(self) -> None:
+        self.signals: list[tuple[str, list[Signal], datetime]] = []
+        self.attempt_events: list[tuple[str, str, dict[str, Any]]] = []
+
+    def on_signals(self, run_id: str, signals: list[Signal], now: datetime) -> None:
+        self.signals.append((run_id, signals, now))
+
+    def on_attempt_event(self, attempt_id: str, type_: str, data: dict[str, Any]) -> None:
+        self.attempt_events.append((attempt_id, type_, data))
+
+    def last(self, rule: str, key: str) -> Signal | None:
+        """The signal of the latest evaluation for (rule, key), if it said anything."""
+        _, batch, _ = self.signals[-1]
+        return next((s for s in batch if s.rule == rule and s.key == key), None)
+
+    def fired(self, rule: str, key: str) -> list[Signal]:
+        return [
+            s
+            for _, batch, _ in self.signals
+            for s in batch
+            if s.rule == rule and s.key == key and not s.resolved
+        ]
+
+
+def add_run(
+    engine: Engine,
+    *,
+    run_id: str = "r-1",
+    attempt_id: str = "a-1",
+    token: str | None = TOKEN,
+    state: AttemptState = AttemptState.REQUESTED,
+    number: int = 1,
+    spec: dict[str, Any] | None = None,
+) -> None:
+    with Session(engine) as session:
+        if session.get(Run, run_id) is None:
+            session.add(
+                Run(id=run_id, spec_name="tiny", spec=spec or {}, requester="U1", budget_usd=5.0)
+            )
+            session.flush()
+        session.add(
+            Attempt(
+                id=attempt_id,
+                run_id=run_id,
+                number=number,
+                state=state,
+                provider="local",
+                token_hash=hash_token(token) if token else None,
+            )
+        )
+        session.commit()
+
+
+def metrics(
+    step: int, loss: float = 1.0, *, step_time_s: float = 0.1
+) -> tuple[str, dict[str, Any]]:
+    return "metrics", {
+        "step": step,
+        "loss": loss,
+        "step_time_s": step_time_s,
+        "data_wait_fraction": 0.05,
+        "metrics": {"lr": 0.001},
+    }
+
+
+def system(gpu_util: float | None = 90.0) -> tuple[str, dict[str, Any]]:
+    return "system", {
+        "gpu_util": gpu_util,
+        "gpu_count": 1,
+        "disk_used": 10**9,
+        "disk_total": 10**11,
+        "disk_path": "/scratch",
+    }
+
+
+def body(
+    items: Sequence[tuple[str, dict[str, Any]]],
+    *,
+    first_seq: int = 0,
+    attempt: str = "a-1",
+    run: str = "r-1",
+    times: Sequence[float] | None = None,
+) -> bytes:
+    events = [
+        WireEvent(
+            attempt,
+            first_seq + i,
+            kind,
+            times[i] if times is not None else T0 + first_seq + i,
+            run,
+            data,
+        )
+        for i, (kind, data) in enumerate(items)
+    ]
+    return encode_batch(events)
+
+
+def service(engine: Engine, recorder: Recorder | None = None, **kwargs: Any) -> IngestService:
+    recorder = recorder or Recorder()
+    kwargs.setdefault("now", Clock())
+    return IngestService(
+        engine,
+        on_signals=recorder.on_signals,
+        on_attempt_event=recorder.on_attempt_event,
+        **kwargs,
+    )
+
+
+def count_events(engine: Engine) -> int:
+    with engine.connect() as connection:
+        return int(connection.execute(select(func.count()).select_from(Event)).scalar_one())
+
+
+def event_at(engine: Engine, seq: int) -> Event:
+    with Session(engine) as session:
+        return session.exec(sm_select(Event).where(col(Event.seq) == seq)).one()
+
+
+def attempt_row(engine: Engine, attempt_id: str = "a-1") -> Attempt:
+    with Session(engine) as session:
+        attempt = session.get(Attempt, attempt_id)
+        assert attempt is not None
+        return attempt
+
+
+def run_row(engine: Engine, run_id: str = "r-1") -> Run:
+    with Session(engine) as session:
+        run = session.get(Run, run_id)
+        assert run is not None
+        return run
+
+
+AUTH = f"Bearer {TOKEN}"
+
+
+# --- idempotency ----------------------------------------------------------------------
+
+
+def test_a_batch_is_stored_once_and_a_retry_counts_as_duplicates(db_engine: Engine) -> None:
+    add_run(db_engine)
+    svc = service(db_engine)
+    batch = body([metrics(i) for i in range(50)])
+
+    first = svc.handle(AUTH, batch)
+    retry = svc.handle(AUTH, batch)
+
+    assert (first.status, first.body) == (200, {"accepted": 50, "duplicates": 0})
+    assert (retry.status, retry.body) == (200, {"accepted": 0, "duplicates": 50})
+    assert count_events(db_engine) == 50
+    stored = event_at(db_engine, 7)
+    assert stored.type == "metrics" and stored.data["step"] == 7
+    assert stored.time == datetime.fromtimestamp(T0 + 7, tz=timezone.utc)
+
+
+def test_overlapping_batches_store_only_the_new_events(db_engine: Engine) -> None:
+    add_run(db_engine)
+    svc = service(db_engine)
+    svc.handle(AUTH, body([metrics(i) for i in range(10)]))
+
+    overlap = svc.handle(AUTH, body([metrics(i) for i in range(5, 15)], first_seq=5))
+
+    assert overlap.body == {"accepted": 5, "duplicates": 5}
+    assert count_events(db_engine) == 15
+    assert attempt_row(db_engine).last_seq == 14
+
+
+def test_a_seq_repeated_inside_one_batch_is_stored_once(db_engine: Engine) -> None:
+    add_run(db_engine)
+    svc = service(db_engine)
+    events = [
+        WireEvent("a-1", seq, "metrics", T0 + i, "r-1", metrics(i)[1])
+        for i, seq in enumerate([0, 1, 1, 2])
+    ]
+
+    result = svc.handle(AUTH, encode_batch(events))
+
+    assert result.body == {"accepted": 3, "duplicates": 1}
+    assert count_events(db_engine) == 3
+
+
+def test_side_effects_happen_once_even_when_a_batch_is_retried(db_engine: Engine) -> None:
+    add_run(db_engine)
+    clock = Clock()
+    recorder = Recorder()
+    svc = service(db_engine, recorder, now=clock)
+    batch = body([("started", {"pid": 7, "host": "h"}), metrics(3)])
+    svc.handle(AUTH, batch)
+    clock.at = NOW + timedelta(minutes=5)
+
+    svc.handle(AUTH, batch)
+
+    assert attempt_row(db_engine).last_heartbeat == NOW
+    assert [t for _, t, _ in recorder.attempt_events] == ["started"]
+    assert len(recorder.signals) == 1  # rules run only for batches with new events
+
+
+# --- tokens -----------------------------------------------------------------------------
+
+
+def test_missing_or_unknown_tokens_get_401(db_engine: Engine) -> None:
+    add_run(db_engine)
+    svc = service(db_engine)
+    refused = [None, "", "Bearer", "Basic dXNlcjpwYXNz", "Bearer not-a-token", f"Token {TOKEN}"]
+
+    results = [svc.handle(authorization, body([metrics(0)])) for authorization in refused]
+
+    assert [r.status for r in results] == [401] * len(refused)
+    assert all(r.body["error"] for r in results)
+    assert count_events(db_engine) == 0
+
+
+def test_a_revoked_token_is_refused_at_once_despite_the_cache(db_engine: Engine) -> None:
+    add_run(db_engine)
+    svc = service(db_engine)
+    assert svc.handle(AUTH, body([metrics(0)])).status == 200  # the token is now cached
+    with db_engine.begin() as connection:
+        connection.execute(text("UPDATE attempts SET token_hash = NULL WHERE id = 'a-1'"))
+
+    refused = svc.handle(AUTH, body([metrics(1)], first_seq=1))
+
+    assert refused.status == 401
+    assert "revoked" in refused.body["error"]
+    assert count_events(db_engine) == 1
+    assert attempt_row(db_engine).last_seq == 0
+
+
+def test_a_token_is_scoped_to_its_attempt(db_engine: Engine) -> None:
+    add_run(db_engine)
+    add_run(db_engine, attempt_id="a-2", token="tok-attempt-2", number=2)
+    svc = service(db_engine)
+
+    other_attempt = svc.handle(AUTH, body([metrics(0)], attempt="a-2"))
+    other_run = svc.handle(AUTH, body([metrics(0)], run="r-other"))
+
+    assert other_attempt.status == 403
+    assert "scoped to its attempt" in other_attempt.body["error"]
+    assert "a-1" in other_attempt.body["error"] and "a-2" in other_attempt.body["error"]
+    assert other_run.status == 403
+    assert count_events(db_engine) == 0
+
+
+def test_the_token_is_never_logged(db_engine: Engine, caplog: pytest.LogCaptureFixture) -> None:
+    add_run(db_engine)
+    svc = service(db_engine)
+    with caplog.at_level("DEBUG"):
+        svc.handle(AUTH, body([metrics(0)]))
+        svc.handle(AUTH, b"{broken")
+        svc.handle("Bearer wrong-token-value", body([metrics(0)]))
+
+    assert TOKEN not in caplog.text
+    assert "wrong-token-value" not in caplog.text
+
+
+# --- malformed input ----------------------------------------------------------------------
+
+
+MALFORMED = [
+    (b"{not json", "not valid JSON"),
+    (b"[]", "expected a JSON object"),
+    (json.dumps({"v": 99, "attempt": "a-1", "run": "r-1", "events": []}).encode(), "v:"),
+    (
+        json.dumps(
+            {
+                "v": 1,
+                "attempt": "a-1",
+                "run": "r-1",
+                "events": [{"seq": 0, "type": "metrics", "time": T0, "data": {"step": -1}}],
+            }
+        ).encode(),
+        "events[0].data",
+    ),
+    (
+        json.dumps(
+            {
+                "v": 1,
+                "attempt": "a-1",
+                "run": "r-1",
+                "events": [{"seq": 2**40, "type": "heartbeat", "time": T0, "data": {"step": 1}}],
+            }
+        ).encode(),
+        "events[0].seq",
+    ),
+    (
+        json.dumps(
+            {
+                "v": 1,
+                "attempt": "a-1",
+                "run": "r-1",
+                "events": [{"seq": 0, "type": "heartbeat", "time": 1e20, "data": {"step": 1}}],
+            }
+        ).encode(),
+        "events[0].time",
+    ),
+]
+
+
+def test_malformed_batches_get_400_and_change_nothing(db_engine: Engine) -> None:
+    add_run(db_engine)
+    svc = service(db_engine)
+
+    results = [(svc.handle(AUTH, raw), expected) for raw, expected in MALFORMED]
+
+    for result, expected in results:
+        assert result.status == 400
+        assert expected in result.body["error"]
+    assert count_events(db_engine) == 0
+    assert attempt_row(db_engine).last_heartbeat is None
+    assert svc.handle(AUTH, body([metrics(0)])).status == 200  # and the next batch is fine
+
+
+def test_an_oversized_body_gets_413(db_engine: Engine) -> None:
+    add_run(db_engine)
+    svc = service(db_engine, max_body_bytes=1000)
+
+    result = svc.handle(AUTH, body([metrics(i) for i in range(50)]))
+
+    assert result.status == 413
+    assert "limit" in result.body["error"]
+    assert count_events(db_engine) == 0
+
+
+def test_a_database_failure_is_503_and_leaves_nothing_half_written(db_engine: Engine) -> None:
+    add_run(db_engine)
+    svc = service(db_engine)
+    with db_engine.begin() as connection:
+        connection.execute(text("DROP TABLE checkpoints"))
+    batch = body(
+        [
+            metrics(10),
+            ("checkpoint_committed", {"step": 10, "bytes": 1, "write_s": 0.1, "uri": "u"}),
+        ]
+    )
+
+    result = svc.handle(AUTH, batch)
+
+    assert result.status == 503
+    assert count_events(db_engine) == 0
+    assert attempt_row(db_engine).last_step is None
+
+
+# --- side effects -----------------------------------------------------------------------
+
+
+def test_started_moves_a_booting_attempt_to_running(db_engine: Engine) -> None:
+    add_run(db_engine, state=AttemptState.REQUESTED)
+    add_run(db_engine, attempt_id="a-2", token="t2", number=2, state=AttemptState.PROVISIONING)
+    svc = service(db_engine)
+
+    svc.handle(AUTH, body([("started", {"pid": 1, "host": "h"})]))
+    svc.handle("Bearer t2", body([("started", {"pid": 1, "host": "h"})], attempt="a-2"))
+
+    for attempt in (attempt_row(db_engine), attempt_row(db_engine, "a-2")):
+        assert attempt.state == AttemptState.RUNNING
+        assert attempt.started_at == datetime.fromtimestamp(T0, tz=timezone.utc)
+
+
+def test_started_leaves_a_running_or_ended_attempt_as_it_is(db_engine: Engine) -> None:
+    add_run(db_engine, state=AttemptState.RUNNING)
+    add_run(db_engine, attempt_id="a-2", token="t2", number=2, state=AttemptState.PREEMPTED)
+    svc = service(db_engine)
+
+    running = svc.handle(AUTH, body([("started", {"pid": 1, "host": "h"})]))
+    ended = svc.handle("Bearer t2", body([("started", {"pid": 1, "host": "h"})], attempt="a-2"))
+
+    assert running.status == ended.status == 200
+    assert attempt_row(db_engine).state == AttemptState.RUNNING
+    assert attempt_row(db_engine, "a-2").state == AttemptState.PREEMPTED
+
+
+def test_events_update_the_attempt_and_the_run(db_engine: Engine) -> None:
+    add_run(db_engine, state=AttemptState.RUNNING)
+    svc = service(db_engine)
+    items = [
+        ("restored", {"step": 100, "fallback_from": None, "restore_s": 1.5}),
+        metrics(101, step_time_s=0.2),
+        metrics(102, step_time_s=0.4),
+        metrics(103, step_time_s=0.3),
+        (
+            "checkpoint_committed",
+            {"step": 103, "bytes": 3_000_000, "write_s": 2.0, "uri": "s3://b/r-1/step-103"},
+        ),
+        ("heartbeat", {"step": 104}),
+        ("preemption_notice", {"source": "aws", "time_left_s": 120.0}),
+    ]
+
+    result = svc.handle(AUTH, body(items))
+
+    assert result.body == {"accepted": 7, "duplicates": 0}
+    attempt = attempt_row(db_engine)
+    assert attempt.last_heartbeat == NOW
+    assert attempt.last_step == 104
+    assert attempt.last_seq == 6
+    assert attempt.step_time_s == pytest.approx(0.3)
+    assert attempt.resumed_from_step == 100
+    assert attempt.preemption_notice_at == datetime.fromtimestamp(T0 + 6, tz=timezone.utc)
+    run = run_row(db_engine)
+    assert run.last_step == 104
+    assert run.last_committed_step == 103
+    with Session(db_engine) as session:
+        (checkpoint,) = session.exec(sm_select(Checkpoint)).all()
+    assert (checkpoint.run_id, checkpoint.attempt_id, checkpoint.step) == ("r-1", "a-1", 103)
+    assert checkpoint.uri == "s3://b/r-1/step-103"
+    assert checkpoint.bytes == 3_000_000
+    assert checkpoint.committed_at == datetime.fromtimestamp(T0 + 4, tz=timezone.utc)
+    assert checkpoint.metrics == {"lr": 0.001, "loss": 1.0}
+
+
+def test_run_steps_only_move_forward(db_engine: Engine) -> None:
+    add_run(db_engine, state=AttemptState.RUNNING)
+    add_run(db_engine, attempt_id="a-2", token="t2", number=2, state=AttemptState.RUNNING)
+    svc = service(db_engine)
+    commit = {"bytes": 1, "write_s": 0.1, "uri": "u"}
+    svc.handle(AUTH, body([metrics(500), ("checkpoint_committed", {"step": 500, **commit})]))
+
+    svc.handle(
+        "Bearer t2",
+        body([metrics(200), ("checkpoint_committed", {"step": 200, **commit})], attempt="a-2"),
+    )
+
+    run = run_row(db_engine)
+    assert (run.last_step, run.last_committed_step) == (500, 500)
+    assert attempt_row(db_engine, "a-2").last_step == 200
+
+
+def test_lifecycle_events_reach_the_service_layer_once_and_in_order(db_engine: Engine) -> None:
+    add_run(db_engine)
+    recorder = Recorder()
+    svc = service(db_engine, recorder)
+    items = [
+        ("started", {"pid": 1, "host": "h"}),
+        metrics(1),
+        ("log", {"level": "info", "message": "hello"}),
+        ("exit", {"code": 75, "reason": "preempted"}),
+    ]
+
+    svc.handle(AUTH, body(items))
+    svc.handle(AUTH, body(items))
+
+    assert [(a, t) for a, t, _ in recorder.attempt_events] == [
+        ("a-1", "started"),
+        ("a-1", "exit"),
+    ]
+    assert recorder.attempt_events[1][2] == {"code": 75, "reason": "preempted"}
+
+
+def test_failing_callbacks_never_fail_the_batch(db_engine: Engine) -> None:
+    add_run(db_engine)
+
+    def broken(*args: Any) -> None:
+        raise RuntimeError("service layer bug")
+
+    svc = IngestService(db_engine, on_signals=broken, on_attempt_event=broken, now=Clock())
+
+    result = svc.handle(AUTH, body([("started", {"pid": 1, "host": "h"}), metrics(1, math.nan)]))
+
+    assert result.status == 200
+    assert count_events(db_engine) == 2
+
+
+# --- alert rules ---------------------------------------------------------------------------
+
+
+def test_a_nan_loss_fires_within_the_same_call(db_engine: Engine) -> None:
+    add_run(db_engine)
+    recorder = Recorder()
+    svc = service(db_engine, recorder)
+
+    svc.handle(AUTH, body([metrics(1, 2.0), metrics(2, math.nan), metrics(3, 2.0)]))
+
+    (nan,) = recorder.fired("divergent_loss", "nan")
+    assert nan.data["step"] == 2
+    run_id, _, now = recorder.signals[-1]
+    assert (run_id, now) == ("r-1", NOW)
+    stored = event_at(db_engine, 1)
+    assert stored.data["loss"] == "NaN"  # standard JSON in the table, on both databases
+
+
+def test_rules_are_evaluated_once_per_batch(db_engine: Engine) -> None:
+    add_run(db_engine)
+    calls: list[int] = []
+
+    class Counting:
+        name = "counting"
+
+        def evaluate(self, window: Sequence[Any], *, now: float, ctx: Any) -> list[Signal]:
+            calls.append(len(window))
+            return []
+
+    svc = service(db_engine, rules_for=lambda run: [Counting()])
+    svc.handle(AUTH, body([metrics(i) for i in range(100)]))
+    svc.handle(AUTH, body([metrics(i) for i in range(100, 150)], first_seq=100))
+
+    assert calls == [100, 150]
+
+
+def test_rules_for_gets_the_run_and_its_rules_are_used(db_engine: Engine) -> None:
+    add_run(db_engine)
+    seen: list[str] = []
+    recorder = Recorder()
+
+    def rules_for(run: Run) -> list[Rule]:
+        seen.append(run.id)
+        return [DivergentLoss()]
+
+    svc = service(db_engine, recorder, rules_for=rules_for)
+    svc.handle(AUTH, body([metrics(1, math.inf)]))
+    svc.handle(AUTH, body([metrics(2, 1.0)], first_seq=1))
+
+    assert seen == ["r-1"]  # built once with the window, then reused
+    assert {s.rule for _, batch, _ in recorder.signals for s in batch} == {"divergent_loss"}
+
+
+def test_the_spec_thresholds_configure_the_default_rules(db_engine: Engine) -> None:
+    add_run(db_engine, spec={"alerts": {"loss_spike_factor": 1.5, "loss_spike_points": 1}})
+    recorder = Recorder()
+    svc = service(db_engine, recorder)
+
+    svc.handle(AUTH, body([metrics(i, 1.0) for i in range(10)] + [metrics(10, 2.0)]))
+
+    (spike,) = recorder.fired("divergent_loss", "spike")
+    assert spike.data["step"] == 10
+
+
+def test_the_window_is_rebuilt_from_the_table_after_a_restart(db_engine: Engine) -> None:
+    add_run(db_engine)
+    service(db_engine).handle(AUTH, body([metrics(i, 1.0) for i in range(20)]))
+
+    recorder = Recorder()  # a new process: nothing in memory
+    service(db_engine, recorder).handle(
+        AUTH, body([metrics(i, 10.0) for i in range(20, 23)], first_seq=20)
+    )
+
+    (spike,) = recorder.fired("divergent_loss", "spike")
+    assert spike.data["baseline"] == 1.0
+
+
+def test_system_samples_are_not_crowded_out_by_a_flood_of_metrics(db_engine: Engine) -> None:
+    add_run(db_engine)
+    recorder = Recorder()
+    svc = service(db_engine, recorder)
+    start = NOW.timestamp() - 300
+    seq = 0
+    for minute in range(6):  # 6 minutes of 1,000 metrics and one idle-GPU sample each
+        items = [system(gpu_util=5.0)] + [metrics(seq + i) for i in range(1, 1000)]
+        times = [start + minute * 60 + i * 0.06 for i in range(1000)]
+        assert svc.handle(AUTH, body(items, first_seq=seq, times=times)).status == 200
+        seq += 1000
+
+    low = recorder.last("low_utilisation", "gpu")
+    assert low is not None and not low.resolved
+    assert low.data["gpu_util"] == 5.0
+    assert count_events(db_engine) == 6000
+
+
+def test_a_nan_is_not_thinned_out_of_the_window(db_engine: Engine) -> None:
+    add_run(db_engine)
+    recorder = Recorder()
+    svc = service(db_engine, recorder)
+    svc.handle(AUTH, body([metrics(0, math.nan)]))
+    later = [metrics(i, 1.0) for i in range(1, 3 * RECENT_OBS)]
+
+    svc.handle(
+        AUTH, body(later, first_seq=1, times=[T0 + i * 0.01 for i in range(1, 3 * RECENT_OBS)])
+    )
+
+    assert len(recorder.fired("divergent_loss", "nan")) == 2
