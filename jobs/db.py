@@ -243,3 +243,12 @@ def migrate(engine: Engine) -> None:
             f"cannot migrate the database ({_first_line(exc)}): check that it is running and "
             "that TRAINBOT_DATABASE_URL points at it"
         ) from exc
+
+
+def detach(session: Session, obj: object) -> None:
+    """Write an object's pending changes, then detach it so it can outlive the session.
+
+    Expunging without the flush silently drops whatever was changed since the last one.
+    """
+    session.flush()
+    session.expunge(obj)

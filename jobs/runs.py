@@ -20,7 +20,7 @@ from typing import Any
 from sqlmodel import Session, col, select
 
 from jobs import alerts
-from jobs.db import session_scope
+from jobs.db import detach, session_scope
 from jobs.deps import Deps
 from jobs.errors import ConflictError, NotFound
 from jobs.lifecycle import AttemptState, RunState, transition
@@ -363,7 +363,7 @@ def _provision(deps: Deps, attempt_id: str) -> Attempt | None:
             f"in {attempt.zone} at ${attempt.price_per_hour:.2f}/h{resume}.",
         )
         refresh_card(deps, session, run)
-        session.expunge(attempt)
+        detach(session, attempt)
         return attempt
 
 

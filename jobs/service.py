@@ -20,7 +20,7 @@ from zoneinfo import ZoneInfo
 from sqlmodel import col, select
 
 from jobs import alerts, preflight, spend
-from jobs.db import session_scope
+from jobs.db import detach, session_scope
 from jobs.deps import Deps
 from jobs.errors import ConflictError, NotFound, PermissionDenied, SpecError
 from jobs.lifecycle import AttemptState, RunState
@@ -85,7 +85,7 @@ def submit(
                 select(Run).where(Run.idempotency_key == idempotency_key)
             ).first()
             if existing is not None:
-                session.expunge(existing)
+                detach(session, existing)
                 return existing
         run = Run(
             id=new_id("r"),
@@ -117,8 +117,7 @@ def submit(
         ref = deps.notifier.post(card(session, run))
         run.thread_ts = ref.ts
         session.add(run)
-        session.flush()
-        session.expunge(run)
+        detach(session, run)
     deps.journal.record("submitted", run.id, spec=spec.name, requester=actor.user)
     deps.background(preflight_then_launch, deps, run.id, launch=launch)
     return run
@@ -196,7 +195,7 @@ def confirm(deps: Deps, run_id: str, actor: Actor) -> Run:
         move_run(session, run, RunState.LAUNCHING, now=now)
         say(deps, run, "info", f"{actor.user} confirmed the launch despite the warnings.")
         refresh_card(deps, session, run)
-        session.expunge(run)
+        detach(session, run)
     deps.background(launch_attempt, deps, run_id)
     return run
 
@@ -217,7 +216,7 @@ def stop(deps: Deps, run_id: str, actor: Actor, *, reason: str | None = None) ->
         say(deps, run, "info", f"{actor.user} stopped {run.id}; the instance is shutting down.")
         refresh_card(deps, session, run)
         attempt_id = attempt.id if attempt else None
-        session.expunge(run)
+        detach(session, run)
     if attempt_id is not None:
         deps.background(
             end_attempt, deps, attempt_id, state=AttemptState.TERMINATED, reason="stopped"
@@ -274,13 +273,13 @@ def resubmit(deps: Deps, run_id: str, actor: Actor) -> Run:
             # The new run resumes the old run's checkpoints: same store directory.
             run.spec = {**old.spec, "env": {**spec.env, PREFIX_ENV: checkpoint_prefix(old)}}
             session.add(run)
-            session.expunge(run)
+            detach(session, run)
         deps.background(launch_attempt, deps, run.id)
         return run
     deps.background(launch_attempt, deps, run_id)
     with session_scope(deps.engine) as session:
         run = get_run(session, run_id)
-        session.expunge(run)
+        detach(session, run)
         return run
 
 
@@ -341,7 +340,7 @@ def acknowledge(deps: Deps, alert_id: str, actor: Actor) -> Alert:
             session, alert_id, user=actor.user, now=deps.clock(), notifier=deps.notifier,
             journal=deps.journal,
         )  # fmt: skip
-        session.expunge(alert)
+        detach(session, alert)
         return alert
 
 
@@ -351,7 +350,7 @@ def snooze(deps: Deps, alert_id: str, seconds: int, actor: Actor) -> Alert:
             session, alert_id, user=actor.user, seconds=seconds, now=deps.clock(),
             notifier=deps.notifier, journal=deps.journal,
         )  # fmt: skip
-        session.expunge(alert)
+        detach(session, alert)
         return alert
 
 

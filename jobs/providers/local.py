@@ -398,7 +398,7 @@ class LocalProvider:
                 f"run {req.run_id} attempt {req.attempt_id}: the launch command is empty;"
                 " the spec needs a command to run"
             )
-        if req.zone not in ("", ZONE):
+        if req.zone not in (None, "", ZONE):
             raise CapacityError(
                 f"the local provider has one zone, {ZONE}; it cannot launch in {req.zone!r}",
                 zone=req.zone,
