@@ -23,9 +23,9 @@ from bot.console import ConsoleNotifier, Shell
 from jobs import tasks
 from jobs.bootstrap import ControlPlane
 from jobs.db import session_scope
+from jobs.lifecycle import RunState
 from jobs.models import Alert, Attempt
 from jobs.notify import FanoutJournal, JsonlJournal
-from jobs.lifecycle import RunState
 from jobs.runs import active_attempt
 from jobs.service import wait_for
 from jobs.settings import load_settings
@@ -63,10 +63,6 @@ class Story:
         with self._cond:
             self.records.append({"type": type, "run": run, **data})
             self._cond.notify_all()
-
-    def find(self, pred: Callable[[dict[str, Any]], bool]) -> dict[str, Any] | None:
-        with self._cond:
-            return next((r for r in self.records if pred(r)), None)
 
     def wait(self, what: str, pred: Callable[[dict[str, Any]], bool], timeout: float) -> dict:
         deadline = time.monotonic() + timeout
@@ -227,17 +223,14 @@ def _story(
     story.wait("the hard cap", of(run3, "run_finished", state="BUDGET_EXCEEDED"), t)
 
     for run in (run1, run2):
-        story.wait(
-            f"{run} to finish",
-            lambda r, run=run: r["run"] == run and r["type"] == "run_finished",
-            t,
-        )
+        story.wait(f"{run} to finish", of(run, "run_finished"), t)
 
     progress.step("Cleanup prunes old checkpoints by retention")
     for summary in tasks.cleanup_job(deps):
         if summary.get("deleted"):
             print(
-                f"   {summary['run_id']}: deleted {len(summary['deleted'])}, kept {summary['kept']}",
+                f"   {summary['run_id']}: deleted {len(summary['deleted'])}, "
+                f"kept {summary['kept']}",
                 file=out,
             )
     story.wait("a cleanup", lambda r: r["type"] == "cleanup", 5)
@@ -260,7 +253,8 @@ def _story(
     with session_scope(deps.engine) as session:
         acked = session.query(Alert).filter(Alert.acked_by.is_not(None)).count()  # type: ignore[union-attr]
         attempts = session.query(Attempt).count()
-    missing = [t for t in STORY if story.find(lambda r, t=t: r["type"] == t) is None]
+    seen = {r["type"] for r in story.records}
+    missing = [name for name in STORY if name not in seen]
     if missing:
         raise DemoError(f"the story is missing {', '.join(missing)}")
     print(

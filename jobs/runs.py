@@ -299,7 +299,7 @@ def _provision(deps: Deps, attempt_id: str) -> Attempt | None:
             attempt_id=attempt.id,
             owner=run.requester,
             request=resource_request(spec, spot=attempt.spot),
-            zone=attempt.zone,
+            zone=attempt.zone or "",
             command=runner_command(deps, spec),
             env=runner_env(deps, run, attempt, spec),
             scratch_bytes=int(spec.resources.disk_gb * 1e9),

@@ -14,6 +14,7 @@ at most one save in flight.
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 import io
 import json
@@ -94,13 +95,13 @@ class Manifest:
     #: For "files" checkpoints, the name of the directory the script wrote.
     label: str | None = None
 
-    def to_json(self) -> bytes:
+    def to_json(self) -> builtins.bytes:
         doc = asdict(self)
         doc["files"] = [asdict(f) for f in self.files]
         return json.dumps(doc, indent=1, sort_keys=True).encode()
 
     @classmethod
-    def from_json(cls, raw: bytes, *, where: str) -> Manifest:
+    def from_json(cls, raw: builtins.bytes, *, where: str) -> Manifest:
         try:
             doc = json.loads(raw)
             if doc.get("format") != FORMAT:
@@ -374,7 +375,7 @@ class CheckpointWriter:
                     if writer.size < spec.offset:
                         writer.write(memoryview(bytes(spec.offset - writer.size)))
                     if spec.nbytes:
-                        writer.write(memoryview(as_bytes(t).numpy()))
+                        writer.write(as_bytes(t).numpy().data)
                 files.append(FileEntry(name=shard, size=writer.size, sha256=writer.finish()))
                 stream = None
             stream = self.store.open_write(f"{sd}/{META}")
@@ -471,7 +472,7 @@ def download_files(store: Store, manifest: Manifest, dest: Path) -> Path:
             out = target.joinpath(*entry.name.split("/"))
             out.parent.mkdir(parents=True, exist_ok=True)
             with open(out, "wb") as f:
-                f.write(memoryview(data.numpy()))
+                f.write(data.numpy().data)
     return target
 
 
@@ -497,13 +498,13 @@ def _read_verified(
     store: Store, key: str, entry: FileEntry, hasher: ThreadPoolExecutor, chunk: int
 ) -> torch.Tensor:
     buf = torch.empty(entry.size, dtype=torch.uint8)
-    view = memoryview(buf.numpy())
+    view = buf.numpy().data
     sha = hashlib.sha256()
     pending: Future[None] | None = None
     got = 0
     with store.open_read(key) as f:
         while got < entry.size:
-            n = f.readinto(view[got : min(entry.size, got + chunk)])
+            n = f.readinto(view[got : min(entry.size, got + chunk)])  # type: ignore[attr-defined]
             if not n:
                 break
             if pending is not None:

@@ -18,6 +18,7 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 from runner import EXIT_FAILED
 from runner.checkpoint import list_committed, read_manifest, verify
@@ -35,12 +36,11 @@ def parse_duration(text: str) -> float:
     """'90s', '10m', '2h', '7d' or plain seconds."""
     raw = text.strip().lower()
     try:
-        if raw and raw[-1] in _UNITS:
-            value = float(raw[:-1]) * _UNITS[raw[-1]]
-        else:
-            value = float(raw)
+        value = float(raw[:-1]) * _UNITS[raw[-1]] if raw and raw[-1] in _UNITS else float(raw)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a duration like 90s, 10m, 2h or 7d")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a duration like 90s, 10m, 2h or 7d"
+        ) from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be positive")
     return value
@@ -119,7 +119,9 @@ def _command(args: argparse.Namespace) -> list[str]:
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
     if not cmd:
-        raise RunnerError(f"no command given: write `trainbot-runner {args.cmd} -- python train.py`")
+        raise RunnerError(
+            f"no command given: write `trainbot-runner {args.cmd} -- python train.py`"
+        )
     return cmd
 
 
@@ -203,11 +205,13 @@ def _checkpoints(args: argparse.Namespace) -> int:
     store = open_store(args.uri)
     entries = list_committed(store)
     if args.action == "list":
-        rows = []
+        rows: list[dict[str, Any]] = []
         for e in entries:
             try:
                 m = read_manifest(store, e.step)
-                rows.append({"step": e.step, "bytes": m.bytes, "time": m.time, "metrics": m.metrics})
+                rows.append(
+                    {"step": e.step, "bytes": m.bytes, "time": m.time, "metrics": m.metrics}
+                )
             except CheckpointError as exc:
                 rows.append({"step": e.step, "error": str(exc)})
         if args.json:

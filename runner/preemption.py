@@ -33,9 +33,9 @@ from urllib.parse import quote, urlsplit
 from runner.errors import RunnerError
 
 __all__ = [
+    "ASSUMED_BANDWIDTH_BPS",
     "AWS_TOKEN_TTL_S",
     "SOURCES",
-    "ASSUMED_BANDWIDTH_BPS",
     "AwsSpotPoller",
     "GcpPreemptedPoller",
     "Notice",

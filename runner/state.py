@@ -125,5 +125,5 @@ def state_digest(state: Any) -> str:
         t = t.detach().cpu().contiguous()
         h.update(f"{t.dtype}{tuple(t.shape)}".encode())
         if t.numel():
-            h.update(memoryview(as_bytes(t).numpy()))
+            h.update(as_bytes(t).numpy().data)
     return h.hexdigest()

@@ -214,7 +214,9 @@ class LocalStore:
                 except (FileNotFoundError, NotADirectoryError):
                     pass
                 except OSError as exc:
-                    raise StoreError(f"cannot delete {key} from {self.uri}: {exc.strerror}") from exc
+                    raise StoreError(
+                        f"cannot delete {key} from {self.uri}: {exc.strerror}"
+                    ) from exc
         # Remove directories left empty (a pruned step), deepest first.
         for parent in sorted(parents, key=lambda p: len(p.parts), reverse=True):
             with contextlib.suppress(OSError):

@@ -83,6 +83,7 @@ class TinyTransformer(nn.Module):
         self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
         self.head = nn.Linear(dim, len(VOCAB))
         mask = torch.triu(torch.full((CONTEXT, CONTEXT), float("-inf")), diagonal=1)
+        self.mask: torch.Tensor
         self.register_buffer("mask", mask, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             opt.step()
             sched.step()
             loss_value = loss.item()
-            s.log(loss=loss_value, lr=sched.get_last_lr()[0])
+            s.log(loss=loss_value, lr=float(sched.get_last_lr()[0]))
             if args.step_delay:
                 time.sleep(args.step_delay)
             if scratch is not None:

@@ -56,9 +56,7 @@ def outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, st
 
 
 @pytest.mark.parametrize("name", sorted(BENCHES))
-def test_last_line_is_the_result(
-    name: str, outputs: dict[str, tuple[int, str, str, Path]]
-) -> None:
+def test_last_line_is_the_result(name: str, outputs: dict[str, tuple[int, str, str, Path]]) -> None:
     code, out, err, workdir = outputs[name]
     assert code == 0, err[-2000:]
     lines = out.strip().splitlines()

@@ -160,7 +160,9 @@ def test_a_repeated_command_launches_once(plane) -> None:  # type: ignore[no-unt
     ],
 )
 def test_bad_commands_get_a_clear_message_and_change_nothing(
-    plane, text: str, message: str  # type: ignore[no-untyped-def]
+    plane,
+    text: str,
+    message: str,  # type: ignore[no-untyped-def]
 ) -> None:
     cp, _ = plane
     before = counts(cp)
@@ -174,7 +176,9 @@ def test_bad_commands_get_a_clear_message_and_change_nothing(
 def test_bad_events_and_tokens_change_nothing(plane) -> None:  # type: ignore[no-untyped-def]
     cp, _ = plane
     with session_scope(cp.deps.engine) as session:
-        run = Run(id="r-evt", spec_name="tiny", spec={"name": "tiny", "command": ["x"]}, requester="ada")
+        run = Run(
+            id="r-evt", spec_name="tiny", spec={"name": "tiny", "command": ["x"]}, requester="ada"
+        )
         session.add(run)
         session.flush()
         session.add(
@@ -226,7 +230,11 @@ def test_reconcile_adopts_a_launch_the_database_missed_and_kills_orphans(plane) 
         run = Run(
             id="r-crash",
             spec_name="tiny",
-            spec={"name": "tiny", "command": ["python", "-c", "pass"], "dry_run": {"enabled": False}},
+            spec={
+                "name": "tiny",
+                "command": ["python", "-c", "pass"],
+                "dry_run": {"enabled": False},
+            },
             requester="ada",
             state=RunState.LAUNCHING,
         )
@@ -241,7 +249,9 @@ def test_reconcile_adopts_a_launch_the_database_missed_and_kills_orphans(plane) 
     deps.provider.launch(_launch_request(cp, run, attempt))
     # And an instance tagged by trainbot that no attempt owns.
     stray = Attempt(id="a-stray", run_id="r-gone", number=1, provider="local")
-    deps.provider.launch(_launch_request(cp, Run(id="r-gone", spec_name="x", spec=run.spec, requester="x"), stray))
+    deps.provider.launch(
+        _launch_request(cp, Run(id="r-gone", spec_name="x", spec=run.spec, requester="x"), stray)
+    )
 
     result = reconcile(deps)
     assert result["orphans"] == 1 and result["adopted"] == 1

@@ -89,7 +89,10 @@ def test_manifest_is_written_last_and_lists_checksums(tmp_path: Path) -> None:
     for name in names:
         assert (tmp_path / step_dir(1) / name).stat().st_mtime_ns <= manifest_mtime
     for f in doc["files"]:
-        assert len(f["sha256"]) == 64 and f["size"] == (tmp_path / step_dir(1) / f["name"]).stat().st_size
+        assert (
+            len(f["sha256"]) == 64
+            and f["size"] == (tmp_path / step_dir(1) / f["name"]).stat().st_size
+        )
 
 
 def test_at_most_one_save_in_flight_and_staging_is_not_shared(tmp_path: Path) -> None:
@@ -149,7 +152,7 @@ def test_every_checkpoint_damaged_is_a_clear_error(tmp_path: Path) -> None:
     writer.save(3, sample_state()).result()
     writer.close()
     (tmp_path / step_dir(3) / MANIFEST).write_text('{"format": "other"}')
-    with pytest.raises(CheckpointError, match="no usable checkpoint.*step 3: corrupt manifest"):
+    with pytest.raises(CheckpointError, match=r"no usable checkpoint.*step 3: corrupt manifest"):
         restore_latest(store)
 
 

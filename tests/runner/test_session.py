@@ -45,7 +45,9 @@ def test_resume_after_repeated_sigterm_is_bit_identical(tmp_path: Path) -> None:
         stopped_at = run.result["step"]
         committed = [e.step for e in list_committed(LocalStore(interrupted / "ck" / "r-test"))]
         assert committed[-1] == stopped_at
-        assert read_manifest(LocalStore(interrupted / "ck" / "r-test"), stopped_at).step == stopped_at
+        assert (
+            read_manifest(LocalStore(interrupted / "ck" / "r-test"), stopped_at).step == stopped_at
+        )
         assert first is not None
     else:
         pytest.fail("the interrupted run never finished")
@@ -61,9 +63,10 @@ def test_emergency_flush_is_skipped_when_it_cannot_fit_the_window(tmp_path: Path
     args = ["--steps", "200", "--checkpoint-every", "10", "--step-delay", "0.01"]
 
     def when(events: list) -> bool:
-        return any(t == "checkpoint_committed" for t, _, _ in events) and len(
-            metric_steps(events)
-        ) % 10 == 5
+        return (
+            any(t == "checkpoint_committed" for t, _, _ in events)
+            and len(metric_steps(events)) % 10 == 5
+        )
 
     run = run_tiny(args, env, signal_when=when)
     assert run.code == EXIT_PREEMPTED, run.stderr
@@ -72,7 +75,8 @@ def test_emergency_flush_is_skipped_when_it_cannot_fit_the_window(tmp_path: Path
     assert committed and committed[-1] % 10 == 0
     assert committed[-1] < run.result["step"]
     assert any(
-        t == "log" and "no time for an emergency checkpoint" in d["message"] for t, _, d in run.events
+        t == "log" and "no time for an emergency checkpoint" in d["message"]
+        for t, _, d in run.events
     )
     notice = [d for t, _, d in run.events if t == "preemption_notice"]
     assert notice and notice[0]["time_left_s"] <= 0.2

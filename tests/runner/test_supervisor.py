@@ -53,7 +53,7 @@ def test_sigterm_to_the_supervisor_flushes_the_child_and_reports_everything(
 
         assert ingest.wait_for(lambda: metrics() >= 10, timeout=60), proc.stderr
         proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=60)
         assert proc.returncode == EXIT_PREEMPTED, err
         assert ingest.wait_for(lambda: any(e.type == "exit" for e in ingest.accepted), 10)
     types = [e.type for e in ingest.accepted]
@@ -103,7 +103,7 @@ def test_a_script_that_only_writes_files_gets_them_synced_and_restored(tmp_path:
     )
     time.sleep(3)
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=30)
+    _, err = proc.communicate(timeout=30)
     # The script exits 0 after SIGTERM, but the run was preempted with files committed.
     assert proc.returncode == EXIT_PREEMPTED, err
     store = LocalStore(tmp_path / "ck" / "r-files")
@@ -152,7 +152,7 @@ def test_env_is_passed_to_the_child(tmp_path: Path) -> None:
     code = "import os, sys; open(sys.argv[1], 'w').write(repr(sorted((k, v) for k, v in os.environ.items() if k.startswith('TRAINBOT_'))))"
     proc = _exec(["--", sys.executable, "-c", code, str(out_file)], env)
     proc.communicate(timeout=30)
-    seen = dict(eval(out_file.read_text()))  # noqa: S307 - our own repr of a list of pairs
+    seen = dict(eval(out_file.read_text()))
     assert seen["TRAINBOT_RUN_ID"] == "r-env"
     assert seen["TRAINBOT_CHECKPOINT_URI"] == str(tmp_path / "ck")
     assert "TRAINBOT_EVENTS_FILE" in seen and "TRAINBOT_TERMINATION_WINDOW_S" in seen
