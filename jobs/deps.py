@@ -22,6 +22,7 @@ from typing import Any
 
 from sqlalchemy.engine import Engine
 
+from jobs.errors import DatabaseError
 from jobs.models import utcnow
 from jobs.notify import Journal, Notifier, NullJournal
 from jobs.providers.base import Provider
@@ -74,6 +75,9 @@ class Deps:
         def guarded() -> Any:
             try:
                 return fn(*args, **kwargs)
+            except DatabaseError as exc:  # reconcile retries what this left undone
+                log.warning("background task %s failed: %s", getattr(fn, "__name__", fn), exc)
+                raise
             except Exception:
                 log.exception("background task %s failed", getattr(fn, "__name__", fn))
                 raise

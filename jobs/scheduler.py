@@ -31,6 +31,7 @@ from sqlalchemy.exc import IntegrityError
 from jobs import tasks
 from jobs.db import session_scope
 from jobs.deps import Deps
+from jobs.errors import DatabaseError
 from jobs.models import SchedulerLease
 
 log = logging.getLogger(__name__)
@@ -84,10 +85,17 @@ def run_job(name: str) -> Any:
     if deps is None:
         log.warning("job %s fired with no control plane registered", name)
         return None
-    if not take_lease(deps):
+    try:
+        if not take_lease(deps):
+            return None
+    except DatabaseError as exc:
+        log.warning("scheduled job %s skipped: %s", name, exc)
         return None
     try:
         return JOBS[name](deps)
+    except DatabaseError as exc:  # busy or unreachable: the next run retries
+        log.warning("scheduled job %s skipped: %s", name, exc)
+        return None
     except Exception:
         log.exception("scheduled job %s failed", name)
         return None

@@ -209,24 +209,25 @@ def digest_job(deps: Deps, *, channels: list[str] | None = None) -> list[dict[st
     """Post each channel's daily spend digest."""
     now = deps.clock()
     tz = ZoneInfo(deps.settings.timezone)
-    posted = []
     with session_scope(deps.engine) as session:
         spend.accrue(session, now=now)
         if channels is None:
             channels = sorted(
                 {c for c in session.exec(select(Run.channel).distinct()).all() if c is not None}
             )
-        for channel in channels:
-            figures = spend.digest_figures(session, channel=channel, now=now, tz=tz)
-            try:
-                chart = spend.spend_chart_png(figures)
-            except Exception as exc:  # a chart is a nicety; the figures must still go out
-                log.warning("digest chart for %s failed: %s", channel, exc)
-                chart = None
-            deps.notifier.post(DigestMessage(channel=channel, figures=figures, chart_png=chart))
-            deps.journal.record("digest", None, channel=channel, **_digest_summary(figures))
-            posted.append(figures)
-    return posted
+        all_figures = [
+            spend.digest_figures(session, channel=channel, now=now, tz=tz) for channel in channels
+        ]
+    # Charts render outside the transaction: matplotlib is slow, the database is shared.
+    for channel, figures in zip(channels, all_figures, strict=True):
+        try:
+            chart = spend.spend_chart_png(figures)
+        except Exception as exc:  # a chart is a nicety; the figures must still go out
+            log.warning("digest chart for %s failed: %s", channel, exc)
+            chart = None
+        deps.notifier.post(DigestMessage(channel=channel, figures=figures, chart_png=chart))
+        deps.journal.record("digest", None, channel=channel, **_digest_summary(figures))
+    return all_figures
 
 
 def _digest_summary(figures: dict[str, Any]) -> dict[str, Any]:

@@ -184,7 +184,7 @@ def test_quota_of_zero_gpus_fails_with_a_remedy(tmp_path: Path, local: LocalProv
 def test_quota_for_a_cpu_run_passes_on_this_machine(tmp_path: Path, local: LocalProvider) -> None:
     got = QuotaCheck().run(context(tmp_path, spec(), local), prior={})
     assert got.status is Status.PASS
-    assert "cores on this machine" in got.detail and got.remedy == ""
+    assert "cores for local instances" in got.detail and got.remedy == ""
 
 
 def test_quota_failure_carries_the_providers_remedy(tmp_path: Path) -> None:

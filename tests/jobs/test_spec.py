@@ -49,13 +49,15 @@ def spec_error(specs_dir: Path, name: str = "gpt-small", overrides: tuple[str, .
 
 
 def test_shipped_specs_load() -> None:
-    assert {"tiny", "diverge"} <= set(list_specs(SHIPPED_SPECS_DIR))
+    assert {"tiny", "diverge", "slow-input"} <= set(list_specs(SHIPPED_SPECS_DIR))
     tiny = load_spec("tiny", specs_dir=SHIPPED_SPECS_DIR)
     assert tiny.name == "tiny"
-    assert tiny.command == ["python", "-m", "runner.examples.tiny"]
-    assert tiny.resources.cloud == "local"
+    assert tiny.command[:3] == ["python", "-m", "runner.examples.tiny"]
+    assert tiny.resources.cloud == "local" and tiny.checkpoint.interval == "auto"
     diverge = load_spec("diverge", specs_dir=SHIPPED_SPECS_DIR)
-    assert diverge.command == ["python", "-m", "runner.examples.tiny", "--lr", "5.0"]
+    assert diverge.command[:5] == ["python", "-m", "runner.examples.tiny", "--lr", "5.0"]
+    slow = load_spec("slow-input", specs_dir=SHIPPED_SPECS_DIR)
+    assert "--data-delay" in slow.command and slow.resources.disk_gb < 1
 
 
 def test_defaults_fill_everything_but_the_command(specs_dir: Path) -> None:
