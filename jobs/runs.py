@@ -25,7 +25,7 @@ from jobs.deps import Deps
 from jobs.errors import ConflictError, NotFound
 from jobs.lifecycle import AttemptState, RunState, transition
 from jobs.models import Attempt, Checkpoint, Event, Run, hash_token
-from jobs.notify import RunCard, TextMessage
+from jobs.notify import MessageRef, RunCard, TextMessage
 from jobs.providers.base import (
     CapacityError,
     InstanceNotFound,
@@ -44,6 +44,7 @@ from jobs.rules import (
     RunContext,
 )
 from jobs.spec import JobSpec
+from jobs.spend import run_spent
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +93,6 @@ def latest_attempt(session: Session, run_id: str) -> Attempt | None:
 
 
 def card(session: Session, run: Run) -> RunCard:
-    from jobs.spend import run_spent
-
     att = latest_attempt(session, run.id)
     last = session.exec(
         select(Event.data)
@@ -123,8 +122,6 @@ def refresh_card(deps: Deps, session: Session, run: Run) -> None:
     """Update the run's root message in place."""
     if run.thread_ts is None:
         return
-    from jobs.notify import MessageRef
-
     deps.notifier.update(MessageRef(channel=channel_of(run), ts=run.thread_ts), card(session, run))
 
 
@@ -573,8 +570,6 @@ def alert_target(run: Run) -> alerts.AlertTarget:
 def run_context(
     session: Session, run: Run, attempt: Attempt | None, *, now: datetime
 ) -> RunContext:
-    from jobs.spend import run_spent
-
     spec = spec_of(run)
     ended = session.exec(
         select(Attempt.ended_at).where(
