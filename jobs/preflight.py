@@ -29,7 +29,7 @@ from urllib.parse import unquote, urlparse
 
 from jobs.errors import TrainbotError
 from jobs.notify import CheckLine, PreflightMessage
-from jobs.providers.base import Provider, ResourceRequest, ZoneCapacity
+from jobs.providers.base import PASSTHROUGH_ENV, Provider, ResourceRequest, ZoneCapacity
 from jobs.providers.local import REGION as LOCAL_REGION
 from jobs.providers.local import LocalProvider
 from jobs.spec import JobSpec
@@ -76,24 +76,6 @@ DEFAULT_REGIONS: Mapping[str, str] = {
 
 #: Command-line flags whose value is the run's total number of steps (argparse style).
 _STEP_FLAGS = ("--steps", "--max-steps", "--max_steps")
-
-#: Variables of the control plane's own environment a local dry run inherits, as on a
-#: fresh machine; the control plane's secrets (Slack token, cloud keys) stay behind.
-_PASSTHROUGH_ENV = (
-    "PATH",
-    "HOME",
-    "USER",
-    "LOGNAME",
-    "LANG",
-    "LC_ALL",
-    "LC_CTYPE",
-    "TZ",
-    "TMPDIR",
-    "VIRTUAL_ENV",
-    "PYTHONPATH",
-    "LD_LIBRARY_PATH",
-    "CUDA_VISIBLE_DEVICES",
-)
 
 
 class Status(str, enum.Enum):
@@ -468,7 +450,7 @@ class DryRunCheck:
 
     @staticmethod
     def _environment(ctx: PreflightContext) -> dict[str, str]:
-        env = {k: os.environ[k] for k in _PASSTHROUGH_ENV if k in os.environ}
+        env = {k: os.environ[k] for k in PASSTHROUGH_ENV if k in os.environ}
         interpreter_dir = str(Path(sys.executable).parent)
         env["PATH"] = os.pathsep.join(p for p in (interpreter_dir, env.get("PATH")) if p)
         env.update(ctx.spec.env)

@@ -55,6 +55,26 @@ TAG_IDEMPOTENCY_KEY = "trainbot-idempotency-key"
 # -- errors ------------------------------------------------------------------------------
 
 
+#: The only variables of the control plane's own environment that reach a process it
+#: starts on this machine (a local instance, a dry run), as on a fresh machine: the
+#: control plane's secrets (Slack token, cloud keys) stay behind.
+PASSTHROUGH_ENV = (
+    "PATH",
+    "HOME",
+    "USER",
+    "LOGNAME",
+    "LANG",
+    "LC_ALL",
+    "LC_CTYPE",
+    "TZ",
+    "TMPDIR",
+    "VIRTUAL_ENV",
+    "PYTHONPATH",
+    "LD_LIBRARY_PATH",
+    "CUDA_VISIBLE_DEVICES",
+)
+
+
 class ProviderError(TrainbotError):
     """A provider refused or failed a request; the message says which and what to do."""
 

@@ -44,6 +44,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from jobs.providers.base import (
+    PASSTHROUGH_ENV,
     TAG_ATTEMPT_ID,
     TAG_IDEMPOTENCY_KEY,
     TAG_MANAGED,
@@ -71,23 +72,6 @@ log = logging.getLogger(__name__)
 REGION = "local"
 ZONE = "local-a"
 
-# Only these reach an instance from the control plane's environment, as on a fresh
-# machine: the control plane's own secrets (Slack token, cloud keys) never do.
-_BASE_ENV = (
-    "PATH",
-    "HOME",
-    "USER",
-    "LOGNAME",
-    "LANG",
-    "LC_ALL",
-    "LC_CTYPE",
-    "TZ",
-    "TMPDIR",
-    "VIRTUAL_ENV",
-    "PYTHONPATH",
-    "LD_LIBRARY_PATH",
-    "CUDA_VISIBLE_DEVICES",
-)
 
 _INSTANCE = "instance.json"
 _PROCESS = "process.json"
@@ -626,7 +610,7 @@ class LocalProvider:
         directory = self._dir(record.instance_id)
         scratch = directory / _SCRATCH
         scratch.mkdir(parents=True, exist_ok=True)
-        env = {k: os.environ[k] for k in _BASE_ENV if k in os.environ}
+        env = {k: os.environ[k] for k in PASSTHROUGH_ENV if k in os.environ}
         env.update(request_env)
         env["TRAINBOT_SCRATCH_DIR"] = str(scratch)
         env["TRAINBOT_SCRATCH_BYTES"] = str(record.scratch_bytes)
