@@ -16,8 +16,9 @@ from jobs import alerts, spend
 from jobs.db import session_scope
 from jobs.deps import Deps
 from jobs.lifecycle import AttemptState, RunState
-from jobs.models import Alert, Checkpoint, OnCall, Run
+from jobs.models import Alert, Attempt, Checkpoint, OnCall, Run
 from jobs.notify import DigestMessage
+from jobs.providers.base import ProviderError
 from jobs.rules import Severity, Signal
 from jobs.runs import (
     active_attempt,
@@ -28,6 +29,7 @@ from jobs.runs import (
     move_run,
     reconcile,
     refresh_card,
+    resource_request,
     say,
     spec_of,
 )
@@ -85,7 +87,39 @@ def spend_job(deps: Deps) -> list[str]:
     for _, attempt_id in to_stop:
         if attempt_id is not None:
             end_attempt(deps, attempt_id, state=AttemptState.TERMINATED, reason="budget cap")
+    refresh_prices(deps)
     return [run_id for run_id, _ in to_stop]
+
+
+def refresh_prices(deps: Deps) -> int:
+    """Spot prices move: re-read each live attempt's price for the spend still to accrue
+    (spend up to now was accrued at the old price just before)."""
+    with session_scope(deps.engine) as session:
+        live = session.exec(
+            select(Attempt, Run)
+            .join(Run, col(Run.id) == col(Attempt.run_id))
+            .where(col(Attempt.state).in_([AttemptState.PROVISIONING, AttemptState.RUNNING]))
+        ).all()
+        wanted = [
+            (a.id, resource_request(spec_of(r), spot=a.spot), a.zone, a.spot) for a, r in live
+        ]
+    prices: dict[str, float] = {}
+    for attempt_id, request, zone, spot in wanted:
+        try:
+            quote = deps.provider.price(request, zone=zone)
+        except ProviderError as exc:
+            log.warning("price refresh for %s failed: %s", attempt_id, exc)
+            continue
+        prices[attempt_id] = quote.spot_usd_per_hour if spot else quote.on_demand_usd_per_hour
+    changed = 0
+    with session_scope(deps.engine) as session:
+        for attempt_id, price in prices.items():
+            attempt = session.get(Attempt, attempt_id)
+            if attempt is not None and attempt.price_per_hour != price:
+                attempt.price_per_hour = price
+                session.add(attempt)
+                changed += 1
+    return changed
 
 
 def _budget_signal(status: spend.BudgetStatus, pct: int) -> Signal:
@@ -244,8 +278,6 @@ def _digest_summary(figures: dict[str, Any]) -> dict[str, Any]:
 
 def run_summary(deps: Deps, run_id: str) -> dict[str, Any]:
     """The final summary: spend, goodput, lost work, checkpoints kept."""
-    from jobs.models import Attempt
-
     with session_scope(deps.engine) as session:
         run = get_run(session, run_id)
         attempts = session.exec(select(Attempt).where(Attempt.run_id == run_id)).all()

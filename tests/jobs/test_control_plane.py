@@ -367,3 +367,27 @@ def test_the_demo_tells_the_whole_story(tmp_path: Path) -> None:
     checks = [e["check"] for e in lines if e["type"] == "preflight_check"]
     assert {"quota", "capacity", "data", "dry_run", "budget"} <= set(checks)
     assert "Demo complete" in proc.stdout
+
+
+def test_the_spend_job_refreshes_prices_of_live_attempts(plane) -> None:  # type: ignore[no-untyped-def]
+    cp, _ = plane
+    from jobs.tasks import refresh_prices
+
+    with session_scope(cp.deps.engine) as session:
+        run = Run(
+            id="r-price", spec_name="tiny", spec={"name": "tiny", "command": ["x"]}, requester="ada"
+        )
+        session.add(run)
+        session.flush()
+        session.add(
+            Attempt(
+                id="a-price", run_id=run.id, number=1, provider="local",
+                state=AttemptState.RUNNING, price_per_hour=99.0, spot=True,
+            )
+        )  # fmt: skip
+    assert refresh_prices(cp.deps) == 1
+    with session_scope(cp.deps.engine) as session:
+        attempt = session.get(Attempt, "a-price")
+        assert attempt is not None
+        assert attempt.price_per_hour == cp.deps.provider.spot_usd_per_hour  # type: ignore[attr-defined]
+    assert refresh_prices(cp.deps) == 0
