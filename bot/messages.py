@@ -77,7 +77,7 @@ def preflight_report(msg: PreflightMessage) -> str:
         if check.remedy and check.status != "pass":
             lines.append(f"      → {check.remedy}")
     if msg.estimate_usd is not None:
-        lines.append(f"  Estimated cost {usd(msg.estimate_usd)}; budget alert set there.")
+        lines.append(f"  Estimated cost {usd(msg.estimate_usd)}.")
     if msg.interval_s is not None:
         lines.append(f"  Checkpoint every {msg.interval_s:.1f} s.")
     if not msg.ok:
@@ -197,8 +197,9 @@ def run_list(cards: Sequence[RunCard], scope: str) -> str:
 
 def spend_report(report: Mapping[str, Any]) -> str:
     lines = [
-        f"Spend ({report.get('period', 'day')}, since {report.get('since', '')}): "
-        f"{usd(report.get('total_usd'))}"
+        f"Spend this {report.get('period', 'day')} (since {report.get('first_date', '')}): "
+        f"{usd(report.get('usd'))} · preemptions {report.get('preemptions', 0)} · "
+        f"goodput {pct(report.get('goodput'))}"
     ]
     for row in report.get("per_run", [])[:15]:
         lines.append(f"  {row.get('run_id')} ({row.get('requester', '')}): {usd(row.get('usd'))}")

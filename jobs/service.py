@@ -163,6 +163,13 @@ def preflight_then_launch(deps: Deps, run_id: str, *, launch: bool = True) -> No
         run.checkpoint_interval_s = report.interval_s
         if run.budget_usd is None and report.estimate_usd:
             run.budget_usd = round(report.estimate_usd, 2)  # the budget alert at the expected cost
+            say(
+                deps,
+                run,
+                "info",
+                f"No budget.usd given: budget alerts are set at the estimated "
+                f"${run.budget_usd:,.2f} (50/80/100 %).",
+            )
         deps.notifier.post(report.to_message(channel=channel, thread_ts=thread_ts, run_id=run_id))
         if not report.ok:
             failed = ", ".join(r.name for r in report.results if r.status == preflight.Status.FAIL)
