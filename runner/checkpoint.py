@@ -20,11 +20,12 @@ import io
 import json
 import logging
 import math
+import os
 import re
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -241,31 +242,49 @@ def _plan(tensors: list[torch.Tensor], shard_bytes: int) -> list[TensorSpec]:
     return specs
 
 
-class _HashingWriter:
-    """Writes chunks to a store stream while a second thread hashes them."""
+def _io_workers() -> int:
+    """Threads that write (or read) shards at once: hashing a GiB takes about a CPU-second,
+    so one thread cannot keep up with a fast disk; more than four rarely helps."""
+    return max(2, min(4, os.cpu_count() or 1))
 
-    def __init__(self, stream: WriteStream, hasher: ThreadPoolExecutor, chunk: int) -> None:
-        self.stream = stream
-        self.sha = hashlib.sha256()
-        self.size = 0
-        self._pool = hasher
-        self._chunk = chunk
-        self._pending: Future[None] | None = None
 
-    def write(self, data: memoryview) -> None:
-        for start in range(0, len(data), self._chunk):
-            piece = data[start : start + self._chunk]
-            if self._pending is not None:
-                self._pending.result()
-            self._pending = self._pool.submit(self.sha.update, piece)
-            self.stream.write(piece)
-            self.size += len(piece)
+def _write_hashed(store: Store, key: str, pieces: Iterable[memoryview], chunk: int) -> FileEntry:
+    """Write one object, hashing each chunk right after writing it, while it is in cache."""
+    stream = store.open_write(key)
+    sha = hashlib.sha256()
+    size = 0
+    try:
+        for view in pieces:
+            for start in range(0, len(view), chunk):
+                piece = view[start : start + chunk]
+                stream.write(piece)
+                sha.update(piece)
+                size += len(piece)
+        stream.close()
+    except BaseException:
+        try:
+            stream.abort()
+        except Exception:  # the original error matters more
+            log.debug("abort after a failed write also failed", exc_info=True)
+        raise
+    return FileEntry(name=key.split("/", 1)[1], size=size, sha256=sha.hexdigest())
 
-    def finish(self) -> str:
-        if self._pending is not None:
-            self._pending.result()
-        self.stream.close()
-        return self.sha.hexdigest()
+
+def _shard_pieces(items: list[tuple[TensorSpec, torch.Tensor]]) -> Iterator[memoryview]:
+    """A shard's bytes: each tensor at its aligned offset, zeros between."""
+    size = 0
+    for spec, t in items:
+        if size < spec.offset:
+            yield memoryview(bytes(spec.offset - size))
+        if spec.nbytes:
+            yield as_bytes(t).numpy().data
+        size = spec.offset + spec.nbytes
+
+
+def _file_pieces(path: Path, chunk: int) -> Iterator[memoryview]:
+    with open(path, "rb") as f:
+        while data := f.read(chunk):
+            yield memoryview(data)
 
 
 class CheckpointWriter:
@@ -275,8 +294,8 @@ class CheckpointWriter:
         self,
         store: Store,
         *,
-        shard_bytes: int = 512 << 20,
-        chunk_bytes: int = 8 << 20,
+        shard_bytes: int = 128 << 20,
+        chunk_bytes: int = 1 << 20,
         on_commit: Callable[[CommitInfo], None] | None = None,
         on_error: Callable[[int, Exception], None] | None = None,
     ) -> None:
@@ -287,7 +306,9 @@ class CheckpointWriter:
         self._on_error = on_error
         self._staging = _Staging()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-write")
-        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-hash")
+        self._shards = ThreadPoolExecutor(
+            max_workers=_io_workers(), thread_name_prefix="ckpt-shard"
+        )
         self._inflight: Future[CommitInfo] | None = None
         self._lock = threading.Lock()
         #: Last committed checkpoint.
@@ -302,17 +323,28 @@ class CheckpointWriter:
         return self._inflight is not None and not self._inflight.done()
 
     def save(
-        self, step: int, state: Any, *, metrics: dict[str, Any] | None = None
+        self,
+        step: int,
+        state: Any,
+        *,
+        metrics: dict[str, Any] | None = None,
+        copy: bool = True,
     ) -> Future[CommitInfo]:
         """Snapshot ``state`` now and write it in the background.
 
         Blocks while a previous save finishes (at most one in flight) and while tensors are
         copied into staging buffers; returns a future that resolves when the manifest is written.
+        ``copy=False`` writes CPU tensors from where they are, for a caller that will not
+        change them before the future resolves (the last save of a loop that has ended):
+        no staging buffers to allocate, nothing to copy.
         """
         start = time.perf_counter()
         self.wait()
         skeleton, tensors = flatten(state)
-        staged = self._staging.copy([t.contiguous() for t in tensors])
+        if copy or any(t.device.type != "cpu" for t in tensors):
+            staged = self._staging.copy([t.contiguous() for t in tensors])
+        else:
+            staged = [t.detach().contiguous() for t in tensors]
         specs = _plan(staged, self.shard_bytes)
         meta = io.BytesIO()
         torch.save({"skeleton": skeleton, "tensors": [asdict(s) for s in specs]}, meta)
@@ -346,7 +378,7 @@ class CheckpointWriter:
     def close(self) -> None:
         self.wait()
         self._worker.shutdown(wait=True)
-        self._hasher.shutdown(wait=True)
+        self._shards.shutdown(wait=True)
 
     def _write(
         self,
@@ -368,16 +400,19 @@ class CheckpointWriter:
             by_shard: dict[str, list[tuple[TensorSpec, torch.Tensor]]] = {}
             for spec, t in zip(specs, staged, strict=True):
                 by_shard.setdefault(spec.shard, []).append((spec, t))
-            for shard, items in by_shard.items():
-                stream = self.store.open_write(f"{sd}/{shard}")
-                writer = _HashingWriter(stream, self._hasher, self.chunk_bytes)
-                for spec, t in items:
-                    if writer.size < spec.offset:
-                        writer.write(memoryview(bytes(spec.offset - writer.size)))
-                    if spec.nbytes:
-                        writer.write(as_bytes(t).numpy().data)
-                files.append(FileEntry(name=shard, size=writer.size, sha256=writer.finish()))
-                stream = None
+            pending = [
+                self._shards.submit(
+                    _write_hashed,
+                    self.store,
+                    f"{sd}/{shard}",
+                    _shard_pieces(items),
+                    self.chunk_bytes,
+                )
+                for shard, items in by_shard.items()
+            ]
+            # Wait for every shard before raising, so no thread still writes into the step.
+            wait(pending)
+            files.extend(f.result() for f in pending)
             stream = self.store.open_write(f"{sd}/{META}")
             stream.write(meta)
             stream.close()
@@ -430,20 +465,11 @@ def commit_files(
     t0 = time.perf_counter()
     sd = step_dir(step)
     files: list[FileEntry] = []
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-hash") as hasher:
-        for path in sorted(p for p in root.rglob("*") if p.is_file()):
-            name = path.relative_to(root).as_posix()
-            stream = store.open_write(f"{sd}/{name}")
-            writer = _HashingWriter(stream, hasher, chunk_bytes)
-            try:
-                with open(path, "rb") as f:
-                    while chunk := f.read(chunk_bytes):
-                        writer.write(memoryview(chunk))
-                digest = writer.finish()
-            except BaseException:
-                stream.abort()
-                raise
-            files.append(FileEntry(name=name, size=writer.size, sha256=digest))
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        name = path.relative_to(root).as_posix()
+        files.append(
+            _write_hashed(store, f"{sd}/{name}", _file_pieces(path, chunk_bytes), chunk_bytes)
+        )
     if not files:
         raise CheckpointError(f"{root} is empty: nothing to checkpoint")
     total = sum(f.size for f in files)
@@ -466,13 +492,12 @@ def download_files(store: Store, manifest: Manifest, dest: Path) -> Path:
     """Restore a "files" checkpoint into ``dest/<label>``, verifying every checksum."""
     target = dest / (manifest.label or step_dir(manifest.step))
     sd = step_dir(manifest.step)
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-verify") as hasher:
-        for entry in manifest.files:
-            data = _read_verified(store, f"{sd}/{entry.name}", entry, hasher, 16 << 20)
-            out = target.joinpath(*entry.name.split("/"))
-            out.parent.mkdir(parents=True, exist_ok=True)
-            with open(out, "wb") as f:
-                f.write(data.numpy().data)
+    for entry in manifest.files:
+        data = _read_verified(store, f"{sd}/{entry.name}", entry, 1 << 20)
+        out = target.joinpath(*entry.name.split("/"))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "wb") as f:
+            f.write(data.numpy().data)
     return target
 
 
@@ -494,26 +519,20 @@ class Restored:
     restore_s: float
 
 
-def _read_verified(
-    store: Store, key: str, entry: FileEntry, hasher: ThreadPoolExecutor, chunk: int
-) -> torch.Tensor:
+def _read_verified(store: Store, key: str, entry: FileEntry, chunk: int) -> torch.Tensor:
+    """Read one file, hashing each chunk right after reading it, while it is in cache."""
     buf = torch.empty(entry.size, dtype=torch.uint8)
     view = buf.numpy().data
     sha = hashlib.sha256()
-    pending: Future[None] | None = None
     got = 0
     with store.open_read(key) as f:
         while got < entry.size:
             n = f.readinto(view[got : min(entry.size, got + chunk)])  # type: ignore[attr-defined]
             if not n:
                 break
-            if pending is not None:
-                pending.result()
-            pending = hasher.submit(sha.update, view[got : got + n])
+            sha.update(view[got : got + n])
             got += n
         extra = f.read(1)
-    if pending is not None:
-        pending.result()
     if got != entry.size or extra:
         raise CheckpointError(
             f"{store.uri}/{key} is {'longer' if extra else got} bytes, manifest says {entry.size}"
@@ -523,7 +542,7 @@ def _read_verified(
     return buf
 
 
-def load_checkpoint(store: Store, manifest: Manifest, *, chunk_bytes: int = 16 << 20) -> Any:
+def load_checkpoint(store: Store, manifest: Manifest, *, chunk_bytes: int = 1 << 20) -> Any:
     """Read and verify every file of a checkpoint, and rebuild its state."""
     sd = step_dir(manifest.step)
     if manifest.kind != "state":
@@ -534,11 +553,15 @@ def load_checkpoint(store: Store, manifest: Manifest, *, chunk_bytes: int = 16 <
     entries = {f.name: f for f in manifest.files}
     if META not in entries:
         raise CheckpointError(f"{store.uri}/{sd} has no {META} in its manifest")
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-verify") as hasher:
+    with ThreadPoolExecutor(max_workers=_io_workers(), thread_name_prefix="ckpt-read") as pool:
+        reads = {
+            name: pool.submit(_read_verified, store, f"{sd}/{name}", entry, chunk_bytes)
+            for name, entry in entries.items()
+        }
         data: dict[str, torch.Tensor] = {}
-        for name, entry in entries.items():
+        for name, fut in reads.items():
             try:
-                data[name] = _read_verified(store, f"{sd}/{name}", entry, hasher, chunk_bytes)
+                data[name] = fut.result()
             except StoreError as exc:
                 raise CheckpointError(f"shard missing or unreadable: {exc}") from exc
     try:

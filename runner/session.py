@@ -452,11 +452,11 @@ class Session:
     def _save_failed(self, step: int, exc: Exception) -> None:
         self.sink.emit("checkpoint_failed", {"step": step, "error": str(exc)})
 
-    def _save(self) -> None:
+    def _save(self, *, copy: bool = True) -> None:
         metrics = dict(self._metrics)
         if self._loss is not None:
             metrics["loss"] = self._loss
-        self.writer.save(self.step, self.state(), metrics=metrics)
+        self.writer.save(self.step, self.state(), metrics=metrics, copy=copy)
         self._last_save_step = self.step
         self._last_save_time = time.monotonic()
 
@@ -464,7 +464,9 @@ class Session:
         """Save the current state and wait for the commit."""
         if self.committed_step == self.step:
             return True
-        self._save()
+        # The loop has ended, so nothing changes the state any more: write it from where
+        # it is instead of copying it first (on a preemption, the copy eats the window).
+        self._save(copy=False)
         try:
             info = self.writer.wait(timeout=timeout)
         except TimeoutError:

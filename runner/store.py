@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -88,13 +89,30 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+#: Bytes written between two writeback starts of a local stream.
+WRITEBACK_BYTES = 64 << 20
+
+
+def _writeback(fd: int) -> None:
+    # Only a head start for the fdatasync in close(), which reports errors.
+    with contextlib.suppress(OSError):
+        os.fdatasync(fd)
+
+
 class _LocalWrite:
-    """Writes to ``key.partial-<pid>``, fsyncs, then renames over the key."""
+    """Writes to ``key.partial-<pid>``, fsyncs, then renames over the key.
+
+    Every WRITEBACK_BYTES a helper thread fdatasyncs what is written so far, so the disk
+    works while the writer goes on; otherwise the kernel keeps a whole shard dirty in
+    memory and the final fdatasync writes all of it while everything waits.
+    """
 
     def __init__(self, final: Path) -> None:
         self._final = final
         self._tmp = final.with_name(f".{final.name}.partial-{os.getpid()}-{time.monotonic_ns()}")
         self._file: BinaryIO | None = open(self._tmp, "wb", buffering=0)  # noqa: SIM115
+        self._unsynced = 0
+        self._sync: threading.Thread | None = None
 
     def write(self, data: bytes | memoryview, /) -> int:
         assert self._file is not None, "stream is closed"
@@ -103,12 +121,25 @@ class _LocalWrite:
         while total < len(view):
             written = self._file.write(view[total:])
             total += written or 0
+        self._unsynced += total
+        if self._unsynced >= WRITEBACK_BYTES and (self._sync is None or not self._sync.is_alive()):
+            self._unsynced = 0
+            self._sync = threading.Thread(
+                target=_writeback, args=(self._file.fileno(),), name="store-writeback", daemon=True
+            )
+            self._sync.start()
         return total
+
+    def _join_sync(self) -> None:
+        if self._sync is not None:
+            self._sync.join()
+            self._sync = None
 
     def close(self) -> None:
         if self._file is None:
             return
         try:
+            self._join_sync()
             os.fdatasync(self._file.fileno())
         finally:
             self._file.close()
@@ -117,6 +148,7 @@ class _LocalWrite:
         _fsync_dir(self._final.parent)
 
     def abort(self) -> None:
+        self._join_sync()
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -53,8 +53,10 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from runner.errors import WireError
@@ -65,6 +67,7 @@ __all__ = [
     "WIRE_VERSION",
     "Event",
     "decode_batch",
+    "decode_batch_with_json",
     "encode_batch",
     "event_from_wire",
     "event_to_wire",
@@ -114,8 +117,35 @@ class Event:
 
 
 # --- field checks -------------------------------------------------------------------
+#
+# Decoding is the ingest API's hot path (every event of every runner passes here), so a
+# check takes only the value and returns it normalised; when something is wrong it
+# raises _Invalid with what is wrong and the path below the value (".acc"), and the
+# caller that knows the location ("events[12].data.metrics") turns it into a WireError.
+# A good batch never formats a location. Each check tries the exact types json.loads
+# produces first (``type(x) is float``); the general ABC checks (numpy scalars,
+# Fraction) run only when those fail.
 
-_Check = Callable[[Any, str], Any]
+_Check = Callable[[Any], Any]
+_INF = math.inf
+_MISSING: Any = object()
+
+
+class _Invalid(Exception):
+    """A check's complaint without its location; see above."""
+
+    def __init__(self, message: str, path: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        #: Where below the checked value, e.g. ".data.step"; "" for the value itself.
+        self.path = path
+
+    def below(self, step: str) -> _Invalid:
+        """The same complaint, one level further out (``step`` is ".name")."""
+        return _Invalid(self.message, step + self.path)
+
+    def at(self, where: str) -> WireError:
+        return WireError(f"{where}{self.path}: {self.message}")
 
 
 def _describe(value: Any) -> str:
@@ -123,70 +153,100 @@ def _describe(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _integer(*, minimum: int | None = None) -> _Check:
-    def check(value: Any, where: str) -> int:
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise WireError(f"{where}: expected an integer, got {_describe(value)}")
-        result = int(value)
-        if minimum is not None and result < minimum:
-            raise WireError(f"{where}: expected an integer >= {minimum}, got {result}")
-        return result
-
-    return check
-
-
-def _number(*, low: float | None = None, high: float | None = None) -> _Check:
-    def check(value: Any, where: str) -> float:
-        if isinstance(value, str) and value in _NONFINITE:
-            result = _NONFINITE[value]
-        elif isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise WireError(f"{where}: expected a number, got {_describe(value)}")
+def _integer(*, minimum: int | None = None, optional: bool = False) -> _Check:
+    def check(value: Any) -> int | None:
+        if type(value) is int:
+            result = value
+        elif value is None and optional:
+            return None
+        elif isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise _Invalid(f"expected an integer, got {_describe(value)}")
         else:
-            result = float(value)
-        if (low is not None or high is not None) and not (
-            (low is None or result >= low) and (high is None or result <= high)
-        ):
-            raise WireError(f"{where}: expected a number in [{low}, {high}], got {result}")
+            result = int(value)
+        if minimum is not None and result < minimum:
+            raise _Invalid(f"expected an integer >= {minimum}, got {result}")
         return result
 
     return check
 
 
-def _optional(inner: _Check) -> _Check:
-    def check(value: Any, where: str) -> Any:
-        return None if value is None else inner(value, where)
-
-    return check
-
-
-def _string(value: Any, where: str) -> str:
-    if not isinstance(value, str):
-        raise WireError(f"{where}: expected a string, got {_describe(value)}")
-    return value
-
-
-def _exit_reason(value: Any, where: str) -> str:
-    if value not in EXIT_REASONS:
-        raise WireError(
-            f"{where}: expected one of {', '.join(sorted(EXIT_REASONS))}, got {_describe(value)}"
-        )
-    return str(value)
+def _to_float(value: Any) -> float:
+    """Any number the wire accepts (the non-finite strings included) as a float."""
+    if type(value) is float:
+        return value
+    if isinstance(value, str):
+        if value in _NONFINITE:
+            return _NONFINITE[value]
+    elif not isinstance(value, bool) and isinstance(value, numbers.Real):
+        try:
+            return float(value)
+        except OverflowError:
+            raise _Invalid(
+                f"expected a number in a float's range, got {_describe(value)}"
+            ) from None
+    raise _Invalid(f"expected a number, got {_describe(value)}")
 
 
-def _object(value: Any, where: str) -> dict[str, Any]:
+def _number(
+    *, low: float | None = None, high: float | None = None, optional: bool = False
+) -> _Check:
+    if low is None and high is None:
+
+        def check(value: Any) -> float | None:
+            if type(value) is float:
+                return value
+            if value is None and optional:
+                return None
+            return _to_float(value)
+
+        return check
+
+    def ranged(value: Any) -> float | None:
+        if type(value) is float:
+            result = value
+        elif value is None and optional:
+            return None
+        else:
+            result = _to_float(value)
+        if (low is None or result >= low) and (high is None or result <= high):
+            return result
+        raise _Invalid(f"expected a number in [{low}, {high}], got {result}")
+
+    return ranged
+
+
+def _string(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    raise _Invalid(f"expected a string, got {_describe(value)}")
+
+
+def _exit_reason(value: Any) -> str:
+    if isinstance(value, str) and value in EXIT_REASONS:
+        return str(value)
+    raise _Invalid(f"expected one of {', '.join(sorted(EXIT_REASONS))}, got {_describe(value)}")
+
+
+def _object(value: Any) -> dict[str, Any]:
     if not isinstance(value, Mapping):
-        raise WireError(f"{where}: expected an object, got {_describe(value)}")
+        raise _Invalid(f"expected an object, got {_describe(value)}")
     return {str(k): restore_floats(v) for k, v in value.items()}
 
 
-def _number_map(value: Any, where: str) -> dict[str, float]:
-    if not isinstance(value, Mapping):
-        raise WireError(f"{where}: expected an object of name -> number, got {_describe(value)}")
+def _number_map(value: Any) -> dict[str, float]:
+    if type(value) is not dict and not isinstance(value, Mapping):
+        raise _Invalid(f"expected an object of name -> number, got {_describe(value)}")
     result: dict[str, float] = {}
     for key, item in value.items():
-        if not isinstance(key, str):
-            raise WireError(f"{where}: metric names must be strings, got {_describe(key)}")
-        result[key] = _number()(item, f"{where}.{key}")
+        if type(key) is not str and not isinstance(key, str):
+            raise _Invalid(f"metric names must be strings, got {_describe(key)}")
+        if type(item) is float:
+            result[key] = item
+            continue
+        try:
+            result[key] = _to_float(item)
+        except _Invalid as exc:
+            raise exc.below(f".{key}") from None
     return result
 
 
@@ -202,13 +262,13 @@ _STEP = _integer(minimum=0)
 _SCHEMA: dict[str, tuple[_Field, ...]] = {
     "metrics": (
         _Field("step", _STEP),
-        _Field("loss", _optional(_number())),
+        _Field("loss", _number(optional=True)),
         _Field("step_time_s", _number()),
-        _Field("data_wait_fraction", _optional(_number(low=0.0, high=1.0))),
+        _Field("data_wait_fraction", _number(low=0.0, high=1.0, optional=True)),
         _Field("metrics", _number_map),
     ),
     "system": (
-        _Field("gpu_util", _optional(_number(low=0.0, high=100.0))),
+        _Field("gpu_util", _number(low=0.0, high=100.0, optional=True)),
         _Field("gpu_count", _integer(minimum=0)),
         _Field("disk_used", _integer(minimum=0)),
         _Field("disk_total", _integer(minimum=0)),
@@ -223,15 +283,15 @@ _SCHEMA: dict[str, tuple[_Field, ...]] = {
     "checkpoint_failed": (_Field("step", _integer()), _Field("error", _string, text=True)),
     "restored": (
         _Field("step", _STEP),
-        _Field("fallback_from", _optional(_integer(minimum=0))),
+        _Field("fallback_from", _integer(minimum=0, optional=True)),
         _Field("restore_s", _number()),
     ),
     "preemption_notice": (
         _Field("source", _string, text=True),
-        _Field("time_left_s", _optional(_number())),
+        _Field("time_left_s", _number(optional=True)),
     ),
     "exit": (_Field("code", _integer()), _Field("reason", _exit_reason, text=True)),
-    "heartbeat": (_Field("step", _optional(_STEP)),),
+    "heartbeat": (_Field("step", _integer(minimum=0, optional=True)),),
     "log": (_Field("level", _string, text=True), _Field("message", _string, text=True)),
     "dry_run": (_Field("report", _object),),
     "started": (_Field("pid", _integer(minimum=0)), _Field("host", _string, text=True)),
@@ -239,8 +299,40 @@ _SCHEMA: dict[str, tuple[_Field, ...]] = {
 assert set(_SCHEMA) == EVENT_TYPES
 
 
+@dataclass(frozen=True)
+class _Payload:
+    """One event type's fields, arranged for checking."""
+
+    type: str
+    #: (name, check) in schema order.
+    fields: tuple[tuple[str, _Check], ...]
+    declared: frozenset[str]
+    #: "step, loss, …" for the "missing" message.
+    names: str
+
+
+_PAYLOADS: dict[str, _Payload] = {
+    kind: _Payload(
+        type=kind,
+        fields=tuple((f.name, f.check) for f in fields),
+        declared=frozenset(f.name for f in fields),
+        names=", ".join(f.name for f in fields),
+    )
+    for kind, fields in _SCHEMA.items()
+}
+
+
 def restore_floats(value: Any) -> Any:
     """Turn the wire's "NaN"/"Infinity"/"-Infinity" strings back into floats, recursively."""
+    kind = type(value)
+    if kind is str:
+        return _NONFINITE.get(value, value)
+    if kind is float or kind is int or value is None:
+        return value
+    if kind is dict:
+        return {k: restore_floats(v) for k, v in value.items()}
+    if kind is list:
+        return [restore_floats(v) for v in value]
     if isinstance(value, str):
         return _NONFINITE.get(value, value)
     if isinstance(value, Mapping):
@@ -252,6 +344,17 @@ def restore_floats(value: Any) -> Any:
 
 def json_safe(value: Any) -> Any:
     """The inverse of restore_floats, for json.dumps(allow_nan=False)."""
+    kind = type(value)
+    if kind is float:
+        if value - value == 0.0:  # finite; inf - inf and nan - nan are nan
+            return value
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if kind is str or kind is int or value is None:
+        return value
+    if kind is dict:
+        return {k: json_safe(v) for k, v in value.items()}
+    if kind is list:
+        return [json_safe(v) for v in value]
     if isinstance(value, float) and not math.isfinite(value):
         return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
     if isinstance(value, Mapping):
@@ -261,13 +364,48 @@ def json_safe(value: Any) -> Any:
     return value
 
 
-def _check_type(value: Any, where: str) -> str:
-    if value not in EVENT_TYPES:
-        raise WireError(
-            f"{where}: unknown event type {_describe(value)}; expected one of "
-            f"{', '.join(sorted(EVENT_TYPES))}"
-        )
-    return str(value)
+def _event_type(value: Any) -> str:
+    if isinstance(value, str) and value in EVENT_TYPES:
+        return str(value)
+    raise _Invalid(
+        f"unknown event type {_describe(value)}; expected one of {', '.join(sorted(EVENT_TYPES))}"
+    )
+
+
+def _payload(type: Any) -> _Payload:
+    spec = _PAYLOADS.get(type) if type.__class__ is str else None
+    return spec if spec is not None else _PAYLOADS[_event_type(type)]
+
+
+def _extra_fields(spec: _Payload, data: Mapping[Any, Any], result: dict[str, Any]) -> None:
+    """Copy the fields the type does not declare into ``result``: they pass through."""
+    for key, value in data.items():
+        if not isinstance(key, str):
+            raise _Invalid(f"field names must be strings, got {_describe(key)}")
+        if key not in spec.declared:
+            result[key] = restore_floats(value)
+
+
+def _check_payload(spec: _Payload, data: Any) -> dict[str, Any]:
+    if type(data) is not dict and not isinstance(data, Mapping):
+        raise _Invalid(f"expected an object, got {_describe(data)}")
+    result: dict[str, Any] = {}
+    exact = len(data) == len(spec.fields)  # no extra fields, unless one is missing
+    if not exact:
+        _extra_fields(spec, data, result)
+    for name, check in spec.fields:
+        value = data.get(name, _MISSING)
+        if value is _MISSING:
+            if exact:  # a field name that is not a string is reported first, as before
+                _extra_fields(spec, data, {})
+            raise _Invalid(f"missing ({spec.type} events need {spec.names})", f".{name}")
+        try:
+            result[name] = check(value)
+        except _Invalid as exc:
+            if exact:
+                _extra_fields(spec, data, {})
+            raise exc.below(f".{name}") from None
+    return result
 
 
 def validate_payload(type: str, data: Any, *, where: str = "data") -> dict[str, Any]:
@@ -277,66 +415,99 @@ def validate_payload(type: str, data: Any, *, where: str = "data") -> dict[str, 
     strings become floats, and extra fields pass through. Raises WireError naming the
     field, so a bad event is refused where it is made, not by the control plane later.
     """
-    fields = _SCHEMA[_check_type(type, "type")]
-    if not isinstance(data, Mapping):
-        raise WireError(f"{where}: expected an object, got {_describe(data)}")
-    declared = {f.name for f in fields}
-    result: dict[str, Any] = {}
-    for key, value in data.items():
-        if not isinstance(key, str):
-            raise WireError(f"{where}: field names must be strings, got {_describe(key)}")
-        if key not in declared:
-            result[key] = restore_floats(value)
-    for spec in fields:
-        if spec.name not in data:
-            names = ", ".join(f.name for f in fields)
-            raise WireError(f"{where}.{spec.name}: missing ({type} events need {names})")
-        result[spec.name] = spec.check(data[spec.name], f"{where}.{spec.name}")
+    try:
+        spec = _payload(type)
+    except _Invalid as exc:
+        raise exc.at("type") from None
+    try:
+        return _check_payload(spec, data)
+    except _Invalid as exc:
+        raise exc.at(where) from None
+
+
+def _unix_time(value: Any) -> float:
+    result = _to_float(value)
+    if not 0.0 <= result < _INF:  # NaN fails every comparison
+        raise _Invalid(f"expected unix seconds, got {_describe(value)}")
     return result
 
 
-def _check_time(value: Any, where: str) -> float:
-    result = _number()(value, where)
-    if not math.isfinite(result) or result < 0:
-        raise WireError(f"{where}: expected unix seconds, got {_describe(value)}")
-    return result
+def _checked(check: _Check, value: Any, path: str) -> Any:
+    try:
+        return check(value)
+    except _Invalid as exc:
+        raise exc.below(path) from None
 
 
-def event_to_wire(event: Event, *, where: str = "event") -> dict[str, Any]:
-    """The JSON-safe form of one event inside a batch (attempt and run are per batch)."""
-    seq = _integer(minimum=0)(event.seq, f"{where}.seq")
-    type = _check_type(event.type, f"{where}.type")
-    data = validate_payload(type, event.data, where=f"{where}.data")
+def _event_to_wire(event: Event) -> dict[str, Any]:
+    seq = _checked(_STEP, event.seq, ".seq")
+    spec = _checked(_payload, event.type, ".type")
+    data = _checked(partial(_check_payload, spec), event.data, ".data")
     return {
         "seq": seq,
-        "type": type,
-        "time": _check_time(event.time, f"{where}.time"),
+        "type": spec.type,
+        "time": _checked(_unix_time, event.time, ".time"),
         "data": json_safe(data),
     }
 
 
+def event_to_wire(event: Event, *, where: str = "event") -> dict[str, Any]:
+    """The JSON-safe form of one event inside a batch (attempt and run are per batch)."""
+    try:
+        return _event_to_wire(event)
+    except _Invalid as exc:
+        raise exc.at(where) from None
+
+
+_EVENT_KEYS = ("seq", "type", "time", "data")
+
+
+def _event(obj: Any, attempt: str, run: str) -> Event:
+    """One decoded event object, checked; _Invalid's path is relative to the event."""
+    if type(obj) is not dict and not isinstance(obj, Mapping):
+        raise _Invalid(f"expected an object, got {_describe(obj)}")
+    try:
+        seq, kind, time, data = obj["seq"], obj["type"], obj["time"], obj["data"]
+    except KeyError:
+        for key in _EVENT_KEYS:
+            if key not in obj:
+                raise _Invalid(
+                    "missing (every event needs seq, type, time, data)", f".{key}"
+                ) from None
+        raise
+    if len(obj) != len(_EVENT_KEYS):
+        for key, expected in (("attempt", attempt), ("run", run)):
+            if key in obj and obj[key] != expected:
+                raise _Invalid(
+                    f"{_describe(obj[key])} differs from the batch's {expected!r}; "
+                    "send one batch per attempt",
+                    f".{key}",
+                )
+    return _event_parts(attempt, run, seq, kind, time, data)
+
+
+def _event_parts(attempt: str, run: str, seq: Any, kind: Any, time: Any, data: Any) -> Event:
+    """The checks of one event's fields, in the order their errors are reported."""
+    spec = _PAYLOADS.get(kind) if type(kind) is str else None
+    if spec is None:
+        spec = _checked(_payload, kind, ".type")
+    if type(seq) is not int or seq < 0:
+        seq = _checked(_STEP, seq, ".seq")
+    if type(time) is not float or not 0.0 <= time < _INF:
+        time = _checked(_unix_time, time, ".time")
+    try:
+        data = _check_payload(spec, data)
+    except _Invalid as exc:
+        raise exc.below(".data") from None
+    return Event(attempt, seq, spec.type, time, run, data)
+
+
 def event_from_wire(obj: Any, *, attempt: str, run: str, where: str = "event") -> Event:
     """Check one decoded event object and build the Event."""
-    if not isinstance(obj, Mapping):
-        raise WireError(f"{where}: expected an object, got {_describe(obj)}")
-    for key in ("seq", "type", "time", "data"):
-        if key not in obj:
-            raise WireError(f"{where}.{key}: missing (every event needs seq, type, time, data)")
-    for key, expected in (("attempt", attempt), ("run", run)):
-        if key in obj and obj[key] != expected:
-            raise WireError(
-                f"{where}.{key}: {_describe(obj[key])} differs from the batch's "
-                f"{expected!r}; send one batch per attempt"
-            )
-    type = _check_type(obj["type"], f"{where}.type")
-    return Event(
-        attempt=attempt,
-        seq=_integer(minimum=0)(obj["seq"], f"{where}.seq"),
-        type=type,
-        time=_check_time(obj["time"], f"{where}.time"),
-        run=run,
-        data=validate_payload(type, obj["data"], where=f"{where}.data"),
-    )
+    try:
+        return _event(obj, attempt, run)
+    except _Invalid as exc:
+        raise exc.at(where) from None
 
 
 def _identifier(value: Any, where: str) -> str:
@@ -354,18 +525,20 @@ def encode_batch(events: Sequence[Event]) -> bytes:
     run = _identifier(first.run, "events[0].run")
     wire_events = []
     for index, event in enumerate(events):
-        where = f"events[{index}]"
         if event.attempt != attempt:
             raise WireError(
-                f"{where}.attempt: {event.attempt!r} differs from events[0]'s {attempt!r}; "
-                "send one batch per attempt"
+                f"events[{index}].attempt: {event.attempt!r} differs from events[0]'s "
+                f"{attempt!r}; send one batch per attempt"
             )
         if event.run != run:
             raise WireError(
-                f"{where}.run: {event.run!r} differs from events[0]'s {run!r}; "
+                f"events[{index}].run: {event.run!r} differs from events[0]'s {run!r}; "
                 "send one batch per run"
             )
-        wire_events.append(event_to_wire(event, where=where))
+        try:
+            wire_events.append(_event_to_wire(event))
+        except _Invalid as exc:
+            raise exc.at(f"events[{index}]") from None
     body = {"v": WIRE_VERSION, "attempt": attempt, "run": run, "events": wire_events}
     try:
         text = json.dumps(body, allow_nan=False, separators=(",", ":"))
@@ -412,7 +585,95 @@ def decode_batch(body: bytes, *, max_events: int = 10_000) -> list[Event]:
             f"events: {len(events)} events in one batch, more than {max_events}; "
             "send smaller batches"
         )
-    return [
-        event_from_wire(item, attempt=attempt, run=run, where=f"events[{index}]")
-        for index, item in enumerate(events)
-    ]
+    decoded: list[Event] = []
+    append = decoded.append
+    try:
+        for item in events:
+            append(_event(item, attempt, run))
+    except _Invalid as exc:
+        raise exc.at(f"events[{len(decoded)}]") from None
+    return decoded
+
+
+# --- decoding with each event's data text -------------------------------------------------
+#
+# The control plane stores each event's data as JSON text. Encoding the decoded dict
+# again cost as much as decoding it, and the text is already in the body: a batch laid
+# out as encode_batch writes it is split here with two regular expressions around the
+# json module's own decoder, which parses each data object and says where it ends. Any
+# other layout (whitespace, another key order, escapes in the ids) is decoded by
+# decode_batch; so is anything malformed, so the errors are decode_batch's.
+
+_BATCH_HEAD = re.compile(
+    r'\{"v":1,"attempt":"([^"\\\x00-\x1f]+)","run":"([^"\\\x00-\x1f]+)","events":\['
+)
+_EVENT_HEAD = re.compile(
+    r'\{"seq":(0|[1-9][0-9]*),"type":"([a-z_]+)",'
+    r'"time":((?:0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?),"data":'
+)
+_DATA_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+
+
+def _decode_laid_out(body: bytes, max_events: int) -> tuple[list[Event], list[str]] | None:
+    """The events and their data texts of a body laid out as encode_batch writes it;
+    None for any other layout, and for anything invalid: decode_batch then takes over
+    and reports what is wrong (a syntax error later in the body comes first there)."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    head = _BATCH_HEAD.match(text)
+    if head is None:
+        return None
+    attempt, run = head.groups()
+    events: list[Event] = []
+    texts: list[str] = []
+    match = _EVENT_HEAD.match
+    raw_decode = _DATA_DECODER.raw_decode
+    pos = head.end()
+    while True:
+        found = match(text, pos)
+        if found is None or len(events) == max_events:
+            return None
+        start = found.end()
+        seq, kind, time, fraction, exponent = found.groups()
+        try:
+            data, end = raw_decode(text, start)
+            # The numbers as json.loads makes them: ints unless there is a fraction or an
+            # exponent; int() refuses thousands of digits with a ValueError, as json does.
+            events.append(
+                _event_parts(
+                    attempt,
+                    run,
+                    int(seq),
+                    kind,
+                    float(time) if fraction or exponent else int(time),
+                    data,
+                )
+            )
+        except (ValueError, WireError, _Invalid):  # JSONDecodeError, a NaN literal, a check
+            return None
+        texts.append(text[start:end])
+        if text.startswith("},", end):
+            pos = end + 2
+        elif text.startswith("}]}", end) and len(text) == end + 3:
+            return events, texts
+        else:
+            return None
+
+
+def decode_batch_with_json(
+    body: bytes, *, max_events: int = 10_000
+) -> tuple[list[Event], list[str] | None]:
+    """:func:`decode_batch`, plus each event's data as the JSON text it arrived in.
+
+    The texts are standard JSON (the wire has no NaN literal) that decodes to what the
+    runner sent; the Events' data is the same, normalised (a number field sent as ``1``
+    is ``1.0`` there, and ``1`` in the text). They are ``None`` when the body is not laid
+    out as :func:`encode_batch` writes it; the caller then encodes the data itself.
+    Same checks and the same WireError as decode_batch.
+    """
+    decoded = _decode_laid_out(body, max_events)
+    if decoded is None:
+        return decode_batch(body, max_events=max_events), None
+    return decoded

@@ -101,7 +101,11 @@ def test_a_script_that_only_writes_files_gets_them_synced_and_restored(tmp_path:
     proc = _exec(
         ["--sync-dir", str(sync), "--settle", "0.3", "--", sys.executable, "-c", FILE_WRITER], env
     )
-    time.sleep(3)
+    # Wait until the script has written a few folders (slow machines start slowly).
+    deadline = time.monotonic() + 60
+    while len(list(sync.glob("epoch-*"))) < 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.8)  # past the settle time, so the early folders are synced
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=30)
     # The script exits 0 after SIGTERM, but the run was preempted with files committed.

@@ -15,7 +15,9 @@ from runner.wire import (
     WIRE_VERSION,
     Event,
     decode_batch,
+    decode_batch_with_json,
     encode_batch,
+    json_safe,
     validate_payload,
 )
 
@@ -244,3 +246,117 @@ def test_encode_validates_events() -> None:
         encode_batch([Event("att-1", -5, "heartbeat", 1.0, "run-1", {"step": 1})])
     with pytest.raises(WireError, match="not JSON-able"):
         encode_batch([Event("att-1", 0, "heartbeat", 1.0, "run-1", {"step": 1, "x": object()})])
+
+
+# --- decode_batch_with_json: the ingest API's decoder -------------------------------------
+
+
+def compact(events: Any, **top: Any) -> bytes:
+    """A body laid out as encode_batch writes it (compact separators)."""
+    obj: dict[str, Any] = {"v": WIRE_VERSION, "attempt": "att-1", "run": "run-1", "events": events}
+    obj.update(top)
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def test_with_json_gives_the_events_and_their_data_texts() -> None:
+    events = make_events()
+    raw = encode_batch(events)
+
+    decoded, texts = decode_batch_with_json(raw)
+
+    assert decoded == events == decode_batch(raw)
+    assert texts is not None
+    assert [json.loads(t) for t in texts] == [json_safe(e.data) for e in events]
+    assert all(t in raw.decode() for t in texts)  # the very text that arrived
+
+
+def test_with_json_keeps_nan_as_the_wire_string() -> None:
+    data = {"step": 1, "loss": math.nan, "step_time_s": 1, "data_wait_fraction": None}
+    raw = encode_batch([Event("a", 0, "metrics", 1.0, "r", {**data, "metrics": {}})])
+
+    (event,), texts = decode_batch_with_json(raw)
+
+    assert math.isnan(event.data["loss"]) and event.data["step_time_s"] == 1.0
+    assert texts is not None and json.loads(texts[0])["loss"] == "NaN"
+
+
+def test_with_json_decodes_other_layouts_without_texts() -> None:
+    events = make_events()
+    raw = encode_batch(events)
+    pretty = json.dumps(json.loads(raw), indent=2).encode()
+    escaped = raw.replace(b'"attempt":"att-1"', b'"attempt":"att\\u002d1"')
+    reordered = raw.replace(b'{"v":1,"attempt":"att-1",', b'{"attempt":"att-1","v":1,')
+
+    for other in (pretty, escaped, reordered, raw + b"\n"):
+        assert other != raw
+        decoded, texts = decode_batch_with_json(other)
+        assert (decoded, texts) == (events, None)
+
+
+@pytest.mark.parametrize(
+    ("raw", "where"),
+    [
+        (compact([wire_event(0, "metrics", step="3")]), "events[0].data.step: expected an integer"),
+        (
+            compact([wire_event(0, "metrics", step=True)]),
+            "events[0].data.step: expected an integer",
+        ),
+        (
+            compact([wire_event(0), wire_event(1, "metrics", step=-1)]),
+            "events[1].data.step: expected an integer >= 0",
+        ),
+        (compact([{**wire_event(0), "type": "gossip"}]), "events[0].type: unknown event type"),
+        (compact([{**wire_event(0), "type": ["metrics"]}]), "events[0].type: unknown event type"),
+        (
+            compact([wire_event(0, "exit", reason=["failed"])]),
+            "events[0].data.reason: expected one of",
+        ),
+        (
+            compact([wire_event(0, "metrics", loss=10**400)]),
+            "events[0].data.loss: expected a number in a float's range",
+        ),
+        (
+            compact([wire_event(0, "metrics", loss="high")]),
+            "events[0].data.loss: expected a number",
+        ),
+        (
+            compact([wire_event(0, "metrics", metrics={"acc": None})]),
+            "events[0].data.metrics.acc: expected a number",
+        ),
+        (compact([{**wire_event(0), "time": -1}]), "events[0].time: expected unix seconds"),
+        (
+            compact([{**wire_event(0), "time": 1.5}]).replace(b":1.5,", b":1e999,"),
+            "events[0].time: expected unix seconds",
+        ),
+        (compact([{**wire_event(0), "data": None}]), "events[0].data: expected an object"),
+        (compact([wire_event(0), wire_event(1)])[:-3] + b"}", "body: not valid JSON"),
+        (compact([wire_event(0)]) + b"{}", "body: not valid JSON"),
+        (compact([wire_event(0, "metrics", loss=2.0)]).replace(b"2.0", b"NaN"), "body: NaN"),
+        (compact([wire_event(0)]).replace(b'"seq":0', b'"seq":' + b"9" * 5000), "body: not valid"),
+    ],
+)
+def test_with_json_reports_what_decode_batch_reports(raw: bytes, where: str) -> None:
+    with pytest.raises(WireError) as ours:
+        decode_batch_with_json(raw)
+    with pytest.raises(WireError) as reference:
+        decode_batch(raw)
+
+    assert str(ours.value) == str(reference.value)
+    assert str(ours.value).startswith(where.split(":")[0])
+    assert where in str(ours.value)
+
+
+def test_with_json_honours_max_events() -> None:
+    raw = encode_batch([Event("a", i, "heartbeat", 1.0, "r", {"step": i}) for i in range(4)])
+
+    assert len(decode_batch_with_json(raw, max_events=4)[0]) == 4
+    with pytest.raises(WireError, match=r"^events: 4 events in one batch, more than 3"):
+        decode_batch_with_json(raw, max_events=3)
+
+
+def test_values_python_cannot_convert_are_wire_errors_too() -> None:
+    payload = {"step": 1, "bytes": 1, "write_s": 10**400, "uri": "u"}
+    with pytest.raises(WireError, match=r"^data\.write_s: expected a number in a float's range"):
+        validate_payload("checkpoint_committed", payload)
+    with pytest.raises(WireError, match=r"^type: unknown event type \['metrics'\]"):
+        validate_payload(["metrics"], {})  # type: ignore[arg-type]
