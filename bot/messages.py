@@ -71,22 +71,40 @@ def run_card(card: RunCard) -> str:
 
 
 def preflight_report(msg: PreflightMessage) -> str:
-    lines = [f"Preflight for {msg.run_id}:"]
+    lines = [f"{preflight_title(msg.run_id)}:"]
     for check in msg.checks:
         lines.append(f"  {STATUS_ICON.get(check.status, '?')} {check.name}: {check.detail}")
         if check.remedy and check.status != "pass":
             lines.append(f"      → {check.remedy}")
     if msg.estimate_usd is not None:
-        lines.append(f"  Estimated cost {usd(msg.estimate_usd)}.")
+        lines.append(f"  {estimated_cost(msg.estimate_usd)}")
     if msg.interval_s is not None:
-        lines.append(f"  Checkpoint every {msg.interval_s:.1f} s.")
-    if not msg.ok:
-        lines.append("  Not launched: fix the failed checks and launch again.")
-    elif msg.needs_confirmation:
-        lines.append(f"  Warnings above. Launch anyway: /train resubmit {msg.run_id}")
-    else:
-        lines.append("  All checks passed: launching.")
+        lines.append(f"  {checkpoint_interval(msg.interval_s)}")
+    lines.append(f"  {preflight_verdict(msg)}")
     return "\n".join(lines)
+
+
+def preflight_title(run_id: str) -> str:
+    return f"Preflight for {run_id}"
+
+
+def estimated_cost(value: float) -> str:
+    return f"Estimated cost {usd(value)}."
+
+
+def checkpoint_interval(seconds: float) -> str:
+    return f"Checkpoint every {seconds:.1f} s."
+
+
+def preflight_verdict(msg: PreflightMessage, *, button: bool = False) -> str:
+    """What happens next; ``button`` when the chat shows a "Launch anyway" button."""
+    if not msg.ok:
+        return "Not launched: fix the failed checks and launch again."
+    if msg.needs_confirmation:
+        if button:
+            return f"Warnings above. Launch anyway with the button, or /train resubmit {msg.run_id}"
+        return f"Warnings above. Launch anyway: /train resubmit {msg.run_id}"
+    return "All checks passed: launching."
 
 
 def alert(msg: AlertMessage) -> str:
@@ -100,22 +118,43 @@ def alert(msg: AlertMessage) -> str:
     if msg.hint:
         lines.append(f"    → {msg.hint}")
     if msg.escalate_to:
-        lines.append(f"    Escalated to {msg.escalate_to}: unacknowledged.")
+        lines.append(f"    {alert_escalated(msg.escalate_to)}")
     if msg.state == "ACKED":
-        lines.append(f"    Acknowledged by {msg.acked_by} at {when(msg.acked_at)}.")
+        lines.append(f"    {alert_acknowledged(msg.acked_by, msg.acked_at)}")
     elif msg.state == "RESOLVED":
-        lines.append("    Resolved.")
+        lines.append(f"    {alert_resolved()}")
     elif msg.snoozed_until is not None:
-        lines.append(f"    Snoozed until {when(msg.snoozed_until)}.")
+        lines.append(f"    {alert_snoozed(msg.snoozed_until)}")
     else:
         lines.append(f"    /train ack {msg.alert_id} · /train snooze {msg.alert_id} 1h")
     return "\n".join(lines)
 
 
+def alert_escalated(group: str) -> str:
+    return f"Escalated to {group}: unacknowledged."
+
+
+def alert_acknowledged(user: str | None, at: datetime | None) -> str:
+    return f"Acknowledged by {user} at {when(at)}."
+
+
+def alert_resolved() -> str:
+    return "Resolved."
+
+
+def alert_snoozed(until: datetime | None) -> str:
+    return f"Snoozed until {when(until)}."
+
+
+def confirm_stop(run_id: str) -> str:
+    """The question before a Stop button does anything."""
+    return f"Stop {run_id}? Its runner flushes a checkpoint and the instance shuts down."
+
+
 def digest(msg: DigestMessage) -> str:
     f = msg.figures
     lines = [
-        f"Daily spend digest for {msg.channel} ({f.get('date', '')}):",
+        f"{digest_title(msg.channel, f.get('date', ''))}:",
         f"  yesterday {usd(f.get('yesterday_usd'))} · month to date "
         f"{usd(f.get('month_to_date_usd'))}",
         f"  preemptions {f.get('preemptions', 0)} · goodput {pct(f.get('goodput'))} · "
@@ -123,20 +162,62 @@ def digest(msg: DigestMessage) -> str:
         f"{f.get('instance_hours_lost', 0):.3f}",
     ]
     for row in f.get("per_run", [])[:10]:
-        lines.append(
-            f"  {row.get('run_id')} {row.get('spec', '')} ({row.get('requester', '')}): "
-            f"{usd(row.get('usd'))}, {row.get('preemptions', 0)} preemption(s), "
-            f"goodput {pct(row.get('goodput'))}, {str(row.get('state', '')).lower()}"
-        )
+        lines.append(f"  {digest_run_line(row)}")
     for row in f.get("per_user", [])[:10]:
-        lines.append(f"  {row.get('user')}: {usd(row.get('usd'))}")
+        lines.append(f"  {digest_user_line(row)}")
     if msg.chart_png:
         lines.append(f"  (spend chart attached, {len(msg.chart_png):,} bytes PNG)")
     return "\n".join(lines)
 
 
+def digest_title(channel: str, date: str) -> str:
+    return f"Daily spend digest for {channel} ({date})"
+
+
+def digest_run_line(row: Mapping[str, Any]) -> str:
+    return (
+        f"{row.get('run_id')} {row.get('spec', '')} ({row.get('requester', '')}): "
+        f"{usd(row.get('usd'))}, {row.get('preemptions', 0)} preemption(s), "
+        f"goodput {pct(row.get('goodput'))}, {str(row.get('state', '')).lower()}"
+    )
+
+
+def digest_user_line(row: Mapping[str, Any]) -> str:
+    return f"{row.get('user')}: {usd(row.get('usd'))}"
+
+
+def digest_chart_in_thread() -> str:
+    return "The spend chart is in the thread."
+
+
 def text(msg: TextMessage) -> str:
     return msg.text
+
+
+# ----------------------------------------------------------------------------- Slack views
+
+
+def home_no_runs() -> str:
+    return "No active runs. Start one with /train launch <spec>."
+
+
+def home_no_alerts() -> str:
+    return "No open alerts."
+
+
+def more_not_shown(count: int, what: str) -> str:
+    return f"…and {count} more {what} not shown here."
+
+
+def launch_modal_no_specs() -> str:
+    return (
+        "No job specs found: add a <name>.yaml file to the specs directory "
+        "(TRAINBOT_SPECS_DIR), then try again."
+    )
+
+
+def launch_modal_overrides_hint() -> str:
+    return "Optional: key.path=value pairs, space separated, e.g. budget.usd=800"
 
 
 def render(msg: Message) -> str:

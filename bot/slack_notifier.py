@@ -1,0 +1,576 @@
+"""The Slack notifier: posts and updates messages from a queue, within Slack's rate limits.
+
+:meth:`SlackNotifier.post` returns at once: the control plane calls it inside database
+transactions and request handlers, and Slack can take seconds, or answer 429. The
+returned :class:`~jobs.notify.MessageRef` carries a local handle
+(``"pending-<session>-<n>"``) in place of Slack's ``ts``; the caller stores it like a
+ts (a run's ``thread_ts``, an alert's ``message_ts``) and hands it back to
+:meth:`~SlackNotifier.update` or as a message's ``thread_ts``. One worker thread sends
+everything, from one queue per channel:
+
+- **Threads.** A reply whose ``thread_ts`` is the handle of a root not yet sent waits
+  for it, then goes under the root's real ts.
+- **Pace.** At most one call per channel per ``min_interval_s`` (Slack allows about one
+  message per second per channel). A 429 holds the channel for its ``Retry-After`` and
+  the same call is sent again: nothing is lost and no 429 escapes.
+- **Coalescing.** An update of a message whose post, or previous update, is still
+  queued replaces that queued content: only the newest is sent, so ten quick updates
+  of a run card cost one ``chat.update`` (or none, when the post had not gone yet).
+  Posts are never merged or skipped: every alert goes out.
+- **Errors.** 5xx answers, Slack's ``internal_error``-like errors and broken
+  connections are retried with exponential backoff, ``max_retries`` times (alerts
+  without end). Blocks Slack refuses are sent again as plain text; an update of a
+  message that is gone is posted again as a new one, which later updates then edit.
+  Anything else (``channel_not_found``, ``not_in_channel`` …) is logged once, with what
+  to do, and only that message is dropped (with the updates queued behind it).
+- **Attachments.** After a post, ``attachments(msg)`` may name a PNG (the divergent
+  loss alert's curve); a digest's ``chart_png`` is used as is. The file goes into the
+  message's thread with files upload v2. ``attachments`` runs on the worker thread
+  (drawing a chart there keeps it off the caller's path) and may return None.
+
+The handle → ts map lives in memory. Nothing is written to the database here: after a
+restart the handles stored by the previous process are unknown, so an update of such a
+message is posted as a new message in its thread (and a reply under an unknown root as
+a new top-level message); later updates of the same handle then edit that new message.
+``on_resolved`` lets the composition root persist the map if it wants to.
+
+Give this class a ``WebClient`` without ``RateLimitErrorRetryHandler``: it handles 429s
+itself, per channel, without blocking the other channels.
+"""
+
+from __future__ import annotations
+
+import http.client
+import itertools
+import logging
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from slack_sdk import WebClient
+from slack_sdk.errors import SlackApiError, SlackClientError
+
+from bot import views
+from bot.plots import SPEND_CHART_FILENAME
+from jobs.notify import AlertMessage, DigestMessage, Message, MessageRef
+
+log = logging.getLogger(__name__)
+
+HANDLE_PREFIX = "pending-"
+
+Attachment = tuple[str, bytes]
+AttachmentsFn = Callable[[Message], tuple[str, bytes] | None]
+
+#: Slack errors that say "try again later", though the HTTP status is 200.
+TRANSIENT_ERRORS = frozenset(
+    {"internal_error", "fatal_error", "service_unavailable", "request_timeout", "ratelimited"}
+)
+#: Slack refused the blocks themselves: the text alone still gets through.
+BLOCK_ERRORS = frozenset(
+    {
+        "invalid_blocks",
+        "invalid_blocks_format",
+        "too_many_blocks",
+        "msg_too_long",
+        "invalid_attachments",
+    }
+)
+#: An update whose message is gone or frozen: post the content as a new message instead.
+UPDATE_GONE_ERRORS = frozenset({"message_not_found", "cant_update_message", "edit_window_closed"})
+#: What to do about the permanent errors people can fix.
+REMEDIES = {
+    "channel_not_found": "check the channel id (the spec's notify.channel, or the channel the "
+    "command came from) and that the app can see it",
+    "not_in_channel": "invite the app to the channel: /invite @trainbot",
+    "is_archived": "the channel is archived: unarchive it or point the runs at another channel",
+    "invalid_auth": "check TRAINBOT_SLACK_BOT_TOKEN: it must be the app's bot token (xoxb-…)",
+    "not_authed": "set TRAINBOT_SLACK_BOT_TOKEN to the app's bot token (xoxb-…)",
+    "token_revoked": "the bot token was revoked: reinstall the app and update "
+    "TRAINBOT_SLACK_BOT_TOKEN",
+    "account_inactive": "the bot token belongs to a deactivated app: reinstall it",
+    "missing_scope": "add the missing bot scope in the app manifest and reinstall the app",
+    "restricted_action": "a workspace admin restricts posting in this channel",
+}
+
+_DROPPED = ""  # resolved value of a handle whose post Slack refused for good
+
+
+@dataclass(eq=False)
+class _Op:
+    """One queued Web API call (or, for an update of an unknown message, a post)."""
+
+    kind: Literal["post", "update", "upload"]
+    channel: str
+    #: post: the message's own handle; update: the target (handle or real ts);
+    #: upload: the handle of the message the file belongs to.
+    target: str
+    msg: Message | None = None
+    #: The thread as the caller gave it (may be a handle); upload: the real ts of the
+    #: thread the file is shared into.
+    thread: str | None = None
+    #: post: what attachments are looked up from (the content as first posted).
+    first: Message | None = None
+    upload: Attachment | None = None
+    attempts: int = 0
+    text_only: bool = False
+    #: update: the message is unknown or gone, so post the content as a new one.
+    as_post: bool = False
+
+
+@dataclass
+class _Outcome:
+    status: Literal["ok", "rate", "transient", "text_only", "gone", "drop"]
+    ts: str | None = None
+    wait: float = 0.0
+    error: str = ""
+
+
+class SlackNotifier:
+    """A :class:`jobs.notify.Notifier` that posts to Slack from a background worker."""
+
+    def __init__(
+        self,
+        client: WebClient,
+        *,
+        attachments: AttachmentsFn | None = None,
+        min_interval_s: float = 1.0,
+        max_retries: int = 6,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 30.0,
+        on_resolved: Callable[[str, MessageRef], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.client = client
+        self.attachments = attachments
+        self.min_interval_s = min_interval_s
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.on_resolved = on_resolved
+        self.clock = clock
+        # A handle names its process, so one stored by an earlier process is never
+        # mistaken for one of ours.
+        self._session = secrets.token_hex(3)
+        self._ids = itertools.count(1)
+        self._cond = threading.Condition()
+        self._queues: dict[str, deque[_Op]] = {}
+        self._ready_at: dict[str, float] = {}
+        #: handle -> real ts; absent while pending; _DROPPED when Slack refused the post.
+        self._resolved: dict[str, str] = {}
+        self._channels: dict[str, str] = {}
+        #: Queued (not in flight) posts by handle, and updates by (channel, target).
+        self._queued_posts: dict[str, _Op] = {}
+        self._queued_updates: dict[tuple[str, str], _Op] = {}
+        self._in_flight: _Op | None = None
+        self._closing = False
+        self._metrics = {
+            "posted": 0,
+            "sent": 0,
+            "updated": 0,
+            "uploaded": 0,
+            "retried_429": 0,
+            "retried": 0,
+            "coalesced": 0,
+            "dropped": 0,
+        }
+        self._worker = threading.Thread(target=self._run, name="slack-notifier", daemon=True)
+        self._worker.start()
+
+    # ------------------------------------------------------------------ Notifier
+
+    def post(self, msg: Message) -> MessageRef:
+        """Queue ``msg``; its ref (with a local handle for ``ts``) comes back at once."""
+        handle = f"{HANDLE_PREFIX}{self._session}-{next(self._ids)}"
+        op = _Op("post", msg.channel, handle, msg=msg, thread=msg.thread_ts, first=msg)
+        with self._cond:
+            if self._closing:
+                log.error(
+                    "Slack notifier is closed; not posting to %s: %s",
+                    msg.channel,
+                    views.fallback_text(msg)[:200],
+                )
+                return MessageRef(channel=msg.channel, ts=handle)
+            self._channels[handle] = msg.channel
+            self._queued_posts[handle] = op
+            self._enqueue(op)
+        return MessageRef(channel=msg.channel, ts=handle)
+
+    def update(self, ref: MessageRef, msg: Message) -> None:
+        """Queue new content for a posted message; only the newest queued content is sent."""
+        with self._cond:
+            if self._closing:
+                log.error("Slack notifier is closed; not updating %s in %s", ref.ts, ref.channel)
+                return
+            target = self._follow(ref.ts)  # a known handle -> its real ts
+            if target == _DROPPED:
+                # Its post was refused and logged; there is nothing to update.
+                log.debug("Slack: not updating %s: its post was refused", ref.ts)
+                return
+            post = self._queued_posts.get(target)
+            if post is not None:
+                post.msg = msg  # the post has not gone: it goes with this content
+                self._metrics["coalesced"] += 1
+                return
+            key = (ref.channel, target)
+            queued = self._queued_updates.get(key)
+            if queued is not None:
+                queued.msg = msg
+                self._metrics["coalesced"] += 1
+                return
+            op = _Op("update", ref.channel, target, msg=msg, thread=msg.thread_ts)
+            self._queued_updates[key] = op
+            self._enqueue(op)
+
+    # ------------------------------------------------------------------ control
+
+    def resolve(self, ref: MessageRef, *, timeout: float = 0.0) -> MessageRef | None:
+        """The message's real ref once Slack has it; None while pending or if refused."""
+        with self._cond:
+            if ref.ts.startswith(HANDLE_PREFIX):
+                self._cond.wait_for(lambda: ref.ts in self._resolved, timeout=timeout)
+            ts = self._follow(ref.ts)
+            if not ts or ts.startswith(HANDLE_PREFIX):
+                return None
+            return MessageRef(channel=self._channels.get(ref.ts, ref.channel), ts=ts)
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until everything queued is sent (or dropped); False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(self._idle, timeout=timeout)
+
+    def close(self, timeout: float = 10.0) -> bool:
+        """Send what is queued (up to ``timeout``), then stop; False if some was left."""
+        flushed = self.flush(timeout)
+        with self._cond:
+            self._closing = True
+            left = sum(len(q) for q in self._queues.values())
+            self._cond.notify_all()
+        self._worker.join(timeout=5.0)
+        if left:
+            log.error("Slack notifier closed with %d message(s) not sent", left)
+        return flushed
+
+    @property
+    def metrics(self) -> dict[str, int]:
+        """Counters: sent (every successful call), posted, updated, uploaded,
+        retried_429, retried (other transient errors), coalesced, dropped."""
+        with self._cond:
+            return dict(self._metrics)
+
+    @property
+    def pending(self) -> int:
+        with self._cond:
+            return sum(len(q) for q in self._queues.values()) + (self._in_flight is not None)
+
+    # ------------------------------------------------------------------ queue
+
+    def _enqueue(self, op: _Op, *, front: bool = False) -> None:
+        queue = self._queues.setdefault(op.channel, deque())
+        if front:
+            queue.appendleft(op)
+        else:
+            queue.append(op)
+        self._cond.notify_all()
+
+    def _idle(self) -> bool:
+        return self._in_flight is None and not any(self._queues.values())
+
+    def _blocked_on(self, op: _Op) -> bool:
+        """Whether the op needs a root (or its own message) that has not been sent yet."""
+        for ts in (op.thread, op.target if op.kind != "post" else None):
+            if ts is None or not ts.startswith(HANDLE_PREFIX):
+                continue
+            if ts in self._channels and ts not in self._resolved:
+                return True
+        return False
+
+    def _next(self, now: float) -> tuple[_Op | None, float | None]:
+        """The op to send now, or how long to wait for one (None: until notified)."""
+        best: tuple[float, str] | None = None
+        wait: float | None = None
+        for channel, queue in self._queues.items():
+            while queue and self._refused(queue[0]):
+                self._unindex(queue.popleft())
+            if not queue or self._blocked_on(queue[0]):
+                continue
+            ready = self._ready_at.get(channel, 0.0)
+            if ready <= now:
+                if best is None or ready < best[0]:
+                    best = (ready, channel)
+            else:
+                wait = ready - now if wait is None else min(wait, ready - now)
+        if best is None:
+            return None, wait
+        op = self._queues[best[1]].popleft()
+        self._unindex(op)
+        return op, None
+
+    def _refused(self, op: _Op) -> bool:
+        """An update queued while its post was in flight, and Slack refused the post."""
+        return op.kind == "update" and self._follow(op.target) == _DROPPED
+
+    def _follow(self, ts: str) -> str:
+        """Where a handle (or a message that had to be posted again) lives now.
+
+        The ts itself when nothing is known about it; ``_DROPPED`` when its post was
+        refused; a handle still pending stays that handle.
+        """
+        for _ in range(8):  # handle -> ts -> re-posted ts …; never a long chain
+            following = self._resolved.get(ts)
+            if following is None or following == ts:
+                return ts
+            if following == _DROPPED:
+                return _DROPPED
+            ts = following
+        return ts
+
+    def _unindex(self, op: _Op) -> None:
+        if op.kind == "post":
+            self._queued_posts.pop(op.target, None)
+        elif op.kind == "update":
+            self._queued_updates.pop((op.channel, op.target), None)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                op: _Op | None = None
+                while op is None:
+                    if self._closing:
+                        return  # close() has waited for the queue; what is left stays
+                    op, wait = self._next(self.clock())
+                    if op is None:
+                        self._cond.wait(timeout=wait)
+                self._in_flight = op
+                call = self._prepare(op)
+            outcome = self._send(op, call)
+            follow_up = self._attachment_after(op, outcome)
+            with self._cond:
+                self._settle(op, outcome, follow_up)
+                self._in_flight = None
+                self._cond.notify_all()
+
+    # ------------------------------------------------------------------ sending
+
+    def _thread_ts(self, thread: str | None) -> str | None:
+        if not thread:
+            return None
+        ts = self._follow(thread)  # a re-posted root moves its thread too
+        if not ts or ts.startswith(HANDLE_PREFIX):
+            log.warning(
+                "Slack: the thread root %s is unknown (posted before a restart, or refused); "
+                "posting at the top level of the channel instead",
+                thread,
+            )
+            return None
+        return ts
+
+    def _prepare(self, op: _Op) -> tuple[str, dict[str, Any]]:
+        """The Web API method and arguments for ``op``, handles resolved (lock held)."""
+        if op.kind == "upload":
+            assert op.upload is not None
+            filename, data = op.upload
+            return "files_upload_v2", {
+                "channel": op.channel,
+                "thread_ts": op.thread,
+                "file": data,
+                "filename": filename,
+                "title": filename,
+            }
+        assert op.msg is not None
+        content: dict[str, Any] = {"text": views.fallback_text(op.msg)}
+        if not op.text_only:
+            try:
+                content["blocks"] = views.render(op.msg)
+            except Exception:
+                log.exception(
+                    "Slack: could not render %s; sending text only", type(op.msg).__name__
+                )
+        if op.kind == "update":
+            target = self._follow(op.target)
+            if target and not target.startswith(HANDLE_PREFIX) and not op.as_post:
+                return "chat_update", {"channel": op.channel, "ts": target, **content}
+            op.as_post = True
+        thread = self._thread_ts(op.thread)
+        args = {"channel": op.channel, **content, "unfurl_links": False, "unfurl_media": False}
+        if thread:
+            args["thread_ts"] = thread
+        return "chat_postMessage", args
+
+    def _send(self, op: _Op, call: tuple[str, dict[str, Any]]) -> _Outcome:
+        method, args = call
+        try:
+            response = getattr(self.client, method)(**args)
+        except SlackApiError as exc:
+            return self._classify(exc)
+        except (SlackClientError, OSError, http.client.HTTPException) as exc:
+            # SlackRequestError (an upload URL that did not answer 200), connection
+            # refused or reset, timeouts: worth another try.
+            return _Outcome("transient", error=f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # a bug: it must not kill the worker, and retrying won't help
+            log.exception("Slack: %s failed unexpectedly", method)
+            return _Outcome("drop", error=f"{type(exc).__name__}: {exc}")
+        data = response.data if isinstance(response.data, dict) else {}
+        return _Outcome("ok", ts=data.get("ts"))
+
+    def _classify(self, exc: SlackApiError) -> _Outcome:
+        response = exc.response
+        status = getattr(response, "status_code", 0) or 0
+        data = response.data if isinstance(getattr(response, "data", None), dict) else {}
+        error = str(data.get("error") or f"HTTP {status}")
+        if status == 429 or error == "ratelimited":
+            headers = getattr(response, "headers", {}) or {}
+            raw = headers.get("Retry-After") or headers.get("retry-after") or "1"
+            try:
+                wait = max(float(raw), 0.0)
+            except (TypeError, ValueError):
+                wait = 1.0
+            return _Outcome("rate", wait=wait, error=error)
+        if status >= 500 or error in TRANSIENT_ERRORS:
+            return _Outcome("transient", error=error)
+        if error in BLOCK_ERRORS:
+            return _Outcome("text_only", error=error)
+        if error in UPDATE_GONE_ERRORS:
+            return _Outcome("gone", error=error)
+        return _Outcome("drop", error=error)
+
+    def _attachment_after(self, op: _Op, outcome: _Outcome) -> _Op | None:
+        """The upload that follows a successful post, if its message has a file."""
+        if op.kind == "upload" or outcome.status != "ok" or op.first is None:
+            return None
+        msg = op.first
+        found: Attachment | None = None
+        try:
+            if isinstance(msg, DigestMessage) and msg.chart_png:
+                found = (SPEND_CHART_FILENAME, msg.chart_png)
+            elif self.attachments is not None:
+                found = self.attachments(msg)
+        except Exception:  # a chart is a nicety; the message itself went out
+            log.exception("Slack: no attachment for %s: drawing it failed", type(msg).__name__)
+            return None
+        if not found:
+            return None
+        # Into the message's thread: the root's, or the message's own when it is a root.
+        return _Op(
+            "upload",
+            op.channel,
+            op.target,
+            thread=msg.thread_ts,
+            upload=found,
+        )
+
+    # ------------------------------------------------------------------ outcomes
+
+    def _settle(self, op: _Op, outcome: _Outcome, follow_up: _Op | None) -> None:
+        now = self.clock()
+        channel = op.channel
+        if outcome.status == "ok":
+            self._ready_at[channel] = now + self.min_interval_s
+            self._metrics["sent"] += 1
+            if op.kind == "upload":
+                self._metrics["uploaded"] += 1
+            elif op.kind == "update" and not op.as_post:
+                self._metrics["updated"] += 1
+            else:
+                self._metrics["posted"] += 1
+                if outcome.ts:
+                    self._remember(op.target, channel, outcome.ts)
+            if follow_up is not None:
+                # The upload's thread: the root the message is in, or the message itself.
+                root = self._follow(follow_up.thread) if follow_up.thread else None
+                if not root or root.startswith(HANDLE_PREFIX):
+                    root = None
+                follow_up.thread = root or outcome.ts
+                if follow_up.thread:
+                    self._enqueue(follow_up, front=True)
+            return
+        if outcome.status == "rate":
+            self._metrics["retried_429"] += 1
+            self._ready_at[channel] = now + max(outcome.wait, self.min_interval_s)
+            self._requeue(op)
+            return
+        if outcome.status == "text_only" and not op.text_only and op.kind != "upload":
+            log.warning(
+                "Slack refused the blocks of a %s in %s (%s); sending it as text",
+                type(op.msg).__name__,
+                channel,
+                outcome.error,
+            )
+            op.text_only = True
+            self._ready_at[channel] = now + self.min_interval_s
+            self._requeue(op)
+            return
+        if outcome.status == "gone" and op.kind == "update" and not op.as_post:
+            log.warning(
+                "Slack: message %s in %s cannot be updated (%s); posting the update as new",
+                op.target,
+                channel,
+                outcome.error,
+            )
+            op.as_post = True
+            self._requeue(op)
+            return
+        if outcome.status == "transient":
+            op.attempts += 1
+            never_drop = isinstance(op.msg, AlertMessage)
+            if op.attempts <= self.max_retries or never_drop:
+                self._metrics["retried"] += 1
+                delay = min(self.backoff_s * 2 ** (op.attempts - 1), self.max_backoff_s)
+                self._ready_at[channel] = now + max(delay, self.min_interval_s)
+                log.warning(
+                    "Slack: %s in %s failed (%s); retry %d in %.1f s",
+                    op.kind,
+                    channel,
+                    outcome.error,
+                    op.attempts,
+                    delay,
+                )
+                self._requeue(op)
+                return
+        self._drop(op, outcome)
+
+    def _requeue(self, op: _Op) -> None:
+        """Back to the head of its channel's queue, unless newer content supersedes it."""
+        if op.kind == "update" and not op.as_post:
+            key = (op.channel, op.target)
+            newer = self._queued_updates.get(key)
+            if newer is not None:
+                self._metrics["coalesced"] += 1
+                return  # the newer update carries the latest content
+            self._queued_updates[key] = op
+        elif op.kind == "post":
+            self._queued_posts[op.target] = op
+        self._enqueue(op, front=True)
+
+    def _remember(self, handle: str, channel: str, ts: str) -> None:
+        """``handle`` (or the ts of a message that had to be posted again) is now ``ts``."""
+        if not handle or handle == ts:
+            return
+        self._resolved[handle] = ts
+        if handle.startswith(HANDLE_PREFIX):
+            self._channels.setdefault(handle, channel)
+        if self.on_resolved is not None:
+            try:
+                self.on_resolved(handle, MessageRef(channel=channel, ts=ts))
+            except Exception:
+                log.exception("Slack: on_resolved(%s) failed", handle)
+
+    def _drop(self, op: _Op, outcome: _Outcome) -> None:
+        self._metrics["dropped"] += 1
+        what = type(op.msg).__name__ if op.msg is not None else "file"
+        remedy = REMEDIES.get(outcome.error, "see the error in Slack's API documentation")
+        log.error(
+            "Slack refused a %s %s in channel %s: %s. Dropped that message only; %s.",
+            what,
+            "upload" if op.kind == "upload" else op.kind,
+            op.channel,
+            outcome.error,
+            remedy,
+        )
+        was_post = op.kind == "post" or (op.kind == "update" and op.as_post)
+        if was_post and op.target.startswith(HANDLE_PREFIX) and op.target not in self._resolved:
+            self._resolved[op.target] = _DROPPED
+            self._channels.setdefault(op.target, op.channel)
