@@ -181,7 +181,10 @@ def choose_placement(deps: Deps, session: Session, run: Run, spec: JobSpec) -> P
     zones = ranked or list(spec.resources.zones) or [None]  # type: ignore[list-item]
     if prev is None or prev.zone is None or not spec.resubmit.zone_failover:
         return Placement(zone=zones[0], spot=spot)
-    if prev.state == AttemptState.PREEMPTED and prev.zone in zones and len(zones) > 1:
+    moved_out = prev.state == AttemptState.PREEMPTED or (
+        prev.state == AttemptState.FAILED and (prev.end_reason or "").startswith(NO_CAPACITY)
+    )
+    if moved_out and prev.zone in zones and len(zones) > 1:
         return Placement(zone=zones[(zones.index(prev.zone) + 1) % len(zones)], spot=spot)
     return Placement(zone=prev.zone if prev.zone in zones else zones[0], spot=spot)
 
@@ -216,7 +219,10 @@ def runner_env(deps: Deps, run: Run, attempt: Attempt, spec: JobSpec) -> dict[st
         TRAINBOT_ATTEMPT_ID=attempt.id,
         TRAINBOT_CHECKPOINT_URI=run.checkpoint_uri or deps.settings.checkpoint_uri,
         TRAINBOT_TOKEN=deps.runner_token(attempt.id),
-        TRAINBOT_TERMINATION_WINDOW_S=str(deps.settings.local_termination_window_s),
+        TRAINBOT_TERMINATION_WINDOW_S=str(
+            getattr(deps.provider, "termination_window_s", None)
+            or deps.settings.local_termination_window_s
+        ),
         TRAINBOT_METRICS_EVERY="1",
     )
     if deps.ingest_url:
@@ -307,22 +313,8 @@ def _provision(deps: Deps, attempt_id: str) -> Attempt | None:
     try:
         info = deps.provider.launch(req)
         price = deps.provider.price(req.request, zone=req.zone)
-    except (CapacityError, ProviderError) as exc:
-        with session_scope(deps.engine) as session:
-            attempt = session.get(Attempt, attempt_id)
-            run = session.get(Run, attempt.run_id) if attempt else None
-            if attempt is None or run is None:
-                return None
-            attempt.state = transition(attempt.state, AttemptState.FAILED, subject_id=attempt.id)
-            attempt.end_reason = str(exc)
-            attempt.ended_at = now
-            attempt.token_hash = None
-            session.add(attempt)
-            say(deps, run, "error", f"Attempt {attempt.number} of {run.id} could not launch: {exc}")
-            if run.state == RunState.LAUNCHING:
-                move_run(session, run, RunState.RECOVERING, now=now)
-            backoff = spec_of(run).resubmit.backoff_s
-        deps.later(backoff, launch_attempt, deps, attempt.run_id)
+    except ProviderError as exc:
+        _launch_failed(deps, attempt_id, exc, now=now)
         return None
     with session_scope(deps.engine) as session:
         attempt = session.get(Attempt, attempt_id)
@@ -504,6 +496,37 @@ def end_attempt(
         _terminate(deps, instance_id)  # scripted, not remembered
     if resubmit_after is not None:
         deps.later(resubmit_after, resubmit_if_due, deps, attempt_id)
+
+
+#: How a launch refused for lack of capacity is recorded: the next attempt moves zone.
+NO_CAPACITY = "no capacity"
+
+
+def _launch_failed(deps: Deps, attempt_id: str, exc: ProviderError, *, now: datetime) -> None:
+    """A refused launch: no capacity retries in the next zone after the backoff; anything
+    else (permissions, quota, a bad request) will not fix itself and fails the run."""
+    capacity = isinstance(exc, CapacityError)
+    with session_scope(deps.engine) as session:
+        attempt = session.get(Attempt, attempt_id)
+        run = session.get(Run, attempt.run_id) if attempt else None
+        if attempt is None or run is None:
+            return
+        attempt.state = transition(attempt.state, AttemptState.FAILED, subject_id=attempt.id)
+        attempt.end_reason = f"{NO_CAPACITY}: {exc}" if capacity else str(exc)
+        attempt.ended_at = now
+        attempt.token_hash = None
+        session.add(attempt)
+        say(deps, run, "error", f"Attempt {attempt.number} of {run.id} could not launch: {exc}")
+        if not capacity:
+            move_run(session, run, RunState.FAILED, now=now, reason=str(exc))
+            deps.journal.record("run_finished", run.id, state="FAILED", reason=run.reason)
+            refresh_card(deps, session, run)
+            return
+        if run.state == RunState.LAUNCHING:
+            move_run(session, run, RunState.RECOVERING, now=now)
+        backoff = spec_of(run).resubmit.backoff_s
+        run_id = run.id
+    deps.later(backoff, launch_attempt, deps, run_id)
 
 
 def _terminate(deps: Deps, instance_id: str) -> None:

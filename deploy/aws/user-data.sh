@@ -1,0 +1,76 @@
+#!/bin/bash
+# trainbot: boot script for one attempt on EC2 (user data, run once by cloud-init as root).
+#
+# jobs/providers/aws.py renders this template: each placeholder between double at-signs
+# is replaced with a shell-quoted value chosen by the control plane (the runner package,
+# the command from the job spec, and the attempt's environment, which holds its runner
+# token). Nothing here is taken from chat, and nothing secret is printed: cloud-init copies
+# this script's output to the serial console, which ec2:GetConsoleOutput can read.
+#
+# It installs trainbot's runner, runs the attempt's command under it as an unprivileged
+# user, writes the runner's exit code to the console (the control plane reads it there),
+# and shuts the instance down, which terminates it (InstanceInitiatedShutdownBehavior),
+# whatever happened: nothing is left running, or billing, once the runner is gone.
+#
+# The TRAINBOT_BOOT_* variables are unset on a real boot; tests point them elsewhere.
+set -uo pipefail
+
+RUNNER_PACKAGE=@@RUNNER_PACKAGE@@
+SCRATCH_DIR=${TRAINBOT_BOOT_SCRATCH_DIR:-@@SCRATCH_DIR@@}
+TRAINBOT_HOME=${TRAINBOT_BOOT_HOME:-/opt/trainbot}
+ENV_FILE=${TRAINBOT_BOOT_ENV_FILE:-/etc/trainbot/runner.env}
+CONSOLE=${TRAINBOT_BOOT_CONSOLE:-/dev/console}
+RUNNER_USER=trainbot
+
+say() {
+  echo "trainbot: $*"
+  echo "trainbot: $*" 2>/dev/null >"$CONSOLE" || true
+}
+
+finish() {
+  local rc=$?
+  if [ -n "${RUNNER_RC:-}" ]; then rc=$RUNNER_RC; fi
+  say "trainbot-runner exited with code $rc"
+  sync
+  shutdown -h now
+}
+trap finish EXIT
+
+if ! id "$RUNNER_USER" >/dev/null 2>&1; then
+  useradd --system --create-home --home-dir /var/lib/trainbot --shell /usr/sbin/nologin \
+    "$RUNNER_USER" || { say "cannot create the $RUNNER_USER user"; exit 1; }
+fi
+
+# The environment file: root's, readable by the runner's group and nobody else.
+umask 077
+ENV_DIR=$(dirname "$ENV_FILE")
+mkdir -p "$ENV_DIR" && chgrp "$RUNNER_USER" "$ENV_DIR" && chmod 0750 "$ENV_DIR" || exit 1
+cat >"$ENV_FILE" <<'TRAINBOT_ENV_END'
+@@ENV@@
+TRAINBOT_ENV_END
+chgrp "$RUNNER_USER" "$ENV_FILE" && chmod 0640 "$ENV_FILE" || exit 1
+mkdir -p "$SCRATCH_DIR" && chown "$RUNNER_USER" "$SCRATCH_DIR" || exit 1
+umask 022
+
+if [ ! -x "$TRAINBOT_HOME/bin/trainbot-runner" ]; then
+  say "installing $RUNNER_PACKAGE"
+  if ! python3 -m venv "$TRAINBOT_HOME" >/dev/null 2>&1; then
+    { apt-get update -q && apt-get install -y -q python3-venv; } >/dev/null 2>&1 || true
+    python3 -m venv "$TRAINBOT_HOME" || { say "cannot create $TRAINBOT_HOME"; exit 1; }
+  fi
+  "$TRAINBOT_HOME/bin/pip" install --quiet --upgrade pip >/dev/null 2>&1 || true
+  "$TRAINBOT_HOME/bin/pip" install --quiet "$RUNNER_PACKAGE" \
+    || { say "cannot install $RUNNER_PACKAGE"; exit 1; }
+fi
+
+say "starting the runner"
+cd "$SCRATCH_DIR" || exit 1
+# A clean environment: the file's variables, a PATH with the runner, nothing inherited.
+# The command is the attempt's own (normally trainbot-runner exec -- <spec command>).
+runuser -u "$RUNNER_USER" -- env -i \
+  PATH="$TRAINBOT_HOME/bin:/usr/local/bin:/usr/bin:/bin" \
+  HOME=/var/lib/trainbot LANG=C.UTF-8 TRAINBOT_ENV_FILE="$ENV_FILE" \
+  bash -c 'set -a; . "$TRAINBOT_ENV_FILE"; set +a; unset TRAINBOT_ENV_FILE; exec "$@"' \
+  trainbot-boot @@COMMAND@@
+RUNNER_RC=$?
+exit "$RUNNER_RC"
