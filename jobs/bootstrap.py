@@ -49,7 +49,24 @@ def build_provider(settings: Settings) -> Provider:
             mean_time_between_preemptions_s=settings.local_mean_time_between_preemptions_s,
             cores=settings.local_cores,
         )
-    return make_provider(settings.provider)
+    if settings.provider == "aws":
+        options: dict[str, Any] = {
+            "region": settings.aws_region,
+            "instance_profile": settings.aws_instance_profile,
+            "subnet_ids": settings.aws_subnet_ids,
+            "security_group_ids": settings.aws_security_group_ids,
+            "image_id": settings.aws_image_id,
+            "endpoint_url": settings.aws_endpoint_url,
+        }
+    else:
+        options = {
+            "project": settings.gcp_project,
+            "region": settings.gcp_region,
+            "zones": settings.gcp_zones or None,
+            "service_account": settings.gcp_service_account,
+            "api_endpoint": settings.gcp_api_endpoint,
+        }
+    return make_provider(settings.provider, **{k: v for k, v in options.items() if v is not None})
 
 
 def build_ingest(deps: Deps) -> IngestService:

@@ -26,6 +26,7 @@ from jobs.errors import ConflictError, NotFound, PermissionDenied, SpecError
 from jobs.lifecycle import AttemptState, RunState
 from jobs.models import Alert, Attempt, Checkpoint, CommandLog, OnCall, Run, new_id, utcnow
 from jobs.notify import RunCard
+from jobs.providers.base import ProviderError
 from jobs.runs import (
     PREFIX_ENV,
     active_attempt,
@@ -180,9 +181,25 @@ def preflight_then_launch(deps: Deps, run_id: str, *, launch: bool = True) -> No
         else:
             move_run(session, run, RunState.LAUNCHING, now=now)
         refresh_card(deps, session, run)
-        state = run.state
+        state, budget = run.state, run.budget_usd
+    if state == RunState.LAUNCHING and budget:
+        _cloud_budget(deps, run_id, budget, spec.budget.thresholds)
     if state == RunState.LAUNCHING:
         launch_attempt(deps, run_id)
+
+
+def _cloud_budget(deps: Deps, run_id: str, usd: float, thresholds: Sequence[int]) -> None:
+    """Where the provider has budgets (AWS Budgets), the run's budget alert lives there too."""
+    create = getattr(deps.provider, "create_budget", None)
+    if create is None:
+        return
+    try:
+        name = create(run_id=run_id, usd=usd, thresholds=list(thresholds))
+    except ProviderError as exc:
+        with session_scope(deps.engine) as session:
+            say(deps, get_run(session, run_id), "error", f"Cloud budget not created: {exc}")
+        return
+    deps.journal.record("cloud_budget", run_id, name=name, usd=usd)
 
 
 def _code_root() -> str:

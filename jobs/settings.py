@@ -107,6 +107,23 @@ class Settings(BaseSettings):
     local_price_per_hour_usd: float = Field(default=1.0, ge=0)
     #: Local provider: mean seconds between simulated preemptions; unset means none.
     local_mean_time_between_preemptions_s: float | None = Field(default=None, gt=0)
+    #: AWS provider: region, instance profile for the runner, networking and image.
+    aws_region: str | None = None
+    aws_instance_profile: str | None = None
+    #: ``us-east-1a=subnet-1,us-east-1b=subnet-2``
+    aws_subnet_ids: str | None = None
+    #: ``sg-1,sg-2``
+    aws_security_group_ids: str | None = None
+    aws_image_id: str | None = None
+    #: An S3/EC2-compatible endpoint (tests, LocalStack); unset means AWS.
+    aws_endpoint_url: str | None = None
+    #: GCP provider: project, region, zones, the runner's service account.
+    gcp_project: str | None = None
+    gcp_region: str | None = None
+    gcp_zones: CommaList = Field(default_factory=list)
+    gcp_service_account: str | None = None
+    #: A Compute API endpoint (tests); unset means Google's.
+    gcp_api_endpoint: str | None = None
     #: Mean seconds between preemptions to plan checkpoints for (Daly's interval); unset
     #: means the provider's own figure (6 h for spot capacity).
     assumed_mtbp_s: float | None = Field(default=None, gt=0)

@@ -20,9 +20,23 @@ def _local(**options: Any) -> Provider:
     return LocalProvider(**options)
 
 
+def _aws(**options: Any) -> Provider:
+    from jobs.providers import aws
+
+    return aws.make(**options)
+
+
+def _gcp(**options: Any) -> Provider:
+    from jobs.providers import gcp
+
+    return gcp.make(**options)
+
+
 #: Provider name (as in ``ResourceRequest.cloud`` and the spec) → factory.
 PROVIDERS: Mapping[str, Callable[..., Provider]] = {
     "local": _local,
+    "aws": _aws,
+    "gcp": _gcp,
 }
 
 
