@@ -467,7 +467,7 @@ class DryRunCheck:
     def _clean_up(ctx: PreflightContext) -> None:
         """Delete the dry run's checkpoints: nobody resumes from them, and they cost storage."""
         from runner.checkpoint import delete_steps, scan
-        from runner.session import run_store
+        from runner.store import run_store
 
         try:
             store = run_store(ctx.checkpoint_uri, ctx.dry_run_id)
@@ -479,7 +479,7 @@ class DryRunCheck:
 
 def _termination_window_s(ctx: PreflightContext) -> float | None:
     """Seconds between the provider's preemption notice and the kill; None when unknown."""
-    from runner.dryrun import WINDOWS_S
+    from runner.preemption import WINDOWS_S
 
     if isinstance(ctx.provider, LocalProvider):
         return ctx.provider.termination_window_s
@@ -815,8 +815,9 @@ def _crashed(name: str, exc: Exception, *, run_id: str) -> CheckResult:
 # -- building a context ------------------------------------------------------------------
 
 
-def resource_request(spec: JobSpec) -> ResourceRequest:
-    """The spec's resources in the provider's terms; no region means the cloud's default."""
+def resource_request(spec: JobSpec, *, spot: bool | None = None) -> ResourceRequest:
+    """The spec's resources in the provider's terms; no region means the cloud's default.
+    ``spot`` overrides the spec's market (an on-demand fallback attempt)."""
     res = spec.resources
     acc = res.accelerator
     return ResourceRequest(
@@ -826,7 +827,7 @@ def resource_request(spec: JobSpec) -> ResourceRequest:
         accelerator_type=acc.type if acc is not None else None,
         accelerator_count=acc.count if acc is not None else 0,
         instance_type=res.instance_type,
-        spot=res.spot,
+        spot=res.spot if spot is None else spot,
     )
 
 

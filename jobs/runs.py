@@ -26,13 +26,13 @@ from jobs.errors import ConflictError, NotFound
 from jobs.lifecycle import AttemptState, RunState, transition
 from jobs.models import Attempt, Checkpoint, Event, Run, hash_token
 from jobs.notify import MessageRef, RunCard, TextMessage
+from jobs.preflight import resource_request
 from jobs.providers.base import (
     CapacityError,
     InstanceNotFound,
     InstanceState,
     LaunchRequest,
     ProviderError,
-    ResourceRequest,
 )
 from jobs.rules import (
     AlertConfig,
@@ -45,6 +45,7 @@ from jobs.rules import (
 )
 from jobs.spec import JobSpec
 from jobs.spend import run_spent
+from runner.preemption import WINDOWS_S
 
 log = logging.getLogger(__name__)
 
@@ -189,19 +190,6 @@ def choose_placement(deps: Deps, session: Session, run: Run, spec: JobSpec) -> P
     return Placement(zone=prev.zone if prev.zone in zones else zones[0], spot=spot)
 
 
-def resource_request(spec: JobSpec, *, spot: bool | None = None) -> ResourceRequest:
-    acc = spec.resources.accelerator
-    return ResourceRequest(
-        cloud=spec.resources.cloud,
-        region=spec.resources.region or "local",
-        zones=tuple(spec.resources.zones),
-        accelerator_type=acc.type if acc else None,
-        accelerator_count=acc.count if acc else 0,
-        instance_type=spec.resources.instance_type,
-        spot=spec.resources.spot if spot is None else spot,
-    )
-
-
 def runner_command(deps: Deps, spec: JobSpec) -> list[str]:
     """What the instance runs: the supervisor around the spec's command."""
     command = list(spec.command)
@@ -221,6 +209,7 @@ def runner_env(deps: Deps, run: Run, attempt: Attempt, spec: JobSpec) -> dict[st
         TRAINBOT_TOKEN=deps.runner_token(attempt.id),
         TRAINBOT_TERMINATION_WINDOW_S=str(
             getattr(deps.provider, "termination_window_s", None)
+            or WINDOWS_S.get(deps.provider.name)
             or deps.settings.local_termination_window_s
         ),
         TRAINBOT_METRICS_EVERY="1",

@@ -35,7 +35,7 @@ from jobs.runs import (
 )
 from runner.errors import RunnerError
 from runner.retention import RetentionPolicy, prune
-from runner.session import run_store
+from runner.store import run_store
 
 log = logging.getLogger(__name__)
 

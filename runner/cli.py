@@ -146,7 +146,7 @@ def _sink_from_env() -> EventSink:
 
 
 def _exec(args: argparse.Namespace) -> int:
-    from runner.session import run_store
+    from runner.store import run_store
 
     cmd = _command(args)
     window = float(os.environ.get("TRAINBOT_TERMINATION_WINDOW_S") or 30)

@@ -26,12 +26,9 @@ from typing import IO, Any
 
 from runner.checkpoint import delete_steps, scan
 from runner.errors import RunnerError
-from runner.preemption import flush_fits
+from runner.preemption import WINDOWS_S, flush_fits
 from runner.session import run_store
 from runner.telemetry import follow_file
-
-#: Termination windows of the providers: seconds between the notice and the kill.
-WINDOWS_S = {"aws": 120.0, "gcp": 30.0}
 
 
 def daly_interval(checkpoint_s: float, mtbp_s: float) -> float:

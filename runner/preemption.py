@@ -36,6 +36,7 @@ __all__ = [
     "ASSUMED_BANDWIDTH_BPS",
     "AWS_TOKEN_TTL_S",
     "SOURCES",
+    "WINDOWS_S",
     "AwsSpotPoller",
     "GcpPreemptedPoller",
     "Notice",
@@ -62,6 +63,8 @@ SOURCES = ("signal", "aws", "gcp", "stop")
 #: Write bandwidth assumed before any save has been measured: a cautious figure for an
 #: object store over the network (25 MB/s), so a first emergency flush of a small state
 #: still happens and one of many gigabytes is not started in a 30 s window.
+#: Termination windows of the providers: seconds between the notice and the kill.
+WINDOWS_S = {"aws": 120.0, "gcp": 30.0}
 ASSUMED_BANDWIDTH_BPS = 25e6
 #: How often a main-thread waiter re-reads the flag: a signal handler cannot wake it
 #: through an Event (that takes a lock), so it notices within this long instead.

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runner.checkpoint import CheckpointEntry, delete_steps, read_manifest, scan
 from runner.errors import CheckpointError, RunnerError
+from runner.layout import CheckpointEntry, delete_steps, read_manifest, scan
 from runner.store import Store
 
 

@@ -41,7 +41,7 @@ from runner.preemption import (
     start_pollers,
 )
 from runner.state import capture_rng, flatten, restore_rng, state_digest
-from runner.store import Store, open_store
+from runner.store import Store, run_store
 from runner.telemetry import EventSink, FileSink, NullSink, Reporter
 
 log = logging.getLogger(__name__)
@@ -182,11 +182,6 @@ class SessionConfig:
         if not policies:
             return None
         return policies[0] if len(policies) == 1 else AnyOf(tuple(policies))
-
-
-def run_store(checkpoint_uri: str, run_id: str) -> Store:
-    """The store rooted at one run's checkpoints."""
-    return open_store(f"{checkpoint_uri.rstrip('/')}/{run_id}")
 
 
 def _default_sink(cfg: SessionConfig) -> EventSink:

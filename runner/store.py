@@ -307,6 +307,11 @@ def open_store(uri: str | Path, *, endpoint_url: str | None = None) -> Store:
     )
 
 
+def run_store(checkpoint_uri: str, run_id: str) -> Store:
+    """The store rooted at one run's checkpoints."""
+    return open_store(f"{checkpoint_uri.rstrip('/')}/{run_id}")
+
+
 def iter_chunks(stream: BinaryIO, size: int = 8 << 20) -> Iterator[bytes]:
     """Read a stream in chunks until it ends."""
     while True:

@@ -483,7 +483,7 @@ def test_registry_builds_the_local_provider(state_dir: Path) -> None:
     built = make_provider("local", state_dir=state_dir)
     assert isinstance(built, LocalProvider) and isinstance(built, Provider)
     assert built.name == "local"
-    with pytest.raises(ProviderError, match="unknown provider 'azure': use one of local"):
+    with pytest.raises(ProviderError, match="unknown provider 'azure': use one of aws, gcp, local"):
         make_provider("azure")
     with pytest.raises(ProviderError, match="termination_window_s"):
         LocalProvider(state_dir, termination_window_s=-1)

@@ -1,0 +1,118 @@
+#!/bin/bash
+# trainbot's startup script for Compute Engine instances (metadata key "startup-script").
+#
+# It installs the runner, starts the attempt's command under it as an unprivileged user,
+# reports the exit code as the guest attribute trainbot/exit-code, and halts the guest, so
+# nothing keeps billing after the runner ends. Everything it needs comes from the
+# instance's own metadata, set by jobs/providers/gcp.py at launch:
+#
+#   trainbot-command        JSON list: the command (trainbot-runner exec -- ...)
+#   trainbot-env            JSON object: the runner's environment, with the attempt's token
+#   trainbot-install        pip requirement for the runner ("trainbot[runner]")
+#   trainbot-scratch-bytes  declared size of the scratch volume
+#
+# Nothing secret is written to disk, put on a command line or printed: the environment
+# goes from the metadata server straight into the runner's exec. Nothing here comes from
+# chat. Startup scripts run as root on every boot; a second boot after the runner ended
+# only halts again.
+#
+# The variables below are for tests only; on an instance they keep their defaults.
+set -uo pipefail
+set +x
+
+MD_URL="${TRAINBOT_GCE_METADATA_URL:-http://metadata.google.internal}/computeMetadata/v1/instance"
+STATE_DIR="${TRAINBOT_STATE_DIR:-/var/lib/trainbot}"
+VENV="${TRAINBOT_VENV:-/opt/trainbot}"
+RUN_AS="${TRAINBOT_RUN_AS-trainbot}"
+HALT="${TRAINBOT_HALT:-shutdown -h now}"
+
+md() {
+  curl -sSf --retry 5 --retry-connrefused -H "Metadata-Flavor: Google" "${MD_URL}/$1"
+}
+
+finish() {
+  # Report how the runner ended, then halt. Both are best effort: the control plane also
+  # learns the end from the runner's own events and from the instance's status.
+  local code="$1"
+  curl -sS -X PUT -H "Metadata-Flavor: Google" --data "${code}" \
+    "${MD_URL}/guest-attributes/trainbot/exit-code" >/dev/null 2>&1 || true
+  touch "${STATE_DIR}/done"
+  echo "trainbot: runner exited ${code}; halting"
+  ${HALT}
+  exit 0
+}
+
+mkdir -p "${STATE_DIR}"
+chmod 755 "${STATE_DIR}"
+if [ -e "${STATE_DIR}/done" ]; then
+  echo "trainbot: this instance already ran its attempt; halting"
+  ${HALT}
+  exit 0
+fi
+
+if [ ! -x "${VENV}/bin/trainbot-runner" ]; then
+  echo "trainbot: installing the runner"
+  if ! command -v python3 >/dev/null || ! python3 -m venv --help >/dev/null 2>&1; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get -qq update && apt-get -qq install -y python3-venv python3-pip curl || finish 126
+  fi
+  requirement="$(md attributes/trainbot-install)" || finish 126
+  python3 -m venv "${VENV}" || finish 126
+  "${VENV}/bin/pip" install --quiet --upgrade pip || finish 126
+  "${VENV}/bin/pip" install --quiet "${requirement}" || finish 126
+fi
+if ! command -v nvidia-smi >/dev/null 2>&1; then
+  echo "trainbot: no nvidia-smi on this image; GPU runs need a Deep Learning VM image"
+fi
+
+SCRATCH="${STATE_DIR}/scratch"
+mkdir -p "${SCRATCH}"
+if [ -n "${RUN_AS}" ]; then
+  id -u "${RUN_AS}" >/dev/null 2>&1 || useradd --system --create-home \
+    --home-dir "${STATE_DIR}/home" --shell /usr/sbin/nologin "${RUN_AS}"
+  chown "${RUN_AS}" "${SCRATCH}"
+  AS_USER=(runuser -u "${RUN_AS}" --)
+else
+  AS_USER=()
+fi
+
+# The launcher reads the command and the environment from the metadata server itself and
+# execs the command: the token never passes through a shell variable, file or argv.
+"${AS_USER[@]}" env -i PATH="${VENV}/bin:/usr/local/bin:/usr/bin:/bin" \
+  MD_URL="${MD_URL}" SCRATCH="${SCRATCH}" "${VENV}/bin/python" - <<'PY'
+import json
+import os
+import sys
+import urllib.request
+
+base = os.environ["MD_URL"]
+
+
+def md(path):
+    request = urllib.request.Request(f"{base}/{path}", headers={"Metadata-Flavor": "Google"})
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(request, timeout=30) as response:
+        return response.read().decode()
+
+
+command = json.loads(md("attributes/trainbot-command"))
+env = {k: os.environ[k] for k in ("PATH",) if k in os.environ}
+env.update(LANG="C.UTF-8", HOME=os.path.expanduser("~"))
+env.update(json.loads(md("attributes/trainbot-env")))
+zone = md("zone").rsplit("/", 1)[-1]
+env.setdefault("TRAINBOT_INSTANCE_ID", f"{zone}/{md('name')}")
+env.setdefault("TRAINBOT_SCRATCH_DIR", os.environ["SCRATCH"])
+env.setdefault("TRAINBOT_SCRATCH_BYTES", md("attributes/trainbot-scratch-bytes"))
+env.setdefault("TRAINBOT_PREEMPTION_SOURCES", "gcp")
+env.setdefault("TRAINBOT_TERMINATION_WINDOW_S", "30")
+if not command:
+    print("trainbot: the instance has no command to run", file=sys.stderr)
+    sys.exit(2)
+os.chdir(os.environ["SCRATCH"])
+try:
+    os.execvpe(command[0], command, env)
+except OSError as e:
+    print(f"trainbot: cannot start {command[0]!r}: {e}", file=sys.stderr)
+    sys.exit(127)
+PY
+finish "$?"
