@@ -19,8 +19,12 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from jobs.errors import TrainbotError
+
+if TYPE_CHECKING:
+    from jobs.settings import Settings
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,10 +66,53 @@ def _serve() -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    if _wants_slack(settings):
+        return _serve_slack(settings, stop)
     with ControlPlane(settings, notifier=ConsoleNotifier()) as cp:
         assert cp.server is not None
         print(f"trainbot control plane on {cp.server.url} (Ctrl-C to stop)", flush=True)
         stop.wait()
+    return 0
+
+
+def _wants_slack(settings: Settings) -> bool:
+    """Slack when asked for, or when both of its credentials are there."""
+    has_credentials = settings.slack_bot_token is not None and (
+        settings.slack_signing_secret is not None
+    )
+    return settings.notifier == "slack" or has_credentials
+
+
+def _serve_slack(settings: Settings, stop: threading.Event) -> int:
+    """The control plane with the Slack app at /slack/events (and Socket Mode when an
+    app-level token is set); alerts and run updates go to Slack."""
+    from slack_sdk import WebClient
+
+    from bot.slack_notifier import SlackNotifier
+    from bot.slack_wsgi import attach
+    from jobs.bootstrap import ControlPlane
+
+    assert settings.slack_bot_token is not None
+    client = WebClient(token=settings.slack_bot_token.get_secret_value())
+    notifier = SlackNotifier(client)
+    try:
+        cp = ControlPlane(settings, notifier=notifier)
+        front = attach(cp, client=client, notifier=notifier)
+        with cp:
+            try:
+                front.start()
+                assert cp.server is not None
+                socket_mode = " and Socket Mode" if front.socket is not None else ""
+                print(
+                    f"trainbot control plane on {cp.server.url}; Slack at "
+                    f"{cp.server.url}/slack/events{socket_mode} (Ctrl-C to stop)",
+                    flush=True,
+                )
+                stop.wait()
+            finally:
+                front.close()  # Slack work in flight finishes before the control plane stops
+    finally:
+        notifier.close()
     return 0
 
 

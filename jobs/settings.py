@@ -98,6 +98,8 @@ class Settings(BaseSettings):
     slack_app_token: SecretStr | None = None
     #: Channels (ids or names) where commands are accepted; empty means every channel.
     allowed_channels: CommaList = Field(default_factory=list)
+    #: Slack user ids or groups who may launch; empty means everyone in an allowed channel.
+    launchers: CommaList = Field(default_factory=list)
     #: Slack user ids who may stop anyone's run and change team budgets.
     admins: CommaList = Field(default_factory=list)
     #: Local provider: seconds between the preemption notice (SIGTERM) and the kill, like

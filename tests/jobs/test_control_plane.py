@@ -59,6 +59,10 @@ def plane(tmp_path: Path) -> Iterator[tuple[ControlPlane, list[dict]]]:
     )
     with cp:
         yield cp, records
+        # Local instances outlive their control plane, like cloud ones: end them here.
+        for inst in cp.deps.provider.list_instances():
+            if not inst.state.is_terminal():
+                cp.deps.provider.terminate(inst.instance_id)
     cp.deps.provider.close()  # type: ignore[attr-defined]
 
 

@@ -1,0 +1,140 @@
+"""Bolt listeners, one module per topic: ``runs`` (the /train command and the launch
+modal), ``alerts`` (the buttons on alerts and preflight reports), ``home`` (the App Home).
+
+Every listener acknowledges first: it answers Slack at once (well inside its 3 s) with
+what can be decided without I/O — a parse error, help, a channel that is not allowed —
+and hands the rest to the work pool (:meth:`ListenerContext.later`), which does it after
+the answer has gone and replies. The pool is the app's own, not Bolt's ack executor
+(so a burst of slow work never queues in front of an acknowledgement) and not the
+control plane's background pool (where preflight dry runs take minutes). This is what
+Bolt's lazy listeners do, without their per-request deep copy of the request. What the
+listeners share lives here: that context, idempotency keys, and how a reply reaches the
+person who asked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable, Mapping
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any
+
+from slack_sdk import WebClient
+from slack_sdk.errors import SlackApiError, SlackRequestError
+from slack_sdk.webhook import WebhookClient
+
+from bot.auth import Authorizer, Caller
+from jobs import service
+from jobs.deps import Deps
+from jobs.notify import Notifier, TextMessage
+
+__all__ = ["ListenerContext", "action_key", "command_key", "first_time", "reply"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ListenerContext:
+    """What every listener works with."""
+
+    deps: Deps
+    auth: Authorizer
+    #: Where the work after an acknowledgement runs.
+    work: Executor
+
+    def later(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> None:
+        """Run ``fn`` on the work pool; a failure is logged with its traceback, and the
+        person who asked has already had their acknowledgement."""
+
+        def guarded() -> None:
+            try:
+                fn(*args, **kwargs)
+            except Exception:
+                log.exception("Slack work %s failed", getattr(fn, "__name__", fn))
+
+        try:
+            self.work.submit(guarded)
+        except RuntimeError:  # the pool is shut down: the app is stopping
+            log.warning("Slack work %s dropped: the app is stopping", getattr(fn, "__name__", fn))
+
+
+def command_key(body: Mapping[str, Any], headers: Mapping[str, Any]) -> str:
+    """The idempotency key of a slash command.
+
+    Slack gives every command invocation its own ``trigger_id`` and sends the same one
+    on every retry, so it names the command. Without one (a hand-built request), the
+    team, channel, user, text and signed timestamp together stand in for it.
+    """
+    team = body.get("team_id") or "-"
+    trigger = body.get("trigger_id")
+    if trigger:
+        return f"slack:{team}:{trigger}"
+    timestamp = _header(headers, "x-slack-request-timestamp")
+    parts = [team, body.get("channel_id"), body.get("user_id"), body.get("text"), timestamp]
+    digest = hashlib.sha256("\x1f".join(str(p or "") for p in parts).encode()).hexdigest()
+    return f"slack:{team}:h{digest[:32]}"
+
+
+def action_key(body: Mapping[str, Any], action: Mapping[str, Any]) -> str:
+    """The idempotency key of a button press: its trigger id and which button."""
+    team = (body.get("team") or {}).get("id") or "-"
+    trigger = body.get("trigger_id") or action.get("action_ts") or ""
+    return f"slack:{team}:{trigger}:{action.get('action_id', '')}"
+
+
+def first_time(deps: Deps, key: str, kind: str) -> bool:
+    """True for the first delivery of a request; False for Slack's retries and replays."""
+    return service.remember_command(deps, key, kind)
+
+
+def _header(headers: Mapping[str, Any], name: str) -> str | None:
+    value = headers.get(name)
+    if isinstance(value, list | tuple):
+        return str(value[0]) if value else None
+    return None if value is None else str(value)
+
+
+def is_retry(headers: Mapping[str, Any]) -> bool:
+    """Whether Slack marked this delivery as a retry of one it thinks went unanswered."""
+    return _header(headers, "x-slack-retry-num") is not None
+
+
+def reply(
+    client: WebClient,
+    body: Mapping[str, Any],
+    caller: Caller,
+    text: str,
+    *,
+    ephemeral: bool = True,
+    notifier: Notifier | None = None,
+) -> None:
+    """Answer the person who asked: through the request's ``response_url`` when it has
+    one (it works in any channel the command was typed in, even ones the bot is not a
+    member of), else with ``chat.postEphemeral``; a public answer without a
+    ``response_url`` goes through ``notifier``, which keeps to the channel's rate limit.
+
+    A reply that cannot be delivered is logged, never raised: the work it reports on
+    is already done, and the user's retry must not redo it.
+    """
+    response_url = body.get("response_url")
+    try:
+        if response_url:
+            payload = {
+                "text": text,
+                "response_type": "ephemeral" if ephemeral else "in_channel",
+                "replace_original": False,
+            }
+            result = WebhookClient(str(response_url), timeout=10).send_dict(payload)
+            if result.status_code >= 300:
+                log.warning("response_url answered %s: %s", result.status_code, result.body)
+        elif caller.channel is None:
+            # No channel (the App Home): a direct message is the only place to say it.
+            client.chat_postMessage(channel=caller.user, text=text)
+        elif not ephemeral and notifier is not None:
+            notifier.post(TextMessage(channel=caller.channel, kind="info", text=text))
+        else:
+            client.chat_postEphemeral(channel=caller.channel, user=caller.user, text=text)
+    except (SlackApiError, SlackRequestError, OSError) as exc:
+        log.warning("could not deliver a reply to %s: %s", caller.user, exc)

@@ -1,0 +1,203 @@
+"""The buttons: Acknowledge, Snooze, Stop run, Resubmit on alerts; Launch anyway on a
+preflight report with warnings.
+
+Each press is acknowledged at once (an empty 200) and handled on the work pool: the
+caller and channel come from the signed payload, the button's value names the alert or
+run, and a press is handled once however often Slack delivers it (its trigger id is
+the key). The result shows up where everyone sees it — the alert message updated in
+place with who acknowledged it and when, the run's card and thread — so the person who
+pressed gets a private reply only when something went wrong or was already done.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from slack_bolt import Ack, App
+from slack_sdk import WebClient
+
+from bot import messages, views
+from bot.auth import Caller, caller_from_action
+from bot.commands import CommandError, parse_duration
+from bot.listeners import ListenerContext, action_key, first_time, reply
+from bot.listeners.runs import CHANNEL_DENIED, not_yours
+from jobs import service
+from jobs.db import session_scope
+from jobs.errors import TrainbotError
+from jobs.models import Alert, Run
+
+__all__ = ["ACTIONS", "DEFAULT_SNOOZE_S", "register"]
+
+log = logging.getLogger(__name__)
+
+#: A Snooze button without a duration silences the alert for this long.
+DEFAULT_SNOOZE_S = 3600
+
+_ALERT_ID = re.compile(r"al-[a-z0-9]{1,64}")
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a button acts on: its channel (where permission is checked) and owner."""
+
+    id: str
+    channel: str | None
+    owner: str | None
+
+
+Handler = Callable[[ListenerContext, Caller, str], str | None]
+
+
+def _acknowledge(ctx: ListenerContext, caller: Caller, alert_id: str) -> str | None:
+    alert = service.acknowledge(ctx.deps, alert_id, ctx.auth.actor(caller))
+    if alert.acked_by and alert.acked_by != caller.user:
+        return f"{alert.id} was already acknowledged by <@{alert.acked_by}>."
+    return None  # the alert message now says who and when, for everyone
+
+
+def _snooze(ctx: ListenerContext, caller: Caller, value: str) -> str | None:
+    alert_id, seconds = _snooze_choice(value)
+    alert = service.snooze(ctx.deps, alert_id, seconds, ctx.auth.actor(caller))
+    return messages.snoozed(alert.id, alert.snoozed_until)
+
+
+def _snooze_choice(value: str) -> tuple[str, int]:
+    """(alert id, seconds) from the Snooze menu's value (``al-x|4h``, see
+    :func:`bot.views.snooze_value`), or a bare alert id for the default snooze."""
+    try:
+        alert_id, duration = views.parse_snooze_value(value)
+    except ValueError:
+        alert_id, duration = value.strip(), ""
+    if not _ALERT_ID.fullmatch(alert_id):
+        raise CommandError(f"the Snooze menu sent {value[:60]!r}, which names no alert")
+    return alert_id, parse_duration(duration) if duration else DEFAULT_SNOOZE_S
+
+
+def _stop(ctx: ListenerContext, caller: Caller, run_id: str) -> str | None:
+    run = service.stop(ctx.deps, run_id, ctx.auth.actor(caller))
+    return messages.stopped(run.id)
+
+
+def _resubmit(ctx: ListenerContext, caller: Caller, run_id: str) -> str | None:
+    run = service.resubmit(ctx.deps, run_id, ctx.auth.actor(caller))
+    return messages.resubmitted(run_id, run.id)
+
+
+def _launch_anyway(ctx: ListenerContext, caller: Caller, run_id: str) -> str | None:
+    service.confirm(ctx.deps, run_id, ctx.auth.actor(caller))
+    return None  # the thread says who confirmed; the card shows the launch
+
+
+#: action_id → (what the value names, handler, whether only the owner or an admin may).
+ACTIONS: dict[str, tuple[str, Handler, bool]] = {
+    "alert_ack": ("alert", _acknowledge, False),
+    "alert_snooze": ("alert", _snooze, False),
+    "run_stop": ("run", _stop, True),
+    "run_resubmit": ("run", _resubmit, True),
+    "launch_anyway": ("run", _launch_anyway, True),
+}
+
+
+def register(app: App, ctx: ListenerContext) -> None:
+    for action_id in ACTIONS:
+        _register_one(app, ctx, action_id)
+
+
+def _register_one(app: App, ctx: ListenerContext, action_id: str) -> None:
+    def button(ack: Ack, body: dict[str, Any], client: WebClient) -> None:
+        ack()
+        ctx.later(handle_action, ctx, client, body, action_id)
+
+    button.__name__ = f"{action_id}_button"
+    app.action(action_id)(button)
+
+
+def handle_action(
+    ctx: ListenerContext, client: WebClient, body: Mapping[str, Any], action_id: str
+) -> None:
+    """One button press: once per trigger, allowed channel, permission, then the work."""
+    action = next((a for a in body.get("actions") or () if a.get("action_id") == action_id), None)
+    if action is None:
+        return
+    caller = caller_from_action(body)
+    if not caller.user:
+        return
+    try:
+        if not first_time(ctx.deps, action_key(body, action), action_id):
+            log.info("ignored a repeated %s press", action_id)
+            return
+    except TrainbotError as exc:  # the database is unavailable: say so, change nothing
+        reply(client, body, caller, messages.error(str(exc)))
+        return
+    kind, handler, owner_only = ACTIONS[action_id]
+    value = _value(action)
+    target = _target(ctx, kind, value)
+    if target is not None and not ctx.auth.channel_allowed(
+        caller, channel=None if caller.channel else target.channel
+    ):
+        ctx.auth.deny(
+            caller, action=action_id, reason="channel not allowed", run_id=_run(kind, target)
+        )
+        reply(client, body, caller, CHANNEL_DENIED)
+        return
+    if (
+        owner_only
+        and target is not None
+        and target.owner is not None
+        and not ctx.auth.may_change(caller, owner=target.owner)
+    ):
+        ctx.auth.deny(
+            caller, action=action_id, reason=f"{target.id} belongs to {target.owner}",
+            run_id=target.id,
+        )  # fmt: skip
+        reply(client, body, caller, not_yours(target.id, target.owner))
+        return
+    try:
+        text = handler(ctx, caller, value)
+    except (TrainbotError, CommandError) as exc:
+        reply(client, body, caller, messages.error(str(exc)))
+        return
+    except Exception:
+        log.exception("the %s button failed", action_id)
+        reply(client, body, caller, messages.unexpected())
+        return
+    if text:
+        reply(client, body, caller, text)
+
+
+def _value(action: Mapping[str, Any]) -> str:
+    selected = action.get("selected_option")
+    if isinstance(selected, dict) and selected.get("value"):
+        return str(selected["value"])
+    return str(action.get("value") or "")
+
+
+def _run(kind: str, target: Target) -> str | None:
+    return target.id if kind == "run" else None
+
+
+def _target(ctx: ListenerContext, kind: str, value: str) -> Target | None:
+    """The run or alert a button names, or None when there is none (the service will
+    say so in its own words)."""
+    with session_scope(ctx.deps.engine) as session:
+        if kind == "run":
+            run = session.get(Run, value)
+            if run is None:
+                return None
+            return Target(id=run.id, channel=run.channel, owner=run.requester)
+        try:
+            alert_id, _ = _snooze_choice(value)
+        except CommandError:
+            return None
+        alert = session.get(Alert, alert_id)
+        if alert is None:
+            return None
+        channel = alert.message_channel
+        if channel is None and alert.run_id is not None:
+            run = session.get(Run, alert.run_id)
+            channel = run.channel if run is not None else None
+        return Target(id=alert.id, channel=channel, owner=None)

@@ -1,0 +1,74 @@
+"""The App Home tab: the runs that are going and the alerts still open, for whoever
+opens it. Published fresh on every ``app_home_opened``, so it is never stale for long
+and needs no bookkeeping of who looked at it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from slack_bolt import Ack, App
+from slack_sdk import WebClient
+from slack_sdk.errors import SlackApiError, SlackRequestError
+
+from bot import views
+from bot.auth import caller_from_event
+from bot.listeners import ListenerContext
+from jobs import alerts, service
+from jobs.db import session_scope
+from jobs.models import Run
+from jobs.notify import AlertMessage, RunCard
+
+__all__ = ["home_content", "publish_home", "register"]
+
+log = logging.getLogger(__name__)
+
+#: The tab shows at most this many runs and alerts; the rest are a command away.
+MAX_ITEMS = 20
+
+
+def home_content(ctx: ListenerContext, user: str) -> tuple[list[RunCard], list[AlertMessage]]:
+    """Active runs (the allowed channels' only, when channels are restricted) and the
+    alerts still open, newest first."""
+    cards = service.list_runs(ctx.deps, "active", service.Actor(user=user, channel=""))
+    allowed = ctx.auth.policy.allowed_channels
+    if allowed:
+        cards = [c for c in cards if ctx.auth.channel_allowed_name(c.channel)]
+    with session_scope(ctx.deps.engine) as session:
+        rows = list(reversed(alerts.open_alerts(session)))
+        found = []
+        for alert in rows:
+            run = session.get(Run, alert.run_id) if alert.run_id else None
+            channel = alert.message_channel or (run.channel if run else "") or ""
+            if allowed and not ctx.auth.channel_allowed_name(channel):
+                continue
+            found.append(
+                alerts.alert_message(
+                    alert, channel=channel, thread_ts=run.thread_ts if run else None
+                )
+            )
+    return cards[:MAX_ITEMS], found[:MAX_ITEMS]
+
+
+def register(app: App, ctx: ListenerContext) -> None:
+    def home_opened(ack: Ack, body: dict[str, Any], client: WebClient) -> None:
+        ack()
+        ctx.later(publish_home, ctx, client, body)
+
+    app.event("app_home_opened")(home_opened)
+
+
+def publish_home(ctx: ListenerContext, client: WebClient, body: Mapping[str, Any]) -> None:
+    event = body.get("event") or {}
+    if event.get("tab", "home") != "home":
+        return
+    caller = caller_from_event(body)
+    if not caller.user:
+        return
+    runs, open_alerts = home_content(ctx, caller.user)
+    try:
+        client.views_publish(user_id=caller.user, view=views.home_tab(runs, open_alerts))
+    except (SlackApiError, SlackRequestError, OSError) as exc:
+        log.warning("could not publish the App Home for %s: %s", caller.user, exc)

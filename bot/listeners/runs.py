@@ -1,0 +1,270 @@
+"""``/train`` in Slack, and the launch modal it opens when no spec is given.
+
+The listener answers within Slack's 3 s with what needs no I/O: help, a parse error
+(with the usage line), a channel that is not allowed. Everything else is acknowledged
+with an empty 200 and then done on the work pool: permission checks that may need the
+Web API, the service call, the reply. A launch's public record
+is its root message, posted by the notifier; the person who typed the command gets an
+ephemeral confirmation.
+
+A command is handled once however often Slack delivers it: its ``trigger_id`` is the
+key. A launch passes the key to :func:`jobs.service.submit`, which returns the run the
+first delivery created; every other command records the key and a repeat does nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from slack_bolt import Ack, App, BoltRequest
+from slack_sdk import WebClient
+from slack_sdk.errors import SlackApiError, SlackRequestError
+from sqlmodel import select
+
+from bot import messages, views
+from bot.auth import Caller, caller_from_command, caller_from_view
+from bot.commands import (
+    Ack as AckCommand,
+)
+from bot.commands import (
+    Cleanup,
+    Command,
+    CommandError,
+    Help,
+    Launch,
+    Preflight,
+    Resubmit,
+    Snooze,
+    Stop,
+    help_text,
+    parse,
+)
+from bot.dispatch import dispatch
+from bot.listeners import ListenerContext, command_key, first_time, reply
+from jobs import service
+from jobs.db import session_scope
+from jobs.errors import TrainbotError
+from jobs.models import Run
+
+__all__ = ["COMMAND", "MODAL_CALLBACK", "Plan", "plan_command", "register"]
+
+log = logging.getLogger(__name__)
+
+#: The slash command (deploy/slack-manifest.yaml).
+COMMAND = "/train"
+#: ``callback_id`` of the launch modal.
+MODAL_CALLBACK = views.LAUNCH_MODAL_CALLBACK
+
+CHANNEL_DENIED = (
+    "trainbot does not take commands in this channel. Ask an admin to add it to "
+    "TRAINBOT_ALLOWED_CHANNELS, or use one of the team's training channels."
+)
+LAUNCH_DENIED = (
+    "You are not on the list of people who may launch runs. Ask an admin to add you "
+    "(TRAINBOT_LAUNCHERS), or ask a teammate who is."
+)
+
+
+def not_yours(run_id: str, owner: str) -> str:
+    return (
+        f"{run_id} belongs to <@{owner}>; only they or an admin can change it. "
+        "Ask them, or the on-call admin."
+    )
+
+
+#: Commands whose public record is a run's card or thread: their reply goes only to the
+#: person who typed them. Other replies (status, lists, spend) follow the dispatcher.
+_PRIVATE_REPLIES = (Launch, Preflight, Stop, Resubmit, AckCommand, Snooze)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to do with a command, decided from the payload without I/O."""
+
+    caller: Caller
+    #: Said in the acknowledgement; nothing else happens.
+    answer: str | None = None
+    #: Why the request is refused (audited when it is answered).
+    denied: str | None = None
+    #: The command to run after the acknowledgement.
+    command: Command | None = None
+    #: Open the launch modal.
+    modal: bool = False
+
+
+def plan_command(ctx: ListenerContext, body: Mapping[str, Any]) -> Plan:
+    caller = caller_from_command(body)
+    if not caller.user:
+        return Plan(caller, answer="This request names no user; nothing was done.")
+    if not ctx.auth.channel_allowed(caller):
+        return Plan(caller, answer=CHANNEL_DENIED, denied="channel not allowed")
+    try:
+        command = parse(str(body.get("text") or ""))
+    except CommandError as exc:
+        return Plan(caller, answer=str(exc))
+    if isinstance(command, Help):
+        return Plan(caller, answer=help_text(command.command))
+    if isinstance(command, Launch) and command.spec is None:
+        return Plan(caller, modal=True)
+    return Plan(caller, command=command)
+
+
+def register(app: App, ctx: ListenerContext) -> None:
+    def train(ack: Ack, body: dict[str, Any], request: BoltRequest, client: WebClient) -> None:
+        plan = plan_command(ctx, body)
+        if plan.answer is not None:
+            ack(text=plan.answer, response_type="ephemeral")
+            if plan.denied is not None:
+                text = f"{COMMAND} {body.get('text', '')}".strip()
+                ctx.auth.deny(plan.caller, action=text, reason=plan.denied)
+            return
+        ack()
+        if plan.modal:
+            ctx.later(_open_modal, ctx, client, body)
+        elif plan.command is not None:
+            key = command_key(body, request.headers)
+            ctx.later(run_command, ctx, client, body, plan.caller, plan.command, key=key)
+
+    def launch_modal(ack: Ack, body: dict[str, Any], client: WebClient) -> None:
+        text, errors = _modal_command_text(body)
+        if errors:
+            ack(response_action="errors", errors=errors)
+            return
+        ack()
+        ctx.later(_submit_modal, ctx, client, body, text)
+
+    app.command(COMMAND)(train)
+    app.view(MODAL_CALLBACK)(launch_modal)
+
+
+def _submit_modal(
+    ctx: ListenerContext, client: WebClient, body: Mapping[str, Any], text: str
+) -> None:
+    view = body.get("view") or {}
+    caller = caller_from_view(body, channel=_modal_channel(view))
+    if not ctx.auth.channel_allowed(caller):
+        ctx.auth.deny(caller, action="launch (modal)", reason="channel not allowed")
+        reply(client, body, caller, CHANNEL_DENIED)
+        return
+    key = f"slack:{caller.team or '-'}:{view.get('id', '')}"
+    run_command(ctx, client, body, caller, parse(text), key=key)
+
+
+def run_command(
+    ctx: ListenerContext,
+    client: WebClient,
+    body: Mapping[str, Any],
+    caller: Caller,
+    command: Command,
+    *,
+    key: str,
+) -> None:
+    """Check permission, call the service once per key, and reply to the caller."""
+    deps = ctx.deps
+    try:
+        first = first_time(deps, key, command.verb)
+    except TrainbotError as exc:  # the database is unavailable: say so, change nothing
+        reply(client, body, caller, messages.error(str(exc)))
+        return
+    launches = isinstance(command, Launch | Preflight)
+    if not first and not launches:
+        log.info("ignored a repeated %s command (%s)", command.verb, key)
+        return
+    denial = _permission(ctx, caller, command)
+    if denial is not None:
+        if first:
+            reason, text, run_id = denial
+            ctx.auth.deny(caller, action=command.verb, reason=reason, run_id=run_id)
+            reply(client, body, caller, text)
+        return
+    # A launch is submitted on every delivery: the key makes the service return the run
+    # the first one created, so a delivery that died half-way is finished by a retry.
+    result = dispatch(deps, command, ctx.auth.actor(caller), key=key)
+    if not first:
+        return
+    private = result.ephemeral or isinstance(command, _PRIVATE_REPLIES)
+    reply(client, body, caller, result.text, ephemeral=private, notifier=deps.notifier)
+
+
+def _permission(
+    ctx: ListenerContext, caller: Caller, command: Command
+) -> tuple[str, str, str | None] | None:
+    """(reason, text, run id) when the caller may not run the command."""
+    if isinstance(command, Launch | Preflight):
+        if not ctx.auth.may_launch(caller):
+            return "may not launch", LAUNCH_DENIED, None
+        return None
+    run_id = _changed_run(command)
+    if run_id is None:
+        return None
+    owner = run_owner(ctx, run_id)
+    if owner is None:  # no such run: the service says so
+        return None
+    if not ctx.auth.may_change(caller, owner=owner):
+        return f"{run_id} belongs to {owner}", not_yours(run_id, owner), run_id
+    return None
+
+
+def _changed_run(command: Command) -> str | None:
+    """The run a command changes, when only its owner or an admin may do that."""
+    if isinstance(command, Stop | Resubmit):
+        return command.run
+    if isinstance(command, Cleanup) and not command.dry_run:
+        return command.run
+    return None
+
+
+def run_owner(ctx: ListenerContext, run_id: str) -> str | None:
+    with session_scope(ctx.deps.engine) as session:
+        return session.exec(select(Run.requester).where(Run.id == run_id)).first()
+
+
+# ----------------------------------------------------------------------------- the modal
+
+
+def _open_modal(ctx: ListenerContext, client: WebClient, body: Mapping[str, Any]) -> None:
+    caller = caller_from_command(body)
+    view = views.launch_modal(
+        service.specs(ctx.deps), private_metadata=json.dumps({"channel": caller.channel})
+    )
+    try:
+        client.views_open(trigger_id=str(body.get("trigger_id") or ""), view=view)
+    except (SlackApiError, SlackRequestError, OSError) as exc:
+        log.warning("could not open the launch modal: %s", exc)
+        reply(
+            client,
+            body,
+            caller,
+            messages.error(
+                "the launch form could not be opened; type /train launch <spec> instead. "
+                f"Specs: {', '.join(service.specs(ctx.deps)) or 'none'}"
+            ),
+        )
+
+
+def _modal_channel(view: Mapping[str, Any]) -> str | None:
+    try:
+        meta = json.loads(view.get("private_metadata") or "{}")
+    except json.JSONDecodeError:
+        return None
+    channel = meta.get("channel") if isinstance(meta, dict) else None
+    return str(channel) if channel else None
+
+
+def _modal_command_text(body: Mapping[str, Any]) -> tuple[str, dict[str, str]]:
+    """The modal's fields as ``launch <spec> <overrides>``, or errors by block id
+    (Slack shows them under the fields, and the modal stays open)."""
+    values = ((body.get("view") or {}).get("state") or {}).get("values") or {}
+    spec, overrides = views.read_launch_modal(values)
+    if not spec:
+        return "", {"spec": "Choose a spec."}
+    text = f"launch {spec} {overrides}".strip()
+    try:
+        parse(text)
+    except CommandError as exc:
+        return "", {"overrides": str(exc).splitlines()[0][:150]}
+    return text, {}

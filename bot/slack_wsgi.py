@@ -1,0 +1,290 @@
+"""The Slack app on the control plane's HTTP server, and in Socket Mode.
+
+Slack calls ``POST /slack/events`` for slash commands, interactivity and events alike.
+:class:`SlackEndpoint` is the WSGI app mounted under ``/slack``: it checks the request's
+v0 signature *before* anything parses the body, then hands the request to Bolt (whose
+own signature check stays on as a second lock). Checking first matters because Bolt
+parses the body before it verifies it, and a malformed timestamp or body would make it
+answer 500 and log a traceback; here anything unsigned, stale (more than five minutes
+either way), malformed or tampered gets a plain 401 and touches nothing.
+
+:func:`attach` is what ``trainbot serve`` runs when Slack is configured: it builds the
+Bolt app over the control plane's dependencies and mounts it; :meth:`SlackFrontEnd.start`
+also opens a Socket Mode connection when an app-level token is set, for teams whose
+control plane has no public address.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from slack_bolt import App, BoltRequest, BoltResponse
+from slack_sdk import WebClient
+from sqlalchemy.engine import Engine
+from sqlmodel import col, select
+
+from bot.app import SlackSetupError, build_app, work_pool
+from bot.plots import LOSS_CURVE_FILENAME, loss_curve_png
+from bot.slack_notifier import AttachmentsFn, SlackNotifier
+from jobs.db import session_scope
+from jobs.models import Event
+from jobs.notify import AlertMessage, Message
+
+if TYPE_CHECKING:
+    from wsgiref.types import StartResponse, WSGIEnvironment
+
+    from slack_bolt.adapter.socket_mode import SocketModeHandler
+
+    from jobs.bootstrap import ControlPlane
+
+__all__ = [
+    "EVENTS_PATH",
+    "MAX_AGE_S",
+    "MAX_BODY_BYTES",
+    "SLACK_PREFIX",
+    "SlackEndpoint",
+    "SlackFrontEnd",
+    "attach",
+    "loss_curve_attachment",
+    "signature_problem",
+]
+
+log = logging.getLogger(__name__)
+
+#: Where the endpoint is mounted on the control plane's server.
+SLACK_PREFIX = "/slack"
+#: The path under the prefix: Slack's request URL is ``https://HOST/slack/events``.
+EVENTS_PATH = "/events"
+#: Slack's window: a request signed longer ago than this (or this far ahead) is a replay.
+MAX_AGE_S = 300
+#: Slack's payloads are a few kilobytes; anything far larger is not from Slack.
+MAX_BODY_BYTES = 1 << 20
+
+_STATUS = {
+    200: "200 OK",
+    401: "401 Unauthorized",
+    404: "404 Not Found",
+    405: "405 Method Not Allowed",
+    411: "411 Length Required",
+    413: "413 Content Too Large",
+    500: "500 Internal Server Error",
+}
+
+
+def signature_problem(
+    secret: str,
+    *,
+    body: bytes,
+    timestamp: str | None,
+    signature: str | None,
+    now: float,
+    max_age_s: float = MAX_AGE_S,
+) -> str | None:
+    """Why a request's Slack signature is not acceptable, or None when it is.
+
+    The v0 scheme: ``v0=`` + hex HMAC-SHA256 of ``v0:{timestamp}:{body}`` keyed with the
+    signing secret, over the raw bytes, compared in constant time.
+    """
+    if not timestamp or not signature:
+        return "no signature or timestamp header"
+    if not timestamp.isascii() or not timestamp.isdigit():
+        return "the timestamp is not a number"
+    if abs(now - int(timestamp)) > max_age_s:
+        return "the timestamp is outside the five-minute window"
+    base = b"v0:" + timestamp.encode("ascii") + b":" + body
+    expected = "v0=" + hmac.new(secret.encode("utf-8"), base, hashlib.sha256).hexdigest()
+    if not hmac.compare_digest(expected.encode("ascii"), signature.encode("utf-8", "replace")):
+        return "the signature does not match"
+    return None
+
+
+def _headers(environ: WSGIEnvironment) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for key, value in environ.items():
+        if key.startswith("HTTP_"):
+            out[key[5:].lower().replace("_", "-")] = str(value)
+        elif key in ("CONTENT_TYPE", "CONTENT_LENGTH"):
+            out[key.lower().replace("_", "-")] = str(value)
+    return out
+
+
+class SlackEndpoint:
+    """WSGI app: ``POST /events`` → signature check → Bolt."""
+
+    def __init__(
+        self,
+        app: App,
+        *,
+        signing_secret: str,
+        clock: Callable[[], float] = time.time,
+        max_body_bytes: int = MAX_BODY_BYTES,
+    ) -> None:
+        self.app = app
+        self._secret = signing_secret
+        self._clock = clock
+        self._max_body = max_body_bytes
+
+    def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+        status, headers, body = self._handle(environ)
+        start_response(_STATUS.get(status, f"{status} Unknown"), headers)
+        return [body]
+
+    def _handle(self, environ: WSGIEnvironment) -> tuple[int, list[tuple[str, str]], bytes]:
+        path = environ.get("PATH_INFO") or "/"
+        if path != EVENTS_PATH:
+            return _plain(404, f"no such endpoint; Slack posts to {SLACK_PREFIX}{EVENTS_PATH}")
+        if environ.get("REQUEST_METHOD") != "POST":
+            return _plain(405, "POST only", [("Allow", "POST")])
+        raw_length = str(environ.get("CONTENT_LENGTH") or "").strip()
+        if not raw_length.isdigit():
+            return _plain(411, "send the body with a Content-Length")
+        length = int(raw_length)
+        if length > self._max_body:
+            return _plain(413, "body too large for a Slack request")
+        body = environ["wsgi.input"].read(length) if length else b""
+        headers = _headers(environ)
+        problem = signature_problem(
+            self._secret,
+            body=body,
+            timestamp=headers.get("x-slack-request-timestamp"),
+            signature=headers.get("x-slack-signature"),
+            now=self._clock(),
+        )
+        if problem is not None:
+            log.warning(
+                "refused a Slack request from %s: %s", environ.get("REMOTE_ADDR", "?"), problem
+            )
+            return _plain(401, "invalid request signature")
+        try:
+            text = body.decode("utf-8")
+        except UnicodeDecodeError:  # signed, so Slack's, but not UTF-8: nothing we can use
+            return _plain(401, "invalid request body")
+        response = self.dispatch(text, headers, query=str(environ.get("QUERY_STRING") or ""))
+        return response.status, _bolt_headers(response), response.body.encode("utf-8")
+
+    def dispatch(self, body: str, headers: Mapping[str, str], *, query: str = "") -> BoltResponse:
+        """Hand a verified request to Bolt; an unexpected failure is a logged 500."""
+        try:
+            return self.app.dispatch(BoltRequest(body=body, query=query, headers=dict(headers)))
+        except Exception:
+            log.exception("the Slack app failed on a request")
+            return BoltResponse(status=500, body="")
+
+
+def _bolt_headers(response: BoltResponse) -> list[tuple[str, str]]:
+    out = [(k, v) for k, values in response.headers.items() for v in values]
+    if not any(k.lower() == "content-length" for k, _ in out):
+        out.append(("Content-Length", str(len(response.body.encode("utf-8")))))
+    return out
+
+
+def _plain(
+    status: int, message: str, extra: list[tuple[str, str]] | None = None
+) -> tuple[int, list[tuple[str, str]], bytes]:
+    body = json.dumps({"error": message}).encode("utf-8")
+    headers = [
+        ("Content-Type", "application/json"),
+        ("Content-Length", str(len(body))),
+        *(extra or []),
+    ]
+    return status, headers, body
+
+
+@dataclass
+class SlackFrontEnd:
+    """The Slack app attached to a control plane: HTTP endpoint, and Socket Mode if set."""
+
+    app: App
+    endpoint: SlackEndpoint
+    #: The pool the listeners' work runs on (owned here, shut down by close()).
+    work: Executor
+    app_token: str | None = None
+    socket: SocketModeHandler | None = field(default=None, init=False)
+
+    def start(self) -> None:
+        """Open the Socket Mode connection when an app-level token is configured."""
+        if self.app_token is None or self.socket is not None:
+            return
+        from slack_bolt.adapter.socket_mode import SocketModeHandler
+
+        self.socket = SocketModeHandler(self.app, self.app_token)
+        self.socket.connect()
+        log.info("Slack Socket Mode connected")
+
+    def close(self) -> None:
+        if self.socket is not None:
+            self.socket.close()
+            self.socket = None
+        # Bolt's executor first (no new work is handed over after it), then the work.
+        listeners = self.app.listener_runner.listener_executor
+        if isinstance(listeners, ThreadPoolExecutor):
+            listeners.shutdown(wait=True, cancel_futures=False)
+        self.work.shutdown(wait=True, cancel_futures=False)
+
+
+def loss_curve_attachment(engine: Engine, *, max_points: int = 5000) -> AttachmentsFn:
+    """The notifier's ``attachments``: a divergent-loss alert gets its run's loss curve.
+
+    Called by the notifier's worker after the alert is posted, so the query and the
+    drawing never hold up the request or the transaction that opened the alert.
+    """
+
+    def attachments(msg: Message) -> tuple[str, bytes] | None:
+        if not isinstance(msg, AlertMessage) or msg.rule != "divergent_loss" or not msg.run_id:
+            return None
+        with session_scope(engine) as session:
+            rows = session.exec(
+                select(Event.data)
+                .where(Event.run_id == msg.run_id, Event.type == "metrics")
+                .order_by(col(Event.id).desc())
+                .limit(max_points)
+            ).all()
+        points = sorted(
+            (int(d["step"]), _float_or_none(d.get("loss")))
+            for d in rows
+            if isinstance(d, dict) and isinstance(d.get("step"), int)
+        )
+        if not points:
+            return None
+        steps, losses = zip(*points, strict=True)
+        png = loss_curve_png(list(steps), list(losses), title=f"{msg.run_id}: loss")
+        return LOSS_CURVE_FILENAME, png
+
+    return attachments
+
+
+def _float_or_none(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) else None
+
+
+def attach(
+    cp: ControlPlane, *, client: WebClient, notifier: SlackNotifier | None = None
+) -> SlackFrontEnd:
+    """Build the Bolt app over ``cp``'s dependencies and mount it at ``/slack``.
+
+    With ``notifier`` (the one ``cp`` posts through), a divergent-loss alert also gets
+    its loss curve attached, unless the notifier already has an attachments function.
+    """
+    settings = cp.settings
+    if settings.slack_signing_secret is None:
+        raise SlackSetupError(
+            "TRAINBOT_SLACK_SIGNING_SECRET is not set: the Slack app cannot check that "
+            "requests come from Slack; copy it from the app's Basic Information page"
+        )
+    secret = settings.slack_signing_secret.get_secret_value()
+    work = work_pool()
+    app = build_app(cp.deps, settings=settings, client=client, work=work)
+    endpoint = SlackEndpoint(app, signing_secret=secret)
+    cp.app.mount(SLACK_PREFIX, endpoint)
+    if notifier is not None and notifier.attachments is None:
+        notifier.attachments = loss_curve_attachment(cp.deps.engine)
+    token = settings.slack_app_token.get_secret_value() if settings.slack_app_token else None
+    return SlackFrontEnd(app=app, endpoint=endpoint, work=work, app_token=token)

@@ -1,0 +1,50 @@
+"""The ack-latency benchmark still runs and still speaks its output format.
+
+Run as the Makefile runs it (a script), on a tiny workload and without the training run
+(which only adds load); timings at this size mean nothing, so only the shape of the last
+line is checked, never ``met`` or the values.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["--quick", "--rounds", "1", "--concurrency", "5", "--no-training"]
+
+
+def test_bench_ack_latency_prints_its_figures_as_the_last_line(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "bench_ack_latency.py"),
+            *TINY,
+            "--dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=False,
+    )
+
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["bench"] == "ack_latency"
+    assert result["goal"] == 1.0
+    assert isinstance(result["met"], bool)
+    assert isinstance(result["ratio"], float)
+    figures = result["figures"]
+    for contender in ("http", "bolt_dispatch"):
+        assert set(figures[contender]) >= {"p50_ms", "p99_ms", "requests"}
+        assert figures[contender]["requests"] == 5
+        assert figures[contender]["p50_ms"] <= figures[contender]["p99_ms"]
+    assert figures["failures"] == {"http": 0, "bolt_dispatch": 0}
+    assert figures["replies"] == figures["commands"], "every command's work ran and replied"
+    assert figures["training_run"] is None
+    assert list(tmp_path.iterdir()) == []  # the state directory was removed
