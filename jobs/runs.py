@@ -438,6 +438,10 @@ def end_attempt(
             # It ran to the end but its "started" event never arrived (events lost, or
             # the provider saw the exit first): it was running all the same.
             attempt.state = transition(attempt.state, AttemptState.RUNNING, subject_id=attempt.id)
+        if state in (AttemptState.PREEMPTED, AttemptState.LOST) and run.state.is_terminal():
+            # We stopped it (a person, the budget cap): its runner's "preempted" exit is
+            # the flush we asked for, not a preemption to resubmit.
+            state = AttemptState.TERMINATED
         attempt.state = transition(attempt.state, state, subject_id=attempt.id)
         attempt.exit_code = exit_code
         attempt.end_reason = reason
