@@ -308,6 +308,11 @@ def _provision(deps: Deps, attempt_id: str) -> Attempt | None:
     with session_scope(deps.engine) as session:
         attempt = session.get(Attempt, attempt_id)
         assert attempt is not None
+        if attempt.state != AttemptState.REQUESTED:
+            # Reconcile and the launcher both provisioned it (the launch is idempotent,
+            # so it is the same instance): the first to record it wins.
+            detach(session, attempt)
+            return attempt
         run = session.get(Run, attempt.run_id)
         assert run is not None
         attempt.instance_id = info.instance_id
@@ -536,7 +541,7 @@ def _record_lost_work(session: Session, run: Run, attempt: Attempt, *, now: date
     reached = attempt.last_step or committed
     attempt.lost_steps = max(0, reached - committed)
     if attempt.step_time_s:
-        attempt.lost_seconds = attempt.lost_steps * attempt.step_time_s
+        attempt.lost_seconds += attempt.lost_steps * attempt.step_time_s
     else:
         last_commit = session.exec(
             select(Checkpoint)
@@ -544,7 +549,7 @@ def _record_lost_work(session: Session, run: Run, attempt: Attempt, *, now: date
             .order_by(col(Checkpoint.committed_at).desc())
         ).first()
         since = last_commit.committed_at if last_commit else attempt.started_at
-        attempt.lost_seconds = max(0.0, (now - since).total_seconds()) if since else 0.0
+        attempt.lost_seconds += max(0.0, (now - since).total_seconds()) if since else 0.0
 
 
 def _preemption_alerts(

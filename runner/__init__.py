@@ -10,7 +10,8 @@ __all__ = ["EXIT_FAILED", "EXIT_PREEMPTED", "EXIT_SUCCEEDED"]
 
 #: The training finished.
 EXIT_SUCCEEDED = 0
-#: Preempted, and a checkpoint is committed: resubmit and resume (EX_TEMPFAIL).
+#: Preempted: resubmit and resume from the newest committed checkpoint, which the runner
+#: flushed if it fitted the window (or from the start if none was ever committed).
 EXIT_PREEMPTED = 75
 #: Anything else non-zero is a failure; this is the one the runner itself uses.
 EXIT_FAILED = 1

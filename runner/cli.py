@@ -5,7 +5,7 @@
     trainbot-runner checkpoints list|verify|prune URI    inspect or prune one run's checkpoints
 
 URI is one run's checkpoint root: ``{checkpoint_uri}/{run_id}`` (a path, file://… or s3://…).
-Exit codes: 0 success, 75 preempted with a checkpoint committed, anything else failure.
+Exit codes: 0 success, 75 preempted (resume from the newest checkpoint), anything else failure.
 """
 
 from __future__ import annotations
@@ -21,13 +21,15 @@ from pathlib import Path
 from typing import Any
 
 from runner import EXIT_FAILED
-from runner.checkpoint import list_committed, read_manifest, verify
-from runner.dryrun import run_dry_run
 from runner.errors import CheckpointError, RunnerError
+from runner.layout import list_committed, read_manifest
 from runner.retention import RetentionPolicy, prune
 from runner.store import open_store
 from runner.supervisor import DirSync, Supervisor
 from runner.telemetry import EventSink, NullSink, Reporter
+
+# ``exec`` must start the training process fast: torch is imported only by the commands
+# that read tensors (``dry-run`` starts processes that do; ``checkpoints verify`` does).
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -177,6 +179,8 @@ def _exec(args: argparse.Namespace) -> int:
 
 
 def _dry_run(args: argparse.Namespace) -> int:
+    from runner.dryrun import run_dry_run
+
     uri = args.checkpoint_uri or os.environ.get("TRAINBOT_CHECKPOINT_URI")
     if not uri:
         raise RunnerError("say where checkpoints go: --checkpoint-uri or TRAINBOT_CHECKPOINT_URI")
@@ -228,6 +232,8 @@ def _checkpoints(args: argparse.Namespace) -> int:
                 print(f"{r['step']:>10}  {r['bytes']:>14,}  {_when(r['time']):20}  {metrics}")
         return 0
     if args.action == "verify":
+        from runner.checkpoint import verify
+
         steps = [args.step] if args.step is not None else [e.step for e in entries]
         if not steps:
             print(f"no committed checkpoints in {store.uri}")

@@ -509,7 +509,8 @@ class Session:
         if self.stop_reason == "stopped":
             self.exit_code = EXIT_SUCCEEDED if self.committed_step == self.step else EXIT_FAILED
         else:
-            self.exit_code = EXIT_PREEMPTED if self.committed_step is not None else EXIT_FAILED
+            # Resumable either way: from the newest checkpoint, or from the start if none.
+            self.exit_code = EXIT_PREEMPTED
 
     def _state_bytes(self) -> int:
         _, tensors = flatten(self.state())

@@ -22,14 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from runner import EXIT_PREEMPTED, EXIT_SUCCEEDED
-from runner.checkpoint import (
-    CommitInfo,
-    commit_files,
-    download_files,
-    list_committed,
-    read_manifest,
-)
 from runner.errors import CheckpointError, RunnerError, StoreError
+from runner.layout import CommitInfo, list_committed, read_manifest
 from runner.preemption import PreemptionFlag, SignalHandlers, start_pollers
 from runner.store import Store
 from runner.telemetry import EventSink, FileFollower, SystemSampler, follow_file
@@ -58,6 +52,8 @@ class DirSync:
             try:
                 manifest = read_manifest(self.store, entry.step)
                 if manifest.kind == "files":
+                    from runner.checkpoint import download_files  # torch only when syncing
+
                     return download_files(self.store, manifest, self.root)
             except (CheckpointError, StoreError) as exc:
                 log.warning(
@@ -91,6 +87,8 @@ class DirSync:
                     continue
             elif not final and now - previous[1] < self.settle_s:
                 continue
+            from runner.checkpoint import commit_files  # torch only when syncing
+
             committed.append(commit_files(self.store, step, d))
             self.done.add(step)
         return committed

@@ -1,0 +1,198 @@
+"""The training process of bench_goodput: a loop whose costs are known and scaled.
+
+Each step is ``--step-s`` seconds of simulated accelerator work (a sleep: the host waits
+for the device, so several runs share two cores without slowing each other's steps)
+plus a real in-place update of the state, ``--state-mb`` MiB of float32 that the session
+checkpoints through the real asynchronous writer. The store is the run's real store
+behind a bandwidth limit (``--store-mbps``): the local directory stands for an object
+store whose upload and download speed is scaled by the same time-compression factor as
+everything else, so a checkpoint's write and restore take the time they would at scale.
+
+Configured through the environment like any run (``TRAINBOT_*``, set by the control
+plane or the dry run). Every step logs the stall of the newest committed checkpoint
+once (``ckpt_stall_s``), because the session's ``checkpoint_committed`` event carries
+the write time but not how long the loop was blocked.
+
+Preempted before its first checkpoint with no room for a flush, the session exits 1
+(failed), and the control plane then fails the whole run instead of starting it again
+from step 0; at a mean of 10 minutes between preemptions and the default interval, that
+ends about one run in six. This script exits 75
+(preempted) in that case, as a training script may, and says so on stderr, so the
+benchmark measures goodput rather than that failure, which it counts separately.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, BinaryIO
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from runner import EXIT_PREEMPTED
+from runner.errors import RunnerError
+from runner.session import Session, SessionConfig
+from runner.store import ObjectInfo, Store, WriteStream, run_store
+
+MiB = 1 << 20
+#: What this script prints when it was preempted before any checkpoint (see above).
+EARLY_PREEMPTION = "goodput child: preempted before the first checkpoint; exiting 75 to restart"
+
+
+class _Pace:
+    """Sleeps so that bytes pass at no more than ``bps`` from the first one on."""
+
+    def __init__(self, bps: float) -> None:
+        self.bps = bps
+        self.start: float | None = None
+        self.done = 0
+
+    def __call__(self, nbytes: int) -> None:
+        now = time.perf_counter()
+        if self.start is None:
+            self.start = now
+        self.done += nbytes
+        due = self.start + self.done / self.bps
+        if due > now:
+            time.sleep(due - now)
+
+
+class _SlowWrite:
+    def __init__(self, inner: WriteStream, bps: float) -> None:
+        self.inner = inner
+        self.pace = _Pace(bps)
+
+    def write(self, data: bytes | memoryview, /) -> int:
+        n = self.inner.write(data)
+        self.pace(len(data))
+        return n
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def abort(self) -> None:
+        self.inner.abort()
+
+
+class _SlowRead:
+    def __init__(self, inner: BinaryIO, bps: float) -> None:
+        self.inner = inner
+        self.pace = _Pace(bps)
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.inner.read(n)
+        self.pace(len(data))
+        return data
+
+    def readinto(self, buf: Any) -> int:
+        n: int = self.inner.readinto(buf)  # type: ignore[attr-defined]
+        self.pace(n or 0)
+        return n
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def __enter__(self) -> _SlowRead:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType
+    ) -> None:
+        self.close()
+
+
+class ThrottledStore:
+    """A store whose large objects move at a fixed bandwidth (small ones at full speed)."""
+
+    def __init__(self, inner: Store, bps: float) -> None:
+        self.inner = inner
+        self.uri = inner.uri
+        self.bps = bps
+
+    def open_write(self, key: str) -> WriteStream:
+        return _SlowWrite(self.inner.open_write(key), self.bps)
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        self.inner.put_bytes(key, data)
+
+    def open_read(self, key: str) -> BinaryIO:
+        return _SlowRead(self.inner.open_read(key), self.bps)  # type: ignore[return-value]
+
+    def get_bytes(self, key: str) -> bytes:
+        return self.inner.get_bytes(key)
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        return self.inner.list(prefix)
+
+    def delete(self, keys: Sequence[str]) -> int:
+        return self.inner.delete(keys)
+
+    def exists(self, key: str) -> bool:
+        return self.inner.exists(key)
+
+
+class Weights:
+    """The model and optimizer state, as one flat tensor of the size asked for."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.t = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"w": self.t}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], /) -> None:
+        self.t.copy_(state["w"])
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench._goodput_child", description=__doc__)
+    p.add_argument("--steps", type=int, required=True, help="steps of the whole run")
+    p.add_argument("--step-s", type=float, required=True, help="seconds of work per step")
+    p.add_argument("--state-mb", type=float, required=True, help="MiB of state to checkpoint")
+    p.add_argument("--store-mbps", type=float, required=True, help="store bandwidth, MiB/s")
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.step_s <= 0 or args.state_mb <= 0 or args.store_mbps <= 0:
+        p.error("--steps, --step-s, --state-mb and --store-mbps must be positive")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    weights = Weights(int(args.state_mb * MiB))
+    try:
+        config = SessionConfig.from_env()
+        store = run_store(config.checkpoint_uri, config.checkpoint_prefix or config.run_id)
+        session = Session(config, store=ThrottledStore(store, args.store_mbps * MiB))
+    except RunnerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    # The session restores this handler when it ends: a SIGTERM that arrives after that (the
+    # supervisor forwards the notice it also got) must not kill the process on its way out.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    seen_commit: int | None = None
+    with session as s:
+        s.track(weights=weights)
+        for step in s.steps(args.steps):
+            time.sleep(args.step_s)
+            weights.t[step % weights.t.numel()] += 1.0
+            commit = s.writer.last_commit
+            if commit is not None and commit.step != seen_commit:
+                seen_commit = commit.step
+                s.log(loss=1.0 / (1 + step), ckpt_stall_s=commit.stall_s)
+            else:
+                s.log(loss=1.0 / (1 + step))
+    if s.stop_reason == "preempted" and s.committed_step is None:
+        print(EARLY_PREEMPTION, file=sys.stderr, flush=True)
+        return EXIT_PREEMPTED
+    return s.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""The goodput benchmark still runs end to end and still speaks its output format.
+
+Run as a script on the smallest workload (one regime, two runs, a few seconds of
+training): the real control plane, local provider and runner, so it takes tens of
+seconds. Goodput at this size means nothing, so only the shape of the last line is
+checked, never ``met`` or the figures' values. Its accounting, which is arithmetic over
+rows, is checked exactly on made-up attempts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+
+from bench._goodput_ledger import AttemptRow, RunEvent, account
+
+ROOT = Path(__file__).resolve().parents[2]
+# Seed 2 draws a first gap longer than the run: one attempt each, the quickest story.
+SMALLEST = ["--quick", "--progress-s", "240", "--contenders", "auto,short", "--seed", "2"]
+
+
+@pytest.mark.slow
+def test_bench_goodput_prints_its_figures_as_the_last_line(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "bench_goodput.py"),
+            *SMALLEST,
+            "--dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=False,
+    )
+
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["bench"] == "goodput"
+    assert result["goal"] == 0.97
+    assert isinstance(result["met"], bool)
+    assert isinstance(result["ratio"], float)
+    figures = result["figures"]
+    assert figures["headline_regime"] == "notice"
+    assert set(figures["regimes"]) == {"notice"}
+    runs = figures["regimes"]["notice"]
+    assert set(runs) == {"auto", "short"}
+    for fig in runs.values():
+        assert isinstance(fig["goodput"], float)
+        assert isinstance(fig["paid_s"], float) and fig["paid_s"] > 0
+        assert isinstance(fig["interval_s"], float) and fig["interval_s"] > 0
+        assert set(fig["breakdown_s"]) == {
+            "startup",
+            "setup_restore",
+            "steps_kept",
+            "steps_redone",
+            "loop_overhead",
+            "tail",
+            "shutdown",
+            "control_plane_lag",
+        }
+    daly = figures["daly"]
+    assert daly["chosen_interval_s"] == runs["auto"]["interval_s"]
+    assert {"daly_stall_s", "daly_write_s", "error_vs_daly_stall", "error_vs_daly_write"} <= set(
+        daly
+    )
+    assert figures["scenario"]["compression"] == 60.0
+    assert list(tmp_path.iterdir()) == []  # state, database and checkpoints were removed
+
+
+def _events(attempt: str, *items: tuple[str, float, Mapping[str, object]]) -> list[RunEvent]:
+    return [RunEvent(attempt, type_, t, data) for type_, t, data in items]
+
+
+def _steps(attempt: str, steps: range, *, first_end: float) -> list[RunEvent]:
+    return [
+        RunEvent(attempt, "metrics", first_end + i, {"step": s, "step_time_s": 1.0})
+        for i, s in enumerate(steps)
+    ]
+
+
+def test_ledger_splits_paid_time_and_keeps_the_last_run_of_each_step() -> None:
+    # Attempt 1: up at 104, steps 1-10 (1 s each, 105-115), a commit at step 5, the
+    # emergency flush commits at 116, exits at 117. Attempt 2 resumes from step 8 (so 9
+    # and 10 are run again) and finishes at step 15.
+    a1 = AttemptRow("a1", 1, launched=100.0, ended=117.5, state="PREEMPTED")
+    a2 = AttemptRow("a2", 2, launched=118.0, ended=131.2, state="SUCCEEDED")
+    commit = {"step": 0, "write_s": 0.5}
+    events = [
+        *_events("a1", ("started", 104.0, {}), ("checkpoint_committed", 110.2, commit)),
+        *_steps("a1", range(1, 11), first_end=106.0),
+        *_events("a1", ("checkpoint_committed", 116.0, commit), ("exit", 117.0, {})),
+        *_events("a2", ("started", 121.0, {}), ("checkpoint_committed", 130.0, commit)),
+        *_steps("a2", range(9, 16), first_end=123.0),
+        *_events("a2", ("exit", 131.0, {})),
+    ]
+
+    fig = account(
+        [a2, a1],
+        events,
+        kept_steps=15,
+        compression=10.0,
+        killed_at={},
+        now=1000.0,
+        default_step_s=1.0,
+    )
+
+    parts = fig["breakdown_s"]
+    assert parts == {
+        "startup": 7.0,  # 4 + 3: launch to started
+        "setup_restore": 2.0,  # started to the first step, twice
+        "steps_kept": 15.0,
+        "steps_redone": 2.0,  # steps 9 and 10 of attempt 1
+        "loop_overhead": 0.0,
+        "tail": 2.0,  # last step to the last commit: the flush, then the final save
+        "shutdown": 2.0,  # last commit to exit, twice
+        "control_plane_lag": 0.7,  # exit to ended_at: 0.5 + 0.2
+    }
+    assert fig["paid_s"] == pytest.approx(sum(parts.values()))
+    assert fig["paid_s"] == pytest.approx(30.7)
+    # Start-up, shutdown and lag count once at scale, everything else ten times.
+    assert fig["goodput"] == pytest.approx(15.0 / (30.7 - 9.7 * 0.9), abs=1e-4)
+    assert fig["goodput_wall"] == pytest.approx(15.0 / 30.7, abs=1e-4)
+    assert fig["preemptions"] == 1
+    assert fig["preempted_before_first_checkpoint"] == 0
+    assert fig["checkpoints"] == 3
+    assert fig["steps_imputed"] == 0
+
+
+def test_ledger_ends_a_killed_attempt_at_its_kill_and_imputes_lost_events() -> None:
+    # Killed at 110 with no exit event: steps 6-8 ran but their events died with it.
+    a1 = AttemptRow("a1", 1, launched=100.0, ended=111.0, state="PREEMPTED")
+    events = [
+        *_events("a1", ("started", 102.0, {})),
+        *_steps("a1", range(1, 6), first_end=104.0),  # steps 1-5 end at 104-108
+    ]
+
+    fig = account(
+        [a1],
+        events,
+        kept_steps=8,  # a commit at step 8 reached the store before the kill
+        compression=10.0,
+        killed_at={"a1": 110.0},
+        now=1000.0,
+        default_step_s=1.0,
+    )
+
+    parts = fig["breakdown_s"]
+    assert parts["startup"] == 2.0
+    assert parts["tail"] == 2.0  # 108 to the kill at 110: steps whose events were lost
+    assert parts["shutdown"] == 0.0  # a killed process does not tear down
+    assert parts["control_plane_lag"] == 1.0
+    assert fig["steps_imputed"] == 3
+    assert fig["progress_s"] == 8.0
+    assert fig["preempted_before_first_checkpoint"] == 1  # no commit event arrived
+
+
+@pytest.mark.slow
+def test_bench_goodput_rejects_a_bad_option_in_one_line() -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_goodput.py"), "--contenders", "short"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=False,
+    )
+
+    assert done.returncode == 2
+    assert "--contenders: give auto" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stdout == ""
