@@ -13,7 +13,9 @@ one database transaction:
   nothing twice and is acknowledged with ``duplicates = n``. Which events are new is known
   *before* inserting: ``attempts.last_seq`` is the highest stored seq, so a batch above it
   needs no look-up, and only a batch that reaches back under it costs one indexed range
-  query. The attempt lock makes that exact; ``ON CONFLICT`` stays as the backstop;
+  query. The attempt lock makes that exact; ``ON CONFLICT`` stays as the backstop. Each
+  event's ``data`` column gets the JSON text it arrived in
+  (:func:`runner.wire.decode_batch_with_json`), not a re-encoding of the decoded dict;
 - the new events' side effects (heartbeat, steps, checkpoints, ``started`` → ``RUNNING``,
   the preemption notice, the restored step) are applied in the same transaction, so the
   facts derived from events never disagree with the events stored.
@@ -54,6 +56,8 @@ from sqlalchemy import (
     bindparam,
     case,
     column,
+    func,
+    or_,
     select,
     table,
     update,
@@ -70,7 +74,7 @@ from jobs.models import Event as EventRow
 from jobs.rules import AlertConfig, Obs, Rule, RunContext, Signal, default_rules, evaluate_all
 from jobs.spec import AlertThresholds
 from runner.errors import WireError
-from runner.wire import Event, decode_batch, json_safe, restore_floats
+from runner.wire import Event, decode_batch_with_json, json_safe, restore_floats
 
 __all__ = [
     "LIFECYCLE_EVENTS",
@@ -108,8 +112,8 @@ MAX_WINDOWS = 256
 TOKEN_CACHE_S = 1.0
 _TOKEN_CACHE_MAX = 4096
 
-# The widest integer PostgreSQL's INTEGER columns hold (seq, steps, bytes are INTEGER).
-_INT4_MAX = 2**31 - 1
+# The widest integer the tables hold: seq, steps and bytes are 64-bit (migration 0003).
+_INT8_MAX = 2**63 - 1
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 _NAIVE_EPOCH = datetime(1970, 1, 1)
 #: 9999-12-31 23:59:59 UTC, the last second a datetime holds.
@@ -117,7 +121,7 @@ _MAX_UNIX_TIME = 253_402_300_799.0
 #: The events insert's columns, in the order of the row tuples.
 _EVENT_COLUMNS = ("attempt_id", "run_id", "seq", "type", "time", "data", "received_at")
 _STEP_EVENTS = frozenset({"metrics", "heartbeat", "checkpoint_committed", "restored"})
-_JSON = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
+_JSON = json.JSONEncoder(allow_nan=False, separators=(",", ":"), check_circular=False)
 
 
 def _table(model: type[SQLModel]) -> Table:
@@ -131,6 +135,8 @@ _CHECKPOINTS = _table(Checkpoint)
 
 SignalSink = Callable[[str, list[Signal], datetime], None]
 AttemptEventSink = Callable[[str, str, dict[str, Any]], None]
+#: One observation before it becomes an Obs: (unix time, event data).
+_Point = tuple[float, Mapping[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -174,7 +180,8 @@ class _Applied:
     attempt_number: int
     #: New events of LIFECYCLE_EVENTS types, in seq order.
     lifecycle: list[Event] = field(default_factory=list)
-    observations: list[Obs] = field(default_factory=list)
+    #: New observations for the rules, per event type: (time, data), in seq order.
+    observations: dict[str, list[_Point]] = field(default_factory=dict)
     last_step: int | None = None
     last_committed_step: int | None = None
     budget_usd: float | None = None
@@ -192,27 +199,61 @@ class _Series:
     type keeps its newest ``RECENT_OBS`` observations in full (spikes and trends need
     consecutive points), and older ones thinned to one per ``BUCKET_S`` seconds
     (baselines, means and time coverage survive thinning). A non-finite loss always
-    wins its bucket, so a NaN is never thinned away. Appends are O(1) amortised.
+    wins its bucket, so a NaN is never thinned away.
+
+    Points arrive as ``(time, data)``; an :class:`Obs` is made only for the points the
+    window keeps, since a batch of 500 metrics keeps 200 in full and thins the rest.
     """
 
-    __slots__ = ("history", "last_bucket", "recent")
+    __slots__ = ("history", "kind", "last_bucket", "recent")
 
-    def __init__(self) -> None:
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
         self.recent: deque[Obs] = deque()
         self.history: deque[Obs] = deque()
         self.last_bucket = -1.0
 
-    def add(self, obs: Obs) -> None:
+    def extend(self, points: Sequence[_Point]) -> None:
+        """Add points, oldest first; those pushed out of the recent part are thinned."""
         recent = self.recent
-        recent.append(obs)
-        if len(recent) > RECENT_OBS:
-            self._retire(recent.popleft())
+        overflow = len(recent) + len(points) - RECENT_OBS
+        if overflow > 0:
+            from_recent = min(overflow, len(recent))
+            for _ in range(from_recent):
+                self._retire(recent.popleft())
+            retired = overflow - from_recent
+            if retired > 0:
+                self._retire_points(points[:retired])
+                points = points[retired:]
+        kind = self.kind
+        recent.extend([Obs(time, kind, data) for time, data in points])
+
+    def _retire_points(self, points: Sequence[_Point]) -> None:
+        """_retire for points that never were recent: most of a large batch. The same
+        rule, inlined, since it runs for nearly every event."""
+        history = self.history
+        last_bucket = self.last_bucket
+        isfinite = math.isfinite
+        for time, data in points:
+            bucket = time // BUCKET_S
+            if history and bucket == last_bucket:
+                loss = data.get("loss")
+                if (
+                    isinstance(loss, float)
+                    and not isfinite(loss)
+                    and not _non_finite_loss(history[-1].data)
+                ):
+                    history[-1] = Obs(time, self.kind, data)
+                continue
+            history.append(Obs(time, self.kind, data))
+            last_bucket = bucket
+        self.last_bucket = last_bucket
 
     def _retire(self, obs: Obs) -> None:
         bucket = obs.time // BUCKET_S
         history = self.history
         if history and bucket == self.last_bucket:
-            if _non_finite_loss(obs) and not _non_finite_loss(history[-1]):
+            if _non_finite_loss(obs.data) and not _non_finite_loss(history[-1].data):
                 history[-1] = obs
             return
         history.append(obs)
@@ -227,8 +268,8 @@ class _Series:
         return len(self.history) + len(self.recent)
 
 
-def _non_finite_loss(obs: Obs) -> bool:
-    loss = obs.data.get("loss")
+def _non_finite_loss(data: Mapping[str, Any]) -> bool:
+    loss = data.get("loss")
     return isinstance(loss, float) and not math.isfinite(loss)
 
 
@@ -240,15 +281,19 @@ class _Window:
         self.rules = list(rules)
         self.thresholds = thresholds
         self.hard_cap = hard_cap
-        self.series: dict[str, _Series] = {kind: _Series() for kind in sorted(WINDOW_EVENTS)}
+        self.series: dict[str, _Series] = {kind: _Series(kind) for kind in sorted(WINDOW_EVENTS)}
         self.newest = 0.0
 
-    def extend(self, observations: Sequence[Obs]) -> None:
+    def extend(self, observations: Mapping[str, Sequence[_Point]]) -> None:
+        """Add each type's new points (oldest first), then drop what is over an hour old."""
         series = self.series
-        for obs in observations:
-            series[obs.type].add(obs)
-        if observations:
-            self.newest = max(self.newest, max(o.time for o in observations))
+        added = False
+        for kind, points in observations.items():
+            if points:
+                series[kind].extend(points)
+                self.newest = max(self.newest, max(time for time, _ in points))
+                added = True
+        if added:
             horizon = self.newest - WINDOW_SPAN_S
             for part in series.values():
                 part.trim(horizon)
@@ -280,6 +325,34 @@ def _event_datetime(seconds: float) -> datetime:
     return _EPOCH + timedelta(seconds=seconds)
 
 
+def _time_texts(times: Sequence[float], *, suffix: str = "") -> list[str]:
+    """Unix seconds as the text the events table is given for its DATETIME column.
+
+    Each equals ``(epoch + timedelta(seconds=t)).isoformat(" ", "microseconds")``, the
+    microseconds rounded half-even as timedelta rounds them, which is the text
+    SQLAlchemy's SQLite DATETIME writes (naive UTC); ``suffix="+00:00"`` makes it a
+    timestamptz literal for PostgreSQL. Building and formatting a datetime per event
+    cost a third of SQLite's insert of the row; the events of a batch share a few
+    seconds, so the date and time of day are formatted once per second and only the
+    microseconds per event.
+    """
+    prefixes: dict[int, str] = {}
+    texts: list[str] = []
+    append = texts.append
+    for seconds in times:
+        whole = int(seconds)
+        micro = round((seconds - whole) * 1e6)
+        if micro == 1_000_000:
+            whole += 1
+            micro = 0
+        prefix = prefixes.get(whole)
+        if prefix is None:
+            moment = _NAIVE_EPOCH + timedelta(seconds=whole)
+            prefix = prefixes[whole] = moment.isoformat(" ") + "."
+        append(f"{prefix}{micro:06d}{suffix}")
+    return texts
+
+
 def _dumps(data: Mapping[str, Any]) -> str:
     """Standard JSON (PostgreSQL refuses NaN): non-finite floats travel as the wire's strings."""
     try:
@@ -288,16 +361,36 @@ def _dumps(data: Mapping[str, Any]) -> str:
         return _JSON.encode(json_safe(data))
 
 
+#: Event types with integers that land in 64-bit columns (steps, checkpoint bytes).
+_INT_COLUMN_FIELDS = {
+    "metrics": ("step",),
+    "heartbeat": ("step",),
+    "restored": ("step",),
+    "checkpoint_committed": ("step", "bytes"),
+}
+
+
 def _check_ranges(events: Sequence[Event]) -> str | None:
     """What the wire allows but the tables cannot hold; checked before anything is written."""
     for index, event in enumerate(events):
-        if event.seq > _INT4_MAX:
-            return f"events[{index}].seq: {event.seq} is above {_INT4_MAX}"
-        step = event.data.get("step") if event.type in _STEP_EVENTS else None
-        if isinstance(step, int) and step > _INT4_MAX:
-            return f"events[{index}].data.step: {step} is above {_INT4_MAX}"
-        if event.time >= _MAX_UNIX_TIME:
+        if event.seq > _INT8_MAX:
+            return f"events[{index}].seq: {event.seq} is above {_INT8_MAX}"
+        if not event.time < _MAX_UNIX_TIME:
             return f"events[{index}].time: {event.time} is not a plausible unix time"
+        names = _INT_COLUMN_FIELDS.get(event.type)
+        if names is not None:
+            for name in names:
+                value = event.data.get(name)
+                if isinstance(value, int) and value > _INT8_MAX:
+                    return f"events[{index}].data.{name}: {value} is above {_INT8_MAX}"
+    return None
+
+
+def _last_metrics_at(events: Sequence[Event], step: int) -> Mapping[str, Any] | None:
+    """The data of the last metrics event at ``step``: a checkpoint's metrics by default."""
+    for event in reversed(events):
+        if event.type == "metrics" and event.data["step"] == step:
+            return event.data
     return None
 
 
@@ -390,7 +483,7 @@ class IngestService:
         if principal is None:
             return _error(401, _REVOKED)
         try:
-            events = decode_batch(body)
+            events, texts = decode_batch_with_json(body)
         except WireError as exc:
             return _error(400, str(exc))
         first = events[0]
@@ -406,7 +499,7 @@ class IngestService:
             return _error(400, problem)
         now = self._now()
         try:
-            applied = self._store(principal, events, now=now)
+            applied = self._store(principal, events, texts, now=now)
         except SQLAlchemyError as exc:
             return _unavailable(exc)
         if applied is None:
@@ -471,12 +564,35 @@ class IngestService:
         )
         self._preemptions = select(attempts.ended_at).where(
             attempts.run_id == bindparam("run_id"),
-            attempts.state.in_([AttemptState.PREEMPTED, AttemptState.LOST]),
+            # Not in_(): an expanding IN is re-rendered on every execution.
+            or_(attempts.state == AttemptState.PREEMPTED, attempts.state == AttemptState.LOST),
             attempts.ended_at.is_not(None),
         )
+
+        def keep(name: str, col: Any) -> Any:
+            """SET col = COALESCE(:name, col): a NULL parameter leaves the column as it is."""
+            return func.coalesce(bindparam(name, type_=col.type), col)
+
+        # One statement for every batch, so SQLAlchemy compiles it once; building the
+        # UPDATE from the changed columns cost a compilation-cache look-up of a new
+        # statement per batch, five times the price of executing it.
+        self._update_attempt = (
+            update(_ATTEMPTS)
+            .where(attempts.id == bindparam("attempt_id"))
+            .values(
+                last_heartbeat=bindparam("p_now", type_=attempts.last_heartbeat.type),
+                last_seq=bindparam("p_last_seq", type_=attempts.last_seq.type),
+                last_step=keep("p_last_step", attempts.last_step),
+                step_time_s=keep("p_step_time_s", attempts.step_time_s),
+                resumed_from_step=keep("p_resumed_from_step", attempts.resumed_from_step),
+                started_at=keep("p_started_at", attempts.started_at),
+                preemption_notice_at=keep("p_notice_at", attempts.preemption_notice_at),
+                state=keep("p_state", attempts.state),
+            )
+        )
         # Untyped: the rows arrive already in the database's form (JSON text, and times
-        # as SQLite's DATETIME text or aware datetimes for psycopg2), which keeps the
-        # per-row Python to the minimum; this is the hot path.
+        # as the text of SQLite's DATETIME or a timestamptz literal; see _time_texts),
+        # which keeps the per-row Python to the minimum; this is the hot path.
         raw_events = table("events", *(column(name) for name in _EVENT_COLUMNS))
         dialect_insert = postgresql.insert if self._postgres else sqlite.insert
         self._insert_events: Insert = dialect_insert(raw_events).on_conflict_do_nothing(
@@ -522,14 +638,6 @@ class IngestService:
             )
         )
 
-    def _time_param(self) -> Callable[[float], Any]:
-        if self._postgres:
-            return _event_datetime
-        # The text SQLAlchemy's SQLite DATETIME stores (what UTCDateTime writes): naive UTC.
-        return lambda seconds: (_NAIVE_EPOCH + timedelta(seconds=seconds)).isoformat(
-            " ", "microseconds"
-        )
-
     def _insert(self, connection: Connection, rows: list[tuple[Any, ...]]) -> None:
         """One executemany of the events insert.
 
@@ -549,56 +657,67 @@ class IngestService:
             connection.exec_driver_sql(self._insert_events_sql, rows)
 
     def _store(
-        self, principal: _Principal, events: list[Event], *, now: datetime
+        self,
+        principal: _Principal,
+        events: list[Event],
+        texts: list[str] | None,
+        *,
+        now: datetime,
     ) -> _Applied | None:
-        """One transaction; ``None`` when the token was revoked meanwhile."""
+        """One transaction; ``None`` when the token was revoked meanwhile.
+
+        ``texts`` are the events' data as JSON text when the wire kept them (see
+        :func:`runner.wire.decode_batch_with_json`); otherwise each data is encoded here.
+        """
         attempt_id = principal.attempt_id
         with self._engine.begin() as connection:
             attempt = connection.execute(self._read_attempt, {"attempt_id": attempt_id}).first()
             if attempt is None or attempt.token_hash != principal.token_hash:
                 return None
-            new, duplicates = self._new_events(connection, attempt.last_seq, attempt_id, events)
+            where = self._new_events(connection, attempt.last_seq, attempt_id, events)
+            new = events if where is None else [events[i] for i in where]
+            if texts is None:
+                texts = [_dumps(event.data) for event in new]
+            elif where is not None:
+                texts = [texts[i] for i in where]
             applied = _Applied(
                 accepted=len(new),
-                duplicates=duplicates,
+                duplicates=len(events) - len(new),
                 run_id=principal.run_id,
                 attempt_number=attempt.number,
             )
             if not new:
                 return applied
-            as_time = self._time_param()
-            received = as_time(now.timestamp())
+            # The hot loop: one pass, no per-event objects beyond the row tuple. The
+            # times arrive as the database's text (see _time_texts) and the data as
+            # JSON text: the insert statement is untyped, so nothing converts them again.
+            suffix = "+00:00" if self._postgres else ""
+            times = [event.time for event in new]
+            at_texts = _time_texts(times, suffix=suffix)
+            received = _time_texts([now.timestamp()], suffix=suffix)[0]
             run_id = principal.run_id
             rows: list[tuple[Any, ...]] = []
+            row = rows.append
             steps: list[int] = []
             step_times: list[float] = []
-            last_metrics: dict[int, Mapping[str, Any]] = {}
-            observations = applied.observations
-            for event in new:
+            metrics: list[_Point] = []
+            system: list[_Point] = []
+            for event, at, text in zip(new, at_texts, texts, strict=True):
                 kind, data = event.type, event.data
-                rows.append(
-                    (
-                        attempt_id,
-                        run_id,
-                        event.seq,
-                        kind,
-                        as_time(event.time),
-                        _dumps(data),
-                        received,
-                    )
-                )
+                row((attempt_id, run_id, event.seq, kind, at, text, received))
                 if kind == "metrics":  # most events: the shortest path
                     steps.append(data["step"])
                     step_time = data["step_time_s"]
                     if step_time == step_time:  # not NaN
                         step_times.append(step_time)
-                    last_metrics[data["step"]] = data
-                    observations.append(Obs(event.time, kind, data))
+                    metrics.append((event.time, data))
                 elif kind == "system":
-                    observations.append(Obs(event.time, kind, data))
+                    system.append((event.time, data))
                 else:
                     self._rare(event, attempt.number, steps, applied)
-            applied.max_time = max(e.time for e in new)
+            applied.observations["metrics"] = metrics
+            applied.observations["system"] = system
+            applied.max_time = max(times)
             self._insert(connection, rows)
             self._apply(
                 connection,
@@ -606,7 +725,6 @@ class IngestService:
                 new,
                 steps=steps,
                 step_times=step_times,
-                last_metrics=last_metrics,
                 applied=applied,
                 now=now,
             )
@@ -621,14 +739,16 @@ class IngestService:
             if step is not None:
                 steps.append(step)
         if kind in WINDOW_EVENTS:
-            applied.observations.append(Obs(event.time, kind, {**data, "attempt": attempt_number}))
+            applied.observations.setdefault(kind, []).append(
+                (event.time, {**data, "attempt": attempt_number})
+            )
         if kind in LIFECYCLE_EVENTS:
             applied.lifecycle.append(event)
 
     def _new_events(
         self, connection: Connection, last_seq: int | None, attempt_id: str, events: list[Event]
-    ) -> tuple[list[Event], int]:
-        """The events not stored yet (first of each seq), and how many were duplicates."""
+    ) -> list[int] | None:
+        """Where the events not stored yet are (the first of each seq); None: all of them."""
         seqs = [e.seq for e in events]
         low = min(seqs)
         existing: set[int] = set()
@@ -640,13 +760,13 @@ class IngestService:
                 ).scalars()
             )
         if not existing and len(set(seqs)) == len(seqs):
-            return events, 0
-        new: list[Event] = []
-        for event in events:
-            if event.seq not in existing:
-                existing.add(event.seq)
-                new.append(event)
-        return new, len(events) - len(new)
+            return None
+        new: list[int] = []
+        for index, seq in enumerate(seqs):
+            if seq not in existing:
+                existing.add(seq)
+                new.append(index)
+        return new
 
     def _apply(
         self,
@@ -656,41 +776,46 @@ class IngestService:
         *,
         steps: list[int],
         step_times: list[float],
-        last_metrics: Mapping[int, Mapping[str, Any]],
         applied: _Applied,
         now: datetime,
     ) -> None:
         """The side effects of the new events, inside the batch's transaction."""
-        attempts = _ATTEMPTS.c
         run_id, attempt_id = applied.run_id, new[0].attempt
-        values: dict[str, Any] = {
-            "last_heartbeat": now,
-            "last_seq": max(e.seq for e in new)
-            if attempt.last_seq is None
-            else max(attempt.last_seq, max(e.seq for e in new)),
-        }
+        top_seq = max(e.seq for e in new)
         top_step = max(steps) if steps else None
-        if top_step is not None and (attempt.last_step is None or top_step > attempt.last_step):
-            values["last_step"] = top_step
-        if step_times:
-            values["step_time_s"] = statistics.median(step_times)
+        # The attempt row is locked (FOR UPDATE / BEGIN IMMEDIATE): what was read is current.
+        # None leaves a column as it is (see _update_attempt).
+        values: dict[str, Any] = {
+            "attempt_id": attempt_id,
+            "p_now": now,
+            "p_last_seq": top_seq if attempt.last_seq is None else max(attempt.last_seq, top_seq),
+            "p_last_step": top_step
+            if top_step is not None and (attempt.last_step is None or top_step > attempt.last_step)
+            else None,
+            "p_step_time_s": statistics.median(step_times) if step_times else None,
+            "p_resumed_from_step": None,
+            "p_started_at": None,
+            "p_notice_at": None,
+            "p_state": None,
+        }
         state = attempt.state
         committed: list[Event] = []
         for event in applied.lifecycle:
             kind, data = event.type, event.data
             if kind == "started":
                 state = self._started(state, attempt_id)
-                if attempt.started_at is None:
-                    values.setdefault("started_at", _event_datetime(event.time))
+                if attempt.started_at is None and values["p_started_at"] is None:
+                    values["p_started_at"] = _event_datetime(event.time)
             elif kind == "restored":
-                values["resumed_from_step"] = data["step"]
+                values["p_resumed_from_step"] = data["step"]
             elif kind == "preemption_notice" and attempt.preemption_notice_at is None:
-                values.setdefault("preemption_notice_at", _event_datetime(event.time))
+                if values["p_notice_at"] is None:
+                    values["p_notice_at"] = _event_datetime(event.time)
             elif kind == "checkpoint_committed":
                 committed.append(event)
         if state != attempt.state:
-            values["state"] = state
-        connection.execute(update(_ATTEMPTS).where(attempts.id == attempt_id).values(**values))
+            values["p_state"] = state
+        connection.execute(self._update_attempt, values)
         if top_step is not None:
             connection.execute(self._update_run_step, {"run_id": run_id, "step": top_step})
         for event in committed:
@@ -698,7 +823,7 @@ class IngestService:
             step = data["step"]
             metrics = data.get("metrics")
             if not isinstance(metrics, Mapping):
-                at_step = last_metrics.get(step)
+                at_step = _last_metrics_at(new, step)
                 metrics = {}
                 if at_step is not None:
                     metrics = dict(at_step.get("metrics") or {})
@@ -711,7 +836,7 @@ class IngestService:
                     "attempt_id": attempt_id,
                     "step": step,
                     "uri": data["uri"],
-                    "bytes": min(data["bytes"], _INT4_MAX) if self._postgres else data["bytes"],
+                    "bytes": data["bytes"],
                     "committed_at": _event_datetime(event.time),
                     "metrics": json_safe(dict(metrics)),
                     "deleted_at": None,
@@ -837,13 +962,13 @@ class IngestService:
                     .order_by(events.time.desc(), events.id.desc())
                     .limit(REBUILD_OBS)
                 ).all()
-                observations = []
+                points: list[_Point] = []
                 for row in reversed(rows):
                     data = restore_floats(row.data) if isinstance(row.data, Mapping) else {}
                     if kind not in ("metrics", "system"):
                         data = {**data, "attempt": row.number}
-                    observations.append(Obs(row.time.timestamp(), kind, data))
-                window.extend(observations)
+                    points.append((row.time.timestamp(), data))
+                window.extend({kind: points})
         return window
 
 

@@ -24,7 +24,7 @@ from datetime import datetime, timezone
 from enum import Enum
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, Dialect, Index, String, UniqueConstraint
+from sqlalchemy import JSON, BigInteger, DateTime, Dialect, Index, Integer, String, UniqueConstraint
 from sqlalchemy.types import TypeDecorator
 from sqlmodel import Field, SQLModel
 
@@ -60,6 +60,10 @@ NAMING_CONVENTION: dict[str, str] = {
     "pk": "pk_%(table_name)s",
 }
 SQLModel.metadata.naming_convention = NAMING_CONVENTION
+
+#: Steps, sequence numbers and byte counts: BIGINT on PostgreSQL, whose INTEGER is 32-bit
+#: (a 3 GiB checkpoint overflows it); INTEGER on SQLite, which is 64-bit already.
+_BIG_INT = BigInteger().with_variant(Integer(), "sqlite")
 
 
 def utcnow() -> datetime:
@@ -169,10 +173,10 @@ class Run(SQLModel, table=True):
     #: The budget alerts and the hard cap are measured against.
     budget_usd: float | None = None
     #: Steps the training is expected to take, when known (progress).
-    target_steps: int | None = None
+    target_steps: int | None = Field(default=None, sa_type=_BIG_INT)
     #: Latest step reported by any attempt, and latest committed checkpoint step.
-    last_step: int | None = None
-    last_committed_step: int | None = None
+    last_step: int | None = Field(default=None, sa_type=_BIG_INT)
+    last_committed_step: int | None = Field(default=None, sa_type=_BIG_INT)
     #: Attempts ended by preemption so far (the resubmit policy reads it).
     preemptions: int = 0
     #: Key of the chat command that created it: a retried command finds this run.
@@ -216,15 +220,15 @@ class Attempt(SQLModel, table=True):
     #: Why it ended, for people ("spot interruption notice", "no heartbeat for 15 min").
     end_reason: str | None = None
     last_heartbeat: datetime | None = Field(default=None, sa_type=UTCDateTime)
-    last_step: int | None = None
+    last_step: int | None = Field(default=None, sa_type=_BIG_INT)
     #: Highest event sequence number stored, so the ingest API can acknowledge batches.
-    last_seq: int | None = None
+    last_seq: int | None = Field(default=None, sa_type=_BIG_INT)
     #: When the runner or the provider first reported the preemption notice.
     preemption_notice_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
     #: Step this attempt resumed from (the newest committed checkpoint at launch).
-    resumed_from_step: int | None = None
+    resumed_from_step: int | None = Field(default=None, sa_type=_BIG_INT)
     #: Steps done after the last committed checkpoint and lost when the attempt ended.
-    lost_steps: int = 0
+    lost_steps: int = Field(default=0, sa_type=_BIG_INT)
     #: Paid seconds whose work was lost (since the last commit, plus start-up to restore).
     lost_seconds: float = 0.0
     #: Seconds the runner measured per step (median of recent steps), for lost-work figures.
@@ -246,7 +250,7 @@ class Event(SQLModel, table=True):
     id: int | None = Field(default=None, primary_key=True)
     attempt_id: str = Field(foreign_key="attempts.id")
     run_id: str = Field(foreign_key="runs.id")
-    seq: int
+    seq: int = Field(sa_type=_BIG_INT)
     #: The wire event type (``metrics``, ``checkpoint``, ``preempted``…).
     type: str
     #: When the runner says it happened.
@@ -264,10 +268,10 @@ class Checkpoint(SQLModel, table=True):
     id: int | None = Field(default=None, primary_key=True)
     run_id: str = Field(foreign_key="runs.id")
     attempt_id: str | None = Field(default=None, foreign_key="attempts.id")
-    step: int
+    step: int = Field(sa_type=_BIG_INT)
     #: The checkpoint's directory in the store (``…/{run_id}/step-0000000100``).
     uri: str
-    bytes: int = 0
+    bytes: int = Field(default=0, sa_type=_BIG_INT)
     committed_at: datetime = Field(sa_type=UTCDateTime)
     #: Metrics at that step, for keep-best retention.
     metrics: dict[str, Any] = Field(default_factory=dict, sa_type=JSON)

@@ -116,6 +116,35 @@ def test_a_database_from_a_newer_version_is_refused(db_engine: Engine) -> None:
         migrate(db_engine)
 
 
+def test_upgrading_a_database_with_rows_widens_steps_seqs_and_bytes(
+    empty_engine: Engine,
+) -> None:
+    with empty_engine.begin() as connection:
+        command.upgrade(alembic_config(connection), "0002")
+    add_run_and_attempt(empty_engine)
+    with session_scope(empty_engine) as session:
+        session.add(event(7, {"loss": 1.0}))
+
+    migrate(empty_engine)  # 0003, with a run, an attempt and an event in the tables
+
+    three_gib, big_step = 3 * 2**30, 5_000_000_000
+    with session_scope(empty_engine) as session:
+        session.add(event(2**40))
+        session.add(
+            Checkpoint(run_id="r-1", step=big_step, uri="u", bytes=three_gib, committed_at=NOW)
+        )
+        attempt = session.get(Attempt, "a-1")
+        assert attempt is not None
+        attempt.last_seq, attempt.last_step = 2**40, big_step
+    with session_scope(empty_engine) as session:
+        assert sorted(e.seq for e in session.exec(select(Event)).all()) == [7, 2**40]
+        checkpoint = session.exec(select(Checkpoint)).one()
+        assert (checkpoint.step, checkpoint.bytes) == (big_step, three_gib)
+        attempt = session.get(Attempt, "a-1")
+        assert attempt is not None and (attempt.last_seq, attempt.last_step) == (2**40, big_step)
+    assert schema_diff(empty_engine) == []
+
+
 def test_unreachable_database_is_a_database_error() -> None:
     engine = make_engine("postgresql://nobody@127.0.0.1:1/none?connect_timeout=2")
     with pytest.raises(DatabaseError, match="TRAINBOT_DATABASE_URL"):

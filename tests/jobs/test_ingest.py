@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from collections.abc import Sequence
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -17,7 +18,7 @@ from sqlalchemy import Engine, func, select, text
 from sqlmodel import Session, col
 from sqlmodel import select as sm_select
 
-from jobs.ingest import RECENT_OBS, IngestService
+from jobs.ingest import RECENT_OBS, IngestService, _time_texts
 from jobs.lifecycle import AttemptState
 from jobs.models import Attempt, Checkpoint, Event, Run, hash_token
 from jobs.rules import DivergentLoss, Rule, Signal
@@ -319,7 +320,7 @@ MALFORMED = [
                 "v": 1,
                 "attempt": "a-1",
                 "run": "r-1",
-                "events": [{"seq": 2**40, "type": "heartbeat", "time": T0, "data": {"step": 1}}],
+                "events": [{"seq": 2**63, "type": "heartbeat", "time": T0, "data": {"step": 1}}],
             }
         ).encode(),
         "events[0].seq",
@@ -608,3 +609,124 @@ def test_a_nan_is_not_thinned_out_of_the_window(db_engine: Engine) -> None:
     )
 
     assert len(recorder.fired("divergent_loss", "nan")) == 2
+
+
+# --- wide integers, exact times, stored data -------------------------------------------
+
+
+def test_steps_seqs_and_sizes_past_32_bits_are_stored_as_they_are(db_engine: Engine) -> None:
+    add_run(db_engine, state=AttemptState.RUNNING)
+    svc = service(db_engine)
+    step, three_gib, seq = 3_000_000_000, 3 * 2**30, 2**40
+    items = [
+        ("restored", {"step": step - 10, "fallback_from": None, "restore_s": 1.0}),
+        metrics(step),
+        ("checkpoint_committed", {"step": step, "bytes": three_gib, "write_s": 9.0, "uri": "u"}),
+    ]
+
+    result = svc.handle(AUTH, body(items, first_seq=seq, times=[T0, T0 + 1, T0 + 2]))
+
+    assert result.body == {"accepted": 3, "duplicates": 0}
+    attempt = attempt_row(db_engine)
+    assert (attempt.last_seq, attempt.last_step) == (seq + 2, step)
+    assert attempt.resumed_from_step == step - 10
+    run = run_row(db_engine)
+    assert (run.last_step, run.last_committed_step) == (step, step)
+    with Session(db_engine) as session:
+        (checkpoint,) = session.exec(sm_select(Checkpoint)).all()
+    assert (checkpoint.step, checkpoint.bytes) == (step, three_gib)
+    assert event_at(db_engine, seq + 1).data["step"] == step
+
+
+@pytest.mark.parametrize(
+    ("item", "where"),
+    [
+        (("heartbeat", {"step": 2**63}), "events[0].data.step: 9223372036854775808 is above"),
+        (
+            ("checkpoint_committed", {"step": 1, "bytes": 2**64, "write_s": 1.0, "uri": "u"}),
+            "events[0].data.bytes:",
+        ),
+    ],
+)
+def test_integers_past_64_bits_get_400(
+    db_engine: Engine, item: tuple[str, dict[str, Any]], where: str
+) -> None:
+    add_run(db_engine)
+    svc = service(db_engine)
+
+    result = svc.handle(AUTH, body([item]))
+
+    assert result.status == 400
+    assert result.body["error"].startswith(where)
+    assert count_events(db_engine) == 0
+
+
+def test_event_times_keep_their_microseconds(db_engine: Engine) -> None:
+    add_run(db_engine)
+    svc = service(db_engine)
+    whole = float(int(T0))
+    times = [whole, whole + 0.5e-6, whole + 1.5e-6, whole + 0.9999996, whole + 1.000001, 0.25]
+    epoch = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+    svc.handle(AUTH, body([metrics(i) for i in range(len(times))], times=times))
+
+    for seq, seconds in enumerate(times):
+        assert event_at(db_engine, seq).time == epoch + timedelta(seconds=seconds)
+
+
+def test_time_texts_are_what_sqlalchemy_writes_for_a_datetime() -> None:
+    rng = random.Random(7)
+    samples = [rng.uniform(0, 4e9) for _ in range(3000)]
+    samples += [int(s * 1e6) / 1e6 + 5e-7 for s in samples[:1000]]  # near half a microsecond
+    samples += [float(s) + f for s in range(1_700_000_000, 1_700_000_040) for f in (0.0, 1 - 1e-7)]
+    naive_epoch = datetime(1970, 1, 1)
+
+    texts = _time_texts(samples)
+
+    assert texts == [
+        (naive_epoch + timedelta(seconds=s)).isoformat(" ", "microseconds") for s in samples
+    ]
+    assert _time_texts([1.0], suffix="+00:00") == ["1970-01-01 00:00:01.000000+00:00"]
+
+
+def test_stored_data_matches_each_event_when_a_retry_overlaps(db_engine: Engine) -> None:
+    add_run(db_engine)
+    svc = service(db_engine)
+    svc.handle(AUTH, body([metrics(i, loss=float(i)) for i in range(0, 6)]))
+
+    svc.handle(AUTH, body([metrics(i, loss=float(i)) for i in range(3, 10)], first_seq=3))
+
+    for seq in range(10):
+        stored = event_at(db_engine, seq).data
+        assert (stored["step"], stored["loss"]) == (seq, float(seq))
+
+
+def test_a_body_in_another_layout_is_stored_the_same(db_engine: Engine) -> None:
+    add_run(db_engine)
+    svc = service(db_engine)
+    compact = body([metrics(0, math.nan), system(), ("log", {"level": "info", "message": "NaN"})])
+    pretty = json.dumps(json.loads(compact), indent=1).encode()
+
+    assert svc.handle(AUTH, pretty).body == {"accepted": 3, "duplicates": 0}
+
+    assert event_at(db_engine, 0).data == {**json.loads(compact)["events"][0]["data"]}
+    assert event_at(db_engine, 0).data["loss"] == "NaN"
+    assert event_at(db_engine, 2).data == {"level": "info", "message": "NaN"}
+
+
+def test_a_nan_in_the_thinned_part_of_a_large_batch_still_fires(db_engine: Engine) -> None:
+    add_run(db_engine)
+    recorder = Recorder()
+    svc = service(db_engine, recorder)
+    svc.handle(AUTH, body([metrics(i, 1.0) for i in range(10)]))
+    losses = [math.nan if i == 5 else 1.0 for i in range(3 * RECENT_OBS)]
+    times = [T0 + 10 + i * 0.01 for i in range(len(losses))]  # one thinning bucket
+
+    svc.handle(
+        AUTH, body([metrics(10 + i, x) for i, x in enumerate(losses)], first_seq=10, times=times)
+    )
+    svc.handle(AUTH, body([metrics(i, 1.0) for i in range(1000, 1010)], first_seq=1000))
+
+    nan = recorder.fired("divergent_loss", "nan")
+    assert len(nan) == 2  # the second batch and the third: the NaN stayed in the window
+    assert {s.data["step"] for s in nan} == {15}
