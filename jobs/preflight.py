@@ -29,7 +29,13 @@ from urllib.parse import unquote, urlparse
 
 from jobs.errors import TrainbotError
 from jobs.notify import CheckLine, PreflightMessage
-from jobs.providers.base import PASSTHROUGH_ENV, Provider, ResourceRequest, ZoneCapacity
+from jobs.providers.base import (
+    PASSTHROUGH_ENV,
+    Provider,
+    ProviderError,
+    ResourceRequest,
+    ZoneCapacity,
+)
 from jobs.providers.local import REGION as LOCAL_REGION
 from jobs.providers.local import LocalProvider
 from jobs.spec import JobSpec
@@ -186,7 +192,10 @@ class CapacityCheck:
     """Which zones offer the type now, ranked: capacity is a separate question from quota.
 
     With ``resources.on_demand_fallback`` and no spot capacity anywhere, it asks again
-    for on-demand capacity and warns that the run will pay on-demand prices.
+    for on-demand capacity and warns that the run will pay on-demand prices. Where the
+    provider can ask whether a launch in the best zone would be allowed without starting
+    anything (``check_launch_permissions``, EC2's ``DryRun``), it asks: a missing
+    credential or IAM permission found here costs a minute, found at launch a failed run.
     """
 
     name: str = "capacity"
@@ -199,6 +208,9 @@ class CapacityCheck:
         if not available and req.spot and ctx.spec.resources.on_demand_fallback:
             on_demand = ctx.provider.capacity(replace(req, spot=False))
             ranked = _ranked(on_demand)
+            refused = self._launch_refused(ctx, replace(req, spot=False), on_demand)
+            if refused is not None:
+                return refused
             if ranked:
                 names = ", ".join(z.zone for z in ranked)
                 return CheckResult(
@@ -222,6 +234,9 @@ class CapacityCheck:
                 "resources.on_demand_fallback=true",
                 data=_capacity_data(zones, available, on_demand=False),
             )
+        refused = self._launch_refused(ctx, req, zones)
+        if refused is not None:
+            return refused
         data = _capacity_data(zones, available, on_demand=False)
         listing = ", ".join(_zone_text(z) for z in available)
         missing = [z for z in req.zones if z not in {a.zone for a in available}]
@@ -238,6 +253,30 @@ class CapacityCheck:
         return CheckResult(
             self.name, Status.PASS, f"{what} available now in {listing} (best first)", data=data
         )
+
+    def _launch_refused(
+        self, ctx: PreflightContext, req: ResourceRequest, zones: Sequence[ZoneCapacity]
+    ) -> CheckResult | None:
+        """A FAIL when the provider says a launch in the best zone would be refused."""
+        probe = getattr(ctx.provider, "check_launch_permissions", None)
+        ranked = _ranked(zones)
+        if probe is None or not ranked:
+            return None
+        try:
+            probe(req, zone=ranked[0].zone)
+        except ProviderError as exc:
+            return CheckResult(
+                self.name,
+                Status.FAIL,
+                f"{_describe_request(req)} is available in {ranked[0].zone}, but a launch "
+                f"there would be refused: {exc}",
+                "grant the control plane what the message names, then run preflight again",
+                data={
+                    **_capacity_data(zones, ranked, on_demand=not req.spot),
+                    "launch_refused": str(exc),
+                },
+            )
+        return None
 
 
 def _ranked(zones: Sequence[ZoneCapacity]) -> list[ZoneCapacity]:

@@ -182,10 +182,17 @@ def preflight_then_launch(deps: Deps, run_id: str, *, launch: bool = True) -> No
             move_run(session, run, RunState.LAUNCHING, now=now)
         refresh_card(deps, session, run)
         state, budget = run.state, run.budget_usd
-    if state == RunState.LAUNCHING and budget:
-        _cloud_budget(deps, run_id, budget, spec.budget.thresholds)
     if state == RunState.LAUNCHING:
-        launch_attempt(deps, run_id)
+        _budget_then_launch(deps, run_id, budget=budget, thresholds=spec.budget.thresholds)
+
+
+def _budget_then_launch(
+    deps: Deps, run_id: str, *, budget: float | None, thresholds: Sequence[int]
+) -> None:
+    """Every way into LAUNCHING (checks passed, or a person confirmed) gets the cloud budget."""
+    if budget:
+        _cloud_budget(deps, run_id, budget, thresholds)
+    launch_attempt(deps, run_id)
 
 
 def _cloud_budget(deps: Deps, run_id: str, usd: float, thresholds: Sequence[int]) -> None:
@@ -219,8 +226,9 @@ def confirm(deps: Deps, run_id: str, actor: Actor) -> Run:
         move_run(session, run, RunState.LAUNCHING, now=now)
         say(deps, run, "info", f"{actor.user} confirmed the launch despite the warnings.")
         refresh_card(deps, session, run)
+        budget, thresholds = run.budget_usd, spec_of(run).budget.thresholds
         detach(session, run)
-    deps.background(launch_attempt, deps, run_id)
+    deps.background(_budget_then_launch, deps, run_id, budget=budget, thresholds=thresholds)
     return run
 
 
