@@ -1,0 +1,1 @@
+"""Price tables shipped with the providers: dated, each refreshed by its provider."""
