@@ -52,7 +52,7 @@ EVENTS_PATH = "/v1/events"
 #: Seconds a connection may sit idle (headers or body half sent) before it is dropped.
 SOCKET_TIMEOUT_S = 30.0
 #: After refusing a body unread, how long and how much to drain before closing.
-LINGER_S = 1.0
+LINGER_S = 5.0  # a slow client on a busy machine still gets to read its 413
 LINGER_MAX_BYTES = 64 << 20
 #: Upper bounds of the ingest latency histogram, in seconds.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
