@@ -24,7 +24,7 @@ from jobs.db import detach, session_scope
 from jobs.deps import Deps
 from jobs.errors import ConflictError, NotFound, PermissionDenied, SpecError
 from jobs.lifecycle import AttemptState, RunState
-from jobs.models import Alert, Attempt, Checkpoint, CommandLog, OnCall, Run, new_id, utcnow
+from jobs.models import Alert, Attempt, CommandLog, OnCall, Run, new_id, utcnow
 from jobs.notify import RunCard
 from jobs.providers.base import ProviderError
 from jobs.runs import (
@@ -471,16 +471,6 @@ def wait_for(deps: Deps, run_id: str, states: set[RunState], *, timeout_s: float
         if state in states or time.monotonic() > deadline:
             return state
         time.sleep(0.2)
-
-
-def checkpoints_kept(deps: Deps, run_id: str) -> list[int]:
-    with session_scope(deps.engine) as session:
-        rows = session.exec(
-            select(Checkpoint.step).where(
-                Checkpoint.run_id == run_id, col(Checkpoint.deleted_at).is_(None)
-            )
-        ).all()
-        return sorted(set(rows))
 
 
 __all__ = [

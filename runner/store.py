@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol
@@ -261,13 +260,6 @@ class LocalStore:
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
 
-    def local_path(self, key: str) -> Path:
-        """Where a key lives on disk (the local store only)."""
-        return self._path(key)
-
-    def remove_tree(self) -> None:
-        shutil.rmtree(self.root, ignore_errors=True)
-
 
 def open_store(uri: str | Path, *, endpoint_url: str | None = None) -> Store:
     """The store for a URI: a path, ``file://…`` or ``s3://bucket/prefix``.
@@ -310,12 +302,3 @@ def open_store(uri: str | Path, *, endpoint_url: str | None = None) -> Store:
 def run_store(checkpoint_uri: str, run_id: str) -> Store:
     """The store rooted at one run's checkpoints."""
     return open_store(f"{checkpoint_uri.rstrip('/')}/{run_id}")
-
-
-def iter_chunks(stream: BinaryIO, size: int = 8 << 20) -> Iterator[bytes]:
-    """Read a stream in chunks until it ends."""
-    while True:
-        chunk = stream.read(size)
-        if not chunk:
-            return
-        yield chunk
