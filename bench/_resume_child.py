@@ -15,14 +15,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import MiB, Never, build_skeleton
+from bench._common import Never, build_skeleton
 from runner.session import Session
 
 
 def main() -> int:
     imported = time.time()
-    size_mb = float(sys.argv[1])
-    model, opt = build_skeleton(int(size_mb * MiB))
+    model, opt = build_skeleton(int(sys.argv[1]))  # bytes of state, as the parent built it
     built = time.time()
     with Session.from_env(decision=Never()) as s:
         s.track(model=model, optimizer=opt)

@@ -108,7 +108,6 @@ def main(argv: list[str] | None = None) -> None:
         files = write_checkpoint(root, opts.size_bytes)
         nbytes = sum(p.stat().st_size for p in files)
         env = child_env({"TRAINBOT_CHECKPOINT_URI": str(root), "TRAINBOT_RUN_ID": RUN_ID})
-        size_mb = str(opts.size_bytes / MiB)
 
         def prepare() -> bool:
             if args.keep_page_cache or not drop_page_cache():
@@ -121,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
                 dropped = prepare()
                 cold = dropped if cold is None else cold and dropped
                 if contender == "ours":
-                    spawned, line = _run([sys.executable, str(CHILD), size_mb], env)
+                    spawned, line = _run([sys.executable, str(CHILD), str(opts.size_bytes)], env)
                     got = json.loads(line)
                     ours.append({k: v - spawned for k, v in got.items() if k.endswith("_at")})
                 else:
