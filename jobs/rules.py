@@ -73,6 +73,28 @@ class Signal:
     data: Mapping[str, Any] = field(default_factory=dict)
 
 
+def _cleared(
+    rule: str,
+    *,
+    key: str,
+    severity: Severity,
+    title: str,
+    detail: str,
+    data: Mapping[str, Any],
+) -> Signal:
+    """The signal a rule sends when its condition has cleared (lets the lifecycle resolve)."""
+    return Signal(
+        rule=rule,
+        key=key,
+        severity=severity,
+        title=title,
+        detail=detail,
+        hint="Nothing to do.",
+        resolved=True,
+        data=data,
+    )
+
+
 @dataclass(frozen=True)
 class Obs:
     """One observation: a runner event, or a synthetic one from the control plane."""
@@ -320,14 +342,13 @@ class DivergentLoss:
             return None  # a ratio to a non-positive loss means nothing
         line = factor * baseline
         if not all(loss > line for _, loss in recent):
-            return Signal(
-                rule=self.name,
+            return _cleared(
+                self.name,
                 key="spike",
                 severity=Severity.CRITICAL,
                 title=f"Loss of run {ctx.run_id} is back near its baseline",
                 detail=f"latest loss {_loss(finite[-1][1])} vs baseline {_loss(baseline)}",
-                hint="Nothing to do.",
-                resolved=True,
+                data={},
             )
         values = ", ".join(_loss(loss) for _, loss in recent)
         first_step, last_step = recent[0][0], recent[-1][0]
@@ -356,14 +377,13 @@ class DivergentLoss:
         low = min(losses)
         rising = slope > 0 and low > 0 and losses[-1] > _TREND_RATIO * low
         if not rising:
-            return Signal(
-                rule=self.name,
+            return _cleared(
+                self.name,
                 key="trend",
                 severity=Severity.WARNING,
                 title=f"Loss of run {ctx.run_id} is no longer rising",
                 detail=f"latest loss {_loss(losses[-1])}, window minimum {_loss(low)}",
-                hint="Nothing to do.",
-                resolved=True,
+                data={},
             )
         return Signal(
             rule=self.name,
@@ -428,14 +448,12 @@ class LowUtilisation:
         data = {"gpu_util": mean, "data_wait_fraction": wait}
         if mean >= threshold:
             return [
-                Signal(
-                    rule=self.name,
+                _cleared(
+                    self.name,
                     key="gpu",
                     severity=Severity.WARNING,
                     title=f"GPU utilisation of run {ctx.run_id} recovered to {mean:.0f}%",
                     detail=f"mean GPU utilisation {mean:.0f}% over the last {span}",
-                    hint="Nothing to do.",
-                    resolved=True,
                     data=data,
                 )
             ]
@@ -479,14 +497,12 @@ class LowUtilisation:
         data = {"gpu_util": None, "data_wait_fraction": wait}
         if wait <= threshold:
             return [
-                Signal(
-                    rule=self.name,
+                _cleared(
+                    self.name,
                     key="data-wait",
                     severity=Severity.WARNING,
                     title=f"Run {ctx.run_id} is no longer waiting on its input",
                     detail=f"data-wait {wait:.0%} of step time over the last {span}",
-                    hint="Nothing to do.",
-                    resolved=True,
                     data=data,
                 )
             ]
@@ -550,14 +566,12 @@ class Disk:
         figures = f"disk {pct:.1f}% used ({_bytes(used)} of {_bytes(total)})"
         data = {"percent": pct, "used": used, "total": total}
         if pct <= self.cfg.disk_percent:
-            return Signal(
-                rule=self.name,
+            return _cleared(
+                self.name,
                 key="threshold",
                 severity=Severity.WARNING,
                 title=f"Disk of run {ctx.run_id} is back to {pct:.0f}% used",
                 detail=figures,
-                hint="Nothing to do.",
-                resolved=True,
                 data=data,
             )
         critical = pct >= _DISK_CRITICAL
@@ -584,14 +598,12 @@ class Disk:
         horizon = self.cfg.disk_horizon_s
         eta = (total - used) / rate if rate > 0 else math.inf
         if eta > horizon:
-            return Signal(
-                rule=self.name,
+            return _cleared(
+                self.name,
                 key="full-in",
                 severity=Severity.WARNING,
                 title=f"Disk of run {ctx.run_id} is no longer filling fast",
                 detail=f"disk {100 * used / total:.1f}% used, growing {_bytes(rate * 60)}/min",
-                hint="Nothing to do.",
-                resolved=True,
                 data={"rate_bytes_per_s": rate},
             )
         eta = max(eta, 0.0)
@@ -829,14 +841,12 @@ class LostHeartbeat:
         data = {"silent_s": silent, "last_heartbeat": ctx.last_heartbeat}
         if silent <= deadline:
             return [
-                Signal(
-                    rule=self.name,
+                _cleared(
+                    self.name,
                     key="heartbeat",
                     severity=Severity.CRITICAL,
                     title=f"Run {ctx.run_id} is reporting again",
                     detail=f"last heartbeat {_duration(max(silent, 0.0))} ago",
-                    hint="Nothing to do.",
-                    resolved=True,
                     data=data,
                 )
             ]
