@@ -230,7 +230,17 @@ def runner_env(deps: Deps, run: Run, attempt: Attempt, spec: JobSpec) -> dict[st
 
 def launch_attempt(deps: Deps, run_id: str) -> Attempt | None:
     """Start the next attempt of a run, if it needs one. Safe to call concurrently."""
-    now = deps.clock()
+    try:
+        attempt_id = _new_attempt(deps, run_id, now=deps.clock())
+    except ConflictError:
+        # Another thread (a resubmit timer, reconcile) created this attempt number first;
+        # the unique (run, number) key refused ours when the transaction committed.
+        return None
+    return _provision(deps, attempt_id) if attempt_id is not None else None
+
+
+def _new_attempt(deps: Deps, run_id: str, *, now: datetime) -> str | None:
+    """Record the run's next attempt, REQUESTED, or say why there is none (None)."""
     with session_scope(deps.engine) as session:
         run = session.get(Run, run_id)
         if run is None or run.state not in (RunState.LAUNCHING, RunState.RECOVERING):
@@ -269,12 +279,7 @@ def launch_attempt(deps: Deps, run_id: str) -> Attempt | None:
         )
         attempt.token_hash = hash_token(deps.runner_token(attempt.id))
         session.add(attempt)
-        try:
-            session.flush()
-        except ConflictError:
-            return None  # another thread created this attempt number first
-        attempt_id = attempt.id
-    return _provision(deps, attempt_id)
+        return attempt.id
 
 
 def _provision(deps: Deps, attempt_id: str) -> Attempt | None:
@@ -306,7 +311,10 @@ def _provision(deps: Deps, attempt_id: str) -> Attempt | None:
         _launch_failed(deps, attempt_id, exc, now=now)
         return None
     with session_scope(deps.engine) as session:
-        attempt = session.get(Attempt, attempt_id)
+        # Locked, so that of two racing writers (reconcile adopting an attempt whose launch
+        # is in progress, and the launcher) the second sees the first's state. SQLite's
+        # BEGIN IMMEDIATE already serialises them; PostgreSQL needs the row lock.
+        attempt = session.get(Attempt, attempt_id, with_for_update=True)
         assert attempt is not None
         if attempt.state != AttemptState.REQUESTED:
             # Reconcile and the launcher both provisioned it (the launch is idempotent,

@@ -23,6 +23,7 @@ from typing import Any
 
 from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
 from apscheduler.schedulers.background import BackgroundScheduler
+from apscheduler.schedulers.base import STATE_STOPPED
 from apscheduler.triggers.cron import CronTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 from sqlalchemy import or_, update
@@ -101,6 +102,24 @@ def run_job(name: str) -> Any:
         return None
 
 
+class _Scheduler(BackgroundScheduler):
+    """A background scheduler that submits nothing once it is shut down.
+
+    APScheduler 3's loop wakes once more after ``shutdown()`` (which sets its event) and
+    processes the jobs then due with executors already shut down, logging "cannot schedule
+    new futures after shutdown" for each. The check sits under the job-store lock, which
+    ``shutdown()`` takes before it shuts the executors: a round already past the check
+    finishes its submissions first.
+    """
+
+    def _process_jobs(self) -> float | None:
+        with self._jobstores_lock:
+            if self.state == STATE_STOPPED:
+                return None
+            wait: float | None = super()._process_jobs()
+            return wait
+
+
 def start_scheduler(
     deps: Deps, *, start: bool = True, intervals: Mapping[str, float] | None = None
 ) -> BackgroundScheduler:
@@ -110,7 +129,7 @@ def start_scheduler(
     """
     _registry["deps"] = deps
     store = SQLAlchemyJobStore(engine=deps.engine, tablename="apscheduler_jobs")
-    scheduler = BackgroundScheduler(
+    scheduler = _Scheduler(
         jobstores={"default": store},
         job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": 3600},
         timezone=deps.settings.timezone,

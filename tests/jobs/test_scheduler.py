@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import logging
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -67,3 +69,22 @@ def test_a_job_runs_its_body_through_the_registry(db_engine, settings, tmp_path)
         stop_scheduler(scheduler)
         deps.close()
     assert run_job("reconcile") is None  # no control plane registered any more
+
+
+def test_stopping_with_jobs_due_submits_nothing_after_shutdown(
+    db_engine, settings, tmp_path, caplog
+) -> None:  # type: ignore[no-untyped-def]
+    """Jobs are due when the scheduler stops: none may reach the shut-down executor."""
+    deps = make_deps(db_engine, settings, tmp_path)
+    scheduler = start_scheduler(deps, start=False, intervals={"reconcile": 0.01, "spend": 0.01})
+    # Paused, the loop leaves the due jobs alone until shutdown wakes it for one more round.
+    scheduler.start(paused=True)
+    time.sleep(0.1)
+    assert any(
+        job.next_run_time is not None and job.next_run_time <= utcnow()
+        for job in scheduler.get_jobs()
+    )
+    with caplog.at_level(logging.ERROR, logger="apscheduler"):
+        stop_scheduler(scheduler)
+    deps.close()
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []

@@ -1,0 +1,172 @@
+"""Attempts end to end in the control plane's own code: lost work, and racing launches."""
+
+from __future__ import annotations
+
+import io
+import sys
+import threading
+from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine
+from sqlmodel import select
+
+from bot.console import ConsoleNotifier
+from jobs.db import session_scope
+from jobs.deps import Deps
+from jobs.lifecycle import AttemptState, RunState
+from jobs.models import Attempt, Run
+from jobs.notify import CallbackJournal
+from jobs.providers.local import LocalProvider
+from jobs.runs import end_attempt, launch_attempt, on_attempt_event, reconcile
+from jobs.settings import Settings
+from jobs.tasks import run_summary
+
+T0 = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
+
+
+class Clock:
+    """The control plane's clock, moved by the test."""
+
+    def __init__(self, now: datetime) -> None:
+        self.now = now
+
+    def __call__(self) -> datetime:
+        return self.now
+
+
+@pytest.fixture
+def deps(db_engine: Engine, settings: Settings, tmp_path: Path) -> Iterator[Deps]:
+    records: list[dict[str, Any]] = []
+    provider = LocalProvider(tmp_path / "local")
+    d = Deps(
+        settings=settings,
+        engine=db_engine,
+        provider=provider,
+        notifier=ConsoleNotifier(io.StringIO()),
+        journal=CallbackJournal(lambda t, run, data: records.append({"type": t, **data})),
+    )
+    d.records = records  # type: ignore[attr-defined]
+    yield d
+    d.close()
+    for inst in provider.list_instances():
+        if not inst.state.is_terminal():
+            provider.terminate(inst.instance_id)
+    provider.close()
+
+
+def _spec(**extra: Any) -> dict[str, Any]:
+    return {
+        "name": "tiny",
+        "command": [sys.executable, "-c", "import time; time.sleep(60)"],
+        "dry_run": {"enabled": False},
+        "resubmit": {"backoff_s": 3600},  # no resubmit during the test
+        **extra,
+    }
+
+
+def test_lost_time_counts_both_the_restore_and_the_steps_since_the_last_commit(
+    deps: Deps,
+) -> None:
+    """A resumed attempt loses its start-up and restore, then the steps done after its
+    last commit when it is preempted: run_summary's goodput counts both."""
+    clock = Clock(T0)
+    deps.clock = clock
+    with session_scope(deps.engine) as session:
+        run = Run(
+            id="r-lost", spec_name="tiny", spec=_spec(), requester="ada", state=RunState.RUNNING
+        )
+        run.last_committed_step = 100
+        run.last_step = 100
+        session.add(run)
+        session.flush()
+        attempt = Attempt(
+            id="a-lost",
+            run_id=run.id,
+            number=2,
+            provider="local",
+            state=AttemptState.RUNNING,
+            started_at=T0,
+            resumed_from_step=100,
+        )
+        session.add(attempt)
+    clock.now = T0 + timedelta(seconds=5)
+    on_attempt_event(deps, "a-lost", "restored", {"step": 100})
+    with session_scope(deps.engine) as session:
+        a = session.get(Attempt, "a-lost")
+        assert a is not None and a.lost_seconds == pytest.approx(5.0)
+        # What the ingest API records from the runner's metrics: step 120 at 1 s a step.
+        a.last_step = 120
+        a.step_time_s = 1.0
+        session.add(a)
+    clock.now = T0 + timedelta(seconds=40)
+    end_attempt(deps, "a-lost", state=AttemptState.PREEMPTED, exit_code=75, reason="preempted")
+    with session_scope(deps.engine) as session:
+        a = session.get(Attempt, "a-lost")
+        assert a is not None and a.state == AttemptState.PREEMPTED
+        assert a.lost_steps == 20
+        assert a.lost_seconds == pytest.approx(5.0 + 20.0)
+    summary = run_summary(deps, "r-lost")
+    assert summary["paid_s"] == pytest.approx(40.0)
+    assert summary["lost_s"] == pytest.approx(25.0)
+    assert summary["goodput"] == pytest.approx(1 - 25 / 40, abs=1e-4)
+
+
+def _new_run(deps: Deps, run_id: str) -> None:
+    with session_scope(deps.engine) as session:
+        session.add(
+            Run(
+                id=run_id, spec_name="tiny", spec=_spec(), requester="ada", state=RunState.LAUNCHING
+            )
+        )
+
+
+def test_reconcile_racing_a_launch_records_one_instance_once(deps: Deps) -> None:
+    """Reconcile runs while launches are in progress (the instance exists, the database
+    does not know it yet): it may adopt the attempt, but the launch and the adoption
+    record it once, with no illegal transition and no second instance."""
+    run_ids = [f"r-race-{i}" for i in range(8)]
+    for run_id in run_ids:
+        _new_run(deps, run_id)
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def reconcile_loop() -> None:
+        while not done.is_set():
+            try:
+                reconcile(deps)
+            except BaseException as exc:  # the assertion below reports it
+                errors.append(exc)
+                return
+
+    def launch(run_id: str) -> None:
+        try:
+            launch_attempt(deps, run_id)
+        except BaseException as exc:
+            errors.append(exc)
+
+    reconciler = threading.Thread(target=reconcile_loop)
+    reconciler.start()
+    try:
+        launchers = [threading.Thread(target=launch, args=(r,)) for r in run_ids]
+        for t in launchers:
+            t.start()
+        for t in launchers:
+            t.join(timeout=60)
+    finally:
+        done.set()
+        reconciler.join(timeout=60)
+    assert errors == []
+    with session_scope(deps.engine) as session:
+        attempts = session.exec(select(Attempt)).all()
+    assert sorted(a.run_id for a in attempts) == sorted(run_ids)
+    assert all(a.state == AttemptState.PROVISIONING and a.instance_id for a in attempts)
+    launched = [r["attempt_id"] for r in deps.records if r["type"] == "launched"]  # type: ignore[attr-defined]
+    assert sorted(launched) == sorted(a.id for a in attempts)
+    per_attempt: dict[str, int] = {}
+    for inst in deps.provider.list_instances():
+        per_attempt[inst.attempt_id] = per_attempt.get(inst.attempt_id, 0) + 1
+    assert per_attempt == {a.id: 1 for a in attempts}
