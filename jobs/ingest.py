@@ -36,7 +36,6 @@ budget rule stays quiet on this path and the spend job, which knows the money, d
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import statistics
@@ -46,6 +45,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
+from itertools import repeat
 from typing import Any, cast
 
 from sqlalchemy import (
@@ -74,7 +74,7 @@ from jobs.models import Event as EventRow
 from jobs.rules import AlertConfig, Obs, Rule, RunContext, Signal, default_rules, evaluate_all
 from jobs.spec import AlertThresholds
 from runner.errors import WireError
-from runner.wire import Event, decode_batch_with_json, json_safe, restore_floats
+from runner.wire import Batch, Event, decode_batch_columns, json_safe, restore_floats
 
 __all__ = [
     "LIFECYCLE_EVENTS",
@@ -121,7 +121,6 @@ _MAX_UNIX_TIME = 253_402_300_799.0
 #: The events insert's columns, in the order of the row tuples.
 _EVENT_COLUMNS = ("attempt_id", "run_id", "seq", "type", "time", "data", "received_at")
 _STEP_EVENTS = frozenset({"metrics", "heartbeat", "checkpoint_committed", "restored"})
-_JSON = json.JSONEncoder(allow_nan=False, separators=(",", ":"), check_circular=False)
 
 
 def _table(model: type[SQLModel]) -> Table:
@@ -353,14 +352,6 @@ def _time_texts(times: Sequence[float], *, suffix: str = "") -> list[str]:
     return texts
 
 
-def _dumps(data: Mapping[str, Any]) -> str:
-    """Standard JSON (PostgreSQL refuses NaN): non-finite floats travel as the wire's strings."""
-    try:
-        return _JSON.encode(data)
-    except ValueError:
-        return _JSON.encode(json_safe(data))
-
-
 #: Event types with integers that land in 64-bit columns (steps, checkpoint bytes).
 _INT_COLUMN_FIELDS = {
     "metrics": ("step",),
@@ -370,27 +361,66 @@ _INT_COLUMN_FIELDS = {
 }
 
 
-def _check_ranges(events: Sequence[Event]) -> str | None:
-    """What the wire allows but the tables cannot hold; checked before anything is written."""
-    for index, event in enumerate(events):
-        if event.seq > _INT8_MAX:
-            return f"events[{index}].seq: {event.seq} is above {_INT8_MAX}"
-        if not event.time < _MAX_UNIX_TIME:
-            return f"events[{index}].time: {event.time} is not a plausible unix time"
-        names = _INT_COLUMN_FIELDS.get(event.type)
-        if names is not None:
-            for name in names:
-                value = event.data.get(name)
-                if isinstance(value, int) and value > _INT8_MAX:
-                    return f"events[{index}].data.{name}: {value} is above {_INT8_MAX}"
+@dataclass
+class _Kinds:
+    """Where each kind of event is in a batch's columns."""
+
+    #: Positions of the metrics events: nearly all of them.
+    metrics: list[int]
+    #: Positions of every other event.
+    others: list[int]
+
+    @classmethod
+    def of(cls, types: Sequence[str]) -> _Kinds:
+        metrics = [i for i, kind in enumerate(types) if kind == "metrics"]
+        if len(metrics) == len(types):
+            return cls(metrics, [])
+        return cls(metrics, [i for i, kind in enumerate(types) if kind != "metrics"])
+
+
+def _check_ranges(batch: Batch, kinds: _Kinds) -> str | None:
+    """What the wire allows but the tables cannot hold; checked before anything is written.
+
+    A quick pass over whole columns; only a batch that fails it is walked event by
+    event, to name the first offender as the message always has.
+    """
+    data = batch.data
+    if (
+        max(batch.seqs) <= _INT8_MAX
+        and max(batch.times) < _MAX_UNIX_TIME
+        and (not kinds.metrics or max(data[i]["step"] for i in kinds.metrics) <= _INT8_MAX)
+        and all(_fits(batch.types[i], data[i]) for i in kinds.others)
+    ):
+        return None
+    for index in range(len(batch)):
+        seq, time, kind = batch.seqs[index], batch.times[index], batch.types[index]
+        if seq > _INT8_MAX:
+            return f"events[{index}].seq: {seq} is above {_INT8_MAX}"
+        if not time < _MAX_UNIX_TIME:
+            return f"events[{index}].time: {time} is not a plausible unix time"
+        for name in _INT_COLUMN_FIELDS.get(kind, ()):
+            value = data[index].get(name)
+            if isinstance(value, int) and value > _INT8_MAX:
+                return f"events[{index}].data.{name}: {value} is above {_INT8_MAX}"
     return None
 
 
-def _last_metrics_at(events: Sequence[Event], step: int) -> Mapping[str, Any] | None:
+def _fits(kind: str, data: Mapping[str, Any]) -> bool:
+    """Whether the integers of an event that land in 64-bit columns fit there."""
+    for name in _INT_COLUMN_FIELDS.get(kind, ()):
+        value = data.get(name)
+        if isinstance(value, int) and value > _INT8_MAX:
+            return False
+    return True
+
+
+def _last_metrics_at(
+    types: Sequence[str], data: Sequence[Mapping[str, Any]], step: int
+) -> Mapping[str, Any] | None:
     """The data of the last metrics event at ``step``: a checkpoint's metrics by default."""
-    for event in reversed(events):
-        if event.type == "metrics" and event.data["step"] == step:
-            return event.data
+    for index in range(len(types) - 1, -1, -1):
+        if types[index] == "metrics" and data[index]["step"] == step:
+            return data[index]
     return None
 
 
@@ -483,23 +513,22 @@ class IngestService:
         if principal is None:
             return _error(401, _REVOKED)
         try:
-            events, texts = decode_batch_with_json(body)
+            batch = decode_batch_columns(body)
         except WireError as exc:
             return _error(400, str(exc))
-        first = events[0]
-        if first.attempt != principal.attempt_id or first.run != principal.run_id:
+        if batch.attempt != principal.attempt_id or batch.run != principal.run_id:
             return _error(
                 403,
                 f"this token belongs to attempt {principal.attempt_id} of run "
-                f"{principal.run_id}, but the batch is for attempt {first.attempt} of run "
-                f"{first.run}: a token is scoped to its attempt",
+                f"{principal.run_id}, but the batch is for attempt {batch.attempt} of run "
+                f"{batch.run}: a token is scoped to its attempt",
             )
-        problem = _check_ranges(events)
+        problem = _check_ranges(batch, _Kinds.of(batch.types))
         if problem is not None:
             return _error(400, problem)
         now = self._now()
         try:
-            applied = self._store(principal, events, texts, now=now)
+            applied = self._store(principal, batch, now=now)
         except SQLAlchemyError as exc:
             return _unavailable(exc)
         if applied is None:
@@ -656,66 +685,56 @@ class IngestService:
         else:
             connection.exec_driver_sql(self._insert_events_sql, rows)
 
-    def _store(
-        self,
-        principal: _Principal,
-        events: list[Event],
-        texts: list[str] | None,
-        *,
-        now: datetime,
-    ) -> _Applied | None:
+    def _store(self, principal: _Principal, batch: Batch, *, now: datetime) -> _Applied | None:
         """One transaction; ``None`` when the token was revoked meanwhile.
 
-        ``texts`` are the events' data as JSON text when the wire kept them (see
-        :func:`runner.wire.decode_batch_with_json`); otherwise each data is encoded here.
+        Each event's ``data`` column gets the JSON text the wire decoded it from
+        (:attr:`runner.wire.Batch.texts`), not an encoding of the normalised dict.
         """
         attempt_id = principal.attempt_id
         with self._engine.begin() as connection:
             attempt = connection.execute(self._read_attempt, {"attempt_id": attempt_id}).first()
             if attempt is None or attempt.token_hash != principal.token_hash:
                 return None
-            where = self._new_events(connection, attempt.last_seq, attempt_id, events)
-            new = events if where is None else [events[i] for i in where]
-            if texts is None:
-                texts = [_dumps(event.data) for event in new]
-            elif where is not None:
-                texts = [texts[i] for i in where]
+            new = self._new_events(connection, attempt.last_seq, attempt_id, batch)
             applied = _Applied(
                 accepted=len(new),
-                duplicates=len(events) - len(new),
+                duplicates=len(batch) - len(new),
                 run_id=principal.run_id,
                 attempt_number=attempt.number,
             )
             if not new:
                 return applied
-            # The hot loop: one pass, no per-event objects beyond the row tuple. The
-            # times arrive as the database's text (see _time_texts) and the data as
-            # JSON text: the insert statement is untyped, so nothing converts them again.
+            # The hot path: whole columns, no object per event beyond the row tuple. The
+            # times go in as the database's text (see _time_texts) and the data as JSON
+            # text: the insert statement is untyped, so nothing converts them again.
+            seqs, types, times = new.seqs, new.types, new.times
             suffix = "+00:00" if self._postgres else ""
-            times = [event.time for event in new]
-            at_texts = _time_texts(times, suffix=suffix)
-            received = _time_texts([now.timestamp()], suffix=suffix)[0]
-            run_id = principal.run_id
-            rows: list[tuple[Any, ...]] = []
-            row = rows.append
-            steps: list[int] = []
-            step_times: list[float] = []
-            metrics: list[_Point] = []
+            rows = list(
+                zip(
+                    repeat(attempt_id),
+                    repeat(principal.run_id),
+                    seqs,
+                    types,
+                    _time_texts(times, suffix=suffix),
+                    new.texts,
+                    repeat(_time_texts([now.timestamp()], suffix=suffix)[0]),
+                )
+            )
+            kinds = _Kinds.of(types)
+            data = new.data
+            metrics = [data[i] for i in kinds.metrics]
+            steps = [d["step"] for d in metrics]
+            step_times = [s for s in (d["step_time_s"] for d in metrics) if s == s]  # not NaN
+            applied.observations["metrics"] = list(
+                zip([times[i] for i in kinds.metrics], metrics, strict=True)
+            )
             system: list[_Point] = []
-            for event, at, text in zip(new, at_texts, texts, strict=True):
-                kind, data = event.type, event.data
-                row((attempt_id, run_id, event.seq, kind, at, text, received))
-                if kind == "metrics":  # most events: the shortest path
-                    steps.append(data["step"])
-                    step_time = data["step_time_s"]
-                    if step_time == step_time:  # not NaN
-                        step_times.append(step_time)
-                    metrics.append((event.time, data))
-                elif kind == "system":
-                    system.append((event.time, data))
+            for index in kinds.others:  # a few per batch
+                if types[index] == "system":
+                    system.append((times[index], data[index]))
                 else:
-                    self._rare(event, attempt.number, steps, applied)
-            applied.observations["metrics"] = metrics
+                    self._rare(new.event(index), attempt.number, steps, applied)
             applied.observations["system"] = system
             applied.max_time = max(times)
             self._insert(connection, rows)
@@ -746,10 +765,10 @@ class IngestService:
             applied.lifecycle.append(event)
 
     def _new_events(
-        self, connection: Connection, last_seq: int | None, attempt_id: str, events: list[Event]
-    ) -> list[int] | None:
-        """Where the events not stored yet are (the first of each seq); None: all of them."""
-        seqs = [e.seq for e in events]
+        self, connection: Connection, last_seq: int | None, attempt_id: str, batch: Batch
+    ) -> Batch:
+        """The events not stored yet (the first of each seq): usually the whole batch."""
+        seqs = batch.seqs
         low = min(seqs)
         existing: set[int] = set()
         if last_seq is not None and low <= last_seq:
@@ -760,19 +779,19 @@ class IngestService:
                 ).scalars()
             )
         if not existing and len(set(seqs)) == len(seqs):
-            return None
-        new: list[int] = []
+            return batch
+        keep: list[int] = []
         for index, seq in enumerate(seqs):
             if seq not in existing:
                 existing.add(seq)
-                new.append(index)
-        return new
+                keep.append(index)
+        return batch.select(keep)
 
     def _apply(
         self,
         connection: Connection,
         attempt: Any,
-        new: list[Event],
+        new: Batch,
         *,
         steps: list[int],
         step_times: list[float],
@@ -780,8 +799,8 @@ class IngestService:
         now: datetime,
     ) -> None:
         """The side effects of the new events, inside the batch's transaction."""
-        run_id, attempt_id = applied.run_id, new[0].attempt
-        top_seq = max(e.seq for e in new)
+        run_id, attempt_id = applied.run_id, new.attempt
+        top_seq = max(new.seqs)
         top_step = max(steps) if steps else None
         # The attempt row is locked (FOR UPDATE / BEGIN IMMEDIATE): what was read is current.
         # None leaves a column as it is (see _update_attempt).
@@ -823,7 +842,7 @@ class IngestService:
             step = data["step"]
             metrics = data.get("metrics")
             if not isinstance(metrics, Mapping):
-                at_step = _last_metrics_at(new, step)
+                at_step = _last_metrics_at(new.types, new.data, step)
                 metrics = {}
                 if at_step is not None:
                     metrics = dict(at_step.get("metrics") or {})

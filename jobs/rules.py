@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from enum import Enum
+from operator import attrgetter
 from typing import Any, Protocol
 
 from runner import EXIT_PREEMPTED
@@ -214,6 +215,10 @@ _DISK_FIT_MIN_POINTS = 3
 def _num(data: Mapping[str, Any], key: str) -> float | None:
     """A numeric payload field as float, or None when it is missing or of the wrong type."""
     value = data.get(key)
+    if type(value) is float:  # nearly always: the rules read every observation per batch
+        return value
+    if type(value) is int:
+        return float(value)
     if isinstance(value, bool):
         return None
     if isinstance(value, (int, float)):
@@ -227,12 +232,18 @@ def _num(data: Mapping[str, Any], key: str) -> float | None:
 
 
 def _int(data: Mapping[str, Any], key: str) -> int | None:
+    exact = data.get(key)
+    if type(exact) is int:
+        return exact
     value = _num(data, key)
     return int(value) if value is not None and math.isfinite(value) else None
 
 
+_TIME = attrgetter("time")
+
+
 def _of_type(window: Sequence[Obs], kind: str) -> list[Obs]:
-    return sorted((o for o in window if o.type == kind), key=lambda o: o.time)
+    return sorted([o for o in window if o.type == kind], key=_TIME)
 
 
 def _attempt(obs: Obs, ctx: RunContext) -> int:

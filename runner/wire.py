@@ -53,11 +53,13 @@ from __future__ import annotations
 import json
 import math
 import numbers
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
+from itertools import repeat
 from typing import Any
+
+import orjson
 
 from runner.errors import WireError
 
@@ -65,8 +67,10 @@ __all__ = [
     "EVENT_TYPES",
     "EXIT_REASONS",
     "WIRE_VERSION",
+    "Batch",
     "Event",
     "decode_batch",
+    "decode_batch_columns",
     "decode_batch_with_json",
     "encode_batch",
     "event_from_wire",
@@ -460,9 +464,11 @@ def event_to_wire(event: Event, *, where: str = "event") -> dict[str, Any]:
 
 
 _EVENT_KEYS = ("seq", "type", "time", "data")
+#: One checked event without its attempt and run: (seq, type, time, data).
+_Fields = tuple[int, str, float, dict[str, Any]]
 
 
-def _event(obj: Any, attempt: str, run: str) -> Event:
+def _event_fields(obj: Any, attempt: str, run: str) -> _Fields:
     """One decoded event object, checked; _Invalid's path is relative to the event."""
     if type(obj) is not dict and not isinstance(obj, Mapping):
         raise _Invalid(f"expected an object, got {_describe(obj)}")
@@ -483,10 +489,10 @@ def _event(obj: Any, attempt: str, run: str) -> Event:
                     "send one batch per attempt",
                     f".{key}",
                 )
-    return _event_parts(attempt, run, seq, kind, time, data)
+    return _event_parts(seq, kind, time, data)
 
 
-def _event_parts(attempt: str, run: str, seq: Any, kind: Any, time: Any, data: Any) -> Event:
+def _event_parts(seq: Any, kind: Any, time: Any, data: Any) -> _Fields:
     """The checks of one event's fields, in the order their errors are reported."""
     spec = _PAYLOADS.get(kind) if type(kind) is str else None
     if spec is None:
@@ -499,15 +505,16 @@ def _event_parts(attempt: str, run: str, seq: Any, kind: Any, time: Any, data: A
         data = _check_payload(spec, data)
     except _Invalid as exc:
         raise exc.below(".data") from None
-    return Event(attempt, seq, spec.type, time, run, data)
+    return seq, spec.type, time, data
 
 
 def event_from_wire(obj: Any, *, attempt: str, run: str, where: str = "event") -> Event:
     """Check one decoded event object and build the Event."""
     try:
-        return _event(obj, attempt, run)
+        seq, kind, time, data = _event_fields(obj, attempt, run)
     except _Invalid as exc:
         raise exc.at(where) from None
+    return Event(attempt, seq, kind, time, run, data)
 
 
 def _identifier(value: Any, where: str) -> str:
@@ -549,18 +556,51 @@ def encode_batch(events: Sequence[Event]) -> bytes:
     return text.encode("utf-8")
 
 
+# --- decoding -------------------------------------------------------------------------------
+#
+# Decoding is the ingest API's hot path: every event of every runner passes here. The
+# body is parsed by orjson, several times faster than the json module. An event as
+# encode_batch writes it (the four keys, a plain metrics or system payload: exactly its
+# fields, each already of the type it decodes to) is accepted by one test per field
+# and keeps the parsed dict as its data; every other event goes through the general
+# checks above, which build a normalised copy and name the first bad field.
+#
+# orjson and the json module disagree on a few inputs, and the json module's answers
+# are the contract (decode_batch always used it). orjson refuses what standard JSON
+# lacks but json.loads accepts (numbers beyond a double such as 1e999, lone surrogates
+# in strings, a byte-order mark, UTF-16 and UTF-32 bodies), and turns integers beyond
+# 64 bits into floats. So a body with a run of 19 digits or more (the only way to write
+# such an integer; Python never writes a float with one) goes to the json module, and
+# so does every body orjson refuses: the json module then accepts what it always
+# accepted, or fails with the message it always gave.
+
+#: Digits stay, everything else becomes a space: a long number is a run of "0"s after.
+_DIGITS_ONLY = bytes(48 if 48 <= byte <= 57 else 32 for byte in range(256))
+_LONG_NUMBER = b"0" * 19
+
+
 def _reject_constant(name: str) -> Any:
     raise WireError(
         f"body: {name} is not standard JSON; send non-finite floats as the string {name!r}"
     )
 
 
-def decode_batch(body: bytes, *, max_events: int = 10_000) -> list[Event]:
-    """Parse and check one batch; WireError names the first bad field and its index."""
+def _parse(body: bytes) -> tuple[Any, bool]:
+    """The parsed body, and whether orjson parsed it (then it holds no NaN or infinity,
+    and every integer fits in 64 bits)."""
+    if _LONG_NUMBER not in body.translate(_DIGITS_ONLY):
+        try:
+            return orjson.loads(body), True
+        except orjson.JSONDecodeError:
+            pass  # the json module says what is wrong, or accepts what it always has
     try:
-        obj = json.loads(body, parse_constant=_reject_constant)
+        return json.loads(body, parse_constant=_reject_constant), False
     except ValueError as exc:
         raise WireError(f"body: not valid JSON ({exc}); send a batch from encode_batch") from exc
+
+
+def _batch_head(obj: Any, max_events: int) -> tuple[str, str, list[Any]]:
+    """attempt, run and the events list of a parsed body; WireError if any is wrong."""
     if not isinstance(obj, dict):
         raise WireError(f"body: expected a JSON object, got {type(obj).__name__}")
     if "v" not in obj:
@@ -585,95 +625,182 @@ def decode_batch(body: bytes, *, max_events: int = 10_000) -> list[Event]:
             f"events: {len(events)} events in one batch, more than {max_events}; "
             "send smaller batches"
         )
-    decoded: list[Event] = []
-    append = decoded.append
+    return attempt, run, events
+
+
+def _plain_metrics(data: dict[str, Any]) -> bool:
+    """A metrics payload with exactly its fields, each of the type it decodes to, so the
+    general checks would return an equal dict."""
+    if len(data) != 5:
+        return False
     try:
-        for item in events:
-            append(_event(item, attempt, run))
-    except _Invalid as exc:
-        raise exc.at(f"events[{len(decoded)}]") from None
-    return decoded
+        step, loss = data["step"], data["loss"]
+        step_time, wait, metrics = data["step_time_s"], data["data_wait_fraction"], data["metrics"]
+    except KeyError:
+        return False
+    if type(step) is not int or step < 0 or type(step_time) is not float:
+        return False
+    if (loss is not None and type(loss) is not float) or type(metrics) is not dict:
+        return False
+    if wait is not None and (type(wait) is not float or not 0.0 <= wait <= 1.0):
+        return False
+    for value in metrics.values():  # noqa: SIM110 (a loop is faster than all() here)
+        if type(value) is not float:
+            return False
+    return True
 
 
-# --- decoding with each event's data text -------------------------------------------------
-#
-# The control plane stores each event's data as JSON text. Encoding the decoded dict
-# again cost as much as decoding it, and the text is already in the body: a batch laid
-# out as encode_batch writes it is split here with two regular expressions around the
-# json module's own decoder, which parses each data object and says where it ends. Any
-# other layout (whitespace, another key order, escapes in the ids) is decoded by
-# decode_batch; so is anything malformed, so the errors are decode_batch's.
-
-_BATCH_HEAD = re.compile(
-    r'\{"v":1,"attempt":"([^"\\\x00-\x1f]+)","run":"([^"\\\x00-\x1f]+)","events":\['
-)
-_EVENT_HEAD = re.compile(
-    r'\{"seq":(0|[1-9][0-9]*),"type":"([a-z_]+)",'
-    r'"time":((?:0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?),"data":'
-)
-_DATA_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
-
-
-def _decode_laid_out(body: bytes, max_events: int) -> tuple[list[Event], list[str]] | None:
-    """The events and their data texts of a body laid out as encode_batch writes it;
-    None for any other layout, and for anything invalid: decode_batch then takes over
-    and reports what is wrong (a syntax error later in the body comes first there)."""
+def _plain_system(data: dict[str, Any]) -> bool:
+    """:func:`_plain_metrics` for a system payload."""
+    if len(data) != 5:
+        return False
     try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError:
-        return None
-    head = _BATCH_HEAD.match(text)
-    if head is None:
-        return None
-    attempt, run = head.groups()
-    events: list[Event] = []
-    texts: list[str] = []
-    match = _EVENT_HEAD.match
-    raw_decode = _DATA_DECODER.raw_decode
-    pos = head.end()
-    while True:
-        found = match(text, pos)
-        if found is None or len(events) == max_events:
-            return None
-        start = found.end()
-        seq, kind, time, fraction, exponent = found.groups()
-        try:
-            data, end = raw_decode(text, start)
-            # The numbers as json.loads makes them: ints unless there is a fraction or an
-            # exponent; int() refuses thousands of digits with a ValueError, as json does.
-            events.append(
-                _event_parts(
-                    attempt,
-                    run,
-                    int(seq),
-                    kind,
-                    float(time) if fraction or exponent else int(time),
-                    data,
-                )
+        gpu, count = data["gpu_util"], data["gpu_count"]
+        used, total, path = data["disk_used"], data["disk_total"], data["disk_path"]
+    except KeyError:
+        return False
+    return (
+        (gpu is None or (type(gpu) is float and 0.0 <= gpu <= 100.0))
+        and type(count) is int
+        and count >= 0
+        and type(used) is int
+        and used >= 0
+        and type(total) is int
+        and total >= 0
+        and type(path) is str
+    )
+
+
+_PLAIN: dict[str, Callable[[dict[str, Any]], bool]] = {
+    "metrics": _plain_metrics,
+    "system": _plain_system,
+}
+
+
+def _json_text(data: Any) -> str:
+    """Standard JSON for any decoded data: the wire's strings for non-finite floats
+    (json.loads makes inf of 1e999), integers of any size."""
+    return json.dumps(json_safe(data), allow_nan=False, separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A decoded, checked batch, one list per field: what the ingest API stores.
+
+    ``data[i]`` is event i's payload, normalised as in :class:`Event`; ``texts[i]`` the
+    same payload as standard JSON text, as the runner sent it (non-finite floats as the
+    wire's strings, a number field sent as ``1`` still ``1``).
+    """
+
+    attempt: str
+    run: str
+    seqs: list[int]
+    types: list[str]
+    times: list[float]
+    data: list[dict[str, Any]]
+    texts: list[str]
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def event(self, index: int) -> Event:
+        """Event ``index`` as an :class:`Event`."""
+        return Event(
+            self.attempt,
+            self.seqs[index],
+            self.types[index],
+            self.times[index],
+            self.run,
+            self.data[index],
+        )
+
+    def select(self, positions: Sequence[int]) -> Batch:
+        """The events at ``positions``, in that order."""
+        return Batch(
+            self.attempt,
+            self.run,
+            [self.seqs[i] for i in positions],
+            [self.types[i] for i in positions],
+            [self.times[i] for i in positions],
+            [self.data[i] for i in positions],
+            [self.texts[i] for i in positions],
+        )
+
+    def events(self) -> list[Event]:
+        """Every event as an :class:`Event`, in batch order."""
+        return list(
+            map(
+                Event,
+                repeat(self.attempt),
+                self.seqs,
+                self.types,
+                self.times,
+                repeat(self.run),
+                self.data,
             )
-        except (ValueError, WireError, _Invalid):  # JSONDecodeError, a NaN literal, a check
-            return None
-        texts.append(text[start:end])
-        if text.startswith("},", end):
-            pos = end + 2
-        elif text.startswith("}]}", end) and len(text) == end + 3:
-            return events, texts
-        else:
-            return None
+        )
+
+
+def decode_batch_columns(body: bytes, *, max_events: int = 10_000) -> Batch:
+    """Parse and check one batch into a :class:`Batch`; WireError names the first bad
+    field and its index, as :func:`decode_batch` does."""
+    obj, exact = _parse(body)
+    attempt, run, items = _batch_head(obj, max_events)
+    seqs: list[int] = []
+    types: list[str] = []
+    times: list[float] = []
+    datas: list[dict[str, Any]] = []
+    texts: list[str] = []
+    dumps = orjson.dumps
+    # A body the json module parsed may hold infinities and huge integers: the general
+    # path and _json_text handle those.
+    plain = _PLAIN if exact else {}
+    for item in items:
+        if type(item) is dict and len(item) == 4:
+            # A missing key gets None, which fails its test below.
+            seq, kind, time, data = (
+                item.get("seq"),
+                item.get("type"),
+                item.get("time"),
+                item.get("data"),
+            )
+            if (
+                type(seq) is int
+                and seq >= 0
+                and type(time) is float
+                and 0.0 <= time < _INF
+                and type(data) is dict
+                and type(kind) is str
+            ):
+                check = plain.get(kind)
+                if check is not None and check(data):
+                    seqs.append(seq)
+                    types.append(kind)
+                    times.append(time)
+                    datas.append(data)
+                    texts.append(dumps(data).decode())
+                    continue
+        try:
+            seq, kind, time, checked = _event_fields(item, attempt, run)
+        except _Invalid as exc:
+            raise exc.at(f"events[{len(seqs)}]") from None
+        seqs.append(seq)
+        types.append(kind)
+        times.append(time)
+        datas.append(checked)
+        texts.append(_json_text(item["data"]))
+    return Batch(attempt, run, seqs, types, times, datas, texts)
+
+
+def decode_batch(body: bytes, *, max_events: int = 10_000) -> list[Event]:
+    """Parse and check one batch; WireError names the first bad field and its index."""
+    return decode_batch_columns(body, max_events=max_events).events()
 
 
 def decode_batch_with_json(
     body: bytes, *, max_events: int = 10_000
-) -> tuple[list[Event], list[str] | None]:
-    """:func:`decode_batch`, plus each event's data as the JSON text it arrived in.
-
-    The texts are standard JSON (the wire has no NaN literal) that decodes to what the
-    runner sent; the Events' data is the same, normalised (a number field sent as ``1``
-    is ``1.0`` there, and ``1`` in the text). They are ``None`` when the body is not laid
-    out as :func:`encode_batch` writes it; the caller then encodes the data itself.
-    Same checks and the same WireError as decode_batch.
-    """
-    decoded = _decode_laid_out(body, max_events)
-    if decoded is None:
-        return decode_batch(body, max_events=max_events), None
-    return decoded
+) -> tuple[list[Event], list[str]]:
+    """:func:`decode_batch`, plus each event's data as standard JSON text (see
+    :attr:`Batch.texts`). Same checks and the same WireError as decode_batch."""
+    batch = decode_batch_columns(body, max_events=max_events)
+    return batch.events(), batch.texts

@@ -15,6 +15,7 @@ from runner.wire import (
     WIRE_VERSION,
     Event,
     decode_batch,
+    decode_batch_columns,
     decode_batch_with_json,
     encode_batch,
     json_safe,
@@ -248,7 +249,7 @@ def test_encode_validates_events() -> None:
         encode_batch([Event("att-1", 0, "heartbeat", 1.0, "run-1", {"step": 1, "x": object()})])
 
 
-# --- decode_batch_with_json: the ingest API's decoder -------------------------------------
+# --- decode_batch_columns / decode_batch_with_json: the ingest API's decoders --------------
 
 
 def compact(events: Any, **top: Any) -> bytes:
@@ -258,6 +259,15 @@ def compact(events: Any, **top: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
+def metrics_event(seq: int, **data: Any) -> dict[str, Any]:
+    return {
+        "seq": seq,
+        "type": "metrics",
+        "time": 1.5 + seq,
+        "data": {**PAYLOADS["metrics"], **data},
+    }
+
+
 def test_with_json_gives_the_events_and_their_data_texts() -> None:
     events = make_events()
     raw = encode_batch(events)
@@ -265,9 +275,20 @@ def test_with_json_gives_the_events_and_their_data_texts() -> None:
     decoded, texts = decode_batch_with_json(raw)
 
     assert decoded == events == decode_batch(raw)
-    assert texts is not None
     assert [json.loads(t) for t in texts] == [json_safe(e.data) for e in events]
-    assert all(t in raw.decode() for t in texts)  # the very text that arrived
+
+
+def test_columns_hold_what_the_events_hold() -> None:
+    events = make_events()
+
+    batch = decode_batch_columns(encode_batch(events))
+
+    assert (batch.attempt, batch.run, len(batch)) == ("att-1", "run-1", len(events))
+    assert batch.events() == events
+    assert [batch.event(i) for i in range(len(batch))] == events
+    picked = batch.select([3, 1])
+    assert picked.events() == [events[3], events[1]]
+    assert picked.texts == [batch.texts[3], batch.texts[1]]
 
 
 def test_with_json_keeps_nan_as_the_wire_string() -> None:
@@ -277,20 +298,97 @@ def test_with_json_keeps_nan_as_the_wire_string() -> None:
     (event,), texts = decode_batch_with_json(raw)
 
     assert math.isnan(event.data["loss"]) and event.data["step_time_s"] == 1.0
-    assert texts is not None and json.loads(texts[0])["loss"] == "NaN"
+    assert json.loads(texts[0])["loss"] == "NaN"
 
 
-def test_with_json_decodes_other_layouts_without_texts() -> None:
+def test_other_layouts_decode_to_the_same_events_and_texts() -> None:
     events = make_events()
     raw = encode_batch(events)
     pretty = json.dumps(json.loads(raw), indent=2).encode()
     escaped = raw.replace(b'"attempt":"att-1"', b'"attempt":"att\\u002d1"')
     reordered = raw.replace(b'{"v":1,"attempt":"att-1",', b'{"attempt":"att-1","v":1,')
+    _, expected = decode_batch_with_json(raw)
 
-    for other in (pretty, escaped, reordered, raw + b"\n"):
+    for other in (pretty, escaped, reordered, raw + b"\n", b"\xef\xbb\xbf" + raw):
         assert other != raw
         decoded, texts = decode_batch_with_json(other)
-        assert (decoded, texts) == (events, None)
+        assert decoded == events
+        assert [json.loads(t) for t in texts] == [json.loads(t) for t in expected]
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        {},  # as the runner sends it
+        {"loss": None, "data_wait_fraction": None, "metrics": {}},
+        {"loss": 1, "step_time_s": 2, "metrics": {"acc": 1}},  # ints where floats go
+        {"loss": "NaN", "metrics": {"grad_norm": "-Infinity"}},
+        {"note": "extra fields pass through", "nested": {"x": [1, "Infinity"]}},
+        {"data_wait_fraction": 1},
+    ],
+)
+def test_every_metrics_payload_decodes_as_validate_payload_checks_it(data: dict[str, Any]) -> None:
+    sent = {**PAYLOADS["metrics"], **data}
+    raw = compact([metrics_event(0, **data), metrics_event(1)])
+
+    batch = decode_batch_columns(raw)
+
+    expected = validate_payload("metrics", sent)
+    assert json.dumps(json_safe(batch.data[0]), sort_keys=True) == json.dumps(
+        json_safe(expected), sort_keys=True
+    )
+    assert json.loads(batch.texts[0]) == sent  # the text is what was sent, "NaN" and 1 kept
+
+
+@pytest.mark.parametrize(
+    "data",
+    [{}, {"gpu_util": None}, {"gpu_util": 50}, {"disk_used": 0, "gpu_count": 0}, {"x": 1}],
+)
+def test_every_system_payload_decodes_as_validate_payload_checks_it(data: dict[str, Any]) -> None:
+    sent = {**PAYLOADS["system"], **data}
+    raw = compact([{"seq": 0, "type": "system", "time": 2.5, "data": sent}])
+
+    batch = decode_batch_columns(raw)
+
+    assert batch.data[0] == validate_payload("system", sent)
+    assert json.loads(batch.texts[0]) == sent
+
+
+def test_numbers_beyond_64_bits_decode_as_the_json_module_decodes_them() -> None:
+    huge = 10**25
+    raw = compact([metrics_event(0, note=huge, step=2**64 + 1), metrics_event(1, big=-(2**63) - 1)])
+
+    batch = decode_batch_columns(raw)
+
+    assert batch.data[0]["note"] == huge and type(batch.data[0]["note"]) is int
+    assert batch.data[0]["step"] == 2**64 + 1
+    assert json.loads(batch.texts[0])["note"] == huge
+    assert json.loads(batch.texts[1])["big"] == -(2**63) - 1
+
+
+def test_what_only_the_json_module_accepts_still_decodes() -> None:
+    # 1e999 is infinity to json.loads; a lone surrogate is a str there. The texts stay
+    # standard JSON.
+    raw = compact([metrics_event(0, loss=2.0), {**wire_event(1, "log"), "time": 3.0}])
+    raw = raw.replace(b'"loss":2.0', b'"loss":1e999').replace(
+        b'"data loader slow"', b'"half \\ud800 a pair"'
+    )
+
+    batch = decode_batch_columns(raw)
+
+    assert batch.data[0]["loss"] == math.inf
+    assert json.loads(batch.texts[0])["loss"] == "Infinity"
+    assert batch.data[1]["message"] == "half \ud800 a pair"
+    assert json.loads(batch.texts[1])["message"] == "half \ud800 a pair"
+
+
+def test_texts_keep_non_ascii_strings() -> None:
+    data = {"level": "info", "message": "ünïcödé \u2028 ✓"}
+    raw = encode_batch([Event("a", 0, "log", 1.0, "r", data)])
+
+    (event,), texts = decode_batch_with_json(raw)
+
+    assert event.data == data and json.loads(texts[0]) == data
 
 
 @pytest.mark.parametrize(
