@@ -120,6 +120,15 @@ _NAIVE_EPOCH = datetime(1970, 1, 1)
 _MAX_UNIX_TIME = 253_402_300_799.0
 #: The events insert's columns, in the order of the row tuples.
 _EVENT_COLUMNS = ("attempt_id", "run_id", "seq", "type", "time", "data", "received_at")
+#: The PostgreSQL events insert: the batch's columns as arrays (see IngestService._insert).
+_PG_INSERT_EVENTS = (
+    "INSERT INTO events (attempt_id, run_id, seq, type, time, data, received_at) "
+    "SELECT %(attempt_id)s, %(run_id)s, u.seq, u.type, u.time::timestamptz, u.data::json, "
+    "%(received_at)s::timestamptz "
+    "FROM unnest(%(seqs)s::bigint[], %(types)s::text[], %(times)s::text[], %(texts)s::text[]) "
+    "AS u(seq, type, time, data) "
+    "ON CONFLICT (attempt_id, seq) DO NOTHING"
+)
 _STEP_EVENTS = frozenset({"metrics", "heartbeat", "checkpoint_committed", "restored"})
 
 
@@ -631,7 +640,6 @@ class IngestService:
         if compiled.positiontup is not None and tuple(compiled.positiontup) != _EVENT_COLUMNS:
             raise RuntimeError(f"unexpected events insert parameters {compiled.positiontup}")
         self._insert_events_sql = str(compiled)
-        self._insert_events_returning = self._insert_events.returning(raw_events.c.seq)
         ckpt_insert = dialect_insert(_CHECKPOINTS)
         self._upsert_checkpoint = ckpt_insert.on_conflict_do_update(
             index_elements=["run_id", "step"],
@@ -667,23 +675,48 @@ class IngestService:
             )
         )
 
-    def _insert(self, connection: Connection, rows: list[tuple[Any, ...]]) -> None:
-        """One executemany of the events insert.
+    def _insert(
+        self, connection: Connection, principal: _Principal, new: Batch, now: datetime
+    ) -> None:
+        """Insert the new events: the batch's one round trip per database.
 
-        On SQLite the precompiled statement goes to the driver as is, with the rows as
-        tuples: SQLAlchemy's per-row parameter processing would cost more than SQLite's
-        insert. On PostgreSQL it goes through Core, whose "insertmanyvalues" batches the
-        rows into a few multi-row INSERTs instead of one round trip per row; SQLAlchemy
-        does that for ``ON CONFLICT`` only with ``RETURNING``, hence the returned seqs.
+        The times go in as the database's text (see :func:`_time_texts`) and the data as
+        the wire's JSON text, so the driver converts nothing. On SQLite the precompiled
+        statement goes to the driver with one tuple per row (one ``executemany``):
+        SQLAlchemy's per-row parameter processing would cost more than SQLite's insert.
+        On PostgreSQL the columns go as four arrays into one ``INSERT … SELECT FROM
+        unnest(…)``: one statement and one round trip for the whole batch, where a
+        row-by-row insert would pay a round trip (or SQLAlchemy's batching) per row.
         """
+        suffix = "+00:00" if self._postgres else ""
+        times = _time_texts(new.times, suffix=suffix)
+        received = _time_texts([now.timestamp()], suffix=suffix)[0]
         if self._postgres:
-            names = _EVENT_COLUMNS
-            connection.execute(
-                self._insert_events_returning,
-                [dict(zip(names, r, strict=True)) for r in rows],
-            ).all()
-        else:
-            connection.exec_driver_sql(self._insert_events_sql, rows)
+            connection.exec_driver_sql(
+                _PG_INSERT_EVENTS,
+                {
+                    "attempt_id": principal.attempt_id,
+                    "run_id": principal.run_id,
+                    "received_at": received,
+                    "seqs": new.seqs,
+                    "types": new.types,
+                    "times": times,
+                    "texts": new.texts,
+                },
+            )
+            return
+        rows = list(
+            zip(
+                repeat(principal.attempt_id),
+                repeat(principal.run_id),
+                new.seqs,
+                new.types,
+                times,
+                new.texts,
+                repeat(received),
+            )
+        )
+        connection.exec_driver_sql(self._insert_events_sql, rows)
 
     def _store(self, principal: _Principal, batch: Batch, *, now: datetime) -> _Applied | None:
         """One transaction; ``None`` when the token was revoked meanwhile.
@@ -705,22 +738,8 @@ class IngestService:
             )
             if not new:
                 return applied
-            # The hot path: whole columns, no object per event beyond the row tuple. The
-            # times go in as the database's text (see _time_texts) and the data as JSON
-            # text: the insert statement is untyped, so nothing converts them again.
-            seqs, types, times = new.seqs, new.types, new.times
-            suffix = "+00:00" if self._postgres else ""
-            rows = list(
-                zip(
-                    repeat(attempt_id),
-                    repeat(principal.run_id),
-                    seqs,
-                    types,
-                    _time_texts(times, suffix=suffix),
-                    new.texts,
-                    repeat(_time_texts([now.timestamp()], suffix=suffix)[0]),
-                )
-            )
+            # The hot path: whole columns, no object per event (see _insert).
+            types, times = new.types, new.times
             kinds = _Kinds.of(types)
             data = new.data
             metrics = [data[i] for i in kinds.metrics]
@@ -737,7 +756,7 @@ class IngestService:
                     self._rare(new.event(index), attempt.number, steps, applied)
             applied.observations["system"] = system
             applied.max_time = max(times)
-            self._insert(connection, rows)
+            self._insert(connection, principal, new, now)
             self._apply(
                 connection,
                 attempt,
