@@ -45,7 +45,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from itertools import repeat
+from itertools import chain, repeat
 from typing import Any, cast
 
 from sqlalchemy import (
@@ -71,7 +71,16 @@ from jobs.errors import IllegalTransition
 from jobs.lifecycle import AttemptState, transition
 from jobs.models import Attempt, Checkpoint, Run, hash_token, utcnow
 from jobs.models import Event as EventRow
-from jobs.rules import AlertConfig, Obs, Rule, RunContext, Signal, default_rules, evaluate_all
+from jobs.rules import (
+    AlertConfig,
+    Obs,
+    Rule,
+    RunContext,
+    Signal,
+    TypedWindow,
+    default_rules,
+    evaluate_all,
+)
 from jobs.spec import AlertThresholds
 from runner.errors import WireError
 from runner.wire import Batch, Event, decode_batch_columns, json_safe, restore_floats
@@ -306,13 +315,11 @@ class _Window:
             for part in series.values():
                 part.trim(horizon)
 
-    def observations(self) -> list[Obs]:
-        """What the rules see: every series, each oldest first (the rules sort by time)."""
-        out: list[Obs] = []
-        for part in self.series.values():
-            out.extend(part.history)
-            out.extend(part.recent)
-        return out
+    def observations(self) -> TypedWindow:
+        """What the rules see: every series, already grouped by type."""
+        return TypedWindow.from_groups(
+            {kind: chain(part.history, part.recent) for kind, part in self.series.items()}
+        )
 
 
 def _bearer(authorization: str | None) -> str | None:

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from enum import Enum
+from itertools import chain
 from operator import attrgetter
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol, overload
 
 from runner import EXIT_PREEMPTED
 
@@ -96,9 +97,12 @@ def _cleared(
     )
 
 
-@dataclass(frozen=True)
-class Obs:
-    """One observation: a runner event, or a synthetic one from the control plane."""
+class Obs(NamedTuple):
+    """One observation: a runner event, or a synthetic one from the control plane.
+
+    A named tuple rather than a frozen dataclass: the ingest API makes hundreds per
+    batch for the rules' window, and a tuple is built four times faster.
+    """
 
     #: When it happened, unix seconds.
     time: float
@@ -242,7 +246,67 @@ def _int(data: Mapping[str, Any], key: str) -> int | None:
 _TIME = attrgetter("time")
 
 
+class TypedWindow(Sequence[Obs]):
+    """A window that also holds its observations by type, each type oldest first.
+
+    Most rules read one or two types, and every batch the ingest API evaluates all of
+    them over the whole window, so each picking and sorting its types again cost more
+    than the rules' own work. :func:`evaluate_all` wraps any window in one; the ingest
+    API, whose window is kept by type already, builds it with :meth:`from_groups`.
+    Immutable, so the groups never go stale.
+    """
+
+    __slots__ = ("_groups", "_items")
+
+    def __init__(self, window: Iterable[Obs] = ()) -> None:
+        self._items = tuple(window)
+        self._groups: dict[str, list[Obs]] | None = None
+
+    @classmethod
+    def from_groups(cls, groups: Mapping[str, Iterable[Obs]]) -> TypedWindow:
+        """A window of observations already grouped: each group holds only its key's type."""
+        lists = {kind: list(group) for kind, group in groups.items()}
+        window = cls(chain.from_iterable(lists.values()))
+        for group in lists.values():
+            group.sort(key=_TIME)
+        window._groups = lists
+        return window
+
+    def of_type(self, kind: str) -> list[Obs]:
+        """The observations of one type, oldest first. Shared between the rules: read only."""
+        groups = self._groups
+        if groups is None:
+            groups = {}
+            for obs in self._items:
+                group = groups.get(obs.type)
+                if group is None:
+                    group = groups[obs.type] = []
+                group.append(obs)
+            for group in groups.values():
+                group.sort(key=_TIME)
+            self._groups = groups
+        return groups.get(kind, [])
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[Obs]:
+        return iter(self._items)
+
+    @overload
+    def __getitem__(self, index: int) -> Obs: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[Obs]: ...
+
+    def __getitem__(self, index: int | slice) -> Obs | Sequence[Obs]:
+        return self._items[index]
+
+
 def _of_type(window: Sequence[Obs], kind: str) -> list[Obs]:
+    """One type's observations, oldest first; read only (it may be shared)."""
+    if isinstance(window, TypedWindow):
+        return window.of_type(kind)
     return sorted([o for o in window if o.type == kind], key=_TIME)
 
 
@@ -301,9 +365,14 @@ class DivergentLoss:
     def evaluate(self, window: Sequence[Obs], *, now: float, ctx: RunContext) -> list[Signal]:
         points: list[tuple[int | None, float]] = []
         for obs in _of_type(window, "metrics"):
-            loss = _num(obs.data, "loss")
-            if loss is not None:
-                points.append((_int(obs.data, "step"), loss))
+            data = obs.data
+            loss = data.get("loss")
+            if type(loss) is not float:  # the rest, inlined: this runs for every point
+                loss = _num(data, "loss")
+                if loss is None:
+                    continue
+            step = data.get("step")
+            points.append((step if type(step) is int else _int(data, "step"), loss))
         signals: list[Signal] = []
         bad = [(step, loss) for step, loss in points if not math.isfinite(loss)]
         if bad:
@@ -554,7 +623,12 @@ class Disk:
     def evaluate(self, window: Sequence[Obs], *, now: float, ctx: RunContext) -> list[Signal]:
         samples: list[tuple[float, float, float]] = []
         for obs in _of_type(window, "system"):
-            used, total = _num(obs.data, "disk_used"), _num(obs.data, "disk_total")
+            data = obs.data
+            used, total = data.get("disk_used"), data.get("disk_total")
+            if type(used) is int and type(total) is int:  # nearly always: _num, inlined
+                used, total = float(used), float(total)
+            else:
+                used, total = _num(data, "disk_used"), _num(data, "disk_total")
             if used is not None and total is not None and total > 0 and math.isfinite(used):
                 samples.append((obs.time, used, total))
         if not samples:
@@ -658,7 +732,8 @@ class Preemption:
 
     def evaluate(self, window: Sequence[Obs], *, now: float, ctx: RunContext) -> list[Signal]:
         by_attempt: dict[int, list[Obs]] = {}
-        for obs in sorted(window, key=lambda o: o.time):
+        kinds = ("preemption_notice", "exit")
+        for obs in sorted([o for o in window if o.type in kinds], key=_TIME):
             if _is_preemption(obs):
                 by_attempt.setdefault(_attempt(obs, ctx), []).append(obs)
         return [self._signal(n, events, ctx) for n, events in sorted(by_attempt.items())]
@@ -899,6 +974,8 @@ def evaluate_all(
     rules: Sequence[Rule], window: Sequence[Obs], *, now: float, ctx: RunContext
 ) -> list[Signal]:
     """Every rule's signals, in rule order."""
+    if not isinstance(window, TypedWindow):
+        window = TypedWindow(window)
     signals: list[Signal] = []
     for rule in rules:
         signals.extend(rule.evaluate(window, now=now, ctx=ctx))

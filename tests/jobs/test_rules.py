@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import replace
 from typing import Any
 
@@ -25,6 +26,7 @@ from jobs.rules import (
     RunContext,
     Severity,
     Signal,
+    TypedWindow,
     default_rules,
     evaluate_all,
 )
@@ -546,3 +548,39 @@ def test_malformed_payloads_never_crash_the_rules(window: list[Obs]) -> None:
     for signal in evaluate_all(default_rules(AlertConfig()), window, now=NOW, ctx=state):
         assert RUN in signal.title
         assert signal.rule and signal.key
+
+
+def _mixed_window(rng: random.Random) -> list[Obs]:
+    """Every kind of observation the rules read, in no particular order."""
+    window: list[Obs] = []
+    for i in range(120):
+        t = NOW - 600 + i * 5
+        window.append(metrics(t, 1000 + i, 2.0 if i < 110 else 9.0, wait=0.6))
+        window.append(system(t, gpu=20.0, used=50 * GB + i * GB // 10))
+    window.append(Obs(NOW - 30, "preemption_notice", {"source": "aws", "attempt": 1}))
+    window.append(Obs(NOW - 20, "exit", {"code": 75, "reason": "preempted", "attempt": 1}))
+    window.append(Obs(NOW - 10, "resubmitted", {"attempt": 2, "lost_steps": 40}))
+    rng.shuffle(window)
+    return window
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_typed_window_gives_the_signals_of_the_plain_window(seed: int) -> None:
+    window = _mixed_window(random.Random(seed))
+    groups: dict[str, list[Obs]] = {}
+    for obs in window:
+        groups.setdefault(obs.type, []).append(obs)
+    rules = default_rules(AlertConfig())
+    state = ctx(last_heartbeat=NOW - 10, preemption_times=(NOW - 20,))
+
+    expected = [rule.evaluate(window, now=NOW, ctx=state) for rule in rules]  # plain lists
+    typed = TypedWindow.from_groups(groups)
+
+    assert [rule.evaluate(typed, now=NOW, ctx=state) for rule in rules] == expected
+    assert evaluate_all(rules, window, now=NOW, ctx=state) == [s for e in expected for s in e]
+    assert active([s for e in expected for s in e])  # the window does make the rules speak
+    assert sorted(typed, key=id) == sorted(window, key=id) and len(typed) == len(window)
+    for kind, group in groups.items():
+        assert typed.of_type(kind) == sorted(group, key=lambda o: o.time)
+        assert TypedWindow(window).of_type(kind) == typed.of_type(kind)
+    assert typed.of_type("checkpoint_committed") == []
