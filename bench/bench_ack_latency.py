@@ -19,8 +19,14 @@ a few milliseconds however slow the work. This measures it the way Slack sees it
 
 Meanwhile a real training run goes on on the same machine: the tiny example
 (``runner.examples.tiny``, torch on CPU, no step delay) launched through the control
-plane on the local provider, reporting its telemetry to the same server. Rounds of the
-two contenders alternate (the order flips every round) because the machine is noisy.
+plane on the local provider, exactly as a user's ``/train launch`` starts one: at the
+provider's default CPU priority (``TRAINBOT_LOCAL_NICE``, 10 below the control plane's,
+reported as ``training_nice``), reporting its telemetry to the same server. Rounds of
+the two contenders alternate (the order flips every round) because the machine is noisy.
+
+The commands' work waits for the acknowledgements (:mod:`bot.workpool`), so it is not
+free: ``replies_done_ms`` is how long after each burst was sent the last of its 50
+replies arrived, for both contenders.
 
 Goal: ``ratio = HTTP p99 ÷ 100 ms <= 1`` (Slack's own deadline is 3,000 ms). The last
 line of stdout is one JSON object with the figures.
@@ -266,17 +272,20 @@ def measure(setup: Setup, *, rounds: int, concurrency: int) -> dict[str, Any]:
             setup.sent += concurrency
             drain(setup)
         latencies: dict[str, list[float]] = {name: [] for name in contenders}
+        replies_done: dict[str, list[float]] = {name: [] for name in contenders}
         failures = dict.fromkeys(contenders, 0)
         events_before = events_accepted(setup.cp)
         started = time.monotonic()
         for index in range(rounds):
             order = list(contenders) if index % 2 == 0 else list(reversed(contenders))
             for name in order:
+                sent_at = time.monotonic()
                 got, failed = contenders[name](concurrency)
                 setup.sent += concurrency
                 latencies[name] += got
                 failures[name] += failed
                 drain(setup)
+                replies_done[name].append(time.monotonic() - sent_at)
             log(
                 f"round {index + 1}/{rounds}: http p99 "
                 f"{summary(latencies['http'])['p99_ms']:.1f} ms, bolt p99 "
@@ -291,6 +300,13 @@ def measure(setup: Setup, *, rounds: int, concurrency: int) -> dict[str, Any]:
         "bolt_dispatch": {
             **summary(latencies["bolt_dispatch"]),
             "requests": len(latencies["bolt_dispatch"]),
+        },
+        "replies_done_ms": {
+            name: {
+                "p50": round(percentile(done, 50) * 1000, 1),
+                "max": round(max(done) * 1000, 1),
+            }
+            for name, done in replies_done.items()
         },
         "failures": failures,
         "commands": setup.sent,
@@ -327,6 +343,7 @@ def main(argv: list[str] | None = None) -> None:
         with control_plane(root, training=not args.no_training) as setup:
             figures = measure(setup, rounds=rounds, concurrency=args.concurrency)
             figures["training_run"] = setup.run_id or None
+            figures["training_nice"] = setup.cp.settings.local_nice if setup.run_id else None
     finally:
         shutil.rmtree(root, ignore_errors=True)
     http_p99 = figures["http"]["p99_ms"]

@@ -1,11 +1,16 @@
 """The Slack app: a Bolt ``App`` with trainbot's listeners registered, nothing more.
 
-Bolt runs in its ordinary mode (``process_before_response=False``): each listener
-acknowledges at once and hands its work to a pool of the app's own (see
-:mod:`bot.listeners`), so every command and button is answered well inside Slack's 3 s
-however slow the work. Signature verification is on. The Web API client is passed in
-(``trainbot serve`` makes one from the bot token; tests point one at a fake Slack), and
-the listeners get the control plane's dependencies and an :class:`~bot.auth.Authorizer`.
+Bolt runs each listener on the thread that received the request
+(``process_before_response=True``) and answers Slack when the listener returns. Every
+listener acknowledges first and hands its work to a pool of the app's own
+(:class:`bot.workpool.WorkPool`, see :mod:`bot.listeners`), so it returns at once and
+every command and button is answered well inside Slack's 3 s however slow the work.
+This is cheaper than Bolt's other mode, which runs the listener on Bolt's executor and
+has the request's thread poll for the acknowledgement every 10 ms. Signature
+verification is on (and checked before Bolt, too, by :mod:`bot.slack_wsgi`). The Web
+API client is passed in (``trainbot serve`` makes one from the bot token; tests point
+one at a fake Slack), and the listeners get the control plane's dependencies and an
+:class:`~bot.auth.Authorizer`.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from bot.listeners import ListenerContext
 from bot.listeners import alerts as alert_listeners
 from bot.listeners import home as home_listeners
 from bot.listeners import runs as run_listeners
+from bot.workpool import WORK_THREADS, WorkPool
 from jobs.deps import Deps
 from jobs.settings import Settings
 
@@ -31,13 +37,9 @@ __all__ = ["LISTENER_THREADS", "WORK_THREADS", "SlackSetupError", "build_app", "
 
 log = logging.getLogger(__name__)
 
-#: Bolt's threads, which run the listeners up to their acknowledgement: each takes a
-#: moment, and a burst of commands is acknowledged in parallel.
-LISTENER_THREADS = 32
-#: Threads that run the work after an acknowledgement (service calls, replies): apart
-#: from Bolt's, so slow work never queues in front of an acknowledgement, and few, so
-#: it does not crowd the acknowledgements out of the CPU.
-WORK_THREADS = 4
+#: Bolt's own executor, which runs only lazy listeners when listeners run on the
+#: request's thread; trainbot has none, so its threads are never started.
+LISTENER_THREADS = 2
 
 
 class SlackSetupError(BotError):
@@ -83,7 +85,9 @@ def build_app(
         client=_tokenless(client),
         authorize=_static_authorize(client.token),
         request_verification_enabled=True,
-        process_before_response=False,
+        # The listener runs on the request's thread and only acknowledges and hands
+        # its work over, so the answer goes as soon as it returns.
+        process_before_response=True,
         listener_executor=ThreadPoolExecutor(
             max_workers=listener_threads, thread_name_prefix="slack"
         ),
@@ -128,6 +132,6 @@ def _static_authorize(token: str) -> Callable[..., AuthorizeResult]:
     return authorize
 
 
-def work_pool(threads: int = WORK_THREADS) -> ThreadPoolExecutor:
-    """A pool for the work listeners do after acknowledging."""
-    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="slack-work")
+def work_pool(threads: int = WORK_THREADS) -> WorkPool:
+    """A pool for the work listeners do after acknowledging (acknowledgements first)."""
+    return WorkPool(threads)

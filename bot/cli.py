@@ -21,6 +21,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from bot.commands import BotError
 from jobs.errors import TrainbotError
 
 if TYPE_CHECKING:
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "shell":
             return _shell()
         return _serve()
-    except TrainbotError as exc:
+    except (TrainbotError, BotError) as exc:
         print(f"trainbot: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

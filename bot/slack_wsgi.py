@@ -21,19 +21,21 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Executor, ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from slack_bolt import App, BoltRequest, BoltResponse
 from slack_sdk import WebClient
+from slack_sdk.errors import SlackApiError, SlackRequestError
 from sqlalchemy.engine import Engine
 from sqlmodel import col, select
 
 from bot.app import SlackSetupError, build_app, work_pool
 from bot.plots import LOSS_CURVE_FILENAME, loss_curve_png
 from bot.slack_notifier import AttachmentsFn, SlackNotifier
+from bot.workpool import WorkPool
 from jobs.db import session_scope
 from jobs.models import Event
 from jobs.notify import AlertMessage, Message
@@ -126,16 +128,31 @@ class SlackEndpoint:
         signing_secret: str,
         clock: Callable[[], float] = time.time,
         max_body_bytes: int = MAX_BODY_BYTES,
+        work: WorkPool | None = None,
     ) -> None:
+        """``work``: the listeners' work pool, told while a request is being answered so
+        its work waits (see :mod:`bot.workpool`)."""
         self.app = app
         self._secret = signing_secret
         self._clock = clock
         self._max_body = max_body_bytes
+        self._work = work
 
     def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
-        status, headers, body = self._handle(environ)
-        start_response(_STATUS.get(status, f"{status} Unknown"), headers)
-        return [body]
+        work = self._work
+        if work is None:
+            status, headers, body = self._handle(environ)
+            start_response(_STATUS.get(status, f"{status} Unknown"), headers)
+            return [body]
+        work.enter()
+        try:
+            status, headers, body = self._handle(environ)
+            start_response(_STATUS.get(status, f"{status} Unknown"), headers)
+        except BaseException:
+            work.leave()
+            raise
+        # The server calls close() once the answer is written: only then may work start.
+        return _Answer(body, on_close=work.leave)
 
     def _handle(self, environ: WSGIEnvironment) -> tuple[int, list[tuple[str, str]], bytes]:
         path = environ.get("PATH_INFO") or "/"
@@ -179,6 +196,22 @@ class SlackEndpoint:
             return BoltResponse(status=500, body="")
 
 
+class _Answer:
+    """A WSGI response body that says when the server is done with it (PEP 3333 close)."""
+
+    def __init__(self, body: bytes, *, on_close: Callable[[], None]) -> None:
+        self._body = body
+        self._on_close: Callable[[], None] | None = on_close
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield self._body
+
+    def close(self) -> None:
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            on_close()
+
+
 def _bolt_headers(response: BoltResponse) -> list[tuple[str, str]]:
     out = [(k, v) for k, values in response.headers.items() for v in values]
     if not any(k.lower() == "content-length" for k, _ in out):
@@ -205,19 +238,53 @@ class SlackFrontEnd:
     app: App
     endpoint: SlackEndpoint
     #: The pool the listeners' work runs on (owned here, shut down by close()).
-    work: Executor
+    work: WorkPool
     app_token: str | None = None
     socket: SocketModeHandler | None = field(default=None, init=False)
 
     def start(self) -> None:
-        """Open the Socket Mode connection when an app-level token is configured."""
+        """Open the Socket Mode connection when an app-level token is configured.
+
+        Slack refusing the token, or a Web API that cannot be reached, is a
+        :class:`SlackSetupError` saying what to fix, and nothing is left running. Once
+        connected, the client reconnects by itself when Slack asks it to or the
+        connection drops.
+        """
         if self.app_token is None or self.socket is not None:
             return
+        if not self.app_token.startswith("xapp-"):
+            raise SlackSetupError(
+                "TRAINBOT_SLACK_APP_TOKEN is not an app-level token (they start with xapp-): "
+                "generate one with the connections:write scope under the app's Basic "
+                "Information, App-Level Tokens"
+            )
         from slack_bolt.adapter.socket_mode import SocketModeHandler
 
-        self.socket = SocketModeHandler(self.app, self.app_token)
-        self.socket.connect()
-        log.info("Slack Socket Mode connected")
+        handler = SocketModeHandler(self.app, self.app_token)
+        # Acknowledgements over the socket come first too: the work waits for them.
+        listeners = handler.client.socket_mode_request_listeners
+        listeners[:] = [_in_foreground(self.work, listener) for listener in listeners]
+        try:
+            handler.connect()
+        except SlackApiError as exc:
+            handler.close()
+            error = exc.response.get("error") if exc.response is not None else None
+            raise SlackSetupError(
+                f"Slack refused to open a Socket Mode connection ({error or exc}): check "
+                "TRAINBOT_SLACK_APP_TOKEN (an xapp- token with connections:write) and that "
+                "Socket Mode is enabled in the app's settings"
+            ) from None
+        except (SlackRequestError, OSError) as exc:
+            handler.close()
+            raise SlackSetupError(
+                f"could not reach Slack to open a Socket Mode connection ({exc}); check the "
+                "network, or unset TRAINBOT_SLACK_APP_TOKEN to take requests over HTTP only"
+            ) from None
+        self.socket = handler
+        if handler.client.is_connected():
+            log.info("Slack Socket Mode connected")
+        else:
+            log.warning("Slack Socket Mode could not connect yet; it keeps trying")
 
     def close(self) -> None:
         if self.socket is not None:
@@ -228,6 +295,19 @@ class SlackFrontEnd:
         if isinstance(listeners, ThreadPoolExecutor):
             listeners.shutdown(wait=True, cancel_futures=False)
         self.work.shutdown(wait=True, cancel_futures=False)
+
+
+def _in_foreground(work: WorkPool, listener: Callable[..., None]) -> Callable[..., None]:
+    """A Socket Mode request listener that tells ``work`` while it is answering."""
+
+    def answer(*args: Any) -> None:
+        work.enter()
+        try:
+            listener(*args)
+        finally:
+            work.leave()
+
+    return answer
 
 
 def loss_curve_attachment(engine: Engine, *, max_points: int = 5000) -> AttachmentsFn:
@@ -282,7 +362,7 @@ def attach(
     secret = settings.slack_signing_secret.get_secret_value()
     work = work_pool()
     app = build_app(cp.deps, settings=settings, client=client, work=work)
-    endpoint = SlackEndpoint(app, signing_secret=secret)
+    endpoint = SlackEndpoint(app, signing_secret=secret, work=work)
     cp.app.mount(SLACK_PREFIX, endpoint)
     if notifier is not None and notifier.attachments is None:
         notifier.attachments = loss_curve_attachment(cp.deps.engine)

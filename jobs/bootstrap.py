@@ -48,6 +48,7 @@ def build_provider(settings: Settings) -> Provider:
             on_demand_usd_per_hour=settings.local_price_per_hour_usd * 3,
             mean_time_between_preemptions_s=settings.local_mean_time_between_preemptions_s,
             cores=settings.local_cores,
+            nice=settings.local_nice,
         )
     if settings.provider == "aws":
         options: dict[str, Any] = {

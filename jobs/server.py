@@ -21,8 +21,8 @@ from __future__ import annotations
 import io
 import json
 import logging
+import queue
 import socket
-import socketserver
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -56,6 +56,8 @@ LINGER_S = 5.0  # a slow client on a busy machine still gets to read its 413
 LINGER_MAX_BYTES = 64 << 20
 #: Over-limit bodies up to this many times the limit are read and dropped before the 413.
 DRAIN_FACTOR = 16
+#: Threads answering requests at most; more connections than this wait their turn.
+MAX_HANDLER_THREADS = 128
 #: Upper bounds of the ingest latency histogram, in seconds.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
@@ -329,6 +331,11 @@ class _LogStream(io.TextIOBase):
 
 class _RequestHandler(WSGIRequestHandler):
     timeout = SOCKET_TIMEOUT_S
+    #: Buffer the response: wsgiref writes the status line, each header block and the
+    #: body separately, and unbuffered each write is a system call that lets another
+    #: thread take the interpreter (and keep it for up to 5 ms) before the next one.
+    #: Buffered, a small answer leaves in one ``send`` when wsgiref flushes after the body.
+    wbufsize = 1 << 16
     _environ: dict[str, Any] | None = None
 
     def get_environ(self) -> dict[str, Any]:
@@ -373,11 +380,79 @@ class _RequestHandler(WSGIRequestHandler):
         return _LogStream()
 
 
-class _ThreadingServer(socketserver.ThreadingMixIn, WSGIServer):
-    daemon_threads = True
-    block_on_close = False
+class _HandlerPool:
+    """Long-lived threads that answer connections, one at a time each.
+
+    Starting a thread per connection costs more than answering a small request, and the
+    accepting thread waits for each new thread to start; here a connection is queued for
+    a thread that is already waiting, and a new one is started only when none is spare.
+    At most ``max_threads`` exist; beyond that, connections wait their turn. Threads are
+    daemons, so a client that stalls never holds up the process's exit.
+    """
+
+    def __init__(self, handle: Callable[[Any, Any], None], max_threads: int) -> None:
+        self._handle = handle
+        self._max = max_threads
+        self._queue: queue.SimpleQueue[tuple[Any, Any] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        #: Threads waiting (or about to wait) for a connection, less connections queued.
+        self._spare = 0
+        self._threads = 0
+        self._closed = False
+
+    def submit(self, request: Any, client_address: Any) -> None:
+        with self._lock:
+            self._spare -= 1
+            grow = self._spare < 0 and self._threads < self._max and not self._closed
+            if grow:
+                self._threads += 1
+                name = f"http-{self._threads}"
+        self._queue.put((request, client_address))
+        if grow:
+            threading.Thread(target=self._work, name=name, daemon=True).start()
+
+    def close(self) -> None:
+        """Let every thread end once it is done with its connection."""
+        with self._lock:
+            self._closed = True
+            threads = self._threads
+        for _ in range(threads):
+            self._queue.put(None)
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                self._spare += 1
+            item = self._queue.get()
+            if item is None:
+                return
+            self._handle(*item)
+
+
+class _ThreadingServer(WSGIServer):
+    """wsgiref's server, answering on a :class:`_HandlerPool`."""
+
     allow_reuse_address = True
     request_queue_size = 128
+
+    def __init__(self, address: tuple[str, int], handler: type[WSGIRequestHandler]) -> None:
+        super().__init__(address, handler)
+        self._pool = _HandlerPool(self._answer, MAX_HANDLER_THREADS)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        self._pool.submit(request, client_address)
+
+    def _answer(self, request: Any, client_address: Any) -> None:
+        try:
+            self.finish_request(request, client_address)
+        except Exception:
+            self.handle_error(request, client_address)
+        finally:
+            self.shutdown_request(request)
+
+    def server_close(self) -> None:
+        super().server_close()
+        self._pool.close()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         log.warning("request from %s failed", client_address[0], exc_info=True)

@@ -131,6 +131,10 @@ class Settings(BaseSettings):
     assumed_mtbp_s: float | None = Field(default=None, gt=0)
     #: Local provider: CPU cores its instances may use together.
     local_cores: int = Field(default_factory=_default_cores, ge=1)
+    #: Local provider: how much lower than the control plane's CPU priority its instances
+    #: run (as ``nice -n``), so a training run on the same machine never slows Slack's
+    #: answers; 0 runs them at the control plane's own priority.
+    local_nice: int = Field(default=10, ge=0, le=19)
     #: IANA time zone for the daily digest and "yesterday".
     timezone: str = "UTC"
     #: Local time of day the spend digest is posted.

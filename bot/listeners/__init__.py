@@ -4,8 +4,8 @@ modal), ``alerts`` (the buttons on alerts and preflight reports), ``home`` (the 
 Every listener acknowledges first: it answers Slack at once (well inside its 3 s) with
 what can be decided without I/O — a parse error, help, a channel that is not allowed —
 and hands the rest to the work pool (:meth:`ListenerContext.later`), which does it after
-the answer has gone and replies. The pool is the app's own, not Bolt's ack executor
-(so a burst of slow work never queues in front of an acknowledgement) and not the
+the answer has gone and replies. The pool is the app's own (:class:`bot.workpool.WorkPool`:
+a few threads, whose work waits until the answers being written are out), not the
 control plane's background pool (where preflight dry runs take minutes). This is what
 Bolt's lazy listeners do, without their per-request deep copy of the request. What the
 listeners share lives here: that context, idempotency keys, and how a reply reaches the

@@ -118,9 +118,9 @@ def register(app: App, ctx: ListenerContext) -> None:
         plan = plan_command(ctx, body)
         if plan.answer is not None:
             ack(text=plan.answer, response_type="ephemeral")
-            if plan.denied is not None:
+            if plan.denied is not None:  # the audit writes to the journal: after the answer
                 text = f"{COMMAND} {body.get('text', '')}".strip()
-                ctx.auth.deny(plan.caller, action=text, reason=plan.denied)
+                ctx.later(ctx.auth.deny, plan.caller, action=text, reason=plan.denied)
             return
         ack()
         if plan.modal:

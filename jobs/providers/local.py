@@ -87,11 +87,17 @@ _START_TIMEOUT_S = 60.0
 _KILL_WAIT_S = 5.0
 _POLL_S = 0.02
 
+#: How much lower than the control plane's own CPU priority instances run (as ``nice -n``).
+#: The control plane shares the laptop with its training runs, and a run that keeps every
+#: core busy must not make Slack wait for its answer; niced, the run still gets every
+#: cycle the control plane leaves idle.
+DEFAULT_NICE = 10
 # The wrapper runs in isolated mode (-I) so nothing in the environment can change which
-# ``jobs`` it imports; argv[1] is the directory that holds this package.
+# ``jobs`` it imports; argv[1] is the directory that holds this package, argv[2] the
+# niceness, applied first thing, so the wrapper and everything it starts run at it.
 _WRAP_BOOT = (
-    "import sys; sys.path.insert(0, sys.argv[1]); "
-    "from jobs.providers.local import _wrap_main; sys.exit(_wrap_main(sys.argv[2:]))"
+    "import os, sys; n = int(sys.argv[2]); n and os.nice(n); sys.path.insert(0, sys.argv[1]); "
+    "from jobs.providers.local import _wrap_main; sys.exit(_wrap_main(sys.argv[3:]))"
 )
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -282,10 +288,13 @@ class LocalProvider:
         gpu_names: Sequence[str] | None = None,
         workdir: Path | str | None = None,
         cores: int | None = None,
+        nice: int = DEFAULT_NICE,
     ) -> None:
         """``gpu_names``: the GPUs to offer (None: ask ``nvidia-smi -L``). ``workdir``: where
         commands start (None: the control plane's working directory, for ``train.py``).
-        ``cores``: the CPU cores instances may share (None: this machine's count)."""
+        ``cores``: the CPU cores instances may share (None: this machine's count).
+        ``nice``: how much lower than this process's CPU priority instances run, 0–19
+        (0: the same)."""
         for label, value in (
             ("termination_window_s", termination_window_s),
             ("terminate_grace_s", terminate_grace_s),
@@ -294,6 +303,11 @@ class LocalProvider:
         ):
             if value < 0:
                 raise ProviderError(f"local provider: {label} is {value}; use 0 or more")
+        if not 0 <= nice <= 19:
+            raise ProviderError(
+                f"local provider: nice is {nice}; use 0 (the control plane's own priority)"
+                " to 19 (the lowest)"
+            )
         if mean_time_between_preemptions_s is not None and mean_time_between_preemptions_s <= 0:
             raise ProviderError(
                 "local provider: mean_time_between_preemptions_s must be more than 0"
@@ -309,6 +323,7 @@ class LocalProvider:
         self._gpu_names = list(gpu_names) if gpu_names is not None else None
         self._workdir = str(workdir) if workdir is not None else None
         self.cores = cores if cores is not None else (os.cpu_count() or 1)
+        self.nice = nice
         self._instances = self.state_dir / "instances"
         self._instances.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
@@ -615,7 +630,8 @@ class LocalProvider:
         env["TRAINBOT_SCRATCH_DIR"] = str(scratch)
         env["TRAINBOT_SCRATCH_BYTES"] = str(record.scratch_bytes)
         env["TRAINBOT_INSTANCE_ID"] = record.instance_id
-        argv = [sys.executable, "-I", "-c", _WRAP_BOOT, _PACKAGE_ROOT, str(directory), "--"]
+        argv = [sys.executable, "-I", "-c", _WRAP_BOOT, _PACKAGE_ROOT, str(self.nice)]
+        argv += [str(directory), "--"]
         try:
             with open(directory / _LOG, "ab") as out:
                 child = subprocess.Popen(

@@ -382,6 +382,9 @@ def test_bad_requests_get_401_and_do_nothing(slack: Slack) -> None:
     assert slack.counts()["Run"] == 0
     assert not slack.fake.calls_to("chat.postMessage")
     assert not slack.journal("submitted")
+    # Every answer, refused or not, tells the work pool once it is written, so no work
+    # is left waiting for an answer that never ends.
+    wait_until(lambda: slack.front.work.in_flight == 0, 10, "every answer to be written")
 
 
 def test_a_retried_launch_runs_once(slack: Slack) -> None:

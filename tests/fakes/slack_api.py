@@ -20,6 +20,11 @@ What it enforces, like Slack:
 - **Threads.** A ``thread_ts`` must be the ts of a message in that channel, else
   ``thread_not_found``. (Slack itself is laxer here; the fake is strict on purpose so a
   reply posted under a made-up ts fails loudly instead of landing in the wrong place.)
+- **App-level tokens.** ``apps.connections.open`` (Socket Mode) takes only one of
+  ``app_tokens`` (``xapp-…``), and every other method refuses them, with Slack's
+  ``not_allowed_token_type``. It answers the ``ws://`` URL of the attached
+  :class:`tests.fakes.slack_socket.FakeSocketMode` (``socket_mode``), each with a
+  one-time ticket, as Slack hands out a fresh ``wss://`` URL per connection.
 - **Blocks**: at most 50 per message, each a dict with a ``type``; section text at most
   3000 characters, header text 150; else ``invalid_blocks``.
 
@@ -179,8 +184,14 @@ class FakeSlack:
         whole_second_retry_after: bool = True,
         team_id: str = "T0TEST",
         bot_user_id: str = "U0BOT",
+        app_tokens: Iterable[str] = (),
     ) -> None:
         self.tokens = set(tokens)
+        #: App-level tokens, for Socket Mode's apps.connections.open only.
+        self.app_tokens = set(app_tokens)
+        #: Where apps.connections.open sends a client: anything with ``open_url()``
+        #: (:class:`tests.fakes.slack_socket.FakeSocketMode` attaches itself here).
+        self.socket_mode: Any = None
         self.post_interval_s = post_interval_s
         self.burst = burst
         self.whole_second_retry_after = whole_second_retry_after
@@ -401,7 +412,10 @@ class FakeSlack:
             return 404, {"ok": False, "error": "unknown_method"}, {}
         if token is None:
             return 200, {"ok": False, "error": "not_authed"}, {}
-        if token not in self.tokens:
+        app_level = method in _APP_LEVEL_METHODS
+        if token in (self.tokens if app_level else self.app_tokens):
+            return 200, {"ok": False, "error": "not_allowed_token_type"}, {}
+        if token not in (self.app_tokens if app_level else self.tokens):
             return 200, {"ok": False, "error": "invalid_auth"}, {}
         for key in ("channel", "channel_id"):
             error = self._channel_errors.get(str(args.get(key, "")))
@@ -598,6 +612,11 @@ class FakeSlack:
             self._messages.setdefault(str(channel), []).append(share)
         return _ok(files=[{"id": u.id, "name": u.filename, "title": u.title} for u in done])
 
+    def _connections_open(self, args: dict[str, Any], now: float) -> _Answer:
+        if self.socket_mode is None:  # Socket Mode is off in the app's settings
+            return _error("socket_mode_not_enabled")
+        return _ok(url=self.socket_mode.open_url())
+
     def _usergroups_list(self, args: dict[str, Any], now: float) -> _Answer:
         include = str(args.get("include_users", "")).lower() in ("1", "true")
         groups = [
@@ -630,7 +649,10 @@ _METHODS: dict[str, Callable[[FakeSlack, dict[str, Any], float], _Answer]] = {
     "usergroups.list": FakeSlack._usergroups_list,
     "users.info": FakeSlack._users_info,
     "conversations.info": FakeSlack._conversations_info,
+    "apps.connections.open": FakeSlack._connections_open,
 }
+#: Methods that take an app-level token (and only one).
+_APP_LEVEL_METHODS = frozenset({"apps.connections.open"})
 
 
 def _ok(**data: Any) -> _Answer:

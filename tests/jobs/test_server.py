@@ -10,6 +10,7 @@ import json
 import math
 import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterable, Iterator
@@ -452,3 +453,47 @@ def test_shutdown_closes_the_port(tmp_path: Path) -> None:
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", server.port), timeout=2).close()
     engine.dispose()
+
+
+def test_bursts_reuse_the_answering_threads_and_a_stalled_client_blocks_nobody(
+    sqlite_plane: Plane,
+) -> None:
+    names: list[str] = []
+    release = threading.Event()
+
+    def probe(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+        names.append(threading.current_thread().name)
+        release.wait(10)  # every request of a burst is in flight at once
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [b"ok"]
+
+    sqlite_plane.app.mount("/probe", probe)
+    # A client that sends half its headers and stalls holds one thread, no more.
+    stalled = socket.create_connection(("127.0.0.1", sqlite_plane.server.port), timeout=10)
+    stalled.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+    try:
+        statuses: list[int] = []
+
+        def ask() -> None:
+            statuses.append(get(sqlite_plane.server.url + "/probe/x")[0])
+
+        for burst in range(1, 4):
+            statuses.clear()
+            threads = [threading.Thread(target=ask) for _ in range(8)]
+            for thread in threads:
+                thread.start()
+            deadline = time.monotonic() + 10
+            while len(names) < 8 * burst and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert len(names) == 8 * burst, "the burst was not answered all at once"
+            release.set()
+            for thread in threads:
+                thread.join(15)
+            release.clear()
+            assert statuses == [200] * 8
+    finally:
+        stalled.close()
+    assert len(names) == 24
+    # A thread per connection would be 24 threads; a burst of 8 needs 8 (a few more
+    # when a thread has answered but not yet come back for the next connection).
+    assert len(set(names)) < 16, sorted(set(names))

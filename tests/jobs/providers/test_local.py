@@ -487,3 +487,21 @@ def test_registry_builds_the_local_provider(state_dir: Path) -> None:
         make_provider("azure")
     with pytest.raises(ProviderError, match="termination_window_s"):
         LocalProvider(state_dir, termination_window_s=-1)
+
+
+def test_instances_run_at_a_lower_cpu_priority(
+    make_local: Callable[..., LocalProvider], tmp_path: Path
+) -> None:
+    """The training run yields the CPU to the control plane on the same machine."""
+    body = "put(sys.argv[1], str(os.nice(0)))"
+    own = os.nice(0)
+    for name, options, expected in (
+        ("default", {}, own + 10),
+        ("same", {"nice": 0}, own),
+        ("seven", {"nice": 7}, own + 7),
+    ):
+        instance_id = start(make_local(**options), script(body, tmp_path / name))
+        assert int(wait_for_file(tmp_path / name)) == min(19, expected), name
+        wait_for_state(make_local(), instance_id, {InstanceState.SUCCEEDED})
+    with pytest.raises(ProviderError, match="nice is 20; use 0"):
+        LocalProvider(tmp_path / "refused", nice=20)
