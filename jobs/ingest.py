@@ -46,6 +46,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from itertools import chain, repeat
+from operator import itemgetter
 from typing import Any, cast
 
 from sqlalchemy import (
@@ -236,8 +237,12 @@ class _Series:
         overflow = len(recent) + len(points) - RECENT_OBS
         if overflow > 0:
             from_recent = min(overflow, len(recent))
-            for _ in range(from_recent):
-                self._retire(recent.popleft())
+            if from_recent == len(recent):  # a big batch pushes all of them out
+                leaving = list(recent)
+                recent.clear()
+            else:
+                leaving = [recent.popleft() for _ in range(from_recent)]
+            self._retire_points([(obs.time, obs.data) for obs in leaving])
             retired = overflow - from_recent
             if retired > 0:
                 self._retire_points(points[:retired])
@@ -246,8 +251,9 @@ class _Series:
         recent.extend([Obs(time, kind, data) for time, data in points])
 
     def _retire_points(self, points: Sequence[_Point]) -> None:
-        """_retire for points that never were recent: most of a large batch. The same
-        rule, inlined, since it runs for nearly every event."""
+        """Move points, oldest first, into the thinned history: one per bucket, the
+        first of each unless a later one has a non-finite loss and the first has not.
+        This runs for nearly every event, so it makes an Obs only for what it keeps."""
         history = self.history
         last_bucket = self.last_bucket
         isfinite = math.isfinite
@@ -265,16 +271,6 @@ class _Series:
             history.append(Obs(time, self.kind, data))
             last_bucket = bucket
         self.last_bucket = last_bucket
-
-    def _retire(self, obs: Obs) -> None:
-        bucket = obs.time // BUCKET_S
-        history = self.history
-        if history and bucket == self.last_bucket:
-            if _non_finite_loss(obs.data) and not _non_finite_loss(history[-1].data):
-                history[-1] = obs
-            return
-        history.append(obs)
-        self.last_bucket = bucket
 
     def trim(self, horizon: float) -> None:
         for part in (self.history, self.recent):
@@ -308,7 +304,7 @@ class _Window:
         for kind, points in observations.items():
             if points:
                 series[kind].extend(points)
-                self.newest = max(self.newest, max(time for time, _ in points))
+                self.newest = max(self.newest, max(map(itemgetter(0), points)))
                 added = True
         if added:
             horizon = self.newest - WINDOW_SPAN_S
@@ -659,26 +655,24 @@ class IngestService:
                 "deleted_at": None,
             },
         )
-        self._update_run_step = (
-            update(_RUNS)
-            .where(runs.id == bindparam("run_id"))
-            .values(
-                last_step=case(
-                    (runs.last_step.is_(None), bindparam("step")),
-                    (runs.last_step < bindparam("step"), bindparam("step")),
-                    else_=runs.last_step,
-                )
+
+        # Both run columns in one statement; a NULL parameter leaves its column as it is,
+        # and neither ever moves back.
+        def forward(name: str, col: Any) -> Any:
+            value = bindparam(name, type_=col.type)
+            return case(
+                (value.is_(None), col),
+                (col.is_(None), value),
+                (col < value, value),
+                else_=col,
             )
-        )
-        self._update_run_committed = (
+
+        self._update_run = (
             update(_RUNS)
             .where(runs.id == bindparam("run_id"))
             .values(
-                last_committed_step=case(
-                    (runs.last_committed_step.is_(None), bindparam("step")),
-                    (runs.last_committed_step < bindparam("step"), bindparam("step")),
-                    else_=runs.last_committed_step,
-                )
+                last_step=forward("p_step", runs.last_step),
+                last_committed_step=forward("p_committed", runs.last_committed_step),
             )
         )
 
@@ -861,8 +855,6 @@ class IngestService:
         if state != attempt.state:
             values["p_state"] = state
         connection.execute(self._update_attempt, values)
-        if top_step is not None:
-            connection.execute(self._update_run_step, {"run_id": run_id, "step": top_step})
         for event in committed:
             data = event.data
             step = data["step"]
@@ -887,9 +879,12 @@ class IngestService:
                     "deleted_at": None,
                 },
             )
-        if committed:
-            top = max(e.data["step"] for e in committed)
-            connection.execute(self._update_run_committed, {"run_id": run_id, "step": top})
+        top_committed = max(e.data["step"] for e in committed) if committed else None
+        if top_step is not None or top_committed is not None:
+            connection.execute(
+                self._update_run,
+                {"run_id": run_id, "p_step": top_step, "p_committed": top_committed},
+            )
         run = connection.execute(self._read_run, {"run_id": run_id}).first()
         if run is not None:
             applied.last_step = run.last_step

@@ -661,6 +661,43 @@ def test_integers_past_64_bits_get_400(
     assert count_events(db_engine) == 0
 
 
+def test_a_range_error_names_the_first_offender_of_a_large_batch(db_engine: Engine) -> None:
+    add_run(db_engine)
+    svc = service(db_engine)
+    items = [metrics(i) for i in range(300)]
+    items[40] = system()
+    items[120] = ("checkpoint_committed", {"step": 1, "bytes": 2**63, "write_s": 1.0, "uri": "u"})
+    items[200] = metrics(2**64)
+    events = [
+        WireEvent("a-1", 2**63 if i == 250 else i, kind, T0 + i, "r-1", data)
+        for i, (kind, data) in enumerate(items)
+    ]
+
+    first = svc.handle(AUTH, encode_batch(events))
+    second = svc.handle(AUTH, encode_batch(events[121:]))
+    third = svc.handle(AUTH, encode_batch(events[201:]))
+
+    assert first.status == second.status == third.status == 400
+    assert first.body["error"].startswith(f"events[120].data.bytes: {2**63} is above")
+    assert second.body["error"].startswith(f"events[79].data.step: {2**64} is above")
+    assert third.body["error"].startswith(f"events[49].seq: {2**63} is above")
+    assert count_events(db_engine) == 0
+
+
+def test_extra_fields_keep_big_integers_and_any_text(db_engine: Engine) -> None:
+    add_run(db_engine)
+    svc = service(db_engine)
+    kind, data = metrics(0)
+    extra = {**data, "note": 10**30, "tokens": 2**63 + 5, "unit": "µs ✓ \u2028"}
+    log = {"level": "info", "message": "ünïcödé 'quoted' \\ back\\slash \"q\" \t tab"}
+
+    result = svc.handle(AUTH, body([(kind, extra), ("log", log)]))
+
+    assert result.body == {"accepted": 2, "duplicates": 0}
+    assert event_at(db_engine, 0).data == extra
+    assert event_at(db_engine, 1).data == log
+
+
 def test_event_times_keep_their_microseconds(db_engine: Engine) -> None:
     add_run(db_engine)
     svc = service(db_engine)
