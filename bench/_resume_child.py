@@ -1,5 +1,6 @@
-"""The training process of bench_resume: start, build the model, restore the newest
-checkpoint through a Session, and print the wall-clock time of the first step.
+"""The training process of bench_resume: start, create a Session (which starts reading the
+newest checkpoint), build the model, restore through the Session, and print the
+wall-clock time of the first step.
 
 Configured through the environment like a real run (``TRAINBOT_CHECKPOINT_URI``,
 ``TRAINBOT_RUN_ID``). Its one line of output is JSON: when the imports were done, the
@@ -21,9 +22,11 @@ from runner.session import Session
 
 def main() -> int:
     imported = time.time()
-    model, opt = build_skeleton(int(sys.argv[1]))  # bytes of state, as the parent built it
-    built = time.time()
+    # The recommended order: the session first, so that it reads the checkpoint while
+    # the model and optimizer are built.
     with Session.from_env(decision=Never()) as s:
+        model, opt = build_skeleton(int(sys.argv[1]))  # bytes of state, as the parent built it
+        built = time.time()
         s.track(model=model, optimizer=opt)
         s.restore()
         restored = time.time()

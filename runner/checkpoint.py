@@ -21,7 +21,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -345,7 +345,7 @@ def download_files(store: Store, manifest: Manifest, dest: Path) -> Path:
     target = dest / (manifest.label or step_dir(manifest.step))
     sd = step_dir(manifest.step)
     for entry in manifest.files:
-        data = _read_verified(store, f"{sd}/{entry.name}", entry, 1 << 20)
+        data = _read_verified(store, f"{sd}/{entry.name}", entry, READ_CHUNK)
         out = target.joinpath(*entry.name.split("/"))
         out.parent.mkdir(parents=True, exist_ok=True)
         with open(out, "wb") as f:
@@ -371,7 +371,27 @@ class Restored:
     restore_s: float
 
 
-def _read_verified(store: Store, key: str, entry: FileEntry, chunk: int) -> torch.Tensor:
+#: Bytes read (and then hashed) at a time. Large, because a reader thread takes the GIL
+#: back after every read and every hash, and while the caller's thread runs Python (say,
+#: building its model) each of those waits up to the interpreter's switch interval.
+READ_CHUNK = 16 << 20
+
+
+class PrefetchCancelled(RunnerError):
+    """Reading a checkpoint was cancelled (the session closed before restoring)."""
+
+
+class _Stopped(Exception):
+    """A read gave up because another one failed or the prefetch was cancelled."""
+
+
+def _read_verified(
+    store: Store,
+    key: str,
+    entry: FileEntry,
+    chunk: int,
+    stop: Callable[[], bool] | None = None,
+) -> torch.Tensor:
     """Read one file, hashing each chunk right after reading it, while it is in cache."""
     buf = torch.empty(entry.size, dtype=torch.uint8)
     view = buf.numpy().data
@@ -379,6 +399,8 @@ def _read_verified(store: Store, key: str, entry: FileEntry, chunk: int) -> torc
     got = 0
     with store.open_read(key) as f:
         while got < entry.size:
+            if stop is not None and stop():
+                raise _Stopped(key)
             n = f.readinto(view[got : min(entry.size, got + chunk)])  # type: ignore[attr-defined]
             if not n:
                 break
@@ -394,8 +416,55 @@ def _read_verified(store: Store, key: str, entry: FileEntry, chunk: int) -> torc
     return buf
 
 
-def load_checkpoint(store: Store, manifest: Manifest, *, chunk_bytes: int = 1 << 20) -> Any:
-    """Read and verify every file of a checkpoint, and rebuild its state."""
+def _read_all(
+    store: Store,
+    sd: str,
+    entries: dict[str, FileEntry],
+    chunk: int,
+    cancel: threading.Event | None,
+) -> dict[str, torch.Tensor]:
+    """Read and verify every file in parallel; the first failure stops the other reads."""
+    failed = threading.Event()
+
+    def stop() -> bool:
+        return failed.is_set() or (cancel is not None and cancel.is_set())
+
+    with ThreadPoolExecutor(max_workers=_io_workers(), thread_name_prefix="ckpt-read") as pool:
+        reads = {
+            name: pool.submit(_read_verified, store, f"{sd}/{name}", entry, chunk, stop)
+            for name, entry in entries.items()
+        }
+        done, _ = wait(reads.values(), return_when=FIRST_EXCEPTION)
+        if any(f.exception() is not None for f in done):
+            failed.set()
+    # Leaving the pool waited for every read: no thread still fills a buffer.
+    if cancel is not None and cancel.is_set():
+        raise PrefetchCancelled(f"reading {store.uri}/{sd} was cancelled")
+    errors = [
+        exc
+        for f in reads.values()
+        if (exc := f.exception()) is not None and not isinstance(exc, _Stopped)
+    ]
+    if errors:
+        if isinstance(errors[0], StoreError):
+            raise CheckpointError(f"shard missing or unreadable: {errors[0]}") from errors[0]
+        raise errors[0]
+    return {name: f.result() for name, f in reads.items()}
+
+
+def load_checkpoint(
+    store: Store,
+    manifest: Manifest,
+    *,
+    chunk_bytes: int = READ_CHUNK,
+    cancel: threading.Event | None = None,
+) -> Any:
+    """Read and verify every file of a checkpoint, and rebuild its state.
+
+    Nothing is used before every file's sha256 matches the manifest. Large tensors are
+    views into the buffers the files were read into (no copy); setting ``cancel`` makes
+    the reads stop at their next chunk and raises :class:`PrefetchCancelled`.
+    """
     sd = step_dir(manifest.step)
     if manifest.kind != "state":
         raise CheckpointError(
@@ -405,17 +474,7 @@ def load_checkpoint(store: Store, manifest: Manifest, *, chunk_bytes: int = 1 <<
     entries = {f.name: f for f in manifest.files}
     if META not in entries:
         raise CheckpointError(f"{store.uri}/{sd} has no {META} in its manifest")
-    with ThreadPoolExecutor(max_workers=_io_workers(), thread_name_prefix="ckpt-read") as pool:
-        reads = {
-            name: pool.submit(_read_verified, store, f"{sd}/{name}", entry, chunk_bytes)
-            for name, entry in entries.items()
-        }
-        data: dict[str, torch.Tensor] = {}
-        for name, fut in reads.items():
-            try:
-                data[name] = fut.result()
-            except StoreError as exc:
-                raise CheckpointError(f"shard missing or unreadable: {exc}") from exc
+    data = _read_all(store, sd, entries, chunk_bytes, cancel)
     try:
         meta = torch.load(io.BytesIO(data.pop(META).numpy().tobytes()), weights_only=True)
         tensors = []
@@ -436,17 +495,29 @@ def load_checkpoint(store: Store, manifest: Manifest, *, chunk_bytes: int = 1 <<
         ) from exc
 
 
-def restore_latest(store: Store, *, below: int | None = None) -> Restored:
+def restore_latest(
+    store: Store, *, below: int | None = None, cancel: threading.Event | None = None
+) -> Restored:
     """Load the newest committed checkpoint that verifies; fall back past corrupt ones."""
     t0 = time.perf_counter()
+    return _restore_from(store, list_committed(store), below=below, cancel=cancel, t0=t0)
+
+
+def _restore_from(
+    store: Store,
+    entries: list[CheckpointEntry],
+    *,
+    below: int | None,
+    cancel: threading.Event | None,
+    t0: float,
+) -> Restored:
     skipped: list[tuple[int, str]] = []
-    entries = list_committed(store)
     for entry in reversed(entries):
         if below is not None and entry.step >= below:
             continue
         try:
             manifest = read_manifest(store, entry.step)
-            state = load_checkpoint(store, manifest)
+            state = load_checkpoint(store, manifest, cancel=cancel)
         except (CheckpointError, StoreError) as exc:
             log.warning(
                 "checkpoint step %d is unusable (%s); trying the previous one", entry.step, exc
@@ -468,6 +539,74 @@ def restore_latest(store: Store, *, below: int | None = None) -> Restored:
     raise NoCheckpointError(f"no committed checkpoint in {store.uri}")
 
 
+class Prefetch:
+    """The newest usable checkpoint, read and verified on a background thread.
+
+    A :class:`~runner.session.Session` starts one when it is created, so that reading the
+    shards and hashing them (both release the GIL) overlap with the caller building its
+    model and optimizer. Fallback past a corrupt checkpoint happens here too. The memory
+    it holds is the state the restore needs anyway, and :meth:`take` hands it over once.
+    """
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._cancel = threading.Event()
+        #: Newest committed step when the prefetch listed the store; unset if listing failed.
+        self._newest: int | None = None
+        self._listed = False
+        self._result: Restored | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="ckpt-prefetch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            entries = list_committed(self.store)
+            self._newest = entries[-1].step if entries else None
+            self._listed = True
+            self._result = _restore_from(
+                self.store, entries, below=None, cancel=self._cancel, t0=t0
+            )
+        except BaseException as exc:  # handed to the caller by take()
+            self._error = exc
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the reading is over (done, failed or cancelled); False on timeout."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def take(self) -> Restored | None:
+        """Wait for the prefetch and hand over its checkpoint.
+
+        Returns None when the caller must restore by itself: the prefetch was cancelled,
+        could not list the store, or a newer checkpoint has been committed since it
+        started. Raises what restoring raised otherwise (no checkpoint, none usable).
+        """
+        self._thread.join()
+        result, error = self._result, self._error
+        self._result = self._error = None
+        if not self._listed or self._cancel.is_set():
+            return None
+        entries = list_committed(self.store)
+        newest = entries[-1].step if entries else None
+        if newest != self._newest:
+            log.info(
+                "checkpoint step %s was committed after the prefetch started; reading it",
+                newest,
+            )
+            return None
+        if error is not None:
+            raise error
+        return result
+
+    def close(self) -> None:
+        """Stop reading (at the next chunk), wait for the threads and drop what was read."""
+        self._cancel.set()
+        self._thread.join()
+        self._result = self._error = None
+
+
 def verify(store: Store, step: int) -> list[str]:
     """Problems with one committed checkpoint; an empty list means it verifies."""
     try:
@@ -484,6 +623,8 @@ __all__ = [
     "CommitInfo",
     "Manifest",
     "NoCheckpointError",
+    "Prefetch",
+    "PrefetchCancelled",
     "Restored",
     "RunnerError",
     "commit_files",

@@ -1,6 +1,7 @@
 """The session API: what a torch training loop needs to survive spot capacity.
 
-    with Session.from_env() as s:
+    with Session.from_env() as s:  # starts reading the newest checkpoint
+        model, opt, sched, loader = build()  # while the model is built
         s.track(model=model, optimizer=opt, scheduler=sched, data=loader)
         for step in s.steps(total_steps):
             batch = s.next_batch(it)
@@ -9,10 +10,12 @@
     sys.exit(s.exit_code)
 
 The session restores the newest committed checkpoint (every tracked object, every RNG,
-the step), checkpoints asynchronously when its policy says so, reports telemetry, and
-ends the loop on a preemption notice, a dry-run limit or a stop request, flushing a
-checkpoint if one fits the time left. The signal handler only sets a flag; the loop acts
-between steps.
+the step). It starts reading and verifying that checkpoint on background threads as soon
+as it is created, so creating it before building the model hides most of the read; a
+session created later restores just the same. It checkpoints asynchronously when its
+policy says so, reports telemetry, and ends the loop on a preemption notice, a dry-run
+limit or a stop request, flushing a checkpoint if one fits the time left. The signal
+handler only sets a flag; the loop acts between steps.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from types import TracebackType
 from typing import Any, Protocol
 
 from runner import EXIT_FAILED, EXIT_PREEMPTED, EXIT_SUCCEEDED
-from runner.checkpoint import CheckpointWriter, CommitInfo, restore_latest
+from runner.checkpoint import CheckpointWriter, CommitInfo, Prefetch, Restored, restore_latest
 from runner.errors import NoCheckpointError, RunnerError
 from runner.preemption import (
     Notice,
@@ -196,7 +199,14 @@ def _default_sink(cfg: SessionConfig) -> EventSink:
 
 
 class Session:
-    """One process's part of a run. Use it as a context manager around the training loop."""
+    """One process's part of a run. Use it as a context manager around the training loop.
+
+    Creating it starts reading and verifying the newest committed checkpoint on background
+    threads (unless ``prefetch=False``), so create it before building the model and
+    optimizer: the read then overlaps with their construction, and :meth:`restore` only
+    waits for what is left. The memory held is the checkpoint's size, which the restore
+    needs anyway; closing the session without restoring stops the read and frees it.
+    """
 
     def __init__(
         self,
@@ -207,6 +217,7 @@ class Session:
         flag: PreemptionFlag | None = None,
         decision: SaveDecision | None = None,
         install_signals: bool = True,
+        prefetch: bool = True,
     ) -> None:
         self.config = config
         self.sink = sink if sink is not None else _default_sink(config)
@@ -238,6 +249,10 @@ class Session:
         self._loss: float | None = None
         self._wait_s = 0.0
         self._stop_checked = 0.0
+        #: The newest checkpoint, being read and verified in the background while the caller
+        #: builds its model; None once restored or closed, or when ``prefetch=False``.
+        #: Started last, once nothing else here can fail.
+        self.prefetch: Prefetch | None = Prefetch(self.store) if prefetch else None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **kwargs: Any) -> Session:
@@ -267,6 +282,9 @@ class Session:
         self.close()
 
     def close(self) -> None:
+        if self.prefetch is not None:
+            self.prefetch.close()
+            self.prefetch = None
         self.writer.close()
         if self._pollers is not None:
             self._pollers.stop()
@@ -310,7 +328,7 @@ class Session:
         """Load the newest committed checkpoint into the tracked objects; returns its step."""
         self._restored = True
         try:
-            restored = restore_latest(self.store)
+            restored = self._take_prefetched() or restore_latest(self.store)
         except NoCheckpointError:
             self.sink.emit("restored", {"step": 0, "fallback_from": None, "restore_s": 0.0})
             return 0
@@ -343,6 +361,11 @@ class Session:
         if self.config.dry_run_phase == "verify":
             self._dry_run_event("restored")
         return self.step
+
+    def _take_prefetched(self) -> Restored | None:
+        """The checkpoint read since the session was created; None to read it now."""
+        prefetch, self.prefetch = self.prefetch, None
+        return prefetch.take() if prefetch is not None else None
 
     # -- the loop
 
