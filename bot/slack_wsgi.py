@@ -6,7 +6,9 @@ v0 signature *before* anything parses the body, then hands the request to Bolt (
 own signature check stays on as a second lock). Checking first matters because Bolt
 parses the body before it verifies it, and a malformed timestamp or body would make it
 answer 500 and log a traceback; here anything unsigned, stale (more than five minutes
-either way), malformed or tampered gets a plain 401 and touches nothing.
+either way), malformed or tampered gets a plain 401 and touches nothing. While a request
+is being answered (until the server has written the answer), the listeners' work pool
+holds back its work, so acknowledgements never wait behind it (:mod:`bot.workpool`).
 
 :func:`attach` is what ``trainbot serve`` runs when Slack is configured: it builds the
 Bolt app over the control plane's dependencies and mounts it; :meth:`SlackFrontEnd.start`

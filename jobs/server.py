@@ -1,8 +1,9 @@
 """The control plane's HTTP server: runner ingest, health, metrics, and mounted apps.
 
 A plain WSGI application with a small router, served by the standard library's
-``wsgiref`` on threads (no web framework: four routes do not need one, and the Slack app
-mounts under ``/slack/`` as a WSGI app of its own):
+``wsgiref`` on a pool of long-lived threads, each answer written in one piece (no web
+framework: four routes do not need one, and the Slack app mounts under ``/slack/`` as a
+WSGI app of its own):
 
 - ``POST /v1/events``: :class:`jobs.ingest.IngestService`, JSON in and out;
 - ``GET /healthz``: 200 when the database answers ``SELECT 1``, 503 when it does not;
