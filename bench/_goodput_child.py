@@ -9,16 +9,8 @@ store whose upload and download speed is scaled by the same time-compression fac
 everything else, so a checkpoint's write and restore take the time they would at scale.
 
 Configured through the environment like any run (``TRAINBOT_*``, set by the control
-plane or the dry run). Every step logs the stall of the newest committed checkpoint
-once (``ckpt_stall_s``), because the session's ``checkpoint_committed`` event carries
-the write time but not how long the loop was blocked.
-
-Preempted before its first checkpoint with no room for a flush, the session exits 1
-(failed), and the control plane then fails the whole run instead of starting it again
-from step 0; at a mean of 10 minutes between preemptions and the default interval, that
-ends about one run in six. This script exits 75
-(preempted) in that case, as a training script may, and says so on stderr, so the
-benchmark measures goodput rather than that failure, which it counts separately.
+plane or the dry run). The session's own ``checkpoint_committed`` events carry the write
+time and the stall of every save, which the benchmark's accounting reads.
 """
 
 from __future__ import annotations
@@ -36,14 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from runner import EXIT_PREEMPTED
 from runner.errors import RunnerError
 from runner.session import Session, SessionConfig
 from runner.store import ObjectInfo, Store, WriteStream, run_store
 
 MiB = 1 << 20
-#: What this script prints when it was preempted before any checkpoint (see above).
-EARLY_PREEMPTION = "goodput child: preempted before the first checkpoint; exiting 75 to restart"
 
 
 class _Pace:
@@ -176,21 +165,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The session restores this handler when it ends: a SIGTERM that arrives after that (the
     # supervisor forwards the notice it also got) must not kill the process on its way out.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    seen_commit: int | None = None
     with session as s:
         s.track(weights=weights)
         for step in s.steps(args.steps):
             time.sleep(args.step_s)
             weights.t[step % weights.t.numel()] += 1.0
-            commit = s.writer.last_commit
-            if commit is not None and commit.step != seen_commit:
-                seen_commit = commit.step
-                s.log(loss=1.0 / (1 + step), ckpt_stall_s=commit.stall_s)
-            else:
-                s.log(loss=1.0 / (1 + step))
-    if s.stop_reason == "preempted" and s.committed_step is None:
-        print(EARLY_PREEMPTION, file=sys.stderr, flush=True)
-        return EXIT_PREEMPTED
+            s.log(loss=1.0 / (1 + step))
     return s.exit_code
 
 

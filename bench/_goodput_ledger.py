@@ -106,6 +106,21 @@ def split_attempt(
     return s
 
 
+def periodic_stalls(events: Sequence[RunEvent]) -> list[float]:
+    """Stalls of one attempt's periodic saves: Daly's C. A save the loop went on from (a
+    later step was reported) is periodic; the last save of an attempt (the final one, or
+    the emergency flush) writes a state nothing changes any more, without a copy."""
+    last_step = max((int(e.data["step"]) for e in events if e.type == "metrics"), default=None)
+    return [
+        float(e.data["stall_s"])
+        for e in events
+        if e.type == "checkpoint_committed"
+        and isinstance(e.data.get("stall_s"), int | float)
+        and last_step is not None
+        and int(e.data["step"]) < last_step
+    ]
+
+
 def account(
     attempts: Sequence[AttemptRow],
     events: Iterable[RunEvent],
@@ -139,15 +154,13 @@ def account(
             a, evs, killed_at=killed_at.get(a.id), end=a.ended if a.ended is not None else now
         )
         writes += [float(e.data["write_s"]) for e in commits]
+        stalls += periodic_stalls(evs)
         commit_gaps += [y.time - x.time for x, y in itertools.pairwise(commits)]
         for e in evs:
             if e.type != "metrics":
                 continue
             step_times.append(float(e.data["step_time_s"]))
             kept_by_step[int(e.data["step"])] = float(e.data["step_time_s"])
-            stall = (e.data.get("metrics") or {}).get("ckpt_stall_s")
-            if isinstance(stall, int | float):
-                stalls.append(float(stall))
     median_step = statistics.median(step_times) if step_times else default_step_s
     kept = range(1, kept_steps + 1)
     # A kept step whose event died with its process counts at the median step time.

@@ -40,6 +40,7 @@ from jobs.providers.local import REGION as LOCAL_REGION
 from jobs.providers.local import LocalProvider
 from jobs.spec import JobSpec
 from runner.errors import RunnerError
+from runner.preemption import IntervalChoice, choose_interval
 
 if TYPE_CHECKING:
     from runner.dryrun import DryRunReport
@@ -60,6 +61,7 @@ __all__ = [
     "assumed_mtbp_s",
     "checkpoint_interval",
     "default_checks",
+    "interval_choice",
     "resource_request",
     "run_preflight",
     "target_steps",
@@ -451,20 +453,37 @@ class DryRunCheck:
                 f"are kept in {where}",
                 data=data,
             )
-        interval = checkpoint_interval(ctx.spec, write_s=report.write_s, mtbp_s=ctx.mtbp_s)
+        window = _termination_window_s(ctx)
+        fits = _emergency_fits(report, window) if window is not None else None
+        choice = interval_choice(
+            write_s=report.write_s,
+            stall_s=report.stall_s,
+            mtbp_s=ctx.mtbp_s,
+            flush_fits_window=bool(fits),
+        )
+        interval = checkpoint_interval(
+            ctx.spec,
+            write_s=report.write_s,
+            stall_s=report.stall_s,
+            mtbp_s=ctx.mtbp_s,
+            flush_fits_window=bool(fits),
+        )
         data["interval_s"] = interval
+        if choice is not None:
+            data["interval_cost_s"] = choice.cost_s
+            data["interval_mtbp_s"] = choice.mtbp_s
+            data["interval_floor_s"] = choice.floor_s
+        stall = f", stalling the loop {_seconds(report.stall_s)}" if report.stall_s else ""
         figures = (
             f"{report.steps_before_kill} steps at {_seconds(report.step_time_s)} a step; "
-            f"checkpoint {_bytes(report.checkpoint_bytes)} written in {_seconds(report.write_s)}, "
-            f"restored bit-identical in {_seconds(report.restore_s)}; "
-            f"checkpoint interval {_interval_text(ctx.spec, interval, ctx.mtbp_s)}"
+            f"checkpoint {_bytes(report.checkpoint_bytes)} written in {_seconds(report.write_s)}"
+            f"{stall}, restored bit-identical in {_seconds(report.restore_s)}; "
+            f"checkpoint interval {_interval_text(ctx.spec, interval, choice)}"
         )
         if not ctx.spec.dry_run.local:
             figures += " (dry runs on a cloud instance are not available yet: ran on this CPU)"
-        window = _termination_window_s(ctx)
         if window is None:
             return CheckResult(self.name, Status.PASS, figures, data=data)
-        fits = _emergency_fits(report, window)
         data["termination_window_s"] = window
         data["emergency_fits_window"] = fits
         if fits:
@@ -537,27 +556,56 @@ def _emergency_fits(report: DryRunReport, window_s: float) -> bool:
     )
 
 
-def checkpoint_interval(spec: JobSpec, *, write_s: float | None, mtbp_s: float) -> float | None:
-    """Seconds between checkpoints: the spec's, or for ``"auto"`` Daly's √(2CM) − C.
+def interval_choice(
+    *,
+    write_s: float | None,
+    stall_s: float | None,
+    mtbp_s: float,
+    flush_fits_window: bool,
+) -> IntervalChoice | None:
+    """The ``"auto"`` interval and its figures (:func:`runner.preemption.choose_interval`):
+    Daly's √(2CM) − C with C the stall of a save (the writer is asynchronous), floored at
+    the write time, and M the mean time between preemptions that lose work. None without
+    a measured write time."""
+    if write_s is None or not write_s > 0:
+        return None
+    return choose_interval(
+        write_s=write_s, stall_s=stall_s, mtbp_s=mtbp_s, flush_fits_window=flush_fits_window
+    )
 
-    ``None`` when the spec says ``"auto"`` and there is no measured checkpoint time C.
+
+def checkpoint_interval(
+    spec: JobSpec,
+    *,
+    write_s: float | None,
+    mtbp_s: float,
+    stall_s: float | None = None,
+    flush_fits_window: bool = False,
+) -> float | None:
+    """Seconds between checkpoints: the spec's, or for ``"auto"`` :func:`interval_choice`'s.
+
+    ``None`` when the spec says ``"auto"`` and there is no measured write time. Without a
+    measured stall, C is the write time (a synchronous save).
     """
     fixed = spec.checkpoint.interval_s
     if fixed is not None:
         return fixed
-    if write_s is None or write_s <= 0:
-        return None
-    from runner.dryrun import daly_interval
+    choice = interval_choice(
+        write_s=write_s, stall_s=stall_s, mtbp_s=mtbp_s, flush_fits_window=flush_fits_window
+    )
+    return None if choice is None else choice.interval_s
 
-    return daly_interval(write_s, mtbp_s)
 
-
-def _interval_text(spec: JobSpec, interval: float | None, mtbp_s: float) -> str:
+def _interval_text(spec: JobSpec, interval: float | None, choice: IntervalChoice | None) -> str:
     if interval is None:
         return "unknown (no checkpoint time measured)"
-    if spec.checkpoint.interval_s is not None:
+    if spec.checkpoint.interval_s is not None or choice is None:
         return f"{_seconds(interval)} (from the spec)"
-    return f"{_seconds(interval)} (Daly's optimum for a preemption every {_seconds(mtbp_s)})"
+    floor = " (the write time: one save at a time)" if interval <= choice.floor_s else ""
+    return (
+        f"{_seconds(interval)}{floor}: Daly's optimum for {_seconds(choice.cost_s)} lost per "
+        f"save and a preemption losing work every {_seconds(choice.mtbp_s)}"
+    )
 
 
 # -- budget ------------------------------------------------------------------------------
@@ -592,8 +640,11 @@ class BudgetCheck:
         quote = ctx.provider.price(ctx.request, zone=zones[0] if zones else None)
         hourly = quote.on_demand_usd_per_hour if on_demand else quote.spot_usd_per_hour
         instances = spec.resources.instances
-        write_s = _number(dry_data.get("write_s"))
-        interval = checkpoint_interval(spec, write_s=write_s, mtbp_s=ctx.mtbp_s)
+        interval = _number(dry_data.get("interval_s"))
+        if interval is None:
+            interval = checkpoint_interval(
+                spec, write_s=_number(dry_data.get("write_s")), mtbp_s=ctx.mtbp_s
+            )
         hours, basis = self._expected_hours(ctx, dry_data, interval=interval, spot=not on_demand)
         estimate = None if hours is None else hourly * instances * hours
         cap_usd = None if spec.max_hours is None else hourly * instances * spec.max_hours
@@ -695,12 +746,17 @@ class BudgetCheck:
                 return None, f"{missing} and no max_hours"
             return spec.max_hours, f"{missing}: max_hours as the upper bound"
         write_s = _number(dry_data.get("write_s")) or 0.0
+        cost_s = _number(dry_data.get("interval_cost_s")) or write_s
+        lossy_mtbp_s = _number(dry_data.get("interval_mtbp_s")) or ctx.mtbp_s
         restore_s = _number(dry_data.get("restore_s")) or 0.0
+        flush_s = write_s if dry_data.get("emergency_fits_window") else 0.0
         overhead = 0.0
         if interval is not None and interval > 0:
-            overhead += write_s / interval
+            overhead += cost_s / interval
             if spot:
-                overhead += (interval / 2 + restore_s) / ctx.mtbp_s
+                # Every preemption costs a flush (if it fits) and a restore; those that
+                # lose work also lose half an interval on average.
+                overhead += (flush_s + restore_s) / ctx.mtbp_s + interval / 2 / lossy_mtbp_s
         hours = steps * step_time * (1 + overhead) / 3600
         basis = (
             f"{steps} steps × {_seconds(step_time)} from the dry run, "

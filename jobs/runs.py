@@ -11,7 +11,9 @@ trainbot that no live attempt owns. There is exactly one instance per attempt.
 from __future__ import annotations
 
 import logging
+import math
 import os
+import statistics
 import sys
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -45,7 +47,7 @@ from jobs.rules import (
 )
 from jobs.spec import JobSpec
 from jobs.spend import run_spent
-from runner.preemption import WINDOWS_S
+from runner.preemption import WINDOWS_S, choose_interval
 
 log = logging.getLogger(__name__)
 
@@ -266,6 +268,8 @@ def _new_attempt(deps: Deps, run_id: str, *, now: datetime) -> str | None:
             refresh_card(deps, session, run)
             return None
         placement = choose_placement(deps, session, run, spec)
+        if spec.checkpoint.interval_s is None:
+            _follow_measured_cost(deps, session, run)
         attempt = Attempt(
             run_id=run_id,
             number=number,
@@ -280,6 +284,70 @@ def _new_attempt(deps: Deps, run_id: str, *, now: datetime) -> str | None:
         attempt.token_hash = hash_token(deps.runner_token(attempt.id))
         session.add(attempt)
         return attempt.id
+
+
+#: Periodic saves a run must have reported before its interval follows their stall.
+MEASURED_SAVES_MIN = 3
+#: Newest commits of the run the measured cost is taken from.
+MEASURED_SAVES_MAX = 200
+
+
+def measured_interval(session: Session, run: Run) -> float | None:
+    """The ``"auto"`` interval for the checkpoint cost the run itself has measured.
+
+    Preflight chose the interval from a dry run on the control plane's CPU; the run's own
+    saves, on its own hardware, say what a save really costs. The rule is preflight's
+    (:func:`runner.preemption.choose_interval`), with the same M, and C and the floor
+    from the run: the median stall of its periodic saves (those the loop went on from;
+    a final or emergency save copies nothing) and the median write time. None until
+    enough periodic saves are known, or without preflight's M.
+    """
+    dry = next(
+        (r for r in (run.preflight or {}).get("results", []) if r.get("name") == "dry_run"), None
+    )
+    lossy_mtbp = (dry or {}).get("data", {}).get("interval_mtbp_s")
+    if not isinstance(lossy_mtbp, int | float) or not lossy_mtbp > 0:
+        return None
+    last_steps = dict(
+        session.exec(select(Attempt.id, Attempt.last_step).where(Attempt.run_id == run.id)).all()
+    )
+    rows = session.exec(
+        select(Event.attempt_id, Event.data)
+        .where(Event.run_id == run.id, Event.type == "checkpoint_committed")
+        .order_by(col(Event.id).desc())
+        .limit(MEASURED_SAVES_MAX)
+    ).all()
+    writes: list[float] = []
+    stalls: list[float] = []
+    for attempt_id, data in rows:
+        write, stall, step = data.get("write_s"), data.get("stall_s"), data.get("step")
+        if isinstance(write, int | float) and write > 0:
+            writes.append(float(write))
+        last = last_steps.get(attempt_id)
+        periodic = isinstance(step, int) and last is not None and step < last
+        if periodic and isinstance(stall, int | float) and stall > 0:
+            stalls.append(float(stall))
+    if len(stalls) < MEASURED_SAVES_MIN or not writes:
+        return None
+    return choose_interval(
+        write_s=statistics.median(writes),
+        stall_s=statistics.median(stalls),
+        mtbp_s=float(lossy_mtbp),
+        flush_fits_window=False,  # M above already counts only the preemptions losing work
+    ).interval_s
+
+
+def _follow_measured_cost(deps: Deps, session: Session, run: Run) -> None:
+    """Before a resubmit, move an ``"auto"`` interval to the run's measured cost."""
+    interval = measured_interval(session, run)
+    current = run.checkpoint_interval_s
+    if interval is None or (current and math.isclose(interval, current, rel_tol=0.02)):
+        return
+    run.checkpoint_interval_s = interval
+    session.add(run)
+    deps.journal.record(
+        "checkpoint_interval", run.id, interval_s=round(interval, 3), previous_s=current
+    )
 
 
 def _provision(deps: Deps, attempt_id: str) -> Attempt | None:
@@ -341,6 +409,7 @@ def _provision(deps: Deps, attempt_id: str) -> Attempt | None:
             spot=attempt.spot,
             price_per_hour=attempt.price_per_hour,
             resume_from_step=attempt.resumed_from_step,
+            checkpoint_interval_s=run.checkpoint_interval_s,
         )
         market = "spot" if attempt.spot else "on-demand"
         resume = (

@@ -4,15 +4,16 @@ Phase one runs the command for a few steps and commits a checkpoint to the real 
 the process is then killed with SIGKILL, as a lost instance would be. Phase two starts
 it again: it must restore, show a state bit-identical to the one saved (a sha256 over
 every tensor and RNG state), and run two more steps. The report gives the step time,
-the checkpoint size, write and restore seconds, and Daly's optimal checkpoint interval
-√(2CM) − C for a mean time between preemptions M.
+the checkpoint size, write and restore seconds, the stall (how long a save blocks the
+loop), and Daly's optimal checkpoint interval √(2CM) − C for a mean time between
+preemptions M, with C the stall and the write time as the floor
+(:func:`runner.preemption.choose_interval`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import signal
 import statistics
@@ -26,16 +27,11 @@ from typing import IO, Any
 
 from runner.checkpoint import delete_steps, scan
 from runner.errors import RunnerError
-from runner.preemption import WINDOWS_S, flush_fits
+from runner.preemption import WINDOWS_S, choose_interval, daly_interval, flush_fits
 from runner.session import run_store
 from runner.telemetry import follow_file
 
-
-def daly_interval(checkpoint_s: float, mtbp_s: float) -> float:
-    """Daly's first-order optimum √(2CM) − C, never shorter than one checkpoint."""
-    if checkpoint_s <= 0 or mtbp_s <= 0:
-        raise RunnerError("Daly's interval needs a positive checkpoint time and MTBP")
-    return max(checkpoint_s, math.sqrt(2 * checkpoint_s * mtbp_s) - checkpoint_s)
+__all__ = ["DryRunReport", "daly_interval", "run_dry_run"]
 
 
 @dataclass
@@ -48,10 +44,15 @@ class DryRunReport:
     step_time_s: float | None = None
     checkpoint_bytes: int | None = None
     write_s: float | None = None
+    #: Seconds a periodic save blocked the loop (median over the saves after the first,
+    #: which also allocates the staging buffers); None from a runner that does not say.
+    stall_s: float | None = None
     restore_s: float | None = None
     saved_sha256: str | None = None
     restored_sha256: str | None = None
     mtbp_s: float = 3600.0
+    #: Daly's interval for C = the stall, floored at the write time, if every preemption
+    #: lost the work since the last checkpoint (no emergency checkpoint).
     daly_interval_s: float | None = None
     #: Whether an emergency checkpoint fits each provider's termination window.
     emergency_fits: dict[str, bool] = field(default_factory=dict)
@@ -68,7 +69,8 @@ class DryRunReport:
             f"dry run: {'PASSED' if self.ok else 'FAILED'}",
             f"  step time        {fmt(self.step_time_s, ' s')}",
             f"  checkpoint       {self.checkpoint_bytes or 0:,} bytes, "
-            f"write {fmt(self.write_s, ' s')}, restore {fmt(self.restore_s, ' s')}",
+            f"write {fmt(self.write_s, ' s')}, restore {fmt(self.restore_s, ' s')}, "
+            f"stall {fmt(self.stall_s, ' s')}",
             f"  state after restore bit-identical: {self.saved_sha256 == self.restored_sha256}",
             f"  Daly interval    {fmt(self.daly_interval_s, ' s')} for MTBP {self.mtbp_s:.0f} s",
         ]
@@ -187,10 +189,7 @@ def _run_phases(
     if len(times) > 1:
         times = times[1:]  # the first step pays for warm-up
     report.step_time_s = statistics.median(times) if times else None
-    commit = first.find("checkpoint_committed", step=report.steps_before_kill)
-    if commit is not None:
-        report.checkpoint_bytes = int(commit["bytes"])
-        report.write_s = float(commit["write_s"])
+    _read_commits(first, report)
 
     second = _Phase(
         command,
@@ -232,8 +231,10 @@ def _run_phases(
         report.problems.append(f"after the restore the command exited {second.proc.returncode}")
     elif report.steps_after_restore < 2:
         report.problems.append("the command did not run two steps after the restore")
-    if report.write_s is not None:
-        report.daly_interval_s = daly_interval(report.write_s, mtbp_s)
+    if report.write_s is not None and report.write_s > 0:
+        report.daly_interval_s = choose_interval(
+            write_s=report.write_s, stall_s=report.stall_s, mtbp_s=mtbp_s, flush_fits_window=False
+        ).interval_s
         for name, window in WINDOWS_S.items():
             report.emergency_fits[name] = flush_fits(
                 nbytes=report.checkpoint_bytes or 0,
@@ -244,6 +245,24 @@ def _run_phases(
             )
     report.ok = not report.problems
     return report
+
+
+def _read_commits(phase: _Phase, report: DryRunReport) -> None:
+    """Size, write time and stall of the saved step's commits (the session saves it more
+    than once; the first save also allocates the staging buffers, so its stall is not
+    counted unless it is the only one)."""
+    commits = [
+        d
+        for t, _, d in phase.events
+        if t == "checkpoint_committed" and d.get("step") == report.steps_before_kill
+    ]
+    if not commits:
+        return
+    report.checkpoint_bytes = int(commits[-1]["bytes"])
+    report.write_s = statistics.median(float(c["write_s"]) for c in commits)
+    stalls = [float(c["stall_s"]) for c in commits if isinstance(c.get("stall_s"), int | float)]
+    if stalls:
+        report.stall_s = statistics.median(stalls[1:] or stalls)
 
 
 def _wait_for(proc: _Phase, type_: str, deadline: float, **match: Any) -> dict[str, Any] | None:

@@ -268,6 +268,59 @@ def flush_fits(
     return overhead_s + safety * nbytes / bandwidth_bps <= time_left_s
 
 
+#: When the emergency checkpoint fits the termination window, the share of preemptions
+#: still assumed to come without a usable notice (a lost host, a notice that never
+#: arrives, a kill before the flush ends). Only those need periodic checkpoints.
+UNANNOUNCED_SHARE = 0.1
+
+
+def daly_interval(checkpoint_s: float, mtbp_s: float) -> float:
+    """Daly's first-order optimum √(2CM) − C, never shorter than one checkpoint."""
+    if not (checkpoint_s > 0 and mtbp_s > 0 and math.isfinite(checkpoint_s * mtbp_s)):
+        raise RunnerError("Daly's interval needs a positive checkpoint time and MTBP")
+    return max(checkpoint_s, math.sqrt(2 * checkpoint_s * mtbp_s) - checkpoint_s)
+
+
+@dataclass(frozen=True)
+class IntervalChoice:
+    """A checkpoint interval and the figures it came from (all seconds)."""
+
+    #: Seconds between checkpoints: max(``floor_s``, Daly(``cost_s``, ``mtbp_s``)).
+    interval_s: float
+    #: Daly's C: how long one save blocks the loop (the stall; the write if unmeasured).
+    cost_s: float
+    #: Daly's M: mean time between the preemptions that lose the work since the last
+    #: checkpoint, i.e. those whose emergency checkpoint does not fit.
+    mtbp_s: float
+    #: The write time: one save in flight at a time, so no interval is shorter.
+    floor_s: float
+
+
+def choose_interval(
+    *,
+    write_s: float,
+    stall_s: float | None,
+    mtbp_s: float,
+    flush_fits_window: bool,
+    unannounced_share: float = UNANNOUNCED_SHARE,
+) -> IntervalChoice:
+    """The checkpoint interval for an asynchronous writer.
+
+    C is the stall, because the write runs beside the next steps; the write time is the
+    floor. M counts only preemptions that lose work: all of them when the emergency
+    checkpoint does not fit the termination window, else the ``unannounced_share`` that
+    comes without a usable notice (the others cost a flush, whatever the interval).
+    """
+    if not (write_s > 0 and math.isfinite(write_s)):
+        raise RunnerError(f"the checkpoint write time must be positive (got {write_s})")
+    if not 0 < unannounced_share <= 1:
+        raise RunnerError(f"unannounced_share must be in (0, 1] (got {unannounced_share})")
+    cost = stall_s if stall_s is not None and stall_s > 0 else write_s
+    effective = mtbp_s / unannounced_share if flush_fits_window else mtbp_s
+    interval = max(write_s, daly_interval(cost, effective))
+    return IntervalChoice(interval_s=interval, cost_s=cost, mtbp_s=effective, floor_s=write_s)
+
+
 # --- metadata pollers ------------------------------------------------------------------
 
 

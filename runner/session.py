@@ -198,6 +198,10 @@ def _default_sink(cfg: SessionConfig) -> EventSink:
     return NullSink()
 
 
+#: How many times the dry run saves its checkpoint (see ``Session._save_as_the_run_will``).
+DRY_RUN_SAVES = 3
+
+
 class Session:
     """One process's part of a run. Use it as a context manager around the training loop.
 
@@ -462,9 +466,17 @@ class Session:
 
     def _committed(self, info: CommitInfo) -> None:
         self.committed_step = max(self.committed_step or 0, info.step)
+        # stall_s is how long the loop was blocked (Daly's C for an asynchronous save);
+        # write_s ran beside the next steps.
         self.sink.emit(
             "checkpoint_committed",
-            {"step": info.step, "bytes": info.bytes, "write_s": info.write_s, "uri": info.uri},
+            {
+                "step": info.step,
+                "bytes": info.bytes,
+                "write_s": info.write_s,
+                "stall_s": info.stall_s,
+                "uri": info.uri,
+            },
         )
 
     def _save_failed(self, step: int, exc: Exception) -> None:
@@ -493,19 +505,37 @@ class Session:
 
     def _finish(self) -> None:
         reason = self.stop_reason
+        if reason in ("finished", "limit"):
+            self.writer.wait()  # a save of this very step may be in flight: no second write
         if reason == "finished":
             ok = self._save_now()
             self.exit_code = EXIT_SUCCEEDED if ok else EXIT_FAILED
         elif reason == "limit":
-            ok = self._save_now()
+            dry_run_save = self.config.dry_run_phase == "save"
+            ok = self._save_as_the_run_will() if dry_run_save else self._save_now()
             self.exit_code = EXIT_SUCCEEDED if ok else EXIT_FAILED
-            if ok and self.config.dry_run_phase == "save":
+            if ok and dry_run_save:
                 self._dry_run_event("saved")
                 self._await_kill()
         elif reason in ("preempted", "stopped"):
             self._flush_on_notice()
 
+    def _save_as_the_run_will(self) -> bool:
+        """The dry run's checkpoint, saved :data:`DRY_RUN_SAVES` times the way periodic saves
+        are (copying the state into staging buffers), so that their stall is measured.
+
+        The first save also allocates the buffers, which a run pays once per attempt; the
+        later ones show the stall of every other save. Each rewrites the same step.
+        """
+        for _ in range(DRY_RUN_SAVES):
+            self._save()
+            info = self.writer.wait()
+            if info is None or info.step != self.step:
+                return False
+        return True
+
     def _flush_on_notice(self) -> None:
+        stopped = time.monotonic()  # the loop has just ended
         notice = self.flag.notice
         left = self.flag.time_left()
         self.sink.emit(
@@ -517,7 +547,9 @@ class Session:
             self.writer.wait(timeout=left)
         except TimeoutError:
             pass
-        if self.committed_step != self.step:
+        if self.stop_reason == "preempted" and self._flush_costs_more(stopped):
+            pass  # the next attempt redoes the few steps since the newest checkpoint
+        elif self.committed_step != self.step:
             left = self.flag.time_left()
             nbytes = self.writer.last_bytes or self._state_bytes()
             if flush_fits(nbytes=nbytes, bandwidth_bps=self.writer.bandwidth_bps, time_left_s=left):
@@ -534,6 +566,31 @@ class Session:
         else:
             # Resumable either way: from the newest checkpoint, or from the start if none.
             self.exit_code = EXIT_PREEMPTED
+
+    def _flush_costs_more(self, stopped: float) -> bool:
+        """Whether writing the current step would take longer than redoing the steps done
+        since the newest checkpoint's snapshot (both are paid time that makes no progress).
+
+        Only when that checkpoint is this process's last save (a failed save proves
+        nothing) and a write was measured; the work is timed from the save to the loop's
+        end, which over-counts for a process that has not saved yet, so it then flushes.
+        """
+        last = self.writer.last_commit
+        if last is None or self.committed_step == self.step:
+            return False
+        if self.committed_step != self._last_save_step:
+            return False
+        work_s = stopped - self._last_save_time
+        if work_s >= last.write_s:
+            return False
+        msg = (
+            f"no emergency checkpoint: the steps since step {self.committed_step} took "
+            f"{work_s:.2f}s, less than the {last.write_s:.2f}s a checkpoint takes to write; "
+            f"resuming from step {self.committed_step}"
+        )
+        log.info(msg)
+        self.sink.emit("log", {"level": "info", "message": msg})
+        return True
 
     def _state_bytes(self) -> int:
         _, tensors = flatten(self.state())

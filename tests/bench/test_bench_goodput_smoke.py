@@ -72,6 +72,10 @@ def test_bench_goodput_prints_its_figures_as_the_last_line(tmp_path: Path) -> No
     assert {"daly_stall_s", "daly_write_s", "error_vs_daly_stall", "error_vs_daly_write"} <= set(
         daly
     )
+    # The judged optimum uses the M of preflight's rule: the notice fits, so only the
+    # unannounced share of preemptions loses work.
+    assert daly["emergency_fits_window"] is True
+    assert daly["rule_mtbp_s"] > daly["mtbp_s"]
     assert figures["scenario"]["compression"] == 60.0
     assert list(tmp_path.iterdir()) == []  # state, database and checkpoints were removed
 
@@ -93,12 +97,14 @@ def test_ledger_splits_paid_time_and_keeps_the_last_run_of_each_step() -> None:
     # and 10 are run again) and finishes at step 15.
     a1 = AttemptRow("a1", 1, launched=100.0, ended=117.5, state="PREEMPTED")
     a2 = AttemptRow("a2", 2, launched=118.0, ended=131.2, state="SUCCEEDED")
-    commit = {"step": 0, "write_s": 0.5}
+    periodic = {"step": 5, "write_s": 0.5, "stall_s": 0.02}
+    flush = {"step": 10, "write_s": 0.5, "stall_s": 0.001}  # no copy: the loop has ended
+    final = {"step": 15, "write_s": 0.5, "stall_s": 0.001}
     events = [
-        *_events("a1", ("started", 104.0, {}), ("checkpoint_committed", 110.2, commit)),
+        *_events("a1", ("started", 104.0, {}), ("checkpoint_committed", 110.2, periodic)),
         *_steps("a1", range(1, 11), first_end=106.0),
-        *_events("a1", ("checkpoint_committed", 116.0, commit), ("exit", 117.0, {})),
-        *_events("a2", ("started", 121.0, {}), ("checkpoint_committed", 130.0, commit)),
+        *_events("a1", ("checkpoint_committed", 116.0, flush), ("exit", 117.0, {})),
+        *_events("a2", ("started", 121.0, {}), ("checkpoint_committed", 130.0, final)),
         *_steps("a2", range(9, 16), first_end=123.0),
         *_events("a2", ("exit", 131.0, {})),
     ]
@@ -133,6 +139,10 @@ def test_ledger_splits_paid_time_and_keeps_the_last_run_of_each_step() -> None:
     assert fig["preempted_before_first_checkpoint"] == 0
     assert fig["checkpoints"] == 3
     assert fig["steps_imputed"] == 0
+    # Daly's C is the stall of the periodic saves: the flush and the final save, which
+    # the loop did not go on from, are not counted.
+    assert fig["stall_s_median"] == 0.02
+    assert fig["write_s_median"] == 0.5
 
 
 def test_ledger_ends_a_killed_attempt_at_its_kill_and_imputes_lost_events() -> None:

@@ -37,6 +37,7 @@ from jobs.preflight import (
     assumed_mtbp_s,
     checkpoint_interval,
     default_checks,
+    interval_choice,
     resource_request,
     run_preflight,
     target_steps,
@@ -343,6 +344,26 @@ def test_auto_interval_is_dalys_optimum() -> None:
     assert checkpoint_interval(fixed, write_s=2.0, mtbp_s=3600) == 90.0
 
 
+def test_auto_interval_uses_the_stall_and_the_preemptions_that_lose_work() -> None:
+    """An asynchronous save costs the loop its stall (C); the write time is the floor;
+    when the emergency checkpoint fits, only unannounced preemptions lose work (M)."""
+    from runner.preemption import UNANNOUNCED_SHARE, daly_interval
+
+    auto = spec()
+    no_notice = checkpoint_interval(auto, write_s=2.0, stall_s=0.05, mtbp_s=3600)
+    assert no_notice == pytest.approx(daly_interval(0.05, 3600))
+    with_notice = checkpoint_interval(
+        auto, write_s=2.0, stall_s=0.05, mtbp_s=3600, flush_fits_window=True
+    )
+    assert with_notice == pytest.approx(daly_interval(0.05, 3600 / UNANNOUNCED_SHARE))
+    assert with_notice > no_notice
+    # One save in flight at a time: never shorter than the write.
+    assert checkpoint_interval(auto, write_s=30.0, stall_s=0.01, mtbp_s=600) == 30.0
+    choice = interval_choice(write_s=2.0, stall_s=None, mtbp_s=3600, flush_fits_window=False)
+    assert choice is not None and choice.cost_s == 2.0  # no stall measured: a blocking save
+    assert interval_choice(write_s=None, stall_s=0.1, mtbp_s=3600, flush_fits_window=True) is None
+
+
 def test_target_steps_from_the_command() -> None:
     assert target_steps(["python", "t.py", "--steps", "100"]) == 100
     assert target_steps(["python", "t.py", "--max-steps=7", "--steps", "9"]) == 9
@@ -547,7 +568,8 @@ def test_dry_run_of_a_script_without_the_session_api_fails(
 
 @pytest.mark.slow
 def test_full_preflight_with_the_real_dry_run(tmp_path: Path) -> None:
-    from runner.dryrun import DryRunReport, daly_interval
+    from runner.dryrun import DryRunReport
+    from runner.preemption import UNANNOUNCED_SHARE, daly_interval
 
     job = spec(command=TINY_COMMAND, budget={"usd": 5}, dry_run={"steps": 4})
     with LocalProvider(
@@ -570,8 +592,14 @@ def test_full_preflight_with_the_real_dry_run(tmp_path: Path) -> None:
         assert d["checkpoint_bytes"] > 0 and d["write_s"] > 0 and d["restore_s"] > 0
         assert d["step_time_s"] > 0 and d["termination_window_s"] == 30.0
         assert d["emergency_fits_window"] is True and "30 s termination window" in dry.detail
-        # checkpoint.interval is "auto": Daly's optimum from the measured C and M = 600 s.
-        assert report.interval_s == pytest.approx(daly_interval(d["write_s"], 600.0))
+        # checkpoint.interval is "auto": Daly's optimum for C = the measured stall and, as
+        # the emergency checkpoint fits, M = 600 s ÷ the unannounced share; floored at W.
+        assert 0 < d["stall_s"] < d["write_s"]
+        assert d["interval_cost_s"] == d["stall_s"]
+        assert d["interval_mtbp_s"] == pytest.approx(600.0 / UNANNOUNCED_SHARE)
+        assert report.interval_s == pytest.approx(
+            max(d["write_s"], daly_interval(d["stall_s"], 600.0 / UNANNOUNCED_SHARE))
+        )
         assert d["interval_s"] == pytest.approx(report.interval_s)
         # The checkpoint went to the real store, in the dry run's own namespace, and is gone.
         namespace = tmp_path / "ck" / "r-pre-dry-run"
@@ -582,7 +610,9 @@ def test_full_preflight_with_the_real_dry_run(tmp_path: Path) -> None:
         budget = report.result("budget")
         assert budget is not None and budget.data["interval_s"] == report.interval_s
         write, restore, tau = d["write_s"], d["restore_s"], d["interval_s"]
-        overhead = write / tau + (tau / 2 + restore) / 600.0
+        # A save costs its stall; every preemption a flush and a restore; the unannounced
+        # ones also half an interval of work.
+        overhead = d["stall_s"] / tau + (write + restore) / 600.0 + tau / 2 / d["interval_mtbp_s"]
         hours = 100 * d["step_time_s"] * (1 + overhead) / 3600
         assert report.expected_hours == pytest.approx(hours)
         assert report.estimate_usd == pytest.approx(1.0 * hours)

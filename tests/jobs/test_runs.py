@@ -18,10 +18,16 @@ from bot.console import ConsoleNotifier
 from jobs.db import session_scope
 from jobs.deps import Deps
 from jobs.lifecycle import AttemptState, RunState
-from jobs.models import Attempt, Run
+from jobs.models import Attempt, Event, Run
 from jobs.notify import CallbackJournal
 from jobs.providers.local import LocalProvider
-from jobs.runs import end_attempt, launch_attempt, on_attempt_event, reconcile
+from jobs.runs import (
+    end_attempt,
+    launch_attempt,
+    measured_interval,
+    on_attempt_event,
+    reconcile,
+)
 from jobs.settings import Settings
 from jobs.tasks import run_summary
 
@@ -170,3 +176,91 @@ def test_reconcile_racing_a_launch_records_one_instance_once(deps: Deps) -> None
     for inst in deps.provider.list_instances():
         per_attempt[inst.attempt_id] = per_attempt.get(inst.attempt_id, 0) + 1
     assert per_attempt == {a.id: 1 for a in attempts}
+
+
+def test_an_auto_interval_follows_the_stall_the_run_measured(deps: Deps) -> None:
+    """Preflight's dry run ran on the control plane's CPU; once the run's own periodic
+    saves are known, the next attempt checkpoints at the rule's interval for their cost
+    (the final save, which copies nothing, does not count)."""
+    from runner.preemption import daly_interval
+
+    preflight = {
+        "results": [{"name": "dry_run", "data": {"interval_mtbp_s": 6000.0, "interval_s": 30.0}}]
+    }
+    with session_scope(deps.engine) as session:
+        run = Run(
+            id="r-follow",
+            spec_name="tiny",
+            spec=_spec(),
+            requester="ada",
+            state=RunState.RECOVERING,
+            preflight=preflight,
+            checkpoint_interval_s=30.0,
+        )
+        session.add(run)
+        session.flush()
+        attempt = Attempt(
+            id="a-follow-1",
+            run_id=run.id,
+            number=1,
+            provider="local",
+            state=AttemptState.PREEMPTED,
+            last_step=100,
+        )
+        session.add(attempt)
+        session.flush()
+        saves = [(20, 0.4), (40, 0.5), (60, 0.6), (80, 0.5), (100, 0.001)]
+        for seq, (step, stall) in enumerate(saves):
+            session.add(
+                Event(
+                    attempt_id=attempt.id,
+                    run_id=run.id,
+                    seq=seq,
+                    type="checkpoint_committed",
+                    time=T0 + timedelta(seconds=seq),
+                    data={"step": step, "bytes": 1, "write_s": 2.0, "stall_s": stall, "uri": "x"},
+                )
+            )
+    with session_scope(deps.engine) as session:
+        row = session.get(Run, "r-follow")
+        assert row is not None
+        assert measured_interval(session, row) == pytest.approx(daly_interval(0.5, 6000.0))
+    second = launch_attempt(deps, "r-follow")
+    assert second is not None and second.number == 2
+    with session_scope(deps.engine) as session:
+        row = session.get(Run, "r-follow")
+        assert row is not None
+        assert row.checkpoint_interval_s == pytest.approx(daly_interval(0.5, 6000.0))
+    launched = next(r for r in deps.records if r["type"] == "launched")  # type: ignore[attr-defined]
+    assert launched["checkpoint_interval_s"] == pytest.approx(daly_interval(0.5, 6000.0))
+    assert any(r["type"] == "checkpoint_interval" for r in deps.records)  # type: ignore[attr-defined]
+
+
+def test_too_few_saves_leave_the_interval_alone(deps: Deps) -> None:
+    with session_scope(deps.engine) as session:
+        run = Run(
+            id="r-few",
+            spec_name="tiny",
+            spec=_spec(),
+            requester="ada",
+            state=RunState.RECOVERING,
+            preflight={"results": [{"name": "dry_run", "data": {"interval_mtbp_s": 6000.0}}]},
+            checkpoint_interval_s=30.0,
+        )
+        session.add(run)
+        session.flush()
+        session.add(Attempt(id="a-few", run_id=run.id, number=1, provider="local", last_step=50))
+        session.flush()
+        session.add(
+            Event(
+                attempt_id="a-few",
+                run_id=run.id,
+                seq=0,
+                type="checkpoint_committed",
+                time=T0,
+                data={"step": 20, "bytes": 1, "write_s": 2.0, "stall_s": 0.5, "uri": "x"},
+            )
+        )
+    with session_scope(deps.engine) as session:
+        row = session.get(Run, "r-few")
+        assert row is not None and measured_interval(session, row) is None

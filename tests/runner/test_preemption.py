@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import socket
@@ -17,6 +18,7 @@ import pytest
 from runner.errors import RunnerError
 from runner.preemption import (
     ASSUMED_BANDWIDTH_BPS,
+    UNANNOUNCED_SHARE,
     AwsSpotPoller,
     GcpPreemptedPoller,
     Notice,
@@ -24,6 +26,8 @@ from runner.preemption import (
     PreemptionFlag,
     SignalHandlers,
     SignalSetupError,
+    choose_interval,
+    daly_interval,
     flush_fits,
     start_pollers,
 )
@@ -480,3 +484,31 @@ def test_flush_fits_without_a_bandwidth_or_a_deadline() -> None:
     assert flush_fits(nbytes=10**6, bandwidth_bps=None, time_left_s=30.0)
     with pytest.raises(ValueError, match="bytes"):
         flush_fits(nbytes=-1, bandwidth_bps=1e8, time_left_s=10.0)
+
+
+def test_the_interval_is_daly_for_the_stall_and_the_preemptions_that_lose_work() -> None:
+    # No usable notice: every preemption loses the work since the last checkpoint.
+    every = choose_interval(write_s=10.0, stall_s=0.5, mtbp_s=600.0, flush_fits_window=False)
+    assert every.cost_s == 0.5 and every.mtbp_s == 600.0 and every.floor_s == 10.0
+    assert every.interval_s == pytest.approx(math.sqrt(2 * 0.5 * 600) - 0.5)
+    # The emergency checkpoint fits: only the unannounced share loses work.
+    fits = choose_interval(write_s=10.0, stall_s=0.5, mtbp_s=600.0, flush_fits_window=True)
+    assert fits.mtbp_s == pytest.approx(600.0 / UNANNOUNCED_SHARE)
+    assert fits.interval_s == pytest.approx(daly_interval(0.5, 600.0 / UNANNOUNCED_SHARE))
+    # One save in flight: never shorter than a write.
+    slow = choose_interval(write_s=60.0, stall_s=0.5, mtbp_s=600.0, flush_fits_window=False)
+    assert slow.interval_s == 60.0
+    # No stall measured (an older runner): the save is taken as blocking for its write.
+    blocking = choose_interval(write_s=10.0, stall_s=None, mtbp_s=600.0, flush_fits_window=False)
+    assert blocking.cost_s == 10.0 and blocking.interval_s == daly_interval(10.0, 600.0)
+
+
+def test_bad_interval_inputs_are_refused_clearly() -> None:
+    with pytest.raises(RunnerError, match="write time must be positive"):
+        choose_interval(write_s=0.0, stall_s=0.1, mtbp_s=600.0, flush_fits_window=True)
+    with pytest.raises(RunnerError, match="unannounced_share"):
+        choose_interval(
+            write_s=1.0, stall_s=0.1, mtbp_s=600.0, flush_fits_window=True, unannounced_share=0
+        )
+    with pytest.raises(RunnerError, match="positive checkpoint time and MTBP"):
+        daly_interval(1.0, float("inf"))

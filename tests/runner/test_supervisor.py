@@ -161,3 +161,30 @@ def test_env_is_passed_to_the_child(tmp_path: Path) -> None:
     assert seen["TRAINBOT_CHECKPOINT_URI"] == str(tmp_path / "ck")
     assert "TRAINBOT_EVENTS_FILE" in seen and "TRAINBOT_TERMINATION_WINDOW_S" in seen
     assert os.fspath(ROOT) in env["PYTHONPATH"]
+
+
+def test_exec_runs_a_command_without_importing_torch(tmp_path: Path) -> None:
+    """Every restart pays for the supervisor's start before the training process starts:
+    it must not import torch (only the training process does), with or without a synced
+    directory."""
+    env = tiny_env(tmp_path)
+    env.pop("TRAINBOT_EVENTS_FILE")
+    probe = textwrap.dedent(
+        """
+        import sys
+        from runner.cli import main
+        for args in (["exec"], ["exec", "--sync-dir", sys.argv[1]]):
+            code = main([*args, "--", sys.executable, "-c", "pass"])
+            assert code == 0, code
+        print("torch" in sys.modules)
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe, str(tmp_path / "sync")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

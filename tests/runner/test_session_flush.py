@@ -1,0 +1,140 @@
+"""The emergency checkpoint on a preemption notice: written when it saves more than it
+costs, skipped when the newest checkpoint is only a moment of work old; and the commit
+event carries the stall of the save."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runner import EXIT_PREEMPTED
+from runner.checkpoint import list_committed
+from runner.preemption import Notice, PreemptionFlag
+from runner.session import EverySteps, Session, SessionConfig
+from runner.store import LocalStore
+
+#: Large enough that writing it takes clearly longer than a step that does nothing.
+STATE_FLOATS = 8 << 20  # 32 MiB
+
+
+class Recorder:
+    """An event sink that keeps what it is given."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict[str, Any]]] = []
+
+    def emit(self, type_: str, data: dict[str, Any], *, time: float | None = None) -> None:
+        self.events.append((type_, dict(data)))
+
+    def close(self, timeout: float = 10.0) -> None:
+        return None
+
+    def of(self, type_: str) -> list[dict[str, Any]]:
+        return [d for t, d in self.events if t == type_]
+
+
+class Weights:
+    def __init__(self) -> None:
+        self.t = torch.zeros(STATE_FLOATS)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"w": self.t}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], /) -> None:
+        self.t.copy_(state["w"])
+
+
+def _notice(window_s: float = 60.0) -> Notice:
+    now = time.monotonic()
+    return Notice(source="signal", reason="SIGTERM", received_at=now, deadline=now + window_s)
+
+
+def _session(root: Path, sink: Recorder, flag: PreemptionFlag) -> Session:
+    config = SessionConfig(run_id="r-flush", checkpoint_uri=str(root), window_s=60.0)
+    return Session(
+        config,
+        sink=sink,
+        store=LocalStore(root / "r-flush"),
+        flag=flag,
+        decision=EverySteps(3),
+        install_signals=False,
+    )
+
+
+def _train(session: Session, *, notice_at: int, step_s: float) -> None:
+    """Steps of ``step_s`` each; the notice arrives during step ``notice_at``."""
+    weights = Weights()
+    with session as s:
+        s.track(weights=weights)
+        for step in s.steps(100):
+            weights.t[step] += 1.0
+            if step_s:
+                time.sleep(step_s)
+            if step == notice_at:
+                s.flag.set(_notice())
+
+
+def test_no_flush_when_the_newest_checkpoint_is_a_moment_of_work_old(tmp_path: Path) -> None:
+    """The notice comes one instant step after a periodic save: redoing that step costs
+    less than writing the state again, so the runner exits at once and the next attempt
+    resumes from the periodic checkpoint."""
+    sink, flag = Recorder(), PreemptionFlag()
+    session = _session(tmp_path, sink, flag)
+    _train(session, notice_at=3, step_s=0.0)  # saved after step 3; stops after step 4
+    assert session.exit_code == EXIT_PREEMPTED
+    assert session.step == 4 and session.committed_step == 3
+    assert [e.step for e in list_committed(LocalStore(tmp_path / "r-flush"))] == [3]
+    assert any("no emergency checkpoint" in d["message"] for d in sink.of("log"))
+
+
+def test_flush_when_the_work_since_the_newest_checkpoint_outweighs_a_write(
+    tmp_path: Path,
+) -> None:
+    """Steps slower than a write ran since the periodic save: the flush saves them."""
+    sink, flag = Recorder(), PreemptionFlag()
+    session = _session(tmp_path, sink, flag)
+    # Write the state once alone first, to know how long a write takes on this machine.
+    probe = Recorder()
+    with _session(tmp_path / "probe", probe, PreemptionFlag()) as s:
+        s.track(weights=Weights())
+        for _ in s.steps(3):
+            pass
+    write_s = max(d["write_s"] for d in probe.of("checkpoint_committed"))
+    _train(session, notice_at=4, step_s=2 * write_s)  # two slow steps after the save at 3
+    assert session.exit_code == EXIT_PREEMPTED
+    assert session.step == 5 and session.committed_step == 5
+    assert [e.step for e in list_committed(LocalStore(tmp_path / "r-flush"))] == [3, 5]
+    assert not any("no emergency checkpoint" in d["message"] for d in sink.of("log"))
+
+
+def test_a_stop_request_always_flushes(tmp_path: Path) -> None:
+    """A deliberate stop must end on a checkpoint of the last step, however recent the
+    previous one: its exit code says whether it did."""
+    sink, flag = Recorder(), PreemptionFlag()
+    session = _session(tmp_path, sink, flag)
+    weights = Weights()
+    with session as s:
+        s.track(weights=weights)
+        for step in s.steps(100):
+            weights.t[step] += 1.0
+            if step == 3:
+                now = time.monotonic()
+                s.flag.set(Notice("stop", "stop requested", now, now + 60))
+    assert session.exit_code == 0 and session.committed_step == session.step == 4
+
+
+def test_the_commit_event_carries_the_stall(tmp_path: Path) -> None:
+    sink = Recorder()
+    with _session(tmp_path, sink, PreemptionFlag()) as s:
+        s.track(weights=Weights())
+        for _ in s.steps(6):
+            pass
+    commits = sink.of("checkpoint_committed")
+    assert [c["step"] for c in commits] == [3, 6]
+    for c in commits:
+        assert c["stall_s"] >= 0 and c["write_s"] > 0
+    # The periodic save at 3 copies the state into staging buffers: that copy is its stall.
+    assert commits[0]["stall_s"] > 0
