@@ -57,8 +57,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from itertools import repeat
-from typing import Any
+from operator import attrgetter
+from typing import Annotated, Any, Literal, Union, get_args
 
+import msgspec
 import orjson
 
 from runner.errors import WireError
@@ -688,8 +690,9 @@ class Batch:
     """A decoded, checked batch, one list per field: what the ingest API stores.
 
     ``data[i]`` is event i's payload, normalised as in :class:`Event`; ``texts[i]`` the
-    same payload as standard JSON text, as the runner sent it (non-finite floats as the
-    wire's strings, a number field sent as ``1`` still ``1``).
+    same payload as standard JSON text (non-finite floats as the wire's strings), which
+    decodes to equal values: the normalised payload, or as the runner sent it when the
+    general path decoded it (a number field sent as ``1`` then stays ``1``).
     """
 
     attempt: str
@@ -741,9 +744,163 @@ class Batch:
         )
 
 
+# --- the typed fast path --------------------------------------------------------------------
+#
+# Most batches hold only the common event types, each payload exactly as encode_batch
+# writes it. msgspec decodes such a body straight into typed structs, with every check
+# the schema above makes (types, ranges, required fields, no extra field) done in C while
+# parsing, which is several times faster than parsing into dicts and checking in Python.
+# Whatever it refuses (another event type, an extra field, a "NaN" string, a number out of
+# range, any malformed input) goes to the general path below, which accepts or refuses as
+# decode_batch always has and names the first bad field. So the fast path only ever
+# accepts what the general path accepts, with equal results: test_wire checks that.
+
+_I64 = 2**63 - 1
+#: Integers the fast path takes: 64-bit, so that they encode anywhere; larger ones (and
+#: the columns' range errors) are the general path's.
+_Int = Annotated[int, msgspec.Meta(ge=-_I64 - 1, le=_I64)]
+_Count = Annotated[int, msgspec.Meta(ge=0, le=_I64)]
+#: A JSON number as a float (ints become floats): what _number does.
+_Unix = Annotated[float, msgspec.Meta(ge=0.0)]
+
+
+class _MetricsData(msgspec.Struct, forbid_unknown_fields=True):
+    step: _Count
+    loss: float | None
+    step_time_s: float
+    data_wait_fraction: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None
+    metrics: dict[str, float]
+
+
+class _SystemData(msgspec.Struct, forbid_unknown_fields=True):
+    gpu_util: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] | None
+    gpu_count: _Count
+    disk_used: _Count
+    disk_total: _Count
+    disk_path: str
+
+
+class _CheckpointCommittedData(msgspec.Struct, forbid_unknown_fields=True):
+    step: _Count
+    bytes: _Count
+    write_s: float
+    uri: str
+
+
+class _CheckpointFailedData(msgspec.Struct, forbid_unknown_fields=True):
+    step: _Int
+    error: str
+
+
+class _RestoredData(msgspec.Struct, forbid_unknown_fields=True):
+    step: _Count
+    fallback_from: _Count | None
+    restore_s: float
+
+
+class _PreemptionNoticeData(msgspec.Struct, forbid_unknown_fields=True):
+    source: str
+    time_left_s: float | None
+
+
+_ExitReason = Literal["succeeded", "preempted", "failed", "stopped"]
+assert set(get_args(_ExitReason)) == EXIT_REASONS
+
+
+class _ExitData(msgspec.Struct, forbid_unknown_fields=True):
+    code: _Int
+    reason: _ExitReason
+
+
+class _HeartbeatData(msgspec.Struct, forbid_unknown_fields=True):
+    step: _Count | None
+
+
+class _LogData(msgspec.Struct, forbid_unknown_fields=True):
+    level: str
+    message: str
+
+
+class _StartedData(msgspec.Struct, forbid_unknown_fields=True):
+    pid: _Count
+    host: str
+
+
+# One event struct per type, tagged by "type". dry_run is left out: its report is any
+# object, whose "NaN" strings become floats, which only the general path does.
+def _event_struct(kind: str, data: type[msgspec.Struct]) -> type[msgspec.Struct]:
+    return msgspec.defstruct(
+        f"_{kind}_event",
+        [("seq", _Count), ("time", _Unix), ("data", data)],
+        tag_field="type",
+        tag=kind,
+        forbid_unknown_fields=True,
+        namespace={"kind": kind},
+    )
+
+
+_TYPED_DATA: dict[str, type[msgspec.Struct]] = {
+    "metrics": _MetricsData,
+    "system": _SystemData,
+    "checkpoint_committed": _CheckpointCommittedData,
+    "checkpoint_failed": _CheckpointFailedData,
+    "restored": _RestoredData,
+    "preemption_notice": _PreemptionNoticeData,
+    "exit": _ExitData,
+    "heartbeat": _HeartbeatData,
+    "log": _LogData,
+    "started": _StartedData,
+}
+assert set(_TYPED_DATA) == EVENT_TYPES - {"dry_run"}
+_TYPED_EVENTS = tuple(_event_struct(kind, data) for kind, data in _TYPED_DATA.items())
+
+
+class _TypedBatch(msgspec.Struct):
+    """A body; other top-level fields are ignored, as decode_batch ignores them."""
+
+    v: Literal[1]
+    attempt: Annotated[str, msgspec.Meta(min_length=1)]
+    run: Annotated[str, msgspec.Meta(min_length=1)]
+    events: list[Union[_TYPED_EVENTS]]  # type: ignore[valid-type]  # noqa: UP007
+
+
+_TYPED_DECODER = msgspec.json.Decoder(_TypedBatch)
+_SEQ = attrgetter("seq")
+_KIND = attrgetter("kind")
+_TIME_OF = attrgetter("time")
+_DATA = attrgetter("data")
+
+
+def _decode_typed(body: bytes, max_events: int) -> Batch | None:
+    """The batch, when the fast path takes it; None sends it to the general path."""
+    try:
+        decoded = _TYPED_DECODER.decode(body)
+    except msgspec.MsgspecError:
+        return None
+    events = decoded.events
+    if not events or len(events) > max_events:
+        return None  # the general path says what is wrong
+    data = list(map(msgspec.structs.asdict, map(_DATA, events)))
+    return Batch(
+        decoded.attempt,
+        decoded.run,
+        list(map(_SEQ, events)),
+        list(map(_KIND, events)),
+        list(map(_TIME_OF, events)),
+        data,
+        list(map(bytes.decode, map(orjson.dumps, data))),
+    )
+
+
 def decode_batch_columns(body: bytes, *, max_events: int = 10_000) -> Batch:
     """Parse and check one batch into a :class:`Batch`; WireError names the first bad
     field and its index, as :func:`decode_batch` does."""
+    typed = _decode_typed(body, max_events)
+    return typed if typed is not None else _decode_general(body, max_events)
+
+
+def _decode_general(body: bytes, max_events: int) -> Batch:
+    """Any batch, the checks above field by field (see the comments of both paths)."""
     obj, exact = _parse(body)
     attempt, run, items = _batch_head(obj, max_events)
     seqs: list[int] = []

@@ -8,12 +8,16 @@ from fractions import Fraction
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from runner.errors import WireError
 from runner.wire import (
     EVENT_TYPES,
     WIRE_VERSION,
     Event,
+    _decode_general,
+    _decode_typed,
     decode_batch,
     decode_batch_columns,
     decode_batch_with_json,
@@ -458,3 +462,73 @@ def test_values_python_cannot_convert_are_wire_errors_too() -> None:
         validate_payload("checkpoint_committed", payload)
     with pytest.raises(WireError, match=r"^type: unknown event type \['metrics'\]"):
         validate_payload(["metrics"], {})  # type: ignore[arg-type]
+
+
+# --- the fast path and the general path agree --------------------------------------------
+
+_ODD_VALUES: st.SearchStrategy[Any] = st.sampled_from(
+    [None, True, False, -1, 0, 1, 7, 1.5, -0.0, 0.25, 100.0, 101.0, 2**63 - 1, 2**63, 2**64,
+     -(2**63) - 1, 1e308, "NaN", "Infinity", "x", "", [], {}, {"a": 1}, {"a": "NaN"}]
+)  # fmt: skip
+
+
+@st.composite
+def _events(draw: st.DrawFn) -> dict[str, Any]:
+    kind = draw(st.sampled_from([*sorted(EVENT_TYPES), "gossip"]))
+    data: dict[str, Any] = dict(PAYLOADS.get(kind, {}))
+    for _ in range(draw(st.sampled_from([0, 0, 0, 1, 1, 2]))):
+        action = draw(st.sampled_from(["set", "drop", "extra"]))
+        if action == "set" and data:
+            data[draw(st.sampled_from(sorted(data)))] = draw(_ODD_VALUES)
+        elif action == "drop" and data:
+            del data[draw(st.sampled_from(sorted(data)))]
+        elif action == "extra":
+            data["extra"] = draw(_ODD_VALUES)
+    event: dict[str, Any] = {
+        "seq": draw(st.integers(0, 10**6) if draw(st.integers(0, 9)) else _ODD_VALUES),
+        "type": kind,
+        "time": draw(
+            st.one_of(st.floats(0, 2e9), st.integers(0, 2**40))
+            if draw(st.integers(0, 9))
+            else _ODD_VALUES
+        ),
+        "data": data,
+    }
+    if not draw(st.integers(0, 9)):
+        event["attempt"] = draw(st.sampled_from(["att-1", "other"]))
+    return event
+
+
+@settings(max_examples=400, deadline=None, database=None)
+@given(st.lists(_events(), min_size=1, max_size=4), st.sampled_from([1, 1, 1, 1.0, 2, True]))
+def test_the_fast_path_accepts_only_what_the_general_path_accepts(
+    events: list[dict[str, Any]], version: Any
+) -> None:
+    raw = compact(events, v=version)
+
+    fast = _decode_typed(raw, 10_000)
+    try:
+        general = _decode_general(raw, 10_000)
+    except WireError:
+        assert fast is None
+        return
+    if fast is None:  # the general path takes what the fast path leaves
+        return
+    assert (fast.attempt, fast.run, fast.seqs, fast.types) == (
+        general.attempt,
+        general.run,
+        general.seqs,
+        general.types,
+    )
+    assert repr(fast.times) == repr(general.times)  # the same values of the same types
+    assert repr(fast.data) == repr(general.data)
+    assert [json.loads(t) for t in fast.texts] == [json.loads(t) for t in general.texts]
+
+
+def test_the_fast_path_takes_what_the_runner_sends() -> None:
+    raw = encode_batch([e for e in make_events() if e.type != "dry_run"])
+
+    fast = _decode_typed(raw, 10_000)
+
+    assert fast is not None and fast.events() == decode_batch(raw)
+    assert len(fast) == len(EVENT_TYPES) - 1
