@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sqlite3
 import statistics
 import threading
 import time as _time
@@ -56,16 +57,13 @@ from sqlalchemy import (
     and_,
     bindparam,
     case,
-    column,
     func,
     or_,
     select,
-    table,
     update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import SQLAlchemyError
-from sqlalchemy.sql.dml import Insert
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlmodel import Session, SQLModel
 
 from jobs.errors import IllegalTransition
@@ -139,6 +137,16 @@ _PG_INSERT_EVENTS = (
     "AS u(seq, type, time, data) "
     "ON CONFLICT (attempt_id, seq) DO NOTHING"
 )
+#: SQLite: rows per multi-row events INSERT, largest first. Powers of two, so a batch of
+#: any size takes a few statements of only eight kinds (each prepared once, then cached
+#: by the driver), and 128 rows of 7 values stay under the 999 parameters of old SQLite.
+_SQLITE_CHUNKS = (128, 64, 32, 16, 8, 4, 2, 1)
+_SQLITE_INSERT_EVENTS = {
+    rows: f"INSERT INTO events ({', '.join(_EVENT_COLUMNS)}) VALUES "
+    + ", ".join([f"({', '.join('?' * len(_EVENT_COLUMNS))})"] * rows)
+    + " ON CONFLICT (attempt_id, seq) DO NOTHING"
+    for rows in _SQLITE_CHUNKS
+}
 _STEP_EVENTS = frozenset({"metrics", "heartbeat", "checkpoint_committed", "restored"})
 
 
@@ -426,6 +434,30 @@ def _fits(kind: str, data: Mapping[str, Any]) -> bool:
     return True
 
 
+def _sqlite_insert_events(connection: Connection, values: list[Any]) -> None:
+    """The events' values, row after row, in as few multi-row INSERTs as the chunks allow.
+
+    On the driver's cursor of the transaction's connection; its errors are raised as
+    SQLAlchemy's, as every other statement's are.
+    """
+    width = len(_EVENT_COLUMNS)
+    left = len(values) // width
+    start = 0
+    cursor = connection.connection.cursor()
+    try:
+        for rows in _SQLITE_CHUNKS:
+            statement = _SQLITE_INSERT_EVENTS[rows]
+            while left >= rows:
+                end = start + rows * width
+                try:
+                    cursor.execute(statement, values[start:end])
+                except sqlite3.Error as exc:
+                    raise DBAPIError.instance(statement, None, exc, sqlite3.Error) from exc
+                start, left = end, left - rows
+    finally:
+        cursor.close()
+
+
 def _last_metrics_at(
     types: Sequence[str], data: Sequence[Mapping[str, Any]], step: int
 ) -> Mapping[str, Any] | None:
@@ -634,15 +666,7 @@ class IngestService:
         # Untyped: the rows arrive already in the database's form (JSON text, and times
         # as the text of SQLite's DATETIME or a timestamptz literal; see _time_texts),
         # which keeps the per-row Python to the minimum; this is the hot path.
-        raw_events = table("events", *(column(name) for name in _EVENT_COLUMNS))
         dialect_insert = postgresql.insert if self._postgres else sqlite.insert
-        self._insert_events: Insert = dialect_insert(raw_events).on_conflict_do_nothing(
-            index_elements=["attempt_id", "seq"]
-        )
-        compiled = self._insert_events.compile(dialect=self._engine.dialect)
-        if compiled.positiontup is not None and tuple(compiled.positiontup) != _EVENT_COLUMNS:
-            raise RuntimeError(f"unexpected events insert parameters {compiled.positiontup}")
-        self._insert_events_sql = str(compiled)
         ckpt_insert = dialect_insert(_CHECKPOINTS)
         self._upsert_checkpoint = ckpt_insert.on_conflict_do_update(
             index_elements=["run_id", "step"],
@@ -679,15 +703,15 @@ class IngestService:
     def _insert(
         self, connection: Connection, principal: _Principal, new: Batch, now: datetime
     ) -> None:
-        """Insert the new events: the batch's one round trip per database.
+        """Insert the new events in a few statements, whatever the batch's size.
 
         The times go in as the database's text (see :func:`_time_texts`) and the data as
-        the wire's JSON text, so the driver converts nothing. On SQLite the precompiled
-        statement goes to the driver with one tuple per row (one ``executemany``):
-        SQLAlchemy's per-row parameter processing would cost more than SQLite's insert.
-        On PostgreSQL the columns go as four arrays into one ``INSERT … SELECT FROM
-        unnest(…)``: one statement and one round trip for the whole batch, where a
-        row-by-row insert would pay a round trip (or SQLAlchemy's batching) per row.
+        the wire's JSON text, so the driver converts nothing. On PostgreSQL the columns go
+        as four arrays into one ``INSERT … SELECT FROM unnest(…)``: one statement and one
+        round trip for the whole batch. On SQLite a multi-row ``INSERT … VALUES`` of up to
+        128 rows goes straight to the driver's cursor: an ``executemany`` pays the
+        driver's and SQLite's per-statement work for every row, which cost as much as
+        SQLite's insert itself.
         """
         suffix = "+00:00" if self._postgres else ""
         times = _time_texts(new.times, suffix=suffix)
@@ -706,18 +730,20 @@ class IngestService:
                 },
             )
             return
-        rows = list(
-            zip(
-                repeat(principal.attempt_id),
-                repeat(principal.run_id),
-                new.seqs,
-                new.types,
-                times,
-                new.texts,
-                repeat(received),
+        values = list(
+            chain.from_iterable(
+                zip(
+                    repeat(principal.attempt_id),
+                    repeat(principal.run_id),
+                    new.seqs,
+                    new.types,
+                    times,
+                    new.texts,
+                    repeat(received),
+                )
             )
         )
-        connection.exec_driver_sql(self._insert_events_sql, rows)
+        _sqlite_insert_events(connection, values)
 
     def _store(self, principal: _Principal, batch: Batch, *, now: datetime) -> _Applied | None:
         """One transaction; ``None`` when the token was revoked meanwhile.

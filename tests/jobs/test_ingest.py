@@ -383,6 +383,60 @@ def test_a_database_failure_is_503_and_leaves_nothing_half_written(db_engine: En
     assert attempt_row(db_engine).last_step is None
 
 
+def test_a_failing_events_insert_is_503_and_stores_nothing(db_engine: Engine) -> None:
+    add_run(db_engine)
+    svc = service(db_engine)
+    with db_engine.begin() as connection:
+        if db_engine.dialect.name == "postgresql":
+            connection.execute(
+                text(
+                    "CREATE FUNCTION no_room() RETURNS trigger LANGUAGE plpgsql AS "
+                    "$$ BEGIN RAISE EXCEPTION 'no room for events'; END $$"
+                )
+            )
+            connection.execute(
+                text(
+                    "CREATE TRIGGER no_room BEFORE INSERT ON events "
+                    "FOR EACH ROW EXECUTE FUNCTION no_room()"
+                )
+            )
+        else:
+            connection.execute(
+                text(
+                    "CREATE TRIGGER no_room BEFORE INSERT ON events "
+                    "BEGIN SELECT RAISE(ABORT, 'no room for events'); END"
+                )
+            )
+
+    result = svc.handle(AUTH, body([metrics(i) for i in range(300)]))
+
+    assert result.status == 503
+    assert "not stored" in result.body["error"]
+    assert count_events(db_engine) == 0
+    assert attempt_row(db_engine).last_seq is None
+
+
+@pytest.mark.parametrize("size", [1, 3, 129, 255, 500, 1001])
+def test_batches_of_any_size_store_every_event_once(db_engine: Engine, size: int) -> None:
+    add_run(db_engine)
+    svc = service(db_engine)
+    items = [system() if i % 7 == 3 else metrics(i) for i in range(size)]
+
+    first = svc.handle(AUTH, body(items))
+    overlap = svc.handle(AUTH, body([*items[size // 2 :], metrics(size)], first_seq=size // 2))
+
+    assert first.body == {"accepted": size, "duplicates": 0}
+    assert overlap.body == {"accepted": 1, "duplicates": size - size // 2}
+    with db_engine.connect() as connection:
+        rows = connection.execute(
+            select(col(Event.seq), col(Event.type)).order_by(col(Event.seq))
+        ).all()
+    assert [tuple(r) for r in rows] == [
+        (i, "system" if i % 7 == 3 and i < size else "metrics") for i in range(size + 1)
+    ]
+    assert attempt_row(db_engine).last_seq == size
+
+
 # --- side effects -----------------------------------------------------------------------
 
 
