@@ -107,6 +107,10 @@ def _settings(state_dir: Path) -> Any:
             "TRAINBOT_ESCALATION_DELAY_S": "600",
             "TRAINBOT_HEARTBEAT_DEADLINE_S": "120",
             "TRAINBOT_LOCAL_CORES": "8",
+            # The story is the training runs' progress, and the demo has no chat front end
+            # to keep responsive: its runs get full priority, so its pace does not depend
+            # on what else the machine is doing.
+            "TRAINBOT_LOCAL_NICE": "0",
         }
     )
 
