@@ -46,7 +46,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from itertools import chain, repeat
+from itertools import chain
 from operator import itemgetter
 from typing import Any, cast
 
@@ -139,14 +139,24 @@ _PG_INSERT_EVENTS = (
 )
 #: SQLite: rows per multi-row events INSERT, largest first. Powers of two, so a batch of
 #: any size takes a few statements of only eight kinds (each prepared once, then cached
-#: by the driver), and 128 rows of 7 values stay under the 999 parameters of old SQLite.
+#: by the driver), and 128 rows stay under the 999 parameters of old SQLite.
 _SQLITE_CHUNKS = (128, 64, 32, 16, 8, 4, 2, 1)
-_SQLITE_INSERT_EVENTS = {
-    rows: f"INSERT INTO events ({', '.join(_EVENT_COLUMNS)}) VALUES "
-    + ", ".join([f"({', '.join('?' * len(_EVENT_COLUMNS))})"] * rows)
-    + " ON CONFLICT (attempt_id, seq) DO NOTHING"
-    for rows in _SQLITE_CHUNKS
-}
+
+
+def _sqlite_insert_sql(rows: int) -> str:
+    """``INSERT … VALUES`` of ``rows`` rows. The attempt, the run and the arrival time are
+    the same for every row: parameters 1 to 3, bound once; each row then takes four
+    (seq, type, time, data)."""
+    values = ", ".join(
+        f"(?1, ?2, ?{4 + 4 * i}, ?{5 + 4 * i}, ?{6 + 4 * i}, ?{7 + 4 * i}, ?3)" for i in range(rows)
+    )
+    return (
+        f"INSERT INTO events ({', '.join(_EVENT_COLUMNS)}) VALUES {values} "
+        "ON CONFLICT (attempt_id, seq) DO NOTHING"
+    )
+
+
+_SQLITE_INSERT_EVENTS = {rows: _sqlite_insert_sql(rows) for rows in _SQLITE_CHUNKS}
 _STEP_EVENTS = frozenset({"metrics", "heartbeat", "checkpoint_committed", "restored"})
 
 
@@ -434,13 +444,15 @@ def _fits(kind: str, data: Mapping[str, Any]) -> bool:
     return True
 
 
-def _sqlite_insert_events(connection: Connection, values: list[Any]) -> None:
-    """The events' values, row after row, in as few multi-row INSERTs as the chunks allow.
+def _sqlite_insert_events(connection: Connection, shared: list[Any], values: list[Any]) -> None:
+    """Insert events in as few multi-row INSERTs as the chunks allow (see
+    :func:`_sqlite_insert_sql`): ``shared`` holds attempt, run and arrival time, and
+    ``values`` seq, type, time and data of every row, row after row.
 
     On the driver's cursor of the transaction's connection; its errors are raised as
     SQLAlchemy's, as every other statement's are.
     """
-    width = len(_EVENT_COLUMNS)
+    width = 4
     left = len(values) // width
     start = 0
     cursor = connection.connection.cursor()
@@ -450,7 +462,7 @@ def _sqlite_insert_events(connection: Connection, values: list[Any]) -> None:
             while left >= rows:
                 end = start + rows * width
                 try:
-                    cursor.execute(statement, values[start:end])
+                    cursor.execute(statement, shared + values[start:end])
                 except sqlite3.Error as exc:
                     raise DBAPIError.instance(statement, None, exc, sqlite3.Error) from exc
                 start, left = end, left - rows
@@ -730,20 +742,10 @@ class IngestService:
                 },
             )
             return
-        values = list(
-            chain.from_iterable(
-                zip(
-                    repeat(principal.attempt_id),
-                    repeat(principal.run_id),
-                    new.seqs,
-                    new.types,
-                    times,
-                    new.texts,
-                    repeat(received),
-                )
-            )
+        values = list(chain.from_iterable(zip(new.seqs, new.types, times, new.texts, strict=True)))
+        _sqlite_insert_events(
+            connection, [principal.attempt_id, principal.run_id, received], values
         )
-        _sqlite_insert_events(connection, values)
 
     def _store(self, principal: _Principal, batch: Batch, *, now: datetime) -> _Applied | None:
         """One transaction; ``None`` when the token was revoked meanwhile.
