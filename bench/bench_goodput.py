@@ -286,6 +286,9 @@ def _settings(root: Path, regime: Regime, scenario: Scenario) -> Any:
             "TRAINBOT_ASSUMED_MTBP_S": f"{scenario.wall(scenario.mtbp_s):.6f}",
             "TRAINBOT_LOCAL_PRICE_PER_HOUR_USD": "1",
             "TRAINBOT_LOCAL_CORES": "64",
+            # Each local instance stands for a machine of its own: it does not yield the
+            # CPU to other work here, as the demo's niced instances do for Slack's sake.
+            "TRAINBOT_LOCAL_NICE": "0",
             "TRAINBOT_HEARTBEAT_DEADLINE_S": "3600",
             "TRAINBOT_ESCALATION_DELAY_S": "3600",
         }

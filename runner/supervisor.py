@@ -133,6 +133,8 @@ class Supervisor:
         self.child_code: int | None = None
         #: The exit code the child reported in its last event, if it uses the session API.
         self._child_reported: int | None = None
+        #: Whether the exit was reported already (a preempted session's, before teardown).
+        self._exit_reported = False
 
     def run(self) -> int:
         with tempfile.TemporaryDirectory(prefix="trainbot-exec-") as tmp:
@@ -206,14 +208,27 @@ class Supervisor:
             self._sync(final=True)
         self.child_code = code
         result = self._exit_code(code)
-        reason = {EXIT_SUCCEEDED: "succeeded", EXIT_PREEMPTED: "preempted"}.get(result, "failed")
-        self.sink.emit("exit", {"code": result, "reason": reason})
+        if not self._exit_reported:
+            reason = {EXIT_SUCCEEDED: "succeeded", EXIT_PREEMPTED: "preempted"}.get(
+                result, "failed"
+            )
+            self.sink.emit("exit", {"code": result, "reason": reason})
         return result
 
     def _forward(self, follower: FileFollower) -> None:
         for type_, when, data in follower:
             if type_ == "exit":
                 self._child_reported = int(data["code"])
+                if self._child_reported == EXIT_PREEMPTED and self.flag.is_set:
+                    # The session has committed what it could and ended: the instance is
+                    # going away, so report the end now and let the control plane release
+                    # it, instead of paying for the interpreter's teardown (a second or
+                    # more with torch loaded) before saying so.
+                    self.sink.emit("exit", {"code": EXIT_PREEMPTED, "reason": "preempted"})
+                    self._exit_reported = True
+                    send_now = getattr(self.sink, "flush", None)
+                    if send_now is not None:
+                        send_now(0.0)  # ask the sender to ship it now; do not wait here
                 continue  # the supervisor reports the exit itself, once
             if type_ == "preemption_notice":
                 continue

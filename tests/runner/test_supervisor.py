@@ -188,3 +188,74 @@ def test_exec_runs_a_command_without_importing_torch(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+SLOW_TEARDOWN = textwrap.dedent(
+    """
+    import signal, sys, time
+    from runner.session import Session
+    from runner.state import capture_rng
+
+    class Counter:
+        def __init__(self):
+            self.n = 0
+        def state_dict(self):
+            return {"n": self.n}
+        def load_state_dict(self, state):
+            self.n = state["n"]
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # after the session: the group's SIGTERM
+    with Session.from_env() as s:
+        counter = Counter()
+        s.track(counter=counter)
+        for _ in s.steps(10**9):
+            counter.n += 1
+            time.sleep(0.01)
+    time.sleep(float(sys.argv[1]))  # a teardown that takes its time (torch's takes a second)
+    sys.exit(s.exit_code)
+    """
+)
+
+
+EXEC = [sys.executable, "-m", "runner.cli", "exec"]
+
+
+def test_a_preempted_session_is_reported_ended_before_its_process_tears_down(
+    tmp_path: Path,
+) -> None:
+    """Once the session has flushed and exited 75 on a notice, the instance is going away:
+    the supervisor reports the exit at once, so the control plane can release the
+    instance without paying for the interpreter's teardown; it reports it once."""
+    with FakeIngest(token="tok-2").start() as ingest:
+        env = tiny_env(tmp_path, run_id="r-slow")
+        env.pop("TRAINBOT_EVENTS_FILE")
+        env.update(
+            TRAINBOT_INGEST_URL=ingest.url,
+            TRAINBOT_TOKEN="tok-2",
+            TRAINBOT_ATTEMPT_ID="r-slow-1",
+            TRAINBOT_SPOOL_DIR=str(tmp_path / "spool"),
+        )
+        proc = subprocess.Popen(
+            [*EXEC, "--", sys.executable, "-c", SLOW_TEARDOWN, "30"],  # 30 s of teardown
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,  # its own group, as on an instance
+        )
+        assert ingest.wait_for(
+            lambda: any(e.type == "metrics" for e in ingest.accepted), timeout=60
+        ), proc.stderr
+        proc.send_signal(signal.SIGTERM)
+        reported = ingest.wait_for(lambda: any(e.type == "exit" for e in ingest.accepted), 15)
+        still_running = proc.poll() is None
+        os.killpg(proc.pid, signal.SIGKILL)  # the control plane terminates the instance
+        proc.communicate(timeout=30)
+    assert reported and still_running, "the exit must be reported before the teardown ends"
+    exits = [e for e in ingest.accepted if e.type == "exit"]
+    assert [e.data for e in exits] == [{"code": EXIT_PREEMPTED, "reason": "preempted"}]
+    committed = [e.data["step"] for e in ingest.accepted if e.type == "checkpoint_committed"]
+    assert (
+        committed
+        and list_committed(LocalStore(tmp_path / "ck" / "r-slow"))[-1].step == (committed[-1])
+    )
