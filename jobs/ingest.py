@@ -43,7 +43,8 @@ import statistics
 import threading
 import time as _time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from itertools import chain
@@ -754,7 +755,11 @@ class IngestService:
         (:attr:`runner.wire.Batch.texts`), not an encoding of the normalised dict.
         """
         attempt_id = principal.attempt_id
-        with self._engine.begin() as connection:
+        with (
+            self._engine.connect() as connection,
+            self._checked_references(connection),
+            connection.begin(),
+        ):
             attempt = connection.execute(self._read_attempt, {"attempt_id": attempt_id}).first()
             if attempt is None or attempt.token_hash != principal.token_hash:
                 return None
@@ -796,6 +801,36 @@ class IngestService:
                 now=now,
             )
         return applied
+
+    @contextmanager
+    def _checked_references(self, connection: Connection) -> Iterator[None]:
+        """SQLite: the batch's transaction without SQLite's per-row foreign-key checks.
+
+        Every row this transaction writes references the attempt it reads first, with
+        the write lock held (``BEGIN IMMEDIATE``), and that attempt's run: both exist
+        and cannot go away before the commit, so the two look-ups SQLite makes per
+        event row (a tenth of its insert) prove nothing. The checks are switched off
+        around the transaction only (SQLite ignores the switch inside one) and back on
+        before the connection returns to the pool; a connection where that fails is
+        discarded. PostgreSQL keeps its checks (they cannot be switched off per
+        session without superuser rights).
+        """
+        if self._postgres:
+            yield
+            return
+        raw = connection.connection.dbapi_connection
+        if raw is None:  # pragma: no cover - a fresh checkout always has one
+            yield
+            return
+        raw.execute("PRAGMA foreign_keys=OFF")
+        try:
+            yield
+        finally:
+            try:
+                raw.execute("PRAGMA foreign_keys=ON")
+            except sqlite3.Error:
+                connection.invalidate()  # never pool a connection without its checks
+                raise
 
     @staticmethod
     def _rare(event: Event, attempt_number: int, steps: list[int], applied: _Applied) -> None:

@@ -754,6 +754,8 @@ class Batch:
 # range, any malformed input) goes to the general path below, which accepts or refuses as
 # decode_batch always has and names the first bad field. So the fast path only ever
 # accepts what the general path accepts, with equal results: test_wire checks that.
+# The structs live only while a batch is decoded and hold no cycles, so they stay out of
+# the garbage collector (gc=False): a batch makes a thousand of them.
 
 _I64 = 2**63 - 1
 #: Integers the fast path takes: 64-bit, so that they encode anywhere; larger ones (and
@@ -764,7 +766,7 @@ _Count = Annotated[int, msgspec.Meta(ge=0, le=_I64)]
 _Unix = Annotated[float, msgspec.Meta(ge=0.0)]
 
 
-class _MetricsData(msgspec.Struct, forbid_unknown_fields=True):
+class _MetricsData(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     step: _Count
     loss: float | None
     step_time_s: float
@@ -772,7 +774,7 @@ class _MetricsData(msgspec.Struct, forbid_unknown_fields=True):
     metrics: dict[str, float]
 
 
-class _SystemData(msgspec.Struct, forbid_unknown_fields=True):
+class _SystemData(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     gpu_util: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] | None
     gpu_count: _Count
     disk_used: _Count
@@ -780,25 +782,25 @@ class _SystemData(msgspec.Struct, forbid_unknown_fields=True):
     disk_path: str
 
 
-class _CheckpointCommittedData(msgspec.Struct, forbid_unknown_fields=True):
+class _CheckpointCommittedData(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     step: _Count
     bytes: _Count
     write_s: float
     uri: str
 
 
-class _CheckpointFailedData(msgspec.Struct, forbid_unknown_fields=True):
+class _CheckpointFailedData(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     step: _Int
     error: str
 
 
-class _RestoredData(msgspec.Struct, forbid_unknown_fields=True):
+class _RestoredData(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     step: _Count
     fallback_from: _Count | None
     restore_s: float
 
 
-class _PreemptionNoticeData(msgspec.Struct, forbid_unknown_fields=True):
+class _PreemptionNoticeData(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     source: str
     time_left_s: float | None
 
@@ -807,21 +809,21 @@ _ExitReason = Literal["succeeded", "preempted", "failed", "stopped"]
 assert set(get_args(_ExitReason)) == EXIT_REASONS
 
 
-class _ExitData(msgspec.Struct, forbid_unknown_fields=True):
+class _ExitData(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     code: _Int
     reason: _ExitReason
 
 
-class _HeartbeatData(msgspec.Struct, forbid_unknown_fields=True):
+class _HeartbeatData(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     step: _Count | None
 
 
-class _LogData(msgspec.Struct, forbid_unknown_fields=True):
+class _LogData(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     level: str
     message: str
 
 
-class _StartedData(msgspec.Struct, forbid_unknown_fields=True):
+class _StartedData(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     pid: _Count
     host: str
 
@@ -835,6 +837,7 @@ def _event_struct(kind: str, data: type[msgspec.Struct]) -> type[msgspec.Struct]
         tag_field="type",
         tag=kind,
         forbid_unknown_fields=True,
+        gc=False,
         namespace={"kind": kind},
     )
 
@@ -855,7 +858,7 @@ assert set(_TYPED_DATA) == EVENT_TYPES - {"dry_run"}
 _TYPED_EVENTS = tuple(_event_struct(kind, data) for kind, data in _TYPED_DATA.items())
 
 
-class _TypedBatch(msgspec.Struct):
+class _TypedBatch(msgspec.Struct, gc=False):
     """A body; other top-level fields are ignored, as decode_batch ignores them."""
 
     v: Literal[1]

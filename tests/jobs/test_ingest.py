@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import Engine, func, select, text
+from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col
 from sqlmodel import select as sm_select
 
@@ -414,6 +415,24 @@ def test_a_failing_events_insert_is_503_and_stores_nothing(db_engine: Engine) ->
     assert "not stored" in result.body["error"]
     assert count_events(db_engine) == 0
     assert attempt_row(db_engine).last_seq is None
+
+
+def test_references_are_checked_again_once_a_batch_is_stored(db_engine: Engine) -> None:
+    add_run(db_engine)
+    svc = service(db_engine)
+    assert svc.handle(AUTH, body([metrics(0)])).status == 200
+    assert svc.handle("Bearer wrong", body([metrics(1)])).status == 401
+    stray = text(
+        "INSERT INTO events (attempt_id, run_id, seq, type, time, data, received_at) "
+        "VALUES ('a-nobody', 'r-nobody', 1, 'metrics', :at, '{}', :at)"
+    )
+
+    with pytest.raises(IntegrityError), db_engine.begin() as connection:
+        connection.execute(stray, {"at": NOW})
+
+    if db_engine.dialect.name == "sqlite":
+        with db_engine.connect() as connection:
+            assert connection.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
 
 
 @pytest.mark.parametrize("size", [1, 3, 129, 255, 500, 1001])
