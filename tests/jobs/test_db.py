@@ -370,9 +370,23 @@ def test_sqlite_engine_is_tuned_for_threads(tmp_path: Path) -> None:
     with engine.connect() as connection:
         pragmas = {
             name: connection.exec_driver_sql(f"PRAGMA {name}").scalar()
-            for name in ("journal_mode", "foreign_keys", "busy_timeout")
+            for name in (
+                "journal_mode",
+                "synchronous",
+                "foreign_keys",
+                "busy_timeout",
+                "wal_autocheckpoint",
+                "journal_size_limit",
+            )
         }
-    assert pragmas == {"journal_mode": "wal", "foreign_keys": 1, "busy_timeout": 30000}
+    assert pragmas == {
+        "journal_mode": "wal",
+        "synchronous": 1,  # NORMAL
+        "foreign_keys": 1,
+        "busy_timeout": 30000,
+        "wal_autocheckpoint": 16384,
+        "journal_size_limit": 16384 * 4096,
+    }
     engine.dispose()
 
 
