@@ -13,7 +13,7 @@ Alert latency: a run sends two ordinary batches, then one with a NaN loss in the
 measured from the start of ``handle()`` to ``on_signals`` receiving the divergent-loss
 signal. Repeated on fresh runs; the worst is reported.
 
-Where the time goes is measured too: decoding (``runner.wire.decode_batch_with_json``,
+Where the time goes is measured too: decoding (``runner.wire.decode_batch_columns``,
 what the service decodes with, alone on the same bodies) and the rules (timed inside the
 service), per event; the rest is storing.
 
@@ -51,7 +51,7 @@ from jobs.ingest import IngestService
 from jobs.lifecycle import AttemptState
 from jobs.models import Attempt, Run, hash_token
 from jobs.rules import AlertConfig, Rule, RunContext, Signal, default_rules
-from runner.wire import Event, decode_batch_with_json, encode_batch
+from runner.wire import Event, decode_batch_columns, encode_batch
 
 GOAL_EVENTS_PER_S = 100_000.0
 GOAL_ALERT_S = 1.0
@@ -264,7 +264,7 @@ def postgres_engine(url: str) -> Iterator[Engine]:
 def decode_us_per_event(bodies: Sequence[bytes], events: int) -> float:
     started = time.perf_counter()
     for body in bodies:
-        decode_batch_with_json(body)
+        decode_batch_columns(body)
     return (time.perf_counter() - started) / events * 1e6
 
 
