@@ -410,15 +410,20 @@ def _aligned_empty(nbytes: int) -> torch.Tensor:
     return raw[start : start + size]
 
 
+def _set_direct(fd: int, on: bool) -> None:
+    """Switch O_DIRECT on or off for an open file (Linux lets fcntl change it)."""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT if on else flags & ~os.O_DIRECT)
+
+
 def _direct_fd(f: Any) -> int | None:
     """The descriptor of a local file, switched to O_DIRECT; None for a stream (S3) or
     where the platform or file system does not take it."""
-    direct = getattr(os, "O_DIRECT", 0)
-    if not direct or not hasattr(os, "preadv"):
+    if not getattr(os, "O_DIRECT", 0) or not hasattr(os, "preadv"):
         return None
     try:
         fd = f.fileno()
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | direct)
+        _set_direct(fd, True)
     except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError
         return None
     return fd if isinstance(fd, int) else None
@@ -429,8 +434,9 @@ def _fill_direct(
 ) -> int:
     """Read a file with O_DIRECT into ``view`` (aligned), hashing as it goes; bytes read.
 
-    Every request starts and ends on an alignment boundary; a short read is the end of
-    the file.
+    Every request starts and ends on an alignment boundary. A short read is normally the
+    end of the file; one that is not (some network file systems) leaves the offset
+    unaligned, so the rest is read through the page cache.
     """
     step = max(_IO_ALIGN, chunk - chunk % _IO_ALIGN)
     got = 0
@@ -443,12 +449,15 @@ def _fill_direct(
         except OSError as exc:
             if exc.errno != errno.EINVAL or got:
                 raise
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            _set_direct(fd, False)
             raise _NoDirect(key) from exc
         sha.update(view[got : got + n])
         got += n
         if n < want:
-            break
+            if n == 0 or got >= os.fstat(fd).st_size:
+                break
+            if got % _IO_ALIGN:
+                _set_direct(fd, False)
     return got
 
 
