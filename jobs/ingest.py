@@ -8,14 +8,16 @@ one database transaction:
   ``token_hash`` compared with the caller's: a token revoked a moment ago (the attempt
   ended, ``token_hash`` is NULL) is refused even when the short-lived lookup cache still
   knew it, so revocation takes effect at once;
-- events are inserted with one ``executemany`` of ``INSERT … ON CONFLICT (attempt_id, seq)
-  DO NOTHING``. ``(attempt, seq)`` is the event's identity, so a retried batch stores
-  nothing twice and is acknowledged with ``duplicates = n``. Which events are new is known
-  *before* inserting: ``attempts.last_seq`` is the highest stored seq, so a batch above it
-  needs no look-up, and only a batch that reaches back under it costs one indexed range
-  query. The attempt lock makes that exact; ``ON CONFLICT`` stays as the backstop. Each
-  event's ``data`` column gets the JSON text it arrived in
-  (:func:`runner.wire.decode_batch_with_json`), not a re-encoding of the decoded dict;
+- events are inserted with ``INSERT … ON CONFLICT (attempt_id, seq) DO NOTHING``: a few
+  multi-row statements on SQLite, one ``INSERT … SELECT FROM unnest(…)`` on PostgreSQL
+  (see :meth:`IngestService._insert`). ``(attempt, seq)`` is the event's identity, so a
+  retried batch stores nothing twice and is acknowledged with ``duplicates = n``. Which
+  events are new is known *before* inserting: ``attempts.last_seq`` is the highest
+  stored seq, so a batch above it needs no look-up, and only a batch that reaches back
+  under it costs one indexed range query. The attempt lock makes that exact; ``ON
+  CONFLICT`` stays as the backstop. The batch is decoded into columns
+  (:func:`runner.wire.decode_batch_columns`), with each event's ``data`` as JSON text
+  ready for its column, so no object is made per stored event;
 - the new events' side effects (heartbeat, steps, checkpoints, ``started`` → ``RUNNING``,
   the preemption notice, the restored step) are applied in the same transaction, so the
   facts derived from events never disagree with the events stored.
