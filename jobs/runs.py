@@ -567,10 +567,13 @@ def end_attempt(
             deps.journal.record("run_finished", run.id, state="FAILED", reason=reason)
             say(deps, run, "error", f"Run {run.id} failed: {reason}.")
         refresh_card(deps, session, run)
+    if resubmit_after is not None:
+        # The backoff runs from the end, not from when the old instance is gone: a runner
+        # reports a preempted exit before its processes have torn down, and terminating
+        # them can take the provider's grace period.
+        deps.later(resubmit_after, resubmit_if_due, deps, attempt_id)
     if instance_id is not None and state != AttemptState.TERMINATED:
         _terminate(deps, instance_id)  # scripted, not remembered
-    if resubmit_after is not None:
-        deps.later(resubmit_after, resubmit_if_due, deps, attempt_id)
 
 
 #: How a launch refused for lack of capacity is recorded: the next attempt moves zone.

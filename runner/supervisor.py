@@ -135,6 +135,8 @@ class Supervisor:
         self._child_reported: int | None = None
         #: Whether the exit was reported already (a preempted session's, before teardown).
         self._exit_reported = False
+        #: Whether the preemption notice was reported (it must come before the exit).
+        self._announced = False
 
     def run(self) -> int:
         with tempfile.TemporaryDirectory(prefix="trainbot-exec-") as tmp:
@@ -177,20 +179,11 @@ class Supervisor:
         except OSError as exc:
             raise RunnerError(f"cannot start {self.command[0]!r}: {exc.strerror}") from exc
         sampler.start()
-        signalled = False
         while True:
             code = child.poll()
             self._forward(follower)
-            if self.flag.is_set and not signalled:
-                signalled = True
-                notice = self.flag.notice
-                self.sink.emit(
-                    "preemption_notice",
-                    {
-                        "source": notice.source if notice else "signal",
-                        "time_left_s": self.flag.time_left(),
-                    },
-                )
+            if self.flag.is_set and not self._announced:
+                self._announce()
                 if code is None:
                     child.send_signal(signal.SIGTERM)
             if self.dir_sync is not None:
@@ -220,6 +213,8 @@ class Supervisor:
             if type_ == "exit":
                 self._child_reported = int(data["code"])
                 if self._child_reported == EXIT_PREEMPTED and self.flag.is_set:
+                    if not self._announced:
+                        self._announce()  # the notice goes first: the exit ends the attempt
                     # The session has committed what it could and ended: the instance is
                     # going away, so report the end now and let the control plane release
                     # it, instead of paying for the interpreter's teardown (a second or
@@ -233,6 +228,18 @@ class Supervisor:
             if type_ == "preemption_notice":
                 continue
             self.sink.emit(type_, data, time=when)
+
+    def _announce(self) -> None:
+        """Report the preemption notice, once."""
+        self._announced = True
+        notice = self.flag.notice
+        self.sink.emit(
+            "preemption_notice",
+            {
+                "source": notice.source if notice else "signal",
+                "time_left_s": self.flag.time_left(),
+            },
+        )
 
     def _sync(self, *, final: bool) -> None:
         assert self.dir_sync is not None
