@@ -118,6 +118,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # The session first: it starts reading the newest checkpoint while the model is built.
+    decision = EverySteps(args.checkpoint_every) if args.checkpoint_every else None
+    try:
+        session = Session.from_env(decision=decision)
+    except RunnerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     torch.manual_seed(args.seed)
     torch.use_deterministic_algorithms(True)
     model = TinyTransformer(dim=args.dim)
@@ -130,12 +137,6 @@ def main(argv: list[str] | None = None) -> int:
         make_corpus(args.seed), batch=args.batch, seed=args.seed, delay_s=args.data_delay
     )
     loss_fn = nn.CrossEntropyLoss()
-    decision = EverySteps(args.checkpoint_every) if args.checkpoint_every else None
-    try:
-        session = Session.from_env(decision=decision)
-    except RunnerError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     scratch_dir = os.environ.get("TRAINBOT_SCRATCH_DIR") or "."
     scratch = Path(scratch_dir) if args.scratch_fill_mb else None
     loss_value = float("nan")
