@@ -694,19 +694,23 @@ def run_context(
     )
 
 
-def resubmit_if_due(deps: Deps, previous_attempt_id: str) -> None:
-    """Launch the next attempt after a preemption, reporting the work lost."""
+def resubmit_if_due(deps: Deps, previous_attempt_id: str) -> bool:
+    """Launch the next attempt after a preemption, reporting the work lost.
+
+    Called by the backoff timer and by reconcile's backstop; whichever comes second
+    finds the attempt launched and does nothing. True when this call launched it.
+    """
     with session_scope(deps.engine) as session:
         prev = session.get(Attempt, previous_attempt_id)
         run = session.get(Run, prev.run_id) if prev else None
         if prev is None or run is None or run.state != RunState.RECOVERING:
-            return
+            return False
         if active_attempt(session, run.id) is not None:
-            return
+            return False
         run_id = run.id
     attempt = launch_attempt(deps, run_id)
     if attempt is None:
-        return
+        return False
     now = deps.clock()
     with session_scope(deps.engine) as session:
         run = session.get(Run, run_id)
@@ -747,6 +751,7 @@ def resubmit_if_due(deps: Deps, previous_attempt_id: str) -> None:
             notifier=deps.notifier,
             journal=deps.journal,
         )
+    return True
 
 
 # ----------------------------------------------------------------------------- reconcile
@@ -856,6 +861,10 @@ def _lost_heartbeat(deps: Deps, attempt_id: str, *, now: datetime, since: dateti
 def _launch_due(deps: Deps, *, now: datetime) -> int:
     """Runs waiting for an attempt whose backoff is over (the backstop for lost timers)."""
     due: list[str] = []
+    #: Runs whose last attempt was preempted or lost: relaunched as a resubmit, so the
+    #: record, the lost work and the alert are the same whichever of the timer and this
+    #: backstop gets there first.
+    resubmits: dict[str, str] = {}
     with session_scope(deps.engine) as session:
         runs = session.exec(
             select(Run).where(col(Run.state).in_([RunState.LAUNCHING, RunState.RECOVERING]))
@@ -867,9 +876,18 @@ def _launch_due(deps: Deps, *, now: datetime) -> int:
             backoff = timedelta(seconds=spec_of(run).resubmit.backoff_s)
             if prev is None or prev.ended_at is None or now - prev.ended_at >= backoff:
                 due.append(run.id)
+                if (
+                    prev is not None
+                    and run.state == RunState.RECOVERING
+                    and prev.state in (AttemptState.PREEMPTED, AttemptState.LOST)
+                ):
+                    resubmits[run.id] = prev.id
     launched = 0
     for run_id in due:
-        if launch_attempt(deps, run_id) is not None:
+        if run_id in resubmits:
+            if resubmit_if_due(deps, resubmits[run_id]):
+                launched += 1
+        elif launch_attempt(deps, run_id) is not None:
             launched += 1
     return launched
 

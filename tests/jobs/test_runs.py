@@ -264,3 +264,55 @@ def test_too_few_saves_leave_the_interval_alone(deps: Deps) -> None:
     with session_scope(deps.engine) as session:
         row = session.get(Run, "r-few")
         assert row is not None and measured_interval(session, row) is None
+
+
+def test_reconcile_relaunching_after_a_preemption_reports_the_resubmit_once(
+    deps: Deps,
+) -> None:
+    """The resubmit timer died with its process (the backoff here outlasts the test), so
+    reconcile's backstop launches the next attempt: it is still a resubmit, with its
+    record and the work lost, and a second reconcile launches nothing more."""
+    clock = Clock(T0)
+    deps.clock = clock
+    with session_scope(deps.engine) as session:
+        run = Run(
+            id="r-backstop", spec_name="tiny", spec=_spec(), requester="ada", state=RunState.RUNNING
+        )
+        run.last_committed_step = 50
+        run.last_step = 50
+        session.add(run)
+        session.flush()
+        session.add(
+            Attempt(
+                id="a-backstop-1",
+                run_id=run.id,
+                number=1,
+                provider="local",
+                state=AttemptState.RUNNING,
+                started_at=T0,
+                last_step=58,
+                step_time_s=2.0,
+            )
+        )
+    clock.now = T0 + timedelta(seconds=120)
+    end_attempt(
+        deps, "a-backstop-1", state=AttemptState.PREEMPTED, exit_code=75, reason="preempted"
+    )
+    with session_scope(deps.engine) as session:
+        run_now = session.get(Run, "r-backstop")
+        assert run_now is not None and run_now.state == RunState.RECOVERING
+    records: list[dict[str, Any]] = deps.records  # type: ignore[attr-defined]
+    reconcile(deps)  # the backoff is not over: nothing yet
+    assert not [r for r in records if r["type"] == "resubmitted"]
+    clock.now = T0 + timedelta(seconds=120 + 3601)
+    reconcile(deps)
+    reconcile(deps)
+    resubmits = [r for r in records if r["type"] == "resubmitted"]
+    assert len(resubmits) == 1
+    assert resubmits[0]["attempt"] == 2
+    assert resubmits[0]["resume_from_step"] == 50
+    assert resubmits[0]["lost_steps"] == 8
+    assert resubmits[0]["lost_seconds"] == pytest.approx(16.0)
+    with session_scope(deps.engine) as session:
+        attempts = session.exec(select(Attempt).where(Attempt.run_id == "r-backstop")).all()
+    assert sorted(a.number for a in attempts) == [1, 2]
