@@ -74,6 +74,28 @@ def _spec(**extra: Any) -> dict[str, Any]:
     }
 
 
+def _running(deps: Deps, run_id: str, *, committed: int, **attempt: Any) -> None:
+    """A running run whose newest commit (and step) is ``committed``, with one attempt
+    running since T0 (``attempt`` gives its id, number and any other fields)."""
+    with session_scope(deps.engine) as session:
+        run = Run(
+            id=run_id, spec_name="tiny", spec=_spec(), requester="ada", state=RunState.RUNNING
+        )
+        run.last_committed_step = committed
+        run.last_step = committed
+        session.add(run)
+        session.flush()
+        session.add(
+            Attempt(
+                run_id=run_id,
+                provider="local",
+                state=AttemptState.RUNNING,
+                started_at=T0,
+                **attempt,
+            )
+        )
+
+
 def test_lost_time_counts_both_the_restore_and_the_steps_since_the_last_commit(
     deps: Deps,
 ) -> None:
@@ -81,24 +103,7 @@ def test_lost_time_counts_both_the_restore_and_the_steps_since_the_last_commit(
     last commit when it is preempted: run_summary's goodput counts both."""
     clock = Clock(T0)
     deps.clock = clock
-    with session_scope(deps.engine) as session:
-        run = Run(
-            id="r-lost", spec_name="tiny", spec=_spec(), requester="ada", state=RunState.RUNNING
-        )
-        run.last_committed_step = 100
-        run.last_step = 100
-        session.add(run)
-        session.flush()
-        attempt = Attempt(
-            id="a-lost",
-            run_id=run.id,
-            number=2,
-            provider="local",
-            state=AttemptState.RUNNING,
-            started_at=T0,
-            resumed_from_step=100,
-        )
-        session.add(attempt)
+    _running(deps, "r-lost", committed=100, id="a-lost", number=2, resumed_from_step=100)
     clock.now = T0 + timedelta(seconds=5)
     on_attempt_event(deps, "a-lost", "restored", {"step": 100})
     with session_scope(deps.engine) as session:
@@ -274,26 +279,9 @@ def test_reconcile_relaunching_after_a_preemption_reports_the_resubmit_once(
     record and the work lost, and a second reconcile launches nothing more."""
     clock = Clock(T0)
     deps.clock = clock
-    with session_scope(deps.engine) as session:
-        run = Run(
-            id="r-backstop", spec_name="tiny", spec=_spec(), requester="ada", state=RunState.RUNNING
-        )
-        run.last_committed_step = 50
-        run.last_step = 50
-        session.add(run)
-        session.flush()
-        session.add(
-            Attempt(
-                id="a-backstop-1",
-                run_id=run.id,
-                number=1,
-                provider="local",
-                state=AttemptState.RUNNING,
-                started_at=T0,
-                last_step=58,
-                step_time_s=2.0,
-            )
-        )
+    _running(
+        deps, "r-backstop", committed=50, id="a-backstop-1", number=1, last_step=58, step_time_s=2.0
+    )
     clock.now = T0 + timedelta(seconds=120)
     end_attempt(
         deps, "a-backstop-1", state=AttemptState.PREEMPTED, exit_code=75, reason="preempted"
