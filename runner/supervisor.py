@@ -182,10 +182,8 @@ class Supervisor:
         while True:
             code = child.poll()
             self._forward(follower)
-            if self.flag.is_set and not self._announced:
-                self._announce()
-                if code is None:
-                    child.send_signal(signal.SIGTERM)
+            if self.flag.is_set and self._announce() and code is None:
+                child.send_signal(signal.SIGTERM)
             if self.dir_sync is not None:
                 self._sync(final=False)
             if code is not None:
@@ -213,8 +211,7 @@ class Supervisor:
             if type_ == "exit":
                 self._child_reported = int(data["code"])
                 if self._child_reported == EXIT_PREEMPTED and self.flag.is_set:
-                    if not self._announced:
-                        self._announce()  # the notice goes first: the exit ends the attempt
+                    self._announce()  # the notice goes first: the exit ends the attempt
                     # The session has committed what it could and ended: the instance is
                     # going away, so report the end now and let the control plane release
                     # it, instead of paying for the interpreter's teardown (a second or
@@ -229,8 +226,10 @@ class Supervisor:
                 continue
             self.sink.emit(type_, data, time=when)
 
-    def _announce(self) -> None:
-        """Report the preemption notice, once."""
+    def _announce(self) -> bool:
+        """Report the preemption notice, once: True the first time, False after."""
+        if self._announced:
+            return False
         self._announced = True
         notice = self.flag.notice
         self.sink.emit(
@@ -240,6 +239,7 @@ class Supervisor:
                 "time_left_s": self.flag.time_left(),
             },
         )
+        return True
 
     def _sync(self, *, final: bool) -> None:
         assert self.dir_sync is not None
