@@ -20,6 +20,7 @@ import hashlib
 import io
 import logging
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -102,17 +103,65 @@ def _io_workers() -> int:
     return max(2, min(4, os.cpu_count() or 1))
 
 
-def _write_hashed(store: Store, key: str, pieces: Iterable[memoryview], chunk: int) -> FileEntry:
-    """Write one object, hashing each chunk right after writing it, while it is in cache."""
+class _Hasher:
+    """The sha256 of a file being read or written, computed on a thread of its own: hashing
+    overlaps the reads (a piece behind them) or the writes (of the same staged bytes), since
+    both release the GIL, so the transfer and its hash take about as long as the slower of
+    the two, not their sum.
+
+    ``update`` takes views of memory that nothing writes to any more.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._sha = hashlib.sha256()
+        self._pieces: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
+        self._abandoned = False
+        self._done = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def update(self, data: memoryview) -> None:
+        self._pieces.put(data)
+
+    def _run(self) -> None:
+        while (data := self._pieces.get()) is not None:
+            if not self._abandoned:
+                self._sha.update(data)
+
+    def _finish(self) -> None:
+        if not self._done:
+            self._done = True
+            self._pieces.put(None)
+            self._thread.join()
+
+    def hexdigest(self) -> str:
+        """Wait for the pieces given so far to be hashed; their digest."""
+        self._finish()
+        return self._sha.hexdigest()
+
+    def abandon(self) -> None:
+        """Stop hashing (the read failed): skip what is queued and end the thread."""
+        self._abandoned = True
+        self._finish()
+
+
+def _write_object(
+    store: Store,
+    key: str,
+    pieces: Iterable[memoryview],
+    chunk: int,
+    on_chunk: Callable[[memoryview], object] | None,
+) -> int:
+    """Write one object in chunks (aborted on any error); its size."""
     stream = store.open_write(key)
-    sha = hashlib.sha256()
     size = 0
     try:
         for view in pieces:
             for start in range(0, len(view), chunk):
                 piece = view[start : start + chunk]
                 stream.write(piece)
-                sha.update(piece)
+                if on_chunk is not None:
+                    on_chunk(piece)
                 size += len(piece)
         stream.close()
     except BaseException:
@@ -121,7 +170,33 @@ def _write_hashed(store: Store, key: str, pieces: Iterable[memoryview], chunk: i
         except Exception:  # the original error matters more
             log.debug("abort after a failed write also failed", exc_info=True)
         raise
+    return size
+
+
+def _write_hashed(store: Store, key: str, pieces: Iterable[memoryview], chunk: int) -> FileEntry:
+    """Write one object, hashing each chunk right after writing it, while it is in cache."""
+    sha = hashlib.sha256()
+    size = _write_object(store, key, pieces, chunk, sha.update)
     return FileEntry(name=key.split("/", 1)[1], size=size, sha256=sha.hexdigest())
+
+
+def _write_shard(store: Store, key: str, pieces: list[memoryview], chunk: int) -> FileEntry:
+    """Write one shard of staged tensors while a thread of its own hashes the same bytes.
+
+    The staged bytes do not change until the save is over, so the hash need not follow the
+    writes chunk by chunk: it runs beside them (a whole tensor per update, so it takes the
+    GIL back once a tensor, not once a chunk), and the shard is written in about the time
+    of the slower of the two instead of their sum.
+    """
+    hasher = _Hasher("ckpt-write-hash")
+    for view in pieces:
+        hasher.update(view)
+    try:
+        size = _write_object(store, key, pieces, chunk, None)
+    except BaseException:
+        hasher.abandon()
+        raise
+    return FileEntry(name=key.split("/", 1)[1], size=size, sha256=hasher.hexdigest())
 
 
 def _shard_pieces(items: list[tuple[TensorSpec, torch.Tensor]]) -> Iterator[memoryview]:
@@ -256,10 +331,10 @@ class CheckpointWriter:
                 by_shard.setdefault(spec.shard, []).append((spec, t))
             pending = [
                 self._shards.submit(
-                    _write_hashed,
+                    _write_shard,
                     self.store,
                     f"{sd}/{shard}",
-                    _shard_pieces(items),
+                    list(_shard_pieces(items)),
                     self.chunk_bytes,
                 )
                 for shard, items in by_shard.items()
@@ -347,7 +422,8 @@ def download_files(store: Store, manifest: Manifest, dest: Path) -> Path:
     target = dest / (manifest.label or step_dir(manifest.step))
     sd = step_dir(manifest.step)
     for entry in manifest.files:
-        data = _read_verified(store, f"{sd}/{entry.name}", entry, READ_CHUNK)
+        piece = _piece_bytes([entry.size], READ_CHUNK)
+        data = _read_verified(store, f"{sd}/{entry.name}", entry, piece)
         out = target.joinpath(*entry.name.split("/"))
         out.parent.mkdir(parents=True, exist_ok=True)
         with open(out, "wb") as f:
@@ -373,14 +449,30 @@ class Restored:
     restore_s: float
 
 
-#: Bytes read (and then hashed) at a time. Large, because a reader thread takes the GIL
-#: back after every read and every hash, and while the caller's thread runs Python (say,
-#: building its model) each of those waits up to the interpreter's switch interval (5 ms):
-#: 64 MiB chunks keep that under 2 % of the time a chunk takes to read and hash.
+#: Most bytes read (and then hashed) at a time. Large, because a reader thread takes the
+#: GIL back after every read and every hash, and while the caller's thread runs Python
+#: (say, building its model) each of those waits up to the interpreter's switch interval
+#: (5 ms): 64 MiB chunks keep that under 2 % of the time a chunk takes to read and hash.
 READ_CHUNK = 64 << 20
+#: A checkpoint with fewer large files than this is read in smaller pieces (of at least
+#: :data:`_MIN_PIECE`), so that every file's hash, computed one piece behind its reads,
+#: overlaps the reading instead of following it. With this many files or more, the
+#: threads reading other files already overlap each file's hash.
+_PIECES = 8
+_MIN_PIECE = 4 << 20
 #: Alignment of buffers, offsets and lengths for O_DIRECT reads (the largest logical block
 #: size of common disks).
 _IO_ALIGN = 4096
+
+
+def _piece_bytes(sizes: Iterable[int], chunk: int) -> int:
+    """Bytes one read asks for, for files of these sizes read at once (see :data:`_PIECES`)."""
+    large = sum(1 for size in sizes if size > _MIN_PIECE)
+    if large == 0:
+        return chunk
+    per_file = -(-_PIECES // large)
+    biggest = max(sizes)
+    return min(chunk, max(_MIN_PIECE, -(-biggest // per_file)))
 
 
 class PrefetchCancelled(RunnerError):
@@ -490,11 +582,12 @@ def _read_verified(
     straight into the buffer, without a copy through the page cache. That takes about a
     third of the CPU of a buffered read and leaves no second copy of the checkpoint in
     memory. The buffer has room for one byte more than the manifest's size, so a longer
-    file shows as one.
+    file shows as one. A file of more than one ``chunk`` is hashed on a thread of its own,
+    a piece behind the reads (:class:`_Hasher`).
     """
     buf = _aligned_empty(entry.size + 1)
     view = buf.numpy().data
-    sha = hashlib.sha256()
+    sha: Any = _Hasher("ckpt-read-hash") if entry.size > chunk else hashlib.sha256()
     try:
         with store.open_read(key) as f:
             fd = _direct_fd(f)
@@ -504,14 +597,19 @@ def _read_verified(
                 got = _fill_direct(fd, view, chunk, stop, key, sha)
             except _NoDirect:
                 got = _fill_stream(f, view, chunk, stop, key, sha)
-    except OSError as exc:
-        raise StoreError(f"cannot read {key} from {store.uri}: {exc.strerror or exc}") from exc
+    except BaseException as exc:
+        if isinstance(sha, _Hasher):
+            sha.abandon()
+        if isinstance(exc, OSError):
+            raise StoreError(f"cannot read {key} from {store.uri}: {exc.strerror or exc}") from exc
+        raise
+    digest = sha.hexdigest()
     if got != entry.size:
         raise CheckpointError(
             f"{store.uri}/{key} is {'longer' if got > entry.size else got} bytes, "
             f"manifest says {entry.size}"
         )
-    if sha.hexdigest() != entry.sha256:
+    if digest != entry.sha256:
         raise CheckpointError(f"checksum mismatch in {store.uri}/{key}")
     return buf[: entry.size]
 
@@ -529,9 +627,10 @@ def _read_all(
     def stop() -> bool:
         return failed.is_set() or (cancel is not None and cancel.is_set())
 
+    piece = _piece_bytes([e.size for e in entries.values()], chunk)
     with ThreadPoolExecutor(max_workers=_read_workers(), thread_name_prefix="ckpt-read") as pool:
         reads = {
-            name: pool.submit(_read_verified, store, f"{sd}/{name}", entry, chunk, stop)
+            name: pool.submit(_read_verified, store, f"{sd}/{name}", entry, piece, stop)
             for name, entry in entries.items()
         }
         done, _ = wait(reads.values(), return_when=FIRST_EXCEPTION)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -9,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -75,6 +77,41 @@ def test_round_trip_is_bit_identical(tmp_path: Path) -> None:
     assert torch.equal(a, torch.rand(3))
 
 
+NUMPY_RNG = """
+import json, sys
+import torch
+from runner.state import capture_rng, restore_rng
+imported = "numpy.random" in sys.modules  # numpy 2 imports it lazily, numpy 1 with numpy
+first = capture_rng()
+out = {"imported": imported, "captured": "numpy" in first,
+       "imported_after": "numpy.random" in sys.modules}
+import numpy.random
+numpy.random.seed(7)
+state = capture_rng()
+a = numpy.random.rand(3).tolist()
+numpy.random.rand(5)
+restore_rng(state)
+out["same_draws"] = numpy.random.rand(3).tolist() == a
+print(json.dumps(out))
+"""
+
+
+def test_numpy_rng_is_captured_once_numpy_random_is_imported() -> None:
+    # A fresh interpreter: whether numpy.random is imported depends on what ran before.
+    out = subprocess.run(
+        [sys.executable, "-c", NUMPY_RNG],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["captured"] == got["imported"], "captured only if something imported it"
+    assert got["imported_after"] == got["imported"], "capturing does not import it"
+    assert got["same_draws"], "once imported, its draws are restored"
+
+
 def test_manifest_is_written_last_and_lists_checksums(tmp_path: Path) -> None:
     store = LocalStore(tmp_path)
     writer = CheckpointWriter(store)
@@ -93,6 +130,27 @@ def test_manifest_is_written_last_and_lists_checksums(tmp_path: Path) -> None:
             len(f["sha256"]) == 64
             and f["size"] == (tmp_path / step_dir(1) / f["name"]).stat().st_size
         )
+
+
+def test_shards_hashed_beside_their_writes_carry_the_sha256_of_their_bytes(
+    tmp_path: Path,
+) -> None:
+    store = LocalStore(tmp_path)
+    writer = CheckpointWriter(store, shard_bytes=3 << 20, chunk_bytes=1 << 16)
+    g = torch.Generator().manual_seed(5)
+    state = {f"w{i}": torch.randn(1 << 19, generator=g) for i in range(3)}  # 2 MiB each
+    writer.save(1, state).result()
+    writer.close()
+    files = read_manifest(store, 1).files
+    assert len([f for f in files if f.name.startswith("shard-")]) == 3
+    for f in files:
+        data = (tmp_path / step_dir(1) / f.name).read_bytes()
+        assert f.sha256 == hashlib.sha256(data).hexdigest(), f.name
+    assert hash_threads() == []
+
+
+def hash_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("ckpt-write-hash")]
 
 
 def test_at_most_one_save_in_flight_and_staging_is_not_shared(tmp_path: Path) -> None:
@@ -192,6 +250,7 @@ def test_unwritable_store_keeps_previous_checkpoint(tmp_path: Path) -> None:
     bad.close()
     writer.close()
     assert errors and errors[0][0] == 2
+    assert hash_threads() == [], "a failed write ends its hashing too"
     assert restore_latest(store).step == 1
 
 
