@@ -36,12 +36,21 @@ MiB = 1 << 20
 
 
 class _Pace:
-    """Sleeps so that bytes pass at no more than ``bps`` from the first one on."""
+    """Sleeps so that bytes pass at no more than ``bps`` from the first transfer on.
+
+    The clock starts when the first transfer starts (:meth:`begin`), not when it ends: the
+    local copy stands for bytes arriving from the network, which at scale overlaps the
+    transfer; counting it after the simulated transfer would charge it twice.
+    """
 
     def __init__(self, bps: float) -> None:
         self.bps = bps
         self.start: float | None = None
         self.done = 0
+
+    def begin(self) -> None:
+        if self.start is None:
+            self.start = time.perf_counter()
 
     def __call__(self, nbytes: int) -> None:
         now = time.perf_counter()
@@ -59,6 +68,7 @@ class _SlowWrite:
         self.pace = _Pace(bps)
 
     def write(self, data: bytes | memoryview, /) -> int:
+        self.pace.begin()
         n = self.inner.write(data)
         self.pace(len(data))
         return n
@@ -76,11 +86,13 @@ class _SlowRead:
         self.pace = _Pace(bps)
 
     def read(self, n: int = -1) -> bytes:
+        self.pace.begin()
         data = self.inner.read(n)
         self.pace(len(data))
         return data
 
     def readinto(self, buf: Any) -> int:
+        self.pace.begin()
         n: int = self.inner.readinto(buf)  # type: ignore[attr-defined]
         self.pace(n or 0)
         return n
