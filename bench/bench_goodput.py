@@ -77,6 +77,7 @@ from jobs.bootstrap import ControlPlane
 from jobs.db import session_scope
 from jobs.errors import TrainbotError
 from jobs.lifecycle import RunState
+from jobs.metrics import run_metrics
 from jobs.models import Attempt, Event, Run
 from jobs.notify import CallbackJournal, Message, MessageRef
 from jobs.providers.base import ProviderError
@@ -528,11 +529,13 @@ def _figures(
             for e in session.exec(
                 select(Event).where(
                     Event.run_id == run_id,
-                    col(Event.type).in_(
-                        ["started", "restored", "metrics", "checkpoint_committed", "exit"]
-                    ),
+                    col(Event.type).in_(["started", "restored", "checkpoint_committed", "exit"]),
                 )
             ).all()
+        ]
+        events += [  # metrics are stored by the batch (jobs.metrics)
+            RunEvent(p.attempt_id, "metrics", p.time, p.data)
+            for p in run_metrics(session.connection(), run_id)
         ]
     summary = tasks.run_summary(deps, run_id)
     finished = state == RunState.SUCCEEDED

@@ -32,14 +32,13 @@ from slack_bolt import App, BoltRequest, BoltResponse
 from slack_sdk import WebClient
 from slack_sdk.errors import SlackApiError, SlackRequestError
 from sqlalchemy.engine import Engine
-from sqlmodel import col, select
 
 from bot.app import SlackSetupError, build_app, work_pool
 from bot.plots import LOSS_CURVE_FILENAME, loss_curve_png
 from bot.slack_notifier import AttachmentsFn, SlackNotifier
 from bot.workpool import WorkPool
 from jobs.db import session_scope
-from jobs.models import Event
+from jobs.metrics import run_metrics
 from jobs.notify import AlertMessage, Message
 
 if TYPE_CHECKING:
@@ -323,16 +322,11 @@ def loss_curve_attachment(engine: Engine, *, max_points: int = 5000) -> Attachme
         if not isinstance(msg, AlertMessage) or msg.rule != "divergent_loss" or not msg.run_id:
             return None
         with session_scope(engine) as session:
-            rows = session.exec(
-                select(Event.data)
-                .where(Event.run_id == msg.run_id, Event.type == "metrics")
-                .order_by(col(Event.id).desc())
-                .limit(max_points)
-            ).all()
+            newest = run_metrics(session.connection(), msg.run_id, limit=max_points)
         points = sorted(
-            (int(d["step"]), _float_or_none(d.get("loss")))
-            for d in rows
-            if isinstance(d, dict) and isinstance(d.get("step"), int)
+            (int(p.data["step"]), _float_or_none(p.data.get("loss")))
+            for p in newest
+            if isinstance(p.data.get("step"), int)
         )
         if not points:
             return None

@@ -8,14 +8,18 @@ one database transaction:
   ``token_hash`` compared with the caller's: a token revoked a moment ago (the attempt
   ended, ``token_hash`` is NULL) is refused even when the short-lived lookup cache still
   knew it, so revocation takes effect at once;
-- events are inserted with ``INSERT … ON CONFLICT (attempt_id, seq) DO NOTHING``: a few
-  multi-row statements on SQLite, one ``INSERT … SELECT FROM unnest(…)`` on PostgreSQL
-  (see :meth:`IngestService._insert`). ``(attempt, seq)`` is the event's identity, so a
+- the new ``metrics`` events (nearly all of them) go into one ``metric_blocks`` row for
+  the batch (:class:`jobs.models.MetricBlock`: their seqs, times and payloads as JSON
+  arrays; :mod:`jobs.metrics` reads them back), and every other event into a row of
+  ``events`` with ``INSERT … ON CONFLICT (attempt_id, seq) DO NOTHING``: a few multi-row
+  statements on SQLite, one ``INSERT … SELECT FROM unnest(…)`` on PostgreSQL (see
+  :meth:`IngestService._insert`). ``(attempt, seq)`` is the event's identity, so a
   retried batch stores nothing twice and is acknowledged with ``duplicates = n``. Which
   events are new is known *before* inserting: ``attempts.last_seq`` is the highest
   stored seq, so a batch above it needs no look-up, and only a batch that reaches back
-  under it costs one indexed range query. The attempt lock makes that exact; ``ON
-  CONFLICT`` stays as the backstop. The batch is decoded into columns
+  under it costs two indexed range queries (rows, and blocks whose seq range meets the
+  batch's). The attempt lock makes that exact; ``ON CONFLICT`` stays as the rows'
+  backstop. The batch is decoded into columns
   (:func:`runner.wire.decode_batch_columns`), with each event's ``data`` as JSON text
   ready for its column, so no object is made per stored event;
 - the new events' side effects (heartbeat, steps, checkpoints, ``started`` → ``RUNNING``,
@@ -52,6 +56,7 @@ from itertools import chain
 from operator import itemgetter
 from typing import Any, cast
 
+import orjson
 from sqlalchemy import (
     Connection,
     Engine,
@@ -70,7 +75,8 @@ from sqlmodel import Session, SQLModel
 
 from jobs.errors import IllegalTransition
 from jobs.lifecycle import AttemptState, transition
-from jobs.models import Attempt, Checkpoint, Run, hash_token, utcnow
+from jobs.metrics import run_metrics
+from jobs.models import Attempt, Checkpoint, MetricBlock, Run, hash_token, utcnow
 from jobs.models import Event as EventRow
 from jobs.rules import (
     AlertConfig,
@@ -159,6 +165,30 @@ def _sqlite_insert_sql(rows: int) -> str:
 
 
 _SQLITE_INSERT_EVENTS = {rows: _sqlite_insert_sql(rows) for rows in _SQLITE_CHUNKS}
+#: The columns of a metrics block (see jobs.models.MetricBlock), in parameter order.
+_BLOCK_COLUMNS = (
+    "attempt_id",
+    "run_id",
+    "first_seq",
+    "last_seq",
+    "count",
+    "first_time",
+    "last_time",
+    "seqs",
+    "times",
+    "data",
+    "received_at",
+)
+_SQLITE_INSERT_BLOCK = (
+    f"INSERT INTO metric_blocks ({', '.join(_BLOCK_COLUMNS)}) "
+    f"VALUES ({', '.join('?' * len(_BLOCK_COLUMNS))})"
+)
+_PG_INSERT_BLOCK = (
+    f"INSERT INTO metric_blocks ({', '.join(_BLOCK_COLUMNS)}) VALUES ("
+    "%(attempt_id)s, %(run_id)s, %(first_seq)s, %(last_seq)s, %(count)s, "
+    "%(first_time)s::timestamptz, %(last_time)s::timestamptz, %(seqs)s::json, "
+    "%(times)s::json, %(data)s::json, %(received_at)s::timestamptz)"
+)
 _STEP_EVENTS = frozenset({"metrics", "heartbeat", "checkpoint_committed", "restored"})
 
 
@@ -169,6 +199,7 @@ def _table(model: type[SQLModel]) -> Table:
 _ATTEMPTS = _table(Attempt)
 _RUNS = _table(Run)
 _EVENTS = _table(EventRow)
+_BLOCKS = _table(MetricBlock)
 _CHECKPOINTS = _table(Checkpoint)
 
 SignalSink = Callable[[str, list[Signal], datetime], None]
@@ -262,7 +293,7 @@ class _Series:
                 recent.clear()
             else:
                 leaving = [recent.popleft() for _ in range(from_recent)]
-            self._retire_points([(obs.time, obs.data) for obs in leaving])
+            self._retire_obs(leaving)
             retired = overflow - from_recent
             if retired > 0:
                 self._retire_points(points[:retired])
@@ -270,14 +301,24 @@ class _Series:
         kind = self.kind
         recent.extend([Obs(time, kind, data) for time, data in points])
 
+    def _retire_obs(self, leaving: Sequence[Obs]) -> None:
+        """:meth:`_retire_points` for observations already made, kept as they are."""
+        self._retire(leaving, made=True)
+
     def _retire_points(self, points: Sequence[_Point]) -> None:
         """Move points, oldest first, into the thinned history: one per bucket, the
         first of each unless a later one has a non-finite loss and the first has not.
         This runs for nearly every event, so it makes an Obs only for what it keeps."""
+        self._retire(points, made=False)
+
+    def _retire(self, items: Sequence[Obs] | Sequence[_Point], *, made: bool) -> None:
+        # An Obs is (time, type, data) and a point (time, data): time first, data last.
         history = self.history
         last_bucket = self.last_bucket
         isfinite = math.isfinite
-        for time, data in points:
+        kind = self.kind
+        for item in items:
+            time, data = item[0], item[-1]
             bucket = time // BUCKET_S
             if history and bucket == last_bucket:
                 loss = data.get("loss")
@@ -286,9 +327,9 @@ class _Series:
                     and not isfinite(loss)
                     and not _non_finite_loss(history[-1].data)
                 ):
-                    history[-1] = Obs(time, self.kind, data)
+                    history[-1] = item if made else Obs(time, kind, data)  # type: ignore[assignment]
                 continue
-            history.append(Obs(time, self.kind, data))
+            history.append(item if made else Obs(time, kind, data))  # type: ignore[arg-type]
             last_bucket = bucket
         self.last_bucket = last_bucket
 
@@ -420,7 +461,7 @@ def _check_ranges(batch: Batch, kinds: _Kinds) -> str | None:
     if (
         max(batch.seqs) <= _INT8_MAX
         and max(batch.times) < _MAX_UNIX_TIME
-        and (not kinds.metrics or max(data[i]["step"] for i in kinds.metrics) <= _INT8_MAX)
+        and (not kinds.metrics or max([data[i]["step"] for i in kinds.metrics]) <= _INT8_MAX)
         and all(_fits(batch.types[i], data[i]) for i in kinds.others)
     ):
         return None
@@ -581,12 +622,13 @@ class IngestService:
                 f"{principal.run_id}, but the batch is for attempt {batch.attempt} of run "
                 f"{batch.run}: a token is scoped to its attempt",
             )
-        problem = _check_ranges(batch, _Kinds.of(batch.types))
+        kinds = _Kinds.of(batch.types)
+        problem = _check_ranges(batch, kinds)
         if problem is not None:
             return _error(400, problem)
         now = self._now()
         try:
-            applied = self._store(principal, batch, now=now)
+            applied = self._store(principal, batch, kinds, now=now)
         except SQLAlchemyError as exc:
             return _unavailable(exc)
         if applied is None:
@@ -647,6 +689,14 @@ class IngestService:
             and_(
                 events.attempt_id == bindparam("attempt_id"),
                 events.seq.between(bindparam("low"), bindparam("high")),
+            )
+        )
+        blocks = _BLOCKS.c
+        self._existing_block_seqs = select(blocks.seqs).where(
+            and_(
+                blocks.attempt_id == bindparam("attempt_id"),
+                blocks.first_seq <= bindparam("high"),
+                blocks.last_seq >= bindparam("low"),
             )
         )
         self._preemptions = select(attempts.ended_at).where(
@@ -713,11 +763,88 @@ class IngestService:
                 last_committed_step=forward("p_committed", runs.last_committed_step),
             )
         )
+        # What the rules need of the run comes back from the same statement where the
+        # database can (PostgreSQL; SQLite 3.35 and newer): one statement less a batch.
+        self._update_returns = bool(self._engine.dialect.update_returning)
+        if self._update_returns:
+            self._update_run = self._update_run.returning(
+                runs.last_step, runs.last_committed_step, runs.budget_usd
+            )
 
     def _insert(
-        self, connection: Connection, principal: _Principal, new: Batch, now: datetime
+        self,
+        connection: Connection,
+        principal: _Principal,
+        new: Batch,
+        kinds: _Kinds,
+        now: datetime,
     ) -> None:
-        """Insert the new events in a few statements, whatever the batch's size.
+        """Store the new events: the metrics as one block, the others as rows."""
+        suffix = "+00:00" if self._postgres else ""
+        received = _time_texts([now.timestamp()], suffix=suffix)[0]
+        if kinds.others:
+            others = new.select(kinds.others) if kinds.metrics else new
+            self._insert_rows(connection, principal, others, received, suffix)
+        if kinds.metrics:
+            self._insert_block(connection, principal, new, kinds.metrics, received, suffix)
+
+    def _insert_block(
+        self,
+        connection: Connection,
+        principal: _Principal,
+        new: Batch,
+        positions: list[int],
+        received: str,
+        suffix: str,
+    ) -> None:
+        """The batch's metrics as one :class:`~jobs.models.MetricBlock` row, in seq order.
+
+        The payloads go in as the wire's JSON texts joined into an array, and the seqs
+        and times as arrays encoded once: nothing is formatted per event. A seq already
+        stored never reaches here (see :meth:`_new_events`), so the block's first seq is
+        new and the insert has no conflict to resolve.
+        """
+        seqs = [new.seqs[i] for i in positions]
+        if seqs != sorted(seqs):  # the runner sends in seq order
+            positions = sorted(positions, key=new.seqs.__getitem__)
+            seqs = [new.seqs[i] for i in positions]
+        times = [new.times[i] for i in positions]
+        texts = new.texts
+        first_time, last_time = _time_texts([min(times), max(times)], suffix=suffix)
+        values = (
+            principal.attempt_id,
+            principal.run_id,
+            seqs[0],
+            seqs[-1],
+            len(seqs),
+            first_time,
+            last_time,
+            orjson.dumps(seqs).decode(),
+            orjson.dumps(times).decode(),
+            "[" + ",".join([texts[i] for i in positions]) + "]",
+            received,
+        )
+        if self._postgres:
+            params = dict(zip(_BLOCK_COLUMNS, values, strict=True))
+            connection.exec_driver_sql(_PG_INSERT_BLOCK, params)
+            return
+        cursor = connection.connection.cursor()
+        try:
+            cursor.execute(_SQLITE_INSERT_BLOCK, values)
+        except sqlite3.Error as exc:
+            raise DBAPIError.instance(_SQLITE_INSERT_BLOCK, None, exc, sqlite3.Error) from exc
+        finally:
+            cursor.close()
+
+    def _insert_rows(
+        self,
+        connection: Connection,
+        principal: _Principal,
+        new: Batch,
+        received: str,
+        suffix: str,
+    ) -> None:
+        """Insert events as rows in a few statements, whatever the batch's size.
 
         The times go in as the database's text (see :func:`_time_texts`) and the data as
         the wire's JSON text, so the driver converts nothing. On PostgreSQL the columns go
@@ -729,9 +856,7 @@ class IngestService:
         for the transaction would save two look-ups a row, but SQLite then prepares
         these statements again for every batch, which costs four times as much.
         """
-        suffix = "+00:00" if self._postgres else ""
         times = _time_texts(new.times, suffix=suffix)
-        received = _time_texts([now.timestamp()], suffix=suffix)[0]
         if self._postgres:
             connection.exec_driver_sql(
                 _PG_INSERT_EVENTS,
@@ -751,7 +876,9 @@ class IngestService:
             connection, [principal.attempt_id, principal.run_id, received], values
         )
 
-    def _store(self, principal: _Principal, batch: Batch, *, now: datetime) -> _Applied | None:
+    def _store(
+        self, principal: _Principal, batch: Batch, kinds: _Kinds, *, now: datetime
+    ) -> _Applied | None:
         """One transaction; ``None`` when the token was revoked meanwhile.
 
         Each event's ``data`` column gets the JSON text the wire decoded it from
@@ -773,7 +900,8 @@ class IngestService:
                 return applied
             # The hot path: whole columns, no object per event (see _insert).
             types, times = new.types, new.times
-            kinds = _Kinds.of(types)
+            if new is not batch:  # some were stored already
+                kinds = _Kinds.of(types)
             data = new.data
             metrics = [data[i] for i in kinds.metrics]
             steps = [d["step"] for d in metrics]
@@ -789,7 +917,7 @@ class IngestService:
                     self._rare(new.event(index), attempt.number, steps, applied)
             applied.observations["system"] = system
             applied.max_time = max(times)
-            self._insert(connection, principal, new, now)
+            self._insert(connection, principal, new, kinds, now)
             self._apply(
                 connection,
                 attempt,
@@ -824,12 +952,10 @@ class IngestService:
         low = min(seqs)
         existing: set[int] = set()
         if last_seq is not None and low <= last_seq:
-            existing = set(
-                connection.execute(
-                    self._existing_seqs,
-                    {"attempt_id": attempt_id, "low": low, "high": max(seqs)},
-                ).scalars()
-            )
+            bounds = {"attempt_id": attempt_id, "low": low, "high": max(seqs)}
+            existing = set(connection.execute(self._existing_seqs, bounds).scalars())
+            for stored in connection.execute(self._existing_block_seqs, bounds).scalars():
+                existing.update(stored)
         if not existing and len(set(seqs)) == len(seqs):
             return batch
         keep: list[int] = []
@@ -912,12 +1038,16 @@ class IngestService:
                 },
             )
         top_committed = max(e.data["step"] for e in committed) if committed else None
+        run = None
         if top_step is not None or top_committed is not None:
-            connection.execute(
+            updated = connection.execute(
                 self._update_run,
                 {"run_id": run_id, "p_step": top_step, "p_committed": top_committed},
             )
-        run = connection.execute(self._read_run, {"run_id": run_id}).first()
+            if self._update_returns:
+                run = updated.first()
+        if run is None:
+            run = connection.execute(self._read_run, {"run_id": run_id}).first()
         if run is not None:
             applied.last_step = run.last_step
             applied.last_committed_step = run.last_committed_step
@@ -1022,14 +1152,17 @@ class IngestService:
                 rules = default_rules(cfg)
             window = _Window(rules, thresholds=thresholds, hard_cap=hard_cap)
             connection = session.connection()
-            for kind in sorted(WINDOW_EVENTS):
+            since = max(since, 0.0)
+            metrics = run_metrics(connection, run_id, limit=REBUILD_OBS, since=since)
+            window.extend({"metrics": [(p.time, p.data) for p in metrics]})
+            for kind in sorted(WINDOW_EVENTS - {"metrics"}):
                 rows = connection.execute(
                     select(events.time, events.data, attempts.number)
                     .join_from(_EVENTS, _ATTEMPTS, attempts.id == events.attempt_id)
                     .where(
                         events.run_id == run_id,
                         events.type == kind,
-                        events.time >= _event_datetime(max(since, 0.0)),
+                        events.time >= _event_datetime(since),
                     )
                     .order_by(events.time.desc(), events.id.desc())
                     .limit(REBUILD_OBS)
@@ -1037,7 +1170,7 @@ class IngestService:
                 points: list[_Point] = []
                 for row in reversed(rows):
                     data = restore_floats(row.data) if isinstance(row.data, Mapping) else {}
-                    if kind not in ("metrics", "system"):
+                    if kind != "system":
                         data = {**data, "attempt": row.number}
                     points.append((row.time.timestamp(), data))
                 window.extend({kind: points})

@@ -40,6 +40,7 @@ __all__ = [
     "CommandLog",
     "EnumText",
     "Event",
+    "MetricBlock",
     "Run",
     "SchedulerLease",
     "Severity",
@@ -239,7 +240,10 @@ class Attempt(SQLModel, table=True):
 
 
 class Event(SQLModel, table=True):
-    """One telemetry event from a runner. ``(attempt_id, seq)`` makes redelivery harmless."""
+    """One telemetry event from a runner. ``(attempt_id, seq)`` makes redelivery harmless.
+
+    Every type but ``metrics``, which is stored by the batch in :class:`MetricBlock`.
+    """
 
     __tablename__ = "events"
     __table_args__ = (
@@ -256,6 +260,41 @@ class Event(SQLModel, table=True):
     #: When the runner says it happened.
     time: datetime = Field(sa_type=UTCDateTime)
     data: dict[str, Any] = Field(default_factory=dict, sa_type=JSON)
+    received_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+
+
+class MetricBlock(SQLModel, table=True):
+    """The ``metrics`` events of one batch, in one row.
+
+    A runner reports metrics many times a second, and they are nearly every event it
+    sends; a row each cost the ingest API most of its time (two index entries, two
+    foreign-key look-ups and a formatted time per event). So the new metrics of a batch
+    are stored together: their seqs, times (unix seconds) and payloads as three JSON
+    arrays of equal length, in seq order, with the block's seq and time range for the
+    queries. Every other event type keeps a row of its own in ``events``. A seq is
+    stored once per attempt across both tables (see :mod:`jobs.ingest`), and
+    :mod:`jobs.metrics` reads the points back.
+    """
+
+    __tablename__ = "metric_blocks"
+    __table_args__ = (
+        UniqueConstraint("attempt_id", "first_seq"),
+        Index("ix_metric_blocks_run_id_last_time", "run_id", "last_time"),
+    )
+
+    id: int | None = Field(default=None, primary_key=True)
+    attempt_id: str = Field(foreign_key="attempts.id")
+    run_id: str = Field(foreign_key="runs.id")
+    first_seq: int = Field(sa_type=_BIG_INT)
+    last_seq: int = Field(sa_type=_BIG_INT)
+    count: int
+    first_time: datetime = Field(sa_type=UTCDateTime)
+    last_time: datetime = Field(sa_type=UTCDateTime)
+    #: Per point, in seq order: its seq, its unix time, its payload (non-finite floats
+    #: as the wire's strings; :func:`runner.wire.restore_floats` turns them back).
+    seqs: list[int] = Field(default_factory=list, sa_type=JSON)
+    times: list[float] = Field(default_factory=list, sa_type=JSON)
+    data: list[dict[str, Any]] = Field(default_factory=list, sa_type=JSON)
     received_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
 
 

@@ -26,6 +26,7 @@ from jobs.db import detach, session_scope
 from jobs.deps import Deps
 from jobs.errors import ConflictError, NotFound
 from jobs.lifecycle import AttemptState, RunState, transition
+from jobs.metrics import run_metrics
 from jobs.models import Attempt, Checkpoint, Event, Run, hash_token
 from jobs.notify import MessageRef, RunCard, TextMessage
 from jobs.preflight import resource_request
@@ -97,12 +98,8 @@ def latest_attempt(session: Session, run_id: str) -> Attempt | None:
 
 def card(session: Session, run: Run) -> RunCard:
     att = latest_attempt(session, run.id)
-    last = session.exec(
-        select(Event.data)
-        .where(Event.run_id == run.id, Event.type == "metrics")
-        .order_by(col(Event.id).desc())
-    ).first()
-    loss = last.get("loss") if last else None
+    newest = run_metrics(session.connection(), run.id, limit=1)
+    loss = newest[-1].data.get("loss") if newest else None
     return RunCard(
         channel=channel_of(run),
         run_id=run.id,

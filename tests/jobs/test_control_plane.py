@@ -23,7 +23,7 @@ from jobs import service
 from jobs.bootstrap import ControlPlane
 from jobs.db import session_scope
 from jobs.lifecycle import AttemptState, RunState
-from jobs.models import Alert, Attempt, Event, Run, hash_token
+from jobs.models import Alert, Attempt, Event, MetricBlock, Run, hash_token
 from jobs.notify import CallbackJournal
 from jobs.providers.base import InstanceState, LaunchRequest
 from jobs.runs import reconcile, resource_request, spec_of
@@ -81,12 +81,13 @@ def run_state(cp: ControlPlane, run_id: str) -> RunState:
         return run.state
 
 
-def counts(cp: ControlPlane) -> tuple[int, int, int, int]:
+def counts(cp: ControlPlane) -> tuple[int, int, int, int, int]:
     with session_scope(cp.deps.engine) as session:
         return (
             session.exec(select(func.count()).select_from(Run)).one(),
             session.exec(select(func.count()).select_from(Attempt)).one(),
             session.exec(select(func.count()).select_from(Event)).one(),
+            session.exec(select(func.count()).select_from(MetricBlock)).one(),
             session.exec(select(func.count()).select_from(Alert)).one(),
         )
 

@@ -31,6 +31,7 @@ from jobs.models import (
     Checkpoint,
     CommandLog,
     Event,
+    MetricBlock,
     Run,
     SchedulerLease,
     SpendRecord,
@@ -45,6 +46,7 @@ TABLES = {
     "runs",
     "attempts",
     "events",
+    "metric_blocks",
     "checkpoints",
     "alerts",
     "spend_records",
@@ -63,10 +65,16 @@ def add_run_and_attempt(engine: Engine, run_id: str = "r-1", attempt_id: str = "
 
 
 def event(
-    seq: int, data: dict[str, Any] | None = None, *, attempt_id: str = "a-1", run_id: str = "r-1"
+    seq: int,
+    data: dict[str, Any] | None = None,
+    *,
+    attempt_id: str = "a-1",
+    run_id: str = "r-1",
+    kind: str = "log",
+    time: datetime = NOW,
 ) -> Event:
     return Event(
-        attempt_id=attempt_id, run_id=run_id, seq=seq, type="metrics", time=NOW, data=data or {}
+        attempt_id=attempt_id, run_id=run_id, seq=seq, type=kind, time=time, data=data or {}
     )
 
 
@@ -142,6 +150,63 @@ def test_upgrading_a_database_with_rows_widens_steps_seqs_and_bytes(
         assert (checkpoint.step, checkpoint.bytes) == (big_step, three_gib)
         attempt = session.get(Attempt, "a-1")
         assert attempt is not None and (attempt.last_seq, attempt.last_step) == (2**40, big_step)
+    assert schema_diff(empty_engine) == []
+
+
+def test_upgrading_moves_metrics_rows_into_blocks_and_downgrading_moves_them_back(
+    empty_engine: Engine,
+) -> None:
+    with empty_engine.begin() as connection:
+        command.upgrade(alembic_config(connection), "0003")
+    add_run_and_attempt(empty_engine)
+    add_run_and_attempt(empty_engine, run_id="r-2", attempt_id="a-2")
+    metrics = [
+        (attempt, seq, NOW + timedelta(seconds=seq / 4, microseconds=7))
+        for attempt in ("a-1", "a-2")
+        for seq in range(0, 1400 if attempt == "a-1" else 3)
+    ]
+    with session_scope(empty_engine) as session:
+        for attempt, seq, at in reversed(metrics):  # not in seq order
+            run = "r-1" if attempt == "a-1" else "r-2"
+            session.add(
+                event(seq, {"step": seq, "loss": "NaN" if seq == 5 else 1.0 / (seq + 1)},
+                      attempt_id=attempt, run_id=run, kind="metrics", time=at)
+            )  # fmt: skip
+        session.add(event(5000, {"message": "kept"}))
+
+    migrate(empty_engine)  # 0004
+
+    with session_scope(empty_engine) as session:
+        blocks = session.exec(select(MetricBlock).order_by(MetricBlock.attempt_id, MetricBlock.first_seq)).all()  # fmt: skip
+        assert [(b.attempt_id, b.first_seq, b.last_seq, b.count) for b in blocks] == [
+            ("a-1", 0, 499, 500), ("a-1", 500, 999, 500), ("a-1", 1000, 1399, 400),
+            ("a-2", 0, 2, 3),
+        ]  # fmt: skip
+        points = [
+            (b.attempt_id, seq, time, data)
+            for b in blocks
+            for seq, time, data in zip(b.seqs, b.times, b.data, strict=True)
+        ]
+        assert [(a, s, t) for a, s, t, _ in points] == [
+            (a, s, at.timestamp()) for a, s, at in metrics
+        ]
+        assert points[5][3] == {"step": 5, "loss": "NaN"}
+        assert blocks[1].first_time == NOW + timedelta(seconds=125, microseconds=7)
+        assert blocks[1].last_time == NOW + timedelta(seconds=249.75, microseconds=7)
+        assert [(e.seq, e.type) for e in session.exec(select(Event)).all()] == [(5000, "log")]
+
+    with empty_engine.begin() as connection:
+        command.downgrade(alembic_config(connection), "0003")
+
+    assert "metric_blocks" not in inspect(empty_engine).get_table_names()
+    with empty_engine.connect() as connection:
+        rows = connection.execute(
+            text("SELECT attempt_id, seq, type FROM events ORDER BY attempt_id, seq")
+        ).all()
+    assert [tuple(r) for r in rows] == sorted(
+        [(a, s, "metrics") for a, s, _ in metrics] + [("a-1", 5000, "log")]
+    )
+    migrate(empty_engine)
     assert schema_diff(empty_engine) == []
 
 

@@ -10,23 +10,25 @@ import json
 import math
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, func, select, text
+from sqlalchemy import Engine, text
 from sqlalchemy.exc import IntegrityError
-from sqlmodel import Session, col
+from sqlmodel import Session
 from sqlmodel import select as sm_select
 
 from jobs.ingest import RECENT_OBS, IngestService, _time_texts
 from jobs.lifecycle import AttemptState
-from jobs.models import Attempt, Checkpoint, Event, Run, hash_token
+from jobs.models import Attempt, Checkpoint, Event, MetricBlock, Run, hash_token
 from jobs.rules import DivergentLoss, Rule, Signal
 from runner.wire import Event as WireEvent
 from runner.wire import encode_batch
 
 NOW = datetime(2026, 3, 1, 12, 0, tzinfo=timezone.utc)
+EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 T0 = NOW.timestamp() - 600
 TOKEN = "tok-attempt-1"
 
@@ -152,14 +154,40 @@ def service(engine: Engine, recorder: Recorder | None = None, **kwargs: Any) -> 
     )
 
 
-def count_events(engine: Engine) -> int:
-    with engine.connect() as connection:
-        return int(connection.execute(select(func.count()).select_from(Event)).scalar_one())
+@dataclass(frozen=True)
+class Stored:
+    """An event as the tables hold it: a row of ``events``, or a point of a metrics block
+    (whose unix time is shown as a row's would be)."""
+
+    seq: int
+    type: str
+    time: datetime
+    data: dict[str, Any]
 
 
-def event_at(engine: Engine, seq: int) -> Event:
+def stored_events(engine: Engine) -> list[Stored]:
+    """Every stored event, rows and block points, in seq order."""
     with Session(engine) as session:
-        return session.exec(sm_select(Event).where(col(Event.seq) == seq)).one()
+        found = [Stored(e.seq, e.type, e.time, e.data) for e in session.exec(sm_select(Event))]
+        for block in session.exec(sm_select(MetricBlock)):
+            assert block.count == len(block.seqs) == len(block.times) == len(block.data)
+            assert (block.first_seq, block.last_seq) == (block.seqs[0], block.seqs[-1])
+            found += [
+                Stored(seq, "metrics", EPOCH + timedelta(seconds=time), data)
+                for seq, time, data in zip(block.seqs, block.times, block.data, strict=True)
+            ]
+    return sorted(found, key=lambda e: e.seq)
+
+
+def count_events(engine: Engine) -> int:
+    events = stored_events(engine)
+    assert len({e.seq for e in events}) == len(events), "a seq is stored twice"
+    return len(events)
+
+
+def event_at(engine: Engine, seq: int) -> Stored:
+    (found,) = [e for e in stored_events(engine) if e.seq == seq]
+    return found
 
 
 def attempt_row(engine: Engine, attempt_id: str = "a-1") -> Attempt:
@@ -384,7 +412,8 @@ def test_a_database_failure_is_503_and_leaves_nothing_half_written(db_engine: En
     assert attempt_row(db_engine).last_step is None
 
 
-def test_a_failing_events_insert_is_503_and_stores_nothing(db_engine: Engine) -> None:
+@pytest.mark.parametrize("table", ["events", "metric_blocks"])
+def test_a_failing_events_insert_is_503_and_stores_nothing(db_engine: Engine, table: str) -> None:
     add_run(db_engine)
     svc = service(db_engine)
     with db_engine.begin() as connection:
@@ -397,19 +426,21 @@ def test_a_failing_events_insert_is_503_and_stores_nothing(db_engine: Engine) ->
             )
             connection.execute(
                 text(
-                    "CREATE TRIGGER no_room BEFORE INSERT ON events "
+                    f"CREATE TRIGGER no_room BEFORE INSERT ON {table} "
                     "FOR EACH ROW EXECUTE FUNCTION no_room()"
                 )
             )
         else:
             connection.execute(
                 text(
-                    "CREATE TRIGGER no_room BEFORE INSERT ON events "
+                    f"CREATE TRIGGER no_room BEFORE INSERT ON {table} "
                     "BEGIN SELECT RAISE(ABORT, 'no room for events'); END"
                 )
             )
+    # Rows and a block in one batch: whichever insert fails, neither is kept.
+    items = [system() if i % 100 == 0 else metrics(i) for i in range(300)]
 
-    result = svc.handle(AUTH, body([metrics(i) for i in range(300)]))
+    result = svc.handle(AUTH, body(items))
 
     assert result.status == 503
     assert "not stored" in result.body["error"]
@@ -446,11 +477,8 @@ def test_batches_of_any_size_store_every_event_once(db_engine: Engine, size: int
 
     assert first.body == {"accepted": size, "duplicates": 0}
     assert overlap.body == {"accepted": 1, "duplicates": size - size // 2}
-    with db_engine.connect() as connection:
-        rows = connection.execute(
-            select(col(Event.seq), col(Event.type)).order_by(col(Event.seq))
-        ).all()
-    assert [tuple(r) for r in rows] == [
+    rows = [(e.seq, e.type) for e in stored_events(db_engine)]
+    assert rows == [
         (i, "system" if i % 7 == 3 and i < size else "metrics") for i in range(size + 1)
     ]
     assert attempt_row(db_engine).last_seq == size
@@ -777,11 +805,14 @@ def test_event_times_keep_their_microseconds(db_engine: Engine) -> None:
     whole = float(int(T0))
     times = [whole, whole + 0.5e-6, whole + 1.5e-6, whole + 0.9999996, whole + 1.000001, 0.25]
     epoch = datetime(1970, 1, 1, tzinfo=timezone.utc)
+    beats = [("heartbeat", {"step": i}) for i in range(len(times))]
 
-    svc.handle(AUTH, body([metrics(i) for i in range(len(times))], times=times))
+    svc.handle(AUTH, body(beats + [metrics(i) for i in range(len(times))], times=times + times))
 
-    for seq, seconds in enumerate(times):
+    for seq, seconds in enumerate(times + times):
         assert event_at(db_engine, seq).time == epoch + timedelta(seconds=seconds)
+    with Session(db_engine) as session:  # a block keeps the unix time exactly as sent
+        assert session.exec(sm_select(MetricBlock)).one().times == times
 
 
 def test_time_texts_are_what_sqlalchemy_writes_for_a_datetime() -> None:

@@ -25,7 +25,7 @@ from sqlmodel import Session
 from jobs.db import make_engine, migrate
 from jobs.ingest import IngestService
 from jobs.lifecycle import AttemptState
-from jobs.models import Attempt, Checkpoint, Event, Run, hash_token
+from jobs.models import Attempt, Checkpoint, Event, MetricBlock, Run, hash_token
 from jobs.rules import Signal
 from jobs.server import EVENTS_PATH, ControlPlaneApp, ServerHandle, serve
 from runner.telemetry import Reporter
@@ -105,8 +105,11 @@ def add_attempt(
 
 
 def count_events(engine: Engine) -> int:
+    """Stored events: rows of ``events`` and the points of the metrics blocks."""
     with engine.connect() as connection:
-        return int(connection.execute(select(func.count()).select_from(Event)).scalar_one())
+        rows = connection.execute(select(func.count()).select_from(Event)).scalar_one()
+        points = connection.execute(select(func.sum(MetricBlock.count))).scalar_one()
+        return int(rows) + int(points or 0)
 
 
 def post(url: str, body: bytes, token: str | None = TOKEN) -> tuple[int, dict[str, Any]]:
