@@ -219,6 +219,8 @@ def runner_env(deps: Deps, run: Run, attempt: Attempt, spec: JobSpec) -> dict[st
         env["TRAINBOT_CHECKPOINT_INTERVAL_S"] = f"{run.checkpoint_interval_s:.3f}"
     if spec.checkpoint.every_steps:
         env["TRAINBOT_CHECKPOINT_EVERY_STEPS"] = str(spec.checkpoint.every_steps)
+    if spec.checkpoint.train_through_notice:
+        env["TRAINBOT_TRAIN_THROUGH_NOTICE"] = "1"
     if deps.settings.provider == "local":
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)

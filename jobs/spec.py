@@ -169,6 +169,10 @@ class CheckpointPolicy(_Section):
     interval: float | Literal["auto"] = "auto"
     #: Also checkpoint every N steps; the first of the two triggers wins.
     every_steps: int | None = Field(default=None, ge=1)
+    #: On a preemption notice, train on through the provider's window and write the
+    #: emergency checkpoint just before the deadline, while it still fits with a margin
+    #: (the window is paid for either way); off: write it at once and exit.
+    train_through_notice: bool = False
 
     @field_validator("interval", mode="before")
     @classmethod

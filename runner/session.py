@@ -37,6 +37,7 @@ from runner import EXIT_FAILED, EXIT_PREEMPTED, EXIT_SUCCEEDED
 from runner.checkpoint import CheckpointWriter, CommitInfo, Prefetch, Restored, restore_latest
 from runner.errors import NoCheckpointError, RunnerError
 from runner.preemption import (
+    ASSUMED_BANDWIDTH_BPS,
     Notice,
     PreemptionFlag,
     SignalHandlers,
@@ -48,6 +49,10 @@ from runner.store import Store, run_store
 from runner.telemetry import EventSink, FileSink, NullSink, Reporter
 
 log = logging.getLogger(__name__)
+
+#: What the loop keeps back, beyond the write and a step, when it trains on after a
+#: preemption notice: the notice reaches a supervised process a poll after the instance.
+TRAIN_ON_MARGIN_S = 0.25
 
 
 class Stateful(Protocol):
@@ -102,6 +107,17 @@ def _env_float(env: Mapping[str, str], name: str) -> float | None:
     return value
 
 
+def _env_flag(env: Mapping[str, str], name: str, *, default: bool) -> bool:
+    raw = (env.get(name) or "").strip().lower()
+    if not raw:
+        return default
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise RunnerError(f"{name}={raw!r}: expected 1 or 0 (true or false)")
+
+
 def _env_int(env: Mapping[str, str], name: str) -> int | None:
     raw = env.get(name, "").strip()
     if not raw:
@@ -150,6 +166,9 @@ class SessionConfig:
     stop_file: str | None = None
     #: Emit a metrics event every N steps.
     metrics_every: int = 1
+    #: On a preemption notice with a known deadline, train on while the emergency
+    #: checkpoint still fits what is left of the window (see Session._train_on).
+    train_through_notice: bool = False
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> SessionConfig:
@@ -174,6 +193,7 @@ class SessionConfig:
             dry_run_phase=phase,
             stop_file=e.get("TRAINBOT_STOP_FILE") or None,
             metrics_every=_env_int(e, "TRAINBOT_METRICS_EVERY") or 1,
+            train_through_notice=_env_flag(e, "TRAINBOT_TRAIN_THROUGH_NOTICE", default=False),
         )
 
     def decision(self) -> SaveDecision | None:
@@ -253,6 +273,9 @@ class Session:
         self._loss: float | None = None
         self._wait_s = 0.0
         self._stop_checked = 0.0
+        #: The longest step seen lately (seconds), for the train-on budget.
+        self._step_s = 0.0
+        self._notice_reported = False
         #: The newest checkpoint, being read and verified in the background while the caller
         #: builds its model; None once restored or closed, or when ``prefetch=False``.
         #: Started last, once nothing else here can fail.
@@ -389,12 +412,14 @@ class Session:
             self._metrics = {}
             yield self.step
             self.step += 1
-            self._report_step(time.perf_counter() - started)
+            step_s = time.perf_counter() - started
+            self._step_s = max(step_s, 0.9 * self._step_s)
+            self._report_step(step_s)
             if limit is not None and self.step >= limit:
                 self.stop_reason = "limit"
                 break
             now = time.monotonic()
-            if self.decision.should_save(
+            if not self.flag.is_set and self.decision.should_save(
                 step=self.step,
                 now=now,
                 last_step=self._last_save_step,
@@ -438,6 +463,8 @@ class Session:
 
     def _must_stop(self) -> bool:
         if self.flag.is_set:
+            if self._notice_source() != "stop" and self._train_on():
+                return False
             self.stop_reason = "stopped" if self._notice_source() == "stop" else "preempted"
             return True
         stop_file = self.config.stop_file
@@ -457,6 +484,38 @@ class Session:
                     self.stop_reason = "stopped"
                     return True
         return False
+
+    def _train_on(self) -> bool:
+        """Whether the loop may take another step after a preemption notice.
+
+        The instance is paid for until the deadline whatever the loop does, so the window
+        is used for training for as long as the emergency checkpoint would still be
+        started (:func:`~runner.preemption.flush_fits`, the test the flush itself makes)
+        after the save in flight, one more step (the longest lately) and
+        :data:`TRAIN_ON_MARGIN_S`. Without a known deadline, or with
+        ``train_through_notice`` off, the loop stops at once.
+        """
+        left = self.flag.time_left()
+        if not self.config.train_through_notice or left is None:
+            return False
+        self._report_notice(left)
+        nbytes = self.writer.last_bytes or self._state_bytes()
+        bandwidth = self.writer.bandwidth_bps
+        write_s = nbytes / (bandwidth or ASSUMED_BANDWIDTH_BPS)
+        budget = left - self._step_s - TRAIN_ON_MARGIN_S
+        if self.writer.in_flight:
+            budget -= write_s
+        return budget > 0 and flush_fits(nbytes=nbytes, bandwidth_bps=bandwidth, time_left_s=budget)
+
+    def _report_notice(self, left: float | None) -> None:
+        if self._notice_reported:
+            return
+        self._notice_reported = True
+        notice = self.flag.notice
+        self.sink.emit(
+            "preemption_notice",
+            {"source": notice.source if notice else "signal", "time_left_s": left},
+        )
 
     def _notice_source(self) -> str | None:
         notice = self.flag.notice
@@ -536,12 +595,8 @@ class Session:
 
     def _flush_on_notice(self) -> None:
         stopped = time.monotonic()  # the loop has just ended
-        notice = self.flag.notice
         left = self.flag.time_left()
-        self.sink.emit(
-            "preemption_notice",
-            {"source": notice.source if notice else "signal", "time_left_s": left},
-        )
+        self._report_notice(left)
         # Finish the save in flight, if any, within the window.
         try:
             self.writer.wait(timeout=left)

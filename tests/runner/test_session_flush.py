@@ -8,10 +8,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from runner import EXIT_PREEMPTED
 from runner.checkpoint import list_committed
+from runner.errors import RunnerError
 from runner.preemption import Notice, PreemptionFlag
 from runner.session import EverySteps, Session, SessionConfig
 from runner.store import LocalStore
@@ -138,3 +140,83 @@ def test_the_commit_event_carries_the_stall(tmp_path: Path) -> None:
         assert c["stall_s"] >= 0 and c["write_s"] > 0
     # The periodic save at 3 copies the state into staging buffers: that copy is its stall.
     assert commits[0]["stall_s"] > 0
+
+
+# --- training on through the notice window --------------------------------------------------
+
+
+def _train_through(root: Path, sink: Recorder, *, window_s: float, source: str = "signal"):  # type: ignore[no-untyped-def]
+    """A session that trains on after a notice during step 20 (after a few measured
+    saves); returns it, the notice's deadline and when the session ended."""
+    flag = PreemptionFlag()
+    config = SessionConfig(
+        run_id="r-flush", checkpoint_uri=str(root), window_s=window_s, train_through_notice=True
+    )
+    session = Session(
+        config,
+        sink=sink,
+        store=LocalStore(root / "r-flush"),
+        flag=flag,
+        decision=EverySteps(3),
+        install_signals=False,
+    )
+    weights = Weights()
+    deadline = 0.0
+    with session as s:
+        s.track(weights=weights)
+        for step in s.steps(100_000):
+            weights.t[step] += 1.0
+            time.sleep(0.01)
+            if step == 20:
+                now = time.monotonic()
+                deadline = now + window_s
+                s.flag.set(Notice(source=source, reason="test", received_at=now, deadline=deadline))
+    return session, deadline, time.monotonic()
+
+
+def test_training_goes_on_through_the_window_and_the_flush_lands_before_the_deadline(
+    tmp_path: Path,
+) -> None:
+    sink = Recorder()
+
+    session, deadline, ended = _train_through(tmp_path, sink, window_s=3.0)
+
+    assert session.exit_code == EXIT_PREEMPTED
+    # Done, checkpoint written, by the deadline (no kill comes in process; a second of
+    # slack for a machine loaded enough to slow the write past 1.5 times its estimate).
+    assert ended < deadline + 1.0
+    # It keeps 1 s, 1.5 writes, a step and a margin for the flush: ~1 s of 10 ms steps.
+    assert session.step > 21 + 20, "the loop went on after the notice"
+    committed = [e.step for e in list_committed(LocalStore(tmp_path / "r-flush"))]
+    assert committed[-1] == session.step  # the emergency checkpoint is the last step
+    # No periodic save after the notice: only the emergency one is newer than step 21.
+    assert [s for s in committed if s > 21] == [session.step]
+    assert len(sink.of("preemption_notice")) == 1
+    assert sink.of("preemption_notice")[0]["time_left_s"] > 2.5
+
+
+def test_a_window_too_short_to_train_in_stops_at_once(tmp_path: Path) -> None:
+    sink = Recorder()
+
+    session, _, _ = _train_through(tmp_path, sink, window_s=0.05)
+
+    assert session.exit_code == EXIT_PREEMPTED
+    assert session.step == 21  # the notice came during step 20: no step after it
+
+
+def test_a_stop_request_never_trains_on(tmp_path: Path) -> None:
+    sink = Recorder()
+
+    session, _, _ = _train_through(tmp_path, sink, window_s=30.0, source="stop")
+
+    assert session.step == 21
+    committed = [e.step for e in list_committed(LocalStore(tmp_path / "r-flush"))]
+    assert committed[-1] == 21
+
+
+def test_the_environment_switches_training_on_through_the_window() -> None:
+    assert not SessionConfig.from_env({}).train_through_notice
+    assert SessionConfig.from_env({"TRAINBOT_TRAIN_THROUGH_NOTICE": "1"}).train_through_notice
+    assert not SessionConfig.from_env({"TRAINBOT_TRAIN_THROUGH_NOTICE": "off"}).train_through_notice
+    with pytest.raises(RunnerError, match="TRAINBOT_TRAIN_THROUGH_NOTICE='maybe'"):
+        SessionConfig.from_env({"TRAINBOT_TRAIN_THROUGH_NOTICE": "maybe"})
