@@ -19,11 +19,16 @@ A = AttemptState
 RUN_TERMINAL = {R.PREFLIGHT_FAILED, R.SUCCEEDED, R.FAILED, R.STOPPED, R.BUDGET_EXCEEDED}
 ATTEMPT_TERMINAL = {A.PREEMPTED, A.SUCCEEDED, A.FAILED, A.LOST, A.TERMINATED}
 
-LEGAL_RUN = [(a, b) for a, targets in RUN_TRANSITIONS.items() for b in targets]
+# Targets in the enums' order, not the frozensets' (which follows string hashes and so
+# changes from one process to the next): every pytest-xdist worker must collect the same
+# tests in the same order.
+LEGAL_RUN = [(a, b) for a, targets in RUN_TRANSITIONS.items() for b in RunState if b in targets]
 ILLEGAL_RUN = [
     (a, b) for a, b in itertools.product(RunState, RunState) if b not in RUN_TRANSITIONS[a]
 ]
-LEGAL_ATTEMPT = [(a, b) for a, targets in ATTEMPT_TRANSITIONS.items() for b in targets]
+LEGAL_ATTEMPT = [
+    (a, b) for a, targets in ATTEMPT_TRANSITIONS.items() for b in AttemptState if b in targets
+]
 ILLEGAL_ATTEMPT = [
     (a, b)
     for a, b in itertools.product(AttemptState, AttemptState)
