@@ -572,7 +572,11 @@ def end_attempt(
         # them can take the provider's grace period.
         deps.later(resubmit_after, resubmit_if_due, deps, attempt_id)
     if instance_id is not None and state != AttemptState.TERMINATED:
-        _terminate(deps, instance_id)  # scripted, not remembered
+        # Off the caller's thread: the caller may be the ingest request that carried the
+        # runner's exit, and the runner waits for that reply before its processes end, so
+        # a provider whose terminate waits for them (the local one) would wait on itself
+        # until its grace ran out. Reconcile retries whatever this leaves undone.
+        deps.background(_terminate, deps, instance_id)  # scripted, not remembered
 
 
 #: How a launch refused for lack of capacity is recorded: the next attempt moves zone.
