@@ -809,7 +809,6 @@ class IngestService:
             positions = sorted(positions, key=new.seqs.__getitem__)
             seqs = [new.seqs[i] for i in positions]
         times = [new.times[i] for i in positions]
-        texts = new.texts
         first_time, last_time = _time_texts([min(times), max(times)], suffix=suffix)
         values = (
             principal.attempt_id,
@@ -821,7 +820,7 @@ class IngestService:
             last_time,
             orjson.dumps(seqs).decode(),
             orjson.dumps(times).decode(),
-            "[" + ",".join([texts[i] for i in positions]) + "]",
+            new.json_array(positions),
             received,
         )
         if self._postgres:

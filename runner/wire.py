@@ -693,6 +693,10 @@ class Batch:
     same payload as standard JSON text (non-finite floats as the wire's strings), which
     decodes to equal values: the normalised payload, or as the runner sent it when the
     general path decoded it (a number field sent as ``1`` then stays ``1``).
+
+    The fast path leaves the texts to be made when asked for (``given_texts`` None):
+    its payloads are plain JSON values, so orjson encodes them as they are, and a
+    block of them (:meth:`json_array`) is encoded in one call.
     """
 
     attempt: str
@@ -701,10 +705,26 @@ class Batch:
     types: list[str]
     times: list[float]
     data: list[dict[str, Any]]
-    texts: list[str]
+    given_texts: list[str] | None
 
     def __len__(self) -> int:
         return len(self.seqs)
+
+    @property
+    def texts(self) -> list[str]:
+        """Each event's payload as standard JSON text."""
+        if self.given_texts is None:
+            texts = list(map(bytes.decode, map(orjson.dumps, self.data)))
+            object.__setattr__(self, "given_texts", texts)
+            return texts
+        return self.given_texts
+
+    def json_array(self, positions: Sequence[int]) -> str:
+        """The payloads at ``positions`` as one JSON array: their texts, joined."""
+        if self.given_texts is None:
+            return orjson.dumps([self.data[i] for i in positions]).decode()
+        texts = self.given_texts
+        return "[" + ",".join([texts[i] for i in positions]) + "]"
 
     def event(self, index: int) -> Event:
         """Event ``index`` as an :class:`Event`."""
@@ -726,7 +746,7 @@ class Batch:
             [self.types[i] for i in positions],
             [self.times[i] for i in positions],
             [self.data[i] for i in positions],
-            [self.texts[i] for i in positions],
+            None if self.given_texts is None else [self.given_texts[i] for i in positions],
         )
 
     def events(self) -> list[Event]:
@@ -891,7 +911,7 @@ def _decode_typed(body: bytes, max_events: int) -> Batch | None:
         list(map(_KIND, events)),
         list(map(_TIME_OF, events)),
         data,
-        list(map(bytes.decode, map(orjson.dumps, data))),
+        None,  # made when asked for: see Batch
     )
 
 

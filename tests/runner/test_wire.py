@@ -295,6 +295,25 @@ def test_columns_hold_what_the_events_hold() -> None:
     assert picked.texts == [batch.texts[3], batch.texts[1]]
 
 
+def test_a_json_array_is_the_texts_joined_on_either_path() -> None:
+    def metrics(step: int, loss: float) -> Event:
+        data = {"step": step, "loss": loss, "step_time_s": 0.5, "data_wait_fraction": 0.1}
+        return Event("a", step, "metrics", 1.0 + step, "r", {**data, "metrics": {"lr": 1e-3}})
+
+    events = [metrics(i, 1.0 / (i + 1)) for i in range(4)]
+    fast = decode_batch_columns(encode_batch(events))
+    general = decode_batch_columns(encode_batch([*events, metrics(4, math.nan)]))  # "NaN"
+    assert fast.given_texts is None and general.given_texts is not None
+
+    for batch in (fast, general):
+        positions = [2, 0, 3]
+        array = batch.json_array(positions)
+        assert array == "[" + ",".join(batch.texts[i] for i in positions) + "]"
+        assert json.loads(array) == [json.loads(batch.texts[i]) for i in positions]
+    assert fast.texts == general.texts[:4]
+    assert json.loads(general.json_array([4]))[0]["loss"] == "NaN"
+
+
 def test_with_json_keeps_nan_as_the_wire_string() -> None:
     data = {"step": 1, "loss": math.nan, "step_time_s": 1, "data_wait_fraction": None}
     raw = encode_batch([Event("a", 0, "metrics", 1.0, "r", {**data, "metrics": {}})])
