@@ -120,6 +120,9 @@ class Scenario:
     #: MiB of state checkpointed (its copy is the stall, measured, not simulated).
     state_mb: float
     seed: int
+    #: The spec's ``checkpoint.train_through_notice``: train on through the window and
+    #: flush just before the deadline, instead of flushing at once.
+    train_through: bool = True
 
     def wall(self, seconds: float) -> float:
         return seconds / self.compression
@@ -306,7 +309,7 @@ def _write_spec(root: Path, scenario: Scenario) -> None:
         "description": "bench_goodput: a long run under random preemptions, time-compressed",
         "command": command,
         "resources": {"cloud": "local", "spot": True, "disk_gb": 1},
-        "checkpoint": {"interval": "auto"},
+        "checkpoint": {"interval": "auto", "train_through_notice": scenario.train_through},
         "retention": {"keep_last": 2},
         "budget": {"usd": 1_000_000},
         "resubmit": {"max_attempts": 1000, "backoff_s": 0.1},
@@ -638,6 +641,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--state-mb", type=float, default=32.0, help="MiB of state (its copy stalls)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument(
+        "--train-through",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="checkpoint.train_through_notice of the runs (default on; --no-train-through "
+        "flushes at the notice and exits)",
+    )
+    p.add_argument(
         "--contenders",
         default=",".join(c.name for c in CONTENDERS),
         help="comma-separated runs side by side; auto is required (default: all)",
@@ -687,6 +697,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         compression=args.compression,
         state_mb=args.state_mb,
         seed=args.seed,
+        train_through=args.train_through,
     )
     regimes = [
         Regime(
@@ -764,6 +775,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 "state_mb": scenario.state_mb,
                 "store_mib_s": rounded(scenario.store_mbps, 1),
                 "seed": scenario.seed,
+                "train_through_notice": scenario.train_through,
                 "stall_probe_s": rounded(stall_s),
             },
             # Other work on the machine slows the uncompressed process starts most.
