@@ -54,13 +54,12 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from itertools import chain
 from operator import itemgetter
-from typing import Any, cast
+from typing import Any
 
 import orjson
 from sqlalchemy import (
     Connection,
     Engine,
-    Table,
     and_,
     bindparam,
     case,
@@ -71,12 +70,12 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
-from sqlmodel import Session, SQLModel
+from sqlmodel import Session
 
 from jobs.errors import IllegalTransition
 from jobs.lifecycle import AttemptState, transition
 from jobs.metrics import run_metrics
-from jobs.models import Attempt, Checkpoint, MetricBlock, Run, hash_token, utcnow
+from jobs.models import Attempt, Checkpoint, MetricBlock, Run, hash_token, table_of, utcnow
 from jobs.models import Event as EventRow
 from jobs.rules import (
     AlertConfig,
@@ -192,15 +191,11 @@ _PG_INSERT_BLOCK = (
 _STEP_EVENTS = frozenset({"metrics", "heartbeat", "checkpoint_committed", "restored"})
 
 
-def _table(model: type[SQLModel]) -> Table:
-    return cast(Table, model.__table__)  # type: ignore[attr-defined]
-
-
-_ATTEMPTS = _table(Attempt)
-_RUNS = _table(Run)
-_EVENTS = _table(EventRow)
-_BLOCKS = _table(MetricBlock)
-_CHECKPOINTS = _table(Checkpoint)
+_ATTEMPTS = table_of(Attempt)
+_RUNS = table_of(Run)
+_EVENTS = table_of(EventRow)
+_BLOCKS = table_of(MetricBlock)
+_CHECKPOINTS = table_of(Checkpoint)
 
 SignalSink = Callable[[str, list[Signal], datetime], None]
 AttemptEventSink = Callable[[str, str, dict[str, Any]], None]
@@ -293,25 +288,20 @@ class _Series:
                 recent.clear()
             else:
                 leaving = [recent.popleft() for _ in range(from_recent)]
-            self._retire_obs(leaving)
+            self._retire(leaving, made=True)
             retired = overflow - from_recent
             if retired > 0:
-                self._retire_points(points[:retired])
+                self._retire(points[:retired], made=False)
                 points = points[retired:]
         kind = self.kind
         recent.extend([Obs(time, kind, data) for time, data in points])
 
-    def _retire_obs(self, leaving: Sequence[Obs]) -> None:
-        """:meth:`_retire_points` for observations already made, kept as they are."""
-        self._retire(leaving, made=True)
-
-    def _retire_points(self, points: Sequence[_Point]) -> None:
-        """Move points, oldest first, into the thinned history: one per bucket, the
-        first of each unless a later one has a non-finite loss and the first has not.
-        This runs for nearly every event, so it makes an Obs only for what it keeps."""
-        self._retire(points, made=False)
-
     def _retire(self, items: Sequence[Obs] | Sequence[_Point], *, made: bool) -> None:
+        """Move observations (``made``) or points, oldest first, into the thinned
+        history: one per bucket, the first of each unless a later one has a non-finite
+        loss and the first has not. This runs for nearly every event, so it makes an Obs
+        only for a point it keeps, and keeps an observation as it is.
+        """
         # An Obs is (time, type, data) and a point (time, data): time first, data last.
         history = self.history
         last_bucket = self.last_bucket

@@ -13,12 +13,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, cast
+from typing import Any
 
-from sqlalchemy import Connection, Table, select
-from sqlmodel import SQLModel
+from sqlalchemy import Connection, select
 
-from jobs.models import Attempt, MetricBlock
+from jobs.models import Attempt, MetricBlock, table_of
 from runner.wire import restore_floats
 
 __all__ = ["MetricPoint", "run_metrics"]
@@ -35,12 +34,8 @@ class MetricPoint:
     data: dict[str, Any]
 
 
-def _table(model: type[SQLModel]) -> Table:
-    return cast(Table, model.__table__)  # type: ignore[attr-defined]
-
-
-_BLOCKS = _table(MetricBlock)
-_ATTEMPTS = _table(Attempt)
+_BLOCKS = table_of(MetricBlock)
+_ATTEMPTS = table_of(Attempt)
 
 
 def run_metrics(
@@ -69,7 +64,8 @@ def run_metrics(
         query = query.where(blocks.last_time >= datetime.fromtimestamp(since, timezone.utc))
     if attempt_id is not None:
         query = query.where(blocks.attempt_id == attempt_id)
-    points: list[MetricPoint] = []
+    # (time, seq, attempt id, attempt number, stored payload): ordered by time, then seq.
+    found: list[tuple[float, int, str, int, Any]] = []
     # A block's points are older than its last_time, not than the next block's first: a
     # resent or late batch can overlap its neighbours. So read on while a block may
     # still hold points newer than the oldest kept, and sort at the end.
@@ -77,27 +73,25 @@ def run_metrics(
     result = connection.execute(query)
     try:
         for row in result:
-            full = limit is not None and len(points) >= limit
+            full = limit is not None and len(found) >= limit
             if full and max(row.times, default=0.0) < oldest_kept:
                 break
-            for seq, time, data in zip(row.seqs, row.times, row.data, strict=True):
-                if since is not None and time < since:
-                    continue
-                payload = restore_floats(data) if isinstance(data, Mapping) else {}
-                points.append(MetricPoint(row.attempt_id, row.number, seq, time, payload))
-            if limit is not None and len(points) >= limit:
-                points.sort(key=_newest_first)
-                del points[limit:]
-                oldest_kept = points[-1].time if points else oldest_kept
+            found += [
+                (time, seq, row.attempt_id, row.number, data)
+                for seq, time, data in zip(row.seqs, row.times, row.data, strict=True)
+                if since is None or time >= since
+            ]
+            if limit is not None and len(found) >= limit:
+                found.sort(reverse=True)
+                del found[limit:]
+                oldest_kept = found[-1][0] if found else oldest_kept
     finally:
         result.close()
-    points.sort(key=_oldest_first)
-    return points
-
-
-def _newest_first(point: MetricPoint) -> tuple[float, int]:
-    return (-point.time, -point.seq)
-
-
-def _oldest_first(point: MetricPoint) -> tuple[float, int]:
-    return (point.time, point.seq)
+    found.sort()
+    # Payloads are restored only for the points kept.
+    return [
+        MetricPoint(
+            attempt, number, seq, time, restore_floats(data) if isinstance(data, Mapping) else {}
+        )
+        for time, seq, attempt, number, data in found
+    ]

@@ -22,9 +22,19 @@ import hashlib
 import secrets
 from datetime import datetime, timezone
 from enum import Enum
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import JSON, BigInteger, DateTime, Dialect, Index, Integer, String, UniqueConstraint
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Dialect,
+    Index,
+    Integer,
+    String,
+    Table,
+    UniqueConstraint,
+)
 from sqlalchemy.types import TypeDecorator
 from sqlmodel import Field, SQLModel
 
@@ -49,6 +59,7 @@ __all__ = [
     "alert_dedupe_key",
     "hash_token",
     "new_id",
+    "table_of",
     "utcnow",
 ]
 
@@ -65,6 +76,11 @@ SQLModel.metadata.naming_convention = NAMING_CONVENTION
 #: Steps, sequence numbers and byte counts: BIGINT on PostgreSQL, whose INTEGER is 32-bit
 #: (a 3 GiB checkpoint overflows it); INTEGER on SQLite, which is 64-bit already.
 _BIG_INT = BigInteger().with_variant(Integer(), "sqlite")
+
+
+def table_of(model: type[SQLModel]) -> Table:
+    """A table model's Core table, for statements built once and run on a hot path."""
+    return cast(Table, model.__table__)  # type: ignore[attr-defined]
 
 
 def utcnow() -> datetime:

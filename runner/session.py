@@ -276,6 +276,8 @@ class Session:
         #: The longest step seen lately (seconds), for the train-on budget.
         self._step_s = 0.0
         self._notice_reported = False
+        #: The state's size in bytes, once counted (see _checkpoint_bytes).
+        self._state_nbytes: int | None = None
         #: The newest checkpoint, being read and verified in the background while the caller
         #: builds its model; None once restored or closed, or when ``prefetch=False``.
         #: Started last, once nothing else here can fail.
@@ -463,9 +465,10 @@ class Session:
 
     def _must_stop(self) -> bool:
         if self.flag.is_set:
-            if self._notice_source() != "stop" and self._train_on():
+            stop = self._notice_source() == "stop"
+            if not stop and self._train_on():
                 return False
-            self.stop_reason = "stopped" if self._notice_source() == "stop" else "preempted"
+            self.stop_reason = "stopped" if stop else "preempted"
             return True
         stop_file = self.config.stop_file
         if stop_file:
@@ -499,7 +502,7 @@ class Session:
         if not self.config.train_through_notice or left is None:
             return False
         self._report_notice(left)
-        nbytes = self.writer.last_bytes or self._state_bytes()
+        nbytes = self._checkpoint_bytes()
         bandwidth = self.writer.bandwidth_bps
         write_s = nbytes / (bandwidth or ASSUMED_BANDWIDTH_BPS)
         budget = left - self._step_s - TRAIN_ON_MARGIN_S
@@ -606,7 +609,7 @@ class Session:
             pass  # the next attempt redoes the few steps since the newest checkpoint
         elif self.committed_step != self.step:
             left = self.flag.time_left()
-            nbytes = self.writer.last_bytes or self._state_bytes()
+            nbytes = self._checkpoint_bytes()
             if flush_fits(nbytes=nbytes, bandwidth_bps=self.writer.bandwidth_bps, time_left_s=left):
                 self._save_now(timeout=left)
             else:
@@ -647,9 +650,15 @@ class Session:
         self.sink.emit("log", {"level": "info", "message": msg})
         return True
 
-    def _state_bytes(self) -> int:
-        _, tensors = flatten(self.state())
-        return sum(t.numel() * t.element_size() for t in tensors)
+    def _checkpoint_bytes(self) -> int:
+        """The last save's size, or the state's before any save (counted once: the loop
+        asks every step while it trains on through a notice window)."""
+        if self.writer.last_bytes:
+            return self.writer.last_bytes
+        if self._state_nbytes is None:
+            _, tensors = flatten(self.state())
+            self._state_nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        return self._state_nbytes
 
     # -- dry run
 

@@ -54,10 +54,10 @@ def _notice(window_s: float = 60.0) -> Notice:
     return Notice(source="signal", reason="SIGTERM", received_at=now, deadline=now + window_s)
 
 
-def _session(root: Path, sink: Recorder, flag: PreemptionFlag) -> Session:
-    config = SessionConfig(run_id="r-flush", checkpoint_uri=str(root), window_s=60.0)
+def _session(root: Path, sink: Recorder, flag: PreemptionFlag, **config: Any) -> Session:
+    config.setdefault("window_s", 60.0)
     return Session(
-        config,
+        SessionConfig(run_id="r-flush", checkpoint_uri=str(root), **config),
         sink=sink,
         store=LocalStore(root / "r-flush"),
         flag=flag,
@@ -148,18 +148,7 @@ def test_the_commit_event_carries_the_stall(tmp_path: Path) -> None:
 def _train_through(root: Path, sink: Recorder, *, window_s: float, source: str = "signal"):  # type: ignore[no-untyped-def]
     """A session that trains on after a notice during step 20 (after a few measured
     saves); returns it, the notice's deadline and when the session ended."""
-    flag = PreemptionFlag()
-    config = SessionConfig(
-        run_id="r-flush", checkpoint_uri=str(root), window_s=window_s, train_through_notice=True
-    )
-    session = Session(
-        config,
-        sink=sink,
-        store=LocalStore(root / "r-flush"),
-        flag=flag,
-        decision=EverySteps(3),
-        install_signals=False,
-    )
+    session = _session(root, sink, PreemptionFlag(), window_s=window_s, train_through_notice=True)
     weights = Weights()
     deadline = 0.0
     with session as s:
