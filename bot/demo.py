@@ -16,13 +16,16 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Any, TextIO
+from zoneinfo import ZoneInfo
 
 from bot.console import ConsoleNotifier, Shell
 from jobs import tasks
 from jobs.bootstrap import ControlPlane
 from jobs.db import session_scope
+from jobs.deps import Deps
 from jobs.lifecycle import RunState
 from jobs.models import Alert, Attempt
 from jobs.notify import FanoutJournal, JsonlJournal
@@ -219,12 +222,17 @@ def _story(
     print(f"   {low.get('title', '')}", file=out)
 
     progress.step("A small scratch volume fills: the disk alert")
-    story.wait("the disk alert", of(run3, "alert_opened", rule="disk"), t)
+    disk = story.wait("the disk alert", of(run3, "alert_opened", rule="disk"), t)
+    print(f"   {disk.get('title', '')}", file=out)
 
     progress.step("Budget thresholds: 50 %, 80 %, then the hard cap")
     for pct in (50, 80, 100):
         story.wait(f"the {pct} % threshold", of(run3, "budget_threshold", threshold=pct), t)
     story.wait("the hard cap", of(run3, "run_finished", state="BUDGET_EXCEEDED"), t)
+    # The cap stops the instance the way /train stop does: its runner flushes a last
+    # checkpoint and reports it before the attempt ends. Cleanup and the summary come
+    # after that, so they see the checkpoint.
+    _wait_until_ended(deps, run3, t)
 
     for run in (run1, run2):
         story.wait(f"{run} to finish", of(run, "run_finished"), t)
@@ -239,14 +247,16 @@ def _story(
             )
     story.wait("a cleanup", lambda r: r["type"] == "cleanup", 5)
 
-    progress.step("The daily spend digest")
-    tasks.digest_job(deps)
+    progress.step("The daily spend digest (today's, so far)")
+    # The scheduled digest reports yesterday; the demo's runs happened today.
+    today = datetime.now(ZoneInfo(deps.settings.timezone)).date()
+    tasks.digest_job(deps, day=today)
     story.wait("the digest", lambda r: r["type"] == "digest", 5)
 
     progress.step("Final summary")
     for run in (run1, run2, run3):
         summary = tasks.run_summary(deps, run)
-        story.record("summary", run, **summary)
+        deps.journal.record("summary", run, **summary)  # the events file has it too
         print(
             f"   {run}: {summary['state'].lower()}, spent ${summary['spent_usd']:.4f}, "
             f"{summary['attempts']} attempt(s), {summary['preemptions']} preemption(s), "
@@ -267,6 +277,17 @@ def _story(
         file=out,
         flush=True,
     )
+
+
+def _wait_until_ended(deps: Deps, run_id: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        with session_scope(deps.engine) as session:
+            if active_attempt(session, run_id) is None:
+                return
+        if time.monotonic() > deadline:
+            raise DemoError(f"timed out waiting for {run_id}'s instance to shut down")
+        time.sleep(0.2)
 
 
 def _wait_count(

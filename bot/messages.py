@@ -155,7 +155,7 @@ def digest(msg: DigestMessage) -> str:
     f = msg.figures
     lines = [
         f"{digest_title(msg.channel, f.get('date', ''))}:",
-        f"  yesterday {usd(f.get('yesterday_usd'))} · month to date "
+        f"  {f.get('day_label', 'yesterday')} {usd(f.get('day_usd'))} · month to date "
         f"{usd(f.get('month_to_date_usd'))}",
         f"  preemptions {f.get('preemptions', 0)} · goodput {pct(f.get('goodput'))} · "
         f"GPU-hours lost {f.get('gpu_hours_lost', 0):.2f} · instance-hours lost "

@@ -102,6 +102,7 @@ _KIND_EMOJI = {
     "info": ":information_source:",
     "error": ":x:",
     "finished": ":checkered_flag:",
+    "stopping": ":octagonal_sign:",
 }
 _USER_ID = re.compile(r"^[UW][A-Z0-9]{2,}$")
 _GROUP_ID = re.compile(r"^S[A-Z0-9]{2,}$")
@@ -374,7 +375,7 @@ def digest(msg: DigestMessage) -> list[Block]:
     f = msg.figures
     title = messages.digest_title(channel_mention(msg.channel), escape(str(f.get("date", ""))))
     fields = [
-        f"*Yesterday*\n{messages.usd(f.get('yesterday_usd'))}",
+        f"*{str(f.get('day_label', 'yesterday')).capitalize()}*\n{messages.usd(f.get('day_usd'))}",
         f"*Month to date*\n{messages.usd(f.get('month_to_date_usd'))}",
         f"*Preemptions*\n{f.get('preemptions', 0)}",
         f"*Goodput*\n{messages.pct(f.get('goodput'))}",

@@ -750,7 +750,12 @@ class Preemption:
             parts.append(f"notice from {source} at {_clock(notice.time)}{when}")
             data.update(source=source, time_left_s=left)
         if exited is not None:
-            parts.append(f"the runner exited with code {exited.data.get('code')} (preempted)")
+            code = _int(exited.data, "code")
+            cause = exited.data.get("cause")
+            if code is not None:
+                parts.append(f"the runner exited with code {code} (preempted)")
+            else:  # the control plane saw the end (the provider, a lost heartbeat)
+                parts.append(f"the attempt ended: {cause}" if cause else "the attempt ended")
             data["exited"] = True
         if ctx.last_committed_step is None:
             at_stake = "no checkpoint is committed yet, so the next attempt starts from step 0"

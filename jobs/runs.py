@@ -460,6 +460,14 @@ def on_attempt_event(deps: Deps, attempt_id: str, type_: str, data: dict[str, An
                 write_s=data.get("write_s"),
             )
             refresh_card(deps, session, run)
+        elif type_ == "preemption_notice" and run.state.is_terminal():
+            # We stopped it (a person, the budget cap): the SIGTERM its runner saw is ours.
+            say(
+                deps,
+                run,
+                "stopping",
+                f"Attempt {attempt.number} is stopping: its runner flushes a checkpoint first.",
+            )
         elif type_ == "preemption_notice":
             deps.journal.record(
                 "preemption_notice",
@@ -641,13 +649,12 @@ def _preemption_alerts(
     spec = spec_of(run)
     cfg = alert_config(spec)
     ctx = run_context(session, run, attempt, now=now)
-    obs = [
-        Obs(
-            time=now.timestamp(),
-            type="exit",
-            data={"reason": "preempted", "attempt": attempt.number},
-        )
-    ]
+    data: dict[str, Any] = {"reason": "preempted", "attempt": attempt.number}
+    if attempt.exit_code is not None:
+        data["code"] = attempt.exit_code
+    if attempt.end_reason:
+        data["cause"] = attempt.end_reason
+    obs = [Obs(time=now.timestamp(), type="exit", data=data)]
     signals = [
         *Preemption(cfg).evaluate(obs, now=now.timestamp(), ctx=ctx),
         *RepeatedPreemptions(cfg).evaluate(obs, now=now.timestamp(), ctx=ctx),

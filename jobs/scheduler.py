@@ -158,6 +158,8 @@ def start_scheduler(
 
 
 def stop_scheduler(scheduler: BackgroundScheduler) -> None:
+    """Stop firing jobs, and wait for the ones running: the caller closes the database
+    (or removes its directory) next, and a job cut off there would fail half-done."""
     if scheduler.running:
-        scheduler.shutdown(wait=False)
+        scheduler.shutdown(wait=True)
     _registry.pop("deps", None)

@@ -456,29 +456,43 @@ def _per_day(
 
 
 def digest_figures(
-    session: Session, *, channel: str | None, now: datetime, tz: tzinfo
+    session: Session,
+    *,
+    channel: str | None,
+    now: datetime,
+    tz: tzinfo,
+    day: date | None = None,
 ) -> dict[str, Any]:
     """The daily digest for one channel (every channel when None), in its local time.
 
-    "Yesterday" is the channel's previous local calendar day; the month is its local
-    calendar month up to ``now``. Every value is JSON-able; USD is rounded to cents.
+    It covers ``day``, a local calendar day: by default yesterday, the day the scheduled
+    digest reports; today covers midnight to ``now`` ("today so far"). The month is the
+    local calendar month up to ``now``. Every value is JSON-able; USD is rounded to cents.
     """
     today = now.astimezone(tz).date()
-    yesterday = today - timedelta(days=1)
+    if day is None:
+        day = today - timedelta(days=1)
+    if day > today:
+        raise TrainbotError(f"the digest of {day} cannot be made before that day ({today})")
     month_first = today.replace(day=1)
-    since, until = _midnight(yesterday, tz), _midnight(today, tz)
+    since = _midnight(day, tz)
+    until = min(_midnight(day + timedelta(days=1), tz), now)
     figures = _window_figures(session, channel=channel, since=since, until=until)
-    yesterday_usd = figures.pop("usd")
+    day_usd = figures.pop("usd")
+    label = {today: "today so far", today - timedelta(days=1): "yesterday"}.get(
+        day, day.isoformat()
+    )
     month_start = _midnight(month_first, tz)
     month_usd = team_spent(session, channel=channel, since=month_start, until=now)
     return {
         "channel": channel,
         "timezone": str(tz),
-        "date": yesterday.isoformat(),
+        "date": day.isoformat(),
+        "day_label": label,
         "month": f"{month_first:%Y-%m}",
         "since": since.isoformat(),
         "until": until.isoformat(),
-        "yesterday_usd": yesterday_usd,
+        "day_usd": day_usd,
         "month_to_date_usd": _cents(month_usd),
         **figures,
         "per_day": _per_day(

@@ -7,6 +7,7 @@ them directly; ``jobs.scheduler`` only decides when they run and on which replic
 from __future__ import annotations
 
 import logging
+from datetime import date
 from typing import Any
 from zoneinfo import ZoneInfo
 
@@ -239,8 +240,10 @@ def cleanup_job(deps: Deps) -> list[dict[str, Any]]:
 # ----------------------------------------------------------------------------- digest
 
 
-def digest_job(deps: Deps, *, channels: list[str] | None = None) -> list[dict[str, Any]]:
-    """Post each channel's daily spend digest."""
+def digest_job(
+    deps: Deps, *, channels: list[str] | None = None, day: date | None = None
+) -> list[dict[str, Any]]:
+    """Post each channel's daily spend digest: of yesterday, or of the local ``day``."""
     now = deps.clock()
     tz = ZoneInfo(deps.settings.timezone)
     with session_scope(deps.engine) as session:
@@ -250,7 +253,8 @@ def digest_job(deps: Deps, *, channels: list[str] | None = None) -> list[dict[st
                 {c for c in session.exec(select(Run.channel).distinct()).all() if c is not None}
             )
         all_figures = [
-            spend.digest_figures(session, channel=channel, now=now, tz=tz) for channel in channels
+            spend.digest_figures(session, channel=channel, now=now, tz=tz, day=day)
+            for channel in channels
         ]
     # Charts render outside the transaction: matplotlib is slow, the database is shared.
     for channel, figures in zip(channels, all_figures, strict=True):
@@ -266,7 +270,8 @@ def digest_job(deps: Deps, *, channels: list[str] | None = None) -> list[dict[st
 
 def _digest_summary(figures: dict[str, Any]) -> dict[str, Any]:
     keys = (
-        "yesterday_usd",
+        "date",
+        "day_usd",
         "month_to_date_usd",
         "preemptions",
         "goodput",

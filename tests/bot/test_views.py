@@ -307,7 +307,8 @@ def test_clip_never_cuts_an_entity_or_a_link() -> None:
 def figures(runs: int = 2) -> dict[str, Any]:
     return {
         "date": "2026-03-03",
-        "yesterday_usd": 12.5,
+        "day_usd": 12.5,
+        "day_label": "yesterday",
         "month_to_date_usd": 99.0,
         "preemptions": 3,
         "goodput": 0.93,

@@ -375,6 +375,18 @@ def test_the_demo_tells_the_whole_story(tmp_path: Path) -> None:
     assert {"divergent_loss", "low_utilisation", "disk", "budget", "preemption"} <= rules
     checks = [e["check"] for e in lines if e["type"] == "preflight_check"]
     assert {"quota", "capacity", "data", "dry_run", "budget"} <= set(checks)
+    # The digest covers the demo's own day, preemption and spend included.
+    (digest,) = [e for e in lines if e["type"] == "digest"]
+    assert digest["preemptions"] >= 1 and digest["day_usd"] > 0
+    # What the database says is kept is what cleanup left in the store, the stopped
+    # run's last flush included.
+    kept = {e["run"]: e["kept"] for e in lines if e["type"] == "cleanup"}
+    summaries = {e["run"]: e for e in lines if e["type"] == "summary"}
+    assert len(summaries) == 3
+    for run, summary in summaries.items():
+        assert summary["checkpoints_kept"] == kept[run], run
+    assert "code None" not in proc.stdout
+    assert "database failed" not in proc.stderr, proc.stderr[-3000:]
     assert "Demo complete" in proc.stdout
 
 

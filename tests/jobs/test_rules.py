@@ -359,6 +359,12 @@ def test_notice_and_exit_of_one_attempt_are_one_signal() -> None:
     assert "code 75" in signal.detail
 
 
+def test_an_end_seen_by_the_control_plane_says_what_it_saw() -> None:
+    window = [Obs(NOW, "exit", {"reason": "preempted", "cause": "instance vanished"})]
+    (signal,) = Preemption().evaluate(window, now=NOW, ctx=ctx())
+    assert signal.detail == "the attempt ended: instance vanished"
+
+
 def test_exit_code_75_counts_and_failures_do_not() -> None:
     assert len(Preemption().evaluate([Obs(NOW, "exit", {"code": 75})], now=NOW, ctx=ctx())) == 1
     failed = [Obs(NOW, "exit", {"code": 1, "reason": "failed"})]

@@ -18,7 +18,7 @@ from bot.console import ConsoleNotifier
 from jobs.db import session_scope
 from jobs.deps import Deps
 from jobs.lifecycle import AttemptState, RunState
-from jobs.models import Attempt, Event, Run
+from jobs.models import Alert, Attempt, Event, Run
 from jobs.notify import CallbackJournal
 from jobs.providers.local import LocalProvider
 from jobs.runs import (
@@ -120,10 +120,32 @@ def test_lost_time_counts_both_the_restore_and_the_steps_since_the_last_commit(
         assert a is not None and a.state == AttemptState.PREEMPTED
         assert a.lost_steps == 20
         assert a.lost_seconds == pytest.approx(5.0 + 20.0)
+    with session_scope(deps.engine) as session:
+        (alert,) = session.exec(select(Alert).where(Alert.rule == "preemption")).all()
+        assert "code 75" in alert.detail and "None" not in alert.detail
     summary = run_summary(deps, "r-lost")
     assert summary["paid_s"] == pytest.approx(40.0)
     assert summary["lost_s"] == pytest.approx(25.0)
     assert summary["goodput"] == pytest.approx(1 - 25 / 40, abs=1e-4)
+
+
+def test_the_sigterm_of_a_stop_is_not_reported_as_a_preemption(deps: Deps) -> None:
+    out = io.StringIO()
+    deps.notifier = ConsoleNotifier(out)
+    _running(deps, "r-stop", committed=10, id="a-stop", number=1)
+    notice = {"source": "signal", "time_left_s": 30.0}
+    on_attempt_event(deps, "a-stop", "preemption_notice", notice)
+    with session_scope(deps.engine) as session:
+        run = session.get(Run, "r-stop")
+        assert run is not None
+        run.state = RunState.STOPPED  # what /train stop does before it terminates
+        session.add(run)
+    on_attempt_event(deps, "a-stop", "preemption_notice", notice)
+    notices = [r for r in deps.records if r["type"] == "preemption_notice"]  # type: ignore[attr-defined]
+    assert len(notices) == 1, "only the running run's notice is a preemption"
+    text = out.getvalue()
+    assert text.count("Preemption notice") == 1
+    assert "Attempt 1 is stopping: its runner flushes a checkpoint first." in text
 
 
 def _new_run(deps: Deps, run_id: str) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime, timedelta, timezone
+from datetime import date, datetime, timedelta, timezone
 from typing import Any
 from zoneinfo import ZoneInfo
 
@@ -384,7 +384,7 @@ def test_digest_figures_for_a_hand_computed_day(db_engine: Engine) -> None:
     assert (got["date"], got["month"], got["channel"]) == ("2024-05-14", "2024-05", "C-ml")
     assert got["since"] == utc(14, 4).isoformat() and got["until"] == utc(15, 4).isoformat()
     # r-1: 4 h + 13.5 h of attempt 2 at $10/h; r-2: 1 h × 2 × $0.5; r-3: $3.
-    assert got["yesterday_usd"] == 179.0
+    assert got["day_usd"] == 179.0
     # Month to date adds r-1's 9 h today, r-2's hour on the 13th, r-3's $3 today.
     assert got["month_to_date_usd"] == 273.0
     assert got["per_run"] == [
@@ -435,16 +435,29 @@ def test_digest_days_follow_the_channel_time_zone(db_engine: Engine) -> None:
     digest_scenario(db_engine)
     in_utc = figures(db_engine, tz=timezone.utc)
     # In UTC the 14th is 00:00-24:00Z: r-1 4 h + 9.5 h, r-2 2 h × 2 × $0.5, r-3 nothing.
-    assert in_utc["yesterday_usd"] == 137.0
+    assert in_utc["day_usd"] == 137.0
     assert [row["run_id"] for row in in_utc["per_run"]] == ["r-1", "r-2"]
     everyone = figures(db_engine, channel=None)
-    assert everyone["yesterday_usd"] == 279.0 and everyone["per_run"][0]["run_id"] == "r-1"
+    assert everyone["day_usd"] == 279.0 and everyone["per_run"][0]["run_id"] == "r-1"
     assert {"user": "U-dave", "usd": 100.0} in everyone["per_user"]
+
+
+def test_the_digest_of_today_so_far_ends_now(db_engine: Engine) -> None:
+    digest_scenario(db_engine)
+    with Session(db_engine) as session:
+        today = digest_figures(session, channel="C-ml", now=NOW, tz=NEW_YORK, day=date(2024, 5, 15))
+        with pytest.raises(TrainbotError, match="2024-05-16 cannot be made before"):
+            digest_figures(session, channel="C-ml", now=NOW, tz=NEW_YORK, day=date(2024, 5, 16))
+    assert (today["date"], today["day_label"]) == ("2024-05-15", "today so far")
+    assert today["since"] == utc(15, 4).isoformat() and today["until"] == NOW.isoformat()
+    # r-1's 9 h of attempt 2 at $10/h, r-3's $3 after local midnight.
+    assert today["day_usd"] == 93.0
+    assert figures(db_engine)["day_label"] == "yesterday"
 
 
 def test_a_quiet_day_has_zeros_and_no_goodput(db_engine: Engine) -> None:
     got = figures(db_engine)
-    assert (got["yesterday_usd"], got["month_to_date_usd"], got["preemptions"]) == (0.0, 0.0, 0)
+    assert (got["day_usd"], got["month_to_date_usd"], got["preemptions"]) == (0.0, 0.0, 0)
     assert got["per_run"] == [] and got["goodput"] is None and got["gpu_hours_lost"] == 0.0
 
 
