@@ -64,6 +64,29 @@ class Deps:
     )
     _timers: list[threading.Timer] = field(default_factory=list)
     _closed: bool = False
+    #: Instances being terminated, each with the event set when its terminate returns.
+    _terminating: dict[str, threading.Event] = field(default_factory=dict)
+    _terminating_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def claim_termination(self, instance_id: str) -> tuple[threading.Event, bool]:
+        """The event that is set once ``instance_id``'s terminate returns, and whether the
+        caller should do it (False: another thread is terminating it already).
+
+        A provider's terminate can wait for the instance to end (the local one waits out
+        the runner's last flush); two threads doing it at once would wait twice.
+        """
+        with self._terminating_lock:
+            done = self._terminating.get(instance_id)
+            if done is not None:
+                return done, False
+            done = self._terminating[instance_id] = threading.Event()
+            return done, True
+
+    def release_termination(self, instance_id: str) -> None:
+        with self._terminating_lock:
+            done = self._terminating.pop(instance_id, None)
+        if done is not None:
+            done.set()
 
     def runner_token(self, attempt_id: str) -> str:
         """Random per attempt (attempt ids are random) and reproducible by this control plane."""

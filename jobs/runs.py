@@ -618,13 +618,23 @@ def _launch_failed(deps: Deps, attempt_id: str, exc: ProviderError, *, now: date
     deps.later(backoff, launch_attempt, deps, run_id)
 
 
-def _terminate(deps: Deps, instance_id: str) -> None:
+def _terminate(deps: Deps, instance_id: str, *, wait: bool = True) -> bool:
+    """Terminate an instance, once at a time: when another thread is terminating it,
+    wait for that (``wait``) or return at once. True when this call terminated it."""
+    done, mine = deps.claim_termination(instance_id)
+    if not mine:
+        if wait:
+            done.wait()
+        return False
     try:
         deps.provider.terminate(instance_id)
     except InstanceNotFound:
         pass
     except ProviderError as exc:
         log.warning("terminating %s failed (reconcile will retry): %s", instance_id, exc)
+    finally:
+        deps.release_termination(instance_id)
+    return True
 
 
 def _record_lost_work(session: Session, run: Run, attempt: Attempt, *, now: datetime) -> None:
@@ -811,10 +821,11 @@ def reconcile(deps: Deps) -> dict[str, int]:
         log.warning("reconcile could not list instances: %s", exc)
         return counts
     by_attempt = {i.attempt_id: i for i in instances}
-    # Orphans: tagged by us, owned by no live attempt.
+    # Orphans: tagged by us, owned by no live attempt. One whose ended attempt is having
+    # it terminated already (end_attempt does that off its caller's thread) is left to it.
     for inst in instances:
-        if inst.attempt_id not in live and not inst.state.is_terminal():
-            deps.provider.terminate(inst.instance_id)
+        orphan = inst.attempt_id not in live and not inst.state.is_terminal()
+        if orphan and _terminate(deps, inst.instance_id, wait=False):
             deps.journal.record("orphan_terminated", inst.run_id, instance=inst.instance_id)
             counts["orphans"] += 1
     for a in live.values():

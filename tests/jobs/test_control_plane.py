@@ -278,6 +278,30 @@ def test_reconcile_adopts_a_launch_the_database_missed_and_kills_orphans(plane) 
     deps.provider.terminate(live[0].instance_id)
 
 
+def test_reconcile_leaves_an_instance_being_terminated_to_its_terminator(plane) -> None:  # type: ignore[no-untyped-def]
+    """An ended attempt's instance is terminated off the request thread; reconcile meets
+    it still running and must neither wait on the same terminate nor do it twice."""
+    cp, records = plane
+    deps = cp.deps
+    spec = {"name": "tiny", "command": ["python", "-c", "pass"], "dry_run": {"enabled": False}}
+    gone = Run(id="r-ended", spec_name="tiny", spec=spec, requester="ada")
+    ended = Attempt(id="a-ended", run_id=gone.id, number=1, provider="local")
+    instance = deps.provider.launch(_launch_request(cp, gone, ended))
+    done, mine = deps.claim_termination(instance.instance_id)  # end_attempt's, in flight
+    assert mine
+    assert reconcile(deps)["orphans"] == 0
+    assert deps.provider.status(instance.instance_id).state == InstanceState.RUNNING
+    assert deps.claim_termination(instance.instance_id) == (done, False)
+    deps.release_termination(instance.instance_id)
+    assert done.is_set()
+    # Once no one is terminating it, it is an orphan like any other.
+    assert reconcile(deps)["orphans"] == 1
+    assert deps.provider.status(instance.instance_id).state.is_terminal()
+    assert [r["instance"] for r in records if r["type"] == "orphan_terminated"] == [
+        instance.instance_id
+    ]
+
+
 SHELL_ENV_KEYS = ("PATH", "HOME", "LANG")
 
 
