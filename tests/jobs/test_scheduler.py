@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import logging
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -88,3 +89,24 @@ def test_stopping_with_jobs_due_submits_nothing_after_shutdown(
         stop_scheduler(scheduler)
     deps.close()
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+def test_stopping_waits_for_the_job_that_is_running(db_engine, settings, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The control plane closes the database right after: a job cut off there fails."""
+    deps = make_deps(db_engine, settings, tmp_path)
+    scheduler = start_scheduler(deps)
+    started, finished = threading.Event(), threading.Event()
+
+    def slow() -> None:
+        started.set()
+        time.sleep(0.5)
+        finished.set()
+
+    scheduler.add_jobstore("memory", alias="memory")
+    scheduler.add_job(
+        slow, "interval", hours=1, next_run_time=utcnow(), id="slow", jobstore="memory"
+    )
+    assert started.wait(10)
+    stop_scheduler(scheduler)
+    assert finished.is_set()
+    deps.close()
