@@ -53,9 +53,9 @@ class _Pace:
             self.start = time.perf_counter()
 
     def __call__(self, nbytes: int) -> None:
+        """``nbytes`` more have passed since :meth:`begin`: wait for them to be due."""
+        assert self.start is not None, "begin() comes first"
         now = time.perf_counter()
-        if self.start is None:
-            self.start = now
         self.done += nbytes
         due = self.start + self.done / self.bps
         if due > now:

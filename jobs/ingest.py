@@ -49,7 +49,8 @@ import statistics
 import threading
 import time as _time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from itertools import chain
@@ -480,25 +481,35 @@ def _fits(kind: str, data: Mapping[str, Any]) -> bool:
 def _sqlite_insert_events(connection: Connection, shared: list[Any], values: list[Any]) -> None:
     """Insert events in as few multi-row INSERTs as the chunks allow (see
     :func:`_sqlite_insert_sql`): ``shared`` holds attempt, run and arrival time, and
-    ``values`` seq, type, time and data of every row, row after row.
-
-    On the driver's cursor of the transaction's connection; its errors are raised as
-    SQLAlchemy's, as every other statement's are.
+    ``values`` seq, type, time and data of every row, row after row (on the driver's
+    cursor: see :func:`_sqlite_cursor`).
     """
     width = 4
     left = len(values) // width
     start = 0
-    cursor = connection.connection.cursor()
-    try:
+    with _sqlite_cursor(connection) as execute:
         for rows in _SQLITE_CHUNKS:
             statement = _SQLITE_INSERT_EVENTS[rows]
             while left >= rows:
                 end = start + rows * width
-                try:
-                    cursor.execute(statement, shared + values[start:end])
-                except sqlite3.Error as exc:
-                    raise DBAPIError.instance(statement, None, exc, sqlite3.Error) from exc
+                execute(statement, shared + values[start:end])
                 start, left = end, left - rows
+
+
+@contextmanager
+def _sqlite_cursor(connection: Connection) -> Iterator[Callable[[str, Sequence[Any]], None]]:
+    """Execute statements on the driver's cursor of the transaction's connection, its
+    errors raised as SQLAlchemy's, as every other statement's are."""
+    cursor = connection.connection.cursor()
+
+    def execute(statement: str, params: Sequence[Any]) -> None:
+        try:
+            cursor.execute(statement, params)
+        except sqlite3.Error as exc:
+            raise DBAPIError.instance(statement, None, exc, sqlite3.Error) from exc
+
+    try:
+        yield execute
     finally:
         cursor.close()
 
@@ -817,13 +828,8 @@ class IngestService:
             params = dict(zip(_BLOCK_COLUMNS, values, strict=True))
             connection.exec_driver_sql(_PG_INSERT_BLOCK, params)
             return
-        cursor = connection.connection.cursor()
-        try:
-            cursor.execute(_SQLITE_INSERT_BLOCK, values)
-        except sqlite3.Error as exc:
-            raise DBAPIError.instance(_SQLITE_INSERT_BLOCK, None, exc, sqlite3.Error) from exc
-        finally:
-            cursor.close()
+        with _sqlite_cursor(connection) as execute:
+            execute(_SQLITE_INSERT_BLOCK, values)
 
     def _insert_rows(
         self,

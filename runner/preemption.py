@@ -51,6 +51,7 @@ __all__ = [
     "flush_fits",
     "start_pollers",
     "termination_window_s",
+    "write_seconds",
 ]
 
 log = logging.getLogger(__name__)
@@ -263,9 +264,15 @@ def flush_fits(
         raise ValueError(f"checkpoint size must be >= 0 bytes, got {nbytes}")
     if time_left_s is None:
         return True
+    return overhead_s + safety * write_seconds(nbytes, bandwidth_bps) <= time_left_s
+
+
+def write_seconds(nbytes: int, bandwidth_bps: float | None) -> float:
+    """How long writing ``nbytes`` takes at the measured bandwidth, or at
+    :data:`ASSUMED_BANDWIDTH_BPS` with no measurement yet."""
     if bandwidth_bps is None or bandwidth_bps <= 0:
         bandwidth_bps = ASSUMED_BANDWIDTH_BPS
-    return overhead_s + safety * nbytes / bandwidth_bps <= time_left_s
+    return nbytes / bandwidth_bps
 
 
 #: When the emergency checkpoint fits the termination window, the share of preemptions

@@ -37,12 +37,12 @@ from runner import EXIT_FAILED, EXIT_PREEMPTED, EXIT_SUCCEEDED
 from runner.checkpoint import CheckpointWriter, CommitInfo, Prefetch, Restored, restore_latest
 from runner.errors import NoCheckpointError, RunnerError
 from runner.preemption import (
-    ASSUMED_BANDWIDTH_BPS,
     Notice,
     PreemptionFlag,
     SignalHandlers,
     flush_fits,
     start_pollers,
+    write_seconds,
 )
 from runner.state import capture_rng, flatten, restore_rng, state_digest
 from runner.store import Store, run_store
@@ -504,10 +504,9 @@ class Session:
         self._report_notice(left)
         nbytes = self._checkpoint_bytes()
         bandwidth = self.writer.bandwidth_bps
-        write_s = nbytes / (bandwidth or ASSUMED_BANDWIDTH_BPS)
         budget = left - self._step_s - TRAIN_ON_MARGIN_S
         if self.writer.in_flight:
-            budget -= write_s
+            budget -= write_seconds(nbytes, bandwidth)
         return budget > 0 and flush_fits(nbytes=nbytes, bandwidth_bps=bandwidth, time_left_s=budget)
 
     def _report_notice(self, left: float | None) -> None:
