@@ -325,8 +325,8 @@ def slack(tmp_path: Path) -> Iterator[Slack]:
         yield Slack(cp=cp, fake=fake, hooks=hooks, notifier=notifier, front=front, records=records)
     finally:
         front.close()
+        cp.close()  # first: a terminated instance looks preempted, and would be resubmitted
         terminate_instances(cp)
-        cp.close()
         notifier.close(timeout=5)
         hooks.close()
         fake.close()

@@ -102,8 +102,8 @@ def socket_slack(tmp_path: Path) -> Iterator[SocketSlack]:
         yield SocketSlack(cp, fake, server, hooks, notifier, front)
     finally:
         front.close()
+        cp.close()  # first: a terminated instance looks preempted, and would be resubmitted
         terminate_instances(cp)
-        cp.close()
         notifier.close(timeout=5)
         hooks.close()
         server.close()

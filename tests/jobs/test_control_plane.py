@@ -59,10 +59,11 @@ def plane(tmp_path: Path) -> Iterator[tuple[ControlPlane, list[dict]]]:
     )
     with cp:
         yield cp, records
-        # Local instances outlive their control plane, like cloud ones: end them here.
-        for inst in cp.deps.provider.list_instances():
-            if not inst.state.is_terminal():
-                cp.deps.provider.terminate(inst.instance_id)
+    # Local instances outlive their control plane, like cloud ones: end them here, once it
+    # is closed (a terminated instance looks preempted, and would be resubmitted).
+    for inst in cp.deps.provider.list_instances():
+        if not inst.state.is_terminal():
+            cp.deps.provider.terminate(inst.instance_id)
     cp.deps.provider.close()  # type: ignore[attr-defined]
 
 
