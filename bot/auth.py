@@ -2,23 +2,31 @@
 
 The text of a command can say anything; the user id, team id and channel id of a request
 signed with the app's secret cannot be forged, so every decision here starts from those
-(a :class:`Caller`). Three questions are asked, on every command and every button:
+(a :class:`Caller`). These questions are asked, on every command and every button:
 
-- Is the channel allowed? ``TRAINBOT_ALLOWED_CHANNELS`` (ids or names); empty allows all.
-- May this person launch? ``launchers`` (user ids or user groups); empty means everyone
-  in an allowed channel.
+- Is the person one of the team? A user whose workspace is not ours (``TRAINBOT_SLACK_TEAM_IDS``,
+  by default the bot's own, from ``auth.test``), such as a Slack Connect guest in a
+  shared channel, is refused unless ``TRAINBOT_ALLOW_EXTERNAL_USERS`` is set.
+- Is the channel allowed? ``TRAINBOT_ALLOWED_CHANNELS``: channel ids, compared exactly,
+  or ``#names``, compared with the name Slack's API gives for the channel id (never the
+  name the payload claims); empty allows all.
+- May this person launch? ``TRAINBOT_LAUNCHERS`` (user ids or user groups); empty means
+  everyone in an allowed channel (``trainbot serve`` refuses that with the local provider).
 - May this person change someone else's run? Only its requester or an admin
   (``TRAINBOT_ADMINS``: user ids, user group ids ``S…`` or group handles ``@ml-leads``).
+- What may this person see? The runs and alerts of the channel they are in; in the App
+  Home, of the channels they are a member of (``users.conversations``); admins see all.
 
-User groups are resolved through the Web API (``usergroups:read``) and cached for a few
-minutes; a failure to resolve counts as "not a member", so an outage of that API fails
-closed. Every denial is audited: a ``denied`` record in the journal and a warning in the
-log, with who, where, what and why.
+User groups, channel names and memberships are resolved through the Web API and cached
+for a few minutes; a failure to resolve counts as "no", so an outage fails closed. Every
+denial is audited: a ``denied`` record in the journal and a warning in the log, with
+who, where, what and why, and never the values of the command.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -41,6 +49,7 @@ __all__ = [
     "caller_from_command",
     "caller_from_event",
     "caller_from_view",
+    "redact_command",
 ]
 
 log = logging.getLogger(__name__)
@@ -53,7 +62,8 @@ GROUP_TTL_S = 300.0
 class Caller:
     """Who sent a request and from where, as the signed payload says."""
 
-    #: Workspace id (``T…``); None only in hand-built payloads.
+    #: The person's own workspace id (``T…``): for a Slack Connect guest, theirs, not
+    #: ours. None only in hand-built payloads (and then the person counts as external).
     team: str | None
     #: Slack user id (``U…`` or ``W…``).
     user: str
@@ -66,7 +76,7 @@ class Caller:
 def caller_from_command(body: Mapping[str, Any]) -> Caller:
     """A slash command's form fields."""
     return Caller(
-        team=body.get("team_id"),
+        team=body.get("user_team") or body.get("team_id"),
         user=str(body.get("user_id") or ""),
         channel=body.get("channel_id"),
         channel_name=body.get("channel_name"),
@@ -78,7 +88,7 @@ def caller_from_action(body: Mapping[str, Any]) -> Caller:
     channel = body.get("channel") or {}
     container = body.get("container") or {}
     return Caller(
-        team=(body.get("team") or {}).get("id") or (body.get("user") or {}).get("team_id"),
+        team=(body.get("user") or {}).get("team_id") or (body.get("team") or {}).get("id"),
         user=str((body.get("user") or {}).get("id") or ""),
         channel=channel.get("id") or container.get("channel_id"),
         channel_name=channel.get("name"),
@@ -89,7 +99,7 @@ def caller_from_view(body: Mapping[str, Any], *, channel: str | None) -> Caller:
     """A modal submission: the channel comes from the modal's private metadata, which we
     wrote when we opened it and Slack returns signed."""
     return Caller(
-        team=(body.get("team") or {}).get("id"),
+        team=(body.get("user") or {}).get("team_id") or (body.get("team") or {}).get("id"),
         user=str((body.get("user") or {}).get("id") or ""),
         channel=channel,
     )
@@ -98,35 +108,64 @@ def caller_from_view(body: Mapping[str, Any], *, channel: str | None) -> Caller:
 def caller_from_event(body: Mapping[str, Any]) -> Caller:
     """An Events API envelope (``app_home_opened``)."""
     event = body.get("event") or {}
-    return Caller(team=body.get("team_id"), user=str(event.get("user") or ""), channel=None)
+    return Caller(
+        team=event.get("user_team") or body.get("team_id"),
+        user=str(event.get("user") or ""),
+        channel=None,
+    )
 
 
 @dataclass(frozen=True)
 class Policy:
     """The rules, as configured; see the module docstring."""
 
-    #: Channel ids and names (without ``#``); empty allows every channel.
+    #: Channel ids (``C…``, ``G…``), compared exactly; empty with ``channel_names`` allows all.
     allowed_channels: frozenset[str] = frozenset()
+    #: Channel names (lowercase, without ``#``), compared with Slack's name for the id.
+    channel_names: frozenset[str] = frozenset()
     #: User ids, group ids or ``@handles`` who may launch; empty allows everyone.
     launchers: frozenset[str] = frozenset()
     #: User ids, group ids or ``@handles`` who may change anyone's run.
     admins: frozenset[str] = frozenset()
+    #: Our workspaces; empty means the bot's own (``auth.test``).
+    teams: frozenset[str] = frozenset()
+    #: Whether people of other workspaces (Slack Connect) may use trainbot.
+    allow_external: bool = False
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Policy:
-        # ``launchers`` is read if the settings have it, so this works before and after
-        # a TRAINBOT_LAUNCHERS setting exists; without it, everyone in an allowed
-        # channel may launch.
-        launchers: Iterable[str] = getattr(settings, "launchers", None) or ()
+        ids, names = split_channels(settings.allowed_channels)
         return cls(
-            allowed_channels=frozenset(_channel_key(c) for c in settings.allowed_channels),
-            launchers=frozenset(launchers),
+            allowed_channels=ids,
+            channel_names=names,
+            launchers=frozenset(settings.launchers),
             admins=frozenset(settings.admins),
+            teams=frozenset(settings.slack_team_ids),
+            allow_external=settings.allow_external_users,
         )
 
+    @property
+    def restricts_channels(self) -> bool:
+        return bool(self.allowed_channels or self.channel_names)
 
-def _channel_key(name: str) -> str:
-    return name.strip().lstrip("#").lower()
+
+#: A Slack conversation id: upper-case letters and digits, ``C…`` or ``G…`` (or ``D…``).
+_CHANNEL_ID = re.compile(r"[CGD][A-Z0-9]{2,}")
+
+
+def split_channels(entries: Iterable[str]) -> tuple[frozenset[str], frozenset[str]]:
+    """(ids, names) of ``TRAINBOT_ALLOWED_CHANNELS``: an entry that is a channel id as
+    Slack writes it (``C0123ABC``) is an id; anything else (``#ml-training``) is a name.
+    Ids are never compared with names: a channel named ``c0priv`` is not ``C0PRIV``."""
+    ids: set[str] = set()
+    names: set[str] = set()
+    for entry in entries:
+        text = entry.strip()
+        if _CHANNEL_ID.fullmatch(text):
+            ids.add(text)
+        elif text:
+            names.add(text.lstrip("#").lower())
+    return frozenset(ids), frozenset(names)
 
 
 class Authorizer:
@@ -149,21 +188,47 @@ class Authorizer:
         self._lock = threading.Lock()
         #: (fetched at, members by group id, group id by handle)
         self._groups: tuple[float, dict[str, frozenset[str]], dict[str, str]] | None = None
+        #: channel id -> (fetched at, its name as Slack says it)
+        self._names: dict[str, tuple[float, str | None]] = {}
+        #: user id -> (fetched at, the allowed channels they are in)
+        self._memberships: dict[str, tuple[float, frozenset[str]]] = {}
+        #: our workspace ids, once asked of ``auth.test``
+        self._teams: frozenset[str] | None = None
 
     # --- the questions ------------------------------------------------------------------
+
+    def channel_verdict(self, channel: str | None) -> bool | None:
+        """Whether a channel is allowed, from the configuration alone: None when only
+        Slack's name for the channel can tell (the answer needs :meth:`channel_allowed_id`)."""
+        policy = self.policy
+        if not policy.restricts_channels:
+            return True
+        if channel is None:
+            return False
+        if channel in policy.allowed_channels:
+            return True
+        return None if policy.channel_names else False
 
     def channel_allowed(self, caller: Caller, *, channel: str | None = None) -> bool:
         """Whether commands are accepted where this came from (or in ``channel``, for a
         button in the App Home, which has no channel of its own)."""
-        names = {caller.channel, caller.channel_name} if channel is None else {channel}
-        return any(self.channel_allowed_name(n) for n in names if n is not None) or (
-            not self.policy.allowed_channels
-        )
+        return self.channel_allowed_id(channel if channel is not None else caller.channel)
 
-    def channel_allowed_name(self, channel: str | None) -> bool:
-        """Whether a channel (id or name) is one where trainbot works."""
-        allowed = self.policy.allowed_channels
-        return not allowed or (channel is not None and _channel_key(channel) in allowed)
+    def channel_allowed_id(self, channel: str | None) -> bool:
+        """Whether a channel (by id) is one where trainbot works."""
+        verdict = self.channel_verdict(channel)
+        if verdict is not None:
+            return verdict
+        assert channel is not None
+        name = self._channel_name(channel)
+        return name is not None and name in self.policy.channel_names
+
+    def is_external(self, caller: Caller) -> bool:
+        """Whether the person belongs to another organisation's workspace (and that is
+        not allowed). Unknown teams count as external: a request must say whose it is."""
+        if self.policy.allow_external:
+            return False
+        return caller.team is None or caller.team not in self._home_teams()
 
     def may_launch(self, caller: Caller) -> bool:
         return not self.policy.launchers or self._member(caller.user, self.policy.launchers)
@@ -175,13 +240,56 @@ class Authorizer:
         """Whether ``caller`` may stop, resubmit or confirm a run that ``owner`` started."""
         return caller.user == owner or self.is_admin(caller)
 
+    def may_set_oncall(self, caller: Caller) -> bool:
+        """Admins choose who is paged; without any admins configured, whoever may launch."""
+        if self.policy.admins:
+            return self.is_admin(caller)
+        return self.may_launch(caller)
+
     def actor(self, caller: Caller, *, channel: str | None = None) -> Actor:
-        """The service layer's view of the caller."""
-        return Actor(
-            user=caller.user,
-            channel=channel or caller.channel or "",
-            is_admin=self.is_admin(caller),
-        )
+        """The service layer's view of the caller: in a channel, they see that channel;
+        in the App Home (no channel), the channels they are a member of."""
+        where = channel or caller.channel
+        admin = self.is_admin(caller)
+        seen = frozenset() if where or admin else self.member_channels(caller.user)
+        return Actor(user=caller.user, channel=where or "", is_admin=admin, channels=seen)
+
+    def member_channels(self, user: str) -> frozenset[str]:
+        """The allowed channels ``user`` is a member of (``users.conversations``), cached;
+        empty when Slack cannot say."""
+        now = self._clock()
+        with self._lock:
+            cached = self._memberships.get(user)
+            if cached is not None and now - cached[0] < self._ttl:
+                return cached[1]
+        found: set[str] = set()
+        if self._client is not None:
+            try:
+                cursor: str | None = None
+                while True:
+                    response = self._client.users_conversations(
+                        user=user,
+                        types="public_channel,private_channel",
+                        exclude_archived=True,
+                        limit=200,
+                        cursor=cursor,
+                    )
+                    for channel in response.get("channels") or ():
+                        found.add(str(channel.get("id")))
+                        name = channel.get("name")
+                        if name:
+                            with self._lock:
+                                self._names[str(channel.get("id"))] = (now, str(name).lower())
+                    cursor = (response.get("response_metadata") or {}).get("next_cursor")
+                    if not cursor:
+                        break
+            except (SlackApiError, SlackRequestError, OSError) as exc:
+                log.warning("could not list the channels of %s (%s); showing none", user, exc)
+                return frozenset()
+        channels = frozenset(c for c in found if self.channel_allowed_id(c))
+        with self._lock:
+            self._memberships[user] = (now, channels)
+        return channels
 
     def deny(self, caller: Caller, *, action: str, reason: str, run_id: str | None = None) -> None:
         """Audit a denial: the journal (kept with the run's story) and the log."""
@@ -202,6 +310,49 @@ class Authorizer:
             f" on {run_id}" if run_id else "",
             reason,
         )
+
+    # --- lookups ------------------------------------------------------------------------
+
+    def _home_teams(self) -> frozenset[str]:
+        if self.policy.teams:
+            return self.policy.teams
+        with self._lock:
+            if self._teams is not None:
+                return self._teams
+        if self._client is None:
+            return frozenset()
+        try:
+            team = self._client.auth_test().get("team_id")
+        except (SlackApiError, SlackRequestError, OSError) as exc:
+            log.warning("could not ask Slack which workspace is ours (%s): refusing all", exc)
+            return frozenset()
+        teams = frozenset({str(team)}) if team else frozenset()
+        with self._lock:
+            self._teams = teams
+        return teams
+
+    def _channel_name(self, channel: str) -> str | None:
+        """Slack's name for a channel id (``conversations.info``), cached; None when
+        Slack cannot say."""
+        now = self._clock()
+        with self._lock:
+            cached = self._names.get(channel)
+            if cached is not None and now - cached[0] < self._ttl:
+                return cached[1]
+        if self._client is None:
+            return None
+        try:
+            response = self._client.conversations_info(channel=channel)
+        except (SlackApiError, SlackRequestError, OSError) as exc:
+            log.warning(
+                "could not look up channel %s (%s); treating it as not allowed", channel, exc
+            )
+            return None
+        raw = (response.get("channel") or {}).get("name")
+        name = str(raw).lower() if raw else None
+        with self._lock:
+            self._names[channel] = (now, name)
+        return name
 
     # --- user groups --------------------------------------------------------------------
 
@@ -250,3 +401,24 @@ class Authorizer:
 def _is_group(entry: str) -> bool:
     """``S…`` is a user group id; ``@name`` a group handle. Users are ``U…``/``W…``."""
     return entry.startswith("@") or (entry[:1] == "S" and entry[1:].isalnum())
+
+
+_KEY = re.compile(r"[A-Za-z_][\w.\-]*")
+_WORD = re.compile(r"[\w@.\-/]{1,64}")
+
+
+def redact_command(text: str) -> str:
+    """A command as the audit log keeps it: the verb and its subject (``launch tiny``,
+    ``stop r-1``), then each override as ``key=…``. Values can hold secrets
+    (``env.WANDB_API_KEY=…``), so none is kept."""
+    out: list[str] = []
+    for index, token in enumerate(text.split()):
+        key, sep, _ = token.partition("=")
+        key = key.strip("\"'")
+        if sep:
+            out.append(f"{key}=…" if _KEY.fullmatch(key) else "…=…")
+        elif index < 3 and _WORD.fullmatch(token):
+            out.append(token)
+        else:
+            out.append("…")
+    return " ".join(out)[:500]

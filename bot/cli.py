@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bot.commands import BotError
-from jobs.errors import TrainbotError
+from jobs.errors import SettingsError, TrainbotError
 
 if TYPE_CHECKING:
     from jobs.settings import Settings
@@ -84,6 +84,24 @@ def _wants_slack(settings: Settings) -> bool:
     return settings.notifier == "slack" or has_credentials
 
 
+def launch_policy_problem(settings: Settings) -> str | None:
+    """Why the Slack app must not start with these settings, or None.
+
+    The local provider runs each launched command on this machine, the one that holds
+    the Slack secrets and the database: that is for one person, so with Slack in front of
+    it someone has to say who that person (or group) is.
+    """
+    if settings.provider == "local" and not settings.launchers:
+        return (
+            "TRAINBOT_LAUNCHERS is not set: with the Slack app and the local provider, "
+            "anyone in an allowed channel could run a program on this machine. Set "
+            "TRAINBOT_LAUNCHERS to the Slack user ids or @group handles who may launch "
+            "(for example TRAINBOT_LAUNCHERS=U0123ABCD,@ml-leads), or use a cloud provider "
+            "(TRAINBOT_PROVIDER=aws or gcp)"
+        )
+    return None
+
+
 def _serve_slack(settings: Settings, stop: threading.Event) -> int:
     """The control plane with the Slack app at /slack/events (and Socket Mode when an
     app-level token is set); alerts and run updates go to Slack."""
@@ -93,6 +111,9 @@ def _serve_slack(settings: Settings, stop: threading.Event) -> int:
     from bot.slack_wsgi import attach
     from jobs.bootstrap import ControlPlane
 
+    problem = launch_policy_problem(settings)
+    if problem is not None:
+        raise SettingsError(problem)
     assert settings.slack_bot_token is not None
     client = WebClient(token=settings.slack_bot_token.get_secret_value())
     notifier = SlackNotifier(client)

@@ -26,7 +26,7 @@ from jobs.providers.base import Provider
 from jobs.rules import Rule, Signal, default_rules
 from jobs.runs import alert_config, alert_target, on_attempt_event, spec_of
 from jobs.scheduler import start_scheduler, stop_scheduler
-from jobs.server import ControlPlaneApp, ServerHandle, serve
+from jobs.server import ControlPlaneApp, CredentialBroker, ServerHandle, serve
 from jobs.settings import Settings
 
 if TYPE_CHECKING:
@@ -68,6 +68,19 @@ def build_provider(settings: Settings) -> Provider:
             "api_endpoint": settings.gcp_api_endpoint,
         }
     return make_provider(settings.provider, **{k: v for k, v in options.items() if v is not None})
+
+
+def build_credential_broker(settings: Settings) -> CredentialBroker | None:
+    """The runners' checkpoint-credential broker: AWS with a storage role only."""
+    if settings.provider != "aws" or not settings.aws_runner_storage_role_arn:
+        return None
+    from jobs.providers.aws_credentials import StorageCredentialBroker
+
+    return StorageCredentialBroker(
+        settings.aws_runner_storage_role_arn,
+        region=settings.aws_region,
+        endpoint_url=settings.aws_endpoint_url,
+    )
 
 
 def build_ingest(deps: Deps) -> IngestService:
@@ -137,7 +150,9 @@ class ControlPlane:
             secret=load_secret(settings.state_dir),
         )
         self.ingest = build_ingest(self.deps)
-        self.app = ControlPlaneApp(engine, self.ingest)
+        self.app = ControlPlaneApp(
+            engine, self.ingest, credentials=build_credential_broker(settings)
+        )
         for prefix, app in (extra_apps or {}).items():
             self.app.mount(prefix, app)
         self._want_scheduler = scheduler

@@ -7,9 +7,11 @@ never a traceback, so a message must make sense on its own.
 
 from __future__ import annotations
 
+import reprlib
 from typing import Any
 
 __all__ = [
+    "CLIP_CHARS",
     "ConflictError",
     "DatabaseError",
     "IllegalTransition",
@@ -18,6 +20,7 @@ __all__ = [
     "SettingsError",
     "SpecError",
     "TrainbotError",
+    "clip",
     "describe_validation_error",
 ]
 
@@ -79,6 +82,49 @@ class DatabaseError(TrainbotError):
     """The database could not be reached, is locked, or is at an unknown schema revision."""
 
 
+#: The most characters of someone's input that an error message quotes.
+CLIP_CHARS = 80
+
+#: The longest phrase describe_validation_error returns, whatever pydantic said.
+_PHRASE_CHARS = 400
+
+# Bounded at every level, so even a value nested ten thousand deep is never rendered whole.
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel = 3
+_SHORT.maxdict = _SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxset = _SHORT.maxfrozenset = 8
+_SHORT.maxstring = _SHORT.maxother = _SHORT.maxlong = CLIP_CHARS
+
+
+def clip(value: object, *, limit: int = CLIP_CHARS) -> str:
+    """``repr(value)``, cut to about ``limit`` characters, for quoting input in a message.
+
+    Input comes from chat and spec files, so it can be any size; an error that echoes it
+    whole lets one message be megabytes. The cut says how big the value really was.
+    """
+    size: int | None = None
+    if isinstance(value, str | bytes):
+        text = repr(value[: limit + 1])
+        size, unit = len(value), "character" if isinstance(value, str) else "byte"
+        short = len(value) <= limit and len(text) <= limit + 2
+    else:
+        try:
+            text = _SHORT.repr(value)
+        except Exception:  # an int past Python's digit limit, a broken __repr__
+            text = f"<{type(value).__name__}>"
+        if isinstance(value, list | tuple | dict | set):
+            size, unit = len(value), "item"
+        short = len(text) <= limit and "..." not in text
+    if short:
+        return text
+    if size is None:
+        return f"{text[:limit]}…"
+    return f"{text[:limit]}… ({size} {unit}{'' if size == 1 else 's'})"
+
+
+def _cut(phrase: str) -> str:
+    return phrase if len(phrase) <= _PHRASE_CHARS else f"{phrase[:_PHRASE_CHARS]}…"
+
+
 # Plain-English replacements for pydantic's error types. Anything not listed keeps
 # pydantic's own message, which is already specific.
 _EXPECTED = {
@@ -120,10 +166,13 @@ def describe_validation_error(error: Any, *, with_value: bool = True) -> str:
 
     Settings and specs both report validation problems; one wording keeps them alike.
     The phrase carries no location; callers prefix the variable name or key path.
-    ``with_value`` appends the offending input, ``(got -5)``, for callers that do not
-    show it themselves.
+    ``with_value`` appends the offending input, ``(got -5)``, clipped by :func:`clip`,
+    for callers that do not show it themselves.
     """
-    got = f" (got {error.get('input')!r})" if with_value else ""
+    return _cut(_describe(error, got=f" (got {clip(error.get('input'))})" if with_value else ""))
+
+
+def _describe(error: Any, *, got: str) -> str:
     kind = str(error.get("type", ""))
     ctx = error.get("ctx") or {}
     if kind == "value_error":

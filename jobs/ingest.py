@@ -641,11 +641,24 @@ class IngestService:
 
     # --- tokens ---------------------------------------------------------------------
 
-    def _principal(self, token_hash: str) -> _Principal | None:
+    def runner_of(self, authorization: str | None) -> tuple[str, str] | None:
+        """``(run id, attempt id)`` of the live attempt whose token is the bearer, else None.
+
+        Asks the database, not the look-up cache, so a token revoked a moment ago gets
+        nothing (callers that hand out something, unlike a batch, cannot re-check later).
+        Raises SQLAlchemyError when the database is unavailable.
+        """
+        token = _bearer(authorization)
+        if token is None:
+            return None
+        principal = self._principal(hash_token(token), cached=False)
+        return None if principal is None else (principal.run_id, principal.attempt_id)
+
+    def _principal(self, token_hash: str, *, cached: bool = True) -> _Principal | None:
         clock = _time.monotonic()
         with self._tokens_lock:
             hit = self._tokens.get(token_hash)
-            if hit is not None and hit[1] > clock:
+            if cached and hit is not None and hit[1] > clock:
                 return hit[0]
         attempts = _ATTEMPTS.c
         with self._engine.connect() as connection:

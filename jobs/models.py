@@ -187,6 +187,10 @@ class Run(SQLModel, table=True):
     thread_ts: str | None = None
     #: Checkpoint root resolved at submit (the spec's, or the process default).
     checkpoint_uri: str | None = None
+    #: The directory under the root that holds its checkpoints, when it is not the
+    #: run's own id: a resubmitted run resumes the checkpoints of the run it continues.
+    #: Written by trainbot alone, never from a spec.
+    checkpoint_prefix: str | None = None
     #: The budget alerts and the hard cap are measured against.
     budget_usd: float | None = None
     #: Steps the training is expected to take, when known (progress).

@@ -20,6 +20,7 @@ import enum
 import logging
 import math
 import os
+import shlex
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -37,7 +38,6 @@ from jobs.providers.base import (
     ZoneCapacity,
 )
 from jobs.providers.local import REGION as LOCAL_REGION
-from jobs.providers.local import LocalProvider
 from jobs.spec import JobSpec
 from runner.errors import RunnerError
 from runner.preemption import IntervalChoice, choose_interval
@@ -61,6 +61,7 @@ __all__ = [
     "assumed_mtbp_s",
     "checkpoint_interval",
     "default_checks",
+    "dry_run_command",
     "interval_choice",
     "resource_request",
     "run_preflight",
@@ -308,7 +309,9 @@ class DataLocalityCheck:
     """The dataset is in the accelerators' region.
 
     Reading a dataset across regions is slow (the GPUs wait on input) and billed per
-    gigabyte, every epoch. A local path is checked for existence when the run is local.
+    gigabyte, every epoch. A local path is checked for existence only when the provider's
+    instances run on this machine: with a cloud provider the control plane never looks at
+    its own disk for a path from a spec, which would tell a chat user what files it has.
     Relative paths are taken from the control plane's working directory, where local
     instances start.
     """
@@ -323,17 +326,19 @@ class DataLocalityCheck:
         data: dict[str, Any] = {"uri": uri, "region": region}
         parsed = urlparse(uri)
         if parsed.scheme in ("", "file"):
-            path = Path(unquote(parsed.path) if parsed.scheme == "file" else uri).expanduser()
-            data["path"] = str(path)
-            if ctx.request.cloud != "local":
+            path = Path(unquote(parsed.path) if parsed.scheme == "file" else uri)
+            if not ctx.provider.capabilities.runs_on_this_machine:
+                data["path"] = str(path)
                 return CheckResult(
                     self.name,
                     Status.WARN,
                     f"data_uri {uri} is a path on the instance; it cannot be checked from here",
-                    f"make sure the {ctx.request.cloud} image has {path}, or stage the data "
+                    f"make sure the {ctx.provider.name} image has {path}, or stage the data "
                     f"into a bucket in {region} and set data_uri to it",
                     data=data,
                 )
+            path = path.expanduser()
+            data["path"] = str(path)
             if not path.exists():
                 return CheckResult(
                     self.name,
@@ -374,16 +379,25 @@ class DataLocalityCheck:
 
 
 class DryRunCheck:
-    """The real command, on this machine's CPU, through a checkpoint round trip.
+    """The real command through a checkpoint round trip, where the provider allows it.
 
-    It runs ``spec.dry_run.steps`` steps, commits a checkpoint to the real store under
-    ``{run_id}-dry-run``, is killed, restored, verified bit-identical and run two more
-    steps (``runner.dryrun``). The process gets the spec's ``env``, the context's ``env``,
-    ``TRAINBOT_DATA_URI`` (``dry_run.sample``, else ``data_uri``) so a script can read a
-    small sample, and ``TRAINBOT_SCRATCH_DIR`` under the context's workdir. The directory
-    of this interpreter comes first on ``PATH``, so ``python`` in a command is the one that
-    has the runner installed. On success the dry-run checkpoints are deleted; on failure
-    they are kept for inspection.
+    Only a provider whose instances run on this machine (``capabilities.
+    runs_on_this_machine``: the local provider) gets a dry run here, on this machine's CPU.
+    With a cloud provider the control plane runs nothing: its machine holds the Slack
+    secrets, the cloud credentials and the database, and the command comes from chat.
+    Until dry runs go to a cheap cloud instance, the check then warns with the exact
+    ``trainbot-runner dry-run`` command a person can run on their own machine, and the
+    budget and the checkpoint interval do without its figures, as with
+    ``dry_run.enabled=false``. ``dry_run.local`` cannot change that.
+
+    Where it runs, it runs ``spec.dry_run.steps`` steps, commits a checkpoint to the real
+    store under ``{run_id}-dry-run``, is killed, restored, verified bit-identical and run
+    two more steps (``runner.dryrun``). The process gets the spec's ``env``, the context's
+    ``env``, ``TRAINBOT_DATA_URI`` (``dry_run.sample``, else ``data_uri``) so a script can
+    read a small sample, and ``TRAINBOT_SCRATCH_DIR`` under the context's workdir. The
+    directory of this interpreter comes first on ``PATH``, so ``python`` in a command is
+    the one that has the runner installed. On success the dry-run checkpoints are deleted;
+    on failure they are kept for inspection.
     """
 
     name: str = "dry_run"
@@ -402,6 +416,8 @@ class DryRunCheck:
                 "set dry_run.enabled=true, unless this command is known to restore correctly",
                 data={"skipped": True},
             )
+        if not ctx.provider.capabilities.runs_on_this_machine:
+            return self._not_here(ctx)
         try:
             from runner.dryrun import run_dry_run
         except ImportError as exc:
@@ -435,6 +451,23 @@ class DryRunCheck:
         if result.status is not Status.FAIL:
             self._clean_up(ctx)
         return result
+
+    def _not_here(self, ctx: PreflightContext) -> CheckResult:
+        """The WARN for a provider whose instances are elsewhere: what a person can run."""
+        command = dry_run_command(ctx)
+        names = ", ".join(sorted(ctx.spec.env))
+        with_env = f", with the spec's env ({names}) set as the run has it" if names else ""
+        return CheckResult(
+            self.name,
+            Status.WARN,
+            f"the dry run did not run: with the {ctx.provider.name} provider the control "
+            "plane never runs a spec's command on its own machine, and dry runs on a cloud "
+            "instance are not available yet; checkpoint and restore are untested, and there "
+            "is no step time for the cost estimate",
+            "run the dry run on your own machine, with the runner installed and access to "
+            f"the checkpoint store: `{command}`{with_env}; launch anyway once it passes",
+            data={"skipped": True, "reason": "not_on_this_machine", "command": command},
+        )
 
     def evaluate(self, report: DryRunReport, ctx: PreflightContext) -> CheckResult:
         """Judge a dry run's report for this context's provider (its termination window)."""
@@ -480,8 +513,6 @@ class DryRunCheck:
             f"{stall}, restored bit-identical in {_seconds(report.restore_s)}; "
             f"checkpoint interval {_interval_text(ctx.spec, interval, choice)}"
         )
-        if not ctx.spec.dry_run.local:
-            figures += " (dry runs on a cloud instance are not available yet: ran on this CPU)"
         if window is None:
             return CheckResult(self.name, Status.PASS, figures, data=data)
         data["termination_window_s"] = window
@@ -535,13 +566,45 @@ class DryRunCheck:
             log.warning("run %s: could not delete the dry run's checkpoints: %s", ctx.run_id, exc)
 
 
+def dry_run_command(ctx: PreflightContext) -> str:
+    """The shell command that runs this context's dry run: the spec's command, quoted,
+    after ``trainbot-runner dry-run``'s flags, with the data sample the dry run would get.
+
+    The spec's ``env`` is left out: its values may be tokens, and this text is posted in
+    the run's thread; the caller names the variables instead.
+    """
+    settings = ctx.spec.dry_run
+    sample = settings.sample or ctx.spec.data_uri
+    prefix = ["env", f"TRAINBOT_DATA_URI={sample}"] if sample else []
+    return shlex.join(
+        [
+            *prefix,
+            "trainbot-runner",
+            "dry-run",
+            "--steps",
+            str(settings.steps),
+            "--mtbp",
+            f"{ctx.mtbp_s:g}",
+            "--checkpoint-uri",
+            ctx.checkpoint_uri,
+            "--run-id",
+            ctx.dry_run_id,
+            "--",
+            *ctx.spec.command,
+        ]
+    )
+
+
 def _termination_window_s(ctx: PreflightContext) -> float | None:
-    """Seconds between the provider's preemption notice and the kill; None when unknown."""
+    """Seconds between the provider's preemption notice and the kill; None when unknown.
+
+    The provider's own figure, else the runner's default for a cloud of the provider's
+    name (what the runner on its instances assumes); never the spec's ``resources.cloud``.
+    """
     from runner.preemption import WINDOWS_S
 
-    if isinstance(ctx.provider, LocalProvider):
-        return ctx.provider.termination_window_s
-    return WINDOWS_S.get(ctx.request.cloud)
+    declared = ctx.provider.capabilities.termination_window_s
+    return declared if declared is not None else WINDOWS_S.get(ctx.provider.name)
 
 
 def _emergency_fits(report: DryRunReport, window_s: float) -> bool:
@@ -927,11 +990,9 @@ def resource_request(spec: JobSpec, *, spot: bool | None = None) -> ResourceRequ
 
 
 def assumed_mtbp_s(provider: Provider) -> float:
-    """Mean seconds between preemptions to plan for: the local provider's configured mean,
-    else :data:`DEFAULT_SPOT_MTBP_S`."""
-    if isinstance(provider, LocalProvider) and provider.mean_time_between_preemptions_s:
-        return provider.mean_time_between_preemptions_s
-    return DEFAULT_SPOT_MTBP_S
+    """Mean seconds between preemptions to plan for: the provider's declared mean (the
+    local provider's configured one), else :data:`DEFAULT_SPOT_MTBP_S`."""
+    return provider.capabilities.mean_time_between_preemptions_s or DEFAULT_SPOT_MTBP_S
 
 
 # -- formatting --------------------------------------------------------------------------

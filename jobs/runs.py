@@ -57,15 +57,11 @@ log = logging.getLogger(__name__)
 ADOPT_AFTER_S = 20.0
 
 
-#: Runner variable naming the directory of a run's checkpoints under the checkpoint URI.
-PREFIX_ENV = "TRAINBOT_CHECKPOINT_PREFIX"
-
-
 def checkpoint_prefix(run: Run) -> str:
     """A run's checkpoints live in ``{checkpoint_uri}/{prefix}``: its own id, unless it
-    resumes another run's checkpoints (a resubmit of a finished run)."""
-    env = run.spec.get("env") or {}
-    return str(env.get(PREFIX_ENV) or run.id)
+    resumes another run's checkpoints (a resubmit of a finished run). Only trainbot
+    writes ``Run.checkpoint_prefix``; a spec cannot name it."""
+    return run.checkpoint_prefix or run.id
 
 
 def spec_of(run: Run) -> JobSpec:
@@ -192,7 +188,7 @@ def choose_placement(deps: Deps, session: Session, run: Run, spec: JobSpec) -> P
 def runner_command(deps: Deps, spec: JobSpec) -> list[str]:
     """What the instance runs: the supervisor around the spec's command."""
     command = list(spec.command)
-    local = deps.settings.provider == "local"
+    local = deps.provider.capabilities.runs_on_this_machine
     if local and command and command[0] in ("python", "python3"):
         command[0] = sys.executable  # the local "instance" shares this machine's interpreter
     runner = [sys.executable, "-m", "runner.cli"] if local else ["trainbot-runner"]
@@ -205,9 +201,10 @@ def runner_env(deps: Deps, run: Run, attempt: Attempt, spec: JobSpec) -> dict[st
         TRAINBOT_RUN_ID=run.id,
         TRAINBOT_ATTEMPT_ID=attempt.id,
         TRAINBOT_CHECKPOINT_URI=run.checkpoint_uri or deps.settings.checkpoint_uri,
+        TRAINBOT_CHECKPOINT_PREFIX=checkpoint_prefix(run),
         TRAINBOT_TOKEN=deps.runner_token(attempt.id),
         TRAINBOT_TERMINATION_WINDOW_S=str(
-            getattr(deps.provider, "termination_window_s", None)
+            deps.provider.capabilities.termination_window_s
             or WINDOWS_S.get(deps.provider.name)
             or deps.settings.local_termination_window_s
         ),
@@ -215,17 +212,20 @@ def runner_env(deps: Deps, run: Run, attempt: Attempt, spec: JobSpec) -> dict[st
     )
     if deps.ingest_url:
         env["TRAINBOT_INGEST_URL"] = deps.ingest_url
+    if deps.settings.provider == "aws" and deps.settings.aws_runner_storage_role_arn:
+        env["TRAINBOT_STORE_CREDENTIALS"] = "broker"  # the store asks /v1/credentials
     if run.checkpoint_interval_s:
         env["TRAINBOT_CHECKPOINT_INTERVAL_S"] = f"{run.checkpoint_interval_s:.3f}"
     if spec.checkpoint.every_steps:
         env["TRAINBOT_CHECKPOINT_EVERY_STEPS"] = str(spec.checkpoint.every_steps)
     if spec.checkpoint.train_through_notice:
         env["TRAINBOT_TRAIN_THROUGH_NOTICE"] = "1"
-    if deps.settings.provider == "local":
+    if deps.provider.capabilities.runs_on_this_machine:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     else:
-        env["TRAINBOT_PREEMPTION_SOURCES"] = spec.resources.cloud
+        # The notices of the cloud the instance really is on, not the one a spec names.
+        env["TRAINBOT_PREEMPTION_SOURCES"] = deps.provider.name
     return env
 
 

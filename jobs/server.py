@@ -6,6 +6,9 @@ framework: four routes do not need one, and the Slack app mounts under ``/slack/
 WSGI app of its own):
 
 - ``POST /v1/events``: :class:`jobs.ingest.IngestService`, JSON in and out;
+- ``POST /v1/credentials``: short-lived checkpoint-store credentials for the caller's own
+  run (:class:`CredentialBroker`, on AWS :mod:`jobs.providers.aws_credentials`), with the
+  same runner token; 404 when no broker is configured;
 - ``GET /healthz``: 200 when the database answers ``SELECT 1``, 503 when it does not;
 - ``GET /metrics``: Prometheus text (events, batches by status, ingest latency, open alerts).
 
@@ -28,20 +31,27 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from sqlalchemy import Engine, func, select, text
+from sqlalchemy.exc import SQLAlchemyError
+from sqlmodel import Session
 
+from jobs.errors import NotFound, PermissionDenied
 from jobs.ingest import IngestResult, IngestService
-from jobs.models import Alert, AlertState
+from jobs.models import Alert, AlertState, Run
+from jobs.providers.base import ProviderError
+from jobs.runs import checkpoint_prefix
 
 if TYPE_CHECKING:
     from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
 __all__ = [
+    "CREDENTIALS_PATH",
     "EVENTS_PATH",
     "ControlPlaneApp",
+    "CredentialBroker",
     "IngestMetrics",
     "ServerHandle",
     "serve",
@@ -50,6 +60,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 EVENTS_PATH = "/v1/events"
+CREDENTIALS_PATH = "/v1/credentials"
+#: A credentials request carries no body to speak of; a bigger one is refused unread.
+_CREDENTIALS_MAX_BODY = 4096
 #: Seconds a connection may sit idle (headers or body half sent) before it is dropped.
 SOCKET_TIMEOUT_S = 30.0
 #: After refusing a body unread, how long and how much to drain before closing.
@@ -170,6 +183,18 @@ def _error(status: int, message: str, headers: Sequence[tuple[str, str]] = ()) -
     return _Reply.json(status, {"error": message}, headers)
 
 
+class CredentialBroker(Protocol):
+    """Hands a runner credentials for its own run's checkpoints, and nothing else."""
+
+    def issue(
+        self, *, checkpoint_uri: str, run_prefix: str, run_id: str, attempt_id: str
+    ) -> dict[str, Any]:
+        """``credential_process`` JSON for ``{checkpoint_uri}/{run_prefix}/``. Raises
+        NotFound when the store is not one it serves, PermissionDenied when the prefix
+        cannot be scoped, ProviderError when the cloud refused or failed."""
+        ...
+
+
 class ControlPlaneApp:
     """The WSGI application: a fixed route table plus apps mounted under prefixes."""
 
@@ -180,14 +205,17 @@ class ControlPlaneApp:
         *,
         metrics: IngestMetrics | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        credentials: CredentialBroker | None = None,
     ) -> None:
         self._engine = engine
         self._ingest = ingest
+        self._credentials = credentials
         self.metrics = metrics or IngestMetrics()
         self._clock = clock
         self._mounts: list[tuple[str, WSGIApplication]] = []
         self._routes: dict[str, dict[str, Callable[[WSGIEnvironment], _Reply]]] = {
             EVENTS_PATH: {"POST": self._events},
+            CREDENTIALS_PATH: {"POST": self._issue_credentials},
             "/healthz": {"GET": self._healthz},
             "/metrics": {"GET": self._metrics},
         }
@@ -268,6 +296,64 @@ class ControlPlaneApp:
         if len(body) < length:
             return IngestResult(400, {"error": f"body ended after {len(body)} of {length} bytes"})
         return self._ingest.handle(environ.get("HTTP_AUTHORIZATION"), body)
+
+    def _issue_credentials(self, environ: WSGIEnvironment) -> _Reply:
+        """Credentials scoped to the token's run, for a live attempt only.
+
+        The token is checked against the database on every call (not the look-up cache),
+        so an attempt that ended a moment ago gets nothing. Neither the token nor the
+        credentials are ever logged.
+        """
+        try:
+            length = int((environ.get("CONTENT_LENGTH") or "0").strip() or "0")
+        except ValueError:
+            return _error(400, "Content-Length is not valid")
+        if length > _CREDENTIALS_MAX_BODY or length < 0:
+            environ[_UNREAD_BODY] = True
+            return _error(413, "a credentials request takes no body")
+        _read_exactly(environ["wsgi.input"], length)
+        try:
+            runner = self._ingest.runner_of(environ.get("HTTP_AUTHORIZATION"))
+        except SQLAlchemyError as exc:
+            log.warning("credentials: the database failed: %s", type(exc).__name__)
+            return _error(503, "the database is unavailable: retry later", [("Retry-After", "5")])
+        if runner is None:
+            return _error(
+                401,
+                "unknown or revoked runner token (send 'Authorization: Bearer <token>'): "
+                "the attempt has ended or the token is wrong",
+            )
+        run_id, attempt_id = runner
+        if self._credentials is None:
+            return _error(
+                404,
+                "the credential broker is not configured on this control plane (set "
+                "TRAINBOT_AWS_RUNNER_STORAGE_ROLE_ARN): the runner uses its instance's own "
+                "credentials",
+            )
+        with Session(self._engine) as session:
+            run = session.get(Run, run_id)
+            if run is None:  # pragma: no cover - an attempt's run is never deleted
+                return _error(404, f"run {run_id} does not exist")
+            checkpoint_uri, prefix = run.checkpoint_uri or "", checkpoint_prefix(run)
+        try:
+            body = self._credentials.issue(
+                checkpoint_uri=checkpoint_uri,
+                run_prefix=prefix,
+                run_id=run_id,
+                attempt_id=attempt_id,
+            )
+        except NotFound as exc:
+            return _error(404, f"the credential broker is not configured for this run: {exc}")
+        except PermissionDenied as exc:
+            log.warning("credentials for attempt %s refused: %s", attempt_id, exc)
+            return _error(403, str(exc))
+        except ProviderError as exc:
+            log.warning("credentials for attempt %s failed: %s", attempt_id, exc)
+            return _error(
+                503, "the cloud did not issue credentials: retry later", [("Retry-After", "5")]
+            )
+        return _Reply.json(200, body, [("Cache-Control", "no-store")])
 
     def _healthz(self, environ: WSGIEnvironment) -> _Reply:
         try:

@@ -17,18 +17,18 @@ from pathlib import Path
 from typing import Any
 from zoneinfo import ZoneInfo
 
-from sqlmodel import col, select
+from sqlmodel import Session, col, select
 
 from jobs import alerts, preflight, spend
 from jobs.db import detach, session_scope
 from jobs.deps import Deps
 from jobs.errors import ConflictError, NotFound, PermissionDenied, SpecError
 from jobs.lifecycle import AttemptState, RunState
+from jobs.locations import checkpoint_root
 from jobs.models import Alert, Attempt, CommandLog, OnCall, Run, new_id, utcnow
 from jobs.notify import RunCard
 from jobs.providers.base import ProviderError
 from jobs.runs import (
-    PREFIX_ENV,
     active_attempt,
     card,
     channel_of,
@@ -52,8 +52,32 @@ class Actor:
     """Who asked, from where: taken from the signed request, never from the text."""
 
     user: str
+    #: Where the request came from ("" for the App Home).
     channel: str
     is_admin: bool = False
+    #: Other channels whose runs and alerts the person may see and act on (the App Home:
+    #: the channels they are a member of).
+    channels: frozenset[str] = frozenset()
+
+    def sees(self, channel: str | None) -> bool:
+        """Whether a run or alert that reports to ``channel`` is this person's business:
+        admins see every channel, everyone else the one they are in."""
+        if self.is_admin:
+            return True
+        return channel is not None and (
+            (channel == self.channel and channel != "") or channel in self.channels
+        )
+
+    @property
+    def visible(self) -> frozenset[str]:
+        return frozenset(c for c in (self.channel, *self.channels) if c)
+
+
+def _may_see(actor: Actor, run: Run) -> None:
+    """Reads and actions on someone's run go through the channel it reports to; to anyone
+    outside it, the run does not exist."""
+    if not actor.sees(run.channel):
+        raise NotFound(f"no run {run.id} reports to this channel; ask in the channel it reports to")
 
 
 def _may_touch(actor: Actor, run: Run) -> None:
@@ -79,6 +103,12 @@ def submit(
     """Create a run and start its preflight in the background; a repeated key returns
     the run the first request created, so a retried command launches once."""
     spec = load_spec(spec_name, specs_dir=deps.settings.specs_dir, overrides=overrides)
+    checkpoint_uri = checkpoint_root(
+        spec.checkpoint.uri,
+        default=deps.settings.checkpoint_uri,
+        allowed=deps.settings.checkpoint_locations,
+    )
+    channel = _report_channel(deps, spec.notify.channel, actor)
     now = deps.clock()
     with session_scope(deps.engine) as session:
         if idempotency_key is not None:
@@ -93,8 +123,8 @@ def submit(
             spec_name=spec.name,
             spec=spec.model_dump(mode="json"),
             requester=actor.user,
-            channel=spec.notify.channel or actor.channel,
-            checkpoint_uri=spec.checkpoint.uri or deps.settings.checkpoint_uri,
+            channel=channel,
+            checkpoint_uri=checkpoint_uri,
             budget_usd=spec.budget.usd,
             target_steps=preflight.target_steps(spec.command),
             idempotency_key=idempotency_key,
@@ -124,6 +154,25 @@ def submit(
     return run
 
 
+def _report_channel(deps: Deps, wanted: str | None, actor: Actor) -> str:
+    """Where a run reports: the channel the command came from, or ``notify.channel`` when
+    that is one of the allowed channels (by id). The bot may post in any public channel,
+    so a spec must not be able to send a run's card and alerts just anywhere."""
+    if not wanted or wanted == actor.channel:
+        return actor.channel
+    allowed = set(deps.settings.allowed_channels)
+    if actor.is_admin and not allowed:
+        return wanted
+    if wanted in allowed:
+        return wanted
+    listed = ", ".join(sorted(allowed)) or "none: TRAINBOT_ALLOWED_CHANNELS is not set"
+    raise PermissionDenied(
+        f"notify.channel={wanted[:40]!r} is not one of the channels trainbot may post to "
+        f"({listed}); leave it out to report here, or ask an admin to add the channel's "
+        "id to TRAINBOT_ALLOWED_CHANNELS"
+    )
+
+
 def preflight_then_launch(deps: Deps, run_id: str, *, launch: bool = True) -> None:
     """Run the checks; launch when they pass, ask when they warn, stop when one fails."""
     with session_scope(deps.engine) as session:
@@ -140,7 +189,11 @@ def preflight_then_launch(deps: Deps, run_id: str, *, launch: bool = True) -> No
         request=resource_request(spec),
         checkpoint_uri=checkpoint_uri,
         mtbp_s=deps.settings.assumed_mtbp_s or preflight.assumed_mtbp_s(deps.provider),
-        env={"PYTHONPATH": _code_root()},
+        # Only a provider whose instances are this machine's processes gets a dry run
+        # here; with a cloud provider preflight runs nothing (jobs.preflight.DryRunCheck).
+        env=(
+            {"PYTHONPATH": _code_root()} if deps.provider.capabilities.runs_on_this_machine else {}
+        ),
         workdir=workdir,
     )
 
@@ -278,7 +331,6 @@ def resubmit(deps: Deps, run_id: str, actor: Actor) -> Run:
         # A finished run is final: resubmitting starts a new run that resumes its checkpoints.
         with session_scope(deps.engine) as session:
             old = get_run(session, run_id)
-            spec = spec_of(old)
             now = deps.clock()
             run = Run(
                 id=new_id("r"),
@@ -287,6 +339,8 @@ def resubmit(deps: Deps, run_id: str, actor: Actor) -> Run:
                 requester=actor.user,
                 channel=old.channel,
                 checkpoint_uri=old.checkpoint_uri,
+                # The new run resumes the old run's checkpoints: same store directory.
+                checkpoint_prefix=checkpoint_prefix(old),
                 budget_usd=old.budget_usd,
                 target_steps=old.target_steps,
                 last_committed_step=old.last_committed_step,
@@ -302,9 +356,6 @@ def resubmit(deps: Deps, run_id: str, actor: Actor) -> Run:
             run.thread_ts = ref.ts
             session.add(run)
             session.flush()
-            # The new run resumes the old run's checkpoints: same store directory.
-            run.spec = {**old.spec, "env": {**spec.env, PREFIX_ENV: checkpoint_prefix(old)}}
-            session.add(run)
             detach(session, run)
         deps.background(launch_attempt, deps, run.id)
         return run
@@ -321,7 +372,9 @@ def resubmit(deps: Deps, run_id: str, actor: Actor) -> Run:
 def status(deps: Deps, run_id: str | None, actor: Actor) -> list[RunCard]:
     with session_scope(deps.engine) as session:
         if run_id is not None:
-            return [card(session, get_run(session, run_id))]
+            run = get_run(session, run_id)
+            _may_see(actor, run)
+            return [card(session, run)]
         runs = session.exec(
             select(Run)
             .where(Run.channel == actor.channel)
@@ -336,6 +389,8 @@ def status(deps: Deps, run_id: str | None, actor: Actor) -> list[RunCard]:
 def list_runs(deps: Deps, scope: str, actor: Actor) -> list[RunCard]:
     with session_scope(deps.engine) as session:
         q = select(Run).order_by(col(Run.created_at).desc()).limit(50)
+        if not actor.is_admin:
+            q = q.where(col(Run.channel).in_(sorted(actor.visible)))
         if scope == "mine":
             q = q.where(Run.requester == actor.user)
         runs = session.exec(q).all()
@@ -347,6 +402,7 @@ def list_runs(deps: Deps, scope: str, actor: Actor) -> list[RunCard]:
 def logs(deps: Deps, run_id: str, actor: Actor, *, lines: int = 30) -> str:
     with session_scope(deps.engine) as session:
         run = get_run(session, run_id)
+        _may_see(actor, run)
         attempt = (
             active_attempt(session, run.id)
             or session.exec(
@@ -366,8 +422,21 @@ def logs(deps: Deps, run_id: str, actor: Actor, *, lines: int = 30) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def _may_see_alert(session: Session, actor: Actor, alert_id: str) -> None:
+    alert = session.get(Alert, alert_id)
+    if alert is None:
+        return  # the alerts module says so in its own words
+    channel = alert.message_channel
+    if channel is None and alert.run_id is not None:
+        run = session.get(Run, alert.run_id)
+        channel = run.channel if run is not None else None
+    if not actor.sees(channel):
+        raise NotFound(f"no alert {alert_id} in this channel; acknowledge it where it was posted")
+
+
 def acknowledge(deps: Deps, alert_id: str, actor: Actor) -> Alert:
     with session_scope(deps.engine) as session:
+        _may_see_alert(session, actor, alert_id)
         alert = alerts.acknowledge(
             session, alert_id, user=actor.user, now=deps.clock(), notifier=deps.notifier,
             journal=deps.journal,
@@ -378,6 +447,7 @@ def acknowledge(deps: Deps, alert_id: str, actor: Actor) -> Alert:
 
 def snooze(deps: Deps, alert_id: str, seconds: int, actor: Actor) -> Alert:
     with session_scope(deps.engine) as session:
+        _may_see_alert(session, actor, alert_id)
         alert = alerts.snooze(
             session, alert_id, user=actor.user, seconds=seconds, now=deps.clock(),
             notifier=deps.notifier, journal=deps.journal,
@@ -440,6 +510,7 @@ def cleanup(deps: Deps, run_id: str, actor: Actor, *, dry_run: bool = False) -> 
 
     with session_scope(deps.engine) as session:
         run = get_run(session, run_id)
+        _may_see(actor, run)
         if not dry_run:
             _may_touch(actor, run)
     return prune_run(deps, run_id, dry_run=dry_run)

@@ -98,10 +98,26 @@ class Settings(BaseSettings):
     slack_app_token: SecretStr | None = None
     #: Channels (ids or names) where commands are accepted; empty means every channel.
     allowed_channels: CommaList = Field(default_factory=list)
-    #: Slack user ids or groups who may launch; empty means everyone in an allowed channel.
+    #: Slack user ids or groups who may launch; empty means everyone in an allowed channel
+    #: (refused at start with the Slack app and the local provider, which runs commands
+    #: on this machine).
     launchers: CommaList = Field(default_factory=list)
     #: Slack user ids who may stop anyone's run and change team budgets.
     admins: CommaList = Field(default_factory=list)
+    #: Workspace ids (``T…``) whose members count as the team. Empty means the bot's own
+    #: workspace (asked of Slack with ``auth.test`` at start).
+    slack_team_ids: CommaList = Field(default_factory=list)
+    #: Whether people from other organisations in a shared (Slack Connect) channel may
+    #: use trainbot. Off: they are refused, and audited.
+    allow_external_users: bool = False
+    #: Where a spec's ``checkpoint.uri`` may point: URIs of roots the admin set up. Empty
+    #: means ``checkpoint_uri`` alone. A run's own directory under the root is always
+    #: its id, chosen by trainbot.
+    checkpoint_locations: CommaList = Field(default_factory=list)
+    #: AWS provider: the role runners assume, through the control plane, for their own
+    #: run's checkpoint prefix only (a session policy narrows it). Unset: the instance
+    #: profile's own permissions are used.
+    aws_runner_storage_role_arn: str | None = None
     #: Local provider: seconds between the preemption notice (SIGTERM) and the kill, like
     #: GCP's 30 s window.
     local_termination_window_s: float = Field(default=30.0, gt=0)
@@ -169,7 +185,15 @@ class Settings(BaseSettings):
     def _absolute_specs_dir(cls, value: Path) -> Path:
         return value.expanduser().absolute()
 
-    @field_validator("allowed_channels", "admins", mode="before")
+    @field_validator(
+        "allowed_channels",
+        "launchers",
+        "admins",
+        "slack_team_ids",
+        "checkpoint_locations",
+        "gcp_zones",
+        mode="before",
+    )
     @classmethod
     def _split_commas(cls, value: Any) -> Any:
         if isinstance(value, str) and value.strip().startswith("["):

@@ -24,16 +24,18 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
 
-from jobs.errors import SpecError, describe_validation_error
+from jobs.errors import CLIP_CHARS, SpecError, clip, describe_validation_error
 
 __all__ = [
     "Accelerator",
@@ -60,6 +62,26 @@ _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
 _SPEC_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _ACCELERATOR_TYPE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _DURATION_HINT = "expected a duration such as 90s, 10m, 2h, 1d or a number of seconds"
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+#: Variables trainbot sets for the runner itself (run id, token, checkpoint prefix, URIs):
+#: a spec that set one could point a run at another run's checkpoints or events.
+RESERVED_ENV_PREFIX = "TRAINBOT_"
+#: Runner knobs under that prefix that only tune the run itself, so a spec may set them.
+TUNABLE_ENV = frozenset({"TRAINBOT_SYSTEM_SAMPLE_S"})
+#: Validation context key: set by :func:`parse_spec`, which validates what people wrote,
+#: and not by re-validation of a stored spec (a resubmit stores the checkpoint prefix).
+_FROM_PEOPLE = "from_people"
+
+# What one YAML document may expand to. Aliases are refused outright (a few hundred
+# characters of them expand to gigabytes); these bound what plain YAML can build.
+MAX_OVERRIDE_CHARS = 64 * 1024
+MAX_OVERRIDE_NODES = 10_000
+MAX_SPEC_FILE_CHARS = 1024 * 1024
+MAX_SPEC_FILE_NODES = 100_000
+MAX_YAML_DEPTH = 32
+#: Problems listed in one error message; the rest are counted.
+_MAX_LISTED = 10
 
 
 def parse_duration(value: object) -> float:
@@ -68,7 +90,7 @@ def parse_duration(value: object) -> float:
     Raises ``ValueError`` with a hint, so pydantic reports it under the key's path.
     """
     if isinstance(value, bool):
-        raise ValueError(f"{_DURATION_HINT} (got {value!r})")
+        raise ValueError(f"{_DURATION_HINT} (got {clip(value)})")
     if isinstance(value, int | float):
         seconds = float(value)
     elif isinstance(value, str):
@@ -77,12 +99,12 @@ def parse_duration(value: object) -> float:
             seconds = float(text)
         except ValueError:
             if not _DURATION.match(text):
-                raise ValueError(f"{_DURATION_HINT} (got {value!r})") from None
+                raise ValueError(f"{_DURATION_HINT} (got {clip(value)})") from None
             seconds = sum(float(n) * _UNITS[u] for n, u in _DURATION_PART.findall(text))
     else:
-        raise ValueError(f"{_DURATION_HINT} (got {value!r})")
+        raise ValueError(f"{_DURATION_HINT} (got {clip(value)})")
     if not math.isfinite(seconds) or seconds < 0:
-        raise ValueError(f"a duration must be a finite, non-negative time (got {value!r})")
+        raise ValueError(f"a duration must be a finite, non-negative time (got {clip(value)})")
     return seconds
 
 
@@ -110,18 +132,18 @@ def _parse_accelerator(value: object) -> object:
         return value
     text = value.strip()
     type_, sep, count_text = text.partition(":")
-    if not _ACCELERATOR_TYPE.match(type_):
-        raise ValueError(f"expected TYPE:COUNT such as A100:8 or L4:1 (got {value!r})")
+    if not _ACCELERATOR_TYPE.fullmatch(type_):
+        raise ValueError(f"expected TYPE:COUNT such as A100:8 or L4:1 (got {clip(value)})")
     if not sep:
         return {"type": type_, "count": 1}
     try:
         count = int(count_text)
     except ValueError:
         raise ValueError(
-            f"the count after ':' must be a whole number, as in A100:8 (got {value!r})"
+            f"the count after ':' must be a whole number, as in A100:8 (got {clip(value)})"
         ) from None
     if not 1 <= count <= 16:
-        raise ValueError(f"the accelerator count must be between 1 and 16 (got {value!r})")
+        raise ValueError(f"the accelerator count must be between 1 and 16 (got {clip(value)})")
     return {"type": type_, "count": count}
 
 
@@ -153,7 +175,7 @@ class Resources(_Section):
             strays = [zone for zone in self.zones if not zone.startswith(self.region)]
             if strays:
                 raise ValueError(
-                    f"zone {strays[0]!r} is not in region {self.region!r}: fix the zone, "
+                    f"zone {clip(strays[0])} is not in region {clip(self.region)}: fix the zone, "
                     "or change the region"
                 )
         return self
@@ -181,7 +203,7 @@ class CheckpointPolicy(_Section):
             return "auto"
         seconds = parse_duration(value)
         if seconds <= 0:
-            raise ValueError(f"must be 'auto' or a duration above zero (got {value!r})")
+            raise ValueError(f"must be 'auto' or a duration above zero (got {clip(value)})")
         return seconds
 
     @property
@@ -224,7 +246,7 @@ class Budget(_Section):
     def _sorted_percentages(cls, value: list[int]) -> list[int]:
         for percent in value:
             if not 1 <= percent <= 1000:
-                raise ValueError(f"thresholds are percentages from 1 to 1000 (got {percent})")
+                raise ValueError(f"thresholds are percentages from 1 to 1000 (got {clip(percent)})")
         return sorted(set(value))
 
 
@@ -317,6 +339,35 @@ def _env_text(item: object) -> object:
     return item
 
 
+def _env_name(name: str, info: ValidationInfo) -> str:
+    if not _ENV_NAME.fullmatch(name):
+        raise ValueError(
+            "is not an environment variable name: use letters, digits and '_', "
+            "not starting with a digit"
+        )
+    context = info.context or {}
+    if (
+        context.get(_FROM_PEOPLE)
+        and name.upper().startswith(RESERVED_ENV_PREFIX)
+        and name not in TUNABLE_ENV
+    ):
+        raise ValueError(
+            f"is reserved: trainbot sets {RESERVED_ENV_PREFIX}* variables itself (the run id, "
+            "its token, the checkpoint prefix and URIs); remove it from env, or rename it"
+        )
+    return name
+
+
+def _env_value(value: str) -> str:
+    if "\x00" in value:
+        raise ValueError("contains a NUL byte, which no process environment can hold: remove it")
+    return value
+
+
+EnvName = Annotated[str, AfterValidator(_env_name)]
+EnvValue = Annotated[str, AfterValidator(_env_value)]
+
+
 class JobSpec(_Section):
     """One kind of training run. Stored on the run as ``model_dump(mode="json")``."""
 
@@ -326,7 +377,10 @@ class JobSpec(_Section):
     #: The training command, run by the runner's supervisor. A string is split like a shell.
     command: Annotated[list[str], BeforeValidator(_split_command)] = Field(min_length=1)
     #: Extra environment variables for the training process.
-    env: Annotated[dict[str, str], BeforeValidator(_stringify_env)] = Field(default_factory=dict)
+    #: Names are shell identifiers; ``TRAINBOT_*`` ones are trainbot's own (``TUNABLE_ENV`` aside).
+    env: Annotated[dict[EnvName, EnvValue], BeforeValidator(_stringify_env)] = Field(
+        default_factory=dict
+    )
     resources: Resources = Field(default_factory=Resources)
     #: Where the dataset lives; the data-locality check compares its region.
     data_uri: str | None = None
@@ -352,7 +406,52 @@ class JobSpec(_Section):
 
 
 class _StrictLoader(yaml.SafeLoader):
-    """A safe loader that rejects duplicate keys instead of keeping the last one."""
+    """A safe loader that refuses duplicate keys, anchors and aliases, and bounds size.
+
+    A duplicate key silently keeps the last value. Aliases let a few hundred characters
+    expand to gigabytes (a billion-laughs list), so they are refused as soon as the
+    first anchor is seen, before anything is built; the node and depth limits bound what
+    plain YAML can build (and keep a deeply nested value from exhausting the stack).
+    """
+
+    def __init__(self, text: str, *, where: str, max_nodes: int) -> None:
+        super().__init__(text)
+        #: Ends refusals: ``in overrides``, ``in a spec file``.
+        self.where = where
+        self.max_nodes = max_nodes
+        self._nodes = 0
+        self._depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
+        event = self.peek_event()
+        line = event.start_mark.line + 1
+        name = getattr(event, "anchor", None)
+        if name is not None:
+            sign = "*" if isinstance(event, yaml.AliasEvent) else "&"
+            label = name if len(name) <= 20 else f"{name[:20]}…"
+            raise SpecError(
+                f"anchors (&name) and aliases (*name) are not allowed {self.where}: write "
+                f"the value out (found {sign}{label} on line {line})",
+                problems=[("", f"anchor or alias on line {line}")],
+            )
+        self._nodes += 1
+        if self._nodes > self.max_nodes:
+            raise SpecError(
+                f"the value is too big: more than {self.max_nodes:,} items {self.where}; "
+                "put large data in a file and give its path or URI instead",
+                problems=[("", f"more than {self.max_nodes:,} items")],
+            )
+        if self._depth >= MAX_YAML_DEPTH:
+            raise SpecError(
+                f"the value is nested more than {MAX_YAML_DEPTH} levels deep (line {line}); "
+                "flatten it",
+                problems=[("", f"nested more than {MAX_YAML_DEPTH} levels deep")],
+            )
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
 
 def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
@@ -362,7 +461,7 @@ def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode) -
         if key in seen:
             line = key_node.start_mark.line + 1
             raise SpecError(
-                f"duplicate key {key!r} on line {line}: keep one of them",
+                f"duplicate key {clip(key)} on line {line}: keep one of them",
                 problems=[(str(key), f"duplicate key on line {line}")],
             )
         seen.add(key)
@@ -376,6 +475,20 @@ _StrictLoader.add_constructor(
 )
 
 
+def _load_yaml(text: str, *, where: str, max_nodes: int) -> Any:
+    """One YAML document through :class:`_StrictLoader`.
+
+    Raises ``SpecError`` for what the loader refuses, ``yaml.YAMLError`` for bad syntax,
+    and ``ValueError`` for a scalar Python cannot hold (an integer past its digit limit,
+    a date such as 2024-02-30).
+    """
+    loader = _StrictLoader(text, where=where, max_nodes=max_nodes)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 def list_specs(specs_dir: Path) -> list[str]:
     """Names of the specs in a directory, sorted."""
     if not specs_dir.is_dir():
@@ -387,9 +500,9 @@ def list_specs(specs_dir: Path) -> list[str]:
 
 
 def _find_spec_file(name: str, specs_dir: Path) -> Path:
-    if not _SPEC_NAME.match(name):
+    if not _SPEC_NAME.fullmatch(name):
         raise SpecError(
-            f"{name!r} is not a spec name: names are letters, digits, '.', '_' and '-' "
+            f"{clip(name)} is not a spec name: names are letters, digits, '.', '_' and '-' "
             f"(a file in {specs_dir} is <name>.yaml)"
         )
     for suffix in (".yaml", ".yml"):
@@ -401,8 +514,8 @@ def _find_spec_file(name: str, specs_dir: Path) -> Path:
     hint = f" Did you mean {close[0]!r}?" if close else ""
     listing = ", ".join(available) if available else "none"
     raise SpecError(
-        f"no spec named {name!r} in {specs_dir}.{hint} Available: {listing}. "
-        f"To add one, create {specs_dir / (name + '.yaml')}."
+        f"no spec named {clip(name)} in {specs_dir}.{hint} Available: {listing}. "
+        f"To add one, create {specs_dir / (name[:80] + '.yaml')}."
     )
 
 
@@ -411,15 +524,24 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise SpecError(f"cannot read the spec file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise SpecError(f"{path} is not UTF-8 text: save it as UTF-8") from None
+    if len(text) > MAX_SPEC_FILE_CHARS:
+        raise SpecError(
+            f"{path} is too big ({len(text):,} characters, the most is "
+            f"{MAX_SPEC_FILE_CHARS:,}): a spec describes a run; keep data in files it names"
+        )
     try:
-        data = yaml.load(text, Loader=_StrictLoader)
+        data = _load_yaml(text, where="in a spec file", max_nodes=MAX_SPEC_FILE_NODES)
     except SpecError as exc:
         raise SpecError(f"{path}: {exc}", problems=exc.problems) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc)
-        raise SpecError(f"{path} is not valid YAML{where}: {problem}") from None
+        raise SpecError(f"{path} is not valid YAML{where}: {clip(problem, limit=200)}") from None
+    except ValueError as exc:
+        raise SpecError(f"{path} holds a value that cannot be read: {clip(str(exc))}") from None
     if data is None:
         raise SpecError(f"{path} is empty: a spec needs at least a command")
     if not isinstance(data, dict):
@@ -429,18 +551,36 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 
 def _parse_override(text: str) -> tuple[list[str], Any]:
     key, sep, raw = text.partition("=")
-    path = key.strip().split(".")
+    key = key.strip()
+    path = key.split(".")
     if not sep or not all(part.strip() for part in path):
         raise SpecError(
-            f"override {text!r} is not key.path=value: write it like budget.usd=800",
-            problems=[(key.strip(), "not key.path=value")],
+            f"override {clip(text)} is not key.path=value: write it like budget.usd=800",
+            problems=[(key, "not key.path=value")],
+        )
+    if len(text) > MAX_OVERRIDE_CHARS:
+        raise SpecError(
+            f"override {clip(text)} is too long (the most is {MAX_OVERRIDE_CHARS:,} "
+            "characters): put large data in a file and give its path or URI instead",
+            problems=[(key, "too long")],
         )
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError:
+        value = (
+            _load_yaml(raw, where="in overrides", max_nodes=MAX_OVERRIDE_NODES)
+            if raw.strip()
+            else None
+        )
+    except SpecError as exc:
         raise SpecError(
-            f"override {text!r}: the value is not valid YAML; quote it, e.g. {key}='{raw}'",
-            problems=[(key.strip(), "value is not valid YAML")],
+            f"override {clip(text)}: {exc}",
+            problems=[(key, message) for _, message in exc.problems],
+        ) from None
+    except (yaml.YAMLError, ValueError):
+        plain = len(text) <= CLIP_CHARS and text.isprintable()
+        example = f"{key}='{raw}'" if plain else "key.path='…'"
+        raise SpecError(
+            f"override {clip(text)}: the value is not valid YAML; quote it, e.g. {example}",
+            problems=[(key, "value is not valid YAML")],
         ) from None
     return [part.strip() for part in path], value
 
@@ -461,9 +601,10 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
                 child = node[part] = {}
             if not isinstance(child, dict):
                 where = ".".join(path[: depth + 1])
+                shown = _short(where)
                 raise SpecError(
-                    f"override {text!r}: {where} is a value, not a section, so it has no "
-                    f"key {path[depth + 1]!r}; set {where}=… instead",
+                    f"override {clip(text)}: {shown} is a value, not a section, so it has "
+                    f"no key {clip(path[depth + 1])}; set {shown}=… instead",
                     problems=[(where, "is a value, not a section")],
                 )
             node = child
@@ -507,6 +648,11 @@ def _section_type(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
+def _short(path: str) -> str:
+    """A key path as shown in a message: whole unless someone wrote an absurd one."""
+    return path if len(path) <= CLIP_CHARS else f"{path[:CLIP_CHARS]}… ({len(path)} characters)"
+
+
 def _dotted(loc: Sequence[Any]) -> str:
     text = ""
     for part in loc:
@@ -516,6 +662,8 @@ def _dotted(loc: Sequence[Any]) -> str:
 
 def _problem(error: Any) -> tuple[str, str]:
     loc = tuple(error["loc"])
+    if loc and loc[-1] == "[key]":  # a bad mapping key (an env name): report the key's path
+        loc = loc[:-1]
     path = _dotted(loc)
     if error["type"] == "extra_forbidden":
         section = _model_at(loc[:-1])
@@ -525,9 +673,9 @@ def _problem(error: Any) -> tuple[str, str]:
             hint = f" (did you mean {_dotted((*loc[:-1], close[0]))!r}?)"
         else:
             hint = f"; known keys here: {', '.join(known)}" if known else ""
-        return path, f"unknown key {path!r}{hint}"
+        return path, f"unknown key {clip(path)}{hint}"
     message = describe_validation_error(error)
-    return path, (f"{path}: {message}" if path else message)
+    return path, (f"{_short(path)}: {message}" if path else message)
 
 
 def parse_spec(
@@ -540,12 +688,14 @@ def parse_spec(
     """Validate a spec given as a mapping, after applying inline overrides.
 
     ``name`` is the default for the spec's ``name`` key; ``source`` (a file) is named in
-    errors. Every problem is reported at once, each with its full key path.
+    errors. Every problem is reported at once, each with its full key path (the message
+    lists the first few). This is the validation of what people wrote, so it also
+    refuses what only trainbot may set (``TRAINBOT_*`` env).
     """
     merged = apply_overrides(data, overrides)
     merged.setdefault("name", name)
     try:
-        return JobSpec.model_validate(merged)
+        return JobSpec.model_validate(merged, context={_FROM_PEOPLE: True})
     except ValidationError as exc:
         override_paths = [(text, text.partition("=")[0].strip()) for text in overrides]
         problems: list[tuple[str, str]] = []
@@ -554,16 +704,18 @@ def parse_spec(
             path, line = _problem(error)
             for text, key in override_paths:
                 if path and (path == key or key.startswith(path + ".") or path.startswith(key)):
-                    line += f" (from override {text!r})"
+                    line += f" (from override {clip(text)})"
                     break
             problems.append((path, line))
             lines.append(line)
         where = f" ({source})" if source else ""
         if len(lines) == 1:
-            message = f"spec {name!r}{where} is invalid: {lines[0]}"
+            message = f"spec {clip(name)}{where} is invalid: {lines[0]}"
         else:
-            listing = "\n".join(f"  - {line}" for line in lines)
-            message = f"spec {name!r}{where} has {len(lines)} problems:\n{listing}"
+            listing = "\n".join(f"  - {line}" for line in lines[:_MAX_LISTED])
+            if len(lines) > _MAX_LISTED:
+                listing += f"\n  - and {len(lines) - _MAX_LISTED} more"
+            message = f"spec {clip(name)}{where} has {len(lines)} problems:\n{listing}"
         raise SpecError(message, problems=problems) from None
 
 

@@ -16,7 +16,9 @@ from sqlmodel import Session, col, select
 from jobs import alerts, spend
 from jobs.db import session_scope
 from jobs.deps import Deps
+from jobs.errors import SpecError
 from jobs.lifecycle import AttemptState, RunState
+from jobs.locations import check_prefix, checkpoint_root
 from jobs.models import Alert, Attempt, Checkpoint, OnCall, Run
 from jobs.notify import DigestMessage
 from jobs.providers.base import ProviderError
@@ -193,9 +195,19 @@ def prune_run(deps: Deps, run_id: str, *, dry_run: bool = False) -> dict[str, An
     now = deps.clock()
     with session_scope(deps.engine) as session:
         run = get_run(session, run_id)
-        store = run_store(
-            run.checkpoint_uri or deps.settings.checkpoint_uri, checkpoint_prefix(run)
-        )
+        # Checked again here, not only at submit: this deletes with the control plane's
+        # own credentials, so a row from before the rules must not escape them either.
+        try:
+            root = checkpoint_root(
+                run.checkpoint_uri,
+                default=deps.settings.checkpoint_uri,
+                allowed=deps.settings.checkpoint_locations,
+            )
+            prefix = check_prefix(checkpoint_prefix(run))
+        except SpecError as exc:
+            log.error("cleanup of %s refused: %s", run_id, exc)
+            return {"run_id": run_id, "error": str(exc)}
+        store = run_store(root, prefix)
         policy = retention_policy(run)
     try:
         result = prune(store, policy, now=now.timestamp(), dry_run=dry_run)

@@ -3,6 +3,8 @@
     trainbot-runner exec [--sync-dir DIR] -- CMD…        run and supervise a training command
     trainbot-runner dry-run [--steps N] [--mtbp S] -- CMD…  checkpoint, kill, restore, verify
     trainbot-runner checkpoints list|verify|prune URI    inspect or prune one run's checkpoints
+    trainbot-runner credentials                          this run's checkpoint credentials,
+                                                         as AWS credential_process output
 
 URI is one run's checkpoint root: ``{checkpoint_uri}/{run_id}`` (a path, file://… or s3://…).
 Exit codes: 0 success, 75 preempted (resume from the newest checkpoint), anything else failure.
@@ -113,6 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--keep-best", type=_best, help="METRIC[:min|max[:COUNT]]")
     pr.add_argument("--max-age", type=parse_duration, help="e.g. 7d")
     pr.add_argument("--dry-run", action="store_true", help="say what would go, delete nothing")
+
+    sub.add_parser(
+        "credentials",
+        help="print this run's checkpoint credentials (AWS credential_process output)",
+        description="Ask the control plane ($TRAINBOT_INGEST_URL, $TRAINBOT_TOKEN) for "
+        "short-lived S3 credentials that reach this run's checkpoint prefix only, and print "
+        "them as AWS credential_process JSON: credential_process = trainbot-runner credentials",
+    )
     return p
 
 
@@ -201,6 +211,15 @@ def _dry_run(args: argparse.Namespace) -> int:
     return 0 if report.ok else EXIT_FAILED
 
 
+def _credentials() -> int:
+    """The credential_process contract: the JSON on stdout, or a message on stderr and a
+    non-zero exit (main prints the StoreError)."""
+    from runner.s3 import fetch_broker_credentials  # boto3 only for this command
+
+    print(json.dumps(fetch_broker_credentials()))
+    return 0
+
+
 def _when(ts: float) -> str:
     return datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
 
@@ -274,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
             return _exec(args)
         if args.cmd == "dry-run":
             return _dry_run(args)
+        if args.cmd == "credentials":
+            return _credentials()
         return _checkpoints(args)
     except RunnerError as exc:
         print(f"trainbot-runner: error: {exc}", file=sys.stderr)

@@ -7,21 +7,40 @@ nothing under its key, and memory stays bounded by a few parts.
 
 Uploads that die with the process leave invisible parts that S3 still bills; give the
 bucket a lifecycle rule with ``AbortIncompleteMultipartUpload`` (a day is plenty).
+
+Credentials: boto3's default chain (the instance profile on EC2), unless
+``TRAINBOT_STORE_CREDENTIALS=broker``. Then the store's client, and only it, signs with
+short-lived credentials the control plane's broker issues for this run's prefix alone
+(``POST {control plane}/v1/credentials`` with the attempt's token; see
+``jobs/providers/aws_credentials.py``). They are held in botocore's
+``RefreshableCredentials`` in this process, which fetches new ones before expiry (15
+minutes ahead, and at the latest 10), rather than through a generated config file with
+``credential_process``: no file on disk to name or clean up, no interpreter started per
+refresh, no profile lookup in the process-wide ``AWS_CONFIG_FILE``, and a failed refresh
+is a :class:`StoreError` that says what to do. ``os.environ`` is never changed, so the
+training code keeps the instance profile for its data. ``trainbot-runner credentials``
+prints the same credentials for ``credential_process`` (an operator's ``aws s3 ls``).
 """
 
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import re
+import time
+import urllib.error
+import urllib.request
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, BinaryIO, cast
 
 import boto3
+import botocore.session
 from botocore.config import Config
+from botocore.credentials import CredentialProvider, CredentialResolver, RefreshableCredentials
 from botocore.exceptions import (
     BotoCoreError,
     ClientError,
@@ -47,6 +66,14 @@ MAX_PARTS = 10_000
 # botocore's own (loose) rule, checked early so a typo is a BadURIError, not a traceback.
 _BUCKET_RE = re.compile(r"^[a-zA-Z0-9.\-_]{1,255}$")
 
+#: ``broker``: the store signs with credentials from the control plane's broker.
+STORE_CREDENTIALS_ENV = "TRAINBOT_STORE_CREDENTIALS"
+#: The broker's route, next to the events route the runner is given.
+CREDENTIALS_ROUTE = "/v1/credentials"
+_EVENTS_ROUTE = "/v1/events"
+#: The credential_process answer's fields (``Version`` is 1).
+_CREDENTIAL_FIELDS = ("AccessKeyId", "SecretAccessKey", "SessionToken", "Expiration")
+
 # The IAM action each API call needs, for "access denied" messages.
 _IAM_ACTION = {
     "PutObject": "s3:PutObject",
@@ -61,8 +88,131 @@ _IAM_ACTION = {
 }
 
 
+def credentials_url(ingest_url: str) -> str:
+    """The broker's URL from ``TRAINBOT_INGEST_URL`` (the events URL, or the base URL)."""
+    base = ingest_url.rstrip("/")
+    base = base.removesuffix(_EVENTS_ROUTE)
+    return base + CREDENTIALS_ROUTE
+
+
+def fetch_broker_credentials(
+    *,
+    ingest_url: str | None = None,
+    token: str | None = None,
+    timeout_s: float = 10.0,
+    tries: int = 3,
+    backoff_s: float = 1.0,
+) -> dict[str, Any]:
+    """This attempt's checkpoint credentials from the control plane, in the
+    ``credential_process`` shape. Defaults: ``TRAINBOT_INGEST_URL`` and ``TRAINBOT_TOKEN``.
+
+    A refusal (4xx) is final; a 5xx or an unreachable control plane is tried ``tries``
+    times. Raises StoreError; the token appears in no message.
+    """
+    ingest_url = ingest_url or os.environ.get("TRAINBOT_INGEST_URL")
+    token = token or os.environ.get("TRAINBOT_TOKEN")
+    if not ingest_url or not token:
+        raise StoreError(
+            f"{STORE_CREDENTIALS_ENV}=broker needs TRAINBOT_INGEST_URL and TRAINBOT_TOKEN "
+            "(the control plane sets them on its instances)"
+        )
+    url = credentials_url(ingest_url)
+    request = urllib.request.Request(
+        url, data=b"", method="POST", headers={"Authorization": f"Bearer {token}"}
+    )
+    for attempt in range(1, tries + 1):
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+                answer = json.loads(reply.read())
+            break
+        except urllib.error.HTTPError as exc:
+            problem = f"{exc.code}: {_error_text(exc)}"
+            if exc.code < 500 or attempt == tries:
+                raise StoreError(
+                    f"the control plane at {url} refused checkpoint credentials ({problem})"
+                ) from None
+        except (OSError, ValueError) as exc:  # URLError, timeouts, resets, bad JSON
+            problem = str(getattr(exc, "reason", exc))
+            if attempt == tries:
+                raise StoreError(
+                    f"could not get checkpoint credentials from {url} ({problem}): check that "
+                    "the control plane is reachable from this instance"
+                ) from None
+        log.warning("checkpoint credentials: try %d of %d failed (%s)", attempt, tries, problem)
+        time.sleep(backoff_s * 2 ** (attempt - 1))
+    if (
+        not isinstance(answer, dict)
+        or answer.get("Version") != 1
+        or not all(isinstance(answer.get(k), str) and answer[k] for k in _CREDENTIAL_FIELDS)
+    ):
+        raise StoreError(
+            f"the control plane at {url} answered with no usable credentials: upgrade the "
+            "runner and the control plane to the same version"
+        )
+    return answer
+
+
+def _error_text(exc: urllib.error.HTTPError) -> str:
+    try:
+        body = json.loads(exc.read())
+    except (OSError, ValueError):
+        return str(exc.reason)
+    return str(body.get("error") if isinstance(body, dict) else body)[:500]
+
+
+class _BrokerCredentialProvider(CredentialProvider):
+    """botocore's hook for a credential source: refreshable credentials from the broker."""
+
+    METHOD = "trainbot-broker"
+    CANONICAL_NAME = "trainbot-broker"
+
+    def __init__(self, fetch: Callable[[], dict[str, Any]]) -> None:
+        super().__init__()
+        self._fetch = fetch
+
+    def _metadata(self) -> dict[str, str]:
+        answer = self._fetch()
+        return {
+            "access_key": answer["AccessKeyId"],
+            "secret_key": answer["SecretAccessKey"],
+            "token": answer["SessionToken"],
+            "expiry_time": answer["Expiration"],
+        }
+
+    def load(self) -> RefreshableCredentials:
+        return RefreshableCredentials.create_from_metadata(
+            metadata=self._metadata(), refresh_using=self._metadata, method=self.METHOD
+        )
+
+
+def broker_session(
+    fetch: Callable[[], dict[str, Any]] = fetch_broker_credentials,
+) -> boto3.session.Session:
+    """A boto3 session of its own whose only credential source is the broker."""
+    core = botocore.session.Session()
+    core.register_component(
+        "credential_provider", CredentialResolver(providers=[_BrokerCredentialProvider(fetch)])
+    )
+    return boto3.session.Session(botocore_session=core)
+
+
+def _session_for(source: str) -> boto3.session.Session:
+    if source == "broker":
+        return broker_session()
+    if source == "default":
+        return boto3.session.Session()
+    raise StoreError(
+        f"{STORE_CREDENTIALS_ENV}={source!r}: write 'broker' (credentials from the control "
+        "plane for this run's prefix) or leave it unset (the instance's own credentials)"
+    )
+
+
 class S3Store:
-    """Objects under ``s3://bucket/prefix``; key ``k`` lives at ``prefix/k``."""
+    """Objects under ``s3://bucket/prefix``; key ``k`` lives at ``prefix/k``.
+
+    ``credentials``: ``"default"`` (boto3's chain) or ``"broker"``; unset means
+    ``TRAINBOT_STORE_CREDENTIALS``, else the default.
+    """
 
     def __init__(
         self,
@@ -75,6 +225,7 @@ class S3Store:
         max_attempts: int = 5,
         connect_timeout: float = 10.0,
         read_timeout: float = 60.0,
+        credentials: str | None = None,
     ) -> None:
         if not _BUCKET_RE.match(bucket):
             raise BadURIError(
@@ -90,7 +241,10 @@ class S3Store:
         self.uri = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
         self.part_size = part_size
         self.upload_threads = upload_threads
-        session = boto3.session.Session()
+        source = credentials or os.environ.get(STORE_CREDENTIALS_ENV) or "default"
+        #: Whether the client signs with the broker's credentials for this prefix alone.
+        self.brokered = source == "broker"
+        session = _session_for(source)
         region = os.environ.get("AWS_REGION") or session.region_name or "us-east-1"
         config = Config(
             retries={"mode": "standard", "max_attempts": max_attempts},
@@ -148,9 +302,14 @@ class S3Store:
                     if action == "s3:GetObject"
                     else ""
                 )
+                grantee = (
+                    "the runner-storage role (deploy/aws/runner-storage-policy.json); the "
+                    "broker's credentials reach this run's prefix only"
+                    if self.brokered
+                    else "this instance's role or profile"
+                )
                 return StoreError(
-                    f"access denied: {action} on {resource} ({where}): grant it to this "
-                    f"instance's role or profile{hint}"
+                    f"access denied: {action} on {resource} ({where}): grant it to {grantee}{hint}"
                 )
             if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken"):
                 return StoreError(

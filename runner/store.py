@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import threading
 import time
 from collections.abc import Sequence
@@ -261,6 +262,9 @@ class LocalStore:
         return self._path(key).is_file()
 
 
+_SEGMENT = re.compile(r"[A-Za-z0-9._-]{1,200}")
+
+
 def open_store(uri: str | Path, *, endpoint_url: str | None = None) -> Store:
     """The store for a URI: a path, ``file://…`` or ``s3://bucket/prefix``.
 
@@ -271,6 +275,8 @@ def open_store(uri: str | Path, *, endpoint_url: str | None = None) -> Store:
     if not text:
         raise BadURIError("the checkpoint URI is empty: give a directory, file://… or s3://…")
     parsed = urlparse(text)
+    if parsed.scheme and (parsed.query or parsed.fragment or "?" in text or "#" in text):
+        raise BadURIError(f"{text[:120]!r} has a '?' or '#': checkpoint URIs take neither")
     if parsed.scheme in ("", "file"):
         if parsed.scheme == "file":
             if parsed.netloc not in ("", "localhost"):
@@ -300,5 +306,14 @@ def open_store(uri: str | Path, *, endpoint_url: str | None = None) -> Store:
 
 
 def run_store(checkpoint_uri: str, run_id: str) -> Store:
-    """The store rooted at one run's checkpoints."""
+    """The store rooted at one run's checkpoints.
+
+    ``run_id`` is one path segment (letters, digits, ``.``, ``_``, ``-``, not ``.`` or
+    ``..``), so a run's store can never be its root, a parent or a sibling run's.
+    """
+    if not _SEGMENT.fullmatch(run_id) or run_id in (".", ".."):
+        raise BadURIError(
+            f"{run_id[:80]!r} is not a valid run directory: one segment of letters, digits, "
+            "'.', '_' or '-'"
+        )
     return open_store(f"{checkpoint_uri.rstrip('/')}/{run_id}")

@@ -24,7 +24,7 @@ from bot import messages, views
 from bot.auth import Caller, caller_from_action
 from bot.commands import CommandError, parse_duration
 from bot.listeners import ListenerContext, action_key, first_time, reply
-from bot.listeners.runs import CHANNEL_DENIED, not_yours
+from bot.listeners.runs import CHANNEL_DENIED, EXTERNAL_DENIED, NOT_IN_CHANNEL, not_yours
 from jobs import service
 from jobs.db import session_scope
 from jobs.errors import TrainbotError
@@ -136,13 +136,24 @@ def handle_action(
     kind, handler, owner_only = ACTIONS[action_id]
     value = _value(action)
     target = _target(ctx, kind, value)
-    if target is not None and not ctx.auth.channel_allowed(
-        caller, channel=None if caller.channel else target.channel
-    ):
-        ctx.auth.deny(
-            caller, action=action_id, reason="channel not allowed", run_id=_run(kind, target)
-        )
+    run_id = _run(kind, target) if target is not None else None
+    if ctx.auth.is_external(caller):
+        ctx.auth.deny(caller, action=action_id, reason="external user", run_id=run_id)
+        reply(client, body, caller, EXTERNAL_DENIED)
+        return
+    # A button in a message works in that message's channel; one in the App Home (no
+    # channel) in the channel its run or alert reports to.
+    where = caller.channel if caller.channel else (target.channel if target else None)
+    if not ctx.auth.channel_allowed_id(where):
+        ctx.auth.deny(caller, action=action_id, reason="channel not allowed", run_id=run_id)
         reply(client, body, caller, CHANNEL_DENIED)
+        return
+    if target is not None and not ctx.auth.actor(caller).sees(target.channel):
+        ctx.auth.deny(
+            caller, action=action_id, reason=f"{target.id} is not in the caller's channels",
+            run_id=run_id,
+        )  # fmt: skip
+        reply(client, body, caller, NOT_IN_CHANNEL.format(target=target.id))
         return
     if (
         owner_only

@@ -1,5 +1,5 @@
-"""The App Home tab: the runs that are going and the alerts still open, for whoever
-opens it. Published fresh on every ``app_home_opened``, so it is never stale for long
+"""The App Home tab: the runs that are going and the alerts still open in the channels
+of whoever opens it. Published fresh on every ``app_home_opened``, so it is never stale for long
 and needs no bookkeeping of who looked at it.
 """
 
@@ -14,7 +14,7 @@ from slack_sdk import WebClient
 from slack_sdk.errors import SlackApiError, SlackRequestError
 
 from bot import views
-from bot.auth import caller_from_event
+from bot.auth import Caller, caller_from_event
 from bot.listeners import ListenerContext
 from jobs import alerts, service
 from jobs.db import session_scope
@@ -29,24 +29,26 @@ log = logging.getLogger(__name__)
 MAX_ITEMS = 20
 
 
-def home_content(ctx: ListenerContext, user: str) -> tuple[list[RunCard], list[AlertMessage]]:
-    """Active runs (the allowed channels' only, when channels are restricted) and the
-    alerts still open, newest first."""
-    cards = service.list_runs(ctx.deps, "active", service.Actor(user=user, channel=""))
-    allowed = ctx.auth.policy.allowed_channels
-    if allowed:
-        cards = [c for c in cards if ctx.auth.channel_allowed_name(c.channel)]
+def home_content(ctx: ListenerContext, caller: Caller) -> tuple[list[RunCard], list[AlertMessage]]:
+    """Active runs and the alerts still open, newest first: those of the allowed channels
+    the person is a member of (every channel's, for an admin), and nothing for a person
+    from another organisation."""
+    if ctx.auth.is_external(caller):
+        return [], []
+    actor = ctx.auth.actor(caller)
+    cards = service.list_runs(ctx.deps, "active", actor)
+    cards = [c for c in cards if ctx.auth.channel_allowed_id(c.channel)]
     with session_scope(ctx.deps.engine) as session:
         rows = list(reversed(alerts.open_alerts(session)))
         found = []
         for alert in rows:
             run = session.get(Run, alert.run_id) if alert.run_id else None
-            channel = alert.message_channel or (run.channel if run else "") or ""
-            if allowed and not ctx.auth.channel_allowed_name(channel):
+            channel = alert.message_channel or (run.channel if run else None)
+            if not actor.sees(channel) or not ctx.auth.channel_allowed_id(channel):
                 continue
             found.append(
                 alerts.alert_message(
-                    alert, channel=channel, thread_ts=run.thread_ts if run else None
+                    alert, channel=channel or "", thread_ts=run.thread_ts if run else None
                 )
             )
     return cards[:MAX_ITEMS], found[:MAX_ITEMS]
@@ -67,7 +69,7 @@ def publish_home(ctx: ListenerContext, client: WebClient, body: Mapping[str, Any
     caller = caller_from_event(body)
     if not caller.user:
         return
-    runs, open_alerts = home_content(ctx, caller.user)
+    runs, open_alerts = home_content(ctx, caller)
     try:
         client.views_publish(user_id=caller.user, view=views.home_tab(runs, open_alerts))
     except (SlackApiError, SlackRequestError, OSError) as exc:

@@ -26,7 +26,7 @@ from slack_sdk.errors import SlackApiError, SlackRequestError
 from sqlmodel import select
 
 from bot import messages, views
-from bot.auth import Caller, caller_from_command, caller_from_view
+from bot.auth import Caller, caller_from_command, caller_from_view, redact_command
 from bot.commands import (
     Ack as AckCommand,
 )
@@ -36,6 +36,7 @@ from bot.commands import (
     CommandError,
     Help,
     Launch,
+    Oncall,
     Preflight,
     Resubmit,
     Snooze,
@@ -62,6 +63,19 @@ MODAL_CALLBACK = views.LAUNCH_MODAL_CALLBACK
 CHANNEL_DENIED = (
     "trainbot does not take commands in this channel. Ask an admin to add it to "
     "TRAINBOT_ALLOWED_CHANNELS, or use one of the team's training channels."
+)
+EXTERNAL_DENIED = (
+    "trainbot takes commands only from members of this team's workspace. People from "
+    "other organisations in a shared channel can read along; ask a team member to act, "
+    "or an admin to set TRAINBOT_ALLOW_EXTERNAL_USERS."
+)
+NOT_IN_CHANNEL = (
+    "{target} reports to a channel you are not in, so it cannot be changed from here. "
+    "Ask in its channel."
+)
+ONCALL_DENIED = (
+    "Only admins choose who is on call (TRAINBOT_ADMINS). Ask one of them, or ask an "
+    "admin to add you."
 )
 LAUNCH_DENIED = (
     "You are not on the list of people who may launch runs. Ask an admin to add you "
@@ -100,7 +114,9 @@ def plan_command(ctx: ListenerContext, body: Mapping[str, Any]) -> Plan:
     caller = caller_from_command(body)
     if not caller.user:
         return Plan(caller, answer="This request names no user; nothing was done.")
-    if not ctx.auth.channel_allowed(caller):
+    # Only what the configuration alone can tell, before the answer; a channel allowed by
+    # name is checked against Slack's name for it after the answer (run_command).
+    if ctx.auth.channel_verdict(caller.channel) is False:
         return Plan(caller, answer=CHANNEL_DENIED, denied="channel not allowed")
     try:
         command = parse(str(body.get("text") or ""))
@@ -119,7 +135,7 @@ def register(app: App, ctx: ListenerContext) -> None:
         if plan.answer is not None:
             ack(text=plan.answer, response_type="ephemeral")
             if plan.denied is not None:  # the audit writes to the journal: after the answer
-                text = f"{COMMAND} {body.get('text', '')}".strip()
+                text = redact_command(f"{COMMAND} {body.get('text', '')}".strip())
                 ctx.later(ctx.auth.deny, plan.caller, action=text, reason=plan.denied)
             return
         ack()
@@ -146,6 +162,10 @@ def _submit_modal(
 ) -> None:
     view = body.get("view") or {}
     caller = caller_from_view(body, channel=_modal_channel(view))
+    if ctx.auth.is_external(caller):
+        ctx.auth.deny(caller, action="launch (modal)", reason="external user")
+        reply(client, body, caller, EXTERNAL_DENIED)
+        return
     if not ctx.auth.channel_allowed(caller):
         ctx.auth.deny(caller, action="launch (modal)", reason="channel not allowed")
         reply(client, body, caller, CHANNEL_DENIED)
@@ -194,6 +214,14 @@ def _permission(
     ctx: ListenerContext, caller: Caller, command: Command
 ) -> tuple[str, str, str | None] | None:
     """(reason, text, run id) when the caller may not run the command."""
+    if ctx.auth.is_external(caller):
+        return "external user", EXTERNAL_DENIED, None
+    if not ctx.auth.channel_allowed(caller):
+        return "channel not allowed", CHANNEL_DENIED, None
+    if isinstance(command, Oncall) and command.user is not None:
+        if not ctx.auth.may_set_oncall(caller):
+            return "may not set the on-call", ONCALL_DENIED, None
+        return None
     if isinstance(command, Launch | Preflight):
         if not ctx.auth.may_launch(caller):
             return "may not launch", LAUNCH_DENIED, None

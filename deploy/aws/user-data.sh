@@ -4,7 +4,7 @@
 # jobs/providers/aws.py renders this template: each placeholder between double at-signs
 # is replaced with a shell-quoted value chosen by the control plane (the runner package,
 # the command from the job spec, and the attempt's environment, which holds its runner
-# token). Nothing here is taken from chat, and nothing secret is printed: cloud-init copies
+# token), all in one pass, so no value is ever read again as template or as shell. Nothing here is taken from chat, and nothing secret is printed: cloud-init copies
 # this script's output to the serial console, which ec2:GetConsoleOutput can read.
 #
 # It installs trainbot's runner, runs the attempt's command under it as an unprivileged

@@ -75,6 +75,7 @@ from jobs.providers.base import (
     TAG_MANAGED,
     TAG_OWNER,
     TAG_RUN_ID,
+    Capabilities,
     CapacityError,
     InstanceInfo,
     InstanceNotFound,
@@ -290,7 +291,8 @@ _SPOT_NOTICE = frozenset({"marked-for-termination", "marked-for-stop"})
 _EXIT_MARKER = re.compile(r"trainbot-runner exited with code (\d+)")
 _SERVICE_TIME = re.compile(r"\((\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) (?:GMT|UTC)\)")
 _TOKEN_SAFE = re.compile(r"^[A-Za-z0-9 +\-=._:/@]{1,64}$")
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # fullmatch: "$" would let "X\n" through
+_PLACEHOLDER = re.compile(r"@@([A-Z_]+)@@")
 _ENCODED = re.compile(r"Encoded authorization failure message:\s*(\S+)")
 
 
@@ -413,6 +415,7 @@ class AwsProvider:
     #: Seconds between the interruption notice and the reclaim; preflight's emergency
     #: checkpoint has to fit in it.
     termination_window_s = TERMINATION_WINDOW_S
+    capabilities = Capabilities(runs_on_this_machine=False)
 
     def __init__(
         self,
@@ -1214,8 +1217,11 @@ class AwsProvider:
     def render_user_data(self, req: LaunchRequest) -> str:
         """The instance's boot script: install the runner, run the command, shut down.
 
-        The environment is quoted into a root-only file on the instance; values may not
-        hold newlines, so nothing can end the here-document early.
+        It runs as root, so every value in it is data: each is shell-quoted once and the
+        template is substituted in one pass, so no value is ever read again as template
+        (a command word holding "@@ENV@@" stays that text) or as shell. The environment
+        is quoted into a root-only file on the instance; names must be identifiers and
+        values may not hold newlines, so nothing can end the here-document early.
         """
         try:
             template = self._template_path.read_text(encoding="utf-8")
@@ -1236,27 +1242,38 @@ class AwsProvider:
         }
         lines = []
         for key, value in env.items():
-            if not _ENV_NAME.match(key):
-                raise ProviderError(f"run {req.run_id}: {key!r} is not a valid variable name")
+            if not _ENV_NAME.fullmatch(key):
+                raise ProviderError(
+                    f"run {req.run_id}: {key!r} is not a valid variable name: environment "
+                    "names are letters, digits and underscores, not starting with a digit; "
+                    "rename it in the spec's env"
+                )
             if "\n" in value or "\r" in value or "\0" in value:
                 raise ProviderError(
-                    f"run {req.run_id}: the value of {key} holds a line break, which the "
-                    "instance's environment file cannot carry"
+                    f"run {req.run_id}: the value of {key} holds a line break or a NUL, which "
+                    "the instance's environment file cannot carry; put it on one line"
                 )
             lines.append(f"{key}={shlex.quote(value)}")
-        rendered = template
-        for name, value in (
-            ("@@RUNNER_PACKAGE@@", shlex.quote(self.runner_package)),
-            ("@@SCRATCH_DIR@@", shlex.quote(_SCRATCH_DIR)),
-            ("@@COMMAND@@", shlex.join(req.command)),
-            ("@@ENV@@", "\n".join(lines)),
-        ):
-            if name not in rendered:
+        for word in (*req.command, self.runner_package):
+            if "\0" in word:
                 raise ProviderError(
-                    f"the user-data template {self._template_path} lacks {name}: restore it "
-                    "from deploy/aws/user-data.sh"
+                    f"run {req.run_id}: the command or the runner package holds a NUL "
+                    "character, which no program can be given; remove it"
                 )
-            rendered = rendered.replace(name, value)
+        values = {
+            "RUNNER_PACKAGE": shlex.quote(self.runner_package),
+            "SCRATCH_DIR": shlex.quote(_SCRATCH_DIR),
+            "COMMAND": shlex.join(req.command),
+            "ENV": "\n".join(lines),
+        }
+        for name in values:
+            if f"@@{name}@@" not in template:
+                raise ProviderError(
+                    f"the user-data template {self._template_path} lacks @@{name}@@: restore "
+                    "it from deploy/aws/user-data.sh"
+                )
+        # One pass, with a function (no backslash escapes): what it inserts is never rescanned.
+        rendered = _PLACEHOLDER.sub(lambda m: values.get(m[1], m[0]), template)
         if len(rendered.encode()) > _USER_DATA_MAX:
             raise ProviderError(
                 f"run {req.run_id}: the boot script is {len(rendered.encode())} bytes, over "

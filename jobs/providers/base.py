@@ -26,6 +26,7 @@ __all__ = [
     "TAG_MANAGED",
     "TAG_OWNER",
     "TAG_RUN_ID",
+    "Capabilities",
     "CapacityError",
     "InstanceInfo",
     "InstanceNotFound",
@@ -276,6 +277,29 @@ class InstanceStatus:
     preempted_at: datetime | None = None
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a provider declares about itself, so that callers never decide by its type.
+
+    The control plane's machine holds the Slack secrets, the cloud credentials and the
+    database, so whether a spec's command may run on it is a property of the provider,
+    stated once here, and never inferred from a spec (which arrives from chat).
+    """
+
+    # Its instances are processes on the control plane's own machine (the local provider:
+    # one person's laptop), so the control plane may run a spec's command itself, as the
+    # preflight dry run does. False for a cloud: there the control plane never executes a
+    # spec's command or any other user-controlled string, and never imports user code.
+    runs_on_this_machine: bool
+    # Seconds between the preemption notice and the kill, which an emergency checkpoint
+    # has to fit in; None: the provider does not say, and the runner's default for a
+    # cloud of its name applies (``runner.preemption.WINDOWS_S``).
+    termination_window_s: float | None = None
+    # Mean seconds between the preemptions the provider itself causes (the local
+    # provider's configured mean); None: unknown, and preflight assumes its default.
+    mean_time_between_preemptions_s: float | None = None
+
+
 # -- the interface -----------------------------------------------------------------------
 
 
@@ -285,6 +309,11 @@ class Provider(Protocol):
 
     # Registry name: "local", "aws", "gcp".
     name: str
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this provider declares about itself (see :class:`Capabilities`)."""
+        ...
 
     def quota(self, req: ResourceRequest) -> QuotaInfo:
         """Quota for the exact accelerator type in the exact region, against the request."""

@@ -71,6 +71,7 @@ from jobs.providers.base import (
     TAG_MANAGED,
     TAG_OWNER,
     TAG_RUN_ID,
+    Capabilities,
     CapacityError,
     InstanceInfo,
     InstanceNotFound,
@@ -256,6 +257,35 @@ def _last(url: str) -> str:
     return url.rstrip("/").rsplit("/", 1)[-1]
 
 
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # fullmatch: "$" would let "X\n" through
+
+
+def _check_runner_inputs(req: LaunchRequest) -> None:
+    """Refuse what the startup script's exec cannot carry as plain data.
+
+    The command and environment travel as JSON metadata and are exec'd without a shell,
+    so quoting is not the risk; a name that is not an identifier, or a NUL, is refused
+    here with the run named rather than failing on the instance after it has booted.
+    """
+    for key, value in req.env.items():
+        if not _ENV_NAME.fullmatch(key):
+            raise ProviderError(
+                f"run {req.run_id}: {key!r} is not a valid variable name: environment "
+                "names are letters, digits and underscores, not starting with a digit; "
+                "rename it in the spec's env"
+            )
+        if "\0" in value:
+            raise ProviderError(
+                f"run {req.run_id}: the value of {key} holds a NUL character, which no "
+                "environment can carry; remove it"
+            )
+    if any("\0" in word for word in req.command):
+        raise ProviderError(
+            f"run {req.run_id}: the command holds a NUL character, which no program can be "
+            "given; remove it from the spec's command"
+        )
+
+
 # -- errors ------------------------------------------------------------------------------
 
 
@@ -402,6 +432,7 @@ class GcpProvider:
     """
 
     name = "gcp"
+    capabilities = Capabilities(runs_on_this_machine=False)
 
     def __init__(
         self,
@@ -1155,6 +1186,7 @@ class GcpProvider:
         )
 
     def _instance_body(self, req: LaunchRequest, *, zone: str, name: str, key: str) -> Any:
+        _check_runner_inputs(req)
         res = req.request
         accel = _accelerator(res)
         machine = self._machine_type(res)

@@ -50,6 +50,7 @@ from jobs.providers.base import (
     TAG_MANAGED,
     TAG_OWNER,
     TAG_RUN_ID,
+    Capabilities,
     CapacityError,
     InstanceInfo,
     InstanceNotFound,
@@ -332,6 +333,16 @@ class LocalProvider:
         self._wake = threading.Condition()
         self._scheduler: threading.Thread | None = None
         self._closed = False
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """Instances are processes of this machine, so a dry run may run here too; the
+        window and the mean time between preemptions are this provider's own settings."""
+        return Capabilities(
+            runs_on_this_machine=True,
+            termination_window_s=self.termination_window_s,
+            mean_time_between_preemptions_s=self.mean_time_between_preemptions_s,
+        )
 
     # -- Provider: questions --------------------------------------------------------------
 

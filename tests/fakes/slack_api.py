@@ -207,6 +207,7 @@ class FakeSlack:
         self.users: dict[str, dict[str, Any]] = {}
         self.usergroups: dict[str, dict[str, Any]] = {}
         self.channels: dict[str, dict[str, Any]] = {}
+        self.channel_members: dict[str, set[str]] = {}
         #: Trigger ids views.open refuses as expired.
         self.expired_triggers: set[str] = set()
         self._messages: dict[str, list[FakeMessage]] = {}
@@ -326,16 +327,27 @@ class FakeSlack:
                 "users": list(users),
             }
 
-    def add_channel(self, channel_id: str, name: str, *, is_member: bool = True) -> None:
+    def add_channel(
+        self,
+        channel_id: str,
+        name: str,
+        *,
+        is_member: bool = True,
+        is_private: bool = False,
+        members: Iterable[str] = (),
+    ) -> None:
+        """A channel for conversations.info; ``members`` are the people in it, for
+        users.conversations (``is_member`` is the bot's own membership)."""
         with self.cond:
             self.channels[channel_id] = {
                 "id": channel_id,
                 "name": name,
                 "is_channel": True,
-                "is_private": False,
+                "is_private": is_private,
                 "is_archived": False,
                 "is_member": is_member,
             }
+            self.channel_members[channel_id] = set(members)
 
     # ------------------------------------------------------------------ reading
 
@@ -629,6 +641,24 @@ class FakeSlack:
         user = self.users.get(str(args.get("user") or ""))
         return _ok(user=user) if user else _error("user_not_found")
 
+    def _users_conversations(self, args: dict[str, Any], now: float) -> _Answer:
+        """The user's channels as a bot token sees them: public ones, and private ones
+        only where the bot is a member too; paginated by ``limit`` and ``cursor``."""
+        user = str(args.get("user") or "")
+        found = [
+            channel
+            for channel_id, channel in sorted(self.channels.items())
+            if user in self.channel_members.get(channel_id, ())
+            and (not channel["is_private"] or channel["is_member"])
+        ]
+        start = int(args.get("cursor") or 0)
+        limit = int(args.get("limit") or 100)
+        page = found[start : start + limit]
+        more = start + limit < len(found)
+        return _ok(
+            channels=page, response_metadata={"next_cursor": str(start + limit) if more else ""}
+        )
+
     def _conversations_info(self, args: dict[str, Any], now: float) -> _Answer:
         channel = self.channels.get(str(args.get("channel") or ""))
         return _ok(channel=channel) if channel else _error("channel_not_found")
@@ -649,6 +679,7 @@ _METHODS: dict[str, Callable[[FakeSlack, dict[str, Any], float], _Answer]] = {
     "usergroups.list": FakeSlack._usergroups_list,
     "users.info": FakeSlack._users_info,
     "conversations.info": FakeSlack._conversations_info,
+    "users.conversations": FakeSlack._users_conversations,
     "apps.connections.open": FakeSlack._connections_open,
 }
 #: Methods that take an app-level token (and only one).

@@ -322,6 +322,8 @@ def control_plane(
             "TRAINBOT_PROVIDER": "aws",
             "TRAINBOT_AWS_REGION": REGION,
             "TRAINBOT_CHECKPOINT_URI": f"s3://{bucket}/default",
+            # Specs may put checkpoints anywhere in the bucket (gpu.yaml: s3://bucket/ckpt).
+            "TRAINBOT_CHECKPOINT_LOCATIONS": f"s3://{bucket}",
             "TRAINBOT_INGEST_PORT": "0",
             "TRAINBOT_PUBLIC_URL": PUBLIC_URL,
         }

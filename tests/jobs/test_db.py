@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import threading
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -37,6 +38,7 @@ from jobs.models import (
     SpendRecord,
     alert_dedupe_key,
     hash_token,
+    table_of,
 )
 from jobs.settings import load_settings
 from jobs.spec import JobSpec, load_spec
@@ -57,11 +59,25 @@ TABLES = {
 }
 
 
-def add_run_and_attempt(engine: Engine, run_id: str = "r-1", attempt_id: str = "a-1") -> None:
-    with session_scope(engine) as session:
-        session.add(Run(id=run_id, spec_name="tiny", requester="U1", created_at=NOW))
-        session.flush()
-        session.add(Attempt(id=attempt_id, run_id=run_id, number=1, provider="local"))
+def add_run_and_attempt(
+    engine: Engine,
+    run_id: str = "r-1",
+    attempt_id: str = "a-1",
+    *,
+    spec: dict[str, Any] | None = None,
+) -> None:
+    """A run and its attempt, written with the columns the database has at its revision
+    (an older one, in the migration tests)."""
+    rows = [
+        Run(id=run_id, spec_name="tiny", spec=spec or {}, requester="U1", created_at=NOW),
+        Attempt(id=attempt_id, run_id=run_id, number=1, provider="local"),
+    ]
+    with engine.begin() as connection:
+        for row in rows:
+            table = table_of(type(row))
+            present = {c["name"] for c in inspect(connection).get_columns(table.name)}
+            values = {k: v for k, v in row.model_dump().items() if k in present}
+            connection.execute(table.insert().values(**values))
 
 
 def event(
@@ -151,6 +167,29 @@ def test_upgrading_a_database_with_rows_widens_steps_seqs_and_bytes(
         attempt = session.get(Attempt, "a-1")
         assert attempt is not None and (attempt.last_seq, attempt.last_step) == (2**40, big_step)
     assert schema_diff(empty_engine) == []
+
+
+def test_upgrading_moves_a_resumed_runs_prefix_out_of_its_spec(empty_engine: Engine) -> None:
+    """0005: the prefix a resubmit wrote into the spec's env becomes the column trainbot
+    alone writes; a value that is not a run id (set by a chat override) is dropped."""
+    with empty_engine.begin() as connection:
+        command.upgrade(alembic_config(connection), "0004")
+    add_run_and_attempt(empty_engine, spec={"env": {"TRAINBOT_CHECKPOINT_PREFIX": "r-old"}})
+    add_run_and_attempt(
+        empty_engine, "r-2", "a-2", spec={"env": {"TRAINBOT_CHECKPOINT_PREFIX": "../r-x", "A": "1"}}
+    )
+    migrate(empty_engine)
+    with session_scope(empty_engine) as session:
+        first, second = session.get(Run, "r-1"), session.get(Run, "r-2")
+        assert first is not None and second is not None
+        assert (first.checkpoint_prefix, first.spec["env"]) == ("r-old", {})
+        assert (second.checkpoint_prefix, second.spec["env"]) == (None, {"A": "1"})
+    assert schema_diff(empty_engine) == []
+    with empty_engine.begin() as connection:
+        command.downgrade(alembic_config(connection), "0004")
+        spec = connection.execute(text("SELECT spec FROM runs WHERE id = 'r-1'")).scalar_one()
+    env = (spec if isinstance(spec, dict) else json.loads(spec))["env"]
+    assert env == {"TRAINBOT_CHECKPOINT_PREFIX": "r-old"}
 
 
 def test_upgrading_moves_metrics_rows_into_blocks_and_downgrading_moves_them_back(

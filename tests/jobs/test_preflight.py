@@ -43,6 +43,7 @@ from jobs.preflight import (
     target_steps,
 )
 from jobs.providers.base import (
+    Capabilities,
     InstanceInfo,
     InstanceStatus,
     LaunchRequest,
@@ -68,6 +69,9 @@ class CloudAnswers:
     """A Provider whose questions have fixed answers; it launches nothing."""
 
     name: str = "aws"
+    capabilities: Capabilities = field(
+        default_factory=lambda: Capabilities(runs_on_this_machine=False)
+    )
     quota_info: QuotaInfo = field(
         default_factory=lambda: QuotaInfo(
             limit=8, used=0, needed=1, unit="GPUs", ok=True, detail="8 A100 GPUs in us-east-1"
@@ -559,8 +563,13 @@ def test_disabled_dry_run_warns(tmp_path: Path, local: LocalProvider) -> None:
 def test_dry_run_of_a_script_without_the_session_api_fails(
     tmp_path: Path, local: LocalProvider
 ) -> None:
-    job = spec(command=[sys.executable, "-c", "print('no checkpoints here')"], dry_run={"steps": 2})
+    """The local provider's instances run on this machine, so its dry run runs here too."""
+    ran = tmp_path / "ran"
+    script = f"open({str(ran)!r}, 'w').close(); print('no checkpoints here')"
+    job = spec(command=[sys.executable, "-c", script], dry_run={"steps": 2})
+    assert local.capabilities.runs_on_this_machine
     got = DryRunCheck(timeout_s=60).run(context(tmp_path, job, local), prior={})
+    assert ran.exists(), "the local provider's dry run runs the command on this machine"
     assert got.status is Status.FAIL
     assert "session API" in got.detail and "trainbot-runner dry-run" in got.remedy
     assert got.data["ok"] is False

@@ -8,6 +8,7 @@ import pytest
 from jobs.errors import SpecError, TrainbotError
 from jobs.settings import SHIPPED_SPECS_DIR
 from jobs.spec import (
+    TUNABLE_ENV,
     JobSpec,
     KeepBest,
     apply_overrides,
@@ -332,3 +333,154 @@ def test_malformed_overrides(specs_dir: Path, override: str, expected: str) -> N
 
 def test_spec_error_is_a_trainbot_error() -> None:
     assert issubclass(SpecError, TrainbotError)
+
+
+# --- hostile input: aliases, size, quoted values --------------------------------------
+
+
+def alias_bomb(levels: int = 9) -> str:
+    """The reported override: each level lists the one before nine times (9**levels)."""
+    lists = ["&l0 [x,x,x,x,x,x,x,x,x]"]
+    lists += [f"&l{i} [{','.join([f'*l{i - 1}'] * 9)}]" for i in range(1, levels)]
+    return f"notify.oncall_group=[{', '.join(lists)}]"
+
+
+def test_an_alias_bomb_override_is_refused_before_it_expands(specs_dir: Path) -> None:
+    bomb = alias_bomb()
+    assert len(bomb) < 400
+    message = spec_error(specs_dir, overrides=(bomb,))
+    assert "aliases (*name) are not allowed in overrides: write the value out" in message
+    assert len(message) < 1024
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["notify.channel=*x", "notify.channel=&x C1", "budget.thresholds=[&a 50, *a]"],
+)
+def test_anchors_and_aliases_are_refused_in_overrides(specs_dir: Path, override: str) -> None:
+    assert "aliases (*name) are not allowed in overrides" in spec_error(
+        specs_dir, overrides=(override,)
+    )
+
+
+def test_anchors_and_aliases_are_refused_in_spec_files(specs_dir: Path) -> None:
+    write_spec(
+        specs_dir,
+        "aliased",
+        "command: python t.py\nresources: &r\n  cloud: local\nnotify:\n  channel: *r\n",
+    )
+    message = spec_error(specs_dir, "aliased")
+    assert "aliases (*name) are not allowed in a spec file" in message
+    assert "aliased.yaml" in message
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("notify.channel=" + "x" * 1_000_000, "is too long"),
+        ("budget.thresholds=[" + ",".join(["1"] * 100_000) + "]", "is too long"),
+        ("budget.thresholds=[" + ",".join(["1"] * 20_000) + "]", "more than 10,000 items"),
+        ("budget.usd=" + "[" * 5_000 + "]" * 5_000, "nested more than"),
+    ],
+    ids=["1MB-string", "100k-list", "20k-list", "deep"],
+)
+def test_a_huge_value_is_refused_with_a_short_message(
+    specs_dir: Path, override: str, expected: str
+) -> None:
+    message = spec_error(specs_dir, overrides=(override,))
+    assert expected in message
+    assert len(message) < 1024
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["budget.thresholds=[" + "9" * 5_000 + "]", "budget.usd=2024-02-30"],
+    ids=["int-past-digit-limit", "impossible-date"],
+)
+def test_a_scalar_python_cannot_hold_is_a_spec_error(specs_dir: Path, override: str) -> None:
+    message = spec_error(specs_dir, overrides=(override,))
+    assert "the value is not valid YAML" in message
+    assert len(message) < 1024
+
+
+def test_validation_errors_quote_clipped_values(specs_dir: Path) -> None:
+    long_list = "[" + ",".join(["x"] * 5_000) + "]"
+    message = spec_error(
+        specs_dir,
+        overrides=(
+            "resources.cloud=" + "a" * 5_000,
+            "checkpoint.interval=" + "soon" * 1_000,
+            f"env.A={long_list}",
+        ),
+    )
+    assert "resources.cloud: expected one of 'local', 'aws' or 'gcp' (got 'aaaa" in message
+    assert "… (5000 characters)" in message
+    assert "checkpoint.interval: expected a duration" in message
+    assert "… (4000 characters)" in message
+    assert "env.A: expected text (got ['x', 'x'" in message
+    assert "… (5000 items)" in message
+    assert len(message) < 2048
+
+
+def test_many_problems_are_counted_not_all_listed(specs_dir: Path) -> None:
+    override = "budget.thresholds=[" + ",".join(["x"] * 5_000) + "]"
+    with pytest.raises(SpecError) as caught:
+        load_spec("gpt-small", specs_dir=specs_dir, overrides=[override])
+    assert len(caught.value.problems) == 5_000
+    assert "has 5000 problems" in str(caught.value)
+    assert "and 4990 more" in str(caught.value)
+    assert len(str(caught.value)) < 4096
+
+
+def test_a_long_unknown_key_is_clipped(specs_dir: Path) -> None:
+    message = spec_error(specs_dir, overrides=("k" * 50_000 + "=1",))
+    assert "unknown key 'kkkk" in message and "… (50000 characters)" in message
+    assert len(message) < 1024
+
+
+# --- env -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name", ["TRAINBOT_CHECKPOINT_PREFIX", "TRAINBOT_TOKEN", "trainbot_run_id"]
+)
+def test_trainbot_env_is_reserved(specs_dir: Path, name: str) -> None:
+    with pytest.raises(SpecError) as caught:
+        load_spec("gpt-small", specs_dir=specs_dir, overrides=[f"env.{name}=x"])
+    assert caught.value.key_paths == [f"env.{name}"]
+    assert f"env.{name}: is reserved" in str(caught.value)
+    assert f"(from override 'env.{name}=x')" in str(caught.value)
+
+
+def test_trainbot_env_is_reserved_in_spec_files(specs_dir: Path) -> None:
+    write_spec(specs_dir, "sneaky", "command: python t.py\nenv:\n  TRAINBOT_TOKEN: stolen\n")
+    assert "env.TRAINBOT_TOKEN: is reserved" in spec_error(specs_dir, "sneaky")
+
+
+def test_a_stored_spec_with_trainbot_env_still_loads() -> None:
+    # A resubmit stores TRAINBOT_CHECKPOINT_PREFIX in the new run's spec itself.
+    stored = parse_spec({"command": "python t.py"}, name="t").model_dump(mode="json")
+    stored["env"] = {"TRAINBOT_CHECKPOINT_PREFIX": "r-old"}
+    assert JobSpec.model_validate(stored).env == {"TRAINBOT_CHECKPOINT_PREFIX": "r-old"}
+
+
+@pytest.mark.parametrize("name", ["bad-name", "1ABC", "A B", "é"])
+def test_env_names_are_shell_identifiers(specs_dir: Path, name: str) -> None:
+    message = spec_error(specs_dir, overrides=(f"env.{name}=x",))
+    assert "is not an environment variable name" in message
+
+
+def test_env_values_hold_no_nul(specs_dir: Path) -> None:
+    message = spec_error(specs_dir, overrides=('env.A="a\\0b"',))
+    assert "env.A: contains a NUL byte" in message
+
+
+def test_a_plain_env_override_works(specs_dir: Path) -> None:
+    spec = load_spec("gpt-small", specs_dir=specs_dir, overrides=["env.GOOD=x", "env._B2=7"])
+    assert spec.env == {"GOOD": "x", "_B2": "7"}
+
+
+def test_shipped_specs_set_only_tunable_trainbot_env() -> None:
+    for name in list_specs(SHIPPED_SPECS_DIR):
+        env = load_spec(name, specs_dir=SHIPPED_SPECS_DIR).env
+        assert {key for key in env if key.startswith("TRAINBOT_")} <= TUNABLE_ENV

@@ -997,8 +997,11 @@ def test_control_plane_policy_is_least_privilege() -> None:
     ), "only reads (and decoding denials) apply to every resource"
 
 
-def test_runner_policy_covers_only_the_checkpoint_prefix() -> None:
-    statements = _statements(ROOT / "deploy/aws/runner-instance-policy.json")
+def test_runner_storage_policy_covers_only_the_checkpoint_prefix() -> None:
+    """The runner storage role (which each run's session policy narrows further to its own
+    run) reaches the checkpoint prefix and nothing else; the instance profile, which the
+    training code shares, reaches no checkpoint at all."""
+    statements = _statements(ROOT / "deploy/aws/runner-storage-policy.json")
     actions = sorted(a for s in statements for a in _listed(s["Action"]))
     assert actions == sorted(
         [
@@ -1007,8 +1010,11 @@ def test_runner_policy_covers_only_the_checkpoint_prefix() -> None:
             "s3:PutObject",
             "s3:DeleteObject",
             "s3:AbortMultipartUpload",
+            "s3:ListMultipartUploadParts",
         ]
     )
+    instance = (ROOT / "deploy/aws/runner-instance-policy.json").read_text()
+    assert "CHECKPOINT_BUCKET" not in instance
     for s in statements:
         for resource in _listed(s["Resource"]):
             assert resource.startswith("arn:aws:s3:::CHECKPOINT_BUCKET")

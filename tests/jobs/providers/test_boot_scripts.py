@@ -1,0 +1,290 @@
+"""The boot scripts with hostile values: nothing from a spec runs as root, or at all.
+
+The AWS user data is rendered by the provider's own ``render_user_data`` (what ``launch``
+sends) and the GCP instance is launched on the fake Compute API (what the startup script
+reads back from the metadata server); then the whole script runs under bash, with
+stand-ins for the root-only commands, pip and the runner. Every payload below would touch
+a file in ``owned/`` if any step read a value as shell or as template; the stand-in runner
+must receive the command and the environment byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import boto3
+import pytest
+from google.auth.credentials import AnonymousCredentials
+
+from jobs.providers.aws import AwsProvider
+from jobs.providers.base import ProviderError, ResourceRequest
+from jobs.providers.gcp import GcpProvider
+from tests.fakes.gce_api import FakeComputeApi
+from tests.jobs.providers.contract import launch_request
+
+AWS_T4 = ResourceRequest(
+    cloud="aws", region="us-east-1", accelerator_type="T4", accelerator_count=1
+)
+GCP_A100 = ResourceRequest(
+    cloud="gcp", region="us-central1", accelerator_type="A100", accelerator_count=1, spot=True
+)
+GCP_ZONE = "us-central1-a"
+
+# Names a spec may not give a variable: each would be shell, not a name, somewhere.
+BAD_NAMES = [
+    "",
+    "1X",
+    "A-B",
+    "A B",
+    "X=Y",
+    "X;touch owned",
+    "$(touch owned)",
+    "X\n",
+    "TRAINBOT_ENV_END\n",
+    "X\0",
+    "ÉTÉ",
+]
+
+
+def payloads(owned: Path) -> list[str]:
+    """Text that touches a file in ``owned`` if a shell, or a second template pass, reads it."""
+    x = owned / "x"
+    return [
+        "@@ENV@@",
+        "@@ENV@@ z",
+        "@@COMMAND@@",
+        "@@RUNNER_PACKAGE@@ @@SCRATCH_DIR@@",
+        f"a;touch {x}-semicolon;b",
+        f"$(touch {x}-dollar)",
+        f"`touch {x}-backtick`",
+        f"'; touch {x}-quote; '",
+        f'it\'s "{x}" \\ $HOME ${{HOME}} *',
+        f"a\ntouch {x}-newline\nb",
+        f"a\rtouch {x}-return",
+        "TRAINBOT_ENV_END",
+        "-x",
+        "",
+    ]
+
+
+def hostile_env(owned: Path) -> dict[str, str]:
+    """One variable per payload that can live in a one-line file (AWS refuses line breaks)."""
+    x = owned / "x"
+    values = [p for p in payloads(owned) if "\n" not in p and "\r" not in p]
+    env = {f"HOSTILE_{i}": value for i, value in enumerate(values)}
+    env["SPLICE"] = f"a';touch {x}-splice;'b"
+    env["TRAINBOT_TOKEN"] = "tok-@@COMMAND@@-$(touch " + str(x) + "-token)"
+    return env
+
+
+def stand_in(path: Path, body: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(body)
+    path.chmod(0o755)
+
+
+RECORDER = (
+    "#!{python}\nimport json, os, sys\n"
+    "json.dump({{'argv': sys.argv[1:], 'env': dict(os.environ)}}, open({out!r}, 'w'))\n"
+)
+
+
+# -- AWS ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def aws() -> AwsProvider:
+    """Rendering the user data reads only the template: no AWS endpoint is asked."""
+    return AwsProvider(
+        region="us-east-1",
+        image_id="ami-00000000",
+        session=boto3.session.Session(
+            aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1"
+        ),
+    )
+
+
+def run_user_data(script: str, tmp_path: Path, *, installed: bool) -> str:
+    """Run the rendered user data as cloud-init would, in ``tmp_path``; its stderr.
+
+    The stand-in runner writes its argv and environment to ``tmp_path/ran.json``.
+
+    ``installed=False`` leaves the runner out, so the script creates the venv (a stand-in
+    ``python3``) and pip-installs the runner package (a stand-in ``pip`` that records it).
+    """
+    bin_dir, home, ran = tmp_path / "bin", tmp_path / "opt", tmp_path / "ran.json"
+    for name, body in {
+        "shutdown": f'echo "shutdown $*" >> {tmp_path / "shutdown"}',
+        "runuser": 'while [ "$1" != "--" ]; do shift; done; shift; exec "$@"',
+        "id": "exit 0",
+        "useradd": "exit 0",
+        "chgrp": "exit 0",
+        "chown": "exit 0",
+        "apt-get": "exit 1",
+    }.items():
+        stand_in(bin_dir / name, f"#!/bin/sh\n{body}\n")
+    runner = RECORDER.format(python=sys.executable, out=str(ran))
+    pip = (
+        f"#!{sys.executable}\nimport json, os, sys\n"
+        f"with open({str(tmp_path / 'pip.jsonl')!r}, 'a') as f: f.write(json.dumps(sys.argv[1:]) + '\\n')\n"
+        "bin_dir = os.path.dirname(os.path.abspath(sys.argv[0]))\n"
+        "path = os.path.join(bin_dir, 'trainbot-runner')\n"
+        f"open(path, 'w').write({runner!r}); os.chmod(path, 0o755)\n"
+    )
+    venv = (
+        f"#!{sys.executable}\nimport os, sys\n"
+        "if sys.argv[1:3] != ['-m', 'venv']: sys.exit(1)\n"
+        "os.makedirs(os.path.join(sys.argv[3], 'bin'), exist_ok=True)\n"
+        "path = os.path.join(sys.argv[3], 'bin', 'pip')\n"
+        f"open(path, 'w').write({pip!r}); os.chmod(path, 0o755)\n"
+    )
+    stand_in(bin_dir / "python3", venv)
+    if installed:
+        stand_in(home / "bin" / "trainbot-runner", runner)
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "TRAINBOT_BOOT_HOME": str(home),
+        "TRAINBOT_BOOT_ENV_FILE": str(tmp_path / "etc" / "runner.env"),
+        "TRAINBOT_BOOT_SCRATCH_DIR": str(tmp_path / "scratch"),
+        "TRAINBOT_BOOT_CONSOLE": str(tmp_path / "console"),
+    }
+    done = subprocess.run(["bash", "-c", script], env=env, capture_output=True, timeout=60)
+    return done.stderr.decode(errors="replace")
+
+
+@pytest.mark.parametrize("installed", [True, False], ids=["runner-installed", "fresh-image"])
+def test_aws_user_data_carries_hostile_values_as_data(
+    aws: AwsProvider, tmp_path: Path, installed: bool
+) -> None:
+    owned = tmp_path / "owned"
+    owned.mkdir()
+    command = ["trainbot-runner", "exec", "--", *payloads(owned)]
+    env = hostile_env(owned)
+    aws.runner_package = f"trainbot[runner] @@ENV@@ $(touch {owned / 'x'}-package)"
+    req = launch_request(AWS_T4, command, zone="us-east-1a", run_id="r-1", env=env)
+
+    stderr = run_user_data(aws.render_user_data(req), tmp_path, installed=installed)
+
+    assert sorted(os.listdir(owned)) == [], "a value ran as shell"
+    assert (tmp_path / "ran.json").exists(), stderr
+    ran = json.loads((tmp_path / "ran.json").read_text())
+    assert (tmp_path / "shutdown").read_text() == "shutdown -h now\n"
+    assert ran["argv"] == command[1:]
+    for key, value in env.items():
+        assert ran["env"][key] == value, key
+    assert ran["env"]["TRAINBOT_RUN_ID"] == "r-1"
+    if not installed:
+        installs = [json.loads(line) for line in (tmp_path / "pip.jsonl").read_text().splitlines()]
+        assert ["install", "--quiet", aws.runner_package] in installs
+
+
+@pytest.mark.parametrize("name", BAD_NAMES, ids=repr)
+def test_aws_refuses_a_variable_name_that_is_not_an_identifier(aws: AwsProvider, name: str) -> None:
+    req = launch_request(AWS_T4, ["trainbot-runner"], zone="us-east-1a", env={name: "v"})
+    with pytest.raises(ProviderError, match="not a valid variable name") as refused:
+        aws.render_user_data(req)
+    assert repr(name) in str(refused.value)
+    assert "letters, digits and underscores" in str(refused.value)
+
+
+@pytest.mark.parametrize("value", ["a\nb", "a\rb", "a\0b", "x\nTRAINBOT_ENV_END\nid"], ids=repr)
+def test_aws_refuses_a_value_the_environment_file_cannot_carry(
+    aws: AwsProvider, value: str
+) -> None:
+    req = launch_request(AWS_T4, ["trainbot-runner"], zone="us-east-1a", env={"X": value})
+    with pytest.raises(ProviderError, match="the value of X holds"):
+        aws.render_user_data(req)
+
+
+def test_aws_refuses_a_nul_in_the_command(aws: AwsProvider) -> None:
+    req = launch_request(AWS_T4, ["trainbot-runner", "a\0b"], zone="us-east-1a", env={})
+    with pytest.raises(ProviderError, match="NUL"):
+        aws.render_user_data(req)
+
+
+# -- GCP ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def gce() -> Iterator[FakeComputeApi]:
+    with FakeComputeApi() as api:
+        yield api
+
+
+@pytest.fixture
+def gcp(gce: FakeComputeApi) -> GcpProvider:
+    return GcpProvider(
+        project=gce.project,
+        region="us-central1",
+        api_endpoint=gce.url,
+        credentials=AnonymousCredentials(),
+        service_account="trainbot-runner@trainbot-test.iam.gserviceaccount.com",
+    )
+
+
+def test_gcp_startup_script_carries_hostile_values_as_data(
+    gcp: GcpProvider, gce: FakeComputeApi, tmp_path: Path
+) -> None:
+    owned = tmp_path / "owned"
+    owned.mkdir()
+    ran = tmp_path / "ran.json"
+    stand_in(tmp_path / "runner", RECORDER.format(python=sys.executable, out=str(ran)))
+    command = [str(tmp_path / "runner"), *payloads(owned)]
+    env = {**hostile_env(owned), "MULTILINE": f"a\ntouch {owned / 'x'}-env-newline\nb'"}
+    gcp.runner_package = f"trainbot[runner] $(touch {owned / 'x'}-package)"
+    info = gcp.launch(launch_request(GCP_A100, command, zone=GCP_ZONE, run_id="r-1", env=env))
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    stand_in(venv / "bin" / "trainbot-runner", "#!/bin/sh\n")
+    with gce.metadata_server(GCP_ZONE, info.instance_id.split("/", 1)[1]) as md_url:
+        done = subprocess.run(
+            ["bash", str(gcp.startup_script)],
+            env={
+                "PATH": os.environ["PATH"],
+                "TRAINBOT_GCE_METADATA_URL": md_url,
+                "TRAINBOT_STATE_DIR": str(tmp_path / "state"),
+                "TRAINBOT_VENV": str(venv),
+                "TRAINBOT_RUN_AS": "",
+                "TRAINBOT_HALT": "true",
+            },
+            capture_output=True,
+            timeout=60,
+        )
+    assert sorted(os.listdir(owned)) == [], "a value ran as shell"
+    assert ran.exists(), done.stderr.decode(errors="replace")
+    got = json.loads(ran.read_text())
+    assert got["argv"] == command[1:]
+    for key, value in env.items():
+        assert got["env"][key] == value, key
+
+
+@pytest.mark.parametrize("name", BAD_NAMES, ids=repr)
+def test_gcp_refuses_a_variable_name_that_is_not_an_identifier(
+    gcp: GcpProvider, gce: FakeComputeApi, name: str
+) -> None:
+    req = launch_request(GCP_A100, ["trainbot-runner"], zone=GCP_ZONE, env={name: "v"})
+    with pytest.raises(ProviderError, match="not a valid variable name") as refused:
+        gcp.launch(req)
+    assert repr(name) in str(refused.value)
+    assert "letters, digits and underscores" in str(refused.value)
+    assert gce.instances() == [], "refused before anything was started"
+
+
+@pytest.mark.parametrize(
+    "req_env, command",
+    [({"X": "a\0b"}, ["trainbot-runner"]), ({}, ["trainbot-runner", "a\0b"])],
+    ids=["env", "command"],
+)
+def test_gcp_refuses_a_nul(
+    gcp: GcpProvider, gce: FakeComputeApi, req_env: dict[str, str], command: list[str]
+) -> None:
+    req = launch_request(GCP_A100, command, zone=GCP_ZONE, env=req_env)
+    with pytest.raises(ProviderError, match="NUL"):
+        gcp.launch(req)
+    assert gce.instances() == [], "refused before anything was started"

@@ -1,0 +1,440 @@
+"""Security issue 1: with a cloud provider, a chat message runs nothing on the control plane.
+
+The control plane's machine holds the Slack secrets, the cloud credentials and the
+database. Each test gives a run a command that would leave a file behind on this machine
+(``touch``, ``sh -c 'touch …'``) and checks, after the preflight report and after the
+launch, that the file is not there: the dry run warns with the ``trainbot-runner
+dry-run`` command a person can run on their own machine, and the command goes to the
+cloud instance only. The providers are the real ones at their network edges: AWS on
+moto's server (as ``test_aws_control_plane.py``), GCP on the fake Compute API (as
+``providers/test_gcp.py``), and once through signed Slack HTTP, as the issue was reported.
+
+The local provider keeps running its dry run on this machine: see
+``test_preflight.py::test_dry_run_of_a_script_without_the_session_api_fails``.
+"""
+
+from __future__ import annotations
+
+import base64
+import shlex
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+from botocore.stub import Stubber
+from google.auth.credentials import AnonymousCredentials
+
+from jobs import service
+from jobs.bootstrap import ControlPlane
+from jobs.lifecycle import RunState
+from jobs.notify import CallbackJournal, CheckLine
+from jobs.preflight import (
+    BudgetCheck,
+    DataLocalityCheck,
+    DryRunCheck,
+    PreflightContext,
+    Status,
+    resource_request,
+    run_preflight,
+)
+from jobs.providers.aws import AwsProvider
+from jobs.providers.base import Provider
+from jobs.providers.gcp import GcpProvider
+from jobs.settings import load_settings
+from jobs.spec import JobSpec, parse_spec
+from runner.cli import build_parser
+from tests.fakes import aws as fake_aws
+from tests.fakes.gce_api import FakeComputeApi
+from tests.jobs import test_aws_control_plane as on_aws
+
+ADA = service.Actor(user="ada", channel="#ml")
+PUBLIC_URL = "https://trainbot.example.test"
+GCP_REGION = "us-central1"
+GCP_ZONES = ("us-central1-a", "us-central1-c", "us-central1-f")
+RUNNER_SA = "trainbot-runner@trainbot-test.iam.gserviceaccount.com"
+
+
+# -- the network edges -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def moto(moto_server: str) -> dict[str, Any]:
+    """moto's server with an AMI, the runner's instance profile and a checkpoint bucket."""
+    return {
+        "url": moto_server,
+        "image": fake_aws.image_id(moto_server),
+        "profile": fake_aws.instance_profile(moto_server),
+        "bucket": fake_aws.unique_bucket(moto_server, region=on_aws.REGION, prefix="ckpt"),
+    }
+
+
+@pytest.fixture
+def stubbers() -> Iterator[list[Stubber]]:
+    made: list[Stubber] = []
+    yield made
+    for stubber in made:
+        stubber.deactivate()
+
+
+@pytest.fixture
+def aws(moto: dict[str, Any], stubbers: list[Stubber]) -> AwsProvider:
+    """The AWS provider on moto, with the answers moto lacks (quotas, placement scores)."""
+    provider = on_aws.make_aws(moto, boto3.session.Session())
+    on_aws.stub_quotas(stubbers, provider, (on_aws.G_SPOT, 64), (on_aws.G_ON_DEMAND, 64))
+    on_aws.stub_scores(stubbers, provider, url=moto["url"], calls=4)
+    return provider
+
+
+@pytest.fixture
+def store_on_moto(monkeypatch: pytest.MonkeyPatch, moto: dict[str, Any]) -> str:
+    """The runner's S3 store reaches moto from this machine, as in the reported setup: a
+    dry run here would get as far as running the command. Returns the bucket."""
+    monkeypatch.setenv("TRAINBOT_S3_ENDPOINT_URL", moto["url"])
+    return str(moto["bucket"])
+
+
+@pytest.fixture
+def gce() -> Iterator[FakeComputeApi]:
+    with FakeComputeApi() as api:
+        yield api
+
+
+# -- helpers -----------------------------------------------------------------------------
+
+
+def touching(marker: Path) -> list[str]:
+    """A command that leaves ``marker`` behind wherever it runs, through a shell."""
+    return ["sh", "-c", f"touch {shlex.quote(str(marker))}"]
+
+
+def hint(checkpoint_uri: str, run_id: str, command: list[str], *, steps: int) -> str:
+    """The command preflight is expected to offer, built here from the runner's own flags."""
+    return shlex.join(
+        [
+            "trainbot-runner",
+            "dry-run",
+            "--steps",
+            str(steps),
+            "--mtbp",
+            "21600",
+            "--checkpoint-uri",
+            checkpoint_uri,
+            "--run-id",
+            f"{run_id}-dry-run",
+            "--",
+            *command,
+        ]
+    )
+
+
+def check_named(checks: tuple[CheckLine, ...], name: str) -> CheckLine:
+    return next(c for c in checks if c.name == name)
+
+
+@contextmanager
+def control_plane(
+    tmp_path: Path, provider: Provider, spec_yaml: str, **env: str
+) -> Iterator[tuple[ControlPlane, on_aws.Recorder]]:
+    """A real control plane (database, service layer, background work) on ``provider``,
+    with one spec, ``owned``."""
+    specs = tmp_path / "specs"
+    specs.mkdir(exist_ok=True)
+    (specs / "owned.yaml").write_text(spec_yaml)
+    settings = load_settings(
+        {
+            "TRAINBOT_STATE_DIR": str(tmp_path / "state"),
+            "TRAINBOT_SPECS_DIR": str(specs),
+            "TRAINBOT_PROVIDER": provider.name,
+            "TRAINBOT_INGEST_PORT": "0",
+            "TRAINBOT_PUBLIC_URL": PUBLIC_URL,
+            **env,
+        }
+    )
+    notes = on_aws.Recorder()
+    journal = CallbackJournal(lambda t, run, data: None)
+    cp = ControlPlane(settings, notifier=notes, journal=journal, provider=provider, scheduler=False)
+    with cp:
+        yield cp, notes
+
+
+def preflight_then_launch(cp: ControlPlane, notes: on_aws.Recorder, marker: Path) -> str:
+    """Submit ``owned``; check that the report is complete and nothing ran; launch anyway."""
+    run = service.submit(cp.deps, spec_name="owned", overrides=[], actor=ADA)
+    on_aws.wait_until(
+        lambda: on_aws.run_row(cp, run.id).state != RunState.PREFLIGHT, what="preflight"
+    )
+    assert not marker.exists(), "preflight ran the spec's command on the control plane"
+    assert on_aws.run_row(cp, run.id).state == RunState.AWAITING_CONFIRMATION
+    report = notes.preflight(run.id)
+    assert [c.name for c in report.checks] == ["quota", "capacity", "data", "dry_run", "budget"]
+    service.confirm(cp.deps, run.id, ADA)
+    on_aws.wait_until(lambda: on_aws.attempt_launched(cp, run.id, 1), what="attempt 1")
+    assert not marker.exists(), "the launch ran the spec's command on the control plane"
+    return run.id
+
+
+# -- through the service layer -----------------------------------------------------------
+
+
+def test_on_aws_preflight_and_launch_run_nothing_here(
+    tmp_path: Path, moto: dict[str, Any], aws: AwsProvider, store_on_moto: str
+) -> None:
+    marker = tmp_path / "owned"
+    command = touching(marker)
+    bucket = moto["bucket"]
+    spec_yaml = (
+        f"command: {command!r}\n"
+        "resources:\n  cloud: aws\n  accelerator: A10G:1\n"
+        f"  zones: [{', '.join(on_aws.ZONES)}]\n"
+        "budget:\n  usd: 50\n"
+        "dry_run:\n  enabled: true\n  local: true\n  steps: 3\n"
+    )
+    env = {"TRAINBOT_AWS_REGION": on_aws.REGION, "TRAINBOT_CHECKPOINT_URI": f"s3://{bucket}/ck"}
+    with control_plane(tmp_path, aws, spec_yaml, **env) as (cp, notes):
+        run_id = preflight_then_launch(cp, notes, marker)
+        report = notes.preflight(run_id)
+        dry = check_named(report.checks, "dry_run")
+        assert dry.status == "warn"
+        assert "never runs a spec's command on its own machine" in dry.detail
+        store = on_aws.run_row(cp, run_id).checkpoint_uri
+        assert store is not None and store.startswith(f"s3://{bucket}/ck")
+        assert f"`{hint(store, run_id, command, steps=3)}`" in dry.remedy
+        assert f"-- sh -c 'touch {marker}'" in dry.remedy
+        # Without the dry run's figures the budget and the interval do as with it disabled.
+        budget = check_named(report.checks, "budget")
+        assert budget.status == "pass" and "cannot estimate the cost" in budget.detail
+        assert report.interval_s is None and report.estimate_usd is None
+        # The command went to the instance, and only there.
+        [inst] = on_aws.instances_of(moto["url"], run_id)
+        user_data = fake_aws.client("ec2", moto["url"]).describe_instance_attribute(
+            InstanceId=inst["InstanceId"], Attribute="userData"
+        )
+        script = base64.b64decode(user_data["UserData"]["Value"]).decode()
+        assert shlex.join(command) in script, "the instance's boot script runs the command"
+        aws.terminate(inst["InstanceId"])
+    assert not marker.exists()
+
+
+def test_on_gcp_preflight_and_launch_run_nothing_here(tmp_path: Path, gce: FakeComputeApi) -> None:
+    marker = tmp_path / "owned"
+    command = ["touch", str(marker)]
+    gcp = GcpProvider(
+        project=gce.project,
+        region=GCP_REGION,
+        zones=list(GCP_ZONES),
+        api_endpoint=gce.url,
+        credentials=AnonymousCredentials(),
+        service_account=RUNNER_SA,
+    )
+    spec_yaml = (
+        f"command: {command!r}\n"
+        "resources:\n  cloud: gcp\n  accelerator: A100:1\n"
+        "budget:\n  usd: 50\n"
+        "dry_run:\n  local: true\n"
+    )
+    env = {
+        "TRAINBOT_GCP_PROJECT": gce.project,
+        "TRAINBOT_CHECKPOINT_URI": "gs://ckpt-bucket/default",
+    }
+    with control_plane(tmp_path, gcp, spec_yaml, **env) as (cp, notes):
+        run_id = preflight_then_launch(cp, notes, marker)
+        dry = check_named(notes.preflight(run_id).checks, "dry_run")
+        assert dry.status == "warn" and "with the gcp provider" in dry.detail
+        store = on_aws.run_row(cp, run_id).checkpoint_uri
+        assert store is not None and store.startswith("gs://ckpt-bucket/default")
+        expected = hint(store, run_id, command, steps=20)
+        assert f"`{expected}`" in dry.remedy
+        assert f"-- touch {marker}" in dry.remedy
+        assert len(gce.instances()) == 1, "the command went to a Compute Engine instance"
+    assert not marker.exists()
+
+
+# -- the checks themselves ---------------------------------------------------------------
+
+
+def aws_context(
+    tmp_path: Path, job: JobSpec, provider: Provider, *, store: str = "s3://ckpt/runs"
+) -> PreflightContext:
+    return PreflightContext(
+        spec=job,
+        run_id="r-cloud",
+        provider=provider,
+        request=resource_request(job),
+        checkpoint_uri=store,
+        mtbp_s=6 * 3600.0,
+        env={"PYTHONPATH": "/nowhere"},
+        workdir=tmp_path / "work",
+    )
+
+
+def test_dry_run_local_and_a_local_cloud_in_the_spec_cannot_force_a_run_here(
+    tmp_path: Path, moto: dict[str, Any], store_on_moto: str
+) -> None:
+    """The spec, which comes from chat, says where it wants to run; the provider decides."""
+    aws = on_aws.make_aws(moto, boto3.session.Session())
+    marker = tmp_path / "owned"
+    job = parse_spec(
+        {
+            "command": ["touch", str(marker)],
+            "env": {"WANDB_API_KEY": "hunter2"},
+            "data_uri": "s3://data/sample",
+            "resources": {"cloud": "local"},
+            "dry_run": {"local": True, "steps": 2},
+        },
+        name="tiny",
+    )
+    store = f"s3://{store_on_moto}/runs"
+    got = DryRunCheck(timeout_s=30).run(aws_context(tmp_path, job, aws, store=store), prior={})
+    assert not marker.exists()
+    assert got.status is Status.WARN and got.data["skipped"] is True
+    expected = (
+        "env TRAINBOT_DATA_URI=s3://data/sample trainbot-runner dry-run "
+        f"--steps 2 --mtbp 21600 --checkpoint-uri {store} --run-id r-cloud-dry-run "
+        f"-- touch {marker}"
+    )
+    assert got.data["command"] == expected and f"`{expected}`" in got.remedy
+    assert "spec's env (WANDB_API_KEY)" in got.remedy, "named, for the person to set"
+    assert "hunter2" not in repr(got), "the thread is no place for the env's values"
+    # The runner's own parser reads it as meant.
+    args = build_parser().parse_args(shlex.split(expected)[3:])
+    assert (args.cmd, args.steps, args.mtbp, args.checkpoint_uri, args.run_id) == (
+        "dry-run",
+        2,
+        21600.0,
+        store,
+        "r-cloud-dry-run",
+    )
+    assert args.command == ["--", "touch", str(marker)]
+    assert not (tmp_path / "work").exists(), "no scratch for a dry run that does not run"
+
+
+def test_a_dry_run_that_cannot_run_here_degrades_like_a_disabled_one(
+    tmp_path: Path, moto: dict[str, Any]
+) -> None:
+    aws = on_aws.make_aws(moto, boto3.session.Session())
+    base = {
+        "command": "python train.py --steps 1000",
+        "resources": {"cloud": "aws", "accelerator": "A10G:1"},
+        "max_hours": 3,
+    }
+    reports = {
+        enabled: run_preflight(
+            aws_context(
+                tmp_path, parse_spec({**base, "dry_run": {"enabled": enabled}}, name="t"), aws
+            ),
+            [DryRunCheck(), BudgetCheck()],
+        )
+        for enabled in (True, False)
+    }
+    on, off = reports[True], reports[False]
+    assert [r.status for r in on.results] == [Status.WARN, Status.PASS]
+    assert on.results[1] == off.results[1], "the budget check sees the same: no figures"
+    assert "no dry-run step time: max_hours as the upper bound" in on.results[1].detail
+    assert (on.estimate_usd, on.interval_s, on.expected_hours) == (
+        off.estimate_usd,
+        off.interval_s,
+        off.expected_hours,
+    )
+    assert on.expected_hours == 3 and on.interval_s is None
+
+
+def test_a_local_data_path_is_not_looked_up_here_for_a_cloud_provider(
+    tmp_path: Path, moto: dict[str, Any]
+) -> None:
+    """Even when the spec claims ``resources.cloud: local``: the answer would tell a chat
+    user which files exist on the control plane."""
+    aws = on_aws.make_aws(moto, boto3.session.Session())
+    secret = tmp_path / "secret.txt"
+    secret.write_text("x")
+    for path in (secret, tmp_path / "missing"):
+        job = parse_spec(
+            {"command": "true", "data_uri": str(path), "resources": {"cloud": "local"}}, name="t"
+        )
+        got = DataLocalityCheck().run(aws_context(tmp_path, job, aws), prior={})
+        assert got.status is Status.WARN, got.detail
+        assert "cannot be checked from here" in got.detail and "aws image" in got.remedy
+
+
+def test_the_providers_declare_where_their_instances_run(
+    tmp_path: Path, moto: dict[str, Any], gce: FakeComputeApi
+) -> None:
+    from jobs.providers.local import LocalProvider
+
+    aws = on_aws.make_aws(moto, boto3.session.Session())
+    gcp = GcpProvider(
+        project=gce.project,
+        region=GCP_REGION,
+        api_endpoint=gce.url,
+        credentials=AnonymousCredentials(),
+    )
+    assert not aws.capabilities.runs_on_this_machine
+    assert not gcp.capabilities.runs_on_this_machine
+    with LocalProvider(
+        tmp_path / "local", termination_window_s=7, mean_time_between_preemptions_s=900
+    ) as local:
+        caps = local.capabilities
+        assert caps.runs_on_this_machine
+        assert (caps.termination_window_s, caps.mean_time_between_preemptions_s) == (7, 900)
+    for provider in (aws, gcp, local):
+        assert isinstance(provider, Provider)
+
+
+# -- through signed Slack HTTP, as reported ----------------------------------------------
+
+
+def test_slash_train_preflight_with_a_command_override_runs_nothing_here(
+    tmp_path: Path, moto: dict[str, Any], aws: AwsProvider, store_on_moto: str
+) -> None:
+    """``/train preflight tiny "command=touch owned"`` on a control plane with AWS."""
+    from bot.slack_notifier import SlackNotifier
+    from bot.slack_wsgi import attach
+    from tests.bot import test_slack_app as on_slack
+    from tests.fakes.slack_api import FakeSlack
+
+    marker = tmp_path / "owned"
+    fake = FakeSlack(tokens=[on_slack.TOKEN], post_interval_s=0.02, burst=5).start()
+    hooks = on_slack.ResponseUrls()
+    notifier = SlackNotifier(fake.client(on_slack.TOKEN), min_interval_s=0.02, backoff_s=0.05)
+    settings = load_settings(
+        {
+            "TRAINBOT_STATE_DIR": str(tmp_path / "state"),
+            "TRAINBOT_INGEST_PORT": "0",
+            "TRAINBOT_NOTIFIER": "slack",
+            "TRAINBOT_SLACK_SIGNING_SECRET": on_slack.SECRET,
+            "TRAINBOT_SLACK_BOT_TOKEN": on_slack.TOKEN,
+            "TRAINBOT_ALLOWED_CHANNELS": on_slack.CHANNEL,
+            "TRAINBOT_PROVIDER": "aws",
+            "TRAINBOT_AWS_REGION": on_aws.REGION,
+            "TRAINBOT_CHECKPOINT_URI": f"s3://{store_on_moto}/default",
+            "TRAINBOT_PUBLIC_URL": PUBLIC_URL,
+        }
+    )
+    cp = ControlPlane(settings, notifier=notifier, provider=aws, scheduler=False)
+    front = attach(cp, client=fake.client(on_slack.TOKEN), notifier=notifier)
+    cp.start()
+    slack = on_slack.Slack(cp=cp, fake=fake, hooks=hooks, notifier=notifier, front=front)
+    try:
+        answer, path = slack.command(f'preflight tiny "command=touch {marker}"')
+        assert answer.status_code == 200
+        assert "nothing launches until you confirm" in str(hooks.wait(path))
+        run_id = slack.only_run()
+        on_slack.wait_until(
+            lambda: slack.state(run_id) != RunState.PREFLIGHT, what="the preflight report"
+        )
+        assert not marker.exists(), "a chat message ran a program on the control plane"
+        run = on_aws.run_row(cp, run_id)
+        assert run.preflight is not None
+        dry = next(r for r in run.preflight["results"] if r["name"] == "dry_run")
+        assert dry["status"] == "warn"
+        assert dry["remedy"].count("trainbot-runner dry-run") == 1
+        assert f"-- touch {marker}`" in dry["remedy"]
+    finally:
+        front.close()
+        cp.close()
+        notifier.close(timeout=5)
+        hooks.close()
+        fake.close()
+    assert not marker.exists()
