@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[runner,dev]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[server,torch,dev]'
 	touch $(STAMP)
 
 ## demo: the main job on the embedded defaults (SQLite, local spot provider, local store, terminal)

@@ -47,7 +47,8 @@ from bench._common import (
     temp_dir,
 )
 from runner.checkpoint import MANIFEST, list_committed, read_manifest, step_dir
-from runner.session import Session, SessionConfig, run_store
+from runner.session import Session, SessionConfig
+from runner.store import run_store
 
 GOAL = 1.5
 RUN_ID = "resume"

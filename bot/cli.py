@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import getpass
+import importlib.metadata
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -43,7 +45,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--timeout", type=float, default=900.0, help="give up after N seconds")
     sub.add_parser("shell", help="a terminal chat over the command layer")
-    sub.add_parser("serve", help="run the control plane until stopped")
+    serve = sub.add_parser("serve", help="run the control plane until stopped")
+    serve.add_argument(
+        "--host", help="address to listen on (default: TRAINBOT_INGEST_HOST, else 127.0.0.1)"
+    )
+    serve.add_argument(
+        "--port",
+        type=_port,
+        help="port to listen on; 0 picks a free one (default: TRAINBOT_INGEST_PORT, else 8787)",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     return p
 
@@ -58,12 +68,29 @@ def _shell() -> int:
         return Shell(cp.deps, user=getpass.getuser()).loop()
 
 
-def _serve() -> int:
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port: use 0-65535")
+    return port
+
+
+def _serve(host: str | None = None, port: int | None = None) -> int:
     from bot.console import ConsoleNotifier
     from jobs.bootstrap import ControlPlane
-    from jobs.settings import load_settings
+    from jobs.settings import ENV_PREFIX, load_settings
 
-    settings = load_settings()
+    # The flags win over the environment, as in uvicorn and gunicorn; the settings are
+    # validated with them (a public URL derived from the port, for one).
+    overrides = {
+        f"{ENV_PREFIX}INGEST_HOST": host,
+        f"{ENV_PREFIX}INGEST_PORT": None if port is None else str(port),
+    }
+    environ = {**os.environ, **{k: v for k, v in overrides.items() if v is not None}}
+    settings = load_settings(environ)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -138,12 +165,58 @@ def _serve_slack(settings: Settings, stop: threading.Event) -> int:
     return 0
 
 
+def missing_server_extra() -> list[str]:
+    """The distributions of the ``server`` extra that are not installed here.
+
+    Instances install the runner alone (``pip install trainbot``); the control plane's
+    dependencies come with ``trainbot[server]``. The list is read from the installed
+    metadata, so it is pyproject's own; a source tree without metadata reports nothing.
+    """
+    try:
+        requirements = importlib.metadata.requires("trainbot") or []
+    except importlib.metadata.PackageNotFoundError:
+        return []
+    missing: list[str] = []
+    for requirement in requirements:
+        spec, _, marker = requirement.partition(";")
+        name = re.match(r"[A-Za-z0-9._-]+", spec.strip())
+        if name is None or not re.search(r"""extra\s*==\s*["']server["']""", marker):
+            continue
+        try:
+            importlib.metadata.distribution(name.group(0))
+        except importlib.metadata.PackageNotFoundError:
+            missing.append(name.group(0))
+    return missing
+
+
+def _configure_logging(*, verbose: bool) -> None:
+    """Logs to stderr as TRAINBOT_LOG_FORMAT says (jobs.logs), the settings' secrets
+    redacted by value. Settings that do not validate are reported by the command itself;
+    the logs then use the defaults and redact by pattern only."""
+    from jobs.logs import configure_logging, secret_values
+    from jobs.settings import load_settings
+
+    level = logging.INFO if verbose else os.environ.get("TRAINBOT_LOG_LEVEL", "WARNING")
+    try:
+        settings = load_settings()
+    except SettingsError:
+        configure_logging(level=level)
+        return
+    configure_logging(settings.log_format, level=level, secrets=secret_values(settings))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else os.environ.get("TRAINBOT_LOG_LEVEL", "WARNING"),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    missing = missing_server_extra()
+    if missing:
+        print(
+            f"trainbot: `trainbot {args.cmd}` runs the control plane, which is not installed "
+            f"here (missing {', '.join(missing)}); this install has the runner only "
+            "(trainbot-runner). Install the control plane with: pip install 'trainbot[server]'",
+            file=sys.stderr,
+        )
+        return 2
+    _configure_logging(verbose=args.verbose)
     try:
         if args.cmd == "demo":
             from bot.demo import run_demo
@@ -151,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             return run_demo(events=args.events, state_dir=args.state_dir, timeout_s=args.timeout)
         if args.cmd == "shell":
             return _shell()
-        return _serve()
+        return _serve(host=args.host, port=args.port)
     except (TrainbotError, BotError) as exc:
         print(f"trainbot: {exc}", file=sys.stderr)
         return 2

@@ -17,12 +17,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+from runner.duration import parse_duration as runner_duration
+
 __all__ = [
     "MAX_SNOOZE_S",
     "USAGE",
     "Ack",
     "BotError",
-    "Budget",
+    "BudgetCommand",
     "Cleanup",
     "Command",
     "CommandError",
@@ -35,7 +37,7 @@ __all__ = [
     "Resubmit",
     "Snooze",
     "Spend",
-    "Status",
+    "StatusCommand",
     "Stop",
     "UserRef",
     "help_text",
@@ -97,7 +99,7 @@ class Preflight(Command):
 
 
 @dataclass(frozen=True)
-class Status(Command):
+class StatusCommand(Command):
     """Show a run's state, step, spend and alerts; without a run, a summary of yours.
 
     Example: /train status r-7f3a2c
@@ -213,7 +215,7 @@ class Spend(Command):
 
 
 @dataclass(frozen=True)
-class Budget(Command):
+class BudgetCommand(Command):
     """Show run and team budgets, what is spent, and the alert thresholds.
 
     Example: /train budget
@@ -283,11 +285,8 @@ _ALERT_ID = re.compile(r"al-[a-z0-9]{1,64}", re.ASCII)
 # The same names jobs/spec.py accepts, so a bad one fails here, with the usage line.
 _SPEC = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]{0,127}", re.ASCII)
 _OVERRIDE_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_\-]*(\.[A-Za-z0-9_\-]+)*", re.ASCII)
-_DURATION_PART = re.compile(r"([0-9]+)([smhd])", re.ASCII)
-_DURATION = re.compile(r"([0-9]+[smhd])+", re.ASCII)
 _MENTION = re.compile(r"<@([A-Za-z0-9]+)(?:\|([^<>|]+))?>", re.ASCII)
 _AT_NAME = re.compile(r"@([A-Za-z0-9][A-Za-z0-9._\-]{0,79})", re.ASCII)
-_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 # Slack and phones turn straight quotes into curly ones; shlex only knows the straight kind.
 _QUOTES = str.maketrans({"“": '"', "”": '"', "‘": "'", "’": "'"})
 
@@ -362,17 +361,21 @@ def _spec_and_overrides(
 
 
 def parse_duration(text: str) -> int:
-    """Seconds in ``90s``, ``30m``, ``2h``, ``1d`` or ``1h30m``, bounded by MAX_SNOOZE_S."""
-    lowered = text.lower()
-    if not _DURATION.fullmatch(lowered):
+    """Whole seconds in ``90s``, ``30m``, ``2h``, ``1d`` or ``1h30m``, up to MAX_SNOOZE_S.
+
+    The unit is required: in chat, a bare ``30`` could mean minutes.
+    """
+    try:
+        value = runner_duration(text, unit_required=True)
+    except ValueError:
         raise CommandError(
             f"{_show(text)} is not a duration; write a number and a unit (s, m, h or d): 30m, 2h."
-        )
-    seconds = sum(int(n) * _UNIT_S[u] for n, u in _DURATION_PART.findall(lowered))
+        ) from None
+    if value > MAX_SNOOZE_S:
+        raise CommandError(f"{_show(text)} is longer than 7 days; snooze for 7d at most.")
+    seconds = round(value)
     if seconds <= 0:
         raise CommandError(f"{_show(text)} is zero; snooze for at least 1s.")
-    if seconds > MAX_SNOOZE_S:
-        raise CommandError(f"{_show(text)} is longer than 7 days; snooze for 7d at most.")
     return seconds
 
 
@@ -400,8 +403,8 @@ def _parse_preflight(args: Sequence[str]) -> Command:
 
 
 def _parse_status(args: Sequence[str]) -> Command:
-    _at_most(Status, args, 1)
-    return Status(run=_run_id(Status, args[0]) if args else None)
+    _at_most(StatusCommand, args, 1)
+    return StatusCommand(run=_run_id(StatusCommand, args[0]) if args else None)
 
 
 def _parse_list(args: Sequence[str]) -> Command:
@@ -444,8 +447,8 @@ def _parse_spend(args: Sequence[str]) -> Command:
 
 
 def _parse_budget(args: Sequence[str]) -> Command:
-    _no_args(Budget, args)
-    return Budget()
+    _no_args(BudgetCommand, args)
+    return BudgetCommand()
 
 
 def _parse_oncall(args: Sequence[str]) -> Command:
@@ -474,7 +477,7 @@ def _parse_help(args: Sequence[str]) -> Command:
 _PARSERS: dict[str, tuple[type[Command], Callable[[Sequence[str]], Command]]] = {
     "launch": (Launch, _parse_launch),
     "preflight": (Preflight, _parse_preflight),
-    "status": (Status, _parse_status),
+    "status": (StatusCommand, _parse_status),
     "list": (ListRuns, _parse_list),
     "stop": (Stop, lambda args: Stop(run=_one_run(Stop, args))),
     "resubmit": (Resubmit, lambda args: Resubmit(run=_one_run(Resubmit, args))),
@@ -482,7 +485,7 @@ _PARSERS: dict[str, tuple[type[Command], Callable[[Sequence[str]], Command]]] = 
     "ack": (Ack, _parse_ack),
     "snooze": (Snooze, _parse_snooze),
     "spend": (Spend, _parse_spend),
-    "budget": (Budget, _parse_budget),
+    "budget": (BudgetCommand, _parse_budget),
     "oncall": (Oncall, _parse_oncall),
     "cleanup": (Cleanup, _parse_cleanup),
     "help": (Help, _parse_help),

@@ -14,7 +14,7 @@ from typing import Any
 from bot import messages
 from bot.commands import (
     Ack,
-    Budget,
+    BudgetCommand,
     Cleanup,
     Command,
     CommandError,
@@ -27,7 +27,7 @@ from bot.commands import (
     Resubmit,
     Snooze,
     Spend,
-    Status,
+    StatusCommand,
     Stop,
     help_text,
     parse,
@@ -93,7 +93,7 @@ def _dispatch(deps: Deps, command: Command, actor: Actor, *, key: str | None) ->
         )
         say = messages.submitted if launch else messages.preflight_only
         return Reply(text=say(run.id, run.spec_name), run_id=run.id)
-    if isinstance(command, Status):
+    if isinstance(command, StatusCommand):
         cards = service.status(deps, command.run, actor)
         return Reply(text=messages.run_list(cards, "active"), run_id=command.run)
     if isinstance(command, ListRuns):
@@ -116,7 +116,7 @@ def _dispatch(deps: Deps, command: Command, actor: Actor, *, key: str | None) ->
     if isinstance(command, Spend):
         report = service.spend_report(deps, command.period, actor)
         return Reply(text=messages.spend_report(report), data=report)
-    if isinstance(command, Budget):
+    if isinstance(command, BudgetCommand):
         return Reply(text=messages.budget_table(service.budgets(deps, actor)))
     if isinstance(command, Oncall):
         user = None

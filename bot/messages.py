@@ -7,11 +7,12 @@ functions, so both front ends say the same thing.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
+from jobs.format import clock, percent, usd
+from jobs.format import loss as fmt_loss
 from jobs.notify import (
     AlertMessage,
     DigestMessage,
@@ -38,27 +39,13 @@ STATE_WORD = {
 }
 
 
-def usd(value: float | None) -> str:
-    if value is None:
-        return "n/a"
-    return f"${value:,.2f}" if value >= 0.01 or value == 0 else f"${value:.4f}"
-
-
-def pct(value: float | None) -> str:
-    return "n/a" if value is None else f"{100 * value:.1f}%"
-
-
-def when(value: datetime | None) -> str:
-    return value.strftime("%H:%M UTC") if value else "n/a"
-
-
 def run_card(card: RunCard) -> str:
     progress = ""
     if card.step is not None:
         progress = f" · step {card.step}" + (f"/{card.target_steps}" if card.target_steps else "")
     loss = ""
     if card.loss is not None:
-        loss = " · loss " + ("NaN" if math.isnan(card.loss) else f"{card.loss:.4g}")
+        loss = f" · loss {fmt_loss(card.loss)}"
     budget = f" of {usd(card.budget_usd)}" if card.budget_usd else ""
     where = f" · {card.instance_id} in {card.zone}" if card.instance_id else ""
     attempt = f" · attempt {card.attempt}" if card.attempt else ""
@@ -135,7 +122,7 @@ def alert_escalated(group: str) -> str:
 
 
 def alert_acknowledged(user: str | None, at: datetime | None) -> str:
-    return f"Acknowledged by {user} at {when(at)}."
+    return f"Acknowledged by {user} at {clock(at)}."
 
 
 def alert_resolved() -> str:
@@ -143,7 +130,7 @@ def alert_resolved() -> str:
 
 
 def alert_snoozed(until: datetime | None) -> str:
-    return f"Snoozed until {when(until)}."
+    return f"Snoozed until {clock(until)}."
 
 
 def confirm_stop(run_id: str) -> str:
@@ -157,7 +144,7 @@ def digest(msg: DigestMessage) -> str:
         f"{digest_title(msg.channel, f.get('date', ''))}:",
         f"  {f.get('day_label', 'yesterday')} {usd(f.get('day_usd'))} · month to date "
         f"{usd(f.get('month_to_date_usd'))}",
-        f"  preemptions {f.get('preemptions', 0)} · goodput {pct(f.get('goodput'))} · "
+        f"  preemptions {f.get('preemptions', 0)} · goodput {percent(f.get('goodput'))} · "
         f"GPU-hours lost {f.get('gpu_hours_lost', 0):.2f} · instance-hours lost "
         f"{f.get('instance_hours_lost', 0):.3f}",
     ]
@@ -178,7 +165,7 @@ def digest_run_line(row: Mapping[str, Any]) -> str:
     return (
         f"{row.get('run_id')} {row.get('spec', '')} ({row.get('requester', '')}): "
         f"{usd(row.get('usd'))}, {row.get('preemptions', 0)} preemption(s), "
-        f"goodput {pct(row.get('goodput'))}, {str(row.get('state', '')).lower()}"
+        f"goodput {percent(row.get('goodput'))}, {str(row.get('state', '')).lower()}"
     )
 
 
@@ -265,7 +252,7 @@ def acked(alert_id: str, user: str) -> str:
 
 
 def snoozed(alert_id: str, until: datetime | None) -> str:
-    return f"Alert {alert_id} snoozed until {when(until)}."
+    return f"Alert {alert_id} snoozed until {clock(until)}."
 
 
 def run_list(cards: Sequence[RunCard], scope: str) -> str:
@@ -280,7 +267,7 @@ def spend_report(report: Mapping[str, Any]) -> str:
     lines = [
         f"Spend this {report.get('period', 'day')} (since {report.get('first_date', '')}): "
         f"{usd(report.get('usd'))} · preemptions {report.get('preemptions', 0)} · "
-        f"goodput {pct(report.get('goodput'))}"
+        f"goodput {percent(report.get('goodput'))}"
     ]
     for row in report.get("per_run", [])[:15]:
         lines.append(f"  {row.get('run_id')} ({row.get('requester', '')}): {usd(row.get('usd'))}")

@@ -261,6 +261,16 @@ class SlackNotifier:
         with self._cond:
             return dict(self._metrics)
 
+    def queue_depths(self) -> dict[str, int]:
+        """Messages waiting per channel, the one in flight included (a
+        :class:`jobs.prometheus.PostQueue`, with :attr:`metrics` for the 429s)."""
+        with self._cond:
+            depths = {channel: len(queue) for channel, queue in self._queues.items() if queue}
+            if self._in_flight is not None:
+                channel = self._in_flight.channel
+                depths[channel] = depths.get(channel, 0) + 1
+            return depths
+
     @property
     def pending(self) -> int:
         with self._cond:

@@ -26,12 +26,13 @@ its submission.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from bot import messages
+from jobs.format import loss as fmt_loss
+from jobs.format import percent, usd
 from jobs.notify import (
     AlertMessage,
     DigestMessage,
@@ -206,16 +207,6 @@ def _fit(blocks: list[Block], limit: int = MAX_BLOCKS) -> list[Block]:
     return [*blocks[: limit - 1], context(messages.more_not_shown(left_out, "blocks"))]
 
 
-def _loss(loss: float | None) -> str:
-    if loss is None:
-        return "n/a"
-    if math.isnan(loss):
-        return "NaN"
-    if math.isinf(loss):
-        return "inf" if loss > 0 else "-inf"
-    return f"{loss:.4g}"
-
-
 # ----------------------------------------------------------------------------- messages
 
 
@@ -232,10 +223,10 @@ def run_card(card: RunCard) -> list[Block]:
     step = "n/a" if card.step is None else str(card.step)
     if card.step is not None and card.target_steps:
         step += f" / {card.target_steps}"
-    spend = messages.usd(card.spent_usd)
+    spend = usd(card.spent_usd)
     if card.budget_usd:
-        share = messages.pct(card.spent_usd / card.budget_usd)
-        spend += f" of {messages.usd(card.budget_usd)} ({share})"
+        share = percent(card.spent_usd / card.budget_usd)
+        spend += f" of {usd(card.budget_usd)} ({share})"
     where = "n/a"
     if card.instance_id:
         where = escape(card.instance_id) + (f" in {escape(card.zone)}" if card.zone else "")
@@ -243,7 +234,7 @@ def run_card(card: RunCard) -> list[Block]:
         f"*Status*\n{escape(state)}",
         f"*Attempt*\n{card.attempt or 'n/a'}",
         f"*Step*\n{step}",
-        f"*Loss*\n{_loss(card.loss)}",
+        f"*Loss*\n{fmt_loss(card.loss)}",
         f"*Spend*\n{spend}",
         f"*Instance*\n{where}",
     ]
@@ -375,10 +366,10 @@ def digest(msg: DigestMessage) -> list[Block]:
     f = msg.figures
     title = messages.digest_title(channel_mention(msg.channel), escape(str(f.get("date", ""))))
     fields = [
-        f"*{str(f.get('day_label', 'yesterday')).capitalize()}*\n{messages.usd(f.get('day_usd'))}",
-        f"*Month to date*\n{messages.usd(f.get('month_to_date_usd'))}",
+        f"*{str(f.get('day_label', 'yesterday')).capitalize()}*\n{usd(f.get('day_usd'))}",
+        f"*Month to date*\n{usd(f.get('month_to_date_usd'))}",
         f"*Preemptions*\n{f.get('preemptions', 0)}",
-        f"*Goodput*\n{messages.pct(f.get('goodput'))}",
+        f"*Goodput*\n{percent(f.get('goodput'))}",
         f"*GPU-hours lost*\n{float(f.get('gpu_hours_lost') or 0):.2f}",
         f"*Instance-hours lost*\n{float(f.get('instance_hours_lost') or 0):.3f}",
     ]
@@ -387,8 +378,7 @@ def digest(msg: DigestMessage) -> list[Block]:
     if runs:
         blocks.append(section("*Per run*\n" + _bullets(runs)))
     users = [
-        f"{mention(str(row.get('user')))}: {messages.usd(row.get('usd'))}"
-        for row in f.get("per_user", [])
+        f"{mention(str(row.get('user')))}: {usd(row.get('usd'))}" for row in f.get("per_user", [])
     ]
     if users:
         blocks.append(section("*Per user*\n" + _bullets(users)))

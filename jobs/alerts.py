@@ -288,11 +288,6 @@ def open_alerts(session: Session, *, run_id: str | None = None) -> list[Alert]:
 # --- internals ------------------------------------------------------------------------
 
 
-def _severity(signal: Signal) -> Severity:
-    # The rules' enum is lower-case values; the table's is upper-case. Names match.
-    return Severity[signal.severity.name]
-
-
 def _at(when: datetime | None) -> str:
     return f" at {when:%Y-%m-%d %H:%M} UTC" if when is not None else ""
 
@@ -337,7 +332,7 @@ def _insert(
         rule=signal.rule,
         key=signal.key,
         dedupe_key=alert_dedupe_key(run_id, signal.rule, signal.key),
-        severity=_severity(signal),
+        severity=signal.severity,
         state=AlertState.OPEN,
         title=signal.title,
         detail=signal.detail,
@@ -371,9 +366,8 @@ def _repeat(
 ) -> None:
     alert.count += 1
     alert.last_seen = now
-    severity = _severity(signal)
-    if _RANK[severity] > _RANK[alert.severity]:
-        alert.severity = severity
+    if _RANK[signal.severity] > _RANK[alert.severity]:
+        alert.severity = signal.severity
     alert.title = signal.title
     alert.detail = signal.detail
     alert.hint = signal.hint

@@ -21,12 +21,13 @@ from jobs.deps import Deps, load_secret
 from jobs.ingest import IngestService
 from jobs.models import Run
 from jobs.notify import Journal, Notifier, NullJournal
-from jobs.providers import make_provider
+from jobs.providers import provider_from_settings
 from jobs.providers.base import Provider
 from jobs.rules import Rule, Signal, default_rules
 from jobs.runs import alert_config, alert_target, on_attempt_event, spec_of
 from jobs.scheduler import start_scheduler, stop_scheduler
 from jobs.server import ControlPlaneApp, CredentialBroker, ServerHandle, serve
+from jobs.service import resume_preflights
 from jobs.settings import Settings
 
 if TYPE_CHECKING:
@@ -39,48 +40,26 @@ STREAM_RULES = frozenset({"divergent_loss", "low_utilisation", "disk"})
 
 
 def build_provider(settings: Settings) -> Provider:
-    if settings.provider == "local":
-        return make_provider(
-            "local",
-            state_dir=settings.state_dir / "local",
-            termination_window_s=settings.local_termination_window_s,
-            spot_usd_per_hour=settings.local_price_per_hour_usd,
-            on_demand_usd_per_hour=settings.local_price_per_hour_usd * 3,
-            mean_time_between_preemptions_s=settings.local_mean_time_between_preemptions_s,
-            cores=settings.local_cores,
-            nice=settings.local_nice,
-        )
-    if settings.provider == "aws":
-        options: dict[str, Any] = {
-            "region": settings.aws_region,
-            "instance_profile": settings.aws_instance_profile,
-            "subnet_ids": settings.aws_subnet_ids,
-            "security_group_ids": settings.aws_security_group_ids,
-            "image_id": settings.aws_image_id,
-            "endpoint_url": settings.aws_endpoint_url,
-        }
-    else:
-        options = {
-            "project": settings.gcp_project,
-            "region": settings.gcp_region,
-            "zones": settings.gcp_zones or None,
-            "service_account": settings.gcp_service_account,
-            "api_endpoint": settings.gcp_api_endpoint,
-        }
-    return make_provider(settings.provider, **{k: v for k, v in options.items() if v is not None})
+    """The provider the settings name, through the registry (``jobs.providers``)."""
+    return provider_from_settings(settings)
 
 
 def build_credential_broker(settings: Settings) -> CredentialBroker | None:
-    """The runners' checkpoint-credential broker: AWS with a storage role only."""
-    if settings.provider != "aws" or not settings.aws_runner_storage_role_arn:
-        return None
-    from jobs.providers.aws_credentials import StorageCredentialBroker
+    """The runners' checkpoint-credential broker: AWS with a storage role, GCP with a
+    runner-storage service account; otherwise none (runners use their instance's own)."""
+    if settings.provider == "aws" and settings.aws_runner_storage_role_arn:
+        from jobs.providers.aws.credentials import StorageCredentialBroker
 
-    return StorageCredentialBroker(
-        settings.aws_runner_storage_role_arn,
-        region=settings.aws_region,
-        endpoint_url=settings.aws_endpoint_url,
-    )
+        return StorageCredentialBroker(
+            settings.aws_runner_storage_role_arn,
+            region=settings.aws_region,
+            endpoint_url=settings.aws_endpoint_url,
+        )
+    if settings.provider == "gcp" and settings.gcp_runner_storage_service_account:
+        from jobs.providers.gcp.credentials import StorageTokenBroker
+
+        return StorageTokenBroker(service_account=settings.gcp_runner_storage_service_account)
+    return None
 
 
 def build_ingest(deps: Deps) -> IngestService:
@@ -164,6 +143,9 @@ class ControlPlane:
         self.server = serve(self.app, self.settings.ingest_host, self.settings.ingest_port)
         public = self.settings.public_url or self.server.url
         self.deps.ingest_url = public.rstrip("/") + "/v1/events"
+        resumed = resume_preflights(self.deps)
+        if resumed:
+            log.warning("preflight interrupted by a restart, running again: %s", resumed)
         if self._want_scheduler:
             self.scheduler = start_scheduler(self.deps, intervals=self._intervals)
         log.info("control plane listening on %s", self.server.url)
@@ -177,9 +159,7 @@ class ControlPlane:
         if self.server is not None:
             self.server.shutdown()
             self.server = None
-        close = getattr(self.deps.provider, "close", None)
-        if close is not None:
-            close()
+        self.deps.provider.close()
         self.deps.engine.dispose()
 
     def __enter__(self) -> ControlPlane:

@@ -159,7 +159,8 @@ class AlertState(str, Enum):
 
 
 class Severity(str, Enum):
-    """How loud an alert is; only ``CRITICAL`` escalates to the on-call group."""
+    """How loud an alert is, from the rule's signal to the stored row (one enum for both);
+    only ``CRITICAL`` escalates to the on-call group."""
 
     INFO = "INFO"
     WARNING = "WARNING"

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import unquote, urlparse
 
 from jobs.errors import TrainbotError
+from jobs.format import duration, size, usd
 from jobs.notify import CheckLine, PreflightMessage
 from jobs.providers.base import (
     PASSTHROUGH_ENV,
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_REGIONS",
     "DEFAULT_SPOT_MTBP_S",
+    "DRY_RUN_PID_FILE",
     "BudgetCheck",
     "CapacityCheck",
     "Check",
@@ -82,6 +84,10 @@ DEFAULT_REGIONS: Mapping[str, str] = {
     "aws": "us-east-1",
     "gcp": "us-central1",
 }
+
+#: In a run's preflight directory: the running dry run's process group, so a control
+#: plane restarted after a crash can end it (``runner.dryrun.end_stale_dry_run``).
+DRY_RUN_PID_FILE = "dry-run.pid"
 
 #: Command-line flags whose value is the run's total number of steps (argparse style).
 _STEP_FLAGS = ("--steps", "--max-steps", "--max_steps")
@@ -261,12 +267,11 @@ class CapacityCheck:
         self, ctx: PreflightContext, req: ResourceRequest, zones: Sequence[ZoneCapacity]
     ) -> CheckResult | None:
         """A FAIL when the provider says a launch in the best zone would be refused."""
-        probe = getattr(ctx.provider, "check_launch_permissions", None)
         ranked = _ranked(zones)
-        if probe is None or not ranked:
+        if not ctx.provider.capabilities.permission_probe or not ranked:
             return None
         try:
-            probe(req, zone=ranked[0].zone)
+            ctx.provider.check_launch_permissions(req, zone=ranked[0].zone)
         except ProviderError as exc:
             return CheckResult(
                 self.name,
@@ -438,6 +443,7 @@ class DryRunCheck:
                 timeout_s=self.timeout_s,
                 env=self._environment(ctx),
                 log_path=ctx.workdir / "dry-run.log",
+                pid_file=ctx.workdir / DRY_RUN_PID_FILE,
             )
         except RunnerError as exc:
             return CheckResult(
@@ -506,11 +512,11 @@ class DryRunCheck:
             data["interval_cost_s"] = choice.cost_s
             data["interval_mtbp_s"] = choice.mtbp_s
             data["interval_floor_s"] = choice.floor_s
-        stall = f", stalling the loop {_seconds(report.stall_s)}" if report.stall_s else ""
+        stall = f", stalling the loop {duration(report.stall_s)}" if report.stall_s else ""
         figures = (
-            f"{report.steps_before_kill} steps at {_seconds(report.step_time_s)} a step; "
-            f"checkpoint {_bytes(report.checkpoint_bytes)} written in {_seconds(report.write_s)}"
-            f"{stall}, restored bit-identical in {_seconds(report.restore_s)}; "
+            f"{report.steps_before_kill} steps at {duration(report.step_time_s)} a step; "
+            f"checkpoint {size(report.checkpoint_bytes)} written in {duration(report.write_s)}"
+            f"{stall}, restored bit-identical in {duration(report.restore_s)}; "
             f"checkpoint interval {_interval_text(ctx.spec, interval, choice)}"
         )
         if window is None:
@@ -521,15 +527,15 @@ class DryRunCheck:
             return CheckResult(
                 self.name,
                 Status.PASS,
-                f"{figures}; an emergency checkpoint fits the {_seconds(window)} "
+                f"{figures}; an emergency checkpoint fits the {duration(window)} "
                 "termination window",
                 data=data,
             )
         return CheckResult(
             self.name,
             Status.WARN,
-            f"{figures}; an emergency checkpoint of {_bytes(report.checkpoint_bytes)} does not "
-            f"fit the {ctx.provider.name} provider's {_seconds(window)} termination window, so a "
+            f"{figures}; an emergency checkpoint of {size(report.checkpoint_bytes)} does not "
+            f"fit the {ctx.provider.name} provider's {duration(window)} termination window, so a "
             "preemption loses the work since the last scheduled checkpoint",
             "make checkpoints smaller (shard them, drop what can be recomputed) or faster "
             "(a store in the same region), or accept losing up to one checkpoint interval "
@@ -601,10 +607,7 @@ def _termination_window_s(ctx: PreflightContext) -> float | None:
     The provider's own figure, else the runner's default for a cloud of the provider's
     name (what the runner on its instances assumes); never the spec's ``resources.cloud``.
     """
-    from runner.preemption import WINDOWS_S
-
-    declared = ctx.provider.capabilities.termination_window_s
-    return declared if declared is not None else WINDOWS_S.get(ctx.provider.name)
+    return ctx.provider.capabilities.termination_window_s
 
 
 def _emergency_fits(report: DryRunReport, window_s: float) -> bool:
@@ -663,11 +666,11 @@ def _interval_text(spec: JobSpec, interval: float | None, choice: IntervalChoice
     if interval is None:
         return "unknown (no checkpoint time measured)"
     if spec.checkpoint.interval_s is not None or choice is None:
-        return f"{_seconds(interval)} (from the spec)"
+        return f"{duration(interval)} (from the spec)"
     floor = " (the write time: one save at a time)" if interval <= choice.floor_s else ""
     return (
-        f"{_seconds(interval)}{floor}: Daly's optimum for {_seconds(choice.cost_s)} lost per "
-        f"save and a preemption losing work every {_seconds(choice.mtbp_s)}"
+        f"{duration(interval)}{floor}: Daly's optimum for {duration(choice.cost_s)} lost per "
+        f"save and a preemption losing work every {duration(choice.mtbp_s)}"
     )
 
 
@@ -712,7 +715,7 @@ class BudgetCheck:
         estimate = None if hours is None else hourly * instances * hours
         cap_usd = None if spec.max_hours is None else hourly * instances * spec.max_hours
         kind = "on-demand" if on_demand else "spot"
-        price_text = f"{_usd(hourly)}/h {kind} × {instances} instance(s)"
+        price_text = f"{usd(hourly)}/h {kind} × {instances} instance(s)"
         data: dict[str, Any] = {
             "estimate_usd": estimate,
             "expected_hours": hours,
@@ -732,7 +735,7 @@ class BudgetCheck:
                 return CheckResult(
                     self.name,
                     Status.PASS,
-                    f"{detail}; budget.usd {_usd(budget)} alerts at {_percentages(spec)}",
+                    f"{detail}; budget.usd {usd(budget)} alerts at {_percentages(spec)}",
                     data=data,
                 )
             return CheckResult(
@@ -743,7 +746,7 @@ class BudgetCheck:
                 "preflight can estimate the cost and alert on it",
                 data=data,
             )
-        detail = f"estimate {_usd(estimate)}: {price_text} × {hours:.2f} h ({basis})"
+        detail = f"estimate {usd(estimate)}: {price_text} × {hours:.2f} h ({basis})"
         if budget is None:
             return CheckResult(
                 self.name,
@@ -756,25 +759,25 @@ class BudgetCheck:
         remedies: list[str] = []
         if estimate > budget:
             stop = math.floor(100 * budget / estimate)
-            warnings.append(f"the estimate is above budget.usd {_usd(budget)}")
+            warnings.append(f"the estimate is above budget.usd {usd(budget)}")
             if spec.budget.hard_cap:
                 remedies.append(
-                    f"raise budget.usd to at least {_usd(estimate)}, or expect the hard cap to "
+                    f"raise budget.usd to at least {usd(estimate)}, or expect the hard cap to "
                     f"stop the run at about {stop}% of its work"
                 )
             else:
                 remedies.append(
-                    f"raise budget.usd to at least {_usd(estimate)}: without a hard cap the run "
+                    f"raise budget.usd to at least {usd(estimate)}: without a hard cap the run "
                     "will overspend, with alerts only"
                 )
         if cap_usd is not None and cap_usd > budget and not math.isclose(cap_usd, estimate):
             warnings.append(
-                f"max_hours {spec.max_hours:g} h allows {_usd(cap_usd)}, above budget.usd "
-                f"{_usd(budget)}"
+                f"max_hours {spec.max_hours:g} h allows {usd(cap_usd)}, above budget.usd "
+                f"{usd(budget)}"
             )
             remedies.append(
                 f"lower max_hours to {budget / (hourly * instances):.1f} h or raise budget.usd "
-                f"to {_usd(cap_usd)} so the two limits agree"
+                f"to {usd(cap_usd)} so the two limits agree"
             )
         if warnings:
             return CheckResult(
@@ -787,7 +790,7 @@ class BudgetCheck:
         return CheckResult(
             self.name,
             Status.PASS,
-            f"{detail}; within budget.usd {_usd(budget)} ({100 * estimate / budget:.0f}%)",
+            f"{detail}; within budget.usd {usd(budget)} ({100 * estimate / budget:.0f}%)",
             data=data,
         )
 
@@ -822,7 +825,7 @@ class BudgetCheck:
                 overhead += (flush_s + restore_s) / ctx.mtbp_s + interval / 2 / lossy_mtbp_s
         hours = steps * step_time * (1 + overhead) / 3600
         basis = (
-            f"{steps} steps × {_seconds(step_time)} from the dry run, "
+            f"{steps} steps × {duration(step_time)} from the dry run, "
             f"+{100 * overhead:.1f}% for checkpoints and preemptions"
         )
         if spec.max_hours is not None and hours > spec.max_hours:
@@ -1012,33 +1015,6 @@ def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     return float(value) if math.isfinite(value) else None
-
-
-def _usd(value: float) -> str:
-    return f"${value:,.2f}"
-
-
-def _seconds(value: float | None) -> str:
-    if value is None:
-        return "n/a"
-    if value < 1:
-        return f"{value * 1000:.0f} ms"
-    if value < 120:
-        return f"{value:.3g} s"
-    if value < 7200:
-        return f"{value / 60:.0f} min"
-    return f"{value / 3600:.1f} h"
-
-
-def _bytes(value: int | None) -> str:
-    if value is None:
-        return "n/a"
-    size = float(value)
-    for unit in ("B", "KB", "MB", "GB"):
-        if size < 1000:
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1000
-    return f"{size:.1f} TB"
 
 
 def _percentages(spec: JobSpec) -> str:

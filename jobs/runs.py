@@ -48,7 +48,7 @@ from jobs.rules import (
 )
 from jobs.spec import JobSpec
 from jobs.spend import run_spent
-from runner.preemption import WINDOWS_S, choose_interval
+from runner.preemption import choose_interval
 
 log = logging.getLogger(__name__)
 
@@ -203,16 +203,14 @@ def runner_env(deps: Deps, run: Run, attempt: Attempt, spec: JobSpec) -> dict[st
         TRAINBOT_CHECKPOINT_URI=run.checkpoint_uri or deps.settings.checkpoint_uri,
         TRAINBOT_CHECKPOINT_PREFIX=checkpoint_prefix(run),
         TRAINBOT_TOKEN=deps.runner_token(attempt.id),
-        TRAINBOT_TERMINATION_WINDOW_S=str(
-            deps.provider.capabilities.termination_window_s
-            or WINDOWS_S.get(deps.provider.name)
-            or deps.settings.local_termination_window_s
-        ),
+        TRAINBOT_TERMINATION_WINDOW_S=str(deps.provider.capabilities.termination_window_s),
         TRAINBOT_METRICS_EVERY="1",
     )
     if deps.ingest_url:
         env["TRAINBOT_INGEST_URL"] = deps.ingest_url
-    if deps.settings.provider == "aws" and deps.settings.aws_runner_storage_role_arn:
+    if (deps.settings.provider == "aws" and deps.settings.aws_runner_storage_role_arn) or (
+        deps.settings.provider == "gcp" and deps.settings.gcp_runner_storage_service_account
+    ):
         env["TRAINBOT_STORE_CREDENTIALS"] = "broker"  # the store asks /v1/credentials
     if run.checkpoint_interval_s:
         env["TRAINBOT_CHECKPOINT_INTERVAL_S"] = f"{run.checkpoint_interval_s:.3f}"
@@ -225,7 +223,7 @@ def runner_env(deps: Deps, run: Run, attempt: Attempt, spec: JobSpec) -> dict[st
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     else:
         # The notices of the cloud the instance really is on, not the one a spec names.
-        env["TRAINBOT_PREEMPTION_SOURCES"] = deps.provider.name
+        env["TRAINBOT_PREEMPTION_SOURCES"] = deps.provider.capabilities.preemption_source
     return env
 
 
@@ -484,6 +482,16 @@ def on_attempt_event(deps: Deps, attempt_id: str, type_: str, data: dict[str, An
                 f"Preemption notice for attempt {attempt.number} ({data.get('source')}); "
                 + (f"{left:.0f} s to flush a checkpoint." if isinstance(left, int | float) else ""),
             )
+        elif type_ == "log" and data.get("level") in ("warning", "error"):
+            # The runner's own warnings (a script under exec that wrote nothing it could
+            # sync, say) are for the people watching the run, not only its log.
+            message = str(data.get("message") or "")
+            # Its text names the script's files: never markup (no <!channel> from a name).
+            message = message.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+            if len(message) > 1500:
+                message = message[:1500] + f"… ({len(message)} characters)"
+            deps.journal.record("runner_warning", run.id, attempt=attempt.number)
+            say(deps, run, "warning", f"Attempt {attempt.number}: {message}")
         elif type_ == "exit":
             code = int(data.get("code", 1))
             reason = str(data.get("reason", "failed"))

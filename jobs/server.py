@@ -1,46 +1,74 @@
 """The control plane's HTTP server: runner ingest, health, metrics, and mounted apps.
 
-A plain WSGI application with a small router, served by the standard library's
-``wsgiref`` on a pool of long-lived threads, each answer written in one piece (no web
-framework: four routes do not need one, and the Slack app mounts under ``/slack/`` as a
-WSGI app of its own):
+A plain WSGI application with a small router (no web framework: four routes do not need
+one, and the Slack app mounts under ``/slack/`` as a WSGI app of its own):
 
 - ``POST /v1/events``: :class:`jobs.ingest.IngestService`, JSON in and out;
 - ``POST /v1/credentials``: short-lived checkpoint-store credentials for the caller's own
-  run (:class:`CredentialBroker`, on AWS :mod:`jobs.providers.aws_credentials`), with the
+  run (:class:`CredentialBroker`, on AWS :mod:`jobs.providers.aws.credentials`), with the
   same runner token; 404 when no broker is configured;
 - ``GET /healthz``: 200 when the database answers ``SELECT 1``, 503 when it does not;
-- ``GET /metrics``: Prometheus text (events, batches by status, ingest latency, open alerts).
+- ``GET /metrics``: Prometheus exposition from :mod:`jobs.prometheus` (OpenMetrics when
+  the scraper asks for it).
+
+**The server is waitress**, run in-process by :func:`serve` (``trainbot serve``, the
+tests' control planes, the benchmarks), chosen over the alternatives because:
+
+- it reads and parses every request on one asynchronous loop and hands the application
+  only complete requests, on a fixed pool of threads. A client that trickles its headers
+  or its body (slowloris) holds a socket, never a thread, and is dropped after
+  :data:`CHANNEL_TIMEOUT_S` of silence; gunicorn's sync and threaded workers and cheroot
+  give each such client a thread for as long as it trickles;
+- it is pure Python, threaded, with ``create_server`` for in-process use: it fits a
+  synchronous app (Bolt's sync App, SQLAlchemy sessions, STYLE 11) and the tests' port 0.
+  gunicorn is a pre-fork master that owns the process (signals, workers): awkward to run
+  from a test or next to the scheduler's threads, and Unix only; an async server would
+  need an async app.
 
 The server is the edge that faces instances on the internet, so it never trusts a
-request: a body larger than the limit is refused with 413 *before* it is read, a body
-without ``Content-Length`` gets 411, a client that stalls is cut off by a socket timeout,
-a client that disconnects or speaks broken HTTP costs one quiet log line, and nothing a
-request does stops the next one from being served. Errors are logged through
-:mod:`logging`, never printed to stderr, and never with the request's token.
+request. The limits, and where each is enforced:
+
+- **Body size.** A request whose ``Content-Length`` is over the server's cap
+  (:data:`DRAIN_FACTOR` times the largest route limit) is refused 413 by waitress from
+  its headers, unread. A body over its route's limit but under the cap is received by
+  waitress (spooled to a temporary file past 512 KiB, not held in memory) and refused
+  413 by the route without being parsed: receiving it lets the client read its 413
+  instead of a connection reset. The cap counts the de-chunked bytes of a chunked upload
+  as they arrive.
+- **No length.** ``POST /v1/events`` without ``Content-Length`` gets 411. Chunked uploads
+  are accepted: waitress de-chunks them within the cap and the route sees their length,
+  so a proxy that re-chunks a runner's batch does not break ingest.
+- **Slow clients.** A connection silent for :data:`CHANNEL_TIMEOUT_S` (headers or body
+  half sent, or idle keep-alive) is closed; up to :data:`CONNECTION_LIMIT` connections
+  are held at once, on ``poll`` (no ``select`` limit of 1,024 descriptors). A request
+  being answered is never cut off.
+- **Broken clients.** Broken HTTP gets a JSON 400 and one log line; a client that hangs
+  up costs at most one line (waitress's socket-error tracebacks are off). Nothing a
+  request does stops the next one from being served. Errors go through :mod:`logging`,
+  never to stderr, and never with the request's token.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import logging
-import queue
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
-from sqlalchemy import Engine, func, select, text
+from sqlalchemy import Engine, text
 from sqlalchemy.exc import SQLAlchemyError
 from sqlmodel import Session
+from waitress.channel import HTTPChannel
+from waitress.server import BaseWSGIServer, MultiSocketServer, create_server
+from waitress.task import ErrorTask
 
 from jobs.errors import NotFound, PermissionDenied
 from jobs.ingest import IngestResult, IngestService
-from jobs.models import Alert, AlertState, Run
+from jobs.models import Run
+from jobs.prometheus import ControlPlaneMetrics
 from jobs.providers.base import ProviderError
 from jobs.runs import checkpoint_prefix
 
@@ -48,11 +76,13 @@ if TYPE_CHECKING:
     from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
 __all__ = [
+    "CHANNEL_TIMEOUT_S",
+    "CONNECTION_LIMIT",
     "CREDENTIALS_PATH",
     "EVENTS_PATH",
+    "THREADS",
     "ControlPlaneApp",
     "CredentialBroker",
-    "IngestMetrics",
     "ServerHandle",
     "serve",
 ]
@@ -63,22 +93,25 @@ EVENTS_PATH = "/v1/events"
 CREDENTIALS_PATH = "/v1/credentials"
 #: A credentials request carries no body to speak of; a bigger one is refused unread.
 _CREDENTIALS_MAX_BODY = 4096
-#: Seconds a connection may sit idle (headers or body half sent) before it is dropped.
-SOCKET_TIMEOUT_S = 30.0
-#: After refusing a body unread, how long and how much to drain before closing.
-LINGER_S = 5.0  # a slow client on a busy machine still gets to read its 413
-LINGER_MAX_BYTES = 64 << 20
-#: Over-limit bodies up to this many times the limit are read and dropped before the 413.
-DRAIN_FACTOR = 16
-#: Threads answering requests at most; more connections than this wait their turn.
-MAX_HANDLER_THREADS = 128
-#: Upper bounds of the ingest latency histogram, in seconds.
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+#: Seconds a connection may stay silent (headers or body half sent, idle keep-alive)
+#: before it is closed; checked every :data:`_CLEANUP_INTERVAL_S`.
+CHANNEL_TIMEOUT_S = 30.0
+_CLEANUP_INTERVAL_S = 5.0
+#: Connections held open at once; past it the server stops accepting until some close.
+#: Far above the clients a control plane has (runners batch once a second, Slack's
+#: requests are short), so idle or trickling connections cannot lock /healthz out.
+CONNECTION_LIMIT = 1000
+#: Threads running the application: requests answered at once. Requests are short
+#: (slow work goes to the service's pool), so a few more than the cores keep the CPU busy
+#: while some wait on the database; a burst queues for a moment instead of thrashing.
+THREADS = 12
+#: The server's body cap is this many times the largest route limit: an over-limit body
+#: up to the cap is received and dropped, so its client reads the 413, not a reset.
+DRAIN_FACTOR = 4
+#: The cap's floor, for apps that do not say their limit (a mounted Slack app's 1 MiB).
+_DEFAULT_MAX_BODY = 1 << 20
 
 _JSON_TYPE = "application/json"
-#: Set in the WSGI environ when a request body was refused without being read.
-_UNREAD_BODY = "trainbot.unread_body"
-_PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _REASONS = {
     200: "OK",
     400: "Bad Request",
@@ -91,65 +124,6 @@ _REASONS = {
     500: "Internal Server Error",
     503: "Service Unavailable",
 }
-
-
-class IngestMetrics:
-    """Counters of the ingest route, rendered as Prometheus text; thread-safe."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._events = {"accepted": 0, "duplicate": 0}
-        self._batches: dict[int, int] = {}
-        self._buckets = [0] * len(LATENCY_BUCKETS)
-        self._latency_sum = 0.0
-        self._latency_count = 0
-
-    def record(self, result: IngestResult, seconds: float) -> None:
-        """Count one answered batch and how long it took."""
-        with self._lock:
-            self._batches[result.status] = self._batches.get(result.status, 0) + 1
-            if result.status == 200:
-                self._events["accepted"] += int(result.body.get("accepted", 0))
-                self._events["duplicate"] += int(result.body.get("duplicates", 0))
-            for index, bound in enumerate(LATENCY_BUCKETS):
-                if seconds <= bound:
-                    self._buckets[index] += 1
-            self._latency_sum += seconds
-            self._latency_count += 1
-
-    def render(self, *, open_alerts: int | None) -> str:
-        """The exposition text; ``open_alerts`` is omitted when the database could not say."""
-        with self._lock:
-            lines = [
-                "# HELP trainbot_ingest_events_total Runner events received, by result.",
-                "# TYPE trainbot_ingest_events_total counter",
-                *(
-                    f'trainbot_ingest_events_total{{result="{k}"}} {v}'
-                    for k, v in self._events.items()
-                ),
-                "# HELP trainbot_ingest_batches_total Runner batches answered, by HTTP status.",
-                "# TYPE trainbot_ingest_batches_total counter",
-                *(
-                    f'trainbot_ingest_batches_total{{status="{k}"}} {v}'
-                    for k, v in sorted(self._batches.items())
-                ),
-                "# HELP trainbot_ingest_latency_seconds Time to answer one runner batch.",
-                "# TYPE trainbot_ingest_latency_seconds histogram",
-                *(
-                    f'trainbot_ingest_latency_seconds_bucket{{le="{bound}"}} {count}'
-                    for bound, count in zip(LATENCY_BUCKETS, self._buckets, strict=True)
-                ),
-                f'trainbot_ingest_latency_seconds_bucket{{le="+Inf"}} {self._latency_count}',
-                f"trainbot_ingest_latency_seconds_sum {self._latency_sum:.6f}",
-                f"trainbot_ingest_latency_seconds_count {self._latency_count}",
-            ]
-        if open_alerts is not None:
-            lines += [
-                "# HELP trainbot_alerts_open Alerts open or acknowledged, not yet resolved.",
-                "# TYPE trainbot_alerts_open gauge",
-                f"trainbot_alerts_open {open_alerts}",
-            ]
-        return "\n".join(lines) + "\n"
 
 
 class _Reply:
@@ -203,14 +177,16 @@ class ControlPlaneApp:
         engine: Engine,
         ingest: IngestService,
         *,
-        metrics: IngestMetrics | None = None,
+        metrics: ControlPlaneMetrics | None = None,
         clock: Callable[[], float] = time.perf_counter,
         credentials: CredentialBroker | None = None,
     ) -> None:
+        """``metrics``: the registry to record into and serve (default: a new one of this
+        app's own, reading the figures of ``engine``)."""
         self._engine = engine
         self._ingest = ingest
         self._credentials = credentials
-        self.metrics = metrics or IngestMetrics()
+        self.metrics = metrics if metrics is not None else ControlPlaneMetrics(engine)
         self._clock = clock
         self._mounts: list[tuple[str, WSGIApplication]] = []
         self._routes: dict[str, dict[str, Callable[[WSGIEnvironment], _Reply]]] = {
@@ -219,6 +195,11 @@ class ControlPlaneApp:
             "/healthz": {"GET": self._healthz},
             "/metrics": {"GET": self._metrics},
         }
+
+    @property
+    def max_body_bytes(self) -> int:
+        """The largest body a route takes (a runner batch); :func:`serve` caps on it."""
+        return max(self._ingest.max_body_bytes, _DEFAULT_MAX_BODY)
 
     def mount(self, prefix: str, app: WSGIApplication) -> None:
         """Serve ``app`` for every path under ``prefix`` (``/slack/`` → ``/slack/events``).
@@ -261,13 +242,16 @@ class ControlPlaneApp:
     def _events(self, environ: WSGIEnvironment) -> _Reply:
         started = self._clock()
         result = self._ingest_request(environ)
-        self.metrics.record(result, self._clock() - started)
+        self.metrics.record_ingest(result.status, result.body, self._clock() - started)
         headers = [("Retry-After", "5")] if result.status == 503 else []
         return _Reply.json(result.status, result.body, headers)
 
     def _ingest_request(self, environ: WSGIEnvironment) -> IngestResult:
-        """Check the framing, read the body (only when it fits), hand it to the service."""
-        environ[_UNREAD_BODY] = True
+        """Check the framing, read the body (only when it fits), hand it to the service.
+
+        The server has already received the body (within its cap); one over this
+        route's limit is left unread in its buffer and dropped with the request.
+        """
         raw_length = (environ.get("CONTENT_LENGTH") or "").strip()
         if not raw_length:
             return IngestResult(411, {"error": "send the batch with a Content-Length header"})
@@ -279,11 +263,6 @@ class ControlPlaneApp:
             return IngestResult(400, {"error": f"Content-Length {raw_length!r} is not valid"})
         limit = self._ingest.max_body_bytes
         if length > limit:
-            if length <= DRAIN_FACTOR * limit:
-                # Read and drop it, so the client reads the 413 rather than a reset; a
-                # body far over the limit is refused unread (the linger below helps).
-                _discard(environ["wsgi.input"], length)
-                environ[_UNREAD_BODY] = False
             return IngestResult(
                 413,
                 {
@@ -291,7 +270,6 @@ class ControlPlaneApp:
                     "send fewer events per batch"
                 },
             )
-        environ[_UNREAD_BODY] = False
         body = _read_exactly(environ["wsgi.input"], length)
         if len(body) < length:
             return IngestResult(400, {"error": f"body ended after {len(body)} of {length} bytes"})
@@ -309,7 +287,6 @@ class ControlPlaneApp:
         except ValueError:
             return _error(400, "Content-Length is not valid")
         if length > _CREDENTIALS_MAX_BODY or length < 0:
-            environ[_UNREAD_BODY] = True
             return _error(413, "a credentials request takes no body")
         _read_exactly(environ["wsgi.input"], length)
         try:
@@ -365,27 +342,8 @@ class ControlPlaneApp:
         return _Reply.json(200, {"ok": True, "db": "ok"})
 
     def _metrics(self, environ: WSGIEnvironment) -> _Reply:
-        open_alerts: int | None = None
-        try:
-            with self._engine.connect() as connection:
-                open_alerts = connection.execute(
-                    select(func.count())
-                    .select_from(Alert)
-                    .where(Alert.state.in_([AlertState.OPEN, AlertState.ACKED]))  # type: ignore[attr-defined]
-                ).scalar_one()
-        except Exception as exc:
-            log.warning("metrics: could not count open alerts: %s", exc)
-        body = self.metrics.render(open_alerts=open_alerts).encode("utf-8")
-        return _Reply(200, body, _PROMETHEUS_TYPE)
-
-
-def _discard(stream: Any, length: int) -> None:
-    left = length
-    while left > 0:
-        chunk = stream.read(min(left, 1 << 16))
-        if not chunk:
-            return
-        left -= len(chunk)
+        body, content_type = self.metrics.exposition(environ.get("HTTP_ACCEPT"))
+        return _Reply(200, body, content_type)
 
 
 def _read_exactly(stream: Any, length: int) -> bytes:
@@ -404,149 +362,34 @@ def _read_exactly(stream: Any, length: int) -> bytes:
     return b"".join(parts)
 
 
-# --- serving -------------------------------------------------------------------------------
+# --- serving ---------------------------------------------------------------------------------
 
 
-class _LogStream(io.TextIOBase):
-    """``wsgi.errors`` for wsgiref: what it would print to stderr goes to the log."""
+class _JsonErrorTask(ErrorTask):
+    """waitress's own refusals (broken HTTP, a body over the cap) as the routes' JSON."""
 
-    def write(self, text: str) -> int:
-        if text.strip():
-            log.warning("wsgi: %s", text.rstrip())
-        return len(text)
-
-
-class _RequestHandler(WSGIRequestHandler):
-    timeout = SOCKET_TIMEOUT_S
-    #: Buffer the response: wsgiref writes the status line, each header block and the
-    #: body separately, and unbuffered each write is a system call that lets another
-    #: thread take the interpreter (and keep it for up to 5 ms) before the next one.
-    #: Buffered, a small answer leaves in one ``send`` when wsgiref flushes after the body.
-    wbufsize = 1 << 16
-    _environ: dict[str, Any] | None = None
-
-    def get_environ(self) -> dict[str, Any]:
-        self._environ = super().get_environ()
-        return self._environ
-
-    def handle(self) -> None:
-        super().handle()
-        if self._environ is not None and self._environ.get(_UNREAD_BODY):
-            self._linger()
-
-    def _linger(self) -> None:
-        """Half-close, then drain what the client still sends, briefly, before closing.
-
-        Closing a socket with unread request bytes makes the kernel send a reset, and a
-        client still sending its body then sees "connection reset" instead of the 413
-        it was answered; draining for a moment lets it read the answer.
-        """
-        deadline = time.monotonic() + LINGER_S
-        drained = 0
-        try:
-            self.wfile.flush()
-            self.connection.shutdown(socket.SHUT_WR)
-            while drained < LINGER_MAX_BYTES:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                self.connection.settimeout(remaining)
-                chunk = self.connection.recv(1 << 16)
-                if not chunk:
-                    break
-                drained += len(chunk)
-        except OSError:
-            pass
-
-    def log_message(self, format: str, *args: Any) -> None:
-        # The request line carries no token (it travels in a header); access logs are
-        # debug-level so a busy ingest does not flood the log.
-        log.debug("%s %s", self.address_string(), format % args)
-
-    def get_stderr(self) -> io.TextIOBase:
-        return _LogStream()
+    def execute(self) -> None:
+        error = self.request.error
+        if error.code == 413:
+            cap = self.channel.adj.max_request_body_size
+            message = (
+                f"the request body is over this server's {cap}-byte limit; "
+                "send fewer events per batch"
+            )
+        else:
+            message = f"{error.reason}: {error.body}"
+        body = json.dumps({"error": message}).encode("utf-8")
+        self.status = f"{error.code} {error.reason}"
+        self.response_headers.append(("Content-Type", _JSON_TYPE))
+        self.set_close_on_finish()
+        self.content_length = len(body)
+        self.write(body)
+        # One line per broken client; the request line may be garbage, so it is not logged.
+        log.info("refused a request from %s: %s (%s)", self.channel.addr[0], self.status, message)
 
 
-class _HandlerPool:
-    """Long-lived threads that answer connections, one at a time each.
-
-    Starting a thread per connection costs more than answering a small request, and the
-    accepting thread waits for each new thread to start; here a connection is queued for
-    a thread that is already waiting, and a new one is started only when none is spare.
-    At most ``max_threads`` exist; beyond that, connections wait their turn. Threads are
-    daemons, so a client that stalls never holds up the process's exit.
-    """
-
-    def __init__(self, handle: Callable[[Any, Any], None], max_threads: int) -> None:
-        self._handle = handle
-        self._max = max_threads
-        self._queue: queue.SimpleQueue[tuple[Any, Any] | None] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        #: Threads waiting (or about to wait) for a connection, less connections queued.
-        self._spare = 0
-        self._threads = 0
-        self._closed = False
-
-    def submit(self, request: Any, client_address: Any) -> None:
-        with self._lock:
-            self._spare -= 1
-            grow = self._spare < 0 and self._threads < self._max and not self._closed
-            if grow:
-                self._threads += 1
-                name = f"http-{self._threads}"
-        self._queue.put((request, client_address))
-        if grow:
-            threading.Thread(target=self._work, name=name, daemon=True).start()
-
-    def close(self) -> None:
-        """Let every thread end once it is done with its connection."""
-        with self._lock:
-            self._closed = True
-            threads = self._threads
-        for _ in range(threads):
-            self._queue.put(None)
-
-    def _work(self) -> None:
-        while True:
-            with self._lock:
-                self._spare += 1
-            item = self._queue.get()
-            if item is None:
-                return
-            self._handle(*item)
-
-
-class _ThreadingServer(WSGIServer):
-    """wsgiref's server, answering on a :class:`_HandlerPool`."""
-
-    allow_reuse_address = True
-    request_queue_size = 128
-
-    def __init__(self, address: tuple[str, int], handler: type[WSGIRequestHandler]) -> None:
-        super().__init__(address, handler)
-        self._pool = _HandlerPool(self._answer, MAX_HANDLER_THREADS)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        self._pool.submit(request, client_address)
-
-    def _answer(self, request: Any, client_address: Any) -> None:
-        try:
-            self.finish_request(request, client_address)
-        except Exception:
-            self.handle_error(request, client_address)
-        finally:
-            self.shutdown_request(request)
-
-    def server_close(self) -> None:
-        super().server_close()
-        self._pool.close()
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        log.warning("request from %s failed", client_address[0], exc_info=True)
-
-
-class _ThreadingServer6(_ThreadingServer):
-    address_family = socket.AF_INET6
+class _Channel(HTTPChannel):
+    error_task_class = _JsonErrorTask
 
 
 @dataclass(frozen=True)
@@ -557,26 +400,103 @@ class ServerHandle:
     url: str
     #: The bound port (the real one when 0 was asked for).
     port: int
-    _server: _ThreadingServer
+    _server: BaseWSGIServer | MultiSocketServer
+    _listeners: list[BaseWSGIServer]
+    _map: dict[int, Any]
     _thread: threading.Thread
+    _stopped: threading.Event = field(default_factory=threading.Event)
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        """Stop accepting, close the socket, and wait for the serving loop to end."""
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout)
+        """Stop accepting, let the requests being answered finish (up to ``timeout``),
+        then close every connection and the threads."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        deadline = time.monotonic() + timeout
+        closed = threading.Event()
+
+        def stop_accepting() -> None:
+            for listener in self._listeners:
+                listener.accepting = False
+                listener.del_channel()
+                listener.socket.close()
+            closed.set()
+
+        self._in_loop(stop_accepting)
+        closed.wait(max(0.0, deadline - time.monotonic()))
+        dispatcher = self._server.task_dispatcher
+        while time.monotonic() < deadline:
+            with dispatcher.lock:
+                if not dispatcher.queue and dispatcher.active_count <= 0:
+                    break
+            time.sleep(0.01)
+
+        def close_all() -> None:
+            for dispatcher in list(self._map.values()):
+                if isinstance(dispatcher, HTTPChannel):
+                    dispatcher.handle_close()  # also frees its buffers (temporary files)
+                else:
+                    dispatcher.close()
+            self._map.clear()
+
+        self._in_loop(close_all)
+        self._thread.join(max(0.1, deadline - time.monotonic()))
+        dispatcher.shutdown(cancel_pending=True, timeout=max(0.1, deadline - time.monotonic()))
+
+    def _in_loop(self, thunk: Callable[[], None]) -> None:
+        """Run ``thunk`` on the server's loop thread (the only one that may touch sockets)."""
+        self._listeners[0].trigger.pull_trigger(thunk)
 
 
-def serve(app: WSGIApplication, host: str = "127.0.0.1", port: int = 8787) -> ServerHandle:
-    """Serve ``app`` on threads in the background; ``port=0`` picks a free port."""
-    server_class = _ThreadingServer6 if ":" in host else _ThreadingServer  # IPv6 literal
-    server = server_class((host, port), _RequestHandler)
-    server.set_app(app)
-    bound = server.server_address[1]
-    thread = threading.Thread(
-        target=server.serve_forever, kwargs={"poll_interval": 0.2}, name="http", daemon=True
+def serve(
+    app: WSGIApplication,
+    host: str = "127.0.0.1",
+    port: int = 8787,
+    *,
+    max_body_bytes: int | None = None,
+) -> ServerHandle:
+    """Serve ``app`` with waitress on a background thread; ``port=0`` picks a free port.
+
+    ``max_body_bytes``: the largest body a route takes (default: the app's own
+    ``max_body_bytes`` for a :class:`ControlPlaneApp`, else 1 MiB); the server refuses
+    bodies over :data:`DRAIN_FACTOR` times it unread.
+    """
+    if max_body_bytes is None:
+        max_body_bytes = (
+            app.max_body_bytes if isinstance(app, ControlPlaneApp) else _DEFAULT_MAX_BODY
+        )
+    # waitress warns at each request that waits for a thread; a burst is normal here, so
+    # only its errors are logged.
+    logging.getLogger("waitress.queue").setLevel(logging.ERROR)
+    socket_map: dict[int, Any] = {}
+    server = create_server(
+        app,
+        map=socket_map,
+        host=host,
+        port=port,
+        threads=THREADS,
+        connection_limit=CONNECTION_LIMIT,
+        channel_timeout=CHANNEL_TIMEOUT_S,
+        cleanup_interval=_CLEANUP_INTERVAL_S,
+        max_request_body_size=DRAIN_FACTOR * max_body_bytes + 1,
+        asyncore_use_poll=True,
+        log_socket_errors=False,
+        expose_tracebacks=False,
+        ident="trainbot",
     )
+    listeners = [d for d in socket_map.values() if isinstance(d, BaseWSGIServer)]
+    for listener in listeners:
+        listener.channel_class = _Channel
+    bound = listeners[0].effective_port
+    thread = threading.Thread(target=server.run, name="http", daemon=True)
     thread.start()
     shown = f"[{host}]" if ":" in host else host
     log.info("control plane listening on http://%s:%d", shown, bound)
-    return ServerHandle(url=f"http://{shown}:{bound}", port=bound, _server=server, _thread=thread)
+    return ServerHandle(
+        url=f"http://{shown}:{bound}",
+        port=bound,
+        _server=server,
+        _listeners=listeners,
+        _map=socket_map,
+        _thread=thread,
+    )

@@ -27,7 +27,7 @@ from jobs.lifecycle import AttemptState, RunState
 from jobs.locations import checkpoint_root
 from jobs.models import Alert, Attempt, CommandLog, OnCall, Run, new_id, utcnow
 from jobs.notify import RunCard
-from jobs.providers.base import ProviderError
+from jobs.providers.base import InstanceNotFound, ProviderError
 from jobs.runs import (
     active_attempt,
     card,
@@ -144,7 +144,9 @@ def submit(
                     raise
                 again.expunge(existing)
                 return existing
-        move_run(session, run, RunState.PREFLIGHT, now=now)
+        move_run(
+            session, run, RunState.PREFLIGHT, now=now, reason=None if launch else PREFLIGHT_ONLY
+        )
         ref = deps.notifier.post(card(session, run))
         run.thread_ts = ref.ts
         session.add(run)
@@ -171,6 +173,41 @@ def _report_channel(deps: Deps, wanted: str | None, actor: Actor) -> str:
         f"({listed}); leave it out to report here, or ask an admin to add the channel's "
         "id to TRAINBOT_ALLOWED_CHANNELS"
     )
+
+
+#: The reason a run in PREFLIGHT carries when it was asked for the checks alone
+#: (``/train preflight``): after them it waits for "Launch anyway" whatever they say.
+PREFLIGHT_ONLY = "preflight only"
+
+
+def resume_preflights(deps: Deps) -> list[str]:
+    """Runs that a crash of the control plane left in PREFLIGHT: end the dry run it left
+    behind, if any, and run the checks again. Called once at start; returns the run ids.
+
+    Nothing else would: a run in PREFLIGHT has no attempt for reconcile to find.
+    """
+    from runner.dryrun import end_stale_dry_run
+
+    with session_scope(deps.engine) as session:
+        runs = [
+            (r.id, r.reason != PREFLIGHT_ONLY)
+            for r in session.exec(select(Run).where(Run.state == RunState.PREFLIGHT)).all()
+        ]
+    for run_id, launch in runs:
+        workdir = deps.settings.state_dir / "preflight" / run_id
+        if end_stale_dry_run(workdir / preflight.DRY_RUN_PID_FILE):
+            deps.journal.record("dry_run_ended", run_id, reason="control plane restarted")
+        with session_scope(deps.engine) as session:
+            say(
+                deps,
+                get_run(session, run_id),
+                "info",
+                "The control plane restarted during this run's preflight checks; "
+                "running them again.",
+            )
+        deps.journal.record("preflight_resumed", run_id)
+        deps.background(preflight_then_launch, deps, run_id, launch=launch)
+    return [run_id for run_id, _ in runs]
 
 
 def preflight_then_launch(deps: Deps, run_id: str, *, launch: bool = True) -> None:
@@ -250,11 +287,10 @@ def _budget_then_launch(
 
 def _cloud_budget(deps: Deps, run_id: str, usd: float, thresholds: Sequence[int]) -> None:
     """Where the provider has budgets (AWS Budgets), the run's budget alert lives there too."""
-    create = getattr(deps.provider, "create_budget", None)
-    if create is None:
+    if not deps.provider.capabilities.cloud_budgets:
         return
     try:
-        name = create(run_id=run_id, usd=usd, thresholds=list(thresholds))
+        name = deps.provider.create_budget(run_id=run_id, usd=usd, thresholds=list(thresholds))
     except ProviderError as exc:
         with session_scope(deps.engine) as session:
             say(deps, get_run(session, run_id), "error", f"Cloud budget not created: {exc}")
@@ -412,14 +448,12 @@ def logs(deps: Deps, run_id: str, actor: Actor, *, lines: int = 30) -> str:
         if attempt is None or attempt.instance_id is None:
             raise NotFound(f"{run.id} has no instance yet, so no logs")
         instance_id = attempt.instance_id
-    log_path = getattr(deps.provider, "log_path", None)
-    if log_path is None:
+    if not deps.provider.capabilities.instance_logs:
         raise NotFound(f"the {deps.provider.name} provider keeps logs on the instance")
     try:
-        text = Path(log_path(instance_id)).read_text(errors="replace")
-    except FileNotFoundError:
+        return deps.provider.instance_log(instance_id, lines=lines)
+    except InstanceNotFound:
         raise NotFound(f"no log for instance {instance_id} yet") from None
-    return "\n".join(text.splitlines()[-lines:])
 
 
 def _may_see_alert(session: Session, actor: Actor, alert_id: str) -> None:
@@ -545,6 +579,7 @@ def wait_for(deps: Deps, run_id: str, states: set[RunState], *, timeout_s: float
 
 
 __all__ = [
+    "PREFLIGHT_ONLY",
     "Actor",
     "SpecError",
     "acknowledge",
@@ -555,6 +590,7 @@ __all__ = [
     "logs",
     "oncall",
     "resubmit",
+    "resume_preflights",
     "snooze",
     "spend_report",
     "status",

@@ -140,6 +140,10 @@ class Settings(BaseSettings):
     gcp_region: str | None = None
     gcp_zones: CommaList = Field(default_factory=list)
     gcp_service_account: str | None = None
+    #: GCP provider: the service account whose bucket-wide checkpoint access the control
+    #: plane impersonates and downscopes to each run's own prefix (a Credential Access
+    #: Boundary) for its runner. Unset: runners use their instance's service account.
+    gcp_runner_storage_service_account: str | None = None
     #: A Compute API endpoint (tests); unset means Google's.
     gcp_api_endpoint: str | None = None
     #: Mean seconds between preemptions to plan checkpoints for (Daly's interval); unset
@@ -159,6 +163,9 @@ class Settings(BaseSettings):
     heartbeat_deadline_s: float = Field(default=900.0, gt=0)
     #: An unacknowledged critical alert pages the on-call group after this long.
     escalation_delay_s: float = Field(default=900.0, gt=0)
+    #: Log lines: ``text``, or ``json`` (one object per line, with the run and attempt
+    #: ids, for log shippers). Unset: text on a terminal, JSON otherwise (jobs.logs).
+    log_format: Literal["text", "json"] | None = None
 
     @classmethod
     def settings_customise_sources(

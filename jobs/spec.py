@@ -4,23 +4,22 @@ A spec is everything about a run that a person chooses: what to execute, on what
 where checkpoints go and how long they are kept, what it may cost, when to resubmit,
 when to alert. It is one pydantic model with defaults for everything but the command;
 unknown keys are errors, because a misspelt ``budgte:`` silently ignored is a run
-with no budget.
-
-Durations are written ``90s``, ``10m``, ``2h``, ``1d`` (combinable, ``1h30m``) or as
-plain seconds, and stored as seconds (``float``).
+with no budget. Durations are parsed by :func:`runner.duration.parse_duration` and
+stored as seconds (``float``). A run stores its spec; :func:`stored_section` reads
+the parts of it that watching a run needs.
 """
 
 from __future__ import annotations
 
 import difflib
-import math
+import logging
 import re
 import shlex
 import types
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
 from pydantic import (
@@ -36,32 +35,31 @@ from pydantic import (
 )
 
 from jobs.errors import CLIP_CHARS, SpecError, clip, describe_validation_error
+from runner.duration import parse_duration
 
 __all__ = [
     "Accelerator",
     "AlertThresholds",
-    "Budget",
+    "BudgetPolicy",
     "CheckpointPolicy",
     "DryRun",
     "JobSpec",
     "KeepBest",
     "Notify",
     "Resources",
-    "Resubmit",
+    "ResubmitPolicy",
     "Retention",
     "apply_overrides",
     "list_specs",
     "load_spec",
-    "parse_duration",
     "parse_spec",
+    "stored_section",
 ]
 
-_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-_DURATION = re.compile(r"^(?:\d+(?:\.\d+)?[smhd])+$")
-_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
+log = logging.getLogger(__name__)
+
 _SPEC_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _ACCELERATOR_TYPE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-_DURATION_HINT = "expected a duration such as 90s, 10m, 2h, 1d or a number of seconds"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 #: Variables trainbot sets for the runner itself (run id, token, checkpoint prefix, URIs):
@@ -82,30 +80,6 @@ MAX_SPEC_FILE_NODES = 100_000
 MAX_YAML_DEPTH = 32
 #: Problems listed in one error message; the rest are counted.
 _MAX_LISTED = 10
-
-
-def parse_duration(value: object) -> float:
-    """Seconds in a duration written ``90s``, ``10m``, ``2h``, ``1d``, ``1h30m`` or ``600``.
-
-    Raises ``ValueError`` with a hint, so pydantic reports it under the key's path.
-    """
-    if isinstance(value, bool):
-        raise ValueError(f"{_DURATION_HINT} (got {clip(value)})")
-    if isinstance(value, int | float):
-        seconds = float(value)
-    elif isinstance(value, str):
-        text = value.strip().lower().replace(" ", "")
-        try:
-            seconds = float(text)
-        except ValueError:
-            if not _DURATION.match(text):
-                raise ValueError(f"{_DURATION_HINT} (got {clip(value)})") from None
-            seconds = sum(float(n) * _UNITS[u] for n, u in _DURATION_PART.findall(text))
-    else:
-        raise ValueError(f"{_DURATION_HINT} (got {clip(value)})")
-    if not math.isfinite(seconds) or seconds < 0:
-        raise ValueError(f"a duration must be a finite, non-negative time (got {clip(value)})")
-    return seconds
 
 
 Duration = Annotated[float, BeforeValidator(parse_duration)]
@@ -231,8 +205,8 @@ class Retention(_Section):
     max_age: Duration | None = Field(default=None, gt=0)
 
 
-class Budget(_Section):
-    """What the run may cost."""
+class BudgetPolicy(_Section):
+    """What the run may cost, and what happens as it spends (the spec's ``budget``)."""
 
     #: Dollars; ``None`` makes preflight's cost estimate the alerting budget.
     usd: float | None = Field(default=None, gt=0)
@@ -249,9 +223,19 @@ class Budget(_Section):
                 raise ValueError(f"thresholds are percentages from 1 to 1000 (got {clip(percent)})")
         return sorted(set(value))
 
+    @property
+    def caps_spend(self) -> bool:
+        """The hard cap applies: only to a budget written here, never to an estimate."""
+        return self.hard_cap and self.usd is not None
 
-class Resubmit(_Section):
-    """What happens after a preemption or a lost instance."""
+    @property
+    def alert_percentages(self) -> list[int]:
+        """The thresholds that alert; a hard cap always alerts at 100 % (it stops there)."""
+        return sorted({*self.thresholds, 100}) if self.caps_spend else list(self.thresholds)
+
+
+class ResubmitPolicy(_Section):
+    """What happens after a preemption or a lost instance (the spec's ``resubmit``)."""
 
     #: Attempts in all, the first included.
     max_attempts: int = Field(default=10, ge=1)
@@ -386,10 +370,10 @@ class JobSpec(_Section):
     data_uri: str | None = None
     checkpoint: CheckpointPolicy = Field(default_factory=CheckpointPolicy)
     retention: Retention = Field(default_factory=Retention)
-    budget: Budget = Field(default_factory=Budget)
+    budget: BudgetPolicy = Field(default_factory=BudgetPolicy)
     #: Stop the run after this many hours of wall time across attempts.
     max_hours: float | None = Field(default=None, gt=0)
-    resubmit: Resubmit = Field(default_factory=Resubmit)
+    resubmit: ResubmitPolicy = Field(default_factory=ResubmitPolicy)
     alerts: AlertThresholds = Field(default_factory=AlertThresholds)
     notify: Notify = Field(default_factory=Notify)
     dry_run: DryRun = Field(default_factory=DryRun)
@@ -400,6 +384,39 @@ class JobSpec(_Section):
         if not value or not value[0].strip():
             raise ValueError("the command is empty: give the program to run, e.g. python train.py")
         return value
+
+
+# --- the spec stored on a run ---------------------------------------------------------
+
+_S = TypeVar("_S", bound=_Section)
+
+
+def stored_section(stored: object, section: type[_S], *, run_id: str | None = None) -> _S:
+    """One section of the spec stored on a run (``Run.spec``), or that section's defaults.
+
+    The stored spec was validated at submit, but a row from an older trainbot or one
+    written by hand may not validate now. Watching a run (its alerts, its budget) must
+    not stop because of that, so a section that does not validate is replaced by its
+    defaults, with a warning. Launching needs the whole spec: validate ``JobSpec`` then.
+    """
+    key = next(name for name, field in JobSpec.model_fields.items() if field.annotation is section)
+    data = stored.get(key) if isinstance(stored, Mapping) else None
+    if data is None:
+        return section()
+    try:
+        return section.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{_dotted((key, *error['loc']))}: {describe_validation_error(error)}"
+            for error in exc.errors()
+        )
+        log.warning(
+            "run %s: the stored spec's %s section is unusable (%s); using its defaults",
+            run_id or "?",
+            key,
+            problems,
+        )
+        return section()
 
 
 # --- loading --------------------------------------------------------------------------

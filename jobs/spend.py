@@ -34,6 +34,7 @@ from sqlmodel import Session, col, select
 from jobs.errors import TrainbotError
 from jobs.lifecycle import AttemptState, RunState
 from jobs.models import Attempt, Budget, Run, SpendRecord
+from jobs.spec import BudgetPolicy, Resources, stored_section
 
 __all__ = [
     "PERIODS",
@@ -50,7 +51,6 @@ __all__ = [
 #: Periods ``/train spend`` understands: calendar periods to date, in the channel's time.
 PERIODS = ("day", "week", "month")
 
-_DEFAULT_THRESHOLDS = (50, 80, 100)
 # Ended runs are still checked for a while: their last accrual may cross a threshold.
 _ENDED_RUN_GRACE = timedelta(days=1)
 
@@ -242,34 +242,14 @@ def _budgeted_runs(session: Session, *, now: datetime) -> list[Run]:
     return list(session.exec(query).all())
 
 
-def _budget_section(run: Run) -> Mapping[str, Any]:
-    section = run.spec.get("budget") if isinstance(run.spec, Mapping) else None
-    return section if isinstance(section, Mapping) else {}
-
-
-def _run_thresholds(run: Run) -> tuple[list[int], bool]:
-    """The run's thresholds and whether its hard cap applies, read defensively."""
-    section = _budget_section(run)
-    raw = section.get("thresholds", _DEFAULT_THRESHOLDS)
-    thresholds = {
-        int(t)
-        for t in (raw if isinstance(raw, list | tuple) else _DEFAULT_THRESHOLDS)
-        if isinstance(t, int | float) and not isinstance(t, bool) and t > 0
-    }
-    explicit = section.get("usd") is not None
-    hard_cap = explicit and section.get("hard_cap", True) is not False
-    if hard_cap:
-        thresholds.add(100)
-    return sorted(thresholds), hard_cap
-
-
 def _check_run(session: Session, run: Run, *, now: datetime) -> BudgetStatus:
     assert run.budget_usd is not None
-    thresholds, hard_cap = _run_thresholds(run)
+    policy = stored_section(run.spec, BudgetPolicy, run_id=run.id)
+    thresholds = policy.alert_percentages
     budget = _run_budget_row(session, run, thresholds=thresholds, now=now)
     spent = run_spent(session, run.id)
     crossed = _mark(budget, spent=spent, thresholds=thresholds, now=now)
-    hit = hard_cap and spent >= run.budget_usd and not run.state.is_terminal()
+    hit = policy.caps_spend and spent >= run.budget_usd and not run.state.is_terminal()
     return _status(budget, spent=spent, crossed=crossed, hard_cap_hit=hit)
 
 
@@ -347,15 +327,8 @@ def _cents(usd: float) -> float:
 
 def _accelerators(run: Run) -> int:
     """GPUs (or other accelerators) per instance from the stored spec; 0 for CPU runs."""
-    resources = run.spec.get("resources") if isinstance(run.spec, Mapping) else None
-    accel = resources.get("accelerator") if isinstance(resources, Mapping) else None
-    if isinstance(accel, Mapping):
-        count = accel.get("count", 1)
-        return int(count) if isinstance(count, int) and not isinstance(count, bool) else 1
-    if isinstance(accel, str) and accel:
-        _, _, count_text = accel.partition(":")
-        return int(count_text) if count_text.isdigit() else 1
-    return 0
+    accelerator = stored_section(run.spec, Resources, run_id=run.id).accelerator
+    return accelerator.count if accelerator is not None else 0
 
 
 def _goodput(paid_s: float, lost_s: float) -> float | None:

@@ -17,12 +17,13 @@ from jobs import alerts, spend
 from jobs.db import session_scope
 from jobs.deps import Deps
 from jobs.errors import SpecError
+from jobs.format import usd
 from jobs.lifecycle import AttemptState, RunState
 from jobs.locations import check_prefix, checkpoint_root
-from jobs.models import Alert, Attempt, Checkpoint, OnCall, Run
+from jobs.models import Alert, Attempt, Checkpoint, OnCall, Run, Severity
 from jobs.notify import DigestMessage
 from jobs.providers.base import ProviderError
-from jobs.rules import Severity, Signal
+from jobs.rules import Signal
 from jobs.runs import (
     active_attempt,
     alert_target,
@@ -81,7 +82,7 @@ def spend_job(deps: Deps) -> list[str]:
                 )  # fmt: skip
             if status.hard_cap_hit and run is not None and not run.state.is_terminal():
                 attempt = active_attempt(session, run.id)
-                reason = f"hard budget cap: ${status.spent:.2f} of ${status.usd:.2f} spent"
+                reason = f"hard budget cap: {usd(status.spent)} of {usd(status.usd)} spent"
                 if move_run(session, run, RunState.BUDGET_EXCEEDED, now=now, reason=reason):
                     say(deps, run, "error", f"{run.id} stopped at its budget cap ({reason}).")
                     deps.journal.record("run_finished", run.id, state="BUDGET_EXCEEDED")
@@ -132,8 +133,8 @@ def _budget_signal(status: spend.BudgetStatus, pct: int) -> Signal:
         rule="budget",
         key=f"threshold-{pct}",
         severity=Severity.CRITICAL if critical else Severity.WARNING,
-        title=f"{who} has spent {status.pct:.0f}% of its ${status.usd:,.2f} budget",
-        detail=f"${status.spent:,.2f} spent; threshold {pct}% crossed",
+        title=f"{who} has spent {status.pct:.0f}% of its {usd(status.usd)} budget",
+        detail=f"{usd(status.spent)} spent; threshold {pct}% crossed",
         hint=(
             "the hard cap stops the run; raise budget.usd and resubmit to continue"
             if status.hard_cap_hit

@@ -7,7 +7,9 @@
                                                          as AWS credential_process output
 
 URI is one run's checkpoint root: ``{checkpoint_uri}/{run_id}`` (a path, file://… or s3://…).
-Exit codes: 0 success, 75 preempted (resume from the newest checkpoint), anything else failure.
+Exit codes: 0 success, 75 preempted (resume from the newest checkpoint, or from step 0
+if none; ``exec`` exits 75 on any notice, whatever the command then does, unless it
+finished with its last step committed), anything else failure.
 """
 
 from __future__ import annotations
@@ -23,24 +25,22 @@ from pathlib import Path
 from typing import Any
 
 from runner import EXIT_FAILED
+from runner.duration import parse_duration
 from runner.errors import CheckpointError, RunnerError
 from runner.layout import list_committed, read_manifest
 from runner.retention import RetentionPolicy, prune
 from runner.store import open_store
-from runner.supervisor import DirSync, Supervisor
+from runner.supervisor import Supervisor
 from runner.telemetry import EventSink, NullSink, Reporter
 
 # ``exec`` must start the training process fast: torch is imported only by the commands
 # that read tensors (``dry-run`` starts processes that do; ``checkpoints verify`` does).
 
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
-
-def parse_duration(text: str) -> float:
-    """'90s', '10m', '2h', '7d' or plain seconds."""
-    raw = text.strip().lower()
+def _duration_arg(text: str) -> float:
+    """An option's duration ('90s', '10m', '1h30m', plain seconds), above zero."""
     try:
-        value = float(raw[:-1]) * _UNITS[raw[-1]] if raw and raw[-1] in _UNITS else float(raw)
+        value = parse_duration(text)
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a duration like 90s, 10m, 2h or 7d"
@@ -84,20 +84,22 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument(
         "--sync-dir",
         type=Path,
-        help="directory the script writes checkpoint folders into (synced to the store)",
+        help="directory the script writes checkpoints into (synced to the store): folders "
+        "or files whose names hold the step (checkpoint-500/, ckpt-500.pt, "
+        "epoch=0-step=500.ckpt)",
     )
-    ex.add_argument("--settle", type=parse_duration, default=2.0, help="quiet time before sync")
+    ex.add_argument("--settle", type=_duration_arg, default=2.0, help="quiet time before sync")
     ex.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD…")
 
     dr = sub.add_parser("dry-run", help="checkpoint, kill, restart, restore and verify a command")
     dr.add_argument("--steps", type=_positive_int, default=5, help="steps before the checkpoint")
     dr.add_argument(
-        "--mtbp", type=parse_duration, default=3600.0, help="mean time between preemptions"
+        "--mtbp", type=_duration_arg, default=3600.0, help="mean time between preemptions"
     )
     dr.add_argument("--checkpoint-uri", help="store root (default $TRAINBOT_CHECKPOINT_URI)")
     dr.add_argument("--run-id", help="namespace for the dry run's checkpoints")
     dr.add_argument("--report", type=Path, help="write the report as JSON here")
-    dr.add_argument("--timeout", type=parse_duration, default=600.0)
+    dr.add_argument("--timeout", type=_duration_arg, default=600.0)
     dr.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD…")
 
     ck = sub.add_parser("checkpoints", help="list, verify or prune one run's checkpoints")
@@ -113,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--keep-last", type=_positive_int, default=3)
     pr.add_argument("--keep-every", type=_positive_int, help="also keep multiples of K steps")
     pr.add_argument("--keep-best", type=_best, help="METRIC[:min|max[:COUNT]]")
-    pr.add_argument("--max-age", type=parse_duration, help="e.g. 7d")
+    pr.add_argument("--max-age", type=_duration_arg, help="e.g. 7d")
     pr.add_argument("--dry-run", action="store_true", help="say what would go, delete nothing")
 
     sub.add_parser(
@@ -158,34 +160,42 @@ def _sink_from_env() -> EventSink:
 
 
 def _exec(args: argparse.Namespace) -> int:
+    from runner.preemption import PreemptionFlag, SignalHandlers
     from runner.store import run_store
+    from runner.sync import CheckpointSync
 
     cmd = _command(args)
     window = float(os.environ.get("TRAINBOT_TERMINATION_WINDOW_S") or 30)
-    scratch_bytes = os.environ.get("TRAINBOT_SCRATCH_BYTES")
-    dir_sync = None
-    if args.sync_dir is not None:
-        store = run_store(
-            os.environ.get("TRAINBOT_CHECKPOINT_URI") or "checkpoints",
-            os.environ.get("TRAINBOT_CHECKPOINT_PREFIX")
-            or os.environ.get("TRAINBOT_RUN_ID")
-            or "local",
-        )
-        dir_sync = DirSync(store=store, root=args.sync_dir, settle_s=args.settle)
-    sink = _sink_from_env()
-    try:
-        sup = Supervisor(
-            cmd,
-            sink=sink,
-            window_s=window,
-            preemption_sources=os.environ.get("TRAINBOT_PREEMPTION_SOURCES", ""),
-            dir_sync=dir_sync,
-            scratch_bytes=int(scratch_bytes) if scratch_bytes else None,
-            sample_s=float(os.environ.get("TRAINBOT_SYSTEM_SAMPLE_S") or 10.0),
-        )
-        return sup.run()
-    finally:
-        sink.close(timeout=30.0)
+    # From here on a SIGTERM is a preemption notice, even while the store (boto3) loads:
+    # the attempt then ends resumable (75), never killed by the signal (143, a failure).
+    flag = PreemptionFlag()
+    with SignalHandlers(flag, window_s=window):
+        scratch_bytes = os.environ.get("TRAINBOT_SCRATCH_BYTES")
+        sync = None
+        if args.sync_dir is not None:
+            store = run_store(
+                os.environ.get("TRAINBOT_CHECKPOINT_URI") or "checkpoints",
+                os.environ.get("TRAINBOT_CHECKPOINT_PREFIX")
+                or os.environ.get("TRAINBOT_RUN_ID")
+                or "local",
+            )
+            sync = CheckpointSync(store=store, root=args.sync_dir, settle_s=args.settle)
+        sink = _sink_from_env()
+        try:
+            sup = Supervisor(
+                cmd,
+                sink=sink,
+                flag=flag,
+                install_signals=False,
+                window_s=window,
+                preemption_sources=os.environ.get("TRAINBOT_PREEMPTION_SOURCES", ""),
+                sync=sync,
+                scratch_bytes=int(scratch_bytes) if scratch_bytes else None,
+                sample_s=float(os.environ.get("TRAINBOT_SYSTEM_SAMPLE_S") or 10.0),
+            )
+            return sup.run()
+        finally:
+            sink.close(timeout=30.0)
 
 
 def _dry_run(args: argparse.Namespace) -> int:
@@ -214,7 +224,7 @@ def _dry_run(args: argparse.Namespace) -> int:
 def _credentials() -> int:
     """The credential_process contract: the JSON on stdout, or a message on stderr and a
     non-zero exit (main prints the StoreError)."""
-    from runner.s3 import fetch_broker_credentials  # boto3 only for this command
+    from runner.store.broker import fetch_broker_credentials
 
     print(json.dumps(fetch_broker_credentials()))
     return 0

@@ -28,10 +28,10 @@ from typing import IO, Any
 from runner.checkpoint import delete_steps, scan
 from runner.errors import RunnerError
 from runner.preemption import WINDOWS_S, choose_interval, daly_interval, flush_fits
-from runner.session import run_store
+from runner.store import run_store
 from runner.telemetry import follow_file
 
-__all__ = ["DryRunReport", "daly_interval", "run_dry_run"]
+__all__ = ["DryRunReport", "daly_interval", "end_stale_dry_run", "run_dry_run"]
 
 
 @dataclass
@@ -85,7 +85,12 @@ class _Phase:
     """One process of the dry run, with its events collected."""
 
     def __init__(
-        self, command: Sequence[str], env: dict[str, str], events: Path, log: IO[bytes] | None
+        self,
+        command: Sequence[str],
+        env: dict[str, str],
+        events: Path,
+        log: IO[bytes] | None,
+        pid_file: Path | None = None,
     ) -> None:
         events.touch()
         self.follower = follow_file(events)
@@ -97,6 +102,12 @@ class _Phase:
             stdout=log,
             stderr=subprocess.STDOUT if log is not None else None,
         )
+        if pid_file is not None:
+            # Its own process group, so whoever finds this file after a crash of ours can
+            # end the whole dry run (end_stale_dry_run), the command's children included.
+            pid_file.write_text(
+                json.dumps({"pgid": self.proc.pid, "run_id": env.get("TRAINBOT_RUN_ID")})
+            )
 
     def pump(self) -> None:
         self.events.extend(self.follower)
@@ -126,11 +137,14 @@ def run_dry_run(
     timeout_s: float = 600.0,
     env: Mapping[str, str] | None = None,
     log_path: Path | None = None,
+    pid_file: Path | None = None,
 ) -> DryRunReport:
     """Run both phases and report. The run id should be the dry run's own namespace.
 
     The command's output goes to ``log_path`` when given (the control plane keeps it out
-    of its own terminal), else to this process's stdout and stderr.
+    of its own terminal), else to this process's stdout and stderr. ``pid_file`` names
+    the running phase's process group while it runs, so that a caller restarted after a
+    crash can end it (:func:`end_stale_dry_run`); it is removed when the dry run ends.
     """
     if not command:
         raise RunnerError("no command: write `trainbot-runner dry-run -- python train.py …`")
@@ -148,9 +162,46 @@ def run_dry_run(
     with contextlib.ExitStack() as stack:
         log = stack.enter_context(open(log_path, "ab")) if log_path is not None else None
         tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="trainbot-dry-run-"))
+        if pid_file is not None:
+            stack.callback(pid_file.unlink, missing_ok=True)
         return _run_phases(
-            command, report, base, deadline, Path(tmp), log, steps=steps, mtbp_s=mtbp_s
+            command,
+            report,
+            base,
+            deadline,
+            Path(tmp),
+            log,
+            steps=steps,
+            mtbp_s=mtbp_s,
+            pid_file=pid_file,
         )
+
+
+def end_stale_dry_run(pid_file: Path) -> bool:
+    """End the dry run that ``pid_file`` names, left running by a process that crashed
+    while it ran; True when one was found and killed.
+
+    The process group is killed only while its leader still carries the dry run's
+    ``TRAINBOT_RUN_ID`` in its environment, so a recycled pid is never hit.
+    """
+    try:
+        record = json.loads(pid_file.read_text())
+        pgid, run_id = int(record["pgid"]), str(record["run_id"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    finally:
+        pid_file.unlink(missing_ok=True)
+    try:
+        environ = Path(f"/proc/{pgid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False  # gone (or no /proc to tell whose it is: leave it alone)
+    if f"TRAINBOT_RUN_ID={run_id}".encode() not in environ:
+        return False
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _run_phases(
@@ -163,6 +214,7 @@ def _run_phases(
     *,
     steps: int,
     mtbp_s: float,
+    pid_file: Path | None = None,
 ) -> DryRunReport:
     first = _Phase(
         command,
@@ -174,6 +226,7 @@ def _run_phases(
         },
         tmp / "save.jsonl",
         log,
+        pid_file,
     )
     try:
         saved = _wait_for(first, "dry_run", deadline, phase="saved")
@@ -200,6 +253,7 @@ def _run_phases(
         },
         tmp / "verify.jsonl",
         log,
+        pid_file,
     )
     try:
         while second.proc.poll() is None and time.monotonic() < deadline:

@@ -4,94 +4,36 @@ The supervisor starts the command with the run's settings in ``TRAINBOT_*`` vari
 forwards the stop signal, watches the metadata notice, forwards the child's events and
 its own system samples to the control plane, and reports the exit status. A script that
 uses the session API gets every feature through its environment. A script that only
-writes checkpoint directories into ``$TRAINBOT_CHECKPOINT_DIR`` gets them synced to the
-store (each once it has settled, and at the end) and restored before it starts.
+writes checkpoint folders or files into ``$TRAINBOT_CHECKPOINT_DIR`` gets them synced to
+the store (:mod:`runner.sync`) and the newest restored before it starts.
+
+A notice (SIGTERM to the supervisor, or a metadata poller) makes the attempt resumable
+whatever moment it comes and whatever the child then does: before the child starts, while
+it starts up (before it has a handler of its own), before its first checkpoint, during a
+write. The attempt exits 75 (preempted: resubmit, resume from the newest checkpoint or
+from step 0), unless the child reports through the session API that it finished with its
+last step committed (0). A plain script's 0 after a notice is taken as stopped by it: it
+cannot say that it had finished, and a resumed script that had finishes at once.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import signal
 import subprocess
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from runner import EXIT_PREEMPTED, EXIT_SUCCEEDED
 from runner.errors import CheckpointError, RunnerError, StoreError
-from runner.layout import CommitInfo, list_committed, read_manifest
 from runner.preemption import PreemptionFlag, SignalHandlers, start_pollers
-from runner.store import Store
+from runner.sync import CheckpointSync, open_files
 from runner.telemetry import EventSink, FileFollower, SystemSampler, follow_file
 
 log = logging.getLogger(__name__)
-
-_DIGITS = re.compile(r"(\d+)\D*$")
-
-
-@dataclass
-class DirSync:
-    """Uploads checkpoint directories a script writes, once each has stopped changing."""
-
-    store: Store
-    root: Path
-    settle_s: float = 2.0
-    #: Steps already committed (by us or earlier attempts).
-    done: set[int] = field(default_factory=set)
-    _seen: dict[str, tuple[tuple[tuple[str, int, int], ...], float]] = field(default_factory=dict)
-
-    def restore(self) -> Path | None:
-        """Put the newest committed directory back where the script expects it."""
-        for entry in reversed(list_committed(self.store)):
-            self.done.add(entry.step)
-        for entry in reversed(list_committed(self.store)):
-            try:
-                manifest = read_manifest(self.store, entry.step)
-                if manifest.kind == "files":
-                    from runner.checkpoint import download_files  # torch only when syncing
-
-                    return download_files(self.store, manifest, self.root)
-            except (CheckpointError, StoreError) as exc:
-                log.warning(
-                    "checkpoint step %d unusable (%s); trying an older one", entry.step, exc
-                )
-        return None
-
-    def poll(self, *, now: float, final: bool = False) -> list[CommitInfo]:
-        """Commit every settled directory not yet committed."""
-        committed: list[CommitInfo] = []
-        if not self.root.is_dir():
-            return committed
-        for d in sorted(p for p in self.root.iterdir() if p.is_dir()):
-            m = _DIGITS.search(d.name)
-            if m is None:
-                continue
-            step = int(m.group(1))
-            if step in self.done:
-                continue
-            sig = tuple(
-                (p.relative_to(d).as_posix(), st.st_size, st.st_mtime_ns)
-                for p in sorted(d.rglob("*"))
-                if p.is_file() and (st := p.stat())
-            )
-            if not sig:
-                continue
-            previous = self._seen.get(d.name)
-            if previous is None or previous[0] != sig:
-                self._seen[d.name] = (sig, now)
-                if not final:
-                    continue
-            elif not final and now - previous[1] < self.settle_s:
-                continue
-            from runner.checkpoint import commit_files  # torch only when syncing
-
-            committed.append(commit_files(self.store, step, d))
-            self.done.add(step)
-        return committed
 
 
 class Supervisor:
@@ -106,7 +48,7 @@ class Supervisor:
         env: Mapping[str, str] | None = None,
         window_s: float = 30.0,
         preemption_sources: str = "",
-        dir_sync: DirSync | None = None,
+        sync: CheckpointSync | None = None,
         scratch_dir: Path | None = None,
         scratch_bytes: int | None = None,
         poll_s: float = 0.2,
@@ -123,71 +65,99 @@ class Supervisor:
         self.env = dict(os.environ if env is None else env)
         self.window_s = window_s
         self.preemption_sources = preemption_sources
-        self.dir_sync = dir_sync
+        self.sync = sync
         self.scratch_dir = scratch_dir or Path(self.env.get("TRAINBOT_SCRATCH_DIR") or ".")
         self.scratch_bytes = scratch_bytes
         self.poll_s = poll_s
         self.sample_s = sample_s
         self.install_signals = install_signals
+        #: The child process, once started.
+        self.child: subprocess.Popen[bytes] | None = None
         #: The child's exit code, once it has exited.
         self.child_code: int | None = None
-        #: The exit code the child reported in its last event, if it uses the session API.
+        #: The exit code and reason the child reported in its last event (session API).
         self._child_reported: int | None = None
+        self._child_reason: str | None = None
+        #: Whether the child committed checkpoints itself (session API).
+        self._child_checkpoints = False
         #: Whether the exit was reported already (a preempted session's, before teardown).
         self._exit_reported = False
         #: Whether the preemption notice was reported (it must come before the exit).
         self._announced = False
 
     def run(self) -> int:
-        with tempfile.TemporaryDirectory(prefix="trainbot-exec-") as tmp:
-            events = Path(tmp) / "events.jsonl"
-            events.touch()
-            env = dict(self.env)
-            env["TRAINBOT_EVENTS_FILE"] = str(events)
-            env["TRAINBOT_TERMINATION_WINDOW_S"] = str(self.window_s)
-            env.pop("TRAINBOT_PREEMPTION_SOURCES", None)  # the supervisor polls, then signals
-            if self.dir_sync is not None:
-                env["TRAINBOT_CHECKPOINT_DIR"] = str(self.dir_sync.root)
-                self.dir_sync.root.mkdir(parents=True, exist_ok=True)
-                restored = self.dir_sync.restore()
-                if restored is not None:
-                    self.sink.emit("log", {"level": "info", "message": f"restored {restored.name}"})
-            signals = (
-                SignalHandlers(self.flag, window_s=self.window_s) if self.install_signals else None
-            )
+        # The handlers go in first: a notice during the restore or the start-up is a
+        # preemption like any other, never a death by SIGTERM (exit 143, a failure).
+        signals = (
+            SignalHandlers(self.flag, window_s=self.window_s) if self.install_signals else None
+        )
+        if signals is not None:
+            signals.__enter__()
+        pollers = start_pollers(self.flag, sources=self.preemption_sources)
+        try:
+            with tempfile.TemporaryDirectory(prefix="trainbot-exec-") as tmp:
+                events = Path(tmp) / "events.jsonl"
+                events.touch()
+                env = dict(self.env)
+                env["TRAINBOT_EVENTS_FILE"] = str(events)
+                env["TRAINBOT_TERMINATION_WINDOW_S"] = str(self.window_s)
+                env.pop("TRAINBOT_PREEMPTION_SOURCES", None)  # we poll, then signal
+                if self.sync is not None:
+                    env["TRAINBOT_CHECKPOINT_DIR"] = str(self.sync.root)
+                    self._restore()
+                if self.flag.is_set:
+                    return self._preempted_before_start()
+                sampler = SystemSampler(
+                    self.sink,
+                    disk_path=self.scratch_dir,
+                    declared_total=self.scratch_bytes,
+                    interval_s=self.sample_s,
+                )
+                try:
+                    return self._supervise(env, events, sampler)
+                finally:
+                    sampler.stop()
+        finally:
+            pollers.stop()
             if signals is not None:
-                signals.__enter__()
-            pollers = start_pollers(self.flag, sources=self.preemption_sources)
-            sampler = SystemSampler(
-                self.sink,
-                disk_path=self.scratch_dir,
-                declared_total=self.scratch_bytes,
-                interval_s=self.sample_s,
+                signals.__exit__(None, None, None)
+
+    def _restore(self) -> None:
+        assert self.sync is not None
+        self.sync.root.mkdir(parents=True, exist_ok=True)
+        restored = self.sync.restore(stop=lambda: self.flag.is_set)
+        if restored is not None:
+            names = ", ".join(restored.names)
+            self.sink.emit(
+                "log", {"level": "info", "message": f"restored step {restored.step}: {names}"}
             )
-            try:
-                return self._supervise(env, events, sampler)
-            finally:
-                sampler.stop()
-                pollers.stop()
-                if signals is not None:
-                    signals.__exit__(None, None, None)
+
+    def _preempted_before_start(self) -> int:
+        """A notice before the child started: nothing to stop, the next attempt does it all."""
+        self._announce()
+        log.warning("preemption notice before the command started; not starting it")
+        self.sink.emit("exit", {"code": EXIT_PREEMPTED, "reason": "preempted"})
+        return EXIT_PREEMPTED
 
     def _supervise(self, env: dict[str, str], events: Path, sampler: SystemSampler) -> int:
         follower = follow_file(events)
         try:
-            child = subprocess.Popen(self.command, env=env)
+            child = self.child = subprocess.Popen(self.command, env=env)
         except OSError as exc:
             raise RunnerError(f"cannot start {self.command[0]!r}: {exc.strerror}") from exc
         sampler.start()
         while True:
             code = child.poll()
+            # A notice that comes once the child has ended (during the last sync, say)
+            # does not change how it ended.
+            noticed = self.flag.is_set
             self._forward(follower)
-            if self.flag.is_set and self._announce() and code is None:
+            if noticed and code is None and self._announce():
                 child.send_signal(signal.SIGTERM)
-            if self.dir_sync is not None:
-                self._sync(final=False)
             if code is not None:
                 break
+            if self.sync is not None:
+                self._sync(final=False)
             # Wakes as soon as the child exits: its teardown is paid time that makes no
             # progress, so the exit is reported without a poll's delay.
             try:
@@ -195,14 +165,19 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 pass
         self._forward(follower)
-        if self.dir_sync is not None:
-            self._sync(final=True)
+        if noticed:
+            self._announce()  # a notice between the last look and the exit
+        if self.sync is not None:
+            self._sync(final=True, clean=code == 0)
+            self._warn_if_nothing_synced(preempted=noticed)
         self.child_code = code
-        result = self._exit_code(code)
+        result = self._exit_code(code, noticed=noticed)
         if not self._exit_reported:
             reason = {EXIT_SUCCEEDED: "succeeded", EXIT_PREEMPTED: "preempted"}.get(
                 result, "failed"
             )
+            if result == self._child_reported and self._child_reason is not None:
+                reason = self._child_reason  # "stopped" is the session's to say
             self.sink.emit("exit", {"code": result, "reason": reason})
         return result
 
@@ -210,6 +185,7 @@ class Supervisor:
         for type_, when, data in follower:
             if type_ == "exit":
                 self._child_reported = int(data["code"])
+                self._child_reason = str(data.get("reason") or "") or None
                 if self._child_reported == EXIT_PREEMPTED and self.flag.is_set:
                     self._announce()  # the notice goes first: the exit ends the attempt
                     # The session has committed what it could and ended: the instance is
@@ -224,6 +200,8 @@ class Supervisor:
                 continue  # the supervisor reports the exit itself, once
             if type_ == "preemption_notice":
                 continue
+            if type_ in ("checkpoint_committed", "restored"):
+                self._child_checkpoints = True
             self.sink.emit(type_, data, time=when)
 
     def _announce(self) -> bool:
@@ -241,10 +219,17 @@ class Supervisor:
         )
         return True
 
-    def _sync(self, *, final: bool) -> None:
-        assert self.dir_sync is not None
+    def _sync(self, *, final: bool, clean: bool = True) -> None:
+        assert self.sync is not None
+        child = self.child
+
+        def open_paths() -> set[str] | None:
+            return open_files(child.pid) if child is not None else None
+
         try:
-            for info in self.dir_sync.poll(now=time.monotonic(), final=final):
+            for info in self.sync.poll(
+                now=time.monotonic(), final=final, clean=clean, open_paths=open_paths
+            ):
                 self.sink.emit(
                     "checkpoint_committed",
                     {
@@ -257,17 +242,41 @@ class Supervisor:
         except (CheckpointError, StoreError, OSError) as exc:
             self.sink.emit("checkpoint_failed", {"step": -1, "error": str(exc)})
 
-    def _exit_code(self, code: int) -> int:
+    def _warn_if_nothing_synced(self, *, preempted: bool) -> None:
+        """Say plainly that a script under ``--sync-dir`` left nothing to resume from: the
+        run card says checkpoints are on, and the next attempt would start from step 0."""
+        sync = self.sync
+        assert sync is not None
+        if sync.done or self._child_checkpoints:
+            return
+        found = sorted(sync.ignored)
+        if found:
+            shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+            what = f"it holds {shown}, with no step in the name"
+        else:
+            what = "the script wrote nothing there"
+        if sync.torn:
+            what += f"; {', '.join(sorted(sync.torn))} was still being written when it ended"
+        then = " The next attempt starts from step 0." if preempted else ""
+        msg = (
+            f"no checkpoint was synced from {sync.root} ($TRAINBOT_CHECKPOINT_DIR): {what}."
+            f"{then} Save checkpoints there as files or folders whose names hold the step "
+            "(ckpt-500.pt, epoch=0-step=500.ckpt, checkpoint-500/), or use the session API."
+        )
+        log.warning(msg)
+        self.sink.emit("log", {"level": "warning", "message": msg})
+
+    def _exit_code(self, code: int, *, noticed: bool) -> int:
         if code < 0 and self._child_reported is not None:
             # The child decided its exit code and said so, then a second SIGTERM (sent to
             # the whole process group as well as forwarded by us) ended it first.
             code = self._child_reported
-        if code == EXIT_PREEMPTED:
-            return EXIT_PREEMPTED
-        if self.flag.is_set and self.dir_sync is not None and self.dir_sync.done:
-            # A script without the session API does not know code 75: a preempted run with a
-            # committed checkpoint is resumable whatever the script returned.
-            return EXIT_PREEMPTED
+        if noticed:
+            # Preempted, whatever the child made of it (143 or -15 before it had a handler,
+            # 1 from a KeyboardInterrupt, 0 from a script that stops on SIGTERM): resumable,
+            # unless the session says it finished with its last step committed.
+            finished = code == EXIT_SUCCEEDED and self._child_reported == EXIT_SUCCEEDED
+            return EXIT_SUCCEEDED if finished else EXIT_PREEMPTED
         if code < 0:
             return 128 - code  # killed by signal N: the shell's 128 + N
         return code

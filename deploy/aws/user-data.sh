@@ -1,7 +1,7 @@
 #!/bin/bash
 # trainbot: boot script for one attempt on EC2 (user data, run once by cloud-init as root).
 #
-# jobs/providers/aws.py renders this template: each placeholder between double at-signs
+# jobs/providers/aws/launch.py renders this template: each placeholder between double at-signs
 # is replaced with a shell-quoted value chosen by the control plane (the runner package,
 # the command from the job spec, and the attempt's environment, which holds its runner
 # token), all in one pass, so no value is ever read again as template or as shell. Nothing here is taken from chat, and nothing secret is printed: cloud-init copies

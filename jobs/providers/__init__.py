@@ -1,50 +1,49 @@
-"""Providers: where instances run. The registry maps a provider name to its factory.
+"""Providers: where instances run. The registry maps a provider name to its factories.
 
 Each factory imports its module when called, so choosing ``local`` never imports a cloud
-SDK. A provider is added here by name; nothing is looked up dynamically.
+SDK. A provider is added here by name (see the README, "Adding a provider"); nothing is
+looked up dynamically, and no caller asks a provider's type.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
+import importlib
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from jobs.providers.base import Provider, ProviderError
 
-__all__ = ["PROVIDERS", "make_provider"]
+if TYPE_CHECKING:
+    from jobs.settings import Settings
 
+__all__ = ["PROVIDERS", "make_provider", "provider_from_settings"]
 
-def _local(**options: Any) -> Provider:
-    from jobs.providers.local import LocalProvider
-
-    return LocalProvider(**options)
-
-
-def _aws(**options: Any) -> Provider:
-    from jobs.providers import aws
-
-    return aws.make(**options)
-
-
-def _gcp(**options: Any) -> Provider:
-    from jobs.providers import gcp
-
-    return gcp.make(**options)
-
-
-#: Provider name (as in ``ResourceRequest.cloud`` and the spec) → factory.
-PROVIDERS: Mapping[str, Callable[..., Provider]] = {
-    "local": _local,
-    "aws": _aws,
-    "gcp": _gcp,
+#: Provider name (as in ``TRAINBOT_PROVIDER`` and a spec's ``resources.cloud``) → the
+#: module that implements it. Each module has ``make(**options)`` (its constructor's
+#: options) and ``from_settings(settings)`` (the process settings it reads).
+PROVIDERS: Mapping[str, str] = {
+    "local": "jobs.providers.local",
+    "aws": "jobs.providers.aws",
+    "gcp": "jobs.providers.gcp",
 }
+
+
+def _module(name: str) -> Any:
+    try:
+        path = PROVIDERS[name]
+    except KeyError:
+        known = ", ".join(sorted(PROVIDERS))
+        raise ProviderError(f"unknown provider {name!r}: use one of {known}") from None
+    return importlib.import_module(path)
 
 
 def make_provider(name: str, /, **options: Any) -> Provider:
     """Build the named provider; ``options`` are its constructor's keyword arguments."""
-    try:
-        factory = PROVIDERS[name]
-    except KeyError:
-        known = ", ".join(sorted(PROVIDERS))
-        raise ProviderError(f"unknown provider {name!r}: use one of {known}") from None
-    return factory(**options)
+    provider: Provider = _module(name).make(**options)
+    return provider
+
+
+def provider_from_settings(settings: Settings) -> Provider:
+    """The provider ``TRAINBOT_PROVIDER`` names, configured from the process settings."""
+    provider: Provider = _module(settings.provider).from_settings(settings)
+    return provider

@@ -2,8 +2,9 @@
 
 Everything that crosses it is a frozen dataclass, so a provider cannot hand the service
 layer a live SDK object, and the service layer cannot reach into a provider's state.
-Cloud SDKs are imported only in their provider module (``aws.py``, ``gcp.py``);
-``local.py`` needs nothing but the standard library.
+Cloud SDKs are imported only in their provider package (``aws/``, ``gcp/``);
+``local.py`` needs nothing but the standard library. What a caller may rely on beyond
+the methods every provider has is declared in :class:`Capabilities`.
 
 Quota and capacity are separate questions on purpose: a quota of 8 A100s in a region says
 nothing about whether any zone has one free right now, and the preflight report has to
@@ -40,6 +41,7 @@ __all__ = [
     "QuotaExceeded",
     "QuotaInfo",
     "ResourceRequest",
+    "Unsupported",
     "ZoneCapacity",
 ]
 
@@ -279,7 +281,8 @@ class InstanceStatus:
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a provider declares about itself, so that callers never decide by its type.
+    """What a provider declares about itself, so that callers never decide by its type
+    or look for a method by name.
 
     The control plane's machine holds the Slack secrets, the cloud credentials and the
     database, so whether a spec's command may run on it is a property of the provider,
@@ -292,12 +295,29 @@ class Capabilities:
     # spec's command or any other user-controlled string, and never imports user code.
     runs_on_this_machine: bool
     # Seconds between the preemption notice and the kill, which an emergency checkpoint
-    # has to fit in; None: the provider does not say, and the runner's default for a
-    # cloud of its name applies (``runner.preemption.WINDOWS_S``).
-    termination_window_s: float | None = None
+    # has to fit in (the runner is told it as TRAINBOT_TERMINATION_WINDOW_S).
+    termination_window_s: float
+    # Where the runner on an instance hears the notice (``runner.preemption.SOURCES``):
+    # "aws" (IMDSv2 spot/instance-action), "gcp" (the metadata server's preempted flag),
+    # or "signal" (SIGTERM only, the local provider's).
+    preemption_source: str
+    # The region a spec without ``resources.region`` runs in; None: the spec must say.
+    default_region: str | None = None
     # Mean seconds between the preemptions the provider itself causes (the local
     # provider's configured mean); None: unknown, and preflight assumes its default.
     mean_time_between_preemptions_s: float | None = None
+    # ``create_budget`` creates a budget in the cloud's own billing (AWS Budgets).
+    cloud_budgets: bool = False
+    # ``check_launch_permissions`` can ask the cloud whether a launch would be allowed
+    # without launching (EC2 DryRun).
+    permission_probe: bool = False
+    # ``instance_log`` can read an instance's output (the local provider's log files).
+    instance_logs: bool = False
+
+
+class Unsupported(ProviderError):
+    """The provider does not have this optional capability (its :class:`Capabilities`
+    say so); callers check the capability first, so this is a bug when it surfaces."""
 
 
 # -- the interface -----------------------------------------------------------------------
@@ -345,4 +365,26 @@ class Provider(Protocol):
 
     def list_instances(self) -> list[InstanceInfo]:
         """Every instance tagged by trainbot, so reconciliation can find orphans."""
+        ...
+
+    # -- optional capabilities: call only where ``capabilities`` says the provider has
+    # -- them; the others raise :class:`Unsupported`.
+
+    def create_budget(self, *, run_id: str, usd: float, thresholds: Sequence[int]) -> str:
+        """A budget in the cloud's billing for the run's spend, alerting at ``thresholds``
+        percent; returns its name (``capabilities.cloud_budgets``)."""
+        ...
+
+    def check_launch_permissions(self, req: ResourceRequest, *, zone: str | None = None) -> None:
+        """Raise :class:`ProviderPermissionError` when the credentials could not launch
+        this request (``capabilities.permission_probe``)."""
+        ...
+
+    def instance_log(self, instance_id: str, *, lines: int) -> str:
+        """The last ``lines`` lines of the instance's output; raises
+        :class:`InstanceNotFound` when there is none yet (``capabilities.instance_logs``)."""
+        ...
+
+    def close(self) -> None:
+        """Release what the provider holds (threads, connections); instances keep running."""
         ...

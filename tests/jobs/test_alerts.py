@@ -24,7 +24,6 @@ from jobs.db import session_scope
 from jobs.errors import ConflictError, NotFound, TrainbotError
 from jobs.models import Alert, AlertState, Run, Severity
 from jobs.notify import AlertMessage, Message, MessageRef
-from jobs.rules import Severity as RuleSeverity
 from jobs.rules import Signal
 
 T0 = datetime(2024, 5, 14, 9, 0, tzinfo=timezone.utc)
@@ -83,7 +82,7 @@ def signal(
     rule: str = "divergent_loss",
     key: str = "nan",
     *,
-    severity: RuleSeverity = RuleSeverity.CRITICAL,
+    severity: Severity = Severity.CRITICAL,
     resolved: bool = False,
     title: str = "Loss of run r-1 is NaN",
 ) -> Signal:
@@ -240,8 +239,8 @@ def test_open_repeat_ack_resolve_and_reopen(db_engine: Engine) -> None:
 def test_severity_increase_updates_in_place_and_never_drops(db_engine: Engine) -> None:
     run = make_run(db_engine)
     chat, journal = RecordingNotifier(), ListJournal()
-    warn = signal("disk", "usage", severity=RuleSeverity.WARNING, title="Disk 92% full")
-    crit = signal("disk", "usage", severity=RuleSeverity.CRITICAL, title="Disk 98% full")
+    warn = signal("disk", "usage", severity=Severity.WARNING, title="Disk 92% full")
+    crit = signal("disk", "usage", severity=Severity.CRITICAL, title="Disk 98% full")
     [alert] = feed(db_engine, run, [warn], now=T0, notifier=chat, journal=journal)
     assert alert.severity is Severity.WARNING
     feed(db_engine, run, [crit], now=T0 + timedelta(minutes=1), notifier=chat, journal=journal)
@@ -335,7 +334,7 @@ def test_unacknowledged_critical_escalates_once_after_the_delay(db_engine: Engin
         run,
         [
             signal("lost_heartbeat", "heartbeat"),
-            signal("disk", "usage", severity=RuleSeverity.WARNING),
+            signal("disk", "usage", severity=Severity.WARNING),
             signal("divergent_loss", "nan"),
         ],
         now=T0,

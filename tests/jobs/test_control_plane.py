@@ -373,6 +373,87 @@ def test_kill_9_during_a_launch_then_restart_leaves_one_instance_per_attempt(
         deps.provider.close()  # type: ignore[attr-defined]
 
 
+def dry_run_processes(state: Path) -> list[int]:
+    """Pids of processes that are some control plane's dry run under ``state``."""
+    marker = f"TRAINBOT_SCRATCH_DIR={state / 'preflight'}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(v.startswith(marker) for v in environ):
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc")
+def test_kill_9_during_the_dry_run_then_restart_ends_it_and_runs_preflight_again(
+    tmp_path: Path,
+) -> None:
+    """A control plane killed while its dry run trains leaves that process behind and the
+    run in PREFLIGHT; the next start ends the process and runs the checks again."""
+    state = tmp_path / "state"
+    env = {k: os.environ[k] for k in SHELL_ENV_KEYS if k in os.environ}
+    env.update(PYTHONPATH=str(ROOT), TRAINBOT_STATE_DIR=str(state), TRAINBOT_INGEST_PORT="0")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bot.cli", "shell"],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert proc.stdin is not None
+    # A dry run slow enough to be caught in the middle of.
+    proc.stdin.write("/train launch tiny dry_run.steps=50 resubmit.backoff_s=0\n")
+    proc.stdin.flush()
+    deadline = time.monotonic() + 60
+    while not list(state.glob("preflight/*/dry-run.pid")):
+        assert time.monotonic() < deadline and proc.poll() is None, "no dry run started"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    orphans = dry_run_processes(state)
+    assert orphans, "the dry run outlives the control plane that started it"
+
+    records: list[dict] = []
+    journal = CallbackJournal(lambda t, run, data: records.append({"type": t, "run": run, **data}))
+    settings = settings_for(state, TRAINBOT_HEARTBEAT_DEADLINE_S="600")
+    with ControlPlane(
+        settings,
+        notifier=ConsoleNotifier(io.StringIO()),
+        journal=journal,
+        scheduler=False,  # type: ignore[arg-type]
+    ) as cp:
+        deps = cp.deps
+        [run_id] = [r["run"] for r in records if r["type"] == "preflight_resumed"]
+        assert [r["run"] for r in records if r["type"] == "dry_run_ended"] == [run_id]
+        wait_until = time.monotonic() + 5
+        while dry_run_processes(state) and time.monotonic() < wait_until:
+            time.sleep(0.05)
+        assert not any(pid in dry_run_processes(state) for pid in orphans)
+        # The checks run again, to the end, and the run launches.
+        deadline = time.monotonic() + 120
+        while True:
+            with session_scope(deps.engine) as session:
+                run = session.get(Run, run_id)
+                assert run is not None
+                state_now = run.state
+            if state_now not in (RunState.PREFLIGHT,):
+                break
+            assert time.monotonic() < deadline, "the run stayed in PREFLIGHT"
+            time.sleep(0.2)
+        assert state_now in (RunState.LAUNCHING, RunState.RUNNING), state_now
+        for inst in deps.provider.list_instances():
+            if not inst.state.is_terminal():
+                deps.provider.terminate(inst.instance_id)
+    assert not dry_run_processes(state)
+
+
 @pytest.mark.slow
 def test_the_demo_tells_the_whole_story(tmp_path: Path) -> None:
     events = tmp_path / "events.jsonl"

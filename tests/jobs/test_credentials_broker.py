@@ -45,7 +45,7 @@ from jobs.errors import PermissionDenied
 from jobs.ingest import IngestService
 from jobs.lifecycle import AttemptState
 from jobs.models import Attempt, Run, hash_token
-from jobs.providers.aws_credentials import (
+from jobs.providers.aws.credentials import (
     OBJECT_ACTIONS,
     StorageCredentialBroker,
     session_policy,
@@ -55,7 +55,7 @@ from jobs.runs import runner_env, spec_of
 from jobs.server import CREDENTIALS_PATH, EVENTS_PATH, ControlPlaneApp, CredentialBroker, serve
 from jobs.settings import Settings
 from runner.checkpoint import list_committed, read_manifest
-from runner.s3 import S3Store
+from runner.store.s3 import S3Store
 from tests.fakes.aws import MOTO_ACCOUNT
 
 ROOT = Path(__file__).resolve().parents[2]

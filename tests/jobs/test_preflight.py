@@ -52,6 +52,7 @@ from jobs.providers.base import (
     ProviderError,
     QuotaInfo,
     ResourceRequest,
+    Unsupported,
     ZoneCapacity,
 )
 from jobs.providers.local import LocalProvider
@@ -70,7 +71,9 @@ class CloudAnswers:
 
     name: str = "aws"
     capabilities: Capabilities = field(
-        default_factory=lambda: Capabilities(runs_on_this_machine=False)
+        default_factory=lambda: Capabilities(
+            runs_on_this_machine=False, termination_window_s=120.0, preemption_source="aws"
+        )
     )
     quota_info: QuotaInfo = field(
         default_factory=lambda: QuotaInfo(
@@ -116,6 +119,18 @@ class CloudAnswers:
 
     def list_instances(self) -> list[InstanceInfo]:
         return []
+
+    def create_budget(self, *, run_id: str, usd: float, thresholds: Sequence[int]) -> str:
+        raise Unsupported("CloudAnswers has no budgets")
+
+    def check_launch_permissions(self, req: ResourceRequest, *, zone: str | None = None) -> None:
+        raise Unsupported("CloudAnswers has no permission probe")
+
+    def instance_log(self, instance_id: str, *, lines: int) -> str:
+        raise Unsupported("CloudAnswers launches nothing")
+
+    def close(self) -> None:
+        return None
 
 
 def spec(**data: Any) -> JobSpec:

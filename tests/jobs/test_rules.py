@@ -12,9 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jobs.rules import (
-    AlertConfig,
+    AlertThresholds,
     AutoResubmit,
-    Budget,
     Disk,
     DivergentLoss,
     LostHeartbeat,
@@ -156,7 +155,7 @@ def test_spike_needs_a_baseline() -> None:
 
 
 def test_spike_respects_configured_points_and_factor() -> None:
-    rule = DivergentLoss(AlertConfig(loss_spike_points=1, loss_spike_factor=2.0))
+    rule = DivergentLoss(AlertThresholds(loss_spike_points=1, loss_spike_factor=2.0))
     window = losses([2.0] * 5 + [4.5])
     assert len(active(rule.evaluate(window, now=NOW, ctx=ctx()), "spike")) == 1
 
@@ -412,54 +411,7 @@ def test_preemptions_spread_out_are_not_repeated() -> None:
     assert RepeatedPreemptions().evaluate([], now=NOW, ctx=ctx(preemption_times=times[1:])) == []
 
 
-# --- budget ---------------------------------------------------------------------------
-
-
-def test_no_budget_no_alert() -> None:
-    assert Budget().evaluate([], now=NOW, ctx=ctx(spent_usd=1e6)) == []
-
-
-def test_below_the_first_threshold_nothing() -> None:
-    assert Budget().evaluate([], now=NOW, ctx=ctx(budget_usd=800, spent_usd=399.99)) == []
-
-
-def test_budget_threshold_message_has_the_figures() -> None:
-    (signal,) = Budget().evaluate([], now=NOW, ctx=ctx(budget_usd=800, spent_usd=656))
-    assert (signal.key, signal.severity) == ("threshold-80", Severity.WARNING)
-    assert RUN in signal.title
-    assert "82%" in signal.title
-    assert "$656.00 of $800.00" in signal.detail
-    assert "stop" not in signal.data
-
-
-def test_each_threshold_fires_once_as_spend_rises() -> None:
-    seen: dict[str, int] = {}
-    for spent in range(0, 1001, 25):
-        signals = Budget().evaluate([], now=NOW, ctx=ctx(budget_usd=800, spent_usd=spent))
-        assert len(signals) <= 1
-        for signal in signals:
-            seen.setdefault(signal.key, spent)
-    assert seen == {"threshold-50": 400, "threshold-80": 650, "threshold-100": 800}
-
-
-def test_budget_at_100_is_critical_and_a_hard_cap_stops() -> None:
-    (soft,) = Budget().evaluate([], now=NOW, ctx=ctx(budget_usd=800, spent_usd=800))
-    assert soft.severity is Severity.CRITICAL
-    assert "stop" not in soft.data
-    state = ctx(budget_usd=800, spent_usd=812, hard_cap=True)
-    (hard,) = Budget().evaluate([], now=NOW, ctx=state)
-    assert hard.key == "threshold-100"
-    assert hard.data["stop"] is True
-
-
-def test_hard_cap_stops_even_without_a_100_threshold() -> None:
-    state = ctx(budget_usd=100, spent_usd=100, hard_cap=True, thresholds_pct=(50, 80))
-    (signal,) = Budget().evaluate([], now=NOW, ctx=state)
-    assert signal.data["stop"] is True
-    state = ctx(budget_usd=100, spent_usd=99, hard_cap=True, thresholds_pct=(50, 80))
-    (signal,) = Budget().evaluate([], now=NOW, ctx=state)
-    assert signal.key == "threshold-80"
-    assert "stop" not in signal.data
+# --- budget: not a rule; the spend job alerts (tests/jobs/test_spend.py) ----------------
 
 
 # --- heartbeat ------------------------------------------------------------------------
@@ -485,7 +437,7 @@ def test_no_heartbeat_yet_is_not_lost() -> None:
 
 
 def test_default_rules_cover_every_rule_once() -> None:
-    rules: list[Rule] = default_rules(AlertConfig())
+    rules: list[Rule] = default_rules(AlertThresholds())
     assert [r.name for r in rules] == [
         "divergent_loss",
         "low_utilisation",
@@ -493,7 +445,6 @@ def test_default_rules_cover_every_rule_once() -> None:
         "preemption",
         "auto_resubmit",
         "repeated_preemptions",
-        "budget",
         "lost_heartbeat",
     ]
 
@@ -501,23 +452,43 @@ def test_default_rules_cover_every_rule_once() -> None:
 def test_evaluate_all_collects_every_rule() -> None:
     window = [metrics(NOW - 2, 10, math.nan), system(NOW - 1, used=95 * GB)]
     state = ctx(budget_usd=10, spent_usd=6, last_heartbeat=NOW - 1000)
-    signals = active(evaluate_all(default_rules(AlertConfig()), window, now=NOW, ctx=state))
+    signals = active(evaluate_all(default_rules(AlertThresholds()), window, now=NOW, ctx=state))
     assert {(s.rule, s.key) for s in signals} == {
         ("divergent_loss", "nan"),
         ("disk", "threshold"),
-        ("budget", "threshold-50"),
         ("lost_heartbeat", "heartbeat"),
     }
     assert all(RUN in s.title for s in signals)
 
 
-def test_alert_config_rejects_nonsense() -> None:
+def test_alert_thresholds_reject_nonsense() -> None:
     with pytest.raises(ValueError, match="trend_points"):
-        AlertConfig(trend_points=2)
+        AlertThresholds(trend_points=2)
     with pytest.raises(ValueError, match="disk_percent"):
-        AlertConfig(disk_percent=120)
+        AlertThresholds(disk_percent=120)
     with pytest.raises(ValueError, match="heartbeat_deadline_s"):
-        AlertConfig(heartbeat_deadline_s=0)
+        AlertThresholds(heartbeat_deadline_s=0)
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.0])
+def test_a_spike_factor_must_be_above_one(factor: float) -> None:
+    # At or below its baseline a loss has not spiked: such a factor would alert on noise.
+    with pytest.raises(ValueError, match="loss_spike_factor"):
+        AlertThresholds(loss_spike_factor=factor)
+    assert AlertThresholds(loss_spike_factor=1.5).loss_spike_factor == 1.5
+
+
+@pytest.mark.parametrize("fraction", [0.0, 1.01])
+def test_a_data_wait_fraction_is_above_zero_and_at_most_one(fraction: float) -> None:
+    with pytest.raises(ValueError, match="data_wait_fraction"):
+        AlertThresholds(data_wait_fraction=fraction)
+
+
+def test_a_data_wait_fraction_of_one_is_legal_and_never_fires() -> None:
+    # A wait above the whole step time cannot happen, so 1 turns the CPU alert off.
+    rule = LowUtilisation(AlertThresholds(data_wait_fraction=1.0))
+    window = [o for o in gpu_window(0.0, wait=1.0) if o.type == "metrics"]
+    assert active(rule.evaluate(window, now=NOW, ctx=ctx())) == []
 
 
 _VALUES = st.one_of(
@@ -551,7 +522,7 @@ _TYPES = st.sampled_from(
 )
 def test_malformed_payloads_never_crash_the_rules(window: list[Obs]) -> None:
     state = ctx(budget_usd=100, spent_usd=90, last_heartbeat=NOW - 10)
-    for signal in evaluate_all(default_rules(AlertConfig()), window, now=NOW, ctx=state):
+    for signal in evaluate_all(default_rules(AlertThresholds()), window, now=NOW, ctx=state):
         assert RUN in signal.title
         assert signal.rule and signal.key
 
@@ -576,7 +547,7 @@ def test_a_typed_window_gives_the_signals_of_the_plain_window(seed: int) -> None
     groups: dict[str, list[Obs]] = {}
     for obs in window:
         groups.setdefault(obs.type, []).append(obs)
-    rules = default_rules(AlertConfig())
+    rules = default_rules(AlertThresholds())
     state = ctx(last_heartbeat=NOW - 10, preemption_times=(NOW - 20,))
 
     expected = [rule.evaluate(window, now=NOW, ctx=state) for rule in rules]  # plain lists

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import Engine, func, select
 from sqlmodel import Session
 
@@ -27,7 +28,15 @@ from jobs.ingest import IngestService
 from jobs.lifecycle import AttemptState
 from jobs.models import Attempt, Checkpoint, Event, MetricBlock, Run, hash_token
 from jobs.rules import Signal
-from jobs.server import EVENTS_PATH, ControlPlaneApp, ServerHandle, serve
+from jobs.server import (
+    CHANNEL_TIMEOUT_S,
+    CONNECTION_LIMIT,
+    DRAIN_FACTOR,
+    EVENTS_PATH,
+    ControlPlaneApp,
+    ServerHandle,
+    serve,
+)
 from runner.telemetry import Reporter
 from runner.wire import Event as WireEvent
 from runner.wire import encode_batch
@@ -145,6 +154,23 @@ def raw_exchange(port: int, data: bytes, *, read: bool = True) -> bytes:
         return b"".join(chunks)
 
 
+def scrape(base_url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Every sample of ``/metrics``, parsed by prometheus_client's own parser."""
+    status, content_type, text = get(base_url + "/metrics")
+    assert status == 200 and content_type.startswith("text/plain; version=0.0.4")
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def sample(
+    found: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str
+) -> float:
+    return found[(name, frozenset(labels.items()))]
+
+
 def metrics(step: int, loss: float = 1.0) -> dict[str, Any]:
     return {
         "step": step,
@@ -236,9 +262,9 @@ def test_a_restarted_reporter_resends_and_nothing_doubles(plane: Plane, tmp_path
         assert second.flush(FLUSH_S)
 
     assert count_events(plane.engine) == 27
-    exposition = get(plane.server.url + "/metrics")[2]
-    assert 'trainbot_ingest_events_total{result="duplicate"} 6' in exposition
-    assert 'trainbot_ingest_events_total{result="accepted"} 27' in exposition
+    exposition = scrape(plane.server.url)
+    assert sample(exposition, "trainbot_ingest_events_total", result="duplicate") == 6
+    assert sample(exposition, "trainbot_ingest_events_total", result="accepted") == 27
     assert plane.recorder.attempt_events.count(("a-1", "started")) == 1
 
 
@@ -343,12 +369,59 @@ def test_a_body_over_the_limit_is_answered_413_not_reset(sqlite_plane: Plane) ->
 def test_a_missing_content_length_gets_411(sqlite_plane: Plane) -> None:
     head = (
         f"POST {EVENTS_PATH} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
-        "Transfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n"
+        "Connection: close\r\n\r\n"
     ).encode()
 
     answer = raw_exchange(sqlite_plane.server.port, head)
 
     assert b" 411 " in answer.split(b"\r\n", 1)[0]
+    assert b"Content-Length" in answer.split(b"\r\n\r\n", 1)[1]
+
+
+def chunked(body: bytes, size: int = 1000) -> bytes:
+    parts = [body[i : i + size] for i in range(0, len(body), size)]
+    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts) + b"0\r\n\r\n"
+
+
+def test_a_chunked_batch_is_taken_within_the_limits(sqlite_plane: Plane) -> None:
+    """Chunked uploads are de-chunked by the server (a proxy may re-chunk a batch)."""
+    head = (
+        f"POST {EVENTS_PATH} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+        "Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+    ).encode()
+    port = sqlite_plane.server.port
+
+    answer = raw_exchange(port, head + chunked(wire_body()))
+    over_route_limit = raw_exchange(port, head + chunked(b"x" * (1 << 20) + b"x", 1 << 16))
+
+    assert b" 200 " in answer.split(b"\r\n", 1)[0]
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1]) == {"accepted": 3, "duplicates": 0}
+    assert b" 413 " in over_route_limit.split(b"\r\n", 1)[0]
+    assert b"limit" in over_route_limit
+    assert count_events(sqlite_plane.engine) == 3
+
+
+def test_a_chunked_body_over_the_cap_is_cut_off_while_it_arrives(sqlite_plane: Plane) -> None:
+    cap = DRAIN_FACTOR * sqlite_plane.ingest.max_body_bytes
+    with socket.create_connection(("127.0.0.1", sqlite_plane.server.port), timeout=10) as conn:
+        conn.sendall(
+            (
+                f"POST {EVENTS_PATH} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+                "Transfer-Encoding: chunked\r\n\r\n"
+            ).encode()
+        )
+        chunk = b"%x\r\n%s\r\n" % (1 << 16, b"x" * (1 << 16))
+        sent = 0
+        try:
+            while sent <= cap + (1 << 20):  # the client would go on; the server stops it
+                conn.sendall(chunk)
+                sent += 1 << 16
+        except OSError:
+            pass
+        answer = conn.recv(65536)
+
+    assert b" 413 " in answer.split(b"\r\n", 1)[0]
+    assert count_events(sqlite_plane.engine) == 0
 
 
 def test_broken_http_and_vanishing_clients_do_not_stop_the_server(
@@ -369,6 +442,53 @@ def test_broken_http_and_vanishing_clients_do_not_stop_the_server(
     assert post(sqlite_plane.events_url, wire_body()) == (200, {"accepted": 3, "duplicates": 0})
     assert count_events(sqlite_plane.engine) == 3
     assert capsys.readouterr().err == ""  # the log, not stderr
+    # At most one line per broken client, and no traceback.
+    assert len(caplog.records) <= 3, [r.getMessage() for r in caplog.records]
+    assert not any(r.exc_info for r in caplog.records)
+
+
+def test_clients_that_trickle_their_headers_keep_nobody_waiting(sqlite_plane: Plane) -> None:
+    """Slowloris: 130 connections sending their headers a byte at a time, forever."""
+    port = sqlite_plane.server.port
+    assert CONNECTION_LIMIT > 130
+    slow = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(130)]
+    try:
+        for conn in slow:
+            conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        waited: list[float] = []
+        for _ in range(5):
+            for conn in slow:
+                conn.sendall(b"a")  # each stays active, under any idle timeout
+            started = time.monotonic()
+            assert get(sqlite_plane.server.url + "/healthz")[0] == 200
+            waited.append(time.monotonic() - started)
+    finally:
+        for conn in slow:
+            conn.close()
+
+    assert max(waited) < 2.0, waited
+
+
+def test_a_silent_connection_is_closed_after_the_channel_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert 5.0 <= CHANNEL_TIMEOUT_S <= 60.0  # the real setting; shortened here
+    monkeypatch.setattr("jobs.server.CHANNEL_TIMEOUT_S", 1.0)
+    monkeypatch.setattr("jobs.server._CLEANUP_INTERVAL_S", 0.2)
+    engine = make_engine(f"sqlite:///{tmp_path / 'x.db'}")
+    migrate(engine)
+    server = serve(ControlPlaneApp(engine, IngestService(engine)), "127.0.0.1", 0)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as conn:
+            conn.sendall(b"POST /v1/events HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+            started = time.monotonic()
+            assert conn.recv(65536) == b""  # closed, nothing answered
+            closed_after = time.monotonic() - started
+    finally:
+        server.shutdown()
+        engine.dispose()
+
+    assert 0.5 < closed_after < 5.0, closed_after
 
 
 def test_many_clients_at_once(sqlite_plane: Plane) -> None:
@@ -416,18 +536,18 @@ def test_metrics_in_prometheus_text(plane: Plane) -> None:
     post(plane.events_url, wire_body())
     post(plane.events_url, b"nonsense")
 
-    status, content_type, text = get(plane.server.url + "/metrics")
+    found = scrape(plane.server.url)
 
-    assert status == 200 and content_type.startswith("text/plain; version=0.0.4")
-    lines = set(text.splitlines())
-    assert 'trainbot_ingest_events_total{result="accepted"} 3' in lines
-    assert 'trainbot_ingest_events_total{result="duplicate"} 3' in lines
-    assert 'trainbot_ingest_batches_total{status="200"} 2' in lines
-    assert 'trainbot_ingest_batches_total{status="400"} 1' in lines
-    assert 'trainbot_ingest_latency_seconds_bucket{le="+Inf"} 3' in lines
-    assert "trainbot_ingest_latency_seconds_count 3" in lines
-    assert "trainbot_alerts_open 0" in lines
-    assert "# TYPE trainbot_ingest_latency_seconds histogram" in lines
+    assert sample(found, "trainbot_ingest_events_total", result="accepted") == 3
+    assert sample(found, "trainbot_ingest_events_total", result="duplicate") == 3
+    assert sample(found, "trainbot_ingest_batches_total", status="200") == 2
+    assert sample(found, "trainbot_ingest_batches_total", status="400") == 1
+    assert sample(found, "trainbot_ingest_latency_seconds_bucket", le="+Inf") == 3
+    assert sample(found, "trainbot_ingest_latency_seconds_count") == 3
+    assert sample(found, "trainbot_alerts_open", severity="critical") == 0
+    assert (
+        "# TYPE trainbot_ingest_latency_seconds histogram" in get(plane.server.url + "/metrics")[2]
+    )
 
 
 def test_a_mounted_app_gets_its_prefix(sqlite_plane: Plane) -> None:
@@ -497,6 +617,5 @@ def test_bursts_reuse_the_answering_threads_and_a_stalled_client_blocks_nobody(
     finally:
         stalled.close()
     assert len(names) == 24
-    # A thread per connection would be 24 threads; a burst of 8 needs 8 (a few more
-    # when a thread has answered but not yet come back for the next connection).
+    # A thread per connection would be 24 threads; the server answers on a fixed pool.
     assert len(set(names)) < 16, sorted(set(names))

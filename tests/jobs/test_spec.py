@@ -14,7 +14,6 @@ from jobs.spec import (
     apply_overrides,
     list_specs,
     load_spec,
-    parse_duration,
     parse_spec,
 )
 
@@ -160,32 +159,22 @@ def test_parse_spec_validates_a_mapping() -> None:
     assert (spec.name, spec.budget.usd) == ("inline", 3.0)
 
 
-# --- durations ------------------------------------------------------------------------
+# --- durations (the parser itself: tests/runner/test_duration.py) ---------------------
 
 
-@pytest.mark.parametrize(
-    ("text", "seconds"),
-    [
-        ("90s", 90.0),
-        ("10m", 600.0),
-        ("2h", 7200.0),
-        ("1d", 86400.0),
-        ("1h30m", 5400.0),
-        ("1.5h", 5400.0),
-        ("45", 45.0),
-        (45, 45.0),
-        (2.5, 2.5),
-        (" 10M ", 600.0),
-    ],
-)
-def test_durations(text: object, seconds: float) -> None:
-    assert parse_duration(text) == seconds
-
-
-@pytest.mark.parametrize("text", ["soon", "10x", "", "-5", "m10", True, [1], "inf"])
-def test_bad_durations(text: object) -> None:
-    with pytest.raises(ValueError, match="duration"):
-        parse_duration(text)
+def test_durations_in_a_spec_are_seconds() -> None:
+    spec = JobSpec.model_validate(
+        {
+            "name": "x",
+            "command": ["python", "train.py"],
+            "checkpoint": {"interval": "1h30m"},
+            "resubmit": {"backoff_s": 45},
+            "alerts": {"heartbeat_deadline_s": " 10M "},
+        }
+    )
+    assert spec.checkpoint.interval_s == 5400.0
+    assert spec.resubmit.backoff_s == 45.0
+    assert spec.alerts.heartbeat_deadline_s == 600.0
 
 
 # --- errors ---------------------------------------------------------------------------

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import json
+from collections.abc import Iterator
 from datetime import date, datetime, timedelta, timezone
+from pathlib import Path
 from typing import Any
 from zoneinfo import ZoneInfo
 
@@ -11,10 +14,15 @@ import pytest
 from sqlalchemy import Engine
 from sqlmodel import Session, select
 
+from bot.console import ConsoleNotifier
 from jobs.db import session_scope
+from jobs.deps import Deps
 from jobs.errors import TrainbotError
 from jobs.lifecycle import AttemptState, RunState
-from jobs.models import Attempt, Budget, Run, SpendRecord
+from jobs.models import Alert, Attempt, Budget, Run, Severity, SpendRecord
+from jobs.providers.local import LocalProvider
+from jobs.settings import Settings
+from jobs.spec import JobSpec
 from jobs.spend import (
     BudgetStatus,
     accrue,
@@ -25,6 +33,7 @@ from jobs.spend import (
     spend_report,
     team_spent,
 )
+from jobs.tasks import spend_job
 
 T0 = datetime(2024, 5, 14, 10, 0, tzinfo=timezone.utc)
 NEW_YORK = ZoneInfo("America/New_York")  # UTC-4 in May
@@ -482,3 +491,123 @@ def test_chart_is_a_png(db_engine: Engine) -> None:
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000
     empty = spend_chart_png({"per_run": [], "per_day": []})
     assert empty.startswith(b"\x89PNG")
+
+
+# --- budget alerts: the spend job, the one path that raises them ----------------------
+
+
+def spec_with(**budget: Any) -> dict[str, Any]:
+    """A stored spec as submit writes it, with this budget section."""
+    spec = JobSpec.model_validate(
+        {"name": "gpt-small", "command": ["python", "train.py"], "budget": budget}
+    )
+    return spec.model_dump(mode="json")
+
+
+@pytest.fixture
+def deps(db_engine: Engine, settings: Settings, tmp_path: Path) -> Iterator[Deps]:
+    deps = Deps(
+        settings=settings,
+        engine=db_engine,
+        provider=LocalProvider(tmp_path / "local"),
+        notifier=ConsoleNotifier(io.StringIO()),
+        clock=lambda: T0,  # the attempts start at T0: accrual adds nothing to the spend
+    )
+    yield deps
+    deps.close()
+
+
+def budget_alerts(engine: Engine, run_id: str) -> dict[str, Alert]:
+    with Session(engine) as session:
+        rows = session.exec(select(Alert).where(Alert.run_id == run_id, Alert.rule == "budget"))
+        return {row.key: row for row in rows}
+
+
+def budgeted_run(engine: Engine, *, budget_usd: float | None, **budget: Any) -> None:
+    spec = spec_with(usd=budget_usd, **budget) if budget_usd else spec_with(**budget)
+    add(
+        engine,
+        run_row("r-1", spec=spec, budget_usd=budget_usd),
+        attempt_row("a-1", "r-1", price=None),
+    )
+
+
+def test_the_spend_job_does_not_alert_without_a_budget(db_engine: Engine, deps: Deps) -> None:
+    budgeted_run(db_engine, budget_usd=None)
+    spend(db_engine, "r-1", "a-1", 1e6, T0)
+    assert spend_job(deps) == []
+    assert budget_alerts(db_engine, "r-1") == {}
+
+
+def test_the_spend_job_is_quiet_below_the_first_threshold(db_engine: Engine, deps: Deps) -> None:
+    budgeted_run(db_engine, budget_usd=800.0)
+    spend(db_engine, "r-1", "a-1", 399.99, T0)
+    spend_job(deps)
+    assert budget_alerts(db_engine, "r-1") == {}
+
+
+def test_a_budget_alert_has_the_figures(db_engine: Engine, deps: Deps) -> None:
+    budgeted_run(db_engine, budget_usd=800.0)
+    spend(db_engine, "r-1", "a-1", 656.0, T0)
+    spend_job(deps)
+    alerts = budget_alerts(db_engine, "r-1")
+    assert set(alerts) == {"threshold-50", "threshold-80"}  # a jump reports each it crossed
+    alert = alerts["threshold-80"]
+    assert alert.severity is Severity.WARNING
+    assert "r-1" in alert.title and "82%" in alert.title and "$800.00" in alert.title
+    assert "$656.00 spent" in alert.detail
+    assert "raise budget.usd" in alert.hint and "hard cap" not in alert.hint
+
+
+def test_each_budget_threshold_alerts_once_as_spend_rises(db_engine: Engine, deps: Deps) -> None:
+    budgeted_run(db_engine, budget_usd=800.0, hard_cap=False)
+    first_at: dict[str, float] = {}
+    total = 0.0
+    for _ in range(40):
+        spend(db_engine, "r-1", "a-1", 25.0, T0 + timedelta(minutes=int(total)))
+        total += 25.0
+        spend_job(deps)
+        for key in budget_alerts(db_engine, "r-1"):
+            first_at.setdefault(key, total)
+    assert first_at == {"threshold-50": 400.0, "threshold-80": 650.0, "threshold-100": 800.0}
+    assert all(alert.count == 1 for alert in budget_alerts(db_engine, "r-1").values())
+
+
+def test_at_100_percent_the_alert_is_critical_and_a_hard_cap_stops_the_run(
+    db_engine: Engine, deps: Deps
+) -> None:
+    budgeted_run(db_engine, budget_usd=800.0, hard_cap=False)
+    spend(db_engine, "r-1", "a-1", 800.0, T0)
+    assert spend_job(deps) == []
+    assert budget_alerts(db_engine, "r-1")["threshold-100"].severity is Severity.CRITICAL
+
+    with session_scope(db_engine) as session:
+        run = session.get(Run, "r-1")
+        assert run is not None
+        run.spec = spec_with(usd=800.0, hard_cap=True)
+    spend(db_engine, "r-1", "a-1", 12.0, T0 + timedelta(minutes=5))
+    assert spend_job(deps) == ["r-1"]
+    with Session(db_engine) as session:
+        run = session.get(Run, "r-1")
+        assert run is not None and run.state is RunState.BUDGET_EXCEEDED
+        assert run.reason == "hard budget cap: $812.00 of $800.00 spent"
+
+
+def test_a_hard_cap_stops_even_without_a_100_threshold(db_engine: Engine, deps: Deps) -> None:
+    budgeted_run(db_engine, budget_usd=100.0, hard_cap=True, thresholds=[50, 80])
+    spend(db_engine, "r-1", "a-1", 99.0, T0)
+    assert spend_job(deps) == []
+    assert set(budget_alerts(db_engine, "r-1")) == {"threshold-50", "threshold-80"}
+    spend(db_engine, "r-1", "a-1", 1.0, T0 + timedelta(minutes=5))
+    assert spend_job(deps) == ["r-1"]
+    alert = budget_alerts(db_engine, "r-1")["threshold-100"]
+    assert alert.severity is Severity.CRITICAL and "hard cap stops the run" in alert.hint
+
+
+def test_an_unreadable_stored_budget_falls_back_to_the_defaults(db_engine: Engine) -> None:
+    broken = {"budget": {"usd": 10.0, "thresholds": ["half"], "hard_cap": True}}
+    add(db_engine, run_row("r-1", spec=broken, budget_usd=10.0), attempt_row("a-1", "r-1"))
+    spend(db_engine, "r-1", "a-1", 12.0, T0)
+    status = check(db_engine, T0 + timedelta(minutes=5))[("run", "r-1")]
+    # The run stays watched at 50/80/100 %; a cap it cannot read is not applied.
+    assert status.crossed == (50, 80, 100) and not status.hard_cap_hit

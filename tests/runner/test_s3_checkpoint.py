@@ -14,8 +14,8 @@ from runner.checkpoint import (
     step_dir,
 )
 from runner.retention import RetentionPolicy, prune
-from runner.s3 import S3Store
 from runner.state import state_digest
+from runner.store.s3 import S3Store
 from tests.fakes.moto_server import create_bucket
 
 

@@ -22,7 +22,8 @@ import pytest
 from runner.checkpoint import CheckpointWriter, list_committed, restore_latest
 from runner.cli import main
 from runner.errors import StoreError
-from runner.s3 import S3Store, credentials_url
+from runner.store.broker import credentials_url
+from runner.store.s3 import S3Store
 from tests.fakes.moto_server import create_bucket
 
 ROOT = Path(__file__).resolve().parents[2]

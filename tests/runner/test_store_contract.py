@@ -1,7 +1,8 @@
-"""One contract for every checkpoint store, run against a local directory and S3 (moto).
+"""One contract for every checkpoint store, run against a local directory, S3 (moto) and
+Cloud Storage (gcp-storage-emulator).
 
-The S3-only tests at the end cover what a local directory cannot get wrong: buckets that
-do not exist, endpoints that do not answer, permissions and credentials.
+The S3-only and GCS-only tests at the end cover what a local directory cannot get wrong:
+buckets that do not exist, endpoints that do not answer, permissions and credentials.
 """
 
 from __future__ import annotations
@@ -19,18 +20,26 @@ from typing import Any
 import pytest
 
 from runner.errors import BadURIError, StoreError
-from runner.s3 import S3Store
-from runner.store import DELETE_BATCH, LocalStore, Store, open_store
+from runner.store import DELETE_BATCH, LocalStore, ObjectInfo, Store, open_store
+from runner.store.gcs import GCSStore, _batch_answers
+from runner.store.s3 import S3Store
+from tests.fakes.gcs_emulator import GcsEmulator, gcs_emulator, refusing_gcs
+from tests.fakes.gcs_emulator import create_bucket as create_gcs_bucket
 from tests.fakes.moto_server import closed_port, create_bucket, refusing_s3
+
+__all__ = ["gcs_emulator"]  # the session's emulator, a fixture
 
 MiB = 1 << 20
 PART = 5 * MiB
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", "s3", "gcs"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Store:
     if request.param == "local":
         return LocalStore(tmp_path / "store")
+    if request.param == "gcs":
+        host = request.getfixturevalue("gcs_emulator")
+        return GCSStore(create_gcs_bucket(host), "ckpt/run-1", emulator_host=host, chunk_size=PART)
     endpoint = request.getfixturevalue("moto_server")
     return S3Store(create_bucket(endpoint), "ckpt/run-1", endpoint_url=endpoint, part_size=PART)
 
@@ -47,6 +56,24 @@ def _read_all(stream: Any) -> bytes:
         while n := stream.readinto(buf):
             out += buf[:n]
     return bytes(out)
+
+
+def _calls(store: Store) -> list[tuple[str, str, str]]:
+    """Every JSON API request the GCS store makes from now on: (method, URL, Content-Range)."""
+    assert isinstance(store, GCSStore)
+    calls: list[tuple[str, str, str]] = []
+
+    def record(response: Any, *args: Any, **kwargs: Any) -> None:
+        request = response.request
+        calls.append((request.method, request.url, request.headers.get("Content-Range", "")))
+
+    store.http.hooks["response"].append(record)
+    return calls
+
+
+def _chunks(calls: list[tuple[str, str, str]]) -> list[str]:
+    """The Content-Range of each chunk sent to a resumable session."""
+    return [r for m, u, r in calls if m == "PUT" and "upload_id=" in u]
 
 
 def _etag(store: Store, key: str) -> str:
@@ -78,6 +105,7 @@ def test_empty_object(store: Store) -> None:
 
 def test_multipart_object_round_trip_is_invisible_until_close(store: Store) -> None:
     data = _payload(12 * MiB + 123)
+    calls = _calls(store) if isinstance(store, GCSStore) else []
     stream = store.open_write("big.bin")
     for start in range(0, len(data), MiB):
         stream.write(data[start : start + MiB])
@@ -91,20 +119,30 @@ def test_multipart_object_round_trip_is_invisible_until_close(store: Store) -> N
     assert [(o.key, o.size) for o in store.list()] == [("big.bin", len(data))]
     if isinstance(store, S3Store):
         assert _etag(store, "big.bin").endswith("-3")  # 5 + 5 + 2 MiB
+    if isinstance(store, GCSStore):  # one resumable session, chunks of 5 + 5 + 2 MiB
+        assert _chunks(calls) == [
+            f"bytes 0-{PART - 1}/*",
+            f"bytes {PART}-{2 * PART - 1}/*",
+            f"bytes {2 * PART}-{len(data) - 1}/{len(data)}",
+        ]
 
 
 def test_one_huge_write_is_split_into_parts(store: Store) -> None:
     data = _payload(11 * MiB, seed=1)
+    calls = _calls(store) if isinstance(store, GCSStore) else []
     stream = store.open_write("one-write.bin")
     assert stream.write(data) == len(data)
     stream.close()
     assert store.get_bytes("one-write.bin") == data
     if isinstance(store, S3Store):
         assert _etag(store, "one-write.bin").endswith("-3")
+    if isinstance(store, GCSStore):
+        assert len(_chunks(calls)) == 3
 
 
 def test_object_of_exactly_one_part(store: Store) -> None:
     data = _payload(PART, seed=2)
+    calls = _calls(store) if isinstance(store, GCSStore) else []
     stream = store.open_write("exact.bin")
     stream.write(data[: PART // 2])
     stream.write(data[PART // 2 :])
@@ -112,10 +150,14 @@ def test_object_of_exactly_one_part(store: Store) -> None:
     assert store.get_bytes("exact.bin") == data
     if isinstance(store, S3Store):
         assert "-" not in _etag(store, "exact.bin")  # a single PutObject
+    if isinstance(store, GCSStore):  # a single multipart upload, no session
+        uploads = [u for m, u, _ in calls if m == "POST" and "/upload/" in u]
+        assert len(uploads) == 1 and "uploadType=multipart" in uploads[0]
 
 
 def test_abort_leaves_nothing_and_keeps_the_previous_object(store: Store) -> None:
     store.put_bytes("step/shard.bin", b"committed")
+    calls = _calls(store) if isinstance(store, GCSStore) else []
     stream = store.open_write("step/shard.bin")
     stream.write(_payload(11 * MiB))  # two parts are already uploaded
     stream.abort()
@@ -129,6 +171,10 @@ def test_abort_leaves_nothing_and_keeps_the_previous_object(store: Store) -> Non
     if isinstance(store, S3Store):
         uploads = store.client.list_multipart_uploads(Bucket=store.bucket)
         assert uploads.get("Uploads", []) == []
+    if isinstance(store, GCSStore):  # the session was cancelled (the emulator answers 501)
+        sessions = {u for m, u, _ in calls if m == "PUT" and "upload_id=" in u}
+        assert len(sessions) == 1
+        assert [m for m, u, _ in calls if u in sessions][-1] == "DELETE"
 
 
 def test_list_by_prefix_sorted_with_sizes(store: Store) -> None:
@@ -160,6 +206,13 @@ def test_delete_more_than_one_batch(store: Store) -> None:
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(lambda k: store.put_bytes(k, b"{}"), [*keys, keep]))
     batches: list[int] = []
+    if isinstance(store, GCSStore):
+
+        def count_calls(response: Any, *args: Any, **kwargs: Any) -> None:
+            if response.request.url.endswith("/batch/storage/v1"):
+                batches.append(response.request.body.count(b"DELETE /storage/v1/b/"))
+
+        store.http.hooks["response"].append(count_calls)
     if isinstance(store, S3Store):
 
         def count(params: dict[str, Any], **_: Any) -> None:
@@ -172,6 +225,8 @@ def test_delete_more_than_one_batch(store: Store) -> None:
     assert [o.key for o in store.list()] == [keep]
     if isinstance(store, S3Store):
         assert batches == [DELETE_BATCH, 20]
+    if isinstance(store, GCSStore):  # a JSON API batch takes at most 100 calls
+        assert batches == [100] * 10 + [20]
 
 
 def test_delete_of_missing_keys_is_not_an_error(store: Store) -> None:
@@ -292,11 +347,192 @@ def test_bad_uris_are_refused(uri: str) -> None:
         open_store(uri, endpoint_url="http://127.0.0.1:9")
 
 
+# -- Cloud Storage only --------------------------------------------------------------
+
+
+def test_gcs_missing_bucket_is_named(gcs_emulator: str) -> None:
+    gcs = GCSStore(
+        "no-such-bucket-4f1c", "p", emulator_host=gcs_emulator, chunk_size=PART, max_attempts=1
+    )
+    with pytest.raises(StoreError, match="bucket no-such-bucket-4f1c does not exist: create it"):
+        gcs.put_bytes("k", b"x")
+    with pytest.raises(StoreError, match="no-such-bucket-4f1c does not exist"):
+        gcs.list()
+    with pytest.raises(StoreError, match="no-such-bucket-4f1c does not exist"):
+        gcs.get_bytes("k")
+    stream = gcs.open_write("big")
+    with pytest.raises(StoreError, match="no-such-bucket-4f1c does not exist"):
+        stream.write(_payload(2 * PART + 1))  # starts the resumable session
+    stream.abort()
+
+
+def test_gcs_unreachable_endpoint_is_named_quickly() -> None:
+    host = f"http://127.0.0.1:{closed_port()}"
+    gcs = GCSStore("bucket", emulator_host=host, max_attempts=1, connect_timeout=1)
+    started = time.monotonic()
+    with pytest.raises(
+        StoreError, match=re.escape(f"cannot reach the Cloud Storage endpoint {host} ")
+    ):
+        gcs.exists("k")
+    with pytest.raises(StoreError, match="cannot reach"):
+        gcs.get_bytes("k")
+    assert time.monotonic() - started < 5
+
+
+def test_gcs_transient_errors_are_tried_again(gcs_emulator: str) -> None:
+    """A 503 is tried again; after max_attempts the error names the call."""
+    gcs = GCSStore(create_gcs_bucket(gcs_emulator), emulator_host=gcs_emulator, max_attempts=3)
+    failures = iter([503, 503])
+
+    def flaky(response: Any, *args: Any, **kwargs: Any) -> Any:
+        if "/download/" in response.request.url:
+            status = next(failures, None)
+            if status is not None:
+                response.status_code = status
+        return response
+
+    gcs.put_bytes("k", b"x")
+    gcs.http.hooks["response"].append(flaky)
+    assert gcs.get_bytes("k") == b"x"  # two 503s, then the object
+
+
+def test_gcs_access_denied_names_the_permission_and_resource() -> None:
+    with refusing_gcs() as host:
+        gcs = GCSStore("ckpts", "team/run", emulator_host=host, max_attempts=1)
+        resource = "projects/_/buckets/ckpts"
+        with pytest.raises(
+            StoreError,
+            match=re.escape(
+                f"storage.objects.create (and storage.objects.delete, to overwrite) on {resource}/objects/team/run/*"
+            ),
+        ):
+            gcs.put_bytes("k", b"x")
+        with pytest.raises(StoreError, match=re.escape(f"storage.objects.list on {resource} ")):
+            gcs.list()
+        with pytest.raises(StoreError, match=r"storage.objects.get on .*trainbotRunner"):
+            gcs.get_bytes("k")
+        with pytest.raises(StoreError, match=r"storage.objects.delete"):
+            gcs.delete(["k"])
+
+
+def test_gcs_no_credentials_says_how_to_get_some(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "none.json"))
+    with pytest.raises(
+        StoreError,
+        match=r"no Google credentials for gs://any-bucket/p .*GOOGLE_APPLICATION_CREDENTIALS",
+    ):
+        GCSStore("any-bucket", "p")
+
+
+def test_gcs_the_broker_is_refused_with_a_reason(
+    gcs_emulator: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TRAINBOT_STORE_CREDENTIALS", "broker")
+    with pytest.raises(StoreError, match="does not apply to gs://"):
+        GCSStore("bucket", emulator_host=gcs_emulator)
+
+
+def test_gcs_a_lost_upload_session_commits_nothing() -> None:
+    """The session vanishes mid-upload (as one a week old does): close fails, naming the
+    object, and nothing is committed."""
+    emulator = GcsEmulator()
+    host = emulator.start()
+    try:
+        gcs = GCSStore(
+            create_gcs_bucket(host), "p", emulator_host=host, chunk_size=PART, max_attempts=1
+        )
+        stream = gcs.open_write("big.bin")
+        stream.write(_payload(2 * PART + 1))  # the session holds one chunk
+        emulator.wipe()
+        with pytest.raises(StoreError, match=r"gs://test-\w+/p/big\.bin expired or was cancelled"):
+            stream.write(_payload(PART))
+            stream.close()
+        stream.abort()
+        assert not gcs.exists("big.bin")
+    finally:
+        emulator.stop()
+
+
+def test_gcs_a_damaged_download_is_caught(gcs_emulator: str) -> None:
+    """A body that does not match the object's CRC32C is an error, not data."""
+    bucket = create_gcs_bucket(gcs_emulator)
+    gcs = GCSStore(bucket, "p", emulator_host=gcs_emulator, max_attempts=1)
+    gcs.put_bytes("shard.bin", _payload(3 * MiB))
+    # The emulator lets a PATCH change the stored checksum: the bytes now disagree with it.
+    gcs.http.patch(
+        f"{gcs.endpoint}/storage/v1/b/{bucket}/o/p%2Fshard.bin", json={"crc32c": "AAAAAA=="}
+    ).raise_for_status()
+    with pytest.raises(StoreError, match=r"shard.bin from gs://.* failed its CRC32C check"):
+        _read_all(gcs.open_read("shard.bin"))
+    with pytest.raises(StoreError, match="CRC32C"):
+        gcs.get_bytes("shard.bin")
+
+
+def test_gcs_batch_answers_are_matched_by_content_id() -> None:
+    """Cloud Storage names each answer (``response-N``) and need not keep the order;
+    the emulator names none. Both are read right."""
+    import requests
+
+    def answer(parts: list[tuple[str, str]]) -> requests.Response:
+        body = (
+            "".join(
+                f"--b\r\nContent-Type: application/http\r\n{cid}\r\n{status}\r\n"
+                "Content-Type: application/json; charset=UTF-8\r\n\r\n"
+                + (
+                    '{"error": {"code": 404, "message": "No such object: b/k"}}'
+                    if "404" in status
+                    else ""
+                )
+                + "\r\n"
+                for cid, status in parts
+            )
+            + "--b--"
+        )
+        response = requests.Response()
+        response.status_code = 200
+        response.headers["Content-Type"] = "multipart/mixed; boundary=b"
+        response._content = body.encode()
+        return response
+
+    named = answer(
+        [
+            ("Content-ID: <response-1>\r\n", "HTTP/1.1 404 Not Found"),
+            ("Content-ID: <response-0>\r\n", "HTTP/1.1 204 No Content"),
+        ]
+    )
+    assert _batch_answers(named, 2) == [(204, ""), (404, "No such object: b/k")]
+    unnamed = answer([("", "HTTP/1.1 204 No Content"), ("", "HTTP/1.1 503 Unavailable")])
+    assert [s for s, _ in _batch_answers(unnamed, 2)] == [204, 503]
+
+
+def test_open_store_builds_a_gcs_store(gcs_emulator: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_emulator.removeprefix("http://"))
+    bucket = create_gcs_bucket(gcs_emulator)
+    store = open_store(f"gs://{bucket}//team/run/")
+    assert isinstance(store, GCSStore)
+    assert store.uri == f"gs://{bucket}/team/run"
+    assert store.endpoint == gcs_emulator  # the standard variable, scheme or not
+    store.put_bytes("k", b"v")
+    assert open_store(f"gs://{bucket}").list() == [
+        ObjectInfo(key="team/run/k", size=1, mtime=store.list()[0].mtime)
+    ]
+
+
+@pytest.mark.parametrize("uri", ["gs://", "gs:///x", "gs://Bad_Bucket/x", "gs://a/x?y=1"])
+def test_bad_gcs_uris_are_refused(uri: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "127.0.0.1:9")
+    with pytest.raises(BadURIError):
+        open_store(uri)
+
+
 @pytest.fixture(autouse=True)
 def _no_leaked_threads() -> Iterator[None]:
     """Upload pools are shut down by close and abort, never left running."""
     yield
     deadline = time.monotonic() + 5
-    while any(t.name.startswith("s3-upload") for t in threading.enumerate()):
+    while any(t.name.startswith(("s3-upload", "gcs-upload")) for t in threading.enumerate()):
         assert time.monotonic() < deadline, "an upload thread outlived its stream"
         time.sleep(0.01)

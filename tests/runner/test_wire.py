@@ -16,8 +16,6 @@ from runner.wire import (
     EVENT_TYPES,
     WIRE_VERSION,
     Event,
-    _decode_general,
-    _decode_typed,
     decode_batch,
     decode_batch_columns,
     decode_batch_with_json,
@@ -25,6 +23,7 @@ from runner.wire import (
     json_safe,
     validate_payload,
 )
+from runner.wire.decode import _decode_general, _decode_typed
 
 PAYLOADS: dict[str, dict[str, Any]] = {
     "metrics": {
@@ -377,32 +376,31 @@ def test_every_system_payload_decodes_as_validate_payload_checks_it(data: dict[s
     assert json.loads(batch.texts[0]) == sent
 
 
-def test_numbers_beyond_64_bits_decode_as_the_json_module_decodes_them() -> None:
+def test_extra_numbers_keep_their_size_and_declared_integers_are_64_bit() -> None:
     huge = 10**25
-    raw = compact([metrics_event(0, note=huge, step=2**64 + 1), metrics_event(1, big=-(2**63) - 1)])
+    raw = compact([metrics_event(0, note=huge), metrics_event(1, big=-(2**63) - 1)])
 
     batch = decode_batch_columns(raw)
 
     assert batch.data[0]["note"] == huge and type(batch.data[0]["note"]) is int
-    assert batch.data[0]["step"] == 2**64 + 1
     assert json.loads(batch.texts[0])["note"] == huge
     assert json.loads(batch.texts[1])["big"] == -(2**63) - 1
+    # A declared integer lands in a 64-bit column: the schema refuses a larger one.
+    with pytest.raises(WireError, match=rf"^events\[0\]\.data\.step: {2**64 + 1} is above"):
+        decode_batch_columns(compact([metrics_event(0, step=2**64 + 1)]))
 
 
-def test_what_only_the_json_module_accepts_still_decodes() -> None:
-    # 1e999 is infinity to json.loads; a lone surrogate is a str there. The texts stay
-    # standard JSON.
+def test_what_only_the_json_module_accepted_is_refused_with_the_reason() -> None:
+    # 1e999 was infinity to json.loads, and a lone surrogate a str there; the wire is
+    # standard JSON, as encode_batch writes it, and says where the problem is.
     raw = compact([metrics_event(0, loss=2.0), {**wire_event(1, "log"), "time": 3.0}])
-    raw = raw.replace(b'"loss":2.0', b'"loss":1e999').replace(
-        b'"data loader slow"', b'"half \\ud800 a pair"'
-    )
+    infinite = raw.replace(b'"loss":2.0', b'"loss":1e999')
+    lone = raw.replace(b'"data loader slow"', b'"half \\ud800 a pair"')
 
-    batch = decode_batch_columns(raw)
-
-    assert batch.data[0]["loss"] == math.inf
-    assert json.loads(batch.texts[0])["loss"] == "Infinity"
-    assert batch.data[1]["message"] == "half \ud800 a pair"
-    assert json.loads(batch.texts[1])["message"] == "half \ud800 a pair"
+    with pytest.raises(WireError, match=r"^body: .*the number at events\[0\]\.data.* out of range"):
+        decode_batch_columns(infinite)
+    with pytest.raises(WireError, match=r"^body: not valid JSON"):
+        decode_batch_columns(lone)
 
 
 def test_texts_keep_non_ascii_strings() -> None:
@@ -447,7 +445,7 @@ def test_texts_keep_non_ascii_strings() -> None:
         (compact([{**wire_event(0), "time": -1}]), "events[0].time: expected unix seconds"),
         (
             compact([{**wire_event(0), "time": 1.5}]).replace(b":1.5,", b":1e999,"),
-            "events[0].time: expected unix seconds",
+            "body: not valid JSON for the wire: the number at events[0].time is out of range",
         ),
         (compact([{**wire_event(0), "data": None}]), "events[0].data: expected an object"),
         (compact([wire_event(0), wire_event(1)])[:-3] + b"}", "body: not valid JSON"),

@@ -36,6 +36,7 @@ from jobs.providers.base import (
     ProviderError,
     QuotaInfo,
     ResourceRequest,
+    Unsupported,
     ZoneCapacity,
 )
 
@@ -181,6 +182,28 @@ class ProviderContract:
         assert 0 < quote.spot_usd_per_hour <= quote.on_demand_usd_per_hour
         assert quote.source
         assert quote.as_of.tzinfo is not None
+
+    def test_capabilities_say_what_callers_may_rely_on(
+        self, provider: Provider, resource_request: ResourceRequest, unknown_instance_id: str
+    ) -> None:
+        """Callers decide by the declared capabilities alone, so each optional method
+        works exactly where they say it does, and refuses (``Unsupported``) elsewhere."""
+        caps = provider.capabilities
+        assert caps.termination_window_s > 0
+        assert caps.preemption_source in ("signal", "aws", "gcp")
+        assert isinstance(provider, Provider)
+        if not caps.cloud_budgets:
+            with pytest.raises(Unsupported):
+                provider.create_budget(run_id="r-contract", usd=10.0, thresholds=[50, 100])
+        if not caps.instance_logs:
+            with pytest.raises(Unsupported):
+                provider.instance_log("anything", lines=5)
+        else:
+            with pytest.raises(InstanceNotFound):
+                provider.instance_log(unknown_instance_id, lines=5)
+        if not caps.permission_probe:
+            with suppress(Unsupported):  # a provider without a probe may also just allow
+                provider.check_launch_permissions(resource_request)
 
     def test_bucket_region_is_none_when_unknowable(self, provider: Provider) -> None:
         assert provider.bucket_region("ftp://example.invalid/data") is None

@@ -761,7 +761,7 @@ def test_factory_options_and_requests_it_refuses(moto: dict[str, Any]) -> None:
         ("sg-1", "sg-2"),
         {"eu-west-1a": "subnet-9"},
     )
-    assert aws.name == "aws" and aws.termination_window_s == 120
+    assert aws.name == "aws" and aws.capabilities.termination_window_s == 120
     with pytest.raises(ProviderError, match="zone=subnet"):
         make(region="eu-west-1", subnet_ids="subnet-9")
     with pytest.raises(ProviderError, match="TRAINBOT_AWS_REGION"):

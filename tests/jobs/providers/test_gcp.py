@@ -709,8 +709,20 @@ def test_roles_grant_the_control_plane_exactly_what_the_provider_uses() -> None:
     act_as = set(defined["trainbotLaunchAsRunner"]["includedPermissions"])
     assert act_as == {"iam.serviceAccounts.actAs"}  # bound on the runner's account only
     assert control | act_as == REQUIRED_PERMISSIONS
+    # Checkpoints belong to the runner-storage account, whose tokens the control plane
+    # downscopes per run (jobs/providers/gcp/credentials.py); the instances' account has none.
+    assert set(defined) == {
+        "trainbotControlPlane",
+        "trainbotLaunchAsRunner",
+        "trainbotMintRunnerStorageTokens",
+        "trainbotRunnerStorage",
+    }
+    assert defined["trainbotMintRunnerStorageTokens"]["includedPermissions"] == [
+        "iam.serviceAccounts.getAccessToken"
+    ]
     assert all(
-        p.startswith("storage.objects.") for p in defined["trainbotRunner"]["includedPermissions"]
+        p.startswith("storage.objects.")
+        for p in defined["trainbotRunnerStorage"]["includedPermissions"]
     )
 
 

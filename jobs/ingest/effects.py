@@ -1,0 +1,251 @@
+"""What a committed batch's new events change on their attempt and run.
+
+Heartbeat, last seq and step, step time, ``started`` → ``RUNNING``, the preemption
+notice, the restored step, committed checkpoints and the run's progress: applied in the
+batch's transaction, so the facts derived from events never disagree with the events
+stored.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Connection, Engine, bindparam, case, func, or_, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+
+from jobs.errors import IllegalTransition
+from jobs.ingest.windows import Point
+from jobs.ingest.writers import event_datetime
+from jobs.lifecycle import AttemptState, transition
+from jobs.models import Attempt, Checkpoint, Run, table_of
+from runner.wire import Batch, Event, json_safe
+
+log = logging.getLogger(__name__)
+
+_ATTEMPTS = table_of(Attempt)
+_RUNS = table_of(Run)
+_CHECKPOINTS = table_of(Checkpoint)
+
+
+@dataclass
+class Applied:
+    """What one committed batch changed, for the callbacks and the rules."""
+
+    accepted: int
+    duplicates: int
+    run_id: str
+    attempt_number: int
+    #: New events of LIFECYCLE_EVENTS types, in seq order.
+    lifecycle: list[Event] = field(default_factory=list)
+    #: New observations for the rules, per event type: (time, data), in seq order.
+    observations: dict[str, list[Point]] = field(default_factory=dict)
+    last_step: int | None = None
+    last_committed_step: int | None = None
+    budget_usd: float | None = None
+    preemption_times: tuple[float, ...] = ()
+    max_time: float = 0.0
+
+
+class Effects:
+    """The statements that apply a batch's side effects, built once per engine so that
+    SQLAlchemy compiles each once."""
+
+    def __init__(self, engine: Engine) -> None:
+        postgres = engine.dialect.name == "postgresql"
+        attempts = _ATTEMPTS.c
+        runs = _RUNS.c
+        self._read_run = select(runs.last_step, runs.last_committed_step, runs.budget_usd).where(
+            runs.id == bindparam("run_id")
+        )
+        self._preemptions = select(attempts.ended_at).where(
+            attempts.run_id == bindparam("run_id"),
+            # Not in_(): an expanding IN is re-rendered on every execution.
+            or_(attempts.state == AttemptState.PREEMPTED, attempts.state == AttemptState.LOST),
+            attempts.ended_at.is_not(None),
+        )
+
+        def keep(name: str, col: Any) -> Any:
+            """SET col = COALESCE(:name, col): a NULL parameter leaves the column as it is."""
+            return func.coalesce(bindparam(name, type_=col.type), col)
+
+        # One statement for every batch, so SQLAlchemy compiles it once; building the
+        # UPDATE from the changed columns cost a compilation-cache look-up of a new
+        # statement per batch, five times the price of executing it.
+        self._update_attempt = (
+            update(_ATTEMPTS)
+            .where(attempts.id == bindparam("attempt_id"))
+            .values(
+                last_heartbeat=bindparam("p_now", type_=attempts.last_heartbeat.type),
+                last_seq=bindparam("p_last_seq", type_=attempts.last_seq.type),
+                last_step=keep("p_last_step", attempts.last_step),
+                step_time_s=keep("p_step_time_s", attempts.step_time_s),
+                resumed_from_step=keep("p_resumed_from_step", attempts.resumed_from_step),
+                started_at=keep("p_started_at", attempts.started_at),
+                preemption_notice_at=keep("p_notice_at", attempts.preemption_notice_at),
+                state=keep("p_state", attempts.state),
+            )
+        )
+        # Untyped: the rows arrive already in the database's form (JSON text, and times
+        # as the text of SQLite's DATETIME or a timestamptz literal; see writers.time_texts),
+        # which keeps the per-row Python to the minimum; this is the hot path.
+        dialect_insert = postgresql.insert if postgres else sqlite.insert
+        ckpt_insert = dialect_insert(_CHECKPOINTS)
+        self._upsert_checkpoint = ckpt_insert.on_conflict_do_update(
+            index_elements=["run_id", "step"],
+            set_={
+                "attempt_id": ckpt_insert.excluded.attempt_id,
+                "uri": ckpt_insert.excluded.uri,
+                "bytes": ckpt_insert.excluded.bytes,
+                "committed_at": ckpt_insert.excluded.committed_at,
+                "metrics": ckpt_insert.excluded.metrics,
+                "deleted_at": None,
+            },
+        )
+
+        # Both run columns in one statement; a NULL parameter leaves its column as it is,
+        # and neither ever moves back.
+        def forward(name: str, col: Any) -> Any:
+            value = bindparam(name, type_=col.type)
+            return case(
+                (value.is_(None), col),
+                (col.is_(None), value),
+                (col < value, value),
+                else_=col,
+            )
+
+        self._update_run = (
+            update(_RUNS)
+            .where(runs.id == bindparam("run_id"))
+            .values(
+                last_step=forward("p_step", runs.last_step),
+                last_committed_step=forward("p_committed", runs.last_committed_step),
+            )
+        )
+        # What the rules need of the run comes back from the same statement where the
+        # database can (PostgreSQL; SQLite 3.35 and newer): one statement less a batch.
+        self._update_returns = bool(engine.dialect.update_returning)
+        if self._update_returns:
+            self._update_run = self._update_run.returning(
+                runs.last_step, runs.last_committed_step, runs.budget_usd
+            )
+
+    def apply(
+        self,
+        connection: Connection,
+        attempt: Any,
+        new: Batch,
+        *,
+        steps: list[int],
+        step_times: list[float],
+        applied: Applied,
+        now: datetime,
+    ) -> None:
+        """The side effects of the new events, inside the batch's transaction."""
+        run_id, attempt_id = applied.run_id, new.attempt
+        top_seq = max(new.seqs)
+        top_step = max(steps) if steps else None
+        # The attempt row is locked (FOR UPDATE / BEGIN IMMEDIATE): what was read is current.
+        # None leaves a column as it is (see _update_attempt).
+        values: dict[str, Any] = {
+            "attempt_id": attempt_id,
+            "p_now": now,
+            "p_last_seq": top_seq if attempt.last_seq is None else max(attempt.last_seq, top_seq),
+            "p_last_step": top_step
+            if top_step is not None and (attempt.last_step is None or top_step > attempt.last_step)
+            else None,
+            "p_step_time_s": statistics.median(step_times) if step_times else None,
+            "p_resumed_from_step": None,
+            "p_started_at": None,
+            "p_notice_at": None,
+            "p_state": None,
+        }
+        state = attempt.state
+        committed: list[Event] = []
+        for event in applied.lifecycle:
+            kind, data = event.type, event.data
+            if kind == "started":
+                state = self._started(state, attempt_id)
+                if attempt.started_at is None and values["p_started_at"] is None:
+                    values["p_started_at"] = event_datetime(event.time)
+            elif kind == "restored":
+                values["p_resumed_from_step"] = data["step"]
+            elif kind == "preemption_notice" and attempt.preemption_notice_at is None:
+                if values["p_notice_at"] is None:
+                    values["p_notice_at"] = event_datetime(event.time)
+            elif kind == "checkpoint_committed":
+                committed.append(event)
+        if state != attempt.state:
+            values["p_state"] = state
+        connection.execute(self._update_attempt, values)
+        for event in committed:
+            data = event.data
+            step = data["step"]
+            metrics = data.get("metrics")
+            if not isinstance(metrics, Mapping):
+                at_step = _last_metrics_at(new.types, new.data, step)
+                metrics = {}
+                if at_step is not None:
+                    metrics = dict(at_step.get("metrics") or {})
+                    if at_step.get("loss") is not None:
+                        metrics["loss"] = at_step["loss"]
+            connection.execute(
+                self._upsert_checkpoint,
+                {
+                    "run_id": run_id,
+                    "attempt_id": attempt_id,
+                    "step": step,
+                    "uri": data["uri"],
+                    "bytes": data["bytes"],
+                    "committed_at": event_datetime(event.time),
+                    "metrics": json_safe(dict(metrics)),
+                    "deleted_at": None,
+                },
+            )
+        top_committed = max(e.data["step"] for e in committed) if committed else None
+        run = None
+        if top_step is not None or top_committed is not None:
+            updated = connection.execute(
+                self._update_run,
+                {"run_id": run_id, "p_step": top_step, "p_committed": top_committed},
+            )
+            if self._update_returns:
+                run = updated.first()
+        if run is None:
+            run = connection.execute(self._read_run, {"run_id": run_id}).first()
+        if run is not None:
+            applied.last_step = run.last_step
+            applied.last_committed_step = run.last_committed_step
+            applied.budget_usd = run.budget_usd
+        applied.preemption_times = tuple(
+            t.timestamp()
+            for t in connection.execute(self._preemptions, {"run_id": run_id}).scalars()
+        )
+
+    @staticmethod
+    def _started(state: AttemptState, attempt_id: str) -> AttemptState:
+        """``started`` moves a booting attempt to RUNNING; any other state stays as it is."""
+        try:
+            if state is AttemptState.REQUESTED:
+                state = transition(state, AttemptState.PROVISIONING, subject_id=attempt_id)
+            if state is AttemptState.PROVISIONING:
+                state = transition(state, AttemptState.RUNNING, subject_id=attempt_id)
+        except IllegalTransition as exc:  # cannot happen from the states above; be safe
+            log.warning("ignored 'started' of attempt %s: %s", attempt_id, exc)
+        if state.is_terminal():
+            log.info("attempt %s reported 'started' after it ended (%s)", attempt_id, state)
+        return state
+
+
+def _last_metrics_at(
+    types: Sequence[str], data: Sequence[Mapping[str, Any]], step: int
+) -> Mapping[str, Any] | None:
+    """The data of the last metrics event at ``step``: a checkpoint's metrics by default."""
+    for index in range(len(types) - 1, -1, -1):
+        if types[index] == "metrics" and data[index]["step"] == step:
+            return data[index]
+    return None

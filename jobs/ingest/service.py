@@ -1,0 +1,313 @@
+"""The runner events API: authenticate a batch, store it once, apply it, evaluate the alerts.
+
+One batch is one database transaction; lifecycle callbacks and the alert rules run after
+the commit. How a batch flows, and why: ``docs/architecture.md``, section "Ingest".
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Connection, Engine, and_, bindparam, select
+from sqlalchemy.exc import SQLAlchemyError
+
+from jobs.ingest.auth import REVOKED, Principal, Tokens, bearer
+from jobs.ingest.effects import Applied, Effects
+from jobs.ingest.windows import WINDOW_EVENTS, Point, Windows
+from jobs.ingest.writers import WRITERS, Kinds, insert_events
+from jobs.models import Attempt, MetricBlock, Run, hash_token, table_of, utcnow
+from jobs.models import Event as EventRow
+from jobs.rules import Rule, Signal
+from runner.errors import WireError
+from runner.wire import Batch, Event, decode_batch_columns
+
+log = logging.getLogger(__name__)
+
+#: Event types the service layer reacts to; passed to ``on_attempt_event`` once each.
+LIFECYCLE_EVENTS = frozenset(
+    {"started", "checkpoint_committed", "preemption_notice", "exit", "restored", "dry_run", "log"}
+)
+#: Event types whose ``step`` (a 64-bit count on the wire) is the attempt's progress.
+_STEP_EVENTS = frozenset({"metrics", "heartbeat", "checkpoint_committed", "restored"})
+
+_ATTEMPTS = table_of(Attempt)
+_EVENTS = table_of(EventRow)
+_BLOCKS = table_of(MetricBlock)
+
+SignalSink = Callable[[str, list[Signal], datetime], None]
+AttemptEventSink = Callable[[str, str, dict[str, Any]], None]
+
+
+@dataclass(frozen=True)
+class IngestResult:
+    """What the HTTP layer sends back: a status and a JSON body."""
+
+    #: 200 stored (or already stored); 400 malformed; 401 unknown or revoked token;
+    #: 403 token of another attempt; 413 too large; 503 database unavailable; 500 a bug.
+    status: int
+    #: ``{"accepted": n, "duplicates": m}`` or ``{"error": "..."}``.
+    body: dict[str, Any]
+
+
+def _error(status: int, message: str) -> IngestResult:
+    return IngestResult(status, {"error": message})
+
+
+def _unavailable(exc: SQLAlchemyError) -> IngestResult:
+    # The driver's message names the table or the connection problem, never parameters.
+    reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+    log.warning("ingest: the database failed, batch not stored: %s", reason[0] if reason else exc)
+    return _error(503, "the database is unavailable; the batch was not stored: retry later")
+
+
+class IngestService:
+    """The runner events API, independent of HTTP: ``handle(authorization, body)``.
+
+    Thread-safe; one instance serves every request thread of the process.
+    ``rules_for(run)`` picks a run's alert rules (default: :func:`jobs.rules.default_rules`
+    with the thresholds of the run's spec); it is called when the run's window is built,
+    the first batch after start or after :meth:`forget_run`.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        rules_for: Callable[[Run], Sequence[Rule]] | None = None,
+        on_signals: SignalSink | None = None,
+        on_attempt_event: AttemptEventSink | None = None,
+        now: Callable[[], datetime] = utcnow,
+        max_body_bytes: int = 8 << 20,
+    ) -> None:
+        self._engine = engine
+        self._on_signals = on_signals
+        self._on_attempt_event = on_attempt_event
+        self._now = now
+        self.max_body_bytes = max_body_bytes
+        self._postgres = engine.dialect.name == "postgresql"
+        self._tokens = Tokens(engine)
+        self._windows = Windows(engine, rules_for=rules_for)
+        self._effects = Effects(engine)
+        self._writer = WRITERS[engine.dialect.name]()
+        self._build_statements()
+
+    # --- the request ----------------------------------------------------------------
+
+    def handle(self, authorization: str | None, body: bytes) -> IngestResult:
+        """Authenticate, decode, store and apply one batch; never raises."""
+        try:
+            return self._handle(authorization, body)
+        except Exception:  # a bug must not take the server down; the runner retries
+            log.exception("ingest failed unexpectedly; the batch was not stored")
+            return _error(500, "internal error while storing the batch; it will be retried")
+
+    def forget_run(self, run_id: str) -> None:
+        """Drop a run's window and rules (it ended, or its spec changed); rebuilt on demand."""
+        self._windows.forget(run_id)
+
+    def _handle(self, authorization: str | None, body: bytes) -> IngestResult:
+        if len(body) > self.max_body_bytes:
+            return _error(
+                413,
+                f"batch of {len(body)} bytes is over the {self.max_body_bytes}-byte limit; "
+                "send fewer events per batch",
+            )
+        token = bearer(authorization)
+        if token is None:
+            return _error(401, "missing 'Authorization: Bearer <runner token>' header")
+        try:
+            principal = self._tokens.principal(hash_token(token))
+        except SQLAlchemyError as exc:
+            return _unavailable(exc)
+        if principal is None:
+            return _error(401, REVOKED)
+        try:
+            batch = decode_batch_columns(body)
+        except WireError as exc:
+            return _error(400, str(exc))
+        if batch.attempt != principal.attempt_id or batch.run != principal.run_id:
+            return _error(
+                403,
+                f"this token belongs to attempt {principal.attempt_id} of run "
+                f"{principal.run_id}, but the batch is for attempt {batch.attempt} of run "
+                f"{batch.run}: a token is scoped to its attempt",
+            )
+        kinds = Kinds.of(batch.types)
+        now = self._now()
+        try:
+            applied = self._store(principal, batch, kinds, now=now)
+        except SQLAlchemyError as exc:
+            return _unavailable(exc)
+        if applied is None:
+            self._tokens.drop(principal.token_hash)
+            return _error(401, REVOKED)
+        if applied.accepted:
+            self._after_commit(principal.attempt_id, applied, now=now)
+        return IngestResult(200, {"accepted": applied.accepted, "duplicates": applied.duplicates})
+
+    # --- tokens ---------------------------------------------------------------------
+
+    def runner_of(self, authorization: str | None) -> tuple[str, str] | None:
+        """``(run id, attempt id)`` of the live attempt whose token is the bearer, else None.
+
+        Asks the database, not the look-up cache, so a token revoked a moment ago gets
+        nothing (callers that hand out something, unlike a batch, cannot re-check later).
+        Raises SQLAlchemyError when the database is unavailable.
+        """
+        token = bearer(authorization)
+        if token is None:
+            return None
+        principal = self._tokens.principal(hash_token(token), cached=False)
+        return None if principal is None else (principal.run_id, principal.attempt_id)
+
+    def _build_statements(self) -> None:
+        """Build the statements once; SQLAlchemy's cache then compiles each once."""
+        attempts = _ATTEMPTS.c
+        events = _EVENTS.c
+        read_attempt = select(
+            attempts.token_hash,
+            attempts.number,
+            attempts.state,
+            attempts.last_step,
+            attempts.last_seq,
+            attempts.started_at,
+            attempts.preemption_notice_at,
+        ).where(attempts.id == bindparam("attempt_id"))
+        self._read_attempt = read_attempt.with_for_update() if self._postgres else read_attempt
+        self._existing_seqs = select(events.seq).where(
+            and_(
+                events.attempt_id == bindparam("attempt_id"),
+                events.seq.between(bindparam("low"), bindparam("high")),
+            )
+        )
+        blocks = _BLOCKS.c
+        self._existing_block_seqs = select(blocks.seqs).where(
+            and_(
+                blocks.attempt_id == bindparam("attempt_id"),
+                blocks.first_seq <= bindparam("high"),
+                blocks.last_seq >= bindparam("low"),
+            )
+        )
+
+    # --- the transaction ------------------------------------------------------------
+
+    def _store(
+        self, principal: Principal, batch: Batch, kinds: Kinds, *, now: datetime
+    ) -> Applied | None:
+        """One transaction; ``None`` when the token was revoked meanwhile.
+
+        Each event's ``data`` column gets the JSON text the wire decoded it from
+        (:attr:`runner.wire.Batch.texts`), not an encoding of the normalised dict.
+        """
+        attempt_id = principal.attempt_id
+        with self._engine.begin() as connection:
+            attempt = connection.execute(self._read_attempt, {"attempt_id": attempt_id}).first()
+            if attempt is None or attempt.token_hash != principal.token_hash:
+                return None
+            new = self._new_events(connection, attempt.last_seq, attempt_id, batch)
+            applied = Applied(
+                accepted=len(new),
+                duplicates=len(batch) - len(new),
+                run_id=principal.run_id,
+                attempt_number=attempt.number,
+            )
+            if not new:
+                return applied
+            # The hot path: whole columns, no object per event (see writers.insert_events).
+            types, times = new.types, new.times
+            if new is not batch:  # some were stored already
+                kinds = Kinds.of(types)
+            data = new.data
+            metrics = [data[i] for i in kinds.metrics]
+            steps = [d["step"] for d in metrics]
+            step_times = [s for s in (d["step_time_s"] for d in metrics) if s == s]  # not NaN
+            applied.observations["metrics"] = list(
+                zip([times[i] for i in kinds.metrics], metrics, strict=True)
+            )
+            system: list[Point] = []
+            for index in kinds.others:  # a few per batch
+                if types[index] == "system":
+                    system.append((times[index], data[index]))
+                else:
+                    self._rare(new.event(index), attempt.number, steps, applied)
+            applied.observations["system"] = system
+            applied.max_time = max(times)
+            insert_events(
+                self._writer,
+                connection,
+                attempt_id=attempt_id,
+                run_id=principal.run_id,
+                new=new,
+                kinds=kinds,
+                now=now,
+            )
+            self._effects.apply(
+                connection,
+                attempt,
+                new,
+                steps=steps,
+                step_times=step_times,
+                applied=applied,
+                now=now,
+            )
+        return applied
+
+    @staticmethod
+    def _rare(event: Event, attempt_number: int, steps: list[int], applied: Applied) -> None:
+        """Everything but metrics and system: a few per batch at most."""
+        kind, data = event.type, event.data
+        if kind in _STEP_EVENTS:
+            step = data["step"]  # the wire's Count; None: a heartbeat before training
+            if step is not None:
+                steps.append(step)
+        if kind in WINDOW_EVENTS:
+            applied.observations.setdefault(kind, []).append(
+                (event.time, {**data, "attempt": attempt_number})
+            )
+        if kind in LIFECYCLE_EVENTS:
+            applied.lifecycle.append(event)
+
+    def _new_events(
+        self, connection: Connection, last_seq: int | None, attempt_id: str, batch: Batch
+    ) -> Batch:
+        """The events not stored yet (the first of each seq): usually the whole batch."""
+        seqs = batch.seqs
+        low = min(seqs)
+        existing: set[int] = set()
+        if last_seq is not None and low <= last_seq:
+            bounds = {"attempt_id": attempt_id, "low": low, "high": max(seqs)}
+            existing = set(connection.execute(self._existing_seqs, bounds).scalars())
+            for stored in connection.execute(self._existing_block_seqs, bounds).scalars():
+                existing.update(stored)
+        if not existing and len(set(seqs)) == len(seqs):
+            return batch
+        keep: list[int] = []
+        for index, seq in enumerate(seqs):
+            if seq not in existing:
+                existing.add(seq)
+                keep.append(index)
+        return batch.select(keep)
+
+    # --- after the commit -------------------------------------------------------------
+
+    def _after_commit(self, attempt_id: str, applied: Applied, *, now: datetime) -> None:
+        if self._on_attempt_event is not None:
+            for event in applied.lifecycle:
+                try:
+                    self._on_attempt_event(attempt_id, event.type, event.data)
+                except Exception:
+                    log.exception("on_attempt_event(%s, %s) failed", attempt_id, event.type)
+        try:
+            signals = self._windows.evaluate(applied, now=now)
+        except Exception:
+            log.exception("alert rules of run %s failed on a batch", applied.run_id)
+            return
+        if signals and self._on_signals is not None:
+            try:
+                self._on_signals(applied.run_id, signals, now)
+            except Exception:
+                log.exception("on_signals for run %s failed", applied.run_id)

@@ -1,0 +1,238 @@
+"""``AwsProvider``, the Provider Protocol on EC2, and the registry's factories.
+
+The class holds the provider's settings and its clients; each answer comes from the
+module of its concern (catalog, capacity, launch, status, budgets).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import boto3
+
+from jobs.providers.aws import budgets, capacity, catalog, launch, status
+from jobs.providers.aws.clients import Clients, utcnow
+from jobs.providers.aws.launch import LaunchConfig
+from jobs.providers.base import (
+    Capabilities,
+    InstanceInfo,
+    InstanceStatus,
+    LaunchRequest,
+    PriceQuote,
+    ProviderError,
+    QuotaInfo,
+    ResourceRequest,
+    Unsupported,
+    ZoneCapacity,
+)
+
+if TYPE_CHECKING:
+    from jobs.settings import Settings
+
+__all__ = ["AwsProvider", "from_settings", "make"]
+
+
+class AwsProvider:
+    """Spot (and on-demand) EC2 instances in one region, for trainbot's attempts."""
+
+    name = "aws"
+
+    def __init__(
+        self,
+        *,
+        region: str,
+        instance_profile: str | None = None,
+        subnet_ids: Mapping[str, str] | None = None,
+        security_group_ids: Sequence[str] = (),
+        image_id: str | None = None,
+        endpoint_url: str | None = None,
+        session: boto3.session.Session | None = None,
+        runner_package: str = "trainbot[torch]",
+        user_data_template: str | os.PathLike[str] | None = None,
+        prices_path: str | os.PathLike[str] | None = None,
+        budget_sns_topic_arn: str | None = None,
+        clock: Callable[[], datetime] = utcnow,
+    ) -> None:
+        """``instance_profile``: name or ARN of the runner's instance profile (its policy is
+        deploy/aws/runner-instance-policy.json). ``subnet_ids``: zone → subnet; when given,
+        only those zones are used. ``image_id``: an AMI id or ``resolve:ssm:<parameter>``
+        (default: the Deep Learning Base AMI). ``endpoint_url``: one endpoint for every
+        service (moto in tests). ``runner_package``: what the instance pip-installs.
+        ``budget_sns_topic_arn``: also notify this topic at budget thresholds."""
+        if not region:
+            raise ProviderError("the AWS provider needs a region: set TRAINBOT_AWS_REGION")
+        self.region = region
+        self.instance_profile = instance_profile or None
+        self.subnet_ids = dict(subnet_ids or {})
+        self.security_group_ids = tuple(security_group_ids)
+        self.image_id = image_id or launch.DEFAULT_IMAGE
+        self.runner_package = runner_package
+        self.budget_sns_topic_arn = budget_sns_topic_arn
+        self._clients = Clients(
+            region=region,
+            session=session or boto3.session.Session(),
+            endpoint_url=endpoint_url or None,
+        )
+        self._template_path = Path(user_data_template or launch.USER_DATA_TEMPLATE)
+        self._prices_path = Path(prices_path or catalog.PRICES_PATH)
+        self._clock = clock
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """A cloud: commands never run on the control plane. Two minutes' notice from
+        IMDSv2; AWS Budgets and EC2's DryRun permission probe are there."""
+        return Capabilities(
+            runs_on_this_machine=False,
+            termination_window_s=status.TERMINATION_WINDOW_S,
+            preemption_source="aws",
+            default_region=self.region,
+            cloud_budgets=True,
+            permission_probe=True,
+        )
+
+    def client(self, service: str, *, region: str | None = None, advisory: bool = False) -> Any:
+        """The botocore client this provider uses for ``service`` (cached, thread-safe);
+        tests attach botocore's Stubber to these same objects."""
+        return self._clients.client(service, region=region, advisory=advisory)
+
+    def close(self) -> None:
+        """Nothing to release: boto3 clients need no closing."""
+
+    # -- questions -------------------------------------------------------------------------
+
+    def instance_type(self, req: ResourceRequest) -> str:
+        """The EC2 type for a request: its own, or the smallest that holds its accelerators."""
+        return catalog.accelerator_type(req)[0]
+
+    def quota(self, req: ResourceRequest) -> QuotaInfo:
+        return capacity.quota(self._clients, req, self.instance_type(req))
+
+    def capacity(self, req: ResourceRequest) -> list[ZoneCapacity]:
+        return capacity.capacity(
+            self._clients, req, self.instance_type(req), subnet_ids=self.subnet_ids
+        )
+
+    def price(self, req: ResourceRequest, *, zone: str | None = None) -> PriceQuote:
+        return catalog.price(
+            self._clients,
+            req,
+            self.instance_type(req),
+            zone=zone,
+            prices_path=self._prices_path,
+            clock=self._clock,
+        )
+
+    def bucket_region(self, uri: str) -> str | None:
+        return capacity.bucket_region(self._clients, uri)
+
+    # -- budgets ---------------------------------------------------------------------------
+
+    def create_budget(
+        self,
+        *,
+        run_id: str,
+        usd: float,
+        thresholds: Sequence[int],
+        email: str | None = None,
+    ) -> str:
+        """An AWS Budget for the run's tagged cost (see :func:`budgets.create_budget`)."""
+        return budgets.create_budget(
+            self._clients,
+            run_id=run_id,
+            usd=usd,
+            thresholds=thresholds,
+            email=email,
+            sns_topic_arn=self.budget_sns_topic_arn,
+        )
+
+    def delete_budget(self, *, run_id: str) -> None:
+        budgets.delete_budget(self._clients, run_id=run_id)
+
+    # -- instances -------------------------------------------------------------------------
+
+    def check_launch_permissions(self, req: ResourceRequest, *, zone: str | None = None) -> None:
+        """Ask EC2 whether a launch would be allowed (``DryRun``), creating nothing.
+
+        Raises AwsCredentialsError without credentials, ProviderPermissionError naming
+        the missing permission (``ec2:RunInstances``, ``iam:PassRole`` …) otherwise.
+        """
+        launch.check_launch_permissions(self._clients, req, self._launch_config(), zone=zone)
+
+    def launch(self, req: LaunchRequest) -> InstanceInfo:
+        """Start the attempt's instance, or return the one this key already started."""
+        return launch.launch(self._clients, req, self._launch_config(), clock=self._clock)
+
+    def render_user_data(self, req: LaunchRequest) -> str:
+        """The instance's boot script (see :func:`launch.render_user_data`)."""
+        return launch.render_user_data(
+            req, runner_package=self.runner_package, template_path=self._template_path
+        )
+
+    def _launch_config(self) -> LaunchConfig:
+        return LaunchConfig(
+            image_id=self.image_id,
+            instance_profile=self.instance_profile,
+            subnet_ids=self.subnet_ids,
+            security_group_ids=self.security_group_ids,
+            runner_package=self.runner_package,
+            template_path=self._template_path,
+        )
+
+    def status(self, instance_id: str) -> InstanceStatus:
+        return status.status(self._clients, instance_id, clock=self._clock)
+
+    def terminate(self, instance_id: str) -> None:
+        status.terminate(self._clients, instance_id)
+
+    def list_instances(self) -> list[InstanceInfo]:
+        return status.list_instances(self._clients, clock=self._clock)
+
+    def instance_log(self, instance_id: str, *, lines: int) -> str:
+        raise Unsupported("the aws provider keeps logs on the instance")
+
+
+# -- factories ---------------------------------------------------------------------------
+
+
+def _split(value: str | Sequence[str] | None) -> list[str]:
+    if value is None:
+        return []
+    items = value.split(",") if isinstance(value, str) else list(value)
+    return [item.strip() for item in items if item.strip()]
+
+
+def make(**options: Any) -> AwsProvider:
+    """The registry's factory. Takes the constructor's options; from settings, also
+    ``subnet_ids`` as ``"us-east-1a=subnet-1,us-east-1b=subnet-2"`` and
+    ``security_group_ids`` as ``"sg-1,sg-2"``. Without ``region``, the session's region."""
+    subnets = options.pop("subnet_ids", None)
+    if isinstance(subnets, str):
+        pairs = [item.partition("=") for item in _split(subnets)]
+        bad = [z for z, eq, s in pairs if not eq or not z.strip() or not s.strip()]
+        if bad:
+            raise ProviderError(f"subnet_ids: write zone=subnet pairs separated by commas ({bad})")
+        subnets = {z.strip(): s.strip() for z, _, s in pairs}
+    groups = _split(options.pop("security_group_ids", None))
+    region = options.pop("region", None)
+    if not region:
+        session = options.get("session") or boto3.session.Session()
+        options["session"] = session
+        region = session.region_name
+    return AwsProvider(region=region, subnet_ids=subnets, security_group_ids=groups, **options)
+
+
+def from_settings(settings: Settings) -> AwsProvider:
+    """The provider as ``TRAINBOT_AWS_*`` configure it."""
+    options: dict[str, Any] = {
+        "region": settings.aws_region,
+        "instance_profile": settings.aws_instance_profile,
+        "subnet_ids": settings.aws_subnet_ids,
+        "security_group_ids": settings.aws_security_group_ids,
+        "image_id": settings.aws_image_id,
+        "endpoint_url": settings.aws_endpoint_url,
+    }
+    return make(**{k: v for k, v in options.items() if v is not None})

@@ -1,0 +1,132 @@
+"""The Compute Engine clients of one project, built on first use.
+
+Building them lazily means a missing credential shows up as a preflight failure that
+says how to fix it, not as a control plane that will not start.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from google.api_core.client_options import ClientOptions
+from google.auth import exceptions as auth_exceptions
+from google.cloud import compute_v1
+
+from jobs.providers.gcp import errors
+
+__all__ = ["CLOUD_PLATFORM", "ComputeApi"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+CLOUD_PLATFORM = "https://www.googleapis.com/auth/cloud-platform"
+_FACTORIES: dict[str, Any] = {
+    "regions": compute_v1.RegionsClient,
+    "projects": compute_v1.ProjectsClient,
+    "accelerator_types": compute_v1.AcceleratorTypesClient,
+    "instances": compute_v1.InstancesClient,
+    "zone_operations": compute_v1.ZoneOperationsClient,
+}
+
+
+class ComputeApi:
+    """One project's clients, its call timeout and the calls that translate errors."""
+
+    def __init__(
+        self,
+        *,
+        project: str,
+        api_endpoint: str | None,
+        credentials: Any,
+        call_timeout_s: float,
+    ) -> None:
+        self.project = project
+        self.api_endpoint = api_endpoint
+        self.call_timeout_s = call_timeout_s
+        self._credentials = credentials
+        _quiet_payload_logging()
+        self._lock = threading.Lock()
+        self._clients: dict[str, Any] = {}
+
+    def client(self, kind: str) -> Any:
+        """The client for ``kind`` (a key of ``_FACTORIES``), built once."""
+        with self._lock:
+            client = self._clients.get(kind)
+            if client is not None:
+                return client
+            credentials = self._credentials_or_default()
+            options = ClientOptions(api_endpoint=self.api_endpoint) if self.api_endpoint else None
+            client = _FACTORIES[kind](credentials=credentials, client_options=options)
+            self._clients[kind] = client
+            return client
+
+    def storage_session(self) -> Any:
+        """google-auth's authorized session, for the Cloud Storage JSON API."""
+        from google.auth.transport.requests import AuthorizedSession
+
+        with self._lock:
+            session = self._clients.get("storage")
+            if session is None:
+                session = AuthorizedSession(self._credentials_or_default())
+                self._clients["storage"] = session
+            return session
+
+    def call(
+        self,
+        what: str,
+        call: str,
+        fn: Callable[[], T],
+        *,
+        not_found: str | None = "",
+        conflict: bool = False,
+    ) -> T:
+        """:func:`errors.call`: one API call, Google's errors as ProviderErrors."""
+        return errors.call(what, call, fn, not_found=not_found, conflict=conflict)
+
+    def wait(self, zone: str, op: Any, *, what: str, timeout_s: float) -> Any:
+        """Wait for a zone operation (zoneOperations.wait returns at DONE or after ~2 min)."""
+        deadline = time.monotonic() + timeout_s
+        while op.status != compute_v1.Operation.Status.DONE:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.warning("%s: still %s after %.0f s", what, op.status, timeout_s)
+                return op
+            op = self.call(
+                what,
+                "zoneOperations.wait",
+                functools.partial(
+                    self.client("zone_operations").wait,
+                    project=self.project,
+                    zone=zone,
+                    operation=op.name,
+                    timeout=min(left, 130.0),
+                ),
+            )
+        return op
+
+    def _credentials_or_default(self) -> Any:
+        """Caller holds the lock. Application-default credentials, once."""
+        if self._credentials is None:
+            import google.auth
+
+            try:
+                self._credentials, _ = google.auth.default(scopes=[CLOUD_PLATFORM])
+            except auth_exceptions.DefaultCredentialsError as e:
+                raise errors.translate(
+                    e, what="call the Compute Engine API", call="regions.get"
+                ) from None
+        return self._credentials
+
+
+def _quiet_payload_logging() -> None:
+    """Keep the instances client from logging request and response payloads.
+
+    At DEBUG, google-cloud-compute logs each payload in the record's extra fields, and an
+    instance's metadata holds the runner token; a structured log handler would write it.
+    """
+    logging.getLogger("google.cloud.compute_v1.services.instances").setLevel(logging.INFO)

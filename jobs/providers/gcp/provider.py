@@ -1,0 +1,264 @@
+"""``GcpProvider``: the Provider Protocol over Compute Engine, and the registry's factories.
+
+The class holds the options and answers the Protocol; the work is in the modules beside
+it: catalog (machine types, prices), quota (quota, capacity), launch, status, buckets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from jobs.providers.base import (
+    Capabilities,
+    CapacityError,
+    InstanceInfo,
+    InstanceStatus,
+    LaunchRequest,
+    PriceQuote,
+    ProviderError,
+    QuotaInfo,
+    ResourceRequest,
+    Unsupported,
+    ZoneCapacity,
+)
+from jobs.providers.gcp.api import ComputeApi
+from jobs.providers.gcp.buckets import bucket_region
+from jobs.providers.gcp.catalog import PRICES_PATH, Catalog
+from jobs.providers.gcp.launch import (
+    DEFAULT_IMAGE,
+    STARTUP_SCRIPT_PATH,
+    InstanceTemplate,
+    insert,
+    instance_body,
+)
+from jobs.providers.gcp.names import instance_name, region_of_zone
+from jobs.providers.gcp.quota import Placement
+from jobs.providers.gcp.status import Instances
+from runner.preemption import WINDOWS_S
+
+if TYPE_CHECKING:
+    from jobs.settings import Settings
+
+__all__ = ["GcpProvider", "from_settings", "make"]
+
+
+class GcpProvider:
+    """Spot (or on-demand) GPU instances in one Compute Engine project.
+
+    Clients are built on first use, so a missing credential shows up as a preflight
+    failure that says how to fix it, not as a control plane that will not start.
+    """
+
+    name = "gcp"
+
+    def __init__(
+        self,
+        *,
+        project: str,
+        region: str,
+        zones: Sequence[str] | None = None,
+        machine_type_for: Mapping[str, str] | None = None,
+        image: str = DEFAULT_IMAGE,
+        service_account: str | None = None,
+        api_endpoint: str | None = None,
+        credentials: Any = None,
+        network: str = "global/networks/default",
+        subnetwork: str | None = None,
+        external_ip: bool = True,
+        runner_package: str = "trainbot[torch]",
+        boot_disk_gb: int = 50,
+        startup_script: Path | str | None = None,
+        prices: Path | str | None = None,
+        storage_endpoint: str | None = None,
+        launch_timeout_s: float = 300.0,
+        call_timeout_s: float = 60.0,
+        stockout_cooldown_s: float = 900.0,
+    ) -> None:
+        """``machine_type_for`` maps ``TYPE:COUNT`` or ``TYPE`` (``A100:8``,
+        ``nvidia-l4``; ``cpu`` for CPU-only runs) to a machine type, over the built-in
+        choice. ``boot_disk_gb`` is added to the attempt's scratch size. A zone that ran out
+        of a type is ranked unavailable for ``stockout_cooldown_s``."""
+        if not project or not region:
+            raise ProviderError("the GCP provider needs a project and a region (us-central1)")
+        self.project = project
+        self.region = region
+        self.zones = tuple(zones or ())
+        self.machine_type_for = {k.lower(): v for k, v in (machine_type_for or {}).items()}
+        self.image = image
+        self.service_account = service_account
+        self.api_endpoint = api_endpoint
+        self.network = network
+        self.subnetwork = subnetwork
+        self.external_ip = external_ip
+        self.runner_package = runner_package
+        self.boot_disk_gb = boot_disk_gb
+        self.startup_script = Path(startup_script) if startup_script else STARTUP_SCRIPT_PATH
+        self.prices_path = Path(prices) if prices else PRICES_PATH
+        self.storage_endpoint = storage_endpoint or api_endpoint or "https://storage.googleapis.com"
+        self.launch_timeout_s = launch_timeout_s
+        self.call_timeout_s = call_timeout_s
+        self.stockout_cooldown_s = stockout_cooldown_s
+        # The project, endpoint, timeouts, prices and machine types are fixed from here on;
+        # the launch options are read at each launch (_template).
+        self._api = ComputeApi(
+            project=project,
+            api_endpoint=api_endpoint,
+            credentials=credentials,
+            call_timeout_s=call_timeout_s,
+        )
+        self._catalog = Catalog(
+            prices_path=self.prices_path, machine_type_for=self.machine_type_for
+        )
+        self._placement = Placement(self._api, self._catalog)
+        self._instances = Instances(self._api)
+
+    # -- Provider: questions --------------------------------------------------------------
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """A cloud: commands never run on the control plane. Thirty seconds' notice
+        through the metadata server; no cloud budgets or permission probe yet."""
+        return Capabilities(
+            runs_on_this_machine=False,
+            termination_window_s=WINDOWS_S["gcp"],
+            preemption_source="gcp",
+            default_region=self.region,
+        )
+
+    def create_budget(self, *, run_id: str, usd: float, thresholds: Sequence[int]) -> str:
+        raise Unsupported("the gcp provider does not create Cloud Billing budgets yet")
+
+    def check_launch_permissions(self, req: ResourceRequest, *, zone: str | None = None) -> None:
+        raise Unsupported("the gcp provider has no permission probe")
+
+    def instance_log(self, instance_id: str, *, lines: int) -> str:
+        raise Unsupported("the gcp provider keeps logs on the instance")
+
+    def close(self) -> None:
+        """Nothing to release: the Compute clients close with the process."""
+
+    def quota(self, req: ResourceRequest) -> QuotaInfo:
+        """The regional metric for the type (preemptible for spot, when the project has
+        any), and GPUS_ALL_REGIONS; the tighter of the two binds."""
+        return self._placement.quota(req, region=self._region(req))
+
+    def capacity(self, req: ResourceRequest) -> list[ZoneCapacity]:
+        """Zones of the region that offer the type (acceleratorTypes), available first;
+        a zone that ran out of the type lately is ranked unavailable."""
+        return self._placement.capacity(
+            req, region=self._region(req), zones=self.zones, cooldown_s=self.stockout_cooldown_s
+        )
+
+    def price(self, req: ResourceRequest, *, zone: str | None = None) -> PriceQuote:
+        """From the shipped table: machine vCPUs and memory plus GPUs, per region."""
+        region = region_of_zone(zone) if zone else self._region(req)
+        return self._catalog.price(req, region=region)
+
+    def bucket_region(self, uri: str) -> str | None:
+        """The region of a ``gs://`` bucket; a multi- or dual-region bucket that covers
+        this provider's region counts as being in it; other URIs are None."""
+        return bucket_region(self._api, uri, endpoint=self.storage_endpoint, region=self.region)
+
+    # -- Provider: instances --------------------------------------------------------------
+
+    def launch(self, req: LaunchRequest) -> InstanceInfo:
+        """Insert the attempt's instance and wait for the insert to finish.
+
+        A stockout raises CapacityError naming the zone (and ranks it unavailable for
+        a while); a quota refusal raises QuotaExceeded; a name already taken adopts it.
+        """
+        if not req.command:
+            raise ProviderError(
+                f"run {req.run_id} attempt {req.attempt_id}: the launch command is empty;"
+                " the spec needs a command to run"
+            )
+        res = req.request
+        zone = req.zone or self._placement.first_zone(
+            res, region=self._region(res), zones=self.zones, cooldown_s=self.stockout_cooldown_s
+        )
+        region = region_of_zone(zone)
+        if res.region not in ("", "local") and res.region != region:
+            raise ProviderError(
+                f"zone {zone} is not in region {res.region}: fix resources.zones or the region"
+            )
+        name = instance_name(req.run_id, req.attempt_id)
+        key = req.idempotency_key or f"{req.run_id}/{req.attempt_id}"
+        body = instance_body(
+            req, zone=zone, key=key, catalog=self._catalog, template=self._template()
+        )
+        kind = self._catalog.kind(res)
+        try:
+            created = insert(
+                self._api,
+                req,
+                zone=zone,
+                key=key,
+                body=body,
+                kind=kind,
+                timeout_s=self.launch_timeout_s,
+            )
+        except CapacityError:
+            self._placement.ran_out(zone, kind)
+            raise
+        if not created:
+            return self._instances.adopt(zone, name, req)
+        return self._instances.info(
+            self._instances.get(zone, name, what=f"read instance {name} in {zone}")
+        )
+
+    def status(self, instance_id: str) -> InstanceStatus:
+        """Instance status, plus the zone's preemption operations and the runner's exit code."""
+        return self._instances.status(instance_id)
+
+    def terminate(self, instance_id: str) -> None:
+        """Delete the instance; an instance already deleted or preempted away is done."""
+        self._instances.terminate(instance_id)
+
+    def list_instances(self) -> list[InstanceInfo]:
+        """Every instance labelled trainbot-managed=true, in every zone of the project."""
+        return self._instances.managed()
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _region(self, req: ResourceRequest) -> str:
+        return req.region if req.region not in ("", "local") else self.region
+
+    def _template(self) -> InstanceTemplate:
+        """The launch options as they are now (a caller may have changed one)."""
+        return InstanceTemplate(
+            image=self.image,
+            service_account=self.service_account,
+            network=self.network,
+            subnetwork=self.subnetwork,
+            external_ip=self.external_ip,
+            runner_package=self.runner_package,
+            boot_disk_gb=self.boot_disk_gb,
+            startup_script=self.startup_script,
+        )
+
+
+def make(**options: Any) -> GcpProvider:
+    """The registry's factory: ``options`` are :class:`GcpProvider`'s keyword arguments.
+
+    The region defaults to preflight's default (us-central1); the project has no default.
+    """
+    if not options.get("project"):
+        raise ProviderError(
+            "the gcp provider needs a project: set TRAINBOT_GCP_PROJECT to the project id"
+        )
+    options.setdefault("region", "us-central1")
+    return GcpProvider(**options)
+
+
+def from_settings(settings: Settings) -> GcpProvider:
+    """The provider as ``TRAINBOT_GCP_*`` configure it."""
+    options: dict[str, Any] = {
+        "project": settings.gcp_project,
+        "region": settings.gcp_region,
+        "zones": settings.gcp_zones or None,
+        "service_account": settings.gcp_service_account,
+        "api_endpoint": settings.gcp_api_endpoint,
+    }
+    return make(**{k: v for k, v in options.items() if v is not None})

@@ -1,0 +1,237 @@
+"""What every alert rule shares: the observation, the window, the run's facts, the signal.
+
+Rules are pure (no database, no clock) and read runner payloads defensively: a field of
+the wrong type counts as missing. See docs/architecture.md, "Alert rules".
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import chain
+from operator import attrgetter
+from typing import Any, NamedTuple, Protocol, overload
+
+from jobs.models import Severity
+from jobs.spec import AlertThresholds
+
+__all__ = [
+    "TIME",
+    "AlertThresholds",
+    "Obs",
+    "Rule",
+    "RunContext",
+    "Severity",
+    "Signal",
+    "TypedWindow",
+    "attempt_of",
+    "cleared",
+    "integer",
+    "number",
+    "of_type",
+    "slope",
+]
+
+
+@dataclass(frozen=True)
+class Signal:
+    """What a rule says about a run; the lifecycle dedups by (run, rule, key)."""
+
+    #: The rule's name, e.g. "divergent_loss".
+    rule: str
+    #: Dedup key within the rule, e.g. "nan", "spike", "threshold-80".
+    key: str
+    #: How loudly to say it.
+    severity: Severity
+    #: One line for a tired on-call engineer: what happened, to which run.
+    title: str
+    #: The figures behind it.
+    detail: str
+    #: What to do about it.
+    hint: str
+    #: True when the condition has cleared, so the lifecycle can resolve the alert.
+    resolved: bool = False
+    #: Machine-readable figures; ``{"stop": True}`` asks the service to stop the run.
+    data: Mapping[str, Any] = field(default_factory=dict)
+
+
+def cleared(
+    rule: str,
+    *,
+    key: str,
+    severity: Severity,
+    title: str,
+    detail: str,
+    data: Mapping[str, Any],
+) -> Signal:
+    """The signal a rule sends when its condition has cleared (lets the lifecycle resolve)."""
+    return Signal(
+        rule=rule,
+        key=key,
+        severity=severity,
+        title=title,
+        detail=detail,
+        hint="Nothing to do.",
+        resolved=True,
+        data=data,
+    )
+
+
+class Obs(NamedTuple):
+    """One observation: a runner event, or a synthetic one from the control plane.
+
+    A named tuple rather than a frozen dataclass: the ingest API makes hundreds per
+    batch for the rules' window, and a tuple is built four times faster.
+    """
+
+    #: When it happened, unix seconds.
+    time: float
+    #: Event type: "metrics", "system", "preemption_notice", "exit",
+    #: "checkpoint_committed", or the synthetic "resubmitted".
+    type: str
+    #: The event's payload; may carry "attempt" (the attempt number that sent it).
+    data: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """Facts about the run that the events alone do not carry, read from the database."""
+
+    #: The run the window belongs to; every title names it.
+    run_id: str
+    #: The run's budget in USD, or None when it has none. Read by no rule: budget
+    #: alerts come from the spend job (``jobs.tasks``), which knows what was spent.
+    budget_usd: float | None
+    #: Spent so far, all attempts, in USD (see ``budget_usd``).
+    spent_usd: float
+    #: Budget alert thresholds in percent, e.g. (50, 80, 100) (see ``budget_usd``).
+    thresholds_pct: tuple[float, ...]
+    #: Stop the run when the budget is used up (see ``budget_usd``).
+    hard_cap: bool
+    #: Last time the runner was heard from, unix seconds; None before it first reports.
+    last_heartbeat: float | None
+    #: When each preemption of this run happened, unix seconds.
+    preemption_times: tuple[float, ...]
+    #: The current attempt, counting from 1.
+    attempt_number: int
+    #: Step of the newest committed checkpoint; None when there is none yet.
+    last_committed_step: int | None
+    #: Latest step reported; None before the first metrics.
+    current_step: int | None
+
+
+class Rule(Protocol):
+    """One alert rule: a pure function of the window, ``now`` and the run's facts."""
+
+    name: str
+
+    def evaluate(self, window: Sequence[Obs], *, now: float, ctx: RunContext) -> list[Signal]: ...
+
+
+def number(data: Mapping[str, Any], key: str) -> float | None:
+    """A numeric payload field as float, or None when it is missing or of the wrong type."""
+    value = data.get(key)
+    if type(value) is float:  # nearly always: the rules read every observation per batch
+        return value
+    if type(value) is int:
+        return float(value)
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):  # JSON has no NaN: the wire sends "NaN", "Infinity".
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
+
+
+def integer(data: Mapping[str, Any], key: str) -> int | None:
+    """A whole-number payload field, or None when it is missing, wrong or not finite."""
+    exact = data.get(key)
+    if type(exact) is int:
+        return exact
+    value = number(data, key)
+    return int(value) if value is not None and math.isfinite(value) else None
+
+
+def attempt_of(obs: Obs, ctx: RunContext) -> int:
+    """The attempt that sent an observation; the current one when it does not say."""
+    attempt = integer(obs.data, "attempt")
+    return attempt if attempt is not None else ctx.attempt_number
+
+
+def slope(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Least-squares slope of ys over xs; 0 when xs do not vary."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        return 0.0
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+
+
+TIME = attrgetter("time")
+
+
+class TypedWindow(Sequence[Obs]):
+    """A window that also holds its observations by type, each type oldest first.
+
+    Every batch evaluates every rule over the whole window, so the grouping is done once
+    here rather than once per rule. Immutable, so the groups never go stale.
+    """
+
+    __slots__ = ("_groups", "_items")
+
+    def __init__(self, window: Iterable[Obs] = ()) -> None:
+        self._items = tuple(window)
+        self._groups: dict[str, list[Obs]] | None = None
+
+    @classmethod
+    def from_groups(cls, groups: Mapping[str, Iterable[Obs]]) -> TypedWindow:
+        """A window of observations already grouped: each group holds only its key's type."""
+        lists = {kind: list(group) for kind, group in groups.items()}
+        window = cls(chain.from_iterable(lists.values()))
+        for group in lists.values():
+            group.sort(key=TIME)
+        window._groups = lists
+        return window
+
+    def of_type(self, kind: str) -> list[Obs]:
+        """The observations of one type, oldest first. Shared between the rules: read only."""
+        groups = self._groups
+        if groups is None:
+            groups = {}
+            for obs in self._items:
+                group = groups.get(obs.type)
+                if group is None:
+                    group = groups[obs.type] = []
+                group.append(obs)
+            for group in groups.values():
+                group.sort(key=TIME)
+            self._groups = groups
+        return groups.get(kind, [])
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[Obs]:
+        return iter(self._items)
+
+    @overload
+    def __getitem__(self, index: int) -> Obs: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[Obs]: ...
+
+    def __getitem__(self, index: int | slice) -> Obs | Sequence[Obs]:
+        return self._items[index]
+
+
+def of_type(window: Sequence[Obs], kind: str) -> list[Obs]:
+    """One type's observations, oldest first; read only (it may be shared)."""
+    if isinstance(window, TypedWindow):
+        return window.of_type(kind)
+    return sorted([o for o in window if o.type == kind], key=TIME)

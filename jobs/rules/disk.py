@@ -1,0 +1,124 @@
+"""Disk: the scratch volume is above a threshold, or filling fast enough to be full soon."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from jobs import format as fmt
+from jobs.rules.base import (
+    AlertThresholds,
+    Obs,
+    RunContext,
+    Severity,
+    Signal,
+    cleared,
+    number,
+    of_type,
+    slope,
+)
+
+__all__ = ["Disk"]
+
+# Disk use at or above this percentage is critical: the next checkpoint may not fit.
+_DISK_CRITICAL = 97.0
+# Samples needed before a growth rate predicts anything.
+_DISK_FIT_MIN_POINTS = 3
+
+
+class Disk:
+    """The scratch disk is nearly full, or filling fast enough to be full soon.
+
+    A full disk fails the next checkpoint, which is the one thing a spot run cannot lose.
+    """
+
+    name = "disk"
+
+    def __init__(self, cfg: AlertThresholds = AlertThresholds()) -> None:
+        self.cfg = cfg
+
+    def evaluate(self, window: Sequence[Obs], *, now: float, ctx: RunContext) -> list[Signal]:
+        samples: list[tuple[float, float, float]] = []
+        for obs in of_type(window, "system"):
+            data = obs.data
+            used, total = data.get("disk_used"), data.get("disk_total")
+            if type(used) is int and type(total) is int:  # nearly always: _num, inlined
+                used, total = float(used), float(total)
+            else:
+                used, total = number(data, "disk_used"), number(data, "disk_total")
+            if used is not None and total is not None and total > 0 and math.isfinite(used):
+                samples.append((obs.time, used, total))
+        if not samples:
+            return []
+        signals = [self._threshold(samples[-1], ctx)]
+        full_in = self._full_in(samples, now=now, ctx=ctx)
+        if full_in is not None:
+            signals.append(full_in)
+        return signals
+
+    def _hint(self) -> str:
+        return (
+            "Free space on the scratch volume (caches, local checkpoint copies) or relaunch "
+            "with a bigger disk; a full disk fails the next checkpoint."
+        )
+
+    def _threshold(self, latest: tuple[float, float, float], ctx: RunContext) -> Signal:
+        _, used, total = latest
+        pct = 100.0 * used / total
+        figures = f"disk {pct:.1f}% used ({fmt.size(used)} of {fmt.size(total)})"
+        data = {"percent": pct, "used": used, "total": total}
+        if pct <= self.cfg.disk_percent:
+            return cleared(
+                self.name,
+                key="threshold",
+                severity=Severity.WARNING,
+                title=f"Disk of run {ctx.run_id} is back to {pct:.0f}% used",
+                detail=figures,
+                data=data,
+            )
+        critical = pct >= _DISK_CRITICAL
+        return Signal(
+            rule=self.name,
+            key="threshold",
+            severity=Severity.CRITICAL if critical else Severity.WARNING,
+            title=f"Disk {pct:.0f}% full on run {ctx.run_id}",
+            detail=f"{figures}; alert above {self.cfg.disk_percent:g}%",
+            hint=self._hint(),
+            data=data,
+        )
+
+    def _full_in(
+        self, samples: list[tuple[float, float, float]], *, now: float, ctx: RunContext
+    ) -> Signal | None:
+        if len(samples) < _DISK_FIT_MIN_POINTS:
+            return None
+        times = [t for t, _, _ in samples]
+        if times[-1] == times[0]:
+            return None
+        rate = slope(times, [u for _, u, _ in samples])  # bytes per second
+        _, used, total = samples[-1]
+        horizon = self.cfg.disk_horizon_s
+        eta = (total - used) / rate if rate > 0 else math.inf
+        if eta > horizon:
+            return cleared(
+                self.name,
+                key="full-in",
+                severity=Severity.WARNING,
+                title=f"Disk of run {ctx.run_id} is no longer filling fast",
+                detail=f"disk {100 * used / total:.1f}% used, growing {fmt.size(rate * 60)}/min",
+                data={"rate_bytes_per_s": rate},
+            )
+        eta = max(eta, 0.0)
+        return Signal(
+            rule=self.name,
+            key="full-in",
+            severity=Severity.WARNING,
+            title=f"Disk of run {ctx.run_id} will be full in ~{fmt.duration(eta)}",
+            detail=(
+                f"disk {100 * used / total:.1f}% used ({fmt.size(used)} of {fmt.size(total)}), "
+                f"growing {fmt.size(rate * 60)}/min over {len(samples)} samples: full in "
+                f"~{fmt.duration(eta)} (about {fmt.clock(now + eta)})"
+            ),
+            hint=self._hint(),
+            data={"eta_s": eta, "rate_bytes_per_s": rate, "used": used, "total": total},
+        )

@@ -1,0 +1,56 @@
+"""Lost heartbeat: the runner has gone quiet past its deadline."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from jobs import format as fmt
+from jobs.rules.base import AlertThresholds, Obs, RunContext, Severity, Signal, cleared
+
+__all__ = ["LostHeartbeat"]
+
+
+class LostHeartbeat:
+    """The runner has gone quiet: the instance may be gone, hung, or still billing."""
+
+    name = "lost_heartbeat"
+
+    def __init__(self, cfg: AlertThresholds = AlertThresholds()) -> None:
+        self.cfg = cfg
+
+    def evaluate(self, window: Sequence[Obs], *, now: float, ctx: RunContext) -> list[Signal]:
+        if ctx.last_heartbeat is None:
+            return []  # not started yet; the reconcile job watches provisioning
+        silent = now - ctx.last_heartbeat
+        deadline = self.cfg.heartbeat_deadline_s
+        data = {"silent_s": silent, "last_heartbeat": ctx.last_heartbeat}
+        if silent <= deadline:
+            return [
+                cleared(
+                    self.name,
+                    key="heartbeat",
+                    severity=Severity.CRITICAL,
+                    title=f"Run {ctx.run_id} is reporting again",
+                    detail=f"last heartbeat {fmt.duration(max(silent, 0.0))} ago",
+                    data=data,
+                )
+            ]
+        return [
+            Signal(
+                rule=self.name,
+                key="heartbeat",
+                severity=Severity.CRITICAL,
+                title=f"No heartbeat from run {ctx.run_id} for {fmt.duration(silent)}",
+                detail=(
+                    f"last heartbeat at {fmt.clock(ctx.last_heartbeat)}, "
+                    f"{fmt.duration(silent)} ago "
+                    f"(deadline {fmt.duration(deadline)}); attempt {ctx.attempt_number}"
+                ),
+                hint=(
+                    f"The instance may be gone or hung and still billing: check "
+                    f"`/train logs {ctx.run_id}`, then `/train resubmit {ctx.run_id}` or "
+                    f"`/train stop {ctx.run_id}`."
+                ),
+                data=data,
+            )
+        ]

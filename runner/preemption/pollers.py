@@ -1,0 +1,102 @@
+"""Which metadata pollers a runner starts, from ``TRAINBOT_PREEMPTION_SOURCES`` and the
+related variables, validated before any thread starts.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+
+from runner.preemption.aws import AwsSpotPoller
+from runner.preemption.flag import PreemptionConfigError, PreemptionFlag
+from runner.preemption.flush import WINDOWS_S
+from runner.preemption.gcp import GcpPreemptedPoller
+from runner.preemption.metadata import Poller, PollerThread
+
+
+class Pollers:
+    """The pollers one runner started; stop them all on the way out."""
+
+    def __init__(self, pollers: Sequence[Poller]) -> None:
+        self.pollers = tuple(pollers)
+
+    def stop(self) -> None:
+        for poller in self.pollers:
+            poller.stop()
+
+    def __enter__(self) -> Pollers:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def termination_window_s(env: Mapping[str, str] | None = None, *, default: float) -> float:
+    """The termination window from ``TRAINBOT_TERMINATION_WINDOW_S``, else ``default``."""
+    env = os.environ if env is None else env
+    raw = env.get("TRAINBOT_TERMINATION_WINDOW_S", "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise PreemptionConfigError(
+            f"TRAINBOT_TERMINATION_WINDOW_S={raw!r} is not a positive number of seconds; "
+            "set it to e.g. 120 (AWS) or 30 (GCP), or unset it for the provider's default"
+        )
+    return value
+
+
+def _parse_sources(sources: str) -> list[str]:
+    names = [part.strip().lower() for part in sources.split(",") if part.strip()]
+    unknown = [name for name in names if name not in ("aws", "gcp", "none")]
+    if unknown:
+        raise PreemptionConfigError(
+            f"unknown preemption source {unknown[0]!r} in {sources!r}; use a comma list of "
+            "'aws' and 'gcp', or 'none' for a local run"
+        )
+    if "none" in names and len(names) > 1:
+        raise PreemptionConfigError(
+            f"preemption sources {sources!r} combine 'none' with others; give either "
+            "'none' or a list of 'aws' and 'gcp'"
+        )
+    return list(dict.fromkeys(name for name in names if name != "none"))
+
+
+def start_pollers(
+    flag: PreemptionFlag, *, sources: str, env: Mapping[str, str] | None = None
+) -> Pollers:
+    """Start the metadata pollers named in ``sources`` ("aws", "gcp", "aws,gcp", "none"
+    or "" for local runs). Everything is validated before any thread starts."""
+    env = os.environ if env is None else env
+    pollers: list[PollerThread] = []
+    for name in _parse_sources(sources):
+        if name == "aws":
+            pollers.append(
+                AwsSpotPoller(
+                    flag,
+                    base_url=env.get("TRAINBOT_AWS_METADATA_URL") or "http://169.254.169.254",
+                    window_s=termination_window_s(env, default=WINDOWS_S["aws"]),
+                )
+            )
+        else:
+            pollers.append(
+                GcpPreemptedPoller(
+                    flag,
+                    base_url=env.get("TRAINBOT_GCP_METADATA_URL")
+                    or "http://metadata.google.internal",
+                    window_s=termination_window_s(env, default=WINDOWS_S["gcp"]),
+                )
+            )
+    for poller in pollers:
+        poller.start()
+    return Pollers(pollers)

@@ -1,0 +1,481 @@
+"""The session: one process's part of a run, around its training loop.
+
+It restores the newest committed checkpoint, counts steps and reports their metrics,
+checkpoints when its policy says so, and ends the loop on a preemption notice, a dry-run
+limit or a stop request, flushing a checkpoint if one fits the time left.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from types import TracebackType
+from typing import Any, Protocol
+
+from runner import EXIT_FAILED, EXIT_PREEMPTED, EXIT_SUCCEEDED
+from runner.checkpoint import CheckpointWriter, CommitInfo, Prefetch, Restored, restore_latest
+from runner.errors import NoCheckpointError, RunnerError
+from runner.preemption import (
+    Notice,
+    Pollers,
+    PreemptionFlag,
+    SignalHandlers,
+    flush_fits,
+    start_pollers,
+    write_seconds,
+)
+from runner.session import phases
+from runner.session.config import SessionConfig, default_sink
+from runner.session.policy import EverySteps, SaveDecision
+from runner.state import capture_rng, flatten, restore_rng, state_digest
+from runner.store import Store, run_store
+from runner.telemetry import EventSink
+
+log = logging.getLogger(__name__)
+
+#: What the loop keeps back, beyond the write and a step, when it trains on after a
+#: preemption notice: the notice reaches a supervised process a poll after the instance.
+TRAIN_ON_MARGIN_S = 0.25
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any, /) -> Any: ...
+
+
+class Session:
+    """One process's part of a run. Use it as a context manager around the training loop.
+
+    Creating it starts reading and verifying the newest committed checkpoint on background
+    threads (unless ``prefetch=False``), so create it before building the model and
+    optimizer: the read then overlaps with their construction, and :meth:`restore` only
+    waits for what is left. The memory held is the checkpoint's size, which the restore
+    needs anyway; closing the session without restoring stops the read and frees it.
+    """
+
+    def __init__(
+        self,
+        config: SessionConfig,
+        *,
+        sink: EventSink | None = None,
+        store: Store | None = None,
+        flag: PreemptionFlag | None = None,
+        decision: SaveDecision | None = None,
+        install_signals: bool = True,
+        prefetch: bool = True,
+    ) -> None:
+        self.config = config
+        self.sink = sink if sink is not None else default_sink(config)
+        self.store = (
+            store
+            if store is not None
+            else run_store(config.checkpoint_uri, config.checkpoint_prefix or config.run_id)
+        )
+        self.flag = flag if flag is not None else PreemptionFlag()
+        self.decision = decision or config.decision() or EverySteps(100)
+        self.writer = CheckpointWriter(
+            self.store, on_commit=self._committed, on_error=self._save_failed
+        )
+        self._tracked: dict[str, Stateful] = {}
+        self._install_signals = install_signals
+        self._signals: SignalHandlers | None = None
+        self._pollers: Pollers | None = None
+        #: Steps completed so far (restored, then counted).
+        self.step = 0
+        #: Step of the newest committed checkpoint known to this process.
+        self.committed_step: int | None = None
+        #: Why the loop ended: "finished", "preempted", "limit", "stopped", "failed".
+        self.stop_reason: str | None = None
+        self.exit_code: int = EXIT_FAILED
+        self._restored = False
+        self._last_save_step = 0
+        self._last_save_time = time.monotonic()
+        self._metrics: dict[str, float] = {}
+        self._loss: float | None = None
+        self._wait_s = 0.0
+        self._stop_checked = 0.0
+        #: The longest step seen lately (seconds), for the train-on budget.
+        self._step_s = 0.0
+        self._notice_reported = False
+        #: The state's size in bytes, once counted (see _checkpoint_bytes).
+        self._state_nbytes: int | None = None
+        #: The newest checkpoint, being read and verified in the background while the caller
+        #: builds its model; None once restored or closed, or when ``prefetch=False``.
+        #: Started last, once nothing else here can fail.
+        self.prefetch: Prefetch | None = Prefetch(self.store) if prefetch else None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **kwargs: Any) -> Session:
+        return cls(SessionConfig.from_env(env), **kwargs)
+
+    # -- set-up and teardown
+
+    def __enter__(self) -> Session:
+        if self._install_signals:
+            self._signals = SignalHandlers(self.flag, window_s=self.config.window_s)
+            self._signals.__enter__()
+        self._pollers = start_pollers(self.flag, sources=self.config.preemption_sources)
+        self.sink.emit("started", {"pid": os.getpid(), "host": socket.gethostname()})
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is not None and not isinstance(exc, SystemExit):
+            self.stop_reason = "failed"
+            self.exit_code = EXIT_FAILED
+            # The loop crashed: the last committed checkpoint stands; do not save a broken state.
+            self.writer.wait()
+        self.close()
+
+    def close(self) -> None:
+        if self.prefetch is not None:
+            self.prefetch.close()
+            self.prefetch = None
+        self.writer.close()
+        if self._pollers is not None:
+            self._pollers.stop()
+            self._pollers = None
+        if self._signals is not None:
+            self._signals.__exit__(None, None, None)
+            self._signals = None
+        self.sink.emit("exit", {"code": self.exit_code, "reason": self._exit_reason()})
+        self.sink.close()
+
+    def _exit_reason(self) -> str:
+        if self.exit_code == EXIT_SUCCEEDED:
+            return "stopped" if self.stop_reason == "stopped" else "succeeded"
+        if self.exit_code == EXIT_PREEMPTED:
+            return "preempted"
+        return "failed"
+
+    # -- state
+
+    def track(self, **objects: Stateful) -> None:
+        """Objects saved and restored with every checkpoint (model, optimizer, data …)."""
+        for name, obj in objects.items():
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise RunnerError(
+                    f"{name} has no state_dict()/load_state_dict(): wrap it so it can be saved"
+                )
+            self._tracked[name] = obj
+
+    def state(self) -> dict[str, Any]:
+        """The whole training state as it is now."""
+        return {
+            "step": self.step,
+            "objects": {name: obj.state_dict() for name, obj in self._tracked.items()},
+            "rng": capture_rng(),
+        }
+
+    def state_digest(self) -> str:
+        return state_digest(self.state())
+
+    def restore(self) -> int:
+        """Load the newest committed checkpoint into the tracked objects; returns its step."""
+        self._restored = True
+        try:
+            restored = self._take_prefetched() or restore_latest(self.store)
+        except NoCheckpointError:
+            self.sink.emit("restored", {"step": 0, "fallback_from": None, "restore_s": 0.0})
+            return 0
+        state = restored.state
+        missing = set(self._tracked) - set(state["objects"])
+        if missing:
+            raise RunnerError(
+                f"checkpoint step {restored.step} has no state for {sorted(missing)}: "
+                "track the same objects as the run that saved it"
+            )
+        for name, obj in self._tracked.items():
+            obj.load_state_dict(state["objects"][name])
+        restore_rng(state["rng"])
+        self.step = int(state["step"])
+        self.committed_step = self.step
+        self._last_save_step = self.step
+        for skipped_step, why in restored.skipped:
+            msg = f"checkpoint step {skipped_step} is corrupt ({why}); fell back to {self.step}"
+            log.warning(msg)
+            self.sink.emit("log", {"level": "warning", "message": msg})
+        self.sink.emit(
+            "restored",
+            {
+                "step": self.step,
+                "fallback_from": restored.skipped[0][0] if restored.skipped else None,
+                "restore_s": restored.restore_s,
+            },
+        )
+        print(f"trainbot: resumed at step {self.step}", file=sys.stderr, flush=True)
+        if self.config.dry_run_phase == "verify":
+            self._report_dry_run("restored")
+        return self.step
+
+    def _take_prefetched(self) -> Restored | None:
+        """The checkpoint read since the session was created; None to read it now."""
+        prefetch, self.prefetch = self.prefetch, None
+        return prefetch.take() if prefetch is not None else None
+
+    # -- the loop
+
+    def steps(self, total: int) -> Iterator[int]:
+        """Yield step indices from the restored step to ``total``; ends early when told to."""
+        if not self._restored:
+            self.restore()
+        limit = phases.step_limit(
+            self.config.dry_run_phase, step=self.step, max_steps=self.config.max_steps
+        )
+        while self.step < total:
+            if self._must_stop():
+                break
+            started = time.perf_counter()
+            self._wait_s = 0.0
+            self._loss = None
+            self._metrics = {}
+            yield self.step
+            self.step += 1
+            step_s = time.perf_counter() - started
+            self._step_s = max(step_s, 0.9 * self._step_s)
+            self._report_step(step_s)
+            if limit is not None and self.step >= limit:
+                self.stop_reason = "limit"
+                break
+            now = time.monotonic()
+            if not self.flag.is_set and self.decision.should_save(
+                step=self.step,
+                now=now,
+                last_step=self._last_save_step,
+                last_time=self._last_save_time,
+            ):
+                self._save()
+        else:
+            self.stop_reason = "finished"
+        self._finish()
+
+    def next_batch(self, it: Iterator[Any]) -> Any:
+        """``next(it)``, timed: the data-wait fraction is built from this."""
+        t0 = time.perf_counter()
+        try:
+            return next(it)
+        finally:
+            self._wait_s += time.perf_counter() - t0
+
+    def log(self, loss: float | None = None, **metrics: float) -> None:
+        """Metrics of the current step."""
+        if loss is not None:
+            self._loss = float(loss)
+        self._metrics.update({k: float(v) for k, v in metrics.items()})
+
+    def _report_step(self, step_time: float) -> None:
+        loss = self._loss
+        diverged = loss is not None and not math.isfinite(loss)
+        if self.step % self.config.metrics_every and not diverged:
+            return
+        wait = min(1.0, self._wait_s / step_time) if step_time > 0 else None
+        self.sink.emit(
+            "metrics",
+            {
+                "step": self.step,
+                "loss": loss,
+                "step_time_s": step_time,
+                "data_wait_fraction": wait,
+                "metrics": dict(self._metrics),
+            },
+        )
+
+    def _must_stop(self) -> bool:
+        if self.flag.is_set:
+            stop = self._notice_source() == "stop"
+            if not stop and self._train_on():
+                return False
+            self.stop_reason = "stopped" if stop else "preempted"
+            return True
+        stop_file = self.config.stop_file
+        if stop_file:
+            now = time.monotonic()
+            if now - self._stop_checked >= 1.0:
+                self._stop_checked = now
+                if os.path.exists(stop_file):
+                    self.flag.set(
+                        Notice(
+                            source="stop",
+                            reason="stop requested",
+                            received_at=now,
+                            deadline=now + 3600,
+                        )
+                    )
+                    self.stop_reason = "stopped"
+                    return True
+        return False
+
+    def _train_on(self) -> bool:
+        """Whether the loop may take another step after a preemption notice.
+
+        The instance is paid for until the deadline whatever the loop does, so the window
+        is used for training for as long as the emergency checkpoint would still be
+        started (:func:`~runner.preemption.flush_fits`, the test the flush itself makes)
+        after the save in flight, one more step (the longest lately) and
+        :data:`TRAIN_ON_MARGIN_S`. Without a known deadline, or with
+        ``train_through_notice`` off, the loop stops at once.
+        """
+        left = self.flag.time_left()
+        if not self.config.train_through_notice or left is None:
+            return False
+        self._report_notice(left)
+        nbytes = self._checkpoint_bytes()
+        bandwidth = self.writer.bandwidth_bps
+        budget = left - self._step_s - TRAIN_ON_MARGIN_S
+        if self.writer.in_flight:
+            budget -= write_seconds(nbytes, bandwidth)
+        return budget > 0 and flush_fits(nbytes=nbytes, bandwidth_bps=bandwidth, time_left_s=budget)
+
+    def _report_notice(self, left: float | None) -> None:
+        if self._notice_reported:
+            return
+        self._notice_reported = True
+        notice = self.flag.notice
+        self.sink.emit(
+            "preemption_notice",
+            {"source": notice.source if notice else "signal", "time_left_s": left},
+        )
+
+    def _notice_source(self) -> str | None:
+        notice = self.flag.notice
+        return notice.source if notice else None
+
+    # -- checkpoints
+
+    def _committed(self, info: CommitInfo) -> None:
+        self.committed_step = max(self.committed_step or 0, info.step)
+        # stall_s is how long the loop was blocked (Daly's C for an asynchronous save);
+        # write_s ran beside the next steps.
+        self.sink.emit(
+            "checkpoint_committed",
+            {
+                "step": info.step,
+                "bytes": info.bytes,
+                "write_s": info.write_s,
+                "stall_s": info.stall_s,
+                "uri": info.uri,
+            },
+        )
+
+    def _save_failed(self, step: int, exc: Exception) -> None:
+        self.sink.emit("checkpoint_failed", {"step": step, "error": str(exc)})
+
+    def _save(self, *, copy: bool = True) -> None:
+        metrics = dict(self._metrics)
+        if self._loss is not None:
+            metrics["loss"] = self._loss
+        self.writer.save(self.step, self.state(), metrics=metrics, copy=copy)
+        self._last_save_step = self.step
+        self._last_save_time = time.monotonic()
+
+    def _save_now(self, timeout: float | None = None) -> bool:
+        """Save the current state and wait for the commit."""
+        if self.committed_step == self.step:
+            return True
+        # The loop has ended, so nothing changes the state any more: write it from where
+        # it is instead of copying it first (on a preemption, the copy eats the window).
+        self._save(copy=False)
+        try:
+            info = self.writer.wait(timeout=timeout)
+        except TimeoutError:
+            return False
+        return info is not None and info.step == self.step
+
+    def _finish(self) -> None:
+        reason = self.stop_reason
+        if reason in ("finished", "limit"):
+            self.writer.wait()  # a save of this very step may be in flight: no second write
+        if reason == "finished":
+            ok = self._save_now()
+            self.exit_code = EXIT_SUCCEEDED if ok else EXIT_FAILED
+        elif reason == "limit":
+            dry_run_save = self.config.dry_run_phase == "save"
+            if dry_run_save:
+                ok = phases.save_as_the_run_will(self._save, self.writer, step=self.step)
+            else:
+                ok = self._save_now()
+            self.exit_code = EXIT_SUCCEEDED if ok else EXIT_FAILED
+            if ok and dry_run_save:
+                self._report_dry_run("saved")
+                phases.await_kill(self.sink, self.flag)
+        elif reason in ("preempted", "stopped"):
+            self._flush_on_notice()
+
+    def _flush_on_notice(self) -> None:
+        stopped = time.monotonic()  # the loop has just ended
+        left = self.flag.time_left()
+        self._report_notice(left)
+        # Finish the save in flight, if any, within the window.
+        try:
+            self.writer.wait(timeout=left)
+        except TimeoutError:
+            pass
+        if self.stop_reason == "preempted" and self._flush_costs_more(stopped):
+            pass  # the next attempt redoes the few steps since the newest checkpoint
+        elif self.committed_step != self.step:
+            left = self.flag.time_left()
+            nbytes = self._checkpoint_bytes()
+            if flush_fits(nbytes=nbytes, bandwidth_bps=self.writer.bandwidth_bps, time_left_s=left):
+                self._save_now(timeout=left)
+            else:
+                msg = (
+                    f"no time for an emergency checkpoint of {nbytes} bytes "
+                    f"({left:.1f}s left); resuming from step {self.committed_step}"
+                )
+                log.warning(msg)
+                self.sink.emit("log", {"level": "warning", "message": msg})
+        if self.stop_reason == "stopped":
+            self.exit_code = EXIT_SUCCEEDED if self.committed_step == self.step else EXIT_FAILED
+        else:
+            # Resumable either way: from the newest checkpoint, or from the start if none.
+            self.exit_code = EXIT_PREEMPTED
+
+    def _flush_costs_more(self, stopped: float) -> bool:
+        """Whether writing the current step would take longer than redoing the steps done
+        since the newest checkpoint's snapshot (both are paid time that makes no progress).
+
+        Only when that checkpoint is this process's last save (a failed save proves
+        nothing) and a write was measured; the work is timed from the save to the loop's
+        end, which over-counts for a process that has not saved yet, so it then flushes.
+        """
+        last = self.writer.last_commit
+        if last is None or self.committed_step == self.step:
+            return False
+        if self.committed_step != self._last_save_step:
+            return False
+        work_s = stopped - self._last_save_time
+        if work_s >= last.write_s:
+            return False
+        msg = (
+            f"no emergency checkpoint: the steps since step {self.committed_step} took "
+            f"{work_s:.2f}s, less than the {last.write_s:.2f}s a checkpoint takes to write; "
+            f"resuming from step {self.committed_step}"
+        )
+        log.info(msg)
+        self.sink.emit("log", {"level": "info", "message": msg})
+        return True
+
+    def _checkpoint_bytes(self) -> int:
+        """The last save's size, or the state's before any save (counted once: the loop
+        asks every step while it trains on through a notice window)."""
+        if self.writer.last_bytes:
+            return self.writer.last_bytes
+        if self._state_nbytes is None:
+            _, tensors = flatten(self.state())
+            self._state_nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        return self._state_nbytes
+
+    # -- dry run
+
+    def _report_dry_run(self, phase: str) -> None:
+        phases.report(self.sink, phase, step=self.step, state_sha256=self.state_digest())

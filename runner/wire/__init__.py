@@ -1,0 +1,39 @@
+"""The telemetry wire format, shared by the runner and the control plane.
+
+A batch is the body of one ``POST`` to the ingest API: ``{"v": 1, "attempt", "run",
+"events": [{"seq", "type", "time", "data"}, …]}``, its events' payloads described once, by
+the msgspec structs of :mod:`runner.wire.schema`. It lives in ``runner/`` because the
+runner never imports ``jobs/``. The design: ``docs/architecture.md``, "The wire format".
+"""
+
+from runner.wire.checks import encode_batch, event_from_wire, event_to_wire, validate_payload
+from runner.wire.decode import Batch, decode_batch, decode_batch_columns, decode_batch_with_json
+from runner.wire.schema import (
+    EVENT_TYPES,
+    EXIT_REASONS,
+    MAX_UNIX_TIME,
+    PAYLOADS,
+    WIRE_VERSION,
+    Event,
+    json_safe,
+    restore_floats,
+)
+
+__all__ = [
+    "EVENT_TYPES",
+    "EXIT_REASONS",
+    "MAX_UNIX_TIME",
+    "PAYLOADS",
+    "WIRE_VERSION",
+    "Batch",
+    "Event",
+    "decode_batch",
+    "decode_batch_columns",
+    "decode_batch_with_json",
+    "encode_batch",
+    "event_from_wire",
+    "event_to_wire",
+    "json_safe",
+    "restore_floats",
+    "validate_payload",
+]

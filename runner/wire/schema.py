@@ -1,0 +1,278 @@
+"""The wire's one schema: each event type's payload as a msgspec struct, and the batch.
+
+The structs are the format: fields, types and ranges; extra payload fields pass through
+(see :mod:`runner.wire.checks`). Floats travel as JSON numbers or, when not finite, as
+the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``; integers are 64-bit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any, Generic, Literal, TypeVar, Union, get_args
+
+import msgspec
+
+WIRE_VERSION = 1
+
+_I64_MAX = 2**63 - 1
+#: 9999-12-31 23:59:59 UTC, the last second a datetime holds: the control plane stores
+#: event times as timestamps.
+MAX_UNIX_TIME = 253_402_300_799.0
+#: How non-finite floats travel; standard JSON has no literal for them.
+NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+#: A float: a JSON number, or the string a non-finite float travels as (decoded to it).
+Float = Union[float, Literal["NaN", "Infinity", "-Infinity"]]  # noqa: UP007
+#: Integers are 64-bit, as the control plane's columns are.
+Int = Annotated[int, msgspec.Meta(ge=-_I64_MAX - 1, le=_I64_MAX)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=_I64_MAX)]
+UnixTime = Annotated[float, msgspec.Meta(ge=0.0, lt=MAX_UNIX_TIME, description="unix seconds")]
+ExitReason = Literal["succeeded", "preempted", "failed", "stopped"]
+
+
+class Payload(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    """An event's ``data``. Decoded structs live only while a batch is decoded and hold
+    no cycles, so they stay out of the garbage collector (a batch makes a thousand)."""
+
+
+class MetricsData(Payload):
+    step: Count
+    loss: Float | None
+    step_time_s: Float
+    #: Time blocked on the next batch divided by step time.
+    data_wait_fraction: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None
+    #: User metrics: name -> number.
+    metrics: dict[str, Float]
+
+
+class SystemData(Payload):
+    #: None: no GPU.
+    gpu_util: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] | None
+    gpu_count: Count
+    #: Bytes of the scratch volume ``disk_path``.
+    disk_used: Count
+    disk_total: Count
+    disk_path: str
+
+
+class CheckpointCommittedData(Payload):
+    step: Count
+    bytes: Count
+    write_s: Float
+    uri: str
+
+
+class CheckpointFailedData(Payload):
+    #: -1 when the failure is not tied to a step.
+    step: Int
+    error: str
+
+
+class RestoredData(Payload):
+    #: 0: a fresh start.
+    step: Count
+    #: The step whose checkpoint was corrupt.
+    fallback_from: Count | None
+    restore_s: Float
+
+
+class PreemptionNoticeData(Payload):
+    #: ``sigterm``, ``aws``, ``gcp`` …
+    source: str
+    time_left_s: Float | None
+
+
+class ExitData(Payload):
+    #: Negative: killed by that signal.
+    code: Int
+    reason: ExitReason
+
+
+class HeartbeatData(Payload):
+    #: None: not training yet.
+    step: Count | None
+
+
+class LogData(Payload):
+    level: str
+    message: str
+
+
+class DryRunData(Payload):
+    #: The preflight dry-run figures; the non-finite strings anywhere in it are floats.
+    report: dict[str, Any]
+
+
+class StartedData(Payload):
+    pid: Count
+    host: str
+
+
+#: Each event type's payload.
+PAYLOADS: dict[str, type[Payload]] = {
+    "metrics": MetricsData,
+    "system": SystemData,
+    "checkpoint_committed": CheckpointCommittedData,
+    "checkpoint_failed": CheckpointFailedData,
+    "restored": RestoredData,
+    "preemption_notice": PreemptionNoticeData,
+    "exit": ExitData,
+    "heartbeat": HeartbeatData,
+    "log": LogData,
+    "dry_run": DryRunData,
+    "started": StartedData,
+}
+EVENT_TYPES = frozenset(PAYLOADS)
+EXIT_REASONS = frozenset(get_args(ExitReason))
+
+
+def _event_struct(kind: str, payload: type[Payload]) -> type[msgspec.Struct]:
+    """One event of a type, tagged by ``type``."""
+    return msgspec.defstruct(
+        f"{payload.__name__.removesuffix('Data')}Event",
+        [("seq", Count), ("time", UnixTime), ("data", payload)],
+        tag_field="type",
+        tag=kind,
+        forbid_unknown_fields=True,
+        gc=False,
+        namespace={"kind": kind},
+    )
+
+
+EVENT_STRUCTS = {kind: _event_struct(kind, payload) for kind, payload in PAYLOADS.items()}
+AnyEvent = Union[tuple(EVENT_STRUCTS.values())]  # type: ignore[valid-type]  # noqa: UP007
+_E = TypeVar("_E")
+
+
+class Body(msgspec.Struct, Generic[_E], gc=False):
+    """A batch; other top-level fields are ignored."""
+
+    v: Literal[1]
+    attempt: Annotated[str, msgspec.Meta(min_length=1)]
+    run: Annotated[str, msgspec.Meta(min_length=1)]
+    events: list[_E]
+
+
+# --- what the schema says, for the error messages and the non-finite strings ---------------
+
+Info = msgspec.inspect.Type
+
+
+def floats_in(info: Info) -> bool:
+    """Whether a field of this type may hold the non-finite strings."""
+    if isinstance(info, msgspec.inspect.UnionType):
+        return any(floats_in(t) for t in info.types)
+    return isinstance(info, msgspec.inspect.LiteralType) and "NaN" in info.values
+
+
+@dataclass(frozen=True)
+class Field:
+    """One payload field, as the checks and the decoders need it."""
+
+    name: str
+    #: The annotated type, for msgspec.convert.
+    type: Any
+    info: Info
+    #: "float": non-finite strings decode to floats; "map": in its values; "any": anywhere.
+    floats: str | None
+
+
+def _payload_fields(payload: type[Payload]) -> tuple[Field, ...]:
+    result = []
+    for field in msgspec.structs.fields(payload):
+        info = msgspec.inspect.type_info(field.type)
+        floats = None
+        if floats_in(info):
+            floats = "float"
+        elif isinstance(info, msgspec.inspect.DictType):
+            floats = "map" if floats_in(info.value_type) else "any"
+        result.append(Field(field.name, field.type, info, floats))
+    return tuple(result)
+
+
+FIELDS = {kind: _payload_fields(payload) for kind, payload in PAYLOADS.items()}
+FIELD_NAMES = {kind: frozenset(f.name for f in fields) for kind, fields in FIELDS.items()}
+#: Per type, the fields where non-finite strings become floats: (name, floats).
+_RESTORE = {
+    kind: tuple((f.name, f.floats) for f in fields if f.floats) for kind, fields in FIELDS.items()
+}
+
+
+def restore_declared(kind: str, data: dict[str, Any]) -> dict[str, Any]:
+    """The non-finite strings of a payload's float fields, and anywhere in a free-form
+    field, as floats (in place). Declared strings stay strings."""
+    for name, floats in _RESTORE[kind]:
+        value = data[name]
+        if floats == "float":
+            if value.__class__ is str:
+                data[name] = NONFINITE[value]
+        elif floats == "map":
+            if str in map(type, value.values()):
+                data[name] = {
+                    k: NONFINITE.get(v, v) if v.__class__ is str else v for k, v in value.items()
+                }
+        else:
+            data[name] = restore_floats(value)
+    return data
+
+
+@dataclass(frozen=True)
+class Event:
+    """One telemetry event of one attempt."""
+
+    #: Attempt id; one instance, one attempt.
+    attempt: str
+    #: >= 0, unique per attempt, assigned by the Reporter; the server dedups on it.
+    seq: int
+    #: One of EVENT_TYPES.
+    type: str
+    #: Unix seconds when it happened (not when it was sent).
+    time: float
+    #: Run id.
+    run: str
+    #: JSON-able payload; its fields per type are PAYLOADS.
+    data: dict[str, Any]
+
+
+def restore_floats(value: Any) -> Any:
+    """Turn the wire's "NaN"/"Infinity"/"-Infinity" strings back into floats, recursively."""
+    kind = type(value)
+    if kind is str:
+        return NONFINITE.get(value, value)
+    if kind is float or kind is int or value is None:
+        return value
+    if kind is dict:
+        return {k: restore_floats(v) for k, v in value.items()}
+    if kind is list:
+        return [restore_floats(v) for v in value]
+    if isinstance(value, str):
+        return NONFINITE.get(value, value)
+    if isinstance(value, Mapping):
+        return {k: restore_floats(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [restore_floats(v) for v in value]
+    return value
+
+
+def json_safe(value: Any) -> Any:
+    """The inverse of restore_floats, for json.dumps(allow_nan=False)."""
+    kind = type(value)
+    if kind is float:
+        if value - value == 0.0:  # finite; inf - inf and nan - nan are nan
+            return value
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if kind is str or kind is int or value is None:
+        return value
+    if kind is dict:
+        return {k: json_safe(v) for k, v in value.items()}
+    if kind is list:
+        return [json_safe(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, Mapping):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value

@@ -1,0 +1,54 @@
+"""`trainbot serve` as a person starts it: flags, the environment, and stopping."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import requests
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINBOT_")}
+    env.update(PYTHONPATH=str(ROOT), TRAINBOT_STATE_DIR=str(tmp_path / "state"), **extra)
+    return env
+
+
+def test_serve_takes_host_and_port_flags_over_the_environment(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bot.cli", "serve", "--host", "127.0.0.1", "--port", "0"],
+        env=_env(tmp_path, TRAINBOT_INGEST_HOST="192.0.2.1", TRAINBOT_INGEST_PORT="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        match = re.search(r"on (http://127\.0\.0\.1:(\d+))", line)
+        assert match is not None, line + (proc.stderr.read() if proc.poll() is not None else "")
+        assert int(match.group(2)) not in (0, 1)
+        assert requests.get(f"{match.group(1)}/healthz", timeout=10).status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
+
+
+def test_serve_refuses_a_bad_port_with_a_usage_message(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "bot.cli", "serve", "--port", "80000"],
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "80000 is not a port" in done.stderr and "Traceback" not in done.stderr

@@ -1,0 +1,260 @@
+"""The runner's side of the GCP credential broker: the Cloud Storage store with
+``TRAINBOT_STORE_CREDENTIALS=broker``, against gcp-storage-emulator and a local broker that
+speaks the control plane's ``POST /v1/credentials`` (the ``gcp-access-token`` answer).
+
+The emulator ignores authorisation, so what the store sends is read off its own session:
+every request's ``Authorization`` header, as sent. That the token reaches only the run's
+prefix is Google's to enforce (the boundary is tested in
+``tests/jobs/test_gcp_credentials_broker.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+from google.auth import _helpers as auth_helpers
+
+from runner.checkpoint import CheckpointWriter, list_committed, read_manifest, restore_latest
+from runner.errors import StoreError
+from runner.store.gcs import GCSStore
+from tests.fakes.gcs_emulator import create_bucket, gcs_emulator
+
+__all__ = ["gcs_emulator"]  # the session's emulator, a fixture
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKEN = "tok-runner"
+
+
+class FakeBroker:
+    """``POST /v1/credentials`` with a bearer token; each answer a fresh token expiring
+    after the next of ``lifetimes`` (the last one repeats)."""
+
+    def __init__(self, *, lifetimes: list[timedelta] | None = None) -> None:
+        self.lifetimes = list(lifetimes or [timedelta(hours=1)])
+        self.issued: list[dict[str, Any]] = []
+        self.requests: list[tuple[str, str | None]] = []
+        self.answer_aws = False
+        broker = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                broker.requests.append((self.path, self.headers.get("Authorization")))
+                if self.path != "/v1/credentials":
+                    return self._answer(404, {"error": f"no such endpoint {self.path!r}"})
+                if self.headers.get("Authorization") != f"Bearer {TOKEN}":
+                    return self._answer(401, {"error": "unknown or revoked runner token"})
+                return self._answer(200, broker.issue())
+
+            def _answer(self, status: int, body: dict[str, Any]) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def issue(self) -> dict[str, Any]:
+        lifetime = self.lifetimes.pop(0) if len(self.lifetimes) > 1 else self.lifetimes[0]
+        expires = (datetime.now(timezone.utc) + lifetime).isoformat()
+        answer: dict[str, Any]
+        if self.answer_aws:
+            answer = {
+                "Version": 1,
+                "AccessKeyId": "AKIA",
+                "SecretAccessKey": "s",
+                "SessionToken": "t",
+                "Expiration": expires,
+            }
+        else:
+            token = f"ya29.brokered-{len(self.issued) + 1}"
+            answer = {
+                "Version": 1,
+                "Kind": "gcp-access-token",
+                "AccessToken": token,
+                "Expiration": expires,
+            }
+        self.issued.append(answer)
+        return answer
+
+    def tokens(self) -> list[str]:
+        return [a["AccessToken"] for a in self.issued]
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(5)
+
+
+@pytest.fixture
+def broker() -> Iterator[FakeBroker]:
+    made = FakeBroker()
+    yield made
+    made.close()
+
+
+@pytest.fixture
+def runner_env(broker: FakeBroker, monkeypatch: pytest.MonkeyPatch) -> FakeBroker:
+    """What the control plane puts in a GCP runner's environment with a storage account."""
+    monkeypatch.setenv("TRAINBOT_INGEST_URL", broker.url + "/v1/events")
+    monkeypatch.setenv("TRAINBOT_TOKEN", TOKEN)
+    monkeypatch.setenv("TRAINBOT_STORE_CREDENTIALS", "broker")
+    return broker
+
+
+def authorizations(store: GCSStore) -> list[str | None]:
+    """The ``Authorization`` header of every request the store's session sends, as sent."""
+    seen: list[str | None] = []
+
+    def record(response: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(response.request.headers.get("Authorization"))
+        print("REQ", response.request.method, response.request.url, response.status_code)
+        return response
+
+    store.http.hooks["response"].append(record)
+    return seen
+
+
+def test_the_store_checkpoints_with_the_brokered_token_and_leaves_the_environment_alone(
+    gcs_emulator: str, runner_env: FakeBroker
+) -> None:
+    before = dict(os.environ)
+    bucket = create_bucket(gcs_emulator)
+    store = GCSStore(bucket, "ckpt/r-1", emulator_host=gcs_emulator, chunk_size=256 << 10)
+    sent = authorizations(store)
+    writer = CheckpointWriter(store)
+    writer.save(5, {"w": [1.0] * 100_000, "step": 5}, metrics={"loss": 0.5}).result()
+    writer.close()
+    assert [e.step for e in list_committed(store)] == [5]
+    assert restore_latest(store).state["step"] == 5
+    store.delete(["probe-missing"])
+
+    assert store.brokered
+    assert runner_env.requests == [("/v1/credentials", f"Bearer {TOKEN}")]
+    [token] = runner_env.tokens()
+    assert len(sent) > 5 and set(sent) == {f"Bearer {token}"}
+    # Only the store's session has it: the process (and the training code) does not.
+    assert dict(os.environ) == before
+    assert not {v for answer in runner_env.issued for v in answer.values()} & set(
+        os.environ.values()
+    )
+
+
+def test_without_the_broker_the_emulator_store_sends_no_token(
+    gcs_emulator: str, runner_env: FakeBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TRAINBOT_STORE_CREDENTIALS")
+    store = GCSStore(create_bucket(gcs_emulator), "ckpt/r-1", emulator_host=gcs_emulator)
+    sent = authorizations(store)
+    store.put_bytes("a", b"1")
+    assert not store.brokered and sent == [None] and runner_env.requests == []
+
+
+def test_the_token_is_refreshed_before_it_expires(
+    gcs_emulator: str, runner_env: FakeBroker
+) -> None:
+    # google-auth renews a token REFRESH_THRESHOLD (3 min 45 s) before it expires: the
+    # first token enters that window a second after it is issued, an hour before expiry.
+    runner_env.lifetimes = [auth_helpers.REFRESH_THRESHOLD + timedelta(seconds=1.5), timedelta(hours=1)]
+    store = GCSStore(create_bucket(gcs_emulator), "ckpt/r-1", emulator_host=gcs_emulator)
+    sent = authorizations(store)
+    store.put_bytes("a", b"1")
+    time.sleep(2.0)
+    store.put_bytes("b", b"2")
+    assert store.get_bytes("a") == b"1"
+
+    print(sent)
+    first, second = runner_env.tokens()
+    assert sent == [f"Bearer {first}", f"Bearer {second}", f"Bearer {second}"]
+    first_expiry = datetime.fromisoformat(runner_env.issued[0]["Expiration"])
+    assert first_expiry - datetime.now(timezone.utc) > timedelta(minutes=3)  # still valid
+    assert len(runner_env.requests) == 2
+
+
+def test_a_refused_token_or_a_wrong_answer_is_a_store_error_that_says_so(
+    gcs_emulator: str, runner_env: FakeBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TRAINBOT_TOKEN", "tok-revoked")
+    with pytest.raises(StoreError, match=r"refused checkpoint credentials \(401") as caught:
+        GCSStore("some-bucket", "ckpt/r-1", emulator_host=gcs_emulator)
+    assert "tok-revoked" not in str(caught.value)
+    monkeypatch.setenv("TRAINBOT_TOKEN", TOKEN)
+    runner_env.answer_aws = True
+    with pytest.raises(StoreError, match="issued 'aws-credentials' credentials"):
+        GCSStore("some-bucket", "ckpt/r-1", emulator_host=gcs_emulator)
+    monkeypatch.setenv("TRAINBOT_STORE_CREDENTIALS", "profile")
+    with pytest.raises(StoreError, match="write 'broker'"):
+        GCSStore("some-bucket", "ckpt/r-1", emulator_host=gcs_emulator)
+
+
+WRITER = textwrap.dedent(
+    """
+    import json, os, pathlib, sys
+    pathlib.Path(sys.argv[1]).write_text(json.dumps(dict(os.environ)))
+    d = pathlib.Path(os.environ["TRAINBOT_CHECKPOINT_DIR"]) / "epoch-3"
+    d.mkdir(parents=True)
+    (d / "weights.bin").write_bytes(b"w" * 1000)
+    """
+)
+
+
+def test_the_runner_checkpoints_with_the_token_and_the_child_never_sees_it(
+    gcs_emulator: str, broker: FakeBroker, tmp_path: Path
+) -> None:
+    bucket = create_bucket(gcs_emulator)
+    sync = tmp_path / "sync"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINBOT_")}
+    env.update(
+        PYTHONPATH=str(ROOT),
+        STORAGE_EMULATOR_HOST=gcs_emulator,
+        TRAINBOT_STORE_CREDENTIALS="broker",
+        TRAINBOT_INGEST_URL=broker.url + "/v1/events",
+        TRAINBOT_TOKEN=TOKEN,
+        TRAINBOT_RUN_ID="r-1",
+        TRAINBOT_ATTEMPT_ID="a-1",
+        TRAINBOT_CHECKPOINT_URI=f"gs://{bucket}/ckpt",
+        TRAINBOT_CHECKPOINT_DIR=str(sync),
+        TRAINBOT_SPOOL_DIR=str(tmp_path / "spool"),
+    )
+    child_env = tmp_path / "child-env.json"
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "runner.cli", "exec", "--sync-dir", str(sync)),
+            *("--settle", "0.1", "--", sys.executable, "-c", WRITER, str(child_env)),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+
+    assert broker.issued, "the runner's store asked the broker"
+    # (It also reports events, which this broker does not take: the runner carries on.)
+    assert ("/v1/credentials", f"Bearer {TOKEN}") in broker.requests
+    store = GCSStore(bucket, "ckpt/r-1", emulator_host=gcs_emulator, credentials="default")
+    assert [e.step for e in list_committed(store)] == [3]
+    assert read_manifest(store, 3).label == "epoch-3"
+    seen = json.loads(child_env.read_text())
+    assert not set(broker.tokens()) & set(seen.values())
+    assert all(token not in done.stderr + done.stdout for token in broker.tokens())
