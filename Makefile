@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench clean image-test
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ test: $(STAMP)
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+## image-test: build the deploy/ images with podman, serve /healthz, compose up two replicas
+image-test: $(STAMP)
+	TRAINBOT_TEST_CONTAINERS=1 $(PY) -m pytest -m container -s tests/deploy/test_container.py $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check . && $(PY) -m ruff format --check . && $(PY) -m mypy

@@ -30,9 +30,9 @@ replies arrived, for both contenders.
 
 Goal: ``ratio = HTTP p99 ÷ 100 ms <= 1`` (Slack's own deadline is 3,000 ms), met in
 five ``--quick`` runs of five rounds each (``p99_ms_by_round`` lists each round's p99).
-The server is the control plane's own (waitress, :mod:`jobs.server`); the hand-written
-server it replaced is compared through a baseline run recorded before the change
-(docs/benchmarks.md). The last line of stdout is one JSON object with the figures.
+The server is the control plane's own (waitress, :mod:`jobs.server`); a change of server
+is judged against runs of the previous code taken in the same sitting, alternating with
+the new. The last line of stdout is one JSON object with the figures.
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ class Setup:
 @contextmanager
 def control_plane(root: Path, *, training: bool) -> Iterator[Setup]:
     """``trainbot serve`` with Slack, a fake Slack, and (optionally) a training run."""
-    fake = FakeSlack(tokens=[TOKEN], post_interval_s=0.05, burst=5).start()
+    fake = FakeSlack(tokens=[TOKEN], post_interval_s=0.05, burst=5, team_id=TEAM).start()
     notifier = SlackNotifier(fake.client(TOKEN), min_interval_s=0.05)
     sink = Sink()
     settings = load_settings(

@@ -53,7 +53,8 @@ design could do with the costs measured in the same run, in seconds at scale:
     W            write: ``checkpoint_committed.write_s``, median
     C            stall: ``stall_s`` of the periodic saves, median
     w            the notice window, as the regime configures it
-    P            the training the run holds: its steps at their median measured time
+    P            the training the run holds: its steps at their measured time (the
+                 median of the finished runs' progress, as the ledger counts it)
     M            the mean time between preemptions
 
 Each cost is the lowest of the side-by-side runs' medians (a contender's own waste does
@@ -131,7 +132,7 @@ from jobs.db import session_scope
 from jobs.errors import TrainbotError
 from jobs.lifecycle import RunState
 from jobs.metrics import run_metrics
-from jobs.models import Attempt, Event, Run
+from jobs.models import Attempt, EventRow, Run
 from jobs.notify import CallbackJournal, Message, MessageRef
 from jobs.providers.base import ProviderError
 from jobs.providers.local import LocalProvider
@@ -484,9 +485,9 @@ class Preemptor:
             return
         with session_scope(self.cp.deps.engine) as session:
             rows = session.exec(
-                select(Event.attempt_id, Event.run_id, Event.time, Attempt.instance_id)
-                .join(Attempt, col(Attempt.id) == col(Event.attempt_id))
-                .where(Event.type == "started", col(Event.run_id).in_(runs))
+                select(EventRow.attempt_id, EventRow.run_id, EventRow.time, Attempt.instance_id)
+                .join(Attempt, col(Attempt.id) == col(EventRow.attempt_id))
+                .where(EventRow.type == "started", col(EventRow.run_id).in_(runs))
                 .order_by(col(Attempt.number))
             ).all()
         for attempt_id, run_id, started, instance_id in rows:
@@ -770,9 +771,9 @@ def _figures(
         events = [
             RunEvent(e.attempt_id, e.type, e.time.timestamp(), dict(e.data))
             for e in session.exec(
-                select(Event).where(
-                    Event.run_id == run_id,
-                    col(Event.type).in_(["started", "restored", "checkpoint_committed", "exit"]),
+                select(EventRow).where(
+                    EventRow.run_id == run_id,
+                    col(EventRow.type).in_(["started", "restored", "checkpoint_committed", "exit"]),
                 )
             ).all()
         ]
@@ -854,10 +855,9 @@ def judge_regime(
     window_s = regime.window_wall_s * k
     # P as the ledger counts it: the steps at their measured time (a sleep overshoots a
     # little, more on a loaded machine), so that the ideal is credited the same progress.
-    step_times = [fig["step_s_median"] for fig in runs.values() if fig.get("step_s_median")]
-    step_s = statistics.median(step_times) * k if step_times else scenario.step_s
-    progress_s = scenario.steps * step_s
-    source["progress_s"] = "measured" if step_times else "configured"
+    done = [fig["progress_s"] * k for fig in runs.values() if fig["finished"]]
+    progress_s = statistics.median(done) if done else scenario.steps * scenario.step_s
+    source["progress_s"] = "measured" if done else "configured"
     cl = ceiling(
         costs,
         progress_s=progress_s,

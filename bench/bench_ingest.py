@@ -50,7 +50,8 @@ from jobs.db import make_engine, migrate
 from jobs.ingest import IngestService
 from jobs.lifecycle import AttemptState
 from jobs.models import Attempt, Run, hash_token
-from jobs.rules import AlertConfig, Rule, RunContext, Signal, default_rules
+from jobs.rules import Rule, RunContext, Signal, default_rules
+from jobs.spec import AlertThresholds
 from runner.wire import Event, decode_batch_columns, encode_batch
 
 GOAL_EVENTS_PER_S = 100_000.0
@@ -185,7 +186,7 @@ class Target:
             session.commit()
 
     def rules_for(self, run: Run) -> list[Rule]:
-        return [TimedRule(rule, self.rules_s) for rule in default_rules(AlertConfig())]
+        return [TimedRule(rule, self.rules_s) for rule in default_rules(AlertThresholds())]
 
 
 def throughput_round(target: Target, bodies: Sequence[bytes], events: int) -> float:

@@ -3,6 +3,7 @@
     trainbot demo [--events FILE]   the whole product on this machine, in a few minutes
     trainbot shell                  a terminal chat over the same commands as Slack
     trainbot serve                  the control plane: HTTP (ingest, Slack), scheduler, database
+    trainbot migrate                bring the database schema up to date and exit
 
 Settings come from ``TRAINBOT_*`` environment variables; every one has an embedded
 default (SQLite in ~/.trainbot, the local spot provider, a local checkpoint store, the
@@ -27,7 +28,11 @@ from bot.commands import BotError
 from jobs.errors import SettingsError, TrainbotError
 
 if TYPE_CHECKING:
+    from jobs.bootstrap import ControlPlane
     from jobs.settings import Settings
+
+
+log = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--timeout", type=float, default=900.0, help="give up after N seconds")
     sub.add_parser("shell", help="a terminal chat over the command layer")
+    sub.add_parser(
+        "migrate", help="bring the database schema up to date, then exit (a deploy's Job)"
+    )
     serve = sub.add_parser("serve", help="run the control plane until stopped")
     serve.add_argument(
         "--host", help="address to listen on (default: TRAINBOT_INGEST_HOST, else 127.0.0.1)"
@@ -66,6 +74,23 @@ def _shell() -> int:
     settings = load_settings()
     with ControlPlane(settings, notifier=ConsoleNotifier()) as cp:
         return Shell(cp.deps, user=getpass.getuser()).loop()
+
+
+def _migrate() -> int:
+    """The schema upgrade alone, for a deploy step that runs before the replicas start
+    (they also migrate at start, under the same lock; then there is nothing left to do)."""
+    from jobs.db import current_revision, make_engine, migrate
+    from jobs.settings import load_settings
+
+    settings = load_settings()
+    settings.state_dir.mkdir(parents=True, exist_ok=True)
+    engine = make_engine(settings.database_url)
+    try:
+        migrate(engine)
+        print(f"trainbot: database at revision {current_revision(engine)}", flush=True)
+    finally:
+        engine.dispose()
+    return 0
 
 
 def _port(text: str) -> int:
@@ -100,7 +125,23 @@ def _serve(host: str | None = None, port: int | None = None) -> int:
         assert cp.server is not None
         print(f"trainbot control plane on {cp.server.url} (Ctrl-C to stop)", flush=True)
         stop.wait()
+        _drain(cp)
     return 0
+
+
+#: Seconds a stopping replica gives the HTTP requests in flight to finish.
+DRAIN_S = 20.0
+
+
+def _drain(cp: ControlPlane) -> None:
+    """SIGTERM: hand the scheduler lease over (after the jobs running finish), so another
+    replica leads at once instead of when the lease expires; then stop accepting and let
+    the requests in flight finish. Closing the control plane does the rest."""
+    log.info("stopping: releasing the scheduler lease and draining requests")
+    if cp.elector is not None:
+        cp.elector.stop(release=True)
+    if cp.server is not None:
+        cp.server.shutdown(timeout=DRAIN_S)
 
 
 def _wants_slack(settings: Settings) -> bool:
@@ -158,10 +199,11 @@ def _serve_slack(settings: Settings, stop: threading.Event) -> int:
                     flush=True,
                 )
                 stop.wait()
+                _drain(cp)
             finally:
                 front.close()  # Slack work in flight finishes before the control plane stops
     finally:
-        notifier.close()
+        notifier.close()  # flushes the Slack post queue (paced, so it may take seconds)
     return 0
 
 
@@ -224,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_demo(events=args.events, state_dir=args.state_dir, timeout_s=args.timeout)
         if args.cmd == "shell":
             return _shell()
+        if args.cmd == "migrate":
+            return _migrate()
         return _serve(host=args.host, port=args.port)
     except (TrainbotError, BotError) as exc:
         print(f"trainbot: {exc}", file=sys.stderr)

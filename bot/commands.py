@@ -11,12 +11,31 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import math
 import re
 import shlex
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import ClassVar
 
+from bot.command_types import (
+    Ack,
+    BotError,
+    BudgetCommand,
+    Cleanup,
+    Command,
+    CommandError,
+    Help,
+    Launch,
+    ListRuns,
+    Logs,
+    Oncall,
+    Preflight,
+    Resubmit,
+    Snooze,
+    Spend,
+    StatusCommand,
+    Stop,
+    UserRef,
+)
 from runner.duration import parse_duration as runner_duration
 
 __all__ = [
@@ -47,237 +66,6 @@ __all__ = [
 
 #: A snooze longer than this is almost always a typo, and it would hide a real problem.
 MAX_SNOOZE_S = 7 * 24 * 3600
-
-
-class BotError(Exception):
-    """Root of every error the chat front ends raise on purpose."""
-
-
-class CommandError(BotError):
-    """The ``/train`` text does not follow the grammar; the message shows how to fix it."""
-
-
-@dataclass(frozen=True)
-class Command:
-    """Base of every parsed command; ``verb`` and ``usage`` describe its grammar."""
-
-    verb: ClassVar[str] = ""
-    usage: ClassVar[str] = ""
-
-
-@dataclass(frozen=True)
-class Launch(Command):
-    """Start a run from a spec; preflight checks run first and ask you to confirm.
-
-    Overrides change the spec for this run only. Without a spec, opens the launch form.
-    Example: /train launch gpt-small budget.usd=800 resources.zone=us-east-1b
-    """
-
-    verb: ClassVar[str] = "launch"
-    usage: ClassVar[str] = "/train launch [<spec> [key.path=value …]]"
-
-    #: Spec name, or None to open the launch form.
-    spec: str | None
-    #: Inline overrides, ``key.path=value``, in the order given.
-    overrides: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class Preflight(Command):
-    """Run the preflight checks (quota, capacity, data locality, dry run) without launching.
-
-    Example: /train preflight gpt-small accelerator.count=8
-    """
-
-    verb: ClassVar[str] = "preflight"
-    usage: ClassVar[str] = "/train preflight <spec> [key.path=value …]"
-
-    #: Spec name.
-    spec: str
-    #: Inline overrides, ``key.path=value``, in the order given.
-    overrides: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class StatusCommand(Command):
-    """Show a run's state, step, spend and alerts; without a run, a summary of yours.
-
-    Example: /train status r-7f3a2c
-    """
-
-    verb: ClassVar[str] = "status"
-    usage: ClassVar[str] = "/train status [<run>]"
-
-    #: Run id, or None for a summary.
-    run: str | None = None
-
-
-@dataclass(frozen=True)
-class ListRuns(Command):
-    """List runs: yours, the active ones (default) or all of them.
-
-    Example: /train list mine
-    """
-
-    verb: ClassVar[str] = "list"
-    usage: ClassVar[str] = "/train list [mine|active|all]"
-    scopes: ClassVar[tuple[str, ...]] = ("mine", "active", "all")
-
-    #: One of ``scopes``.
-    scope: str = "active"
-
-
-@dataclass(frozen=True)
-class Stop(Command):
-    """Stop a run: checkpoint, terminate its instance, stop billing.
-
-    Example: /train stop r-7f3a2c
-    """
-
-    verb: ClassVar[str] = "stop"
-    usage: ClassVar[str] = "/train stop <run>"
-
-    #: Run id.
-    run: str
-
-
-@dataclass(frozen=True)
-class Resubmit(Command):
-    """Start a new attempt of a run from its last committed checkpoint.
-
-    Example: /train resubmit r-7f3a2c
-    """
-
-    verb: ClassVar[str] = "resubmit"
-    usage: ClassVar[str] = "/train resubmit <run>"
-
-    #: Run id.
-    run: str
-
-
-@dataclass(frozen=True)
-class Logs(Command):
-    """Show the latest log lines and events of a run.
-
-    Example: /train logs r-7f3a2c
-    """
-
-    verb: ClassVar[str] = "logs"
-    usage: ClassVar[str] = "/train logs <run>"
-
-    #: Run id.
-    run: str
-
-
-@dataclass(frozen=True)
-class Ack(Command):
-    """Acknowledge an alert: it stops notifying and will not escalate.
-
-    Example: /train ack al-91b2
-    """
-
-    verb: ClassVar[str] = "ack"
-    usage: ClassVar[str] = "/train ack <alert>"
-
-    #: Alert id.
-    alert: str
-
-
-@dataclass(frozen=True)
-class Snooze(Command):
-    """Silence an alert for a while (s, m, h or d; at most 7 days).
-
-    Example: /train snooze al-91b2 2h
-    """
-
-    verb: ClassVar[str] = "snooze"
-    usage: ClassVar[str] = "/train snooze <alert> <duration>"
-
-    #: Alert id.
-    alert: str
-    #: How long to stay silent, in seconds (1 … MAX_SNOOZE_S).
-    seconds: int
-
-
-@dataclass(frozen=True)
-class Spend(Command):
-    """Show spend per run and per user for the last day (default), week or month.
-
-    Example: /train spend week
-    """
-
-    verb: ClassVar[str] = "spend"
-    usage: ClassVar[str] = "/train spend [day|week|month]"
-    periods: ClassVar[tuple[str, ...]] = ("day", "week", "month")
-
-    #: One of ``periods``.
-    period: str = "day"
-
-
-@dataclass(frozen=True)
-class BudgetCommand(Command):
-    """Show run and team budgets, what is spent, and the alert thresholds.
-
-    Example: /train budget
-    """
-
-    verb: ClassVar[str] = "budget"
-    usage: ClassVar[str] = "/train budget"
-
-
-@dataclass(frozen=True)
-class UserRef:
-    """A chat user as typed: a Slack mention carries an id, a plain ``@name`` only a name."""
-
-    #: Slack user id (``U123…``), or None for a plain ``@name``.
-    user_id: str | None
-    #: Display name, or None for a bare ``<@U123>`` mention.
-    name: str | None
-
-
-@dataclass(frozen=True)
-class Oncall(Command):
-    """Show who is on call, or hand on-call over to someone.
-
-    Example: /train oncall @dana
-    """
-
-    verb: ClassVar[str] = "oncall"
-    usage: ClassVar[str] = "/train oncall [@user]"
-
-    #: The new on-call engineer, or None to show the current one.
-    user: UserRef | None = None
-
-
-@dataclass(frozen=True)
-class Cleanup(Command):
-    """Delete a run's old checkpoints by its retention policy; the newest is always kept.
-
-    With --dry-run, lists what would be deleted and deletes nothing.
-    Example: /train cleanup r-7f3a2c --dry-run
-    """
-
-    verb: ClassVar[str] = "cleanup"
-    usage: ClassVar[str] = "/train cleanup <run> [--dry-run]"
-
-    #: Run id.
-    run: str
-    #: Report only; delete nothing.
-    dry_run: bool = False
-
-
-@dataclass(frozen=True)
-class Help(Command):
-    """Show the commands, or the details of one.
-
-    Example: /train help snooze
-    """
-
-    verb: ClassVar[str] = "help"
-    usage: ClassVar[str] = "/train help [<command>]"
-
-    #: A verb, or None for the list of commands.
-    command: str | None = None
 
 
 _RUN_ID = re.compile(r"r-[a-z0-9]{1,64}", re.ASCII)
@@ -407,14 +195,20 @@ def _parse_status(args: Sequence[str]) -> Command:
     return StatusCommand(run=_run_id(StatusCommand, args[0]) if args else None)
 
 
-def _parse_list(args: Sequence[str]) -> Command:
-    _at_most(ListRuns, args, 1)
+def _choice(cls: type[Command], args: Sequence[str], choices: tuple[str, ...]) -> str | None:
+    """The optional one word of a command that takes one of ``choices``; None when absent."""
+    _at_most(cls, args, 1)
     if not args:
-        return ListRuns()
-    scope = args[0].lower()
-    if scope not in ListRuns.scopes:
-        raise _fail(ListRuns, f"{_show(args[0])} is not one of mine, active, all.")
-    return ListRuns(scope=scope)
+        return None
+    word = args[0].lower()
+    if word not in choices:
+        raise _fail(cls, f"{_show(args[0])} is not one of {', '.join(choices)}.")
+    return word
+
+
+def _parse_list(args: Sequence[str]) -> Command:
+    scope = _choice(ListRuns, args, ListRuns.scopes)
+    return ListRuns() if scope is None else ListRuns(scope=scope)
 
 
 def _parse_snooze(args: Sequence[str]) -> Command:
@@ -437,13 +231,8 @@ def _parse_ack(args: Sequence[str]) -> Command:
 
 
 def _parse_spend(args: Sequence[str]) -> Command:
-    _at_most(Spend, args, 1)
-    if not args:
-        return Spend()
-    period = args[0].lower()
-    if period not in Spend.periods:
-        raise _fail(Spend, f"{_show(args[0])} is not one of day, week, month.")
-    return Spend(period=period)
+    period = _choice(Spend, args, Spend.periods)
+    return Spend() if period is None else Spend(period=period)
 
 
 def _parse_budget(args: Sequence[str]) -> Command:
@@ -467,6 +256,64 @@ def _parse_cleanup(args: Sequence[str]) -> Command:
     return Cleanup(run=_one_run(Cleanup, rest), dry_run=bool(flags))
 
 
+def _parse_resubmit(args: Sequence[str]) -> Command:
+    if not args:
+        raise _fail(Resubmit, "`resubmit` needs a run id.")
+    _at_most(Resubmit, args, 3)
+    if "=" in args[0]:
+        raise _fail(Resubmit, f"Name the run before the settings: {_show(args[0])} is one.")
+    run = _run_id(Resubmit, args[0])
+    got: dict[str, float | int] = {}
+    for arg in args[1:]:
+        key, eq, value = arg.partition("=")
+        setting = _RESUBMIT_SETTINGS.get(key.strip().lower()) if eq else None
+        if not eq:
+            raise _fail(Resubmit, f"Too many arguments to `resubmit`: {_show(arg)} is extra.")
+        if setting is None:
+            raise _fail(
+                Resubmit,
+                f"{_show(arg)} is not a resubmit setting; the ones a resubmit takes are "
+                "from=<step>, like from=2000, and budget.usd=<dollars>, like budget.usd=1200.",
+            )
+        field, read = setting
+        if field in got:
+            raise _fail(Resubmit, f"{key.strip()}= is given twice; give it once.")
+        got[field] = read(value)
+    return Resubmit(
+        run=run,
+        budget_usd=float(got["budget_usd"]) if "budget_usd" in got else None,
+        from_step=int(got["from_step"]) if "from_step" in got else None,
+    )
+
+
+def _dollars(value: str) -> float:
+    try:
+        amount = float(value.strip().lstrip("$").replace(",", ""))
+    except ValueError:
+        amount = math.nan
+    if not (math.isfinite(amount) and amount > 0):
+        raise _fail(Resubmit, f"{_show(value)} is not an amount of dollars; write budget.usd=1200.")
+    return amount
+
+
+def _step(value: str) -> int:
+    text = value.strip().replace(",", "").replace("_", "")
+    if not re.fullmatch(r"[0-9]{1,18}", text):
+        raise _fail(
+            Resubmit,
+            f"{_show(value)} is not a step number; write from=2000 to resume from the newest "
+            "checkpoint at or before step 2000.",
+        )
+    return int(text)
+
+
+#: A resubmit's settings: the key people write → (Resubmit's field, how to read it).
+_RESUBMIT_SETTINGS: dict[str, tuple[str, Callable[[str], float | int]]] = {
+    "budget.usd": ("budget_usd", _dollars),
+    "from": ("from_step", _step),
+}
+
+
 def _parse_help(args: Sequence[str]) -> Command:
     _at_most(Help, args, 1)
     if not args:
@@ -480,7 +327,7 @@ _PARSERS: dict[str, tuple[type[Command], Callable[[Sequence[str]], Command]]] = 
     "status": (StatusCommand, _parse_status),
     "list": (ListRuns, _parse_list),
     "stop": (Stop, lambda args: Stop(run=_one_run(Stop, args))),
-    "resubmit": (Resubmit, lambda args: Resubmit(run=_one_run(Resubmit, args))),
+    "resubmit": (Resubmit, _parse_resubmit),
     "logs": (Logs, lambda args: Logs(run=_one_run(Logs, args))),
     "ack": (Ack, _parse_ack),
     "snooze": (Snooze, _parse_snooze),

@@ -8,6 +8,7 @@ when something a person cares about changed (state, alert status, count).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import sys
 import threading
@@ -59,14 +60,21 @@ class ConsoleNotifier:
             print(f"{prefix}{body}", file=self.out, flush=True)
 
 
+@functools.singledispatch
 def _summary(msg: Message) -> str:
-    """What must change for an update to be worth printing again."""
-    if isinstance(msg, RunCard):
-        return f"{msg.state}|{msg.attempt}|{msg.reason}"
-    if isinstance(msg, AlertMessage):
-        # A repeat raises the count on the message; only a change of state is news here.
-        return f"{msg.state}|{msg.severity}|{msg.escalate_to}|{msg.snoozed_until}"
+    """What must change for an update to be worth printing again: by default, its text."""
     return messages.render(msg)
+
+
+@_summary.register
+def _(msg: RunCard) -> str:
+    return f"{msg.state}|{msg.attempt}|{msg.reason}"
+
+
+@_summary.register
+def _(msg: AlertMessage) -> str:
+    # A repeat raises the count on the message; only a change of state is news here.
+    return f"{msg.state}|{msg.severity}|{msg.escalate_to}|{msg.snoozed_until}"
 
 
 class Shell:

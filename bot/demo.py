@@ -22,12 +22,13 @@ from typing import Any, TextIO
 from zoneinfo import ZoneInfo
 
 from bot.console import ConsoleNotifier, Shell
+from jobs import format as fmt
 from jobs import tasks
 from jobs.bootstrap import ControlPlane
 from jobs.db import session_scope
 from jobs.deps import Deps
 from jobs.lifecycle import RunState
-from jobs.models import Alert, Attempt
+from jobs.models import Alert, Attempt, Run
 from jobs.notify import FanoutJournal, JsonlJournal
 from jobs.runs import active_attempt
 from jobs.service import wait_for
@@ -49,6 +50,10 @@ STORY = (
     "digest",
     "run_finished",
 )
+
+
+#: How long the diverging run's alert may go unacknowledged before trainbot stops it.
+DIVERGE_STOP_AFTER = "20s"
 
 
 class DemoError(Exception):
@@ -160,6 +165,8 @@ def _story(
     deps = cp.deps
     shell = Shell(deps, user="ada", channel="#ml-training", out=out)
     t = min(timeout_s, 300.0)
+    # The digest covers the day the demo began, even when it ends after midnight.
+    began = datetime.now(ZoneInfo(deps.settings.timezone)).date()
 
     def of(run: str, type_: str, **match: Any) -> Callable[[dict[str, Any]], bool]:
         return lambda r: (
@@ -198,13 +205,19 @@ def _story(
     if resumed["step"] != resub["resume_from_step"]:
         raise DemoError(f"resumed at step {resumed['step']}, expected {resub['resume_from_step']}")
 
-    progress.step("A second run diverges; its alert is acknowledged")
-    reply = shell.run_line("/train launch diverge")
+    progress.step("A second run diverges; nobody acknowledges it, so trainbot stops it")
+    # stop_after is 30 min by default; the demo cannot wait that long.
+    reply = shell.run_line(f"/train launch diverge alerts.stop_after={DIVERGE_STOP_AFTER}")
     assert reply is not None and reply.run_id is not None
     run2 = reply.run_id
     opened = story.wait(
         "the divergent-loss alert", of(run2, "alert_opened", rule="divergent_loss"), t
     )
+    stopped = story.wait(
+        "trainbot to stop the diverging run", of(run2, "run_finished", by="trainbot"), t
+    )
+    print(f"   {stopped.get('reason', '')}", file=out)
+    # The on-call comes back, sees the stop and the resubmit offer, and takes it over.
     shell.run_line(f"/train ack {opened['alert_id']}")
     story.wait("the acknowledgement", of(run2, "alert_acknowledged"), t)
 
@@ -248,22 +261,26 @@ def _story(
     story.wait("a cleanup", lambda r: r["type"] == "cleanup", 5)
 
     progress.step("The daily spend digest (today's, so far)")
-    # The scheduled digest reports yesterday; the demo's runs happened today.
-    today = datetime.now(ZoneInfo(deps.settings.timezone)).date()
-    tasks.digest_job(deps, day=today)
+    # The scheduled digest reports yesterday; the demo's runs happened on the day it began.
+    tasks.digest_job(deps, day=began)
     story.wait("the digest", lambda r: r["type"] == "digest", 5)
 
     progress.step("Final summary")
     for run in (run1, run2, run3):
         summary = tasks.run_summary(deps, run)
+        with session_scope(deps.engine) as session:
+            row = session.get(Run, run)
+            summary["reason"] = row.reason if row is not None else None
         deps.journal.record("summary", run, **summary)  # the events file has it too
         print(
             f"   {run}: {summary['state'].lower()}, spent ${summary['spent_usd']:.4f}, "
             f"{summary['attempts']} attempt(s), {summary['preemptions']} preemption(s), "
-            f"goodput {_pct(summary['goodput'])}, lost {summary['lost_steps']} step(s) "
+            f"goodput {fmt.percent(summary['goodput'])}, lost {summary['lost_steps']} step(s) "
             f"({summary['lost_s']:.1f} s), checkpoints kept {summary['checkpoints_kept']}",
             file=out,
         )
+        if summary["state"] == RunState.STOPPED.value and summary["reason"]:
+            print(f"     {summary['reason']}", file=out)
     with session_scope(deps.engine) as session:
         acked = session.query(Alert).filter(Alert.acked_by.is_not(None)).count()  # type: ignore[union-attr]
         attempts = session.query(Attempt).count()
@@ -298,7 +315,3 @@ def _wait_count(
         if time.monotonic() > deadline:
             raise DemoError(f"timed out waiting for {what}")
         time.sleep(0.2)
-
-
-def _pct(value: float | None) -> str:
-    return "n/a" if value is None else f"{100 * value:.1f}%"

@@ -3,13 +3,18 @@
 Listeners stay thin: parse, call :func:`dispatch`, render. No traceback ever reaches a
 user: our own errors become their message, anything else a short apology (and a log
 line with the traceback for the operator).
+
+Every reply is clipped to :data:`bot.messages.MAX_REPLY_TEXT` with an honest "N more".
+For Slack (``markup="slack"``, what the Slack listeners get) it is also escaped, so a
+spec named ``<!channel>`` pings nobody; the only markup a reply keeps is the mention of
+an on-call person by id. The console gets the plain text.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
 
 from bot import messages
 from bot.commands import (
@@ -32,6 +37,7 @@ from bot.commands import (
     help_text,
     parse,
 )
+from bot.mentions import escape, mention
 from jobs import service
 from jobs.deps import Deps
 from jobs.errors import TrainbotError
@@ -53,23 +59,57 @@ class Reply:
     data: dict[str, Any] = field(default_factory=dict)
 
 
-def handle_text(deps: Deps, text: str, actor: Actor, *, key: str | None = None) -> Reply:
+Markup = Literal["slack", "plain"]
+
+
+def handle_text(
+    deps: Deps,
+    text: str,
+    actor: Actor,
+    *,
+    key: str | None = None,
+    markup: Markup = "plain",
+) -> Reply:
     """Parse and run one `/train …` command."""
     try:
         command = parse(text)
     except CommandError as exc:
-        return Reply(text=str(exc), ephemeral=True)
-    return dispatch(deps, command, actor, key=key)
+        return _finish(Reply(text=str(exc), ephemeral=True), markup)
+    return dispatch(deps, command, actor, key=key, markup=markup)
 
 
-def dispatch(deps: Deps, command: Command, actor: Actor, *, key: str | None = None) -> Reply:
+def dispatch(
+    deps: Deps,
+    command: Command,
+    actor: Actor,
+    *,
+    key: str | None = None,
+    markup: Markup = "slack",
+) -> Reply:
+    what = "runs" if isinstance(command, ListRuns | StatusCommand) else "lines"
     try:
-        return _dispatch(deps, command, actor, key=key)
+        reply = _dispatch(deps, command, actor, key=key)
     except TrainbotError as exc:
-        return Reply(text=messages.error(str(exc)), ephemeral=True)
+        reply = Reply(text=messages.error(str(exc)), ephemeral=True)
     except Exception:
         log.exception("command %r failed", command)
-        return Reply(text=messages.unexpected(), ephemeral=True)
+        reply = Reply(text=messages.unexpected(), ephemeral=True)
+    return _finish(reply, markup, what=what)
+
+
+#: Reply.data key: the on-call name the text holds, to be shown as a mention in Slack.
+_ONCALL = "oncall"
+
+
+def _finish(reply: Reply, markup: Markup, *, what: str = "lines") -> Reply:
+    """Escape the reply for Slack (keeping a validated on-call mention), then clip it."""
+    text = reply.text
+    if markup == "slack":
+        text = escape(text)
+        who = reply.data.get(_ONCALL)
+        if isinstance(who, str) and who:
+            text = text.replace(escape(who), mention(who), 1)
+    return replace(reply, text=messages.fit_lines(text, what=what))
 
 
 def _dispatch(deps: Deps, command: Command, actor: Actor, *, key: str | None) -> Reply:
@@ -103,7 +143,15 @@ def _dispatch(deps: Deps, command: Command, actor: Actor, *, key: str | None) ->
         run = service.stop(deps, command.run, actor)
         return Reply(text=messages.stopped(run.id), run_id=run.id)
     if isinstance(command, Resubmit):
-        run = service.resubmit(deps, command.run, actor)
+        run = service.resubmit(
+            deps, command.run, actor, budget_usd=command.budget_usd, from_step=command.from_step
+        )
+        if command.from_step is not None:
+            text = (
+                f"Resubmitted {command.run} as {run.id}; it resumes from step "
+                f"{run.last_committed_step}."
+            )
+            return Reply(text=text, run_id=run.id)
         return Reply(text=messages.resubmitted(command.run, run.id), run_id=run.id)
     if isinstance(command, Logs):
         return Reply(text=service.logs(deps, command.run, actor), ephemeral=True)
@@ -124,7 +172,10 @@ def _dispatch(deps: Deps, command: Command, actor: Actor, *, key: str | None) ->
             ref = command.user
             user = f"<@{ref.user_id}>" if ref.user_id else f"@{ref.name}"
         current = service.oncall(deps, user, actor)
-        return Reply(text=messages.oncall(current, changed=user is not None))
+        return Reply(
+            text=messages.oncall(current, changed=user is not None),
+            data={_ONCALL: current} if current else {},
+        )
     if isinstance(command, Cleanup):
         summary = service.cleanup(deps, command.run, actor, dry_run=command.dry_run)
         return Reply(text=messages.cleanup(summary), run_id=command.run, data=summary)

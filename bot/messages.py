@@ -7,9 +7,9 @@ functions, so both front ends say the same thing.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from jobs.format import clock, percent, usd
 from jobs.format import loss as fmt_loss
@@ -21,6 +21,10 @@ from jobs.notify import (
     RunCard,
     TextMessage,
 )
+
+#: A reply's length: a screenful or two. Slack refuses ``text`` over 40,000 characters,
+#: and nobody reads a reply that long in a chat.
+MAX_REPLY_TEXT = 12_000
 
 STATUS_ICON = {"pass": "✓", "warn": "!", "fail": "✗"}
 SEVERITY_ICON = {"info": "ℹ", "warning": "⚠", "critical": "‼"}
@@ -48,6 +52,8 @@ def run_card(card: RunCard) -> str:
         loss = f" · loss {fmt_loss(card.loss)}"
     budget = f" of {usd(card.budget_usd)}" if card.budget_usd else ""
     where = f" · {card.instance_id} in {card.zone}" if card.instance_id else ""
+    market = card_market(card)
+    where += f" ({market})" if market else ""
     attempt = f" · attempt {card.attempt}" if card.attempt else ""
     reason = f" — {card.reason}" if card.reason and card.state not in ("RUNNING",) else ""
     return (
@@ -55,6 +61,13 @@ def run_card(card: RunCard) -> str:
         f"{STATE_WORD.get(card.state, card.state.lower())}{reason}{attempt}{progress}{loss}"
         f" · spent {usd(card.spent_usd)}{budget}{where}"
     )
+
+
+def card_market(card: RunCard) -> str:
+    """Where the attempt runs and at which price: "on-demand in us-west-2"; "" before any."""
+    if card.market and card.region:
+        return f"{card.market} in {card.region}"
+    return card.market or card.region or ""
 
 
 def preflight_report(msg: PreflightMessage) -> str:
@@ -203,26 +216,73 @@ def launch_modal_no_specs() -> str:
     )
 
 
+def launch_modal_more_specs() -> str:
+    return "Launch any spec by name: /train launch <spec>."
+
+
 def launch_modal_overrides_hint() -> str:
     return "Optional: key.path=value pairs, space separated, e.g. budget.usd=800"
 
 
+R = TypeVar("R")
+
+
+def by_type(
+    msg: Message, renderers: Mapping[type[Message], Callable[[Any], R]], other: Callable[[Any], R]
+) -> R:
+    """The one type dispatch every front end renders messages through: the renderer of the
+    message's class (or of a class it derives from), else ``other``."""
+    for kind in type(msg).__mro__:
+        found = renderers.get(kind)
+        if found is not None:
+            return found(msg)
+    return other(msg)
+
+
+_RENDERERS: dict[type[Message], Callable[[Any], str]] = {
+    RunCard: run_card,
+    PreflightMessage: preflight_report,
+    AlertMessage: alert,
+    DigestMessage: digest,
+    TextMessage: text,
+}
+
+
 def render(msg: Message) -> str:
     """Any message as text."""
-    if isinstance(msg, RunCard):
-        return run_card(msg)
-    if isinstance(msg, PreflightMessage):
-        return preflight_report(msg)
-    if isinstance(msg, AlertMessage):
-        return alert(msg)
-    if isinstance(msg, DigestMessage):
-        return digest(msg)
-    if isinstance(msg, TextMessage):
-        return text(msg)
-    return str(msg)
+    return by_type(msg, _RENDERERS, str)
 
 
 # ----------------------------------------------------------------------------- replies
+
+
+def fit_lines(text: str, *, limit: int = MAX_REPLY_TEXT, what: str = "lines") -> str:
+    """``text`` in at most ``limit`` characters: whole lines, then how many were left out.
+
+    A single line longer than the room left is cut at its end with an ellipsis. Escaped
+    text stays whole: a line is never cut inside an ``&amp;``.
+    """
+    if len(text) <= limit:
+        return text
+    lines = text.split("\n")
+    room = limit - len(more_not_shown(len(lines), what)) - 1
+    out: list[str] = []
+    used = 0
+    for index, line in enumerate(lines):
+        if used + len(line) + 1 > room:
+            if not out:  # one huge first line: keep its start
+                cut = line[: max(room - 1, 0)]
+                amp = cut.rfind("&")
+                if amp >= 0 and ";" not in cut[amp:]:
+                    cut = cut[:amp]
+                out.append(cut + "…")
+                index += 1
+            if index < len(lines):
+                out.append(more_not_shown(len(lines) - index, what))
+            break
+        out.append(line)
+        used += len(line) + 1
+    return "\n".join(out)
 
 
 def submitted(run_id: str, spec: str) -> str:

@@ -19,10 +19,14 @@ everything, from one queue per channel:
   Posts are never merged or skipped: every alert goes out.
 - **Errors.** 5xx answers, Slack's ``internal_error``-like errors and broken
   connections are retried with exponential backoff, ``max_retries`` times (alerts
-  without end). Blocks Slack refuses are sent again as plain text; an update of a
-  message that is gone is posted again as a new one, which later updates then edit.
-  Anything else (``channel_not_found``, ``not_in_channel`` …) is logged once, with what
-  to do, and only that message is dropped (with the updates queued behind it).
+  without end). Blocks Slack refuses (``msg_blocks_too_long``, ``invalid_blocks`` …)
+  are sent again as a compact version that keeps the start, the end (the verdict, the
+  ``/train`` command) and the buttons, then, if refused again, as that text alone; an
+  update of a message that is gone, or whose post was refused, is posted as a new one,
+  which later updates then edit. Anything else (``channel_not_found``,
+  ``not_in_channel`` …) is logged, with what to do, and that message is dropped.
+- **Mentions.** An escalation's on-call handle is resolved to an id (``mentions``, a
+  :class:`bot.mentions.MentionResolver`) on the worker thread, so the page notifies.
 - **Attachments.** After a post, ``attachments(msg)`` may name a PNG (the divergent
   loss alert's curve); a digest's ``chart_png`` is used as is. The file goes into the
   message's thread with files upload v2. ``attachments`` runs on the worker thread
@@ -36,6 +40,9 @@ a new top-level message); later updates of the same handle then edit that new me
 
 Give this class a ``WebClient`` without ``RateLimitErrorRetryHandler``: it handles 429s
 itself, per channel, without blocking the other channels.
+
+The queues, the handle → ts map and the coalescing live in :mod:`bot.slack_queue`; this
+module sends, classifies Slack's answers and decides what happens next.
 """
 
 from __future__ import annotations
@@ -46,23 +53,21 @@ import logging
 import secrets
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from slack_sdk import WebClient
 from slack_sdk.errors import SlackApiError, SlackClientError
 
 from bot import views
+from bot.mentions import MentionResolver
 from bot.plots import SPEND_CHART_FILENAME
+from bot.slack_queue import DROPPED, HANDLE_PREFIX, Attachment, ChannelQueues, Op
 from jobs.notify import AlertMessage, DigestMessage, Message, MessageRef
 
 log = logging.getLogger(__name__)
 
-HANDLE_PREFIX = "pending-"
-
-Attachment = tuple[str, bytes]
 AttachmentsFn = Callable[[Message], tuple[str, bytes] | None]
 
 #: Slack errors that say "try again later", though the HTTP status is 200.
@@ -76,6 +81,8 @@ BLOCK_ERRORS = frozenset(
         "invalid_blocks_format",
         "too_many_blocks",
         "msg_too_long",
+        "msg_blocks_too_long",
+        "invalid_arguments",
         "invalid_attachments",
     }
 )
@@ -95,30 +102,6 @@ REMEDIES = {
     "missing_scope": "add the missing bot scope in the app manifest and reinstall the app",
     "restricted_action": "a workspace admin restricts posting in this channel",
 }
-
-_DROPPED = ""  # resolved value of a handle whose post Slack refused for good
-
-
-@dataclass(eq=False)
-class _Op:
-    """One queued Web API call (or, for an update of an unknown message, a post)."""
-
-    kind: Literal["post", "update", "upload"]
-    channel: str
-    #: post: the message's own handle; update: the target (handle or real ts);
-    #: upload: the handle of the message the file belongs to.
-    target: str
-    msg: Message | None = None
-    #: The thread as the caller gave it (may be a handle); upload: the real ts of the
-    #: thread the file is shared into.
-    thread: str | None = None
-    #: post: what attachments are looked up from (the content as first posted).
-    first: Message | None = None
-    upload: Attachment | None = None
-    attempts: int = 0
-    text_only: bool = False
-    #: update: the message is unknown or gone, so post the content as a new one.
-    as_post: bool = False
 
 
 @dataclass
@@ -143,8 +126,10 @@ class SlackNotifier:
         max_backoff_s: float = 30.0,
         on_resolved: Callable[[str, MessageRef], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        mentions: MentionResolver | None = None,
     ) -> None:
         self.client = client
+        self.mentions = mentions if mentions is not None else MentionResolver(client)
         self.attachments = attachments
         self.min_interval_s = min_interval_s
         self.max_retries = max_retries
@@ -157,15 +142,7 @@ class SlackNotifier:
         self._session = secrets.token_hex(3)
         self._ids = itertools.count(1)
         self._cond = threading.Condition()
-        self._queues: dict[str, deque[_Op]] = {}
-        self._ready_at: dict[str, float] = {}
-        #: handle -> real ts; absent while pending; _DROPPED when Slack refused the post.
-        self._resolved: dict[str, str] = {}
-        self._channels: dict[str, str] = {}
-        #: Queued (not in flight) posts by handle, and updates by (channel, target).
-        self._queued_posts: dict[str, _Op] = {}
-        self._queued_updates: dict[tuple[str, str], _Op] = {}
-        self._in_flight: _Op | None = None
+        self._q = ChannelQueues(notify=self._cond.notify_all)
         self._closing = False
         self._metrics = {
             "posted": 0,
@@ -185,7 +162,7 @@ class SlackNotifier:
     def post(self, msg: Message) -> MessageRef:
         """Queue ``msg``; its ref (with a local handle for ``ts``) comes back at once."""
         handle = f"{HANDLE_PREFIX}{self._session}-{next(self._ids)}"
-        op = _Op("post", msg.channel, handle, msg=msg, thread=msg.thread_ts, first=msg)
+        op = Op("post", msg.channel, handle, msg=msg, thread=msg.thread_ts, first=msg)
         with self._cond:
             if self._closing:
                 log.error(
@@ -194,9 +171,7 @@ class SlackNotifier:
                     views.fallback_text(msg)[:200],
                 )
                 return MessageRef(channel=msg.channel, ts=handle)
-            self._channels[handle] = msg.channel
-            self._queued_posts[handle] = op
-            self._enqueue(op)
+            self._q.add_post(op)
         return MessageRef(channel=msg.channel, ts=handle)
 
     def update(self, ref: MessageRef, msg: Message) -> None:
@@ -205,25 +180,15 @@ class SlackNotifier:
             if self._closing:
                 log.error("Slack notifier is closed; not updating %s in %s", ref.ts, ref.channel)
                 return
-            target = self._follow(ref.ts)  # a known handle -> its real ts
-            if target == _DROPPED:
-                # Its post was refused and logged; there is nothing to update.
-                log.debug("Slack: not updating %s: its post was refused", ref.ts)
-                return
-            post = self._queued_posts.get(target)
-            if post is not None:
-                post.msg = msg  # the post has not gone: it goes with this content
+            target = self._q.follow(ref.ts)  # a known handle -> its real ts
+            if target == DROPPED:
+                # Its post was refused (and logged): this content goes out as a new message.
+                log.warning("Slack: %s was refused; posting its update as a new message", ref.ts)
+                target = ref.ts
+            if self._q.coalesce(ref.channel, target, msg):
                 self._metrics["coalesced"] += 1
                 return
-            key = (ref.channel, target)
-            queued = self._queued_updates.get(key)
-            if queued is not None:
-                queued.msg = msg
-                self._metrics["coalesced"] += 1
-                return
-            op = _Op("update", ref.channel, target, msg=msg, thread=msg.thread_ts)
-            self._queued_updates[key] = op
-            self._enqueue(op)
+            self._q.add_update(Op("update", ref.channel, target, msg=msg, thread=msg.thread_ts))
 
     # ------------------------------------------------------------------ control
 
@@ -231,23 +196,23 @@ class SlackNotifier:
         """The message's real ref once Slack has it; None while pending or if refused."""
         with self._cond:
             if ref.ts.startswith(HANDLE_PREFIX):
-                self._cond.wait_for(lambda: ref.ts in self._resolved, timeout=timeout)
-            ts = self._follow(ref.ts)
+                self._cond.wait_for(lambda: ref.ts in self._q.resolved, timeout=timeout)
+            ts = self._q.follow(ref.ts)
             if not ts or ts.startswith(HANDLE_PREFIX):
                 return None
-            return MessageRef(channel=self._channels.get(ref.ts, ref.channel), ts=ts)
+            return MessageRef(channel=self._q.channels.get(ref.ts, ref.channel), ts=ts)
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until everything queued is sent (or dropped); False on timeout."""
         with self._cond:
-            return self._cond.wait_for(self._idle, timeout=timeout)
+            return self._cond.wait_for(self._q.idle, timeout=timeout)
 
     def close(self, timeout: float = 10.0) -> bool:
         """Send what is queued (up to ``timeout``), then stop; False if some was left."""
         flushed = self.flush(timeout)
         with self._cond:
             self._closing = True
-            left = sum(len(q) for q in self._queues.values())
+            left = self._q.waiting()
             self._cond.notify_all()
         self._worker.join(timeout=5.0)
         if left:
@@ -265,102 +230,34 @@ class SlackNotifier:
         """Messages waiting per channel, the one in flight included (a
         :class:`jobs.prometheus.PostQueue`, with :attr:`metrics` for the 429s)."""
         with self._cond:
-            depths = {channel: len(queue) for channel, queue in self._queues.items() if queue}
-            if self._in_flight is not None:
-                channel = self._in_flight.channel
-                depths[channel] = depths.get(channel, 0) + 1
-            return depths
+            return self._q.depths()
 
     @property
     def pending(self) -> int:
         with self._cond:
-            return sum(len(q) for q in self._queues.values()) + (self._in_flight is not None)
+            return self._q.waiting() + (self._q.in_flight is not None)
 
-    # ------------------------------------------------------------------ queue
-
-    def _enqueue(self, op: _Op, *, front: bool = False) -> None:
-        queue = self._queues.setdefault(op.channel, deque())
-        if front:
-            queue.appendleft(op)
-        else:
-            queue.append(op)
-        self._cond.notify_all()
-
-    def _idle(self) -> bool:
-        return self._in_flight is None and not any(self._queues.values())
-
-    def _blocked_on(self, op: _Op) -> bool:
-        """Whether the op needs a root (or its own message) that has not been sent yet."""
-        for ts in (op.thread, op.target if op.kind != "post" else None):
-            if ts is None or not ts.startswith(HANDLE_PREFIX):
-                continue
-            if ts in self._channels and ts not in self._resolved:
-                return True
-        return False
-
-    def _next(self, now: float) -> tuple[_Op | None, float | None]:
-        """The op to send now, or how long to wait for one (None: until notified)."""
-        best: tuple[float, str] | None = None
-        wait: float | None = None
-        for channel, queue in self._queues.items():
-            while queue and self._refused(queue[0]):
-                self._unindex(queue.popleft())
-            if not queue or self._blocked_on(queue[0]):
-                continue
-            ready = self._ready_at.get(channel, 0.0)
-            if ready <= now:
-                if best is None or ready < best[0]:
-                    best = (ready, channel)
-            else:
-                wait = ready - now if wait is None else min(wait, ready - now)
-        if best is None:
-            return None, wait
-        op = self._queues[best[1]].popleft()
-        self._unindex(op)
-        return op, None
-
-    def _refused(self, op: _Op) -> bool:
-        """An update queued while its post was in flight, and Slack refused the post."""
-        return op.kind == "update" and self._follow(op.target) == _DROPPED
-
-    def _follow(self, ts: str) -> str:
-        """Where a handle (or a message that had to be posted again) lives now.
-
-        The ts itself when nothing is known about it; ``_DROPPED`` when its post was
-        refused; a handle still pending stays that handle.
-        """
-        for _ in range(8):  # handle -> ts -> re-posted ts …; never a long chain
-            following = self._resolved.get(ts)
-            if following is None or following == ts:
-                return ts
-            if following == _DROPPED:
-                return _DROPPED
-            ts = following
-        return ts
-
-    def _unindex(self, op: _Op) -> None:
-        if op.kind == "post":
-            self._queued_posts.pop(op.target, None)
-        elif op.kind == "update":
-            self._queued_updates.pop((op.channel, op.target), None)
+    # ------------------------------------------------------------------ worker
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                op: _Op | None = None
+                op: Op | None = None
                 while op is None:
                     if self._closing:
                         return  # close() has waited for the queue; what is left stays
-                    op, wait = self._next(self.clock())
+                    op, wait = self._q.next(self.clock())
                     if op is None:
                         self._cond.wait(timeout=wait)
-                self._in_flight = op
+                self._q.in_flight = op
+            self._resolve_mentions(op)  # may ask Slack: outside the lock
+            with self._cond:
                 call = self._prepare(op)
             outcome = self._send(op, call)
             follow_up = self._attachment_after(op, outcome)
             with self._cond:
                 self._settle(op, outcome, follow_up)
-                self._in_flight = None
+                self._q.in_flight = None
                 self._cond.notify_all()
 
     # ------------------------------------------------------------------ sending
@@ -368,7 +265,7 @@ class SlackNotifier:
     def _thread_ts(self, thread: str | None) -> str | None:
         if not thread:
             return None
-        ts = self._follow(thread)  # a re-posted root moves its thread too
+        ts = self._q.follow(thread)  # a re-posted root moves its thread too
         if not ts or ts.startswith(HANDLE_PREFIX):
             log.warning(
                 "Slack: the thread root %s is unknown (posted before a restart, or refused); "
@@ -378,7 +275,20 @@ class SlackNotifier:
             return None
         return ts
 
-    def _prepare(self, op: _Op) -> tuple[str, dict[str, Any]]:
+    def _resolve_mentions(self, op: Op) -> None:
+        """An escalation's handle as the id Slack notifies (the handle when unknown)."""
+        msg = op.msg
+        if not isinstance(msg, AlertMessage) or not msg.escalate_to:
+            return
+        try:
+            found = self.mentions.resolve(msg.escalate_to)
+        except Exception:  # the page still goes out, naming the handle
+            log.exception("Slack: could not resolve %r to a mention", msg.escalate_to)
+            return
+        if found is not None:
+            op.msg = replace(msg, escalate_to=found)
+
+    def _prepare(self, op: Op) -> tuple[str, dict[str, Any]]:
         """The Web API method and arguments for ``op``, handles resolved (lock held)."""
         if op.kind == "upload":
             assert op.upload is not None
@@ -394,13 +304,14 @@ class SlackNotifier:
         content: dict[str, Any] = {"text": views.fallback_text(op.msg)}
         if not op.text_only:
             try:
-                content["blocks"] = views.render(op.msg)
+                draw = views.compact if op.compact else views.render
+                content["blocks"] = draw(op.msg)
             except Exception:
                 log.exception(
                     "Slack: could not render %s; sending text only", type(op.msg).__name__
                 )
         if op.kind == "update":
-            target = self._follow(op.target)
+            target = self._q.follow(op.target)
             if target and not target.startswith(HANDLE_PREFIX) and not op.as_post:
                 return "chat_update", {"channel": op.channel, "ts": target, **content}
             op.as_post = True
@@ -410,7 +321,7 @@ class SlackNotifier:
             args["thread_ts"] = thread
         return "chat_postMessage", args
 
-    def _send(self, op: _Op, call: tuple[str, dict[str, Any]]) -> _Outcome:
+    def _send(self, op: Op, call: tuple[str, dict[str, Any]]) -> _Outcome:
         method, args = call
         try:
             response = getattr(self.client, method)(**args)
@@ -447,7 +358,7 @@ class SlackNotifier:
             return _Outcome("gone", error=error)
         return _Outcome("drop", error=error)
 
-    def _attachment_after(self, op: _Op, outcome: _Outcome) -> _Op | None:
+    def _attachment_after(self, op: Op, outcome: _Outcome) -> Op | None:
         """The upload that follows a successful post, if its message has a file."""
         if op.kind == "upload" or outcome.status != "ok" or op.first is None:
             return None
@@ -464,7 +375,7 @@ class SlackNotifier:
         if not found:
             return None
         # Into the message's thread: the root's, or the message's own when it is a root.
-        return _Op(
+        return Op(
             "upload",
             op.channel,
             op.target,
@@ -474,11 +385,11 @@ class SlackNotifier:
 
     # ------------------------------------------------------------------ outcomes
 
-    def _settle(self, op: _Op, outcome: _Outcome, follow_up: _Op | None) -> None:
+    def _settle(self, op: Op, outcome: _Outcome, follow_up: Op | None) -> None:
         now = self.clock()
         channel = op.channel
         if outcome.status == "ok":
-            self._ready_at[channel] = now + self.min_interval_s
+            self._q.ready_at[channel] = now + self.min_interval_s
             self._metrics["sent"] += 1
             if op.kind == "upload":
                 self._metrics["uploaded"] += 1
@@ -490,27 +401,29 @@ class SlackNotifier:
                     self._remember(op.target, channel, outcome.ts)
             if follow_up is not None:
                 # The upload's thread: the root the message is in, or the message itself.
-                root = self._follow(follow_up.thread) if follow_up.thread else None
+                root = self._q.follow(follow_up.thread) if follow_up.thread else None
                 if not root or root.startswith(HANDLE_PREFIX):
                     root = None
                 follow_up.thread = root or outcome.ts
                 if follow_up.thread:
-                    self._enqueue(follow_up, front=True)
+                    self._q.enqueue(follow_up, front=True)
             return
         if outcome.status == "rate":
             self._metrics["retried_429"] += 1
-            self._ready_at[channel] = now + max(outcome.wait, self.min_interval_s)
+            self._q.ready_at[channel] = now + max(outcome.wait, self.min_interval_s)
             self._requeue(op)
             return
         if outcome.status == "text_only" and not op.text_only and op.kind != "upload":
             log.warning(
-                "Slack refused the blocks of a %s in %s (%s); sending it as text",
+                "Slack refused the blocks of a %s in %s (%s); sending it %s",
                 type(op.msg).__name__,
                 channel,
                 outcome.error,
+                "as text" if op.compact else "in short",
             )
-            op.text_only = True
-            self._ready_at[channel] = now + self.min_interval_s
+            op.text_only = op.compact
+            op.compact = True
+            self._q.ready_at[channel] = now + self.min_interval_s
             self._requeue(op)
             return
         if outcome.status == "gone" and op.kind == "update" and not op.as_post:
@@ -529,7 +442,7 @@ class SlackNotifier:
             if op.attempts <= self.max_retries or never_drop:
                 self._metrics["retried"] += 1
                 delay = min(self.backoff_s * 2 ** (op.attempts - 1), self.max_backoff_s)
-                self._ready_at[channel] = now + max(delay, self.min_interval_s)
+                self._q.ready_at[channel] = now + max(delay, self.min_interval_s)
                 log.warning(
                     "Slack: %s in %s failed (%s); retry %d in %.1f s",
                     op.kind,
@@ -542,33 +455,25 @@ class SlackNotifier:
                 return
         self._drop(op, outcome)
 
-    def _requeue(self, op: _Op) -> None:
+    def _requeue(self, op: Op) -> None:
         """Back to the head of its channel's queue, unless newer content supersedes it."""
-        if op.kind == "update" and not op.as_post:
-            key = (op.channel, op.target)
-            newer = self._queued_updates.get(key)
-            if newer is not None:
-                self._metrics["coalesced"] += 1
-                return  # the newer update carries the latest content
-            self._queued_updates[key] = op
-        elif op.kind == "post":
-            self._queued_posts[op.target] = op
-        self._enqueue(op, front=True)
+        if not self._q.requeue(op):
+            self._metrics["coalesced"] += 1
 
     def _remember(self, handle: str, channel: str, ts: str) -> None:
         """``handle`` (or the ts of a message that had to be posted again) is now ``ts``."""
         if not handle or handle == ts:
             return
-        self._resolved[handle] = ts
+        self._q.resolved[handle] = ts
         if handle.startswith(HANDLE_PREFIX):
-            self._channels.setdefault(handle, channel)
+            self._q.channels.setdefault(handle, channel)
         if self.on_resolved is not None:
             try:
                 self.on_resolved(handle, MessageRef(channel=channel, ts=ts))
             except Exception:
                 log.exception("Slack: on_resolved(%s) failed", handle)
 
-    def _drop(self, op: _Op, outcome: _Outcome) -> None:
+    def _drop(self, op: Op, outcome: _Outcome) -> None:
         self._metrics["dropped"] += 1
         what = type(op.msg).__name__ if op.msg is not None else "file"
         remedy = REMEDIES.get(outcome.error, "see the error in Slack's API documentation")
@@ -581,6 +486,6 @@ class SlackNotifier:
             remedy,
         )
         was_post = op.kind == "post" or (op.kind == "update" and op.as_post)
-        if was_post and op.target.startswith(HANDLE_PREFIX) and op.target not in self._resolved:
-            self._resolved[op.target] = _DROPPED
-            self._channels.setdefault(op.target, op.channel)
+        if was_post and op.target.startswith(HANDLE_PREFIX) and op.target not in self._q.resolved:
+            self._q.resolved[op.target] = DROPPED
+            self._q.channels.setdefault(op.target, op.channel)

@@ -362,5 +362,7 @@ def attach(
     cp.app.mount(SLACK_PREFIX, endpoint)
     if notifier is not None and notifier.attachments is None:
         notifier.attachments = loss_curve_attachment(cp.deps.engine)
+    if notifier is not None:
+        cp.app.metrics.watch_post_queue(notifier)  # its depth and 429s on /metrics
     token = settings.slack_app_token.get_secret_value() if settings.slack_app_token else None
     return SlackFrontEnd(app=app, endpoint=endpoint, work=work, app_token=token)

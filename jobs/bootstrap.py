@@ -14,18 +14,21 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from apscheduler.schedulers.background import BackgroundScheduler
+from sqlalchemy import Engine
 
 from jobs import alerts
 from jobs.db import make_engine, migrate, session_scope
 from jobs.deps import Deps, load_secret
 from jobs.ingest import IngestService
 from jobs.models import Run
-from jobs.notify import Journal, Notifier, NullJournal
-from jobs.providers import provider_from_settings
+from jobs.notify import FanoutJournal, Journal, Notifier, NullJournal
+from jobs.pagerduty import EventsClient, PagerDutyBridge
+from jobs.prometheus import ControlPlaneMetrics
+from jobs.providers import credential_broker_from_settings, provider_from_settings
 from jobs.providers.base import Provider
 from jobs.rules import Rule, Signal, default_rules
-from jobs.runs import alert_config, alert_target, on_attempt_event, spec_of
-from jobs.scheduler import start_scheduler, stop_scheduler
+from jobs.runs import alert_config, on_attempt_event, raise_signals, spec_of
+from jobs.scheduler import LEASE_S, LeaderElector
 from jobs.server import ControlPlaneApp, CredentialBroker, ServerHandle, serve
 from jobs.service import resume_preflights
 from jobs.settings import Settings
@@ -45,21 +48,23 @@ def build_provider(settings: Settings) -> Provider:
 
 
 def build_credential_broker(settings: Settings) -> CredentialBroker | None:
-    """The runners' checkpoint-credential broker: AWS with a storage role, GCP with a
-    runner-storage service account; otherwise none (runners use their instance's own)."""
-    if settings.provider == "aws" and settings.aws_runner_storage_role_arn:
-        from jobs.providers.aws.credentials import StorageCredentialBroker
+    """The runners' checkpoint-credential broker, when the provider has one and the
+    settings enable it (``TRAINBOT_AWS_RUNNER_STORAGE_ROLE_ARN``,
+    ``TRAINBOT_GCP_RUNNER_STORAGE_SERVICE_ACCOUNT``); otherwise none, and runners use
+    their instance's own credentials."""
+    broker: CredentialBroker | None = credential_broker_from_settings(settings)
+    return broker
 
-        return StorageCredentialBroker(
-            settings.aws_runner_storage_role_arn,
-            region=settings.aws_region,
-            endpoint_url=settings.aws_endpoint_url,
-        )
-    if settings.provider == "gcp" and settings.gcp_runner_storage_service_account:
-        from jobs.providers.gcp.credentials import StorageTokenBroker
 
-        return StorageTokenBroker(service_account=settings.gcp_runner_storage_service_account)
-    return None
+def build_pager(settings: Settings, engine: Engine) -> PagerDutyBridge | None:
+    """The PagerDuty bridge when ``TRAINBOT_PAGERDUTY_ROUTING_KEY`` is set: it hears the
+    alerts' escalations, acknowledgements and resolutions in the journal."""
+    if settings.pagerduty_routing_key is None:
+        return None
+    client = EventsClient(
+        settings.pagerduty_routing_key.get_secret_value(), url=settings.pagerduty_url
+    )
+    return PagerDutyBridge(client, engine=engine, source=settings.public_url or "trainbot")
 
 
 def build_ingest(deps: Deps) -> IngestService:
@@ -77,15 +82,7 @@ def build_ingest(deps: Deps) -> IngestService:
             run = session.get(Run, run_id)
             if run is None:
                 return
-            alerts.process_signals(
-                session,
-                run=run,
-                signals=signals,
-                now=now,
-                target=alert_target(run),
-                notifier=deps.notifier,
-                journal=deps.journal,
-            )
+            raise_signals(deps, session, run, signals, now=now)
 
     def _has_open(run_id: str) -> bool:
         with session_scope(deps.engine) as session:
@@ -116,28 +113,42 @@ class ControlPlane:
         scheduler: bool = True,
         scheduler_intervals: dict[str, float] | None = None,
         extra_apps: dict[str, WSGIApplication] | None = None,
+        lease_s: float = LEASE_S,
+        lease_holder: str | None = None,
     ) -> None:
+        """``lease_s``: how long the scheduler lease lasts unless renewed (a dead leader
+        is replaced within it); ``lease_holder``: this replica's name on the lease
+        (default: one per process; tests running several replicas in one process give
+        each its own)."""
         self.settings = settings
         engine = make_engine(settings.database_url)
         migrate(engine)
+        base_journal = journal or NullJournal()
+        pager = build_pager(settings, engine)
         self.deps = Deps(
             settings=settings,
             engine=engine,
             provider=provider or build_provider(settings),
             notifier=notifier,
-            journal=journal or NullJournal(),
+            journal=FanoutJournal(base_journal, pager) if pager is not None else base_journal,
             secret=load_secret(settings.state_dir),
+            pager=pager,
         )
         self.ingest = build_ingest(self.deps)
-        self.app = ControlPlaneApp(
-            engine, self.ingest, credentials=build_credential_broker(settings)
-        )
+        broker = build_credential_broker(settings)
+        # Runners ask it for their checkpoint credentials only when there is one.
+        self.deps.store_credentials = broker is not None
+        metrics = ControlPlaneMetrics(engine, holder=lease_holder)
+        self.app = ControlPlaneApp(engine, self.ingest, credentials=broker, metrics=metrics)
         for prefix, app in (extra_apps or {}).items():
             self.app.mount(prefix, app)
         self._want_scheduler = scheduler
         self._intervals = scheduler_intervals
+        self._lease_s = lease_s
+        self._lease_holder = lease_holder
         self.server: ServerHandle | None = None
-        self.scheduler: BackgroundScheduler | None = None
+        #: Takes the scheduler lease; runs the scheduler while this replica leads.
+        self.elector: LeaderElector | None = None
 
     def start(self) -> ControlPlane:
         self.server = serve(self.app, self.settings.ingest_host, self.settings.ingest_port)
@@ -147,14 +158,27 @@ class ControlPlane:
         if resumed:
             log.warning("preflight interrupted by a restart, running again: %s", resumed)
         if self._want_scheduler:
-            self.scheduler = start_scheduler(self.deps, intervals=self._intervals)
+            elector = LeaderElector(
+                self.deps,
+                lease_s=self._lease_s,
+                intervals=self._intervals,
+                on_scheduler=self.app.metrics.watch_scheduler,
+                holder=self._lease_holder,
+            )
+            self.elector = elector.start()
         log.info("control plane listening on %s", self.server.url)
         return self
 
+    @property
+    def scheduler(self) -> BackgroundScheduler | None:
+        """The running scheduler while this replica leads, else None."""
+        return self.elector.scheduler if self.elector is not None else None
+
     def close(self) -> None:
-        if self.scheduler is not None:
-            stop_scheduler(self.scheduler)
-            self.scheduler = None
+        if self.elector is not None:
+            # Waits for the jobs running, then hands the lease over at once.
+            self.elector.stop(release=True)
+            self.elector = None
         self.deps.close()
         if self.server is not None:
             self.server.shutdown()

@@ -7,6 +7,7 @@ notifier.
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import hmac
 import logging
@@ -25,6 +26,7 @@ from sqlalchemy.engine import Engine
 from jobs.errors import DatabaseError
 from jobs.models import utcnow
 from jobs.notify import Journal, Notifier, NullJournal
+from jobs.pagerduty import PagerDutyBridge
 from jobs.providers.base import Provider
 from jobs.settings import Settings
 
@@ -59,6 +61,11 @@ class Deps:
     clock: Callable[[], datetime] = utcnow
     #: Where runners send events (``{public_url}/v1/events``); set once the server listens.
     ingest_url: str = ""
+    #: Whether runners get their checkpoint credentials from ``POST /v1/credentials``
+    #: (the provider's broker is configured) rather than their instance's own.
+    store_credentials: bool = False
+    #: The PagerDuty bridge (``TRAINBOT_PAGERDUTY_ROUTING_KEY``), closed with the rest.
+    pager: PagerDutyBridge | None = None
     _pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=4, thread_name_prefix="trainbot")
     )
@@ -105,7 +112,8 @@ class Deps:
                 log.exception("background task %s failed", getattr(fn, "__name__", fn))
                 raise
 
-        return self._pool.submit(guarded)
+        # The caller's log context (its run and attempt ids) goes with the work.
+        return self._pool.submit(contextvars.copy_context().run, guarded)
 
     def later(self, delay_s: float, fn: Callable[..., Any], /, *args: Any) -> None:
         """Call ``fn`` after a delay (a resubmit backoff). The reconcile job is the backstop
@@ -122,3 +130,5 @@ class Deps:
         for t in self._timers:
             t.cancel()
         self._pool.shutdown(wait=True, cancel_futures=False)
+        if self.pager is not None:
+            self.pager.close()

@@ -1,30 +1,9 @@
-"""The run and attempt state machines.
+"""The run and attempt state machines, and nothing else.
 
-A *run* is what a person launched; an *attempt* is one instance working on it. A run
-lives through many attempts: each preemption ends one attempt (``PREEMPTED``) and puts
-the run in ``RECOVERING`` until the next attempt is running.
-
-Every state change goes through :func:`transition`, which checks the tables below,
-so an impossible move (a finished run that starts running again because a late event
-arrived) fails loudly instead of corrupting the record. Terminal states are final.
-Moving to the state a thing is already in is rejected too: it means an event was
-processed twice, and the caller should notice.
-
-Decisions the design left open:
-
-- ``PREFLIGHT → LAUNCHING`` when every check passes and nothing needs a person's
-  confirmation; ``AWAITING_CONFIRMATION`` only when a check warned or the estimate
-  must be confirmed.
-- ``LAUNCHING`` is the first launch only. After a preemption the run stays in
-  ``RECOVERING`` through the backoff and the next launch, and returns to ``RUNNING``
-  when the new attempt runs (``RUNNING ⇄ RECOVERING``). A first launch that finds no
-  capacity also goes to ``RECOVERING`` (the resubmit policy tries the next zone).
-- Any non-terminal run may be ``STOPPED`` (a person asked) or ``FAILED`` (something
-  broke that retrying will not fix). ``BUDGET_EXCEEDED`` is reachable only once money
-  is being spent: from ``LAUNCHING``, ``RUNNING`` and ``RECOVERING``.
-- An attempt may end from ``REQUESTED`` or ``PROVISIONING`` too: the provider refused
-  it (``FAILED``), it was preempted or vanished while booting (``PREEMPTED``, ``LOST``),
-  or we terminated it (``TERMINATED``).
+Every state change goes through :func:`transition`, which checks the tables below and
+fails loudly on an impossible move; terminal states are final. What moves runs and
+attempts lives in :mod:`jobs.runs`, :mod:`jobs.service` and :mod:`jobs.tasks`;
+docs/architecture.md ("Runs and attempts") draws both machines and gives the reasons.
 """
 
 from __future__ import annotations

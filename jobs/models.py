@@ -41,6 +41,7 @@ from sqlmodel import Field, SQLModel
 from jobs.lifecycle import AttemptState, RunState
 
 __all__ = [
+    "LEADER_LEASE",
     "NAMING_CONVENTION",
     "Alert",
     "AlertState",
@@ -49,7 +50,7 @@ __all__ = [
     "Checkpoint",
     "CommandLog",
     "EnumText",
-    "Event",
+    "EventRow",
     "MetricBlock",
     "Run",
     "SchedulerLease",
@@ -194,6 +195,13 @@ class Run(SQLModel, table=True):
     checkpoint_prefix: str | None = None
     #: The budget alerts and the hard cap are measured against.
     budget_usd: float | None = None
+    #: What the runs it continues had spent (a resubmit carries the spend so far), so a
+    #: resubmit cannot walk around the budget's hard cap; counted in its spend. NULL: none.
+    carried_usd: float | None = None
+    #: Chat user id of who raised the budget when resubmitting (``budget.usd=N``).
+    budget_raised_by: str | None = None
+    #: When its cloud budget (AWS Budgets) was removed; NULL while it may still exist.
+    cloud_budget_removed_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
     #: Steps the training is expected to take, when known (progress).
     target_steps: int | None = Field(default=None, sa_type=_BIG_INT)
     #: Latest step reported by any attempt, and latest committed checkpoint step.
@@ -260,7 +268,7 @@ class Attempt(SQLModel, table=True):
     ended_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
 
 
-class Event(SQLModel, table=True):
+class EventRow(SQLModel, table=True):
     """One telemetry event from a runner. ``(attempt_id, seq)`` makes redelivery harmless.
 
     Every type but ``metrics``, which is stored by the batch in :class:`MetricBlock`.
@@ -371,10 +379,33 @@ class Alert(SQLModel, table=True):
     acked_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
     resolved_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
     snoozed_until: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    #: When the latest escalation page went out (NULL: never escalated).
     escalated_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    #: Escalation pages sent so far: the on-call, then the next level, then repeats at
+    #: the last level (``jobs.alerts.escalate_due``); 0: not escalated.
+    escalation_level: int = 0
     #: The chat message showing it, updated on repeats instead of posting again.
     message_channel: str | None = None
     message_ts: str | None = None
+    #: The signals joined in this alert (one incident), by key: their severity, title,
+    #: detail and whether they are firing. NULL for an alert of one key.
+    members: dict[str, Any] | None = Field(default=None, sa_type=JSON)
+    #: Times the alert reopened after resolving (within the quiet period).
+    reopened: int = 0
+    #: Start of the current flap window, and the reopens counted in it.
+    flap_since: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    flaps: int = 0
+    #: When the alert was first said to be flapping (said once per flap window).
+    flapping_since: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    #: The step at which the problem began (the divergence's first bad step).
+    began_step: int | None = Field(default=None, sa_type=_BIG_INT)
+    #: When trainbot stops the run if this is still unresolved (and, unless a member
+    #: stops at once, unacknowledged); NULL: never.
+    stop_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    #: When trainbot stopped the run for this alert, and the checkpoint step it offers
+    #: to resubmit from (the newest one before the problem began); retention keeps it.
+    stopped_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    resume_step: int | None = Field(default=None, sa_type=_BIG_INT)
 
 
 class SpendRecord(SQLModel, table=True):
@@ -413,6 +444,10 @@ class Budget(SQLModel, table=True):
     updated_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
 
 
+#: The lease the scheduler's leader holds (``SchedulerLease.name``).
+LEADER_LEASE = "leader"
+
+
 class SchedulerLease(SQLModel, table=True):
     """A named lease: the replica holding an unexpired one runs the scheduled jobs."""
 
@@ -422,6 +457,9 @@ class SchedulerLease(SQLModel, table=True):
     holder: str
     acquired_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
     expires_at: datetime = Field(sa_type=UTCDateTime)
+    #: The fencing token: raised by one each time the lease changes holder, so work a
+    #: deposed leader started carries a token that is no longer current and is refused.
+    token: int = Field(default=0, sa_type=_BIG_INT)
 
 
 class CommandLog(SQLModel, table=True):

@@ -56,6 +56,10 @@ class RunCard(Message):
     budget_usd: float | None = None
     instance_id: str | None = None
     zone: str | None = None
+    #: The attempt's market, "spot" or "on-demand" (a fallback is paid at on-demand prices).
+    market: str | None = None
+    #: The attempt's region (after a failover, not the spec's first).
+    region: str | None = None
     reason: str | None = None
 
 
@@ -102,6 +106,9 @@ class AlertMessage(Message):
     snoozed_until: datetime | None = None
     #: User group mentioned when an unacknowledged critical alert escalates.
     escalate_to: str | None = None
+    #: The step trainbot offers to resubmit from after it stopped the run (the newest
+    #: checkpoint from before the divergence); None when it made no such offer.
+    resume_step: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,7 +6,8 @@ benchmark next to one, never mixes their series. Three kinds of source feed it:
 
 - **Counted as it happens:** ingest events, batches and latency (the HTTP route records
   each batch), and the scheduler's job runs, failures and lag (an APScheduler listener,
-  :meth:`ControlPlaneMetrics.watch_scheduler`).
+  :meth:`ControlPlaneMetrics.watch_scheduler`). Their label is ``task``, not ``job``,
+  which Prometheus reserves for the scrape target.
 - **Read from the database at scrape time** (:class:`DatabaseCollector`): runs by
   state, attempts, preemptions and resubmits, spend and goodput per run and per
   channel, budget share, alerts and escalations, and whether this replica holds the
@@ -143,32 +144,32 @@ class ControlPlaneMetrics:
         self.job_runs = Counter(
             "trainbot_scheduler_job_runs",
             "Scheduled job runs that finished on this replica, by job.",
-            ["job"],
+            ["task"],
             registry=self.registry,
         )
         self.job_failures = Counter(
             "trainbot_scheduler_job_failures",
             "Scheduled job runs that raised, by job.",
-            ["job"],
+            ["task"],
             registry=self.registry,
         )
         self.job_missed = Counter(
             "trainbot_scheduler_jobs_missed",
             "Scheduled job runs skipped because they were later than their grace time.",
-            ["job"],
+            ["task"],
             registry=self.registry,
         )
         self.job_lag = Histogram(
             "trainbot_scheduler_job_lag_seconds",
             "How late a scheduled job was handed to its executor, after its fire time.",
-            ["job"],
+            ["task"],
             buckets=LAG_BUCKETS,
             registry=self.registry,
         )
         self.job_last_success = Gauge(
             "trainbot_scheduler_job_last_success_timestamp_seconds",
             "Unix time the job last finished without raising, on this replica.",
-            ["job"],
+            ["task"],
             registry=self.registry,
         )
         self._queue = _PostQueueCollector()

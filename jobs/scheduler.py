@@ -1,39 +1,46 @@
 """APScheduler wiring: which job runs when, and on which replica.
 
-Jobs live in APScheduler's SQLAlchemy job store in the control plane's own database, so
-their schedule survives a restart (a digest missed while the process was down runs
-once when it comes back, coalesced). Several replicas may run a scheduler; each job
-body first takes a lease row (``scheduler_leases``) so only one replica, the leader,
-does the work and a digest is posted once.
+Every replica runs a :class:`LeaderElector`: a small thread that takes or renews the
+lease row ``scheduler_leases`` ("leader") in one atomic UPDATE. The replica holding it
+runs a scheduler; the others run none. APScheduler's documentation says a job store must
+not be shared by running schedulers, so the leader's jobs live in memory: they are the
+same fixed list on every replica, and the leader that wins the lease registers them
+anew. When the lease changes holder its fencing token rises by one; the leader's jobs
+run under the token of the tenure they started in, and their launches and terminations
+check it is still current before the provider call (:func:`jobs.runs.launch.check_fence`),
+so a deposed leader's late call is refused.
 
-The job store keeps textual references to :func:`run_job`, which finds the process's
-``Deps`` in a registry set by :func:`start_scheduler`: APScheduler persists callables by
-name, so the dependencies cannot travel with the job.
+What in-memory jobs give up: a digest due while no replica leads (the leader died in the
+digest minute and its successor took over after it) is not posted late. Reconcile and the
+spend job catch up on everything else by themselves.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
+import threading
 import uuid
 from collections.abc import Callable, Mapping
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
 from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.schedulers.base import STATE_STOPPED
 from apscheduler.triggers.cron import CronTrigger
 from apscheduler.triggers.interval import IntervalTrigger
-from sqlalchemy import or_, update
+from sqlalchemy import case, or_, update
 from sqlalchemy.exc import IntegrityError
+from sqlmodel import col
 
 from jobs import tasks
 from jobs.db import session_scope
 from jobs.deps import Deps
 from jobs.errors import DatabaseError
-from jobs.models import SchedulerLease
+from jobs.models import LEADER_LEASE, SchedulerLease
+from jobs.runs.launch import fenced
 
 log = logging.getLogger(__name__)
 
@@ -46,60 +53,105 @@ JOBS: dict[str, Callable[[Deps], Any]] = {
     "digest": tasks.digest_job,
 }
 INTERVALS_S = {"reconcile": 30, "spend": 60, "escalation": 60, "cleanup": 3600}
-LEASE = "leader"
+LEASE = LEADER_LEASE
+#: Seconds a lease lasts unless renewed; the elector renews it every third of that, so
+#: a leader that dies is replaced within this time (and one that stalls steps down).
+LEASE_S = 30.0
 
-_registry: dict[str, Deps] = {}
+#: This process's lease holder name (what ``/metrics`` compares the lease with).
 _holder = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+_EXPIRED = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 
-def take_lease(deps: Deps, *, ttl_s: float = 90.0, holder: str = _holder) -> bool:
-    """Become (or stay) the leader unless another replica holds an unexpired lease."""
+def take_lease(deps: Deps, *, ttl_s: float = LEASE_S, holder: str = _holder) -> int | None:
+    """Become (or stay) the leader unless another replica holds an unexpired lease.
+
+    Returns the lease's fencing token while ``holder`` holds it, else None. One UPDATE
+    decides (holder and expiry in its WHERE), so two replicas racing for an expired
+    lease cannot both win; the token rises only when the holder changes.
+    """
     now = deps.clock()
     expires = now + timedelta(seconds=ttl_s)
+    mine = col(SchedulerLease.holder) == holder
     with session_scope(deps.engine) as session:
-        result = session.execute(
+        token = session.execute(
             update(SchedulerLease)
             .where(
-                SchedulerLease.name == LEASE,  # type: ignore[arg-type]
-                or_(
-                    SchedulerLease.holder == holder,  # type: ignore[arg-type]
-                    SchedulerLease.expires_at < now,  # type: ignore[arg-type]
-                ),
+                col(SchedulerLease.name) == LEASE,
+                or_(mine, col(SchedulerLease.expires_at) < now),
             )
-            .values(holder=holder, acquired_at=now, expires_at=expires)
-        )
-        if result.rowcount:  # type: ignore[attr-defined]
-            return True
+            .values(
+                holder=holder,
+                expires_at=expires,
+                acquired_at=case((mine, col(SchedulerLease.acquired_at)), else_=now),
+                token=case((mine, col(SchedulerLease.token)), else_=col(SchedulerLease.token) + 1),
+            )
+            .returning(col(SchedulerLease.token))
+        ).scalar_one_or_none()
+        if token is not None:
+            return int(token)
         if session.get(SchedulerLease, LEASE) is not None:
-            return False
-        session.add(SchedulerLease(name=LEASE, holder=holder, acquired_at=now, expires_at=expires))
+            return None
+        session.add(
+            SchedulerLease(name=LEASE, holder=holder, acquired_at=now, expires_at=expires, token=1)
+        )
         try:
             session.flush()
-        except IntegrityError:
-            return False
-    return True
-
-
-def run_job(name: str) -> Any:
-    """The entry point the job store names: run one job if this replica leads."""
-    deps = _registry.get("deps")
-    if deps is None:
-        log.warning("job %s fired with no control plane registered", name)
-        return None
-    try:
-        if not take_lease(deps):
+        except IntegrityError:  # another replica inserted it first
             return None
-    except DatabaseError as exc:
-        log.warning("scheduled job %s skipped: %s", name, exc)
-        return None
+    return 1
+
+
+def release_lease(deps: Deps, *, holder: str = _holder) -> None:
+    """Give the lease up at once (a clean shutdown), so another replica need not wait
+    for it to expire. Its token stays: the next holder's is one higher."""
+    with session_scope(deps.engine) as session:
+        session.execute(
+            update(SchedulerLease)
+            .where(col(SchedulerLease.name) == LEASE, col(SchedulerLease.holder) == holder)
+            .values(expires_at=_EXPIRED)
+        )
+
+
+def run_job(deps: Deps, name: str, *, token: int | None = None) -> Any:
+    """Run one job as the leader holding ``token`` (its launches and terminations carry
+    it). A busy database, or a lease lost meanwhile, skips this run; the next retries."""
     try:
-        return JOBS[name](deps)
-    except DatabaseError as exc:  # busy or unreachable: the next run retries
+        with fenced(token):
+            return JOBS[name](deps)
+    except DatabaseError as exc:  # includes FencedOut: a deposed leader's late call
         log.warning("scheduled job %s skipped: %s", name, exc)
         return None
     except Exception:
-        log.exception("scheduled job %s failed", name)
-        return None
+        # APScheduler logs it with its traceback and tells its listeners (the failure
+        # counter on /metrics); the next run goes ahead as scheduled.
+        raise
+
+
+class DailyTrigger(CronTrigger):
+    """A cron trigger that fires once a local day at most.
+
+    APScheduler 3's ``CronTrigger`` fires at both readings of a wall-clock time that the
+    fall-back repeats (01:30 on the first Sunday of November in New York, twice): the
+    second reading is skipped here. A time the spring-forward skips fires once, after
+    the gap, as ``CronTrigger`` does.
+    """
+
+    def get_next_fire_time(
+        self, previous_fire_time: datetime | None, now: datetime
+    ) -> datetime | None:
+        fire: datetime | None = super().get_next_fire_time(previous_fire_time, now)
+        while fire is not None and _repeated(fire):
+            fire = super().get_next_fire_time(fire, fire)
+        return fire
+
+
+def _repeated(moment: datetime) -> bool:
+    """Whether ``moment`` is the second reading of a wall-clock time that occurs twice."""
+    first = moment.replace(fold=0)
+    return first.utcoffset() != moment.replace(fold=1).utcoffset() and moment.astimezone(
+        timezone.utc
+    ) > first.astimezone(timezone.utc)
 
 
 class _Scheduler(BackgroundScheduler):
@@ -121,37 +173,37 @@ class _Scheduler(BackgroundScheduler):
 
 
 def start_scheduler(
-    deps: Deps, *, start: bool = True, intervals: Mapping[str, float] | None = None
+    deps: Deps,
+    *,
+    token: int | None = None,
+    start: bool = True,
+    intervals: Mapping[str, float] | None = None,
 ) -> BackgroundScheduler:
-    """Register this process's jobs (replacing the stored definitions) and start them.
+    """A scheduler with the jobs in memory, each run under the fencing ``token``.
 
-    ``intervals`` overrides the interval jobs' periods (the demo compresses time).
+    ``intervals`` overrides the interval jobs' periods (the demo compresses time); a
+    ``digest`` entry there replaces the daily digest with an interval (tests).
     """
-    _registry["deps"] = deps
-    store = SQLAlchemyJobStore(engine=deps.engine, tablename="apscheduler_jobs")
     scheduler = _Scheduler(
-        jobstores={"default": store},
         job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": 3600},
         timezone=deps.settings.timezone,
     )
-    for name, seconds in {**INTERVALS_S, **(intervals or {})}.items():
+    periods = {**INTERVALS_S, **(intervals or {})}
+    for name, seconds in periods.items():
         scheduler.add_job(
-            "jobs.scheduler:run_job",
+            functools.partial(run_job, deps, name, token=token),
             trigger=IntervalTrigger(seconds=seconds),
-            args=[name],
             id=name,
             name=name,
-            replace_existing=True,
         )
-    at = deps.settings.digest_time
-    scheduler.add_job(
-        "jobs.scheduler:run_job",
-        trigger=CronTrigger(hour=at.hour, minute=at.minute, timezone=deps.settings.timezone),
-        args=["digest"],
-        id="digest",
-        name="digest",
-        replace_existing=True,
-    )
+    if "digest" not in periods:
+        at = deps.settings.digest_time
+        scheduler.add_job(
+            functools.partial(run_job, deps, "digest", token=token),
+            trigger=DailyTrigger(hour=at.hour, minute=at.minute, timezone=deps.settings.timezone),
+            id="digest",
+            name="digest",
+        )
     if start:
         scheduler.start()
     return scheduler
@@ -162,4 +214,105 @@ def stop_scheduler(scheduler: BackgroundScheduler) -> None:
     (or removes its directory) next, and a job cut off there would fail half-done."""
     if scheduler.running:
         scheduler.shutdown(wait=True)
-    _registry.pop("deps", None)
+
+
+class LeaderElector:
+    """Takes and renews the scheduler lease on a thread; runs the scheduler while it
+    holds the lease, and shuts it down as soon as it loses it or cannot renew it."""
+
+    def __init__(
+        self,
+        deps: Deps,
+        *,
+        holder: str | None = None,
+        lease_s: float = LEASE_S,
+        intervals: Mapping[str, float] | None = None,
+        on_scheduler: Callable[[BackgroundScheduler], None] | None = None,
+    ) -> None:
+        """``holder``: this replica's name on the lease (default: the process's);
+        ``on_scheduler`` is told of each scheduler started (the metrics listen to it)."""
+        self.deps = deps
+        self.holder = holder or _holder
+        self.lease_s = lease_s
+        self._intervals = intervals
+        self._on_scheduler = on_scheduler
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._token: int | None = None
+        self._scheduler: BackgroundScheduler | None = None
+        # Every scheduler this elector started, kept so that none's id() is reused by
+        # the next (the metrics watch schedulers by id); one per lease won, so few.
+        self._started: list[BackgroundScheduler] = []
+
+    @property
+    def token(self) -> int | None:
+        """The fencing token while this replica leads, else None."""
+        return self._token
+
+    @property
+    def leading(self) -> bool:
+        return self._token is not None
+
+    @property
+    def scheduler(self) -> BackgroundScheduler | None:
+        return self._scheduler
+
+    def start(self) -> LeaderElector:
+        """Try for the lease once now, then keep at it on a daemon thread."""
+        self.elect()
+        self._thread = threading.Thread(
+            target=self._loop, name=f"trainbot-elector-{self.holder}", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.lease_s / 3):
+            self.elect()
+
+    def elect(self) -> bool:
+        """One round: take or renew the lease, and start or stop the scheduler to match."""
+        try:
+            token = take_lease(self.deps, ttl_s=self.lease_s, holder=self.holder)
+        except DatabaseError as exc:
+            log.warning("cannot renew the scheduler lease, stepping down: %s", exc)
+            token = None
+        with self._lock:
+            if self._stop.is_set():
+                return False
+            if token is not None and token == self._token:
+                return True
+            self._step_down()
+            if token is None:
+                return False
+            log.info("this replica (%s) leads the scheduler, fencing token %d", self.holder, token)
+            self._token = token
+            self._scheduler = start_scheduler(self.deps, token=token, intervals=self._intervals)
+            self._started.append(self._scheduler)
+            if self._on_scheduler is not None:
+                self._on_scheduler(self._scheduler)
+            return True
+
+    def _step_down(self) -> None:
+        if self._scheduler is not None:
+            log.warning("this replica (%s) no longer leads the scheduler", self.holder)
+            stop_scheduler(self._scheduler)
+        self._scheduler = None
+        self._token = None
+
+    def stop(self, *, release: bool = True) -> None:
+        """Stop electing and the scheduler (waiting for the jobs running), then release
+        the lease so another replica takes over at once. ``release=False`` leaves the
+        lease to expire, as a crashed replica would."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        with self._lock:
+            self._step_down()
+        if release:
+            try:
+                release_lease(self.deps, holder=self.holder)
+            except DatabaseError as exc:
+                log.warning("could not release the scheduler lease (it expires): %s", exc)

@@ -5,8 +5,9 @@ one, and the Slack app mounts under ``/slack/`` as a WSGI app of its own):
 
 - ``POST /v1/events``: :class:`jobs.ingest.IngestService`, JSON in and out;
 - ``POST /v1/credentials``: short-lived checkpoint-store credentials for the caller's own
-  run (:class:`CredentialBroker`, on AWS :mod:`jobs.providers.aws.credentials`), with the
-  same runner token; 404 when no broker is configured;
+  run (:class:`CredentialBroker`: on AWS :mod:`jobs.providers.aws.credentials`, on GCP
+  :mod:`jobs.providers.gcp.credentials`), with the same runner token; 404 when no broker
+  is configured;
 - ``GET /healthz``: 200 when the database answers ``SELECT 1``, 503 when it does not;
 - ``GET /metrics``: Prometheus exposition from :mod:`jobs.prometheus` (OpenMetrics when
   the scraper asks for it).
@@ -163,7 +164,9 @@ class CredentialBroker(Protocol):
     def issue(
         self, *, checkpoint_uri: str, run_prefix: str, run_id: str, attempt_id: str
     ) -> dict[str, Any]:
-        """``credential_process`` JSON for ``{checkpoint_uri}/{run_prefix}/``. Raises
+        """The answer for the run's store, for ``{checkpoint_uri}/{run_prefix}/``: AWS
+        ``credential_process`` JSON, or GCP ``{"Version": 1, "Kind": "gcp-access-token",
+        "AccessToken", "Expiration"}`` (see ``runner.store.broker``). Raises
         NotFound when the store is not one it serves, PermissionDenied when the prefix
         cannot be scoped, ProviderError when the cloud refused or failed."""
         ...
@@ -305,8 +308,9 @@ class ControlPlaneApp:
             return _error(
                 404,
                 "the credential broker is not configured on this control plane (set "
-                "TRAINBOT_AWS_RUNNER_STORAGE_ROLE_ARN): the runner uses its instance's own "
-                "credentials",
+                "TRAINBOT_AWS_RUNNER_STORAGE_ROLE_ARN on AWS or "
+                "TRAINBOT_GCP_RUNNER_STORAGE_SERVICE_ACCOUNT on GCP): the runner uses its "
+                "instance's own credentials",
             )
         with Session(self._engine) as session:
             run = session.get(Run, run_id)

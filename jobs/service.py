@@ -4,32 +4,49 @@ The chat front ends (console, Slack) parse a command, call one of these, and ren
 what it returns. Slow work (preflight, launch) runs in the background and reports into
 the run's thread; the command returns at once. Errors are ``jobs.errors`` exceptions
 whose messages are written for the person who typed the command.
+
+The boundary: a run's states are :mod:`jobs.lifecycle`'s; what moves a run through its
+attempts (launch, runner events, end, resubmit, reconcile) is :mod:`jobs.runs`; this
+module is only what a person asks for; :mod:`jobs.tasks` is what the scheduler runs.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-from zoneinfo import ZoneInfo
 
-from sqlmodel import Session, col, select
+from sqlmodel import Session, select
 
-from jobs import alerts, preflight, spend
+from jobs import format as fmt
+from jobs import preflight, spend
+from jobs.actor import Actor, may_touch, report_channel
 from jobs.db import detach, session_scope
 from jobs.deps import Deps
-from jobs.errors import ConflictError, NotFound, PermissionDenied, SpecError
+from jobs.errors import ConflictError, SpecError
 from jobs.lifecycle import AttemptState, RunState
-from jobs.locations import checkpoint_root
-from jobs.models import Alert, Attempt, CommandLog, OnCall, Run, new_id, utcnow
-from jobs.notify import RunCard
-from jobs.providers.base import InstanceNotFound, ProviderError
+from jobs.locations import check_prefix, checkpoint_root
+from jobs.logs import log_context
+from jobs.models import Run, new_id
+from jobs.queries import (
+    LIST_LIMIT,
+    acknowledge,
+    budgets,
+    cleanup,
+    list_runs,
+    logs,
+    oncall,
+    remember_command,
+    snooze,
+    specs,
+    spend_report,
+    status,
+    wait_for,
+)
 from jobs.runs import (
     active_attempt,
+    budget_then_launch,
     card,
     channel_of,
     checkpoint_prefix,
@@ -42,50 +59,12 @@ from jobs.runs import (
     say,
     spec_of,
 )
-from jobs.spec import list_specs, load_spec
+from jobs.spec import load_spec
+from runner.errors import RunnerError
+from runner.layout import copy_step, list_committed
+from runner.store import run_store
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Actor:
-    """Who asked, from where: taken from the signed request, never from the text."""
-
-    user: str
-    #: Where the request came from ("" for the App Home).
-    channel: str
-    is_admin: bool = False
-    #: Other channels whose runs and alerts the person may see and act on (the App Home:
-    #: the channels they are a member of).
-    channels: frozenset[str] = frozenset()
-
-    def sees(self, channel: str | None) -> bool:
-        """Whether a run or alert that reports to ``channel`` is this person's business:
-        admins see every channel, everyone else the one they are in."""
-        if self.is_admin:
-            return True
-        return channel is not None and (
-            (channel == self.channel and channel != "") or channel in self.channels
-        )
-
-    @property
-    def visible(self) -> frozenset[str]:
-        return frozenset(c for c in (self.channel, *self.channels) if c)
-
-
-def _may_see(actor: Actor, run: Run) -> None:
-    """Reads and actions on someone's run go through the channel it reports to; to anyone
-    outside it, the run does not exist."""
-    if not actor.sees(run.channel):
-        raise NotFound(f"no run {run.id} reports to this channel; ask in the channel it reports to")
-
-
-def _may_touch(actor: Actor, run: Run) -> None:
-    if actor.is_admin or actor.user == run.requester:
-        return
-    raise PermissionDenied(
-        f"{run.id} belongs to {run.requester}; only they or an admin can change it"
-    )
 
 
 # ----------------------------------------------------------------------------- launch
@@ -108,7 +87,7 @@ def submit(
         default=deps.settings.checkpoint_uri,
         allowed=deps.settings.checkpoint_locations,
     )
-    channel = _report_channel(deps, spec.notify.channel, actor)
+    channel = report_channel(deps.settings.allowed_channels, spec.notify.channel, actor)
     now = deps.clock()
     with session_scope(deps.engine) as session:
         if idempotency_key is not None:
@@ -156,25 +135,6 @@ def submit(
     return run
 
 
-def _report_channel(deps: Deps, wanted: str | None, actor: Actor) -> str:
-    """Where a run reports: the channel the command came from, or ``notify.channel`` when
-    that is one of the allowed channels (by id). The bot may post in any public channel,
-    so a spec must not be able to send a run's card and alerts just anywhere."""
-    if not wanted or wanted == actor.channel:
-        return actor.channel
-    allowed = set(deps.settings.allowed_channels)
-    if actor.is_admin and not allowed:
-        return wanted
-    if wanted in allowed:
-        return wanted
-    listed = ", ".join(sorted(allowed)) or "none: TRAINBOT_ALLOWED_CHANNELS is not set"
-    raise PermissionDenied(
-        f"notify.channel={wanted[:40]!r} is not one of the channels trainbot may post to "
-        f"({listed}); leave it out to report here, or ask an admin to add the channel's "
-        "id to TRAINBOT_ALLOWED_CHANNELS"
-    )
-
-
 #: The reason a run in PREFLIGHT carries when it was asked for the checks alone
 #: (``/train preflight``): after them it waits for "Launch anyway" whatever they say.
 PREFLIGHT_ONLY = "preflight only"
@@ -186,7 +146,7 @@ def resume_preflights(deps: Deps) -> list[str]:
 
     Nothing else would: a run in PREFLIGHT has no attempt for reconcile to find.
     """
-    from runner.dryrun import end_stale_dry_run
+    from runner.pidfile import end_stale_dry_run
 
     with session_scope(deps.engine) as session:
         runs = [
@@ -212,6 +172,11 @@ def resume_preflights(deps: Deps) -> list[str]:
 
 def preflight_then_launch(deps: Deps, run_id: str, *, launch: bool = True) -> None:
     """Run the checks; launch when they pass, ask when they warn, stop when one fails."""
+    with log_context(run_id=run_id):
+        _preflight_then_launch(deps, run_id, launch=launch)
+
+
+def _preflight_then_launch(deps: Deps, run_id: str, *, launch: bool) -> None:
     with session_scope(deps.engine) as session:
         run = get_run(session, run_id)
         spec = spec_of(run)
@@ -259,7 +224,9 @@ def preflight_then_launch(deps: Deps, run_id: str, *, launch: bool = True) -> No
                 run,
                 "info",
                 f"No budget.usd given: budget alerts are set at the estimated "
-                f"${run.budget_usd:,.2f} (50/80/100 %).",
+                f"{fmt.usd(run.budget_usd)} ("
+                + "/".join(str(t) for t in spec.budget.thresholds)
+                + " %).",
             )
         deps.notifier.post(report.to_message(channel=channel, thread_ts=thread_ts, run_id=run_id))
         if not report.ok:
@@ -273,29 +240,7 @@ def preflight_then_launch(deps: Deps, run_id: str, *, launch: bool = True) -> No
         refresh_card(deps, session, run)
         state, budget = run.state, run.budget_usd
     if state == RunState.LAUNCHING:
-        _budget_then_launch(deps, run_id, budget=budget, thresholds=spec.budget.thresholds)
-
-
-def _budget_then_launch(
-    deps: Deps, run_id: str, *, budget: float | None, thresholds: Sequence[int]
-) -> None:
-    """Every way into LAUNCHING (checks passed, or a person confirmed) gets the cloud budget."""
-    if budget:
-        _cloud_budget(deps, run_id, budget, thresholds)
-    launch_attempt(deps, run_id)
-
-
-def _cloud_budget(deps: Deps, run_id: str, usd: float, thresholds: Sequence[int]) -> None:
-    """Where the provider has budgets (AWS Budgets), the run's budget alert lives there too."""
-    if not deps.provider.capabilities.cloud_budgets:
-        return
-    try:
-        name = deps.provider.create_budget(run_id=run_id, usd=usd, thresholds=list(thresholds))
-    except ProviderError as exc:
-        with session_scope(deps.engine) as session:
-            say(deps, get_run(session, run_id), "error", f"Cloud budget not created: {exc}")
-        return
-    deps.journal.record("cloud_budget", run_id, name=name, usd=usd)
+        budget_then_launch(deps, run_id, budget=budget, thresholds=spec.budget.thresholds)
 
 
 def _code_root() -> str:
@@ -309,7 +254,7 @@ def confirm(deps: Deps, run_id: str, actor: Actor) -> Run:
     now = deps.clock()
     with session_scope(deps.engine) as session:
         run = get_run(session, run_id)
-        _may_touch(actor, run)
+        may_touch(actor, run)
         if run.state != RunState.AWAITING_CONFIRMATION:
             raise ConflictError(f"{run.id} is {run.state.value}, not waiting for confirmation")
         move_run(session, run, RunState.LAUNCHING, now=now)
@@ -317,7 +262,7 @@ def confirm(deps: Deps, run_id: str, actor: Actor) -> Run:
         refresh_card(deps, session, run)
         budget, thresholds = run.budget_usd, spec_of(run).budget.thresholds
         detach(session, run)
-    deps.background(_budget_then_launch, deps, run_id, budget=budget, thresholds=thresholds)
+    deps.background(budget_then_launch, deps, run_id, budget=budget, thresholds=thresholds)
     return run
 
 
@@ -326,7 +271,7 @@ def stop(deps: Deps, run_id: str, actor: Actor, *, reason: str | None = None) ->
     now = deps.clock()
     with session_scope(deps.engine) as session:
         run = get_run(session, run_id)
-        _may_touch(actor, run)
+        may_touch(actor, run)
         if run.state.is_terminal():
             raise ConflictError(f"{run.id} is already {run.state.value}")
         attempt = active_attempt(session, run.id)
@@ -345,12 +290,37 @@ def stop(deps: Deps, run_id: str, actor: Actor, *, reason: str | None = None) ->
     return run
 
 
-def resubmit(deps: Deps, run_id: str, actor: Actor) -> Run:
-    """Launch a run again from its newest checkpoint (or confirm one awaiting it)."""
+def resubmit(
+    deps: Deps,
+    run_id: str,
+    actor: Actor,
+    *,
+    budget_usd: float | None = None,
+    from_step: int | None = None,
+) -> Run:
+    """Launch a run again from its newest checkpoint (or confirm one awaiting it).
+
+    The budget goes on: a finished run's resubmit carries its spend, and one whose hard
+    cap is reached stays stopped unless ``budget_usd`` raises the budget, which is
+    recorded with who raised it (the cap would otherwise be walked around by resubmitting).
+
+    ``from_step``: resume from the newest committed checkpoint at or before that step
+    instead (the offer after a divergence); see :func:`_resubmit_from`.
+    """
+    if budget_usd is not None and not 0 < budget_usd < float("inf"):
+        raise SpecError(f"budget.usd must be a positive number of dollars (got {budget_usd})")
     with session_scope(deps.engine) as session:
         run = get_run(session, run_id)
-        _may_touch(actor, run)
+        may_touch(actor, run)
         state = run.state
+    if from_step is not None:
+        return _resubmit_from(deps, run_id, actor, from_step=from_step, budget_usd=budget_usd)
+    if state in (RunState.AWAITING_CONFIRMATION, RunState.RECOVERING) and budget_usd is not None:
+        with session_scope(deps.engine) as session:
+            run = get_run(session, run_id)
+            spent = spend.run_spent(session, run_id)
+            _raise_budget(deps, run, budget_usd, actor=actor, was=run.budget_usd, spent=spent)
+            session.add(run)
     if state == RunState.AWAITING_CONFIRMATION:
         return confirm(deps, run_id, actor)
     if state not in (
@@ -367,31 +337,26 @@ def resubmit(deps: Deps, run_id: str, actor: Actor) -> Run:
         # A finished run is final: resubmitting starts a new run that resumes its checkpoints.
         with session_scope(deps.engine) as session:
             old = get_run(session, run_id)
-            now = deps.clock()
-            run = Run(
-                id=new_id("r"),
-                spec_name=old.spec_name,
-                spec=old.spec,
-                requester=actor.user,
-                channel=old.channel,
-                checkpoint_uri=old.checkpoint_uri,
+            run, carried = _successor(
+                deps,
+                session,
+                old,
+                actor=actor,
+                budget_usd=budget_usd,
                 # The new run resumes the old run's checkpoints: same store directory.
-                checkpoint_prefix=checkpoint_prefix(old),
-                budget_usd=old.budget_usd,
-                target_steps=old.target_steps,
-                last_committed_step=old.last_committed_step,
-                checkpoint_interval_s=old.checkpoint_interval_s,
-                created_at=now,
-                updated_at=now,
+                prefix=checkpoint_prefix(old),
+                step=old.last_committed_step,
+                reason=f"resubmit of {old.id}",
             )
-            session.add(run)
-            session.flush()
-            move_run(session, run, RunState.PREFLIGHT, now=now)
-            move_run(session, run, RunState.LAUNCHING, now=now, reason=f"resubmit of {old.id}")
-            ref = deps.notifier.post(card(session, run))
-            run.thread_ts = ref.ts
-            session.add(run)
-            session.flush()
+            budget = run.budget_usd
+            if budget_usd is None and budget is not None and carried > 0:
+                say(
+                    deps,
+                    run,
+                    "info",
+                    f"{run.id} continues {old.id}: {fmt.usd(carried)} of its "
+                    f"{fmt.usd(budget)} budget is already spent.",
+                )
             detach(session, run)
         deps.background(launch_attempt, deps, run.id)
         return run
@@ -402,183 +367,203 @@ def resubmit(deps: Deps, run_id: str, actor: Actor) -> Run:
         return run
 
 
-# ----------------------------------------------------------------------------- queries
+def _resubmit_from(
+    deps: Deps, run_id: str, actor: Actor, *, from_step: int, budget_usd: float | None
+) -> Run:
+    """A new run that resumes a finished run from the newest checkpoint at or before
+    ``from_step``.
 
-
-def status(deps: Deps, run_id: str | None, actor: Actor) -> list[RunCard]:
+    The new run gets its own checkpoint directory, and the chosen checkpoint is copied
+    into it (in the background, before the launch), so that "newest" there can never be
+    a later step of the run it continues: the diverged run's checkpoints stay where they
+    were, untouched, for debugging. Its first attempt is also told the step
+    (``TRAINBOT_RESUME_MAX_STEP``), so the runner restores it even from a shared store.
+    """
+    if from_step < 0:
+        raise SpecError(f"from= takes a step number, 0 or more (got {from_step})")
     with session_scope(deps.engine) as session:
-        if run_id is not None:
-            run = get_run(session, run_id)
-            _may_see(actor, run)
-            return [card(session, run)]
-        runs = session.exec(
-            select(Run)
-            .where(Run.channel == actor.channel)
-            .order_by(col(Run.created_at).desc())
-            .limit(10)
-        ).all()
-        return [card(session, r) for r in runs if not r.state.is_terminal()] or [
-            card(session, r) for r in runs[:3]
-        ]
-
-
-def list_runs(deps: Deps, scope: str, actor: Actor) -> list[RunCard]:
-    with session_scope(deps.engine) as session:
-        q = select(Run).order_by(col(Run.created_at).desc()).limit(50)
-        if not actor.is_admin:
-            q = q.where(col(Run.channel).in_(sorted(actor.visible)))
-        if scope == "mine":
-            q = q.where(Run.requester == actor.user)
-        runs = session.exec(q).all()
-        if scope == "active":
-            runs = [r for r in runs if not r.state.is_terminal()]
-        return [card(session, r) for r in runs]
-
-
-def logs(deps: Deps, run_id: str, actor: Actor, *, lines: int = 30) -> str:
-    with session_scope(deps.engine) as session:
-        run = get_run(session, run_id)
-        _may_see(actor, run)
-        attempt = (
-            active_attempt(session, run.id)
-            or session.exec(
-                select(Attempt).where(Attempt.run_id == run.id).order_by(col(Attempt.number).desc())
-            ).first()
-        )
-        if attempt is None or attempt.instance_id is None:
-            raise NotFound(f"{run.id} has no instance yet, so no logs")
-        instance_id = attempt.instance_id
-    if not deps.provider.capabilities.instance_logs:
-        raise NotFound(f"the {deps.provider.name} provider keeps logs on the instance")
-    try:
-        return deps.provider.instance_log(instance_id, lines=lines)
-    except InstanceNotFound:
-        raise NotFound(f"no log for instance {instance_id} yet") from None
-
-
-def _may_see_alert(session: Session, actor: Actor, alert_id: str) -> None:
-    alert = session.get(Alert, alert_id)
-    if alert is None:
-        return  # the alerts module says so in its own words
-    channel = alert.message_channel
-    if channel is None and alert.run_id is not None:
-        run = session.get(Run, alert.run_id)
-        channel = run.channel if run is not None else None
-    if not actor.sees(channel):
-        raise NotFound(f"no alert {alert_id} in this channel; acknowledge it where it was posted")
-
-
-def acknowledge(deps: Deps, alert_id: str, actor: Actor) -> Alert:
-    with session_scope(deps.engine) as session:
-        _may_see_alert(session, actor, alert_id)
-        alert = alerts.acknowledge(
-            session, alert_id, user=actor.user, now=deps.clock(), notifier=deps.notifier,
-            journal=deps.journal,
-        )  # fmt: skip
-        detach(session, alert)
-        return alert
-
-
-def snooze(deps: Deps, alert_id: str, seconds: int, actor: Actor) -> Alert:
-    with session_scope(deps.engine) as session:
-        _may_see_alert(session, actor, alert_id)
-        alert = alerts.snooze(
-            session, alert_id, user=actor.user, seconds=seconds, now=deps.clock(),
-            notifier=deps.notifier, journal=deps.journal,
-        )  # fmt: skip
-        detach(session, alert)
-        return alert
-
-
-def spend_report(deps: Deps, period: str, actor: Actor) -> dict[str, Any]:
-    with session_scope(deps.engine) as session:
-        spend.accrue(session, now=deps.clock())
-        return spend.spend_report(
-            session,
-            channel=actor.channel,
-            period=period,
-            now=deps.clock(),
-            tz=ZoneInfo(deps.settings.timezone),
-        )
-
-
-def budgets(deps: Deps, actor: Actor) -> list[dict[str, Any]]:
-    """Each active run's budget and spend, for `/train budget`."""
-    out = []
-    with session_scope(deps.engine) as session:
-        spend.accrue(session, now=deps.clock())
-        runs = session.exec(select(Run).where(Run.channel == actor.channel)).all()
-        for run in runs:
-            if run.state.is_terminal() and run.state != RunState.BUDGET_EXCEEDED:
-                continue
-            spent = spend.run_spent(session, run.id)
-            out.append(
-                {
-                    "run_id": run.id,
-                    "budget_usd": run.budget_usd,
-                    "spent_usd": round(spent, 2),
-                    "pct": round(100 * spent / run.budget_usd, 1) if run.budget_usd else None,
-                    "state": run.state.value,
-                }
+        old = get_run(session, run_id)
+        if old.state not in (RunState.STOPPED, RunState.FAILED, RunState.BUDGET_EXCEEDED):
+            raise ConflictError(
+                f"{run_id} is {old.state.value}; only a stopped or failed run can be "
+                f"resubmitted from a step. Stop it first: /train stop {run_id}"
             )
-    return out
-
-
-def oncall(deps: Deps, user: str | None, actor: Actor) -> str | None:
-    """Show (or set) who is on call for this channel."""
+        last = old.last_committed_step
+        if last is None:
+            raise ConflictError(
+                f"{run_id} has no committed checkpoint to resume from step {from_step}: "
+                f"launch it again instead"
+            )
+        if from_step > last:
+            raise ConflictError(
+                f"step {from_step} is past {run_id}'s last committed checkpoint (step {last}); "
+                f"give from={last} or less, or resubmit without from= to resume from step {last}"
+            )
+        root = checkpoint_root(
+            old.checkpoint_uri,
+            default=deps.settings.checkpoint_uri,
+            allowed=deps.settings.checkpoint_locations,
+        )
+        src_prefix = check_prefix(checkpoint_prefix(old))
+    src = run_store(root, src_prefix)
+    try:
+        committed = [e.step for e in list_committed(src)]
+    except RunnerError as exc:
+        raise ConflictError(
+            f"cannot list {run_id}'s checkpoints in {src.uri} to resume from step "
+            f"{from_step}: {exc}"
+        ) from exc
+    chosen = max((step for step in committed if step <= from_step), default=None)
+    if chosen is None:
+        have = ", ".join(str(step) for step in committed[:10]) or "none"
+        raise ConflictError(
+            f"{run_id} has no committed checkpoint at or before step {from_step} "
+            f"(its checkpoints: {have}); give a later step"
+        )
+    later = [step for step in committed if step > chosen]
     with session_scope(deps.engine) as session:
-        row = session.get(OnCall, actor.channel)
-        if user is None:
-            return row.user if row else None
-        if row is None:
-            row = OnCall(channel=actor.channel, user=user, set_by=actor.user, set_at=deps.clock())
-        else:
-            row.user, row.set_by, row.set_at = user, actor.user, deps.clock()
-        session.add(row)
-        return user
+        old = get_run(session, run_id)
+        run, _ = _successor(
+            deps,
+            session,
+            old,
+            actor=actor,
+            budget_usd=budget_usd,
+            # Its own directory (no prefix): the chosen step is copied there.
+            prefix=None,
+            step=chosen,
+            reason=f"resubmit of {old.id} from step {chosen}",
+        )
+        deps.journal.record(
+            "resubmitted_from",
+            run.id,
+            from_run=old.id,
+            from_step=chosen,
+            asked_step=from_step,
+            later_steps_kept=later,
+            by=actor.user,
+        )
+        kept = (
+            f" {old.id}'s later checkpoints (steps {', '.join(map(str, later))}) stay in "
+            f"its own directory, for debugging."
+            if later
+            else ""
+        )
+        say(
+            deps,
+            run,
+            "info",
+            f"{actor.user} resubmitted {old.id} from step {chosen}"
+            + (
+                f" (the newest checkpoint at or before step {from_step})"
+                if chosen != from_step
+                else ""
+            )
+            + f": {run.id} starts from a copy of that checkpoint.{kept}",
+        )
+        say(deps, old, "info", f"{actor.user} resubmitted {old.id} from step {chosen} as {run.id}.")
+        detach(session, run)
+    deps.background(_copy_then_launch, deps, run.id, src_prefix=src_prefix, step=chosen)
+    return run
 
 
-def cleanup(deps: Deps, run_id: str, actor: Actor, *, dry_run: bool = False) -> dict[str, Any]:
-    """Prune one run's checkpoints by its retention policy now."""
-    from jobs.tasks import prune_run
-
+def _copy_then_launch(deps: Deps, run_id: str, *, src_prefix: str, step: int) -> None:
+    """Copy the chosen checkpoint into the new run's own directory, then launch it; a
+    failed copy fails the run, saying why, rather than launching it from nothing."""
     with session_scope(deps.engine) as session:
         run = get_run(session, run_id)
-        _may_see(actor, run)
-        if not dry_run:
-            _may_touch(actor, run)
-    return prune_run(deps, run_id, dry_run=dry_run)
-
-
-def specs(deps: Deps) -> list[str]:
-    return list_specs(deps.settings.specs_dir)
-
-
-def remember_command(deps: Deps, key: str, kind: str) -> bool:
-    """Record a command key; False when it was seen before (a replayed request)."""
-    with session_scope(deps.engine) as session:
-        if session.get(CommandLog, key) is not None:
-            return False
-        session.add(CommandLog(key=key, kind=kind, created_at=utcnow()))
-        try:
-            session.flush()
-        except ConflictError:
-            return False
-    return True
-
-
-def wait_for(deps: Deps, run_id: str, states: set[RunState], *, timeout_s: float) -> RunState:
-    """Block until a run reaches one of ``states`` (the demo and tests)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+        root = checkpoint_root(
+            run.checkpoint_uri,
+            default=deps.settings.checkpoint_uri,
+            allowed=deps.settings.checkpoint_locations,
+        )
+        dst_prefix = check_prefix(checkpoint_prefix(run))
+    try:
+        copy_step(run_store(root, src_prefix), run_store(root, dst_prefix), step)
+    except RunnerError as exc:
         with session_scope(deps.engine) as session:
-            state = get_run(session, run_id).state
-        if state in states or time.monotonic() > deadline:
-            return state
-        time.sleep(0.2)
+            run = get_run(session, run_id)
+            reason = f"could not copy checkpoint step {step} from {src_prefix}: {exc}"
+            move_run(session, run, RunState.FAILED, now=deps.clock(), reason=reason)
+            deps.journal.record("run_finished", run.id, state="FAILED", reason=reason)
+            say(deps, run, "error", f"Run {run.id} failed: {reason}.")
+            refresh_card(deps, session, run)
+        return
+    launch_attempt(deps, run_id)
+
+
+def _successor(
+    deps: Deps,
+    session: Session,
+    old: Run,
+    *,
+    actor: Actor,
+    budget_usd: float | None,
+    prefix: str | None,
+    step: int | None,
+    reason: str,
+) -> tuple[Run, float]:
+    """Create the run that continues ``old``, move it to launching and post its card.
+
+    Its budget counts what the runs before it spent; returns the run and that spend.
+    """
+    now = deps.clock()
+    spend.accrue(session, now=now)  # the old run's last attempt, to its end
+    carried, budget = spend.resubmit_budget(session, old, raised_usd=budget_usd)
+    run = Run(
+        id=new_id("r"),
+        spec_name=old.spec_name,
+        spec=old.spec,
+        requester=actor.user,
+        channel=old.channel,
+        checkpoint_uri=old.checkpoint_uri,
+        checkpoint_prefix=prefix,
+        budget_usd=budget,
+        carried_usd=round(carried, 6) or None,
+        budget_raised_by=old.budget_raised_by,
+        target_steps=old.target_steps,
+        last_committed_step=step,
+        checkpoint_interval_s=old.checkpoint_interval_s,
+        created_at=now,
+        updated_at=now,
+    )
+    session.add(run)
+    session.flush()
+    move_run(session, run, RunState.PREFLIGHT, now=now)
+    move_run(session, run, RunState.LAUNCHING, now=now, reason=reason)
+    ref = deps.notifier.post(card(session, run))
+    run.thread_ts = ref.ts
+    session.add(run)
+    session.flush()
+    if budget_usd is not None:
+        _raise_budget(deps, run, budget_usd, actor=actor, was=old.budget_usd, spent=carried)
+        session.add(run)
+    return run, carried
+
+
+def _raise_budget(
+    deps: Deps, run: Run, usd: float, *, actor: Actor, was: float | None, spent: float
+) -> None:
+    """Set a run's budget from ``budget.usd=`` on a resubmit, as if the spec had said it
+    (so a hard cap applies to it), and record who raised it: on the run, in the journal
+    and in the run's thread."""
+    run.budget_usd = usd
+    run.budget_raised_by = actor.user
+    run.spec = {**run.spec, "budget": {**(run.spec.get("budget") or {}), "usd": usd}}
+    deps.journal.record(
+        "budget_raised", run.id, usd=usd, was_usd=was, by=actor.user, spent_usd=round(spent, 2)
+    )
+    say(
+        deps,
+        run,
+        "info",
+        f"{actor.user} set the budget of {run.id} to {fmt.usd(usd)} (was {fmt.usd(was)}); "
+        f"{fmt.usd(spent)} is already spent.",
+    )
 
 
 __all__ = [
+    "LIST_LIMIT",
     "PREFLIGHT_ONLY",
     "Actor",
     "SpecError",
@@ -589,11 +574,14 @@ __all__ = [
     "list_runs",
     "logs",
     "oncall",
+    "remember_command",
     "resubmit",
     "resume_preflights",
     "snooze",
+    "specs",
     "spend_report",
     "status",
     "stop",
     "submit",
+    "wait_for",
 ]

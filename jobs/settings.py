@@ -135,10 +135,25 @@ class Settings(BaseSettings):
     aws_image_id: str | None = None
     #: An S3/EC2-compatible endpoint (tests, LocalStack); unset means AWS.
     aws_endpoint_url: str | None = None
+    #: Other regions runs may fail over to (``us-west-2,eu-west-1``: the regions the specs'
+    #: ``resources.regions`` list): ``list_instances`` looks there from the start, so a
+    #: restarted control plane finds orphans in them.
+    aws_regions: CommaList = Field(default_factory=list)
+    #: AWS provider: who each run's AWS Budget notifies at its thresholds, email addresses
+    #: (``a@x.io,b@x.io``) and/or an SNS topic ARN; with neither, AWS notifies nobody.
+    aws_budget_emails: CommaList = Field(default_factory=list)
+    aws_budget_sns_topic_arn: str | None = None
+    #: Days a run's cloud budget is kept after the run ends (its last costs arrive late in
+    #: the billing data); 0 removes it when the run ends.
+    cloud_budget_keep_days: float = Field(default=0.0, ge=0)
     #: GCP provider: project, region, zones, the runner's service account.
     gcp_project: str | None = None
     gcp_region: str | None = None
     gcp_zones: CommaList = Field(default_factory=list)
+    #: Other regions runs may fail over to (``us-east1,europe-west4``: the regions the
+    #: specs' ``resources.regions`` list); a multi- or dual-region data bucket that covers
+    #: one of them, and not ``gcp_region``, counts as being there.
+    gcp_regions: CommaList = Field(default_factory=list)
     gcp_service_account: str | None = None
     #: GCP provider: the service account whose bucket-wide checkpoint access the control
     #: plane impersonates and downscopes to each run's own prefix (a Credential Access
@@ -163,6 +178,20 @@ class Settings(BaseSettings):
     heartbeat_deadline_s: float = Field(default=900.0, gt=0)
     #: An unacknowledged critical alert pages the on-call group after this long.
     escalation_delay_s: float = Field(default=900.0, gt=0)
+    #: The second escalation level, paged when the on-call has not acknowledged within
+    #: ``escalation_repeat_s`` of their page: a Slack user group or user (``@ml-leads``,
+    #: ``S0LEADS``, ``U0ADA``). Unset: the on-call is paged again instead.
+    escalation_level2: str | None = None
+    #: Seconds between escalation pages after the first: the next level, then repeats.
+    escalation_repeat_s: float = Field(default=900.0, gt=0)
+    #: Pages at the last level after the first one there; 0 pages each level once.
+    escalation_max_repeats: int = Field(default=3, ge=0)
+    #: PagerDuty Events API v2 integration key. Set: a critical alert that escalates
+    #: triggers a PagerDuty incident, and acknowledging or resolving it in chat
+    #: acknowledges or resolves the incident.
+    pagerduty_routing_key: SecretStr | None = None
+    #: PagerDuty Events API base URL (tests); unset means PagerDuty's.
+    pagerduty_url: str = "https://events.pagerduty.com"
     #: Log lines: ``text``, or ``json`` (one object per line, with the run and attempt
     #: ids, for log shippers). Unset: text on a terminal, JSON otherwise (jobs.logs).
     log_format: Literal["text", "json"] | None = None
@@ -199,6 +228,9 @@ class Settings(BaseSettings):
         "slack_team_ids",
         "checkpoint_locations",
         "gcp_zones",
+        "gcp_regions",
+        "aws_budget_emails",
+        "aws_regions",
         mode="before",
     )
     @classmethod

@@ -2,12 +2,15 @@
 
 Each is a plain function of ``deps`` (and ``now`` from ``deps.clock``), so tests call
 them directly; ``jobs.scheduler`` only decides when they run and on which replica.
+They drive runs through :mod:`jobs.runs` (reconcile, ending an attempt) as the chat
+use-cases in :mod:`jobs.service` do; the states themselves are :mod:`jobs.lifecycle`'s.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from datetime import date
+from datetime import date, datetime
 from typing import Any
 from zoneinfo import ZoneInfo
 
@@ -52,7 +55,8 @@ def reconcile_job(deps: Deps) -> dict[str, int]:
 
 
 def spend_job(deps: Deps) -> list[str]:
-    """Accrue spend, alert on budget thresholds, stop runs at their hard cap."""
+    """Accrue spend, alert on budget thresholds, stop runs at their hard cap or their
+    ``max_hours``; returns the runs it stopped."""
     now = deps.clock()
     to_stop: list[tuple[str, str | None]] = []
     with session_scope(deps.engine) as session:
@@ -88,11 +92,73 @@ def spend_job(deps: Deps) -> list[str]:
                     deps.journal.record("run_finished", run.id, state="BUDGET_EXCEEDED")
                     refresh_card(deps, session, run)
                     to_stop.append((run.id, attempt.id if attempt else None))
+        past_hours = _stop_past_max_hours(deps, session, now=now)
+    # TERMINATED: the runner gets the notice and flushes a checkpoint before it goes.
     for _, attempt_id in to_stop:
         if attempt_id is not None:
             end_attempt(deps, attempt_id, state=AttemptState.TERMINATED, reason="budget cap")
+    for _, attempt_id in past_hours:
+        if attempt_id is not None:
+            end_attempt(deps, attempt_id, state=AttemptState.TERMINATED, reason="max_hours")
     refresh_prices(deps)
-    return [run_id for run_id, _ in to_stop]
+    return [run_id for run_id, _ in to_stop + past_hours]
+
+
+def run_hours(session: Session, run_id: str, *, now: datetime) -> float:
+    """Hours the run's instances have run so far, every attempt (what ``max_hours`` caps)."""
+    attempts = session.exec(
+        select(Attempt).where(Attempt.run_id == run_id, col(Attempt.started_at).is_not(None))
+    ).all()
+    seconds = sum(
+        max(0.0, ((a.ended_at or now) - a.started_at).total_seconds())
+        for a in attempts
+        if a.started_at is not None
+    )
+    return seconds / 3600.0
+
+
+def _stop_past_max_hours(
+    deps: Deps, session: Session, *, now: datetime
+) -> list[tuple[str, str | None]]:
+    """Runs whose instances ran their spec's ``max_hours``: stop them as the hard cap
+    does (the runner flushes, the instance goes, an alert says why)."""
+    live = session.exec(
+        select(Run)
+        .where(col(Run.state).in_([RunState.LAUNCHING, RunState.RUNNING, RunState.RECOVERING]))
+        .order_by(col(Run.id))
+    ).all()
+    stopped: list[tuple[str, str | None]] = []
+    for run in live:
+        limit = spec_of(run).max_hours
+        if limit is None:
+            continue
+        hours = run_hours(session, run.id, now=now)
+        if hours < limit:
+            continue
+        attempt = active_attempt(session, run.id)
+        reason = f"max_hours: ran {hours:.2f} h of {limit:g} h"
+        if not move_run(session, run, RunState.STOPPED, now=now, reason=reason):
+            continue
+        say(deps, run, "error", f"{run.id} stopped at its max_hours ({reason}).")
+        deps.journal.record("run_finished", run.id, state="STOPPED", reason=reason)
+        signal = Signal(
+            rule="max_hours",
+            key="max-hours",
+            severity=Severity.WARNING,
+            title=f"run {run.id} stopped after its max_hours of {limit:g} h",
+            detail=f"its instances ran {hours:.2f} h; last committed step "
+            f"{run.last_committed_step}",
+            hint="resubmit to continue from its last checkpoint; raise max_hours in the "
+            "spec if the run needs longer",
+            data={"stop": True, "hours": round(hours, 3), "max_hours": limit},
+        )
+        alerts.process_signals(
+            session, run=run, signals=[signal], now=now, target=alert_target(run),
+            notifier=deps.notifier, journal=deps.journal,
+        )  # fmt: skip
+        refresh_card(deps, session, run)
+        stopped.append((run.id, attempt.id if attempt else None))
+    return stopped
 
 
 def refresh_prices(deps: Deps) -> int:
@@ -147,8 +213,13 @@ def _budget_signal(status: spend.BudgetStatus, pct: int) -> Signal:
 # ----------------------------------------------------------------------------- escalation
 
 
-def escalation_job(deps: Deps) -> list[str]:
-    now = deps.clock()
+def escalation_job(deps: Deps, *, now: datetime | None = None) -> list[str]:
+    """Stop the runs whose alerts ask for it (:func:`stop_diverged`), then page, level
+    by level, for critical alerts nobody acknowledged in time: the on-call, then
+    ``TRAINBOT_ESCALATION_LEVEL2``, then that level again up to a cap."""
+    now = now or deps.clock()
+    stop_diverged(deps, now=now)
+    settings = deps.settings
     with session_scope(deps.engine) as session:
 
         def group_for(alert: Alert) -> str | None:
@@ -157,12 +228,100 @@ def escalation_job(deps: Deps) -> list[str]:
         escalated = alerts.escalate_due(
             session,
             now=now,
-            delay_s=deps.settings.escalation_delay_s,
+            delay_s=settings.escalation_delay_s,
             notifier=deps.notifier,
             journal=deps.journal,
             oncall_group=group_for,
+            next_level=lambda _alert: settings.escalation_level2,
+            repeat_s=settings.escalation_repeat_s,
+            max_repeats=settings.escalation_max_repeats,
         )
         return [a.id for a in escalated]
+
+
+def stop_diverged(deps: Deps, *, now: datetime) -> list[str]:
+    """Stop the runs whose alerts say so: a NaN loss (by default), or a divergence nobody
+    acknowledged within ``alerts.stop_after``. The runner flushes a checkpoint as for
+    ``/train stop``; the message offers to resubmit from the newest checkpoint from
+    before the divergence began, which retention keeps while the alert is open.
+
+    Returns the ids of the runs stopped.
+    """
+    to_end: list[tuple[str, str | None]] = []
+    with session_scope(deps.engine) as session:
+        for alert in alerts.stops_due(session, now=now):
+            run = session.get(Run, alert.run_id) if alert.run_id else None
+            if run is None or run.state.is_terminal():
+                alert.stop_at = None  # it ended on its own: nothing to stop
+                continue
+            resume = _resume_step(session, run.id, alert.began_step)
+            began = (
+                f" (it began at step {alert.began_step})" if alert.began_step is not None else ""
+            )
+            nan = bool((alert.members or {}).get("nan", {}).get("firing"))
+            why = (
+                "the loss is not finite"
+                if nan
+                else "the loss diverged and nobody acknowledged the alert in time"
+            )
+            reason = f"stopped by trainbot: {why}{began}; alert {alert.id}"
+            offer = (
+                f"Resubmit from step {resume}, the newest checkpoint from before the "
+                "divergence; it is kept while this alert is open."
+                if resume is not None
+                else "No checkpoint predates the divergence: fix it and launch again."
+            )
+            attempt = active_attempt(session, run.id)
+            if not move_run(session, run, RunState.STOPPED, now=now, reason=reason):
+                continue
+            alerts.mark_stopped(
+                session,
+                alert,
+                now=now,
+                resume_step=resume,
+                hint=f"trainbot stopped the run after a flush. {offer}",
+                notifier=deps.notifier,
+            )
+            deps.journal.record(
+                "run_finished",
+                run.id,
+                state="STOPPED",
+                by="trainbot",
+                reason=reason,
+                alert_id=alert.id,
+                resume_step=resume,
+            )
+            say(deps, run, "error", f"trainbot stopped {run.id}: {why}{began}. {offer}")
+            refresh_card(deps, session, run)
+            to_end.append((run.id, attempt.id if attempt else None))
+    for _, attempt_id in to_end:
+        if attempt_id is not None:
+            end_attempt(deps, attempt_id, state=AttemptState.TERMINATED, reason="stopped")
+    return [run_id for run_id, _ in to_end]
+
+
+def _resume_step(session: Session, run_id: str, began_step: int | None) -> int | None:
+    """The newest committed checkpoint at or before ``began_step`` (the newest at all
+    when the step is unknown) that has not been deleted."""
+    query = select(Checkpoint.step).where(
+        Checkpoint.run_id == run_id, col(Checkpoint.deleted_at).is_(None)
+    )
+    if began_step is not None:
+        query = query.where(col(Checkpoint.step) <= began_step)
+    return session.exec(query.order_by(col(Checkpoint.step).desc())).first()
+
+
+def _protected_steps(session: Session, run_id: str) -> frozenset[int]:
+    """Checkpoints retention must keep: each unresolved alert's resubmit-from step."""
+    steps: set[int] = set()
+    for alert in alerts.open_alerts(session, run_id=run_id):
+        if alert.resume_step is not None:
+            steps.add(alert.resume_step)
+        elif alert.began_step is not None:
+            step = _resume_step(session, run_id, alert.began_step)
+            if step is not None:
+                steps.add(step)
+    return frozenset(steps)
 
 
 def _oncall_for(session: Session, alert: Alert) -> str | None:
@@ -209,7 +368,9 @@ def prune_run(deps: Deps, run_id: str, *, dry_run: bool = False) -> dict[str, An
             log.error("cleanup of %s refused: %s", run_id, exc)
             return {"run_id": run_id, "error": str(exc)}
         store = run_store(root, prefix)
-        policy = retention_policy(run)
+        policy = dataclasses.replace(
+            retention_policy(run), protect=_protected_steps(session, run_id)
+        )
     try:
         result = prune(store, policy, now=now.timestamp(), dry_run=dry_run)
     except RunnerError as exc:
@@ -242,7 +403,10 @@ def prune_run(deps: Deps, run_id: str, *, dry_run: bool = False) -> dict[str, An
 
 
 def cleanup_job(deps: Deps) -> list[dict[str, Any]]:
-    """Prune every run that has checkpoints; runs that ended long ago included."""
+    """Prune every run that has checkpoints; runs that ended long ago included. Remove
+    the cloud budgets of runs ended ``cloud_budget_keep_days`` ago (and any whose
+    removal when the run ended failed)."""
+    spend.remove_cloud_budgets(deps, now=deps.clock())
     with session_scope(deps.engine) as session:
         run_ids = session.exec(
             select(Run.id).where(col(Run.last_committed_step).is_not(None))

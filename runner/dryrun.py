@@ -27,6 +27,7 @@ from typing import IO, Any
 
 from runner.checkpoint import delete_steps, scan
 from runner.errors import RunnerError
+from runner.pidfile import end_stale_dry_run, record_process_group
 from runner.preemption import WINDOWS_S, choose_interval, daly_interval, flush_fits
 from runner.store import run_store
 from runner.telemetry import follow_file
@@ -105,9 +106,7 @@ class _Phase:
         if pid_file is not None:
             # Its own process group, so whoever finds this file after a crash of ours can
             # end the whole dry run (end_stale_dry_run), the command's children included.
-            pid_file.write_text(
-                json.dumps({"pgid": self.proc.pid, "run_id": env.get("TRAINBOT_RUN_ID")})
-            )
+            record_process_group(pid_file, self.proc.pid, run_id=env.get("TRAINBOT_RUN_ID"))
 
     def pump(self) -> None:
         self.events.extend(self.follower)
@@ -175,33 +174,6 @@ def run_dry_run(
             mtbp_s=mtbp_s,
             pid_file=pid_file,
         )
-
-
-def end_stale_dry_run(pid_file: Path) -> bool:
-    """End the dry run that ``pid_file`` names, left running by a process that crashed
-    while it ran; True when one was found and killed.
-
-    The process group is killed only while its leader still carries the dry run's
-    ``TRAINBOT_RUN_ID`` in its environment, so a recycled pid is never hit.
-    """
-    try:
-        record = json.loads(pid_file.read_text())
-        pgid, run_id = int(record["pgid"]), str(record["run_id"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-    finally:
-        pid_file.unlink(missing_ok=True)
-    try:
-        environ = Path(f"/proc/{pgid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return False  # gone (or no /proc to tell whose it is: leave it alone)
-    if f"TRAINBOT_RUN_ID={run_id}".encode() not in environ:
-        return False
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _run_phases(

@@ -181,3 +181,37 @@ def delete_steps(store: Store, found: StepScan, steps: set[int]) -> int:
     keys = [obj.key for step in steps for obj in found.objects.get(step, [])]
     keys.sort(key=lambda k: (not k.endswith("/" + MANIFEST), k))
     return store.delete(keys)
+
+
+def copy_step(src: Store, dst: Store, step: int, *, chunk: int = 8 << 20) -> Manifest:
+    """Copy one committed checkpoint from ``src`` to the same step of ``dst``, the manifest
+    last, so the copy exists only once it is whole. A step ``dst`` already holds committed
+    is left as it is (a retried copy). Returns the manifest.
+
+    A run resubmitted from an earlier step gets its own directory holding that step, so
+    that "newest" there can never be a later step of the run it continues, whose own
+    checkpoints stay where they were.
+    """
+    manifest = read_manifest(src, step)
+    sd = step_dir(step)
+    if dst.exists(f"{sd}/{MANIFEST}"):
+        return manifest
+    for entry in manifest.files:
+        key = f"{sd}/{entry.name}"
+        out = dst.open_write(key)
+        size = 0
+        try:
+            with src.open_read(key) as f:
+                while data := f.read(chunk):
+                    size += len(data)
+                    out.write(data)
+            if size != entry.size:
+                raise CheckpointError(
+                    f"{src.uri}/{key} has {size} bytes, its manifest says {entry.size}"
+                )
+        except BaseException:
+            out.abort()
+            raise
+        out.close()
+    dst.put_bytes(f"{sd}/{MANIFEST}", manifest.to_json())
+    return manifest

@@ -1,7 +1,8 @@
 """Which checkpoints to keep: last N, every K steps, best by a metric, maximum age.
 
 A checkpoint is kept if any keep-rule keeps it; ``max_age_s`` then drops what is older,
-except that the newest committed checkpoint is never deleted, whatever the policy says.
+except that the newest committed checkpoint and the ``protect``-ed steps (the control
+plane's "resubmit from" offer while an alert is open) are never deleted.
 Step directories without a manifest that are older than the newest commit are torn
 saves (a process killed mid-write) and are always garbage.
 """
@@ -30,6 +31,9 @@ class RetentionPolicy:
     keep_best_count: int = 1
     #: Delete checkpoints older than this many seconds, whatever else keeps them.
     max_age_s: float | None = None
+    #: Steps never deleted, whatever else the policy says (the checkpoint an open alert
+    #: offers to resubmit from).
+    protect: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         if self.keep_last is not None and self.keep_last < 1:
@@ -91,6 +95,7 @@ def select_deletions(
         by_step = {e.step: e for e in entries}
         keep = {s for s in keep if now - by_step[s].committed_at <= policy.max_age_s}
     keep.add(newest)
+    keep.update(policy.protect)
     return set(steps) - keep
 
 

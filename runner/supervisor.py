@@ -125,7 +125,12 @@ class Supervisor:
     def _restore(self) -> None:
         assert self.sync is not None
         self.sync.root.mkdir(parents=True, exist_ok=True)
-        restored = self.sync.restore(stop=lambda: self.flag.is_set)
+        raw = self.env.get("TRAINBOT_RESUME_MAX_STEP") or ""
+        try:
+            max_step = int(raw) if raw.strip() else None
+        except ValueError:
+            raise RunnerError(f"TRAINBOT_RESUME_MAX_STEP={raw!r}: expected a step number") from None
+        restored = self.sync.restore(stop=lambda: self.flag.is_set, max_step=max_step)
         if restored is not None:
             names = ", ".join(restored.names)
             self.sink.emit(
@@ -153,6 +158,10 @@ class Supervisor:
             noticed = self.flag.is_set
             self._forward(follower)
             if noticed and code is None and self._announce():
+                if self.sync is not None:
+                    # One look before the script is told: what it has closed by now is
+                    # whole, so it is committed even if it has not settled yet.
+                    self._sync(final=False)
                 child.send_signal(signal.SIGTERM)
             if code is not None:
                 break

@@ -173,12 +173,17 @@ class CheckpointSync:
 
     # -- restore
 
-    def restore(self, *, stop: Callable[[], bool] = lambda: False) -> Restored | None:
+    def restore(
+        self, *, stop: Callable[[], bool] = lambda: False, max_step: int | None = None
+    ) -> Restored | None:
         """Put the newest committed checkpoint back under its own name; an unreadable
-        one falls back to the one before. ``stop`` aborts it (a notice came meanwhile)."""
+        one falls back to the one before. ``stop`` aborts it (a notice came meanwhile).
+        ``max_step``: the newest at or before that step (a run resubmitted from it)."""
         entries = list_committed(self.store)
         self.done.update(e.step for e in entries)
         for entry in reversed(entries):
+            if max_step is not None and entry.step > max_step:
+                continue
             try:
                 manifest = read_manifest(self.store, entry.step)
                 if manifest.kind != "files":

@@ -1,5 +1,6 @@
-"""The buttons: Acknowledge, Snooze, Stop run, Resubmit on alerts; Launch anyway on a
-preflight report with warnings.
+"""The buttons: Acknowledge, Snooze, Stop run, Resubmit (and Resubmit from step N on an
+alert whose run trainbot stopped) on alerts; Launch anyway on a preflight report with
+warnings.
 
 Each press is acknowledged at once (an empty 200) and handled on the work pool: the
 caller and channel come from the signed payload, the button's value names the alert or
@@ -87,6 +88,22 @@ def _resubmit(ctx: ListenerContext, caller: Caller, run_id: str) -> str | None:
     return messages.resubmitted(run_id, run.id)
 
 
+def _resubmit_from(ctx: ListenerContext, caller: Caller, value: str) -> str | None:
+    run_id, step = _resubmit_from_choice(value)
+    run = service.resubmit(ctx.deps, run_id, ctx.auth.actor(caller), from_step=step)
+    # TODO(messages.py): a resubmitted_from() sentence there, shared with bot.dispatch.
+    return f"Resubmitted {run_id} as {run.id}; it resumes from step {run.last_committed_step}."
+
+
+def _resubmit_from_choice(value: str) -> tuple[str, int]:
+    try:
+        return views.parse_resubmit_from_value(value)
+    except ValueError:
+        raise CommandError(
+            f"the Resubmit button sent {value[:60]!r}, which names no run and step"
+        ) from None
+
+
 def _launch_anyway(ctx: ListenerContext, caller: Caller, run_id: str) -> str | None:
     service.confirm(ctx.deps, run_id, ctx.auth.actor(caller))
     return None  # the thread says who confirmed; the card shows the launch
@@ -98,6 +115,7 @@ ACTIONS: dict[str, tuple[str, Handler, bool]] = {
     "alert_snooze": ("alert", _snooze, False),
     "run_stop": ("run", _stop, True),
     "run_resubmit": ("run", _resubmit, True),
+    "run_resubmit_from": ("run", _resubmit_from, True),
     "launch_anyway": ("run", _launch_anyway, True),
 }
 
@@ -196,7 +214,8 @@ def _target(ctx: ListenerContext, kind: str, value: str) -> Target | None:
     say so in its own words)."""
     with session_scope(ctx.deps.engine) as session:
         if kind == "run":
-            run = session.get(Run, value)
+            # A Resubmit-from button's value is "<run id>|<step>".
+            run = session.get(Run, value.partition("|")[0])
             if run is None:
                 return None
             return Target(id=run.id, channel=run.channel, owner=run.requester)

@@ -25,7 +25,8 @@ __all__ = ["home_content", "publish_home", "register"]
 
 log = logging.getLogger(__name__)
 
-#: The tab shows at most this many runs and alerts; the rest are a command away.
+#: The tab shows at most this many runs and alerts; the rest are counted, and a
+#: command away.
 MAX_ITEMS = 20
 
 
@@ -51,7 +52,7 @@ def home_content(ctx: ListenerContext, caller: Caller) -> tuple[list[RunCard], l
                     alert, channel=channel or "", thread_ts=run.thread_ts if run else None
                 )
             )
-    return cards[:MAX_ITEMS], found[:MAX_ITEMS]
+    return cards, found  # all of them: the tab shows MAX_ITEMS and counts the rest
 
 
 def register(app: App, ctx: ListenerContext) -> None:
@@ -71,6 +72,7 @@ def publish_home(ctx: ListenerContext, client: WebClient, body: Mapping[str, Any
         return
     runs, open_alerts = home_content(ctx, caller)
     try:
-        client.views_publish(user_id=caller.user, view=views.home_tab(runs, open_alerts))
+        view = views.home_tab(runs, open_alerts, max_items=MAX_ITEMS)
+        client.views_publish(user_id=caller.user, view=view)
     except (SlackApiError, SlackRequestError, OSError) as exc:
         log.warning("could not publish the App Home for %s: %s", caller.user, exc)

@@ -19,8 +19,8 @@ from jobs.ingest.auth import REVOKED, Principal, Tokens, bearer
 from jobs.ingest.effects import Applied, Effects
 from jobs.ingest.windows import WINDOW_EVENTS, Point, Windows
 from jobs.ingest.writers import WRITERS, Kinds, insert_events
-from jobs.models import Attempt, MetricBlock, Run, hash_token, table_of, utcnow
-from jobs.models import Event as EventRow
+from jobs.logs import log_context
+from jobs.models import Attempt, EventRow, MetricBlock, Run, hash_token, table_of, utcnow
 from jobs.rules import Rule, Signal
 from runner.errors import WireError
 from runner.wire import Batch, Event, decode_batch_columns
@@ -29,8 +29,11 @@ log = logging.getLogger(__name__)
 
 #: Event types the service layer reacts to; passed to ``on_attempt_event`` once each.
 LIFECYCLE_EVENTS = frozenset(
-    {"started", "checkpoint_committed", "preemption_notice", "exit", "restored", "dry_run", "log"}
+    {"started", "checkpoint_committed", "preemption_notice", "exit", "restored", "dry_run"}
 )
+#: ``log`` events of these levels reach ``on_attempt_event`` too: the runner's warnings
+#: are for the people watching the run (its info lines stay in the events table).
+LOUD_LOG_LEVELS = frozenset({"warning", "error"})
 #: Event types whose ``step`` (a 64-bit count on the wire) is the attempt's progress.
 _STEP_EVENTS = frozenset({"metrics", "heartbeat", "checkpoint_committed", "restored"})
 
@@ -136,18 +139,22 @@ class IngestService:
                 f"{principal.run_id}, but the batch is for attempt {batch.attempt} of run "
                 f"{batch.run}: a token is scoped to its attempt",
             )
-        kinds = Kinds.of(batch.types)
-        now = self._now()
-        try:
-            applied = self._store(principal, batch, kinds, now=now)
-        except SQLAlchemyError as exc:
-            return _unavailable(exc)
-        if applied is None:
-            self._tokens.drop(principal.token_hash)
-            return _error(401, REVOKED)
-        if applied.accepted:
-            self._after_commit(principal.attempt_id, applied, now=now)
-        return IngestResult(200, {"accepted": applied.accepted, "duplicates": applied.duplicates})
+        # Whatever is logged from here on names the run and attempt (JSON logs).
+        with log_context(run_id=principal.run_id, attempt_id=principal.attempt_id):
+            kinds = Kinds.of(batch.types)
+            now = self._now()
+            try:
+                applied = self._store(principal, batch, kinds, now=now)
+            except SQLAlchemyError as exc:
+                return _unavailable(exc)
+            if applied is None:
+                self._tokens.drop(principal.token_hash)
+                return _error(401, REVOKED)
+            if applied.accepted:
+                self._after_commit(principal.attempt_id, applied, now=now)
+            return IngestResult(
+                200, {"accepted": applied.accepted, "duplicates": applied.duplicates}
+            )
 
     # --- tokens ---------------------------------------------------------------------
 
@@ -268,7 +275,7 @@ class IngestService:
             applied.observations.setdefault(kind, []).append(
                 (event.time, {**data, "attempt": attempt_number})
             )
-        if kind in LIFECYCLE_EVENTS:
+        if kind in LIFECYCLE_EVENTS or (kind == "log" and data.get("level") in LOUD_LOG_LEVELS):
             applied.lifecycle.append(event)
 
     def _new_events(

@@ -7,7 +7,6 @@ is: ``docs/architecture.md``, section "Ingest".
 
 from __future__ import annotations
 
-import logging
 import math
 import threading
 from collections import OrderedDict, deque
@@ -22,10 +21,8 @@ from sqlmodel import Session
 
 from jobs.ingest.writers import event_datetime
 from jobs.metrics import run_metrics
-from jobs.models import Attempt, Run, table_of
-from jobs.models import Event as EventRow
+from jobs.models import Attempt, EventRow, Run, table_of
 from jobs.rules import (
-    AlertConfig,
     Obs,
     Rule,
     RunContext,
@@ -34,13 +31,11 @@ from jobs.rules import (
     default_rules,
     evaluate_all,
 )
-from jobs.spec import AlertThresholds
+from jobs.spec import AlertThresholds, stored_section
 from runner.wire import restore_floats
 
 if TYPE_CHECKING:
     from jobs.ingest.effects import Applied
-
-log = logging.getLogger(__name__)
 
 #: Event types the alert rules look at.
 WINDOW_EVENTS = frozenset(
@@ -154,11 +149,9 @@ def _non_finite_loss(data: Mapping[str, Any]) -> bool:
 class _Window:
     """One run's rules and recent observations, per event type; used under its lock."""
 
-    def __init__(self, rules: Sequence[Rule], *, thresholds: tuple[float, ...], hard_cap: bool):
+    def __init__(self, rules: Sequence[Rule]):
         self.lock = threading.Lock()
         self.rules = list(rules)
-        self.thresholds = thresholds
-        self.hard_cap = hard_cap
         self.series: dict[str, _Series] = {kind: _Series(kind) for kind in sorted(WINDOW_EVENTS)}
         self.newest = 0.0
 
@@ -181,31 +174,6 @@ class _Window:
         return TypedWindow.from_groups(
             {kind: chain(part.history, part.recent) for kind, part in self.series.items()}
         )
-
-
-def _spec_facts(run: Run) -> tuple[AlertConfig, tuple[float, ...], bool]:
-    """Alert thresholds, budget thresholds and hard cap from the run's stored spec.
-
-    A spec that does not parse (an old row, a hand-made test run) falls back to the
-    defaults with a warning: a run must never go unwatched because of its spec.
-    """
-    spec: Mapping[str, Any] = run.spec if isinstance(run.spec, Mapping) else {}
-    try:
-        alerts = AlertThresholds.model_validate(spec.get("alerts") or {})
-        cfg = AlertConfig(**alerts.model_dump())
-    except (ValueError, TypeError) as exc:
-        log.warning("run %s: alert thresholds unusable (%s); using the defaults", run.id, exc)
-        cfg = AlertConfig()
-    budget = spec.get("budget")
-    if not isinstance(budget, Mapping):
-        budget = {}
-    raw = budget.get("thresholds", [50, 80, 100])
-    thresholds = tuple(
-        float(t)
-        for t in (raw if isinstance(raw, list) else [])
-        if isinstance(t, int | float) and not isinstance(t, bool)
-    )
-    return cfg, thresholds, bool(budget.get("hard_cap", True))
 
 
 class Windows:
@@ -240,11 +208,6 @@ class Windows:
                 window.extend(applied.observations)
             ctx = RunContext(
                 run_id=run_id,
-                budget_usd=applied.budget_usd,
-                # The spend job knows the money and drives the budget rule; see docs.
-                spent_usd=0.0,
-                thresholds_pct=window.thresholds,
-                hard_cap=window.hard_cap,
                 last_heartbeat=now.timestamp(),
                 preemption_times=applied.preemption_times,
                 attempt_number=applied.attempt_number,
@@ -285,11 +248,9 @@ class Windows:
                 return None
             if self._rules_for is not None:
                 rules: Sequence[Rule] = self._rules_for(run)
-                _, thresholds, hard_cap = _spec_facts(run)
             else:
-                cfg, thresholds, hard_cap = _spec_facts(run)
-                rules = default_rules(cfg)
-            window = _Window(rules, thresholds=thresholds, hard_cap=hard_cap)
+                rules = default_rules(stored_section(run.spec, AlertThresholds, run_id=run.id))
+            window = _Window(rules)
             connection = session.connection()
             since = max(since, 0.0)
             metrics = run_metrics(connection, run_id, limit=REBUILD_OBS, since=since)

@@ -16,11 +16,17 @@ from jobs.providers.base import Provider, ProviderError
 if TYPE_CHECKING:
     from jobs.settings import Settings
 
-__all__ = ["PROVIDERS", "make_provider", "provider_from_settings"]
+__all__ = [
+    "PROVIDERS",
+    "credential_broker_from_settings",
+    "make_provider",
+    "provider_from_settings",
+]
 
 #: Provider name (as in ``TRAINBOT_PROVIDER`` and a spec's ``resources.cloud``) → the
 #: module that implements it. Each module has ``make(**options)`` (its constructor's
-#: options) and ``from_settings(settings)`` (the process settings it reads).
+#: options), ``from_settings(settings)`` (the process settings it reads) and
+#: ``credential_broker(settings)`` (the runners' checkpoint-credential broker, or None).
 PROVIDERS: Mapping[str, str] = {
     "local": "jobs.providers.local",
     "aws": "jobs.providers.aws",
@@ -47,3 +53,9 @@ def provider_from_settings(settings: Settings) -> Provider:
     """The provider ``TRAINBOT_PROVIDER`` names, configured from the process settings."""
     provider: Provider = _module(settings.provider).from_settings(settings)
     return provider
+
+
+def credential_broker_from_settings(settings: Settings) -> Any:
+    """The broker that hands runners credentials for their own run's checkpoints
+    (``POST /v1/credentials``), when the provider has one and the settings enable it."""
+    return _module(settings.provider).credential_broker(settings)

@@ -306,7 +306,8 @@ class Capabilities:
     # Mean seconds between the preemptions the provider itself causes (the local
     # provider's configured mean); None: unknown, and preflight assumes its default.
     mean_time_between_preemptions_s: float | None = None
-    # ``create_budget`` creates a budget in the cloud's own billing (AWS Budgets).
+    # ``create_budget`` creates a budget in the cloud's own billing (AWS Budgets), and
+    # ``delete_budget`` removes it.
     cloud_budgets: bool = False
     # ``check_launch_permissions`` can ask the cloud whether a launch would be allowed
     # without launching (EC2 DryRun).
@@ -373,6 +374,11 @@ class Provider(Protocol):
     def create_budget(self, *, run_id: str, usd: float, thresholds: Sequence[int]) -> str:
         """A budget in the cloud's billing for the run's spend, alerting at ``thresholds``
         percent; returns its name (``capabilities.cloud_budgets``)."""
+        ...
+
+    def delete_budget(self, *, run_id: str) -> None:
+        """Remove the run's cloud budget once the run has ended; one that is already gone
+        is not an error (``capabilities.cloud_budgets``)."""
         ...
 
     def check_launch_permissions(self, req: ResourceRequest, *, zone: str | None = None) -> None:

@@ -26,7 +26,6 @@ from jobs.rules.preemption import AutoResubmit, Preemption, RepeatedPreemptions
 from jobs.rules.utilisation import LowUtilisation
 
 __all__ = [
-    "AlertConfig",
     "AlertThresholds",
     "AutoResubmit",
     "Disk",
@@ -44,12 +43,6 @@ __all__ = [
     "default_rules",
     "evaluate_all",
 ]
-
-#: The name the rules' thresholds had when they were a class of their own; it is the
-#: spec's model. Kept for the callers that still build one from ``spec.alerts``
-#: (``jobs.ingest.windows``, ``jobs.runs``, ``bench/bench_ingest.py``): pass
-#: ``spec.alerts`` itself instead, then delete this.
-AlertConfig = AlertThresholds
 
 
 def default_rules(cfg: AlertThresholds) -> list[Rule]:

@@ -26,6 +26,7 @@ __all__ = [
     "Severity",
     "Signal",
     "TypedWindow",
+    "Verdict",
     "attempt_of",
     "cleared",
     "integer",
@@ -55,6 +56,14 @@ class Signal:
     resolved: bool = False
     #: Machine-readable figures; ``{"stop": True}`` asks the service to stop the run.
     data: Mapping[str, Any] = field(default_factory=dict)
+    #: Signals of one run and rule with the same incident join one alert (a loss spike
+    #: and a rising trend are one divergence); ``None`` keeps the key's own alert.
+    incident: str | None = None
+    #: Seconds an unacknowledged alert may stay open before trainbot stops the run
+    #: (0: at once, even when acknowledged, as for a NaN loss); ``None`` never stops it.
+    stop_after_s: float | None = None
+    #: The step at which the problem began, for the stop message's "resubmit from".
+    began_step: int | None = None
 
 
 def cleared(
@@ -65,6 +74,7 @@ def cleared(
     title: str,
     detail: str,
     data: Mapping[str, Any],
+    incident: str | None = None,
 ) -> Signal:
     """The signal a rule sends when its condition has cleared (lets the lifecycle resolve)."""
     return Signal(
@@ -76,7 +86,61 @@ def cleared(
         hint="Nothing to do.",
         resolved=True,
         data=data,
+        incident=incident,
     )
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One key of one rule about one run: its firing and its cleared signal share the rest."""
+
+    #: The rule's name.
+    rule: str
+    #: Dedup key within the rule.
+    key: str
+    #: How loudly to say it (a firing signal may say it louder).
+    severity: Severity
+    #: The figures behind both signals, unless a call gives its own.
+    data: Mapping[str, Any] = field(default_factory=dict)
+    #: The incident both signals join; see :attr:`Signal.incident`.
+    incident: str | None = None
+
+    def cleared(self, title: str, detail: str) -> Signal:
+        """The condition has cleared: lets the lifecycle resolve the alert."""
+        return cleared(
+            self.rule,
+            key=self.key,
+            severity=self.severity,
+            title=title,
+            detail=detail,
+            data=self.data,
+            incident=self.incident,
+        )
+
+    def firing(
+        self,
+        title: str,
+        detail: str,
+        *,
+        hint: str,
+        severity: Severity | None = None,
+        data: Mapping[str, Any] | None = None,
+        stop_after_s: float | None = None,
+        began_step: int | None = None,
+    ) -> Signal:
+        """The condition holds: what happened, the figures, and what to do."""
+        return Signal(
+            rule=self.rule,
+            key=self.key,
+            severity=self.severity if severity is None else severity,
+            title=title,
+            detail=detail,
+            hint=hint,
+            data=self.data if data is None else data,
+            incident=self.incident,
+            stop_after_s=stop_after_s,
+            began_step=began_step,
+        )
 
 
 class Obs(NamedTuple):
@@ -101,15 +165,6 @@ class RunContext:
 
     #: The run the window belongs to; every title names it.
     run_id: str
-    #: The run's budget in USD, or None when it has none. Read by no rule: budget
-    #: alerts come from the spend job (``jobs.tasks``), which knows what was spent.
-    budget_usd: float | None
-    #: Spent so far, all attempts, in USD (see ``budget_usd``).
-    spent_usd: float
-    #: Budget alert thresholds in percent, e.g. (50, 80, 100) (see ``budget_usd``).
-    thresholds_pct: tuple[float, ...]
-    #: Stop the run when the budget is used up (see ``budget_usd``).
-    hard_cap: bool
     #: Last time the runner was heard from, unix seconds; None before it first reports.
     last_heartbeat: float | None
     #: When each preemption of this run happened, unix seconds.

@@ -12,7 +12,7 @@ from jobs.rules.base import (
     RunContext,
     Severity,
     Signal,
-    cleared,
+    Verdict,
     number,
     of_type,
     slope,
@@ -67,24 +67,15 @@ class Disk:
         pct = 100.0 * used / total
         figures = f"disk {pct:.1f}% used ({fmt.size(used)} of {fmt.size(total)})"
         data = {"percent": pct, "used": used, "total": total}
+        verdict = Verdict(self.name, "threshold", Severity.WARNING, data)
         if pct <= self.cfg.disk_percent:
-            return cleared(
-                self.name,
-                key="threshold",
-                severity=Severity.WARNING,
-                title=f"Disk of run {ctx.run_id} is back to {pct:.0f}% used",
-                detail=figures,
-                data=data,
-            )
+            return verdict.cleared(f"Disk of run {ctx.run_id} is back to {pct:.0f}% used", figures)
         critical = pct >= _DISK_CRITICAL
-        return Signal(
-            rule=self.name,
-            key="threshold",
-            severity=Severity.CRITICAL if critical else Severity.WARNING,
-            title=f"Disk {pct:.0f}% full on run {ctx.run_id}",
-            detail=f"{figures}; alert above {self.cfg.disk_percent:g}%",
+        return verdict.firing(
+            f"Disk {pct:.0f}% full on run {ctx.run_id}",
+            f"{figures}; alert above {self.cfg.disk_percent:g}%",
             hint=self._hint(),
-            data=data,
+            severity=Severity.CRITICAL if critical else Severity.WARNING,
         )
 
     def _full_in(
@@ -100,21 +91,16 @@ class Disk:
         horizon = self.cfg.disk_horizon_s
         eta = (total - used) / rate if rate > 0 else math.inf
         if eta > horizon:
-            return cleared(
-                self.name,
-                key="full-in",
-                severity=Severity.WARNING,
-                title=f"Disk of run {ctx.run_id} is no longer filling fast",
-                detail=f"disk {100 * used / total:.1f}% used, growing {fmt.size(rate * 60)}/min",
-                data={"rate_bytes_per_s": rate},
+            return Verdict(
+                self.name, "full-in", Severity.WARNING, {"rate_bytes_per_s": rate}
+            ).cleared(
+                f"Disk of run {ctx.run_id} is no longer filling fast",
+                f"disk {100 * used / total:.1f}% used, growing {fmt.size(rate * 60)}/min",
             )
         eta = max(eta, 0.0)
-        return Signal(
-            rule=self.name,
-            key="full-in",
-            severity=Severity.WARNING,
-            title=f"Disk of run {ctx.run_id} will be full in ~{fmt.duration(eta)}",
-            detail=(
+        return Verdict(self.name, "full-in", Severity.WARNING).firing(
+            f"Disk of run {ctx.run_id} will be full in ~{fmt.duration(eta)}",
+            (
                 f"disk {100 * used / total:.1f}% used ({fmt.size(used)} of {fmt.size(total)}), "
                 f"growing {fmt.size(rate * 60)}/min over {len(samples)} samples: full in "
                 f"~{fmt.duration(eta)} (about {fmt.clock(now + eta)})"

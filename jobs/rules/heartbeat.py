@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from jobs import format as fmt
-from jobs.rules.base import AlertThresholds, Obs, RunContext, Severity, Signal, cleared
+from jobs.rules.base import AlertThresholds, Obs, RunContext, Severity, Signal, Verdict
 
 __all__ = ["LostHeartbeat"]
 
@@ -24,24 +24,18 @@ class LostHeartbeat:
         silent = now - ctx.last_heartbeat
         deadline = self.cfg.heartbeat_deadline_s
         data = {"silent_s": silent, "last_heartbeat": ctx.last_heartbeat}
+        verdict = Verdict(self.name, "heartbeat", Severity.CRITICAL, data)
         if silent <= deadline:
             return [
-                cleared(
-                    self.name,
-                    key="heartbeat",
-                    severity=Severity.CRITICAL,
-                    title=f"Run {ctx.run_id} is reporting again",
-                    detail=f"last heartbeat {fmt.duration(max(silent, 0.0))} ago",
-                    data=data,
+                verdict.cleared(
+                    f"Run {ctx.run_id} is reporting again",
+                    f"last heartbeat {fmt.duration(max(silent, 0.0))} ago",
                 )
             ]
         return [
-            Signal(
-                rule=self.name,
-                key="heartbeat",
-                severity=Severity.CRITICAL,
-                title=f"No heartbeat from run {ctx.run_id} for {fmt.duration(silent)}",
-                detail=(
+            verdict.firing(
+                f"No heartbeat from run {ctx.run_id} for {fmt.duration(silent)}",
+                (
                     f"last heartbeat at {fmt.clock(ctx.last_heartbeat)}, "
                     f"{fmt.duration(silent)} ago "
                     f"(deadline {fmt.duration(deadline)}); attempt {ctx.attempt_number}"
@@ -51,6 +45,5 @@ class LostHeartbeat:
                     f"`/train logs {ctx.run_id}`, then `/train resubmit {ctx.run_id}` or "
                     f"`/train stop {ctx.run_id}`."
                 ),
-                data=data,
             )
         ]

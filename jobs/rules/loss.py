@@ -13,7 +13,7 @@ from jobs.rules.base import (
     RunContext,
     Severity,
     Signal,
-    cleared,
+    Verdict,
     integer,
     number,
     of_type,
@@ -24,13 +24,17 @@ __all__ = ["DivergentLoss"]
 
 # A trend alerts only when the latest loss is this multiple of the window's minimum.
 _TREND_RATIO = 1.5
+# NaN, spike and trend are one problem: they join one alert (see jobs.alerts).
+INCIDENT = "divergence"
 
 
 class DivergentLoss:
     """The loss went NaN/Inf, spiked for several points, or keeps rising.
 
-    A diverging run burns its budget producing nothing, so NaN alerts at once; a spike
-    needs several points in a row because a single bad batch is normal.
+    A diverging run burns its budget producing nothing, so NaN alerts at once (and, by
+    default, asks for the run to be stopped at once); a spike needs several points in a
+    row because a single bad batch is normal. A spike or a trend asks for a stop only
+    when nobody acknowledges it within ``stop_after``. All three join one incident.
     """
 
     name = "divergent_loss"
@@ -75,17 +79,14 @@ class DivergentLoss:
 
     def _nan(self, bad: list[tuple[int | None, float]], total: int, ctx: RunContext) -> Signal:
         step, loss = bad[0]
-        return Signal(
-            rule=self.name,
-            key="nan",
-            severity=Severity.CRITICAL,
-            title=f"Loss is {loss} in run {ctx.run_id} at step {step}",
-            detail=(
-                f"first non-finite loss {loss} at step {step}; "
-                f"{len(bad)} of the last {total} losses are not finite"
-            ),
+        return Verdict(self.name, "nan", Severity.CRITICAL, incident=INCIDENT).firing(
+            f"Loss is {loss} in run {ctx.run_id} at step {step}",
+            f"first non-finite loss {loss} at step {step}; "
+            f"{len(bad)} of the last {total} losses are not finite",
             hint=f"The run is diverging and will not recover. {self._stop_hint(ctx)}",
             data={"step": step, "loss": str(loss), "non_finite": len(bad)},
+            stop_after_s=0.0 if self.cfg.on_nan == "stop" else None,
+            began_step=step,
         )
 
     def _spike(self, finite: list[tuple[int | None, float]], ctx: RunContext) -> Signal | None:
@@ -97,30 +98,26 @@ class DivergentLoss:
         if baseline <= 0:
             return None  # a ratio to a non-positive loss means nothing
         line = factor * baseline
+        verdict = Verdict(self.name, "spike", Severity.CRITICAL, incident=INCIDENT)
         if not all(loss > line for _, loss in recent):
-            return cleared(
-                self.name,
-                key="spike",
-                severity=Severity.CRITICAL,
-                title=f"Loss of run {ctx.run_id} is back near its baseline",
-                detail=f"latest loss {fmt.loss(finite[-1][1])} vs baseline {fmt.loss(baseline)}",
-                data={},
+            return verdict.cleared(
+                f"Loss of run {ctx.run_id} is back near its baseline",
+                f"latest loss {fmt.loss(finite[-1][1])} vs baseline {fmt.loss(baseline)}",
             )
         values = ", ".join(fmt.loss(loss) for _, loss in recent)
         first_step, last_step = recent[0][0], recent[-1][0]
         peak = max(loss for _, loss in recent)
-        return Signal(
-            rule=self.name,
-            key="spike",
-            severity=Severity.CRITICAL,
-            title=f"Loss spiked to {peak / baseline:.1f}× its baseline in run {ctx.run_id}",
-            detail=(
+        return verdict.firing(
+            f"Loss spiked to {peak / baseline:.1f}× its baseline in run {ctx.run_id}",
+            (
                 f"loss {values} at steps {first_step}–{last_step}, above {factor:g}× the "
                 f"baseline {fmt.loss(baseline)} (median of {len(earlier)} earlier points) "
                 f"for {m} points in a row"
             ),
             hint=f"It may be diverging. {self._stop_hint(ctx)}",
             data={"step": last_step, "baseline": baseline, "losses": [x for _, x in recent]},
+            stop_after_s=self.cfg.stop_after,
+            began_step=first_step,
         )
 
     def _trend(self, finite: list[tuple[int | None, float]], ctx: RunContext) -> Signal | None:
@@ -132,21 +129,15 @@ class DivergentLoss:
         per_point = slope([float(i) for i in range(n)], losses)
         low = min(losses)
         rising = per_point > 0 and low > 0 and losses[-1] > _TREND_RATIO * low
+        verdict = Verdict(self.name, "trend", Severity.WARNING, incident=INCIDENT)
         if not rising:
-            return cleared(
-                self.name,
-                key="trend",
-                severity=Severity.WARNING,
-                title=f"Loss of run {ctx.run_id} is no longer rising",
-                detail=f"latest loss {fmt.loss(losses[-1])}, window minimum {fmt.loss(low)}",
-                data={},
+            return verdict.cleared(
+                f"Loss of run {ctx.run_id} is no longer rising",
+                f"latest loss {fmt.loss(losses[-1])}, window minimum {fmt.loss(low)}",
             )
-        return Signal(
-            rule=self.name,
-            key="trend",
-            severity=Severity.WARNING,
-            title=f"Loss keeps rising in run {ctx.run_id}",
-            detail=(
+        return verdict.firing(
+            f"Loss keeps rising in run {ctx.run_id}",
+            (
                 f"loss rose to {fmt.loss(losses[-1])} at step {last[-1][0]}, "
                 f"{losses[-1] / low:.1f}× the minimum {fmt.loss(low)} of the last {n} points "
                 f"(steps {last[0][0]}–{last[-1][0]}); slope +{per_point:.3g} per point"
@@ -156,4 +147,7 @@ class DivergentLoss:
                 + self._stop_hint(ctx)
             ),
             data={"step": last[-1][0], "loss": losses[-1], "min": low, "slope": per_point},
+            stop_after_s=self.cfg.stop_after,
+            # The rise began where the window's loss was lowest.
+            began_step=last[losses.index(low)][0],
         )

@@ -13,7 +13,7 @@ from jobs.rules.base import (
     RunContext,
     Severity,
     Signal,
-    cleared,
+    Verdict,
     number,
     of_type,
 )
@@ -69,16 +69,14 @@ class LowUtilisation:
         mean = statistics.fmean(u for _, u in gpu)
         threshold = self.cfg.low_util_percent
         span = fmt.duration(self.cfg.low_util_window_s)
-        data = {"gpu_util": mean, "data_wait_fraction": wait}
+        verdict = Verdict(
+            self.name, "gpu", Severity.WARNING, {"gpu_util": mean, "data_wait_fraction": wait}
+        )
         if mean >= threshold:
             return [
-                cleared(
-                    self.name,
-                    key="gpu",
-                    severity=Severity.WARNING,
-                    title=f"GPU utilisation of run {ctx.run_id} recovered to {mean:.0f}%",
-                    detail=f"mean GPU utilisation {mean:.0f}% over the last {span}",
-                    data=data,
+                verdict.cleared(
+                    f"GPU utilisation of run {ctx.run_id} recovered to {mean:.0f}%",
+                    f"mean GPU utilisation {mean:.0f}% over the last {span}",
                 )
             ]
         if wait is None:
@@ -97,17 +95,11 @@ class LowUtilisation:
                 "batch size, CPU work inside the step, or communication; profile one step."
             )
         return [
-            Signal(
-                rule=self.name,
-                key="gpu",
-                severity=Severity.WARNING,
-                title=f"GPU utilisation {mean:.0f}% on run {ctx.run_id} for the last {span}",
-                detail=(
-                    f"mean GPU utilisation {mean:.0f}% over {len(gpu)} samples "
-                    f"(alert below {threshold:g}%); {why}"
-                ),
+            verdict.firing(
+                f"GPU utilisation {mean:.0f}% on run {ctx.run_id} for the last {span}",
+                f"mean GPU utilisation {mean:.0f}% over {len(gpu)} samples "
+                f"(alert below {threshold:g}%); {why}",
                 hint=hint,
-                data=data,
             )
         ]
 
@@ -118,30 +110,22 @@ class LowUtilisation:
             return []
         threshold = self.cfg.data_wait_fraction
         span = fmt.duration(self.cfg.low_util_window_s)
-        data = {"gpu_util": None, "data_wait_fraction": wait}
+        verdict = Verdict(
+            self.name, "data-wait", Severity.WARNING, {"gpu_util": None, "data_wait_fraction": wait}
+        )
         if wait <= threshold:
             return [
-                cleared(
-                    self.name,
-                    key="data-wait",
-                    severity=Severity.WARNING,
-                    title=f"Run {ctx.run_id} is no longer waiting on its input",
-                    detail=f"data-wait {wait:.0%} of step time over the last {span}",
-                    data=data,
+                verdict.cleared(
+                    f"Run {ctx.run_id} is no longer waiting on its input",
+                    f"data-wait {wait:.0%} of step time over the last {span}",
                 )
             ]
         return [
-            Signal(
-                rule=self.name,
-                key="data-wait",
-                severity=Severity.WARNING,
-                title=f"Run {ctx.run_id} spends {wait:.0%} of each step waiting for data",
-                detail=(
-                    f"data-wait {wait:.0%} of step time, mean of {len(waits)} samples over the "
-                    f"last {span} (alert above {threshold:.0%}); no GPU utilisation reported"
-                ),
+            verdict.firing(
+                f"Run {ctx.run_id} spends {wait:.0%} of each step waiting for data",
+                f"data-wait {wait:.0%} of step time, mean of {len(waits)} samples over the "
+                f"last {span} (alert above {threshold:.0%}); no GPU utilisation reported",
                 hint=_pipeline_hint(wait),
-                data=data,
             )
         ]
 

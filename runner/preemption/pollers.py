@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping, Sequence
-from types import TracebackType
 
 from runner.preemption.aws import AwsSpotPoller
 from runner.preemption.flag import PreemptionConfigError, PreemptionFlag
@@ -29,12 +28,7 @@ class Pollers:
     def __enter__(self) -> Pollers:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
 

@@ -9,7 +9,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterable
-from types import FrameType, TracebackType
+from types import FrameType
 from typing import Any
 
 from runner.preemption.flag import Notice, PreemptionFlag, SignalSetupError
@@ -56,12 +56,7 @@ class SignalHandlers:
             signal.signal(signum, self._handle)
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         originals, self._originals = self._originals, {}
         for signum, original in originals.items():
             # None: the handler was not installed from Python; the default is the best guess.

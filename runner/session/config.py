@@ -9,6 +9,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from runner.errors import RunnerError
 from runner.preemption import WINDOWS_S
@@ -18,17 +19,28 @@ from runner.telemetry import EventSink, FileSink, NullSink, Reporter
 #: The SIGTERM-to-SIGKILL window assumed when none is given: the shortest provider's.
 DEFAULT_WINDOW_S = min(WINDOWS_S.values())
 
+_N = TypeVar("_N", int, float)
 
-def _env_float(env: Mapping[str, str], name: str) -> float | None:
+
+#: Per number type: what a value that does not parse is not, and what it must be.
+_NUMBER_WORDS: dict[type, tuple[str, str]] = {
+    float: ("a number of seconds", "a positive number"),
+    int: ("a whole number", "positive"),
+}
+
+
+def _env_number(env: Mapping[str, str], name: str, kind: type[_N]) -> _N | None:
+    """A positive ``kind`` from ``name``, None when it is unset or blank."""
     raw = env.get(name, "").strip()
     if not raw:
         return None
+    what, positive = _NUMBER_WORDS[kind]
     try:
-        value = float(raw)
+        value = kind(raw)
     except ValueError:
-        raise RunnerError(f"{name}={raw!r} is not a number of seconds") from None
+        raise RunnerError(f"{name}={raw!r} is not {what}") from None
     if not math.isfinite(value) or value <= 0:
-        raise RunnerError(f"{name}={raw!r} must be a positive number")
+        raise RunnerError(f"{name}={raw!r} must be {positive}")
     return value
 
 
@@ -41,19 +53,6 @@ def _env_flag(env: Mapping[str, str], name: str, *, default: bool) -> bool:
     if raw in ("0", "false", "no", "off"):
         return False
     raise RunnerError(f"{name}={raw!r}: expected 1 or 0 (true or false)")
-
-
-def _env_int(env: Mapping[str, str], name: str) -> int | None:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        raise RunnerError(f"{name}={raw!r} is not a whole number") from None
-    if value <= 0:
-        raise RunnerError(f"{name}={raw!r} must be positive")
-    return value
 
 
 @dataclass(frozen=True)
@@ -94,6 +93,9 @@ class SessionConfig:
     #: On a preemption notice with a known deadline, train on while the emergency
     #: checkpoint still fits what is left of the window (see Session._train_on).
     train_through_notice: bool = False
+    #: Restore the newest committed checkpoint at or before this step rather than the
+    #: newest of all: a run resubmitted "from step N" (after a divergence).
+    resume_max_step: int | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> SessionConfig:
@@ -106,10 +108,10 @@ class SessionConfig:
             attempt_id=e.get("TRAINBOT_ATTEMPT_ID") or "local-1",
             checkpoint_uri=e.get("TRAINBOT_CHECKPOINT_URI") or "checkpoints",
             checkpoint_prefix=e.get("TRAINBOT_CHECKPOINT_PREFIX") or None,
-            every_steps=_env_int(e, "TRAINBOT_CHECKPOINT_EVERY_STEPS"),
-            every_s=_env_float(e, "TRAINBOT_CHECKPOINT_INTERVAL_S"),
-            max_steps=_env_int(e, "TRAINBOT_MAX_STEPS"),
-            window_s=_env_float(e, "TRAINBOT_TERMINATION_WINDOW_S") or DEFAULT_WINDOW_S,
+            every_steps=_env_number(e, "TRAINBOT_CHECKPOINT_EVERY_STEPS", int),
+            every_s=_env_number(e, "TRAINBOT_CHECKPOINT_INTERVAL_S", float),
+            max_steps=_env_number(e, "TRAINBOT_MAX_STEPS", int),
+            window_s=_env_number(e, "TRAINBOT_TERMINATION_WINDOW_S", float) or DEFAULT_WINDOW_S,
             preemption_sources=e.get("TRAINBOT_PREEMPTION_SOURCES", ""),
             events_file=e.get("TRAINBOT_EVENTS_FILE") or None,
             ingest_url=e.get("TRAINBOT_INGEST_URL") or None,
@@ -117,8 +119,9 @@ class SessionConfig:
             spool_dir=e.get("TRAINBOT_SPOOL_DIR") or None,
             dry_run_phase=phase,
             stop_file=e.get("TRAINBOT_STOP_FILE") or None,
-            metrics_every=_env_int(e, "TRAINBOT_METRICS_EVERY") or 1,
+            metrics_every=_env_number(e, "TRAINBOT_METRICS_EVERY", int) or 1,
             train_through_notice=_env_flag(e, "TRAINBOT_TRAIN_THROUGH_NOTICE", default=False),
+            resume_max_step=_env_number(e, "TRAINBOT_RESUME_MAX_STEP", int),
         )
 
     def decision(self) -> SaveDecision | None:

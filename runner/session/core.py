@@ -108,7 +108,9 @@ class Session:
         #: The newest checkpoint, being read and verified in the background while the caller
         #: builds its model; None once restored or closed, or when ``prefetch=False``.
         #: Started last, once nothing else here can fail.
-        self.prefetch: Prefetch | None = Prefetch(self.store) if prefetch else None
+        #: Not with a maximum resume step: the prefetch reads the newest checkpoint of all.
+        wanted = prefetch and config.resume_max_step is None
+        self.prefetch: Prefetch | None = Prefetch(self.store) if wanted else None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **kwargs: Any) -> Session:
@@ -181,10 +183,15 @@ class Session:
         return state_digest(self.state())
 
     def restore(self) -> int:
-        """Load the newest committed checkpoint into the tracked objects; returns its step."""
+        """Load the newest committed checkpoint into the tracked objects; returns its step.
+
+        With ``resume_max_step`` (a run resubmitted from step N), the newest at or before
+        that step: a later one belongs to the diverged run."""
         self._restored = True
+        cap = self.config.resume_max_step
+        below = None if cap is None else cap + 1
         try:
-            restored = self._take_prefetched() or restore_latest(self.store)
+            restored = self._take_prefetched() or restore_latest(self.store, below=below)
         except NoCheckpointError:
             self.sink.emit("restored", {"step": 0, "fallback_from": None, "restore_s": 0.0})
             return 0

@@ -102,8 +102,8 @@ def fetch_broker_credentials(
     got = answer.get("Kind", AWS_CREDENTIALS) if isinstance(answer, dict) else None
     if got != kind and isinstance(got, str):
         raise StoreError(
-            f"the control plane at {url} issued {got!r} credentials, and this store needs "
-            f"{kind!r}: the run's checkpoint URI and the control plane's provider disagree"
+            f"the control plane at {url} issued {got!r} credentials where {kind!r} were "
+            "asked for: the run's checkpoint URI and the control plane's provider disagree"
         )
     if (
         not isinstance(answer, dict)

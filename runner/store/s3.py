@@ -45,9 +45,10 @@ from botocore.exceptions import (
     PartialCredentialsError,
 )
 
-from runner.errors import BadURIError, StoreError
-from runner.store.base import DELETE_BATCH, ObjectInfo, WriteStream, check_key
-from runner.store.broker import STORE_CREDENTIALS_ENV, fetch_broker_credentials
+from runner.errors import StoreError
+from runner.store._common import BucketStore, PartWrite, RawDownload, credential_source
+from runner.store.base import DELETE_BATCH, ObjectInfo, WriteStream
+from runner.store.broker import fetch_broker_credentials
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +59,6 @@ DEFAULT_PART_SIZE = 64 * MiB
 MIN_PART_SIZE = 5 * MiB
 MAX_PART_SIZE = 5 * 1024 * MiB
 MAX_PARTS = 10_000
-
-# botocore's own (loose) rule, checked early so a typo is a BadURIError, not a traceback.
-_BUCKET_RE = re.compile(r"^[a-zA-Z0-9.\-_]{1,255}$")
 
 # The IAM action each API call needs, for "access denied" messages.
 _IAM_ACTION = {
@@ -112,23 +110,18 @@ def broker_session(
     return boto3.session.Session(botocore_session=core)
 
 
-def _session_for(source: str) -> boto3.session.Session:
-    if source == "broker":
-        return broker_session()
-    if source == "default":
-        return boto3.session.Session()
-    raise StoreError(
-        f"{STORE_CREDENTIALS_ENV}={source!r}: write 'broker' (credentials from the control "
-        "plane for this run's prefix) or leave it unset (the instance's own credentials)"
-    )
-
-
-class S3Store:
+class S3Store(BucketStore):
     """Objects under ``s3://bucket/prefix``; key ``k`` lives at ``prefix/k``.
 
     ``credentials``: ``"default"`` (boto3's chain) or ``"broker"``; unset means
     ``TRAINBOT_STORE_CREDENTIALS``, else the default.
     """
+
+    scheme = "s3"
+    service = "S3"
+    # botocore's own (loose) rule.
+    bucket_pattern = re.compile(r"^[a-zA-Z0-9.\-_]{1,255}$")
+    bucket_chars = "letters, digits, '.', '-' or '_'"
 
     def __init__(
         self,
@@ -143,24 +136,21 @@ class S3Store:
         read_timeout: float = 60.0,
         credentials: str | None = None,
     ) -> None:
-        if not _BUCKET_RE.match(bucket):
-            raise BadURIError(
-                f"{bucket!r} is not a valid S3 bucket name: write s3://BUCKET/PREFIX "
-                "with letters, digits, '.', '-' or '_' in the bucket name"
-            )
+        super().__init__(bucket, prefix)
         if not MIN_PART_SIZE <= part_size <= MAX_PART_SIZE:
             raise ValueError(f"part_size must be between 5 MiB and 5 GiB, not {part_size}")
         if upload_threads < 1:
             raise ValueError("upload_threads must be at least 1")
-        self.bucket = bucket
-        self.prefix = "/".join(p for p in prefix.split("/") if p)
-        self.uri = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
         self.part_size = part_size
         self.upload_threads = upload_threads
-        source = credentials or os.environ.get(STORE_CREDENTIALS_ENV) or "default"
+        source = credential_source(
+            credentials,
+            broker="credentials from the control plane for this run's prefix",
+            default="the instance's own credentials",
+        )
         #: Whether the client signs with the broker's credentials for this prefix alone.
         self.brokered = source == "broker"
-        session = _session_for(source)
+        session = broker_session() if self.brokered else boto3.session.Session()
         region = os.environ.get("AWS_REGION") or session.region_name or "us-east-1"
         config = Config(
             retries={"mode": "standard", "max_attempts": max_attempts},
@@ -175,15 +165,11 @@ class S3Store:
             "s3", region_name=region, endpoint_url=endpoint_url, config=config
         )
 
-    # -- keys and errors -------------------------------------------------------------
-
-    def _full(self, key: str) -> str:
-        key = check_key(key)
-        return f"{self.prefix}/{key}" if self.prefix else key
+    # -- errors ----------------------------------------------------------------------
 
     def _error(self, exc: Exception, *, op: str, key: str | None = None) -> StoreError:
         """Turn a botocore error into a StoreError that says what to do about it."""
-        where = f"s3://{self.bucket}/{self._full(key)}" if key is not None else self.uri
+        where = self._where(key)
         endpoint = self.client.meta.endpoint_url
         if isinstance(exc, (NoCredentialsError, PartialCredentialsError)):
             return StoreError(
@@ -211,7 +197,7 @@ class S3Store:
                 resource = (
                     f"arn:aws:s3:::{self.bucket}"
                     if action == "s3:ListBucket"
-                    else f"arn:aws:s3:::{self.bucket}/{self.prefix + '/' if self.prefix else ''}*"
+                    else f"arn:aws:s3:::{self.bucket}/{self._prefix_pattern()}"
                 )
                 hint = (
                     " (S3 also answers 403 for a missing key when s3:ListBucket is not granted)"
@@ -259,10 +245,6 @@ class S3Store:
             raise self._error(exc, op="GetObject", key=key) from exc
         raw = _BodyReader(self, key, response["Body"])
         return cast(BinaryIO, io.BufferedReader(raw, buffer_size=MiB))
-
-    def get_bytes(self, key: str) -> bytes:
-        with self.open_read(key) as f:
-            return f.read()
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         root = f"{self.prefix}/" if self.prefix else ""
@@ -320,16 +302,13 @@ class S3Store:
         return True
 
 
-class _BodyReader(io.RawIOBase):
-    """A raw stream over get_object's body, so BufferedReader can sit on top of it."""
+class _BodyReader(RawDownload):
+    """A raw stream over get_object's body."""
 
     def __init__(self, store: S3Store, key: str, body: Any) -> None:
+        super().__init__(store.uri, key, body)
         self._store = store
-        self._key = key
         self._body = body
-
-    def readable(self) -> bool:
-        return True
 
     def _read(self, size: int | None) -> bytes:
         try:
@@ -338,28 +317,15 @@ class _BodyReader(io.RawIOBase):
         except (BotoCoreError, ClientError) as exc:
             raise self._store._error(exc, op="GetObject", key=self._key) from exc
         except OSError as exc:
-            raise StoreError(
-                f"reading {self._key} from {self._store.uri} was cut off ({exc}): read it again"
-            ) from exc
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        data = self._read(len(view))
-        view[: len(data)] = data
-        return len(data)
+            raise self._cut_off(exc) from exc
 
     def readall(self) -> bytes:
         # RawIOBase's readall would loop over 8 KiB reads; a manifest or shard is read
         # whole by get_bytes, so take the rest in one call.
         return self._read(None)
 
-    def close(self) -> None:
-        if not self.closed:
-            self._body.close()
-        super().close()
 
-
-class _MultipartWrite:
+class _MultipartWrite(PartWrite):
     """Buffers one part at a time; uploads full parts on a small pool; commits on close.
 
     Memory stays under ``(upload_threads + 1) * part_size``: a write waits for the oldest
@@ -368,35 +334,18 @@ class _MultipartWrite:
     """
 
     def __init__(self, store: S3Store, key: str) -> None:
+        super().__init__(key, store.part_size)
         self._store = store
-        self._key = key
         self._full = store._full(key)
-        self._buf = bytearray()
         self._upload_id: str | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._inflight: deque[Future[dict[str, Any]]] = deque()
         self._parts: list[dict[str, Any]] = []
-        self._done = False
         calc = store.client.meta.config.request_checksum_calculation
         # As s3transfer does: declare the checksum up front, so each part's checksum is
         # verified by S3 and the object gets one. "when_required" (for services that lack
         # flexible checksums) sends none.
         self._checksum = "CRC32" if calc == "when_supported" else None
-
-    def write(self, data: bytes | memoryview, /) -> int:
-        if self._done:
-            raise ValueError(f"write to a closed stream for {self._key}")
-        view = memoryview(data).cast("B")
-        pos = 0
-        while pos < len(view):
-            # A full part is sent only once more data comes, so that an object of
-            # exactly one part goes out as a PutObject on close.
-            if len(self._buf) >= self._store.part_size:
-                self._send_part()
-            take = min(self._store.part_size - len(self._buf), len(view) - pos)
-            self._buf += view[pos : pos + take]
-            pos += take
-        return len(view)
 
     def _send_part(self) -> None:
         store = self._store

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from time import monotonic
 from time import time as unix_now
-from types import TracebackType
 from typing import Any
 
 from runner.errors import WireError
@@ -297,10 +296,5 @@ class Reporter(EventSink):
     def __enter__(self) -> Reporter:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()

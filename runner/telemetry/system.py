@@ -10,7 +10,6 @@ import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from runner.telemetry.sink import EventSink
@@ -157,10 +156,5 @@ class SystemSampler:
     def __enter__(self) -> SystemSampler:
         return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.stop()

@@ -44,7 +44,19 @@ def test_bench_ack_latency_prints_its_figures_as_the_last_line(tmp_path: Path) -
         assert set(figures[contender]) >= {"p50_ms", "p99_ms", "requests"}
         assert figures[contender]["requests"] == 5
         assert figures[contender]["p50_ms"] <= figures[contender]["p99_ms"]
+    assert figures["rounds"] == 1
+    assert {k: len(v) for k, v in figures["p99_ms_by_round"].items()} == {
+        "http": 1,
+        "bolt_dispatch": 1,
+    }
     assert figures["failures"] == {"http": 0, "bolt_dispatch": 0}
     assert figures["replies"] == figures["commands"], "every command's work ran and replied"
     assert figures["training_run"] is None
     assert list(tmp_path.iterdir()) == []  # the state directory was removed
+
+
+def test_quick_mode_is_five_rounds() -> None:
+    """The goal is judged on five quick runs of five rounds each."""
+    from bench.bench_ack_latency import QUICK_ROUNDS
+
+    assert QUICK_ROUNDS == 5

@@ -293,15 +293,41 @@ def test_transient_errors_are_retried_without_duplicates(
     assert fake.failures_left == 0
 
 
-def test_refused_blocks_are_sent_as_text(
-    fake: FakeSlack, make_notifier: Callable[..., SlackNotifier]
+@pytest.mark.parametrize("error", ["invalid_blocks", "msg_blocks_too_long", "invalid_arguments"])
+def test_refused_blocks_are_sent_short_then_as_text(
+    fake: FakeSlack, make_notifier: Callable[..., SlackNotifier], error: str
 ) -> None:
     notifier = make_notifier()
-    fake.fail_next(1, method="chat.postMessage", error="invalid_blocks")
+    fake.fail_next(1, method="chat.postMessage", error=error)
     notifier.post(alert(1))
     assert notifier.flush(timeout=5)
     [message] = fake.messages("C0RUNS")
-    assert message.blocks is None and "alert number 1" in message.text
+    assert message.blocks is not None and len(message.blocks) == 2, "compact: text and buttons"
+    assert "alert number 1" in message.blocks[0]["text"]["text"]
+    assert "/train ack a-1" in message.blocks[0]["text"]["text"], "the end is kept"
+    assert message.blocks[1]["type"] == "actions"
+
+    fake.fail_next(2, method="chat.postMessage", error=error)
+    notifier.post(alert(2))
+    assert notifier.flush(timeout=5)
+    last = fake.messages("C0RUNS")[-1]
+    assert last.blocks is None and "alert number 2" in last.text and "/train ack a-2" in last.text
+    assert notifier.metrics["dropped"] == 0
+
+
+def test_an_update_of_a_refused_post_is_posted_not_skipped(
+    fake: FakeSlack, make_notifier: Callable[..., SlackNotifier]
+) -> None:
+    notifier = make_notifier()
+    fake.fail_next(1, method="chat.postMessage", error="not_in_channel")
+    ref = notifier.post(alert(1))
+    assert notifier.flush(timeout=5)
+    assert fake.messages("C0RUNS") == []
+    notifier.update(ref, alert(2))
+    notifier.update(ref, alert(3))
+    assert notifier.flush(timeout=5)
+    shown = fake.messages("C0RUNS")
+    assert shown and "alert number 3" in shown[-1].text
 
 
 def test_a_permanent_error_drops_only_that_message(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from datetime import datetime, timezone
 from typing import Any
 
@@ -152,6 +153,17 @@ def test_run_card_shows_status_attempt_step_loss_spend_and_where() -> None:
     assert "*Spend*\n$40.00 of $800.00 (5.0%)" in fields
     assert "*Instance*\ni-0abc in us-east-1b" in fields
     assert "<@U0ADA>" in blocks[0]["text"]["text"]
+
+
+def test_run_card_shows_the_market_and_region_of_the_attempt() -> None:
+    fallback = card(market="on-demand", region="us-west-2", zone="us-west-2a")
+    blocks = views.run_card(fallback)
+    assert_valid(blocks)
+    fields = [f["text"] for f in blocks[0]["fields"]]
+    assert "*Market*\non-demand in us-west-2" in fields
+    assert "*Instance*\ni-0abc in us-west-2a" in fields
+    assert "(on-demand in us-west-2)" in messages.run_card(fallback)
+    assert "*Market*" not in all_text(views.run_card(card())), "no attempt yet: nothing said"
 
 
 def test_run_card_before_launch_and_with_a_nan_loss() -> None:
@@ -439,3 +451,48 @@ def test_digest_chart_is_the_one_the_digest_carries() -> None:
     drawn = plots.digest_chart_png(DigestMessage(channel="C", figures=figures()))
     assert drawn is not None and drawn.startswith(PNG_MAGIC)
     assert plots.digest_chart_png(DigestMessage(channel="C", figures={})) is None
+
+
+# --------------------------------------------------------------------------- what must never reach a channel
+
+
+@pytest.mark.parametrize(
+    "forged", ["<!channel>", "<!here>", "<!everyone|all>", "<https://evil.example|click>", "<#C1>"]
+)
+def test_mention_turns_only_ids_into_mentions(forged: str) -> None:
+    assert "<" not in views.mention(forged)
+    assert views.mention("<@U0GRACE|grace>") == "<@U0GRACE>"
+    assert views.mention("<!subteam^S0ONCALL|@ml-oncall>") == "<!subteam^S0ONCALL>"
+    blocks = views.alert(alert_msg(escalate_to=forged))
+    assert "<!" not in all_text(blocks) and "<http" not in all_text(blocks)
+
+
+def test_clipped_notification_text_keeps_its_end() -> None:
+    huge = alert_msg(detail="x" * 10_000)
+    text = views.fallback_text(huge)
+    assert len(text) <= views.MAX_FALLBACK_TEXT
+    assert text.startswith("‼ CRITICAL [a-77]") and text.endswith("/train snooze a-77 1h")
+    many = tuple(CheckLine(f"check {i}", "warn", "y" * 300, "fix it") for i in range(100))
+    report = PreflightMessage(
+        channel="C", run_id="r", checks=many, ok=True, needs_confirmation=True
+    )
+    assert views.fallback_text(report).endswith("Launch anyway: /train resubmit r")
+
+
+def test_a_clipped_list_says_how_many_it_hides() -> None:
+    many = tuple(CheckLine(f"check-{i}", "pass", "y" * 500) for i in range(80))
+    blocks = views.preflight_report(
+        PreflightMessage(channel="C", run_id="r", checks=many, ok=True, needs_confirmation=False)
+    )
+    text = all_text(blocks)
+    shown = sum(f"check-{i}*" in text for i in range(80))
+    hidden = int(re.search(r"…and (\d+) more checks", text).group(1))  # type: ignore[union-attr]
+    assert shown + hidden == 80
+
+    alerts = [alert_msg(alert_id=f"a-{i}") for i in range(150)]
+    home = all_text(views.home_tab([], alerts, max_items=20)["blocks"])
+    assert "…and 130 more alerts not shown" in home
+
+    modal = views.launch_modal([f"spec-{i}" for i in range(130)])
+    assert_valid(modal["blocks"], limit=100)
+    assert "…and 30 more specs not shown" in all_text(modal["blocks"])

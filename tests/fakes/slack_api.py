@@ -25,8 +25,14 @@ What it enforces, like Slack:
   ``not_allowed_token_type``. It answers the ``ws://`` URL of the attached
   :class:`tests.fakes.slack_socket.FakeSocketMode` (``socket_mode``), each with a
   one-time ticket, as Slack hands out a fresh ``wss://`` URL per connection.
-- **Blocks**: at most 50 per message, each a dict with a ``type``; section text at most
-  3000 characters, header text 150; else ``invalid_blocks``.
+- **Slack's limits**: ``text`` at most 40,000 characters (``msg_too_long``); at most 50
+  blocks per message and 100 in a view; section text 3,000, header 150, fields 10 ×
+  2,000, context elements 10, button text 75 and value 2,000, action_id and block_id
+  255, options 100 × (75, 150); else ``invalid_blocks``. The blocks' text together at
+  most 13,000 characters (Slack's undocumented ceiling, about 13,200), else
+  ``msg_blocks_too_long``.
+- **Directory**: ``users.list`` (paginated by ``limit`` and ``cursor``),
+  ``usergroups.list``, ``users.info`` (:meth:`FakeSlack.calls_to` counts them).
 
 Tests can inject failures (:meth:`FakeSlack.fail_next`: an error answer, an HTTP
 status, or a reset connection), make one channel refuse everything
@@ -309,6 +315,7 @@ class FakeSlack:
                 "team_id": self.team_id,
                 "name": name,
                 "real_name": name.title(),
+                "profile": {"display_name": name, "real_name": name.title()},
                 "is_admin": is_admin,
                 "is_owner": False,
                 "is_bot": False,
@@ -539,7 +546,7 @@ class FakeSlack:
     def _store_view(self, view: Any, *, view_id: str | None) -> _Answer:
         if not isinstance(view, dict) or "type" not in view:
             return _error("invalid_arguments")
-        problem = _blocks_problem(view.get("blocks", []), limit=100)
+        problem = _blocks_problem(view.get("blocks", []), limit=MAX_VIEW_BLOCKS)
         if problem:
             return _error(problem)
         view_id = view_id or self._next_id("V")
@@ -554,7 +561,7 @@ class FakeSlack:
             return _error("invalid_arguments")
         if not isinstance(view, dict) or view.get("type") != "home":
             return _error("invalid_arguments")
-        problem = _blocks_problem(view.get("blocks", []), limit=100)
+        problem = _blocks_problem(view.get("blocks", []), limit=MAX_VIEW_BLOCKS)
         if problem:
             return _error(problem)
         self.home_views[str(user)] = view
@@ -637,6 +644,17 @@ class FakeSlack:
         ]
         return _ok(usergroups=groups)
 
+    def _users_list(self, args: dict[str, Any], now: float) -> _Answer:
+        """Every member of the workspace, deactivated ones included, ``limit`` at a time."""
+        members = [self.users[k] for k in sorted(self.users)]
+        start = int(args.get("cursor") or 0)
+        limit = int(args.get("limit") or 200)
+        more = start + limit < len(members)
+        return _ok(
+            members=members[start : start + limit],
+            response_metadata={"next_cursor": str(start + limit) if more else ""},
+        )
+
     def _users_info(self, args: dict[str, Any], now: float) -> _Answer:
         user = self.users.get(str(args.get("user") or ""))
         return _ok(user=user) if user else _error("user_not_found")
@@ -678,6 +696,7 @@ _METHODS: dict[str, Callable[[FakeSlack, dict[str, Any], float], _Answer]] = {
     "files.completeUploadExternal": FakeSlack._complete_upload,
     "usergroups.list": FakeSlack._usergroups_list,
     "users.info": FakeSlack._users_info,
+    "users.list": FakeSlack._users_list,
     "conversations.info": FakeSlack._conversations_info,
     "users.conversations": FakeSlack._users_conversations,
     "apps.connections.open": FakeSlack._connections_open,
@@ -735,28 +754,139 @@ def _token(headers: dict[str, str], args: dict[str, Any]) -> str | None:
     return str(token) if token else None
 
 
+#: Slack's documented limits (Block Kit reference, chat.postMessage); exceeding one
+#: fails the whole call.
+MAX_TEXT = 40_000
+MAX_MESSAGE_BLOCKS = 50
+MAX_VIEW_BLOCKS = 100
+MAX_SECTION_TEXT = 3000
+MAX_HEADER_TEXT = 150
+MAX_CONTEXT_ELEMENTS = 10
+MAX_FIELDS = 10
+MAX_FIELD_TEXT = 2000
+MAX_BUTTON_TEXT = 75
+MAX_BUTTON_VALUE = 2000
+MAX_ACTION_ID = 255
+MAX_BLOCK_ID = 255
+MAX_ACTIONS_ELEMENTS = 25
+MAX_OPTIONS = 100
+MAX_OPTION_TEXT = 75
+MAX_OPTION_VALUE = 150
+#: Not documented, but observed (slackapi/bolt-js#2509): the text of a message's blocks
+#: taken together may not exceed about 13,200 characters, else ``msg_blocks_too_long``.
+MAX_BLOCKS_TOTAL_TEXT = 13_000
+
+
 def _message_problem(args: dict[str, Any]) -> str | None:
     blocks = args.get("blocks")
-    if not args.get("text") and not blocks and not args.get("attachments"):
+    text = args.get("text")
+    if not text and not blocks and not args.get("attachments"):
         return "no_text"
+    if text is not None and len(str(text)) > MAX_TEXT:
+        return "msg_too_long"
     if blocks is not None:
-        return _blocks_problem(blocks, limit=50)
+        problem = _blocks_problem(blocks, limit=MAX_MESSAGE_BLOCKS)
+        if problem:
+            return problem
+        if sum(len(t) for t in _texts(blocks)) > MAX_BLOCKS_TOTAL_TEXT:
+            return "msg_blocks_too_long"
     return None
 
 
+def _texts(value: Any) -> Iterable[str]:
+    """Every ``text`` string inside blocks, however deep."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if key == "text" and isinstance(item, str):
+                yield item
+            else:
+                yield from _texts(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _texts(item)
+
+
+def _text_of(obj: Any) -> str | None:
+    """A text object's string; None when ``obj`` is not a text object."""
+    if isinstance(obj, dict) and obj.get("type") in ("plain_text", "mrkdwn"):
+        text = obj.get("text")
+        return text if isinstance(text, str) else None
+    return None
+
+
+def _too_long(obj: Any, limit: int) -> bool:
+    """A text object that is missing, empty or longer than ``limit``."""
+    text = _text_of(obj)
+    return text is None or not text or len(text) > limit
+
+
+def _element_problem(element: Any) -> bool:
+    if not isinstance(element, dict) or "type" not in element:
+        return True
+    if len(str(element.get("action_id", ""))) > MAX_ACTION_ID:
+        return True
+    kind = element["type"]
+    if kind == "button":
+        if _too_long(element.get("text"), MAX_BUTTON_TEXT):
+            return True
+        if len(str(element.get("value", ""))) > MAX_BUTTON_VALUE:
+            return True
+    if kind == "static_select":
+        options = element.get("options")
+        if not isinstance(options, list) or not options or len(options) > MAX_OPTIONS:
+            return True
+        for option in options:
+            if not isinstance(option, dict) or _too_long(option.get("text"), MAX_OPTION_TEXT):
+                return True
+            if len(str(option.get("value", ""))) > MAX_OPTION_VALUE:
+                return True
+    return False
+
+
+def _block_problem(block: Any) -> bool:
+    if not isinstance(block, dict) or "type" not in block:
+        return True
+    if len(str(block.get("block_id", ""))) > MAX_BLOCK_ID:
+        return True
+    kind = block["type"]
+    if kind == "section":
+        text, fields = block.get("text"), block.get("fields")
+        if text is None and not fields:
+            return True
+        if text is not None and _too_long(text, MAX_SECTION_TEXT):
+            return True
+        if fields is not None:
+            if not isinstance(fields, list) or len(fields) > MAX_FIELDS:
+                return True
+            if any(_too_long(f, MAX_FIELD_TEXT) for f in fields):
+                return True
+        accessory = block.get("accessory")
+        return accessory is not None and _element_problem(accessory)
+    if kind == "header":
+        return (
+            _too_long(block.get("text"), MAX_HEADER_TEXT)
+            or _text_of(block.get("text")) is None
+            or block["text"].get("type") != "plain_text"
+        )
+    if kind == "context":
+        elements = block.get("elements")
+        if not isinstance(elements, list) or not elements or len(elements) > MAX_CONTEXT_ELEMENTS:
+            return True
+        return any(_too_long(e, MAX_SECTION_TEXT) for e in elements if "text" in e)
+    if kind == "actions":
+        elements = block.get("elements")
+        if not isinstance(elements, list) or not elements or len(elements) > MAX_ACTIONS_ELEMENTS:
+            return True
+        return any(_element_problem(e) for e in elements)
+    return False
+
+
 def _blocks_problem(blocks: Any, *, limit: int) -> str | None:
+    """``invalid_blocks`` for more than ``limit`` blocks or one that breaks a limit."""
     if not isinstance(blocks, list) or len(blocks) > limit:
         return "invalid_blocks"
-    for block in blocks:
-        if not isinstance(block, dict) or "type" not in block:
-            return "invalid_blocks"
-        text = block.get("text")
-        if isinstance(text, dict):
-            size = len(str(text.get("text", "")))
-            if (block["type"] == "section" and size > 3000) or (
-                block["type"] == "header" and size > 150
-            ):
-                return "invalid_blocks"
+    if any(_block_problem(block) for block in blocks):
+        return "invalid_blocks"
     return None
 
 

@@ -524,3 +524,289 @@ def test_two_sessions_racing_to_open_the_same_alert_end_with_one(db_engine: Engi
     assert [(r.id, r.count) for r in rows] == [(winner.id, 2)]
     assert len(chat.posts) == 1 and len(chat.updates) == 1
     assert journal.types() == ["alert_opened"]
+
+
+# --- one problem, one alert -----------------------------------------------------------
+
+
+def divergence(key: str, *, resolved: bool = False, began: int | None = None) -> Signal:
+    """A member of the divergent-loss incident, as jobs.rules.loss sends it."""
+    return Signal(
+        rule="divergent_loss",
+        key=key,
+        severity=Severity.CRITICAL if key != "trend" else Severity.WARNING,
+        title=f"Loss {key} in run r-1",
+        detail=f"{key} figures",
+        hint="Lower the learning rate.",
+        resolved=resolved,
+        incident="divergence",
+        stop_after_s=None if resolved else (0.0 if key == "nan" else 1800.0),
+        began_step=None if resolved else began,
+    )
+
+
+def test_a_rule_firing_again_within_the_quiet_period_reopens_the_same_alert(
+    db_engine: Engine,
+) -> None:
+    run = make_run(db_engine)
+    chat, journal = RecordingNotifier(), ListJournal()
+    [first] = feed(db_engine, run, [signal()], now=T0, notifier=chat, journal=journal)
+    with session_scope(db_engine) as session:
+        acknowledge(session, first.id, user="U-bob", now=T0, notifier=chat, journal=journal)
+    feed(db_engine, run, [signal(resolved=True)], now=T0 + timedelta(minutes=1),
+         notifier=chat, journal=journal)  # fmt: skip
+
+    # Ten minutes later (the quiet period is 15): the same alert, the same message.
+    [again] = feed(
+        db_engine, run, [signal()], now=T0 + timedelta(minutes=11), notifier=chat, journal=journal
+    )
+    assert again.id == first.id
+    row = stored(db_engine, first.id)
+    assert (row.state, row.count, row.reopened, row.resolved_at) == (AlertState.OPEN, 2, 1, None)
+    assert row.acked_by is None  # it came back: somebody has to look again
+    assert row.dedupe_key == "r-1|divergent_loss|nan"
+    assert len(chat.posts) == 1
+    assert _alert_msg(chat.updates[-1][1]).count == 2
+    assert _alert_msg(chat.updates[-1][1]).state == "OPEN"
+    assert journal.types().count("alert_opened") == 1
+    assert journal.records[-1][0] == "alert_reopened"
+    assert journal.records[-1][2]["alert_id"] == first.id
+
+    # Resolved for longer than the quiet period: a new problem, a new alert.
+    feed(db_engine, run, [signal(resolved=True)], now=T0 + timedelta(minutes=12),
+         notifier=chat, journal=journal)  # fmt: skip
+    [fresh] = feed(
+        db_engine, run, [signal()], now=T0 + timedelta(minutes=40), notifier=chat, journal=journal
+    )
+    assert fresh.id != first.id and fresh.count == 1 and fresh.reopened == 0
+    assert len(chat.posts) == 2 and journal.types().count("alert_opened") == 2
+
+
+def test_the_quiet_period_comes_from_the_runs_spec(db_engine: Engine) -> None:
+    with session_scope(db_engine) as session:
+        run = Run(
+            id="r-q", spec_name="tiny", spec={"alerts": {"quiet_period": "0s"}},
+            requester="U-alice", channel="C-ml", thread_ts="1715677200.000100",
+        )  # fmt: skip
+        session.add(run)
+    chat, journal = RecordingNotifier(), ListJournal()
+    [first] = feed(db_engine, run, [signal()], now=T0, notifier=chat, journal=journal)
+    feed(db_engine, run, [signal(resolved=True)], now=T0, notifier=chat, journal=journal)
+    [second] = feed(
+        db_engine, run, [signal()], now=T0 + timedelta(seconds=1), notifier=chat, journal=journal
+    )
+    assert second.id != first.id
+
+
+def test_a_spike_and_a_rising_trend_are_one_incident(db_engine: Engine) -> None:
+    run = make_run(db_engine)
+    chat, journal = RecordingNotifier(), ListJournal()
+    [alert] = feed(
+        db_engine, run, [divergence("spike", began=40), divergence("trend", resolved=True)],
+        now=T0, notifier=chat, journal=journal,
+    )  # fmt: skip
+    assert alert.key == "divergence" and alert.began_step == 40
+    # The trend joins it; the spike clearing in the same evaluation resolves nothing.
+    later = T0 + timedelta(minutes=1)
+    [same] = feed(
+        db_engine, run, [divergence("spike", resolved=True), divergence("trend", began=30)],
+        now=later, notifier=chat, journal=journal,
+    )  # fmt: skip
+    assert same.id == alert.id
+    row = stored(db_engine, alert.id)
+    assert row.state is AlertState.OPEN and row.severity is Severity.CRITICAL
+    assert row.began_step == 30  # the earlier of the two
+    assert "Loss spike in run r-1: spike figures (cleared)" in row.detail
+    assert "Loss trend in run r-1: trend figures" in row.detail
+    assert row.title == "Loss trend in run r-1"  # what still fires leads
+    assert len(chat.posts) == 1 and journal.types().count("alert_opened") == 1
+    assert journal.records[0][2]["member"] == "spike"
+    # "All clear" from a member that is not firing changes nothing and posts nothing.
+    updates = len(chat.updates)
+    feed(db_engine, run, [divergence("spike", resolved=True)], now=later,
+         notifier=chat, journal=journal)  # fmt: skip
+    assert len(chat.updates) == updates
+    # All members clear: the incident resolves.
+    [done] = feed(db_engine, run, [divergence("trend", resolved=True)],
+                  now=T0 + timedelta(minutes=2), notifier=chat, journal=journal)  # fmt: skip
+    assert done.id == alert.id and stored(db_engine, alert.id).state is AlertState.RESOLVED
+
+
+def test_flapping_is_said_once_not_repeated(db_engine: Engine) -> None:
+    run = make_run(db_engine)
+    chat, journal = RecordingNotifier(), ListJournal()
+    now = T0
+    [alert] = feed(db_engine, run, [signal()], now=now, notifier=chat, journal=journal)
+    for _ in range(6):
+        now += timedelta(minutes=1)
+        feed(db_engine, run, [signal(resolved=True)], now=now, notifier=chat, journal=journal)
+        now += timedelta(minutes=1)
+        [again] = feed(db_engine, run, [signal()], now=now, notifier=chat, journal=journal)
+        assert again.id == alert.id
+    assert len(chat.posts) == 1 and journal.types().count("alert_opened") == 1
+    assert journal.types().count("alert_flapping") == 1
+    flapping = [data for kind, _, data in journal.records if kind == "alert_flapping"]
+    assert flapping == [{"alert_id": alert.id, "times": 4}]
+    row = stored(db_engine, alert.id)
+    assert row.reopened == 6
+    assert "flapping: 6 times in 10 min" in row.detail
+    assert "flapping" in _alert_msg(chat.updates[-1][1]).detail
+
+
+def test_a_divergence_is_due_to_stop_unless_acknowledged_and_nan_stops_at_once(
+    db_engine: Engine,
+) -> None:
+    from jobs.alerts import stops_due
+
+    run = make_run(db_engine)
+    chat, journal = RecordingNotifier(), ListJournal()
+    [alert] = feed(db_engine, run, [divergence("spike", began=40)], now=T0,
+                   notifier=chat, journal=journal)  # fmt: skip
+    with session_scope(db_engine) as session:
+        assert stops_due(session, now=T0 + timedelta(minutes=29)) == []
+        assert [a.id for a in stops_due(session, now=T0 + timedelta(minutes=30))] == [alert.id]
+    with session_scope(db_engine) as session:
+        acknowledge(session, alert.id, user="U-bob", now=T0 + timedelta(minutes=5),
+                    notifier=chat, journal=journal)  # fmt: skip
+    with session_scope(db_engine) as session:
+        assert stops_due(session, now=T0 + timedelta(hours=2)) == []
+    # A NaN joins the acknowledged incident and stops the run at once all the same.
+    feed(db_engine, run, [divergence("nan", began=55)], now=T0 + timedelta(hours=1),
+         notifier=chat, journal=journal)  # fmt: skip
+    with session_scope(db_engine) as session:
+        assert [a.id for a in stops_due(session, now=T0 + timedelta(hours=1))] == [alert.id]
+
+
+# --- trainbot stops a diverging run ---------------------------------------------------
+
+
+@pytest.fixture
+def stop_deps(db_engine: Engine, settings: Any, tmp_path: Any) -> Any:
+    from jobs.deps import Deps
+    from jobs.providers.local import LocalProvider
+
+    provider = LocalProvider(tmp_path / "local")
+    deps = Deps(
+        settings=settings,
+        engine=db_engine,
+        provider=provider,
+        notifier=RecordingNotifier(),
+        journal=ListJournal(),
+    )
+    yield deps
+    deps.close()
+    provider.close()
+
+
+def running_run(engine: Engine, *, spec: dict[str, Any] | None = None) -> Run:
+    """A running run with one live attempt and checkpoints at steps 10, 30, 50 and 70."""
+    from jobs.lifecycle import AttemptState, RunState
+    from jobs.models import Attempt, Checkpoint
+
+    with session_scope(engine) as session:
+        run = Run(
+            id="r-1", spec_name="tiny", spec=spec or {"name": "tiny", "command": ["x"]},
+            requester="U-alice", channel="C-ml", thread_ts="1715677200.000100",
+            state=RunState.RUNNING, last_committed_step=70,
+        )  # fmt: skip
+        session.add(run)
+        session.flush()
+        session.add(
+            Attempt(id="a-1", run_id="r-1", number=1, provider="local", state=AttemptState.RUNNING)
+        )
+        for step in (10, 30, 50, 70):
+            session.add(
+                Checkpoint(run_id="r-1", step=step, uri=f"file:///ckpt/{step}", committed_at=T0)
+            )
+    return run
+
+
+def _run_and_attempt(engine: Engine) -> tuple[Run, Any]:
+    from jobs.models import Attempt
+
+    with Session(engine) as session:
+        run, attempt = session.get(Run, "r-1"), session.get(Attempt, "a-1")
+        assert run is not None and attempt is not None
+        return run, attempt
+
+
+def test_a_nan_loss_stops_the_run_and_offers_the_checkpoint_before_it(stop_deps: Any) -> None:
+    from jobs import tasks
+    from jobs.lifecycle import AttemptState, RunState
+
+    deps = stop_deps
+    run = running_run(deps.engine)
+    [alert] = feed(deps.engine, run, [divergence("nan", began=55)], now=T0,
+                   notifier=deps.notifier, journal=deps.journal)  # fmt: skip
+    assert tasks.stop_diverged(deps, now=T0) == ["r-1"]
+
+    run, attempt = _run_and_attempt(deps.engine)
+    assert run.state is RunState.STOPPED
+    assert run.reason is not None and run.reason.startswith("stopped by trainbot")
+    assert "not finite" in run.reason
+    # The runner is told to stop as for /train stop: it flushes, then the attempt ends.
+    assert attempt.state is AttemptState.TERMINATED
+    row = stored(deps.engine, alert.id)
+    assert (row.resume_step, row.stopped_at, row.stop_at) == (50, T0, None)
+    assert "Resubmit from step 50" in row.hint
+    shown = [m for _, m in deps.notifier.updates if isinstance(m, AlertMessage)]
+    assert "Resubmit from step 50" in shown[-1].hint
+    finished = [d for kind, _, d in deps.journal.records if kind == "run_finished"]
+    assert finished[0]["by"] == "trainbot" and finished[0]["resume_step"] == 50
+    # Retention keeps the checkpoint it offers while the alert is open.
+    with Session(deps.engine) as session:
+        assert tasks._protected_steps(session, "r-1") == {50}
+    # Done once: the next check finds nothing to stop.
+    assert tasks.stop_diverged(deps, now=T0 + timedelta(minutes=1)) == []
+
+
+def test_an_unacknowledged_divergence_stops_after_stop_after(stop_deps: Any) -> None:
+    from jobs import tasks
+    from jobs.lifecycle import RunState
+
+    deps = stop_deps
+    run = running_run(deps.engine)
+    feed(deps.engine, run, [divergence("spike", began=31)], now=T0,
+         notifier=deps.notifier, journal=deps.journal)  # fmt: skip
+    assert tasks.stop_diverged(deps, now=T0 + timedelta(minutes=29)) == []
+    assert tasks.escalation_job(deps, now=T0 + timedelta(minutes=30)) is not None
+    run, _ = _run_and_attempt(deps.engine)
+    assert run.state is RunState.STOPPED and "nobody acknowledged" in (run.reason or "")
+    with Session(deps.engine) as session:  # closed: PostgreSQL drops the schema after
+        [alert] = open_alerts(session, run_id="r-1")
+        assert alert.resume_step == 30
+
+
+def test_an_acknowledged_divergence_keeps_running(stop_deps: Any) -> None:
+    from jobs import tasks
+    from jobs.lifecycle import RunState
+
+    deps = stop_deps
+    run = running_run(deps.engine)
+    [alert] = feed(deps.engine, run, [divergence("spike", began=31)], now=T0,
+                   notifier=deps.notifier, journal=deps.journal)  # fmt: skip
+    with session_scope(deps.engine) as session:
+        acknowledge(session, alert.id, user="U-bob", now=T0 + timedelta(minutes=1),
+                    notifier=deps.notifier, journal=deps.journal)  # fmt: skip
+    assert tasks.stop_diverged(deps, now=T0 + timedelta(hours=3)) == []
+    assert _run_and_attempt(deps.engine)[0].state is RunState.RUNNING
+
+
+def test_on_nan_alert_only_alerts(stop_deps: Any) -> None:
+    from jobs import tasks
+    from jobs.lifecycle import RunState
+    from jobs.rules.loss import DivergentLoss
+    from jobs.spec import AlertThresholds
+
+    deps = stop_deps
+    run = running_run(deps.engine)
+    rule = DivergentLoss(AlertThresholds(on_nan="alert"))
+    from jobs.rules import Obs, RunContext
+
+    ctx = RunContext(run_id="r-1", last_heartbeat=None, preemption_times=(), attempt_number=1,
+                     last_committed_step=70, current_step=80)  # fmt: skip
+    window = [Obs(float(i), "metrics", {"step": i, "loss": "NaN"}) for i in range(3)]
+    signals = rule.evaluate(window, now=10.0, ctx=ctx)
+    feed(deps.engine, run, signals, now=T0, notifier=deps.notifier, journal=deps.journal)
+    assert tasks.stop_diverged(deps, now=T0 + timedelta(days=1)) == []
+    assert _run_and_attempt(deps.engine)[0].state is RunState.RUNNING

@@ -444,7 +444,7 @@ def test_a_dataset_in_another_region_fails_preflight_naming_both(
         f"the dataset s3://{far}/tokens is in eu-west-1 but the accelerators run in {REGION}"
     ) in data.detail
     assert f"stage the data into a bucket in {REGION}" in data.remedy
-    assert "resources.region=eu-west-1" in data.remedy
+    assert "list eu-west-1 in resources.regions" in data.remedy
     assert not report.ok
 
 

@@ -23,7 +23,7 @@ from jobs import service
 from jobs.bootstrap import ControlPlane
 from jobs.db import session_scope
 from jobs.lifecycle import AttemptState, RunState
-from jobs.models import Alert, Attempt, Event, MetricBlock, Run, hash_token
+from jobs.models import Alert, Attempt, EventRow, MetricBlock, Run, hash_token
 from jobs.notify import CallbackJournal
 from jobs.providers.base import InstanceState, LaunchRequest
 from jobs.runs import reconcile, resource_request, spec_of
@@ -87,7 +87,7 @@ def counts(cp: ControlPlane) -> tuple[int, int, int, int, int]:
         return (
             session.exec(select(func.count()).select_from(Run)).one(),
             session.exec(select(func.count()).select_from(Attempt)).one(),
-            session.exec(select(func.count()).select_from(Event)).one(),
+            session.exec(select(func.count()).select_from(EventRow)).one(),
             session.exec(select(func.count()).select_from(MetricBlock)).one(),
             session.exec(select(func.count()).select_from(Alert)).one(),
         )
@@ -491,6 +491,16 @@ def test_the_demo_tells_the_whole_story(tmp_path: Path) -> None:
     assert len(summaries) == 3
     for run, summary in summaries.items():
         assert summary["checkpoints_kept"] == kept[run], run
+    # The diverging run is stopped by trainbot, not trained to the end, and its one
+    # problem makes at most two alerts (one incident, reopened rather than reposted).
+    (diverge,) = {e["run"] for e in lines if e.get("rule") == "divergent_loss"}
+    stops = [e for e in lines if e["type"] == "run_finished" and e["run"] == diverge]
+    assert [(e["state"], e.get("by")) for e in stops] == [("STOPPED", "trainbot")]
+    assert summaries[diverge]["state"] == "STOPPED"
+    assert summaries[diverge]["reason"].startswith("stopped by trainbot")
+    assert "stopped by trainbot" in proc.stdout
+    opened = [e for e in lines if e["type"] == "alert_opened" and e["run"] == diverge]
+    assert 1 <= len(opened) <= 2, opened
     assert "code None" not in proc.stdout
     assert "database failed" not in proc.stderr, proc.stderr[-3000:]
     assert "Demo complete" in proc.stdout

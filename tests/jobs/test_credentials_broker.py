@@ -567,6 +567,8 @@ def test_the_broker_is_built_and_announced_to_runners_only_on_aws_with_the_role(
                     engine=engine,
                     provider=provider,
                     notifier=ConsoleNotifier(io.StringIO()),
+                    # As ControlPlane wires it: brokered only where a broker was built.
+                    store_credentials=build_credential_broker(settings) is not None,
                 )
                 env = runner_env(deps, run, attempt, spec_of(run))
                 assert env.get("TRAINBOT_STORE_CREDENTIALS") == expected

@@ -31,7 +31,7 @@ from jobs.models import (
     Budget,
     Checkpoint,
     CommandLog,
-    Event,
+    EventRow,
     MetricBlock,
     Run,
     SchedulerLease,
@@ -88,8 +88,8 @@ def event(
     run_id: str = "r-1",
     kind: str = "log",
     time: datetime = NOW,
-) -> Event:
-    return Event(
+) -> EventRow:
+    return EventRow(
         attempt_id=attempt_id, run_id=run_id, seq=seq, type=kind, time=time, data=data or {}
     )
 
@@ -161,7 +161,7 @@ def test_upgrading_a_database_with_rows_widens_steps_seqs_and_bytes(
         assert attempt is not None
         attempt.last_seq, attempt.last_step = 2**40, big_step
     with session_scope(empty_engine) as session:
-        assert sorted(e.seq for e in session.exec(select(Event)).all()) == [7, 2**40]
+        assert sorted(e.seq for e in session.exec(select(EventRow)).all()) == [7, 2**40]
         checkpoint = session.exec(select(Checkpoint)).one()
         assert (checkpoint.step, checkpoint.bytes) == (big_step, three_gib)
         attempt = session.get(Attempt, "a-1")
@@ -232,7 +232,7 @@ def test_upgrading_moves_metrics_rows_into_blocks_and_downgrading_moves_them_bac
         assert points[5][3] == {"step": 5, "loss": "NaN"}
         assert blocks[1].first_time == NOW + timedelta(seconds=125, microseconds=7)
         assert blocks[1].last_time == NOW + timedelta(seconds=249.75, microseconds=7)
-        assert [(e.seq, e.type) for e in session.exec(select(Event)).all()] == [(5000, "log")]
+        assert [(e.seq, e.type) for e in session.exec(select(EventRow)).all()] == [(5000, "log")]
 
     with empty_engine.begin() as connection:
         command.downgrade(alembic_config(connection), "0003")
@@ -270,7 +270,7 @@ def test_attempt_and_seq_are_unique(db_engine: Engine) -> None:
             session.add(event(1, {"loss": 0.5}))
     # The failed batch left nothing behind, and the original event is untouched.
     with session_scope(db_engine) as session:
-        stored = session.exec(select(Event)).all()
+        stored = session.exec(select(EventRow)).all()
     assert [(e.seq, e.data) for e in stored] == [(1, {"loss": 1.0})]
     add_run_and_attempt(db_engine, run_id="r-2", attempt_id="a-2")
     with session_scope(db_engine) as session:
@@ -352,7 +352,7 @@ def test_json_round_trip(db_engine: Engine) -> None:
         )
     with session_scope(db_engine) as session:
         run = session.get(Run, "r-1")
-        stored = session.exec(select(Event)).one()
+        stored = session.exec(select(EventRow)).one()
         budget = session.exec(select(Budget)).one()
         checkpoint = session.exec(select(Checkpoint)).one()
     assert run is not None

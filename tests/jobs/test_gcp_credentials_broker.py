@@ -90,7 +90,9 @@ def _handler(google: FakeGoogle) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            minting = re.fullmatch(r"/v1/projects/-/serviceAccounts/(.+):generateAccessToken", self.path)
+            minting = re.fullmatch(
+                r"/v1/projects/-/serviceAccounts/(.+):generateAccessToken", self.path
+            )
             if self.path == "/v1/token":
                 return self._exchange(body)
             if minting:
@@ -580,6 +582,8 @@ def test_the_broker_is_built_and_announced_to_runners_only_on_gcp_with_the_accou
                     engine=engine,
                     provider=provider,
                     notifier=ConsoleNotifier(io.StringIO()),
+                    # As ControlPlane wires it: brokered only where a broker was built.
+                    store_credentials=build_credential_broker(settings) is not None,
                 )
                 env = runner_env(deps, run, attempt, spec_of(run))
                 assert env.get("TRAINBOT_STORE_CREDENTIALS") == expected
@@ -598,8 +602,13 @@ def test_deploy_gives_checkpoints_to_the_storage_account_and_not_the_instances()
     ]
     readme = (ROOT / "deploy" / "gcp" / "README.md").read_text()
     commands = readme.replace("\\\n", " ")
-    bucket_bindings = re.findall(r"buckets add-iam-policy-binding gs://\S+ (--member=\S+)", commands)
-    assert bucket_bindings == ["--member=serviceAccount:$STORAGE"]
+    bucket_bindings = re.findall(
+        r"buckets add-iam-policy-binding gs://\S+ (--member=\S+)", commands
+    )
+    # The storage account (runners, through downscoped tokens) and the control plane
+    # (retention's deletes); never the instances' own account, which the code shares.
+    assert bucket_bindings == ["--member=serviceAccount:$STORAGE", "--member=serviceAccount:$CP"]
+    assert "--member=serviceAccount:$RUNNER" not in bucket_bindings
     mint = re.findall(r"add-iam-policy-binding (\S+) .*trainbotMintRunnerStorageTokens", commands)
     assert mint == ["$STORAGE"]
     assert "TRAINBOT_GCP_RUNNER_STORAGE_SERVICE_ACCOUNT=$STORAGE" in readme

@@ -23,7 +23,7 @@ from sqlmodel import select as sm_select
 from jobs.ingest import RECENT_OBS, IngestService
 from jobs.ingest.writers import time_texts
 from jobs.lifecycle import AttemptState
-from jobs.models import Attempt, Checkpoint, Event, MetricBlock, Run, hash_token
+from jobs.models import Attempt, Checkpoint, EventRow, MetricBlock, Run, hash_token
 from jobs.rules import DivergentLoss, Rule, Signal
 from runner.wire import Event as WireEvent
 from runner.wire import encode_batch
@@ -180,7 +180,7 @@ class Stored:
 def stored_events(engine: Engine) -> list[Stored]:
     """Every stored event, rows and block points, in seq order."""
     with Session(engine) as session:
-        found = [Stored(e.seq, e.type, e.time, e.data) for e in session.exec(sm_select(Event))]
+        found = [Stored(e.seq, e.type, e.time, e.data) for e in session.exec(sm_select(EventRow))]
         for block in session.exec(sm_select(MetricBlock)):
             assert block.count == len(block.seqs) == len(block.times) == len(block.data)
             assert (block.first_seq, block.last_seq) == (block.seqs[0], block.seqs[-1])
@@ -588,17 +588,21 @@ def test_lifecycle_events_reach_the_service_layer_once_and_in_order(db_engine: E
         ("started", {"pid": 1, "host": "h"}),
         metrics(1),
         ("log", {"level": "info", "message": "hello"}),
+        ("log", {"level": "warning", "message": "nothing was synced"}),
         ("exit", {"code": 75, "reason": "preempted"}),
     ]
 
     svc.handle(AUTH, body(items))
     svc.handle(AUTH, body(items))
 
+    # Info lines stay in the table; a runner's warning is for the people on the run.
     assert [(a, t) for a, t, _ in recorder.attempt_events] == [
         ("a-1", "started"),
+        ("a-1", "log"),
         ("a-1", "exit"),
     ]
-    assert recorder.attempt_events[1][2] == {"code": 75, "reason": "preempted"}
+    assert recorder.attempt_events[1][2]["message"] == "nothing was synced"
+    assert recorder.attempt_events[2][2] == {"code": 75, "reason": "preempted"}
 
 
 def test_failing_callbacks_never_fail_the_batch(db_engine: Engine) -> None:

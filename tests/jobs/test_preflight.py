@@ -145,13 +145,14 @@ def context(
     *,
     mtbp_s: float = 3600.0,
     request: ResourceRequest | None = None,
+    store: str | None = None,
 ) -> PreflightContext:
     return PreflightContext(
         spec=job,
         run_id="r-pre",
         provider=provider,
         request=request or resource_request(job),
-        checkpoint_uri=str(tmp_path / "ck"),
+        checkpoint_uri=store or str(tmp_path / "ck"),
         mtbp_s=mtbp_s,
         env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
         workdir=tmp_path / "work",
@@ -336,7 +337,12 @@ def test_data_in_another_region_fails(tmp_path: Path) -> None:
     assert got.status is Status.FAIL
     assert "eu-west-1" in got.detail and "us-east-1" in got.detail
     assert "stage the data into a bucket in us-east-1" in got.remedy
-    near = context(tmp_path, spec(data_uri="s3://near/train", resources=resources), cloud)
+    near = context(
+        tmp_path,
+        spec(data_uri="s3://near/train", resources=resources),
+        cloud,
+        store="s3://near/ckpt",
+    )
     assert DataLocalityCheck().run(near, prior={}).status is Status.PASS
 
 
@@ -344,6 +350,234 @@ def test_a_local_path_for_a_cloud_run_cannot_be_checked(tmp_path: Path) -> None:
     job = spec(data_uri="/mnt/data", resources={"cloud": "gcp", "region": "us-central1"})
     got = DataLocalityCheck().run(context(tmp_path, job, CloudAnswers(name="gcp")), prior={})
     assert got.status is Status.WARN and "us-central1" in got.remedy
+
+
+def test_a_checkpoint_store_in_another_region_fails(tmp_path: Path) -> None:
+    cloud = CloudAnswers(buckets={"ckpt-eu": "eu-west-1", "ckpt-us": "us-east-1"})
+    job = spec(resources={"cloud": "aws", "region": "us-east-1"})
+    got = DataLocalityCheck().run(context(tmp_path, job, cloud, store="s3://ckpt-eu/r"), prior={})
+    assert got.status is Status.FAIL
+    assert "checkpoint store s3://ckpt-eu/r is in eu-west-1 but the run is in us-east-1" in (
+        got.detail
+    )
+    assert "aws s3 mb s3://BUCKET --region us-east-1" in got.remedy
+    assert "checkpoint.uri" in got.remedy
+    assert got.data["checkpoint"]["bucket_region"] == "eu-west-1"
+    near = DataLocalityCheck().run(context(tmp_path, job, cloud, store="s3://ckpt-us/r"), prior={})
+    assert near.status is Status.PASS, near.detail
+    assert "checkpoint store s3://ckpt-us/r is in us-east-1" in near.detail
+
+
+def test_a_gcs_checkpoint_bucket_elsewhere_names_the_soft_delete_flag(tmp_path: Path) -> None:
+    cloud = CloudAnswers(name="gcp", buckets={"ck": "europe-west4"})
+    job = spec(resources={"cloud": "gcp", "region": "us-central1"})
+    got = DataLocalityCheck().run(context(tmp_path, job, cloud, store="gs://ck/runs"), prior={})
+    assert got.status is Status.FAIL
+    assert (
+        "gcloud storage buckets create gs://BUCKET --location=us-central1 "
+        "--soft-delete-duration=0" in got.remedy
+    )
+
+
+def test_a_local_checkpoint_path_on_a_cloud_dies_with_the_instance(tmp_path: Path) -> None:
+    job = spec(resources={"cloud": "aws", "region": "us-east-1"})
+    for store in ("/mnt/ckpt", "file:///mnt/ckpt"):
+        got = DataLocalityCheck().run(context(tmp_path, job, CloudAnswers(), store=store), prior={})
+        assert got.status is Status.WARN, store
+        assert "dies with the instance" in got.detail or "die with the instance" in got.detail
+        assert "create a checkpoint bucket in us-east-1" in got.remedy
+
+
+def test_a_local_checkpoint_path_passes_where_instances_run_here(
+    tmp_path: Path, local: LocalProvider
+) -> None:
+    for store in (str(tmp_path / "ck"), (tmp_path / "ck").as_uri()):
+        got = DataLocalityCheck().run(context(tmp_path, spec(), local, store=store), prior={})
+        assert got.status is Status.PASS, got.detail
+        assert "on this machine" in got.detail
+
+
+@pytest.mark.parametrize(
+    ("provider", "region", "store", "other"),
+    [
+        ("aws", "us-east-1", "gs://ckpt/runs", "gcp"),
+        ("gcp", "us-central1", "s3://ckpt/runs", "aws"),
+    ],
+)
+def test_a_checkpoint_store_on_the_other_cloud_fails(
+    tmp_path: Path, provider: str, region: str, store: str, other: str
+) -> None:
+    # The bucket's region would even match: the instance still has no credentials for it.
+    cloud = CloudAnswers(name=provider, buckets={"ckpt": region})
+    job = spec(resources={"cloud": provider, "region": region})
+    got = DataLocalityCheck().run(context(tmp_path, job, cloud, store=store), prior={})
+    assert got.status is Status.FAIL
+    assert f"is on {other} but the run's instances are on {provider}" in got.detail
+    assert "no credentials" in got.detail
+    assert f"create a checkpoint bucket in {region}" in got.remedy
+
+
+def test_a_checkpoint_bucket_of_unknown_region_warns(tmp_path: Path) -> None:
+    job = spec(resources={"cloud": "aws", "region": "us-east-1"})
+    ctx = context(tmp_path, job, CloudAnswers(), store="s3://theirs/ckpt")
+    got = DataLocalityCheck().run(ctx, prior={})
+    assert got.status is Status.WARN
+    assert "cannot tell which region holds the checkpoint store s3://theirs/ckpt" in got.detail
+    assert "check that s3://theirs/ckpt is in us-east-1" in got.remedy
+
+
+def test_an_unreadable_checkpoint_bucket_fails_and_keeps_the_datasets_answer(
+    tmp_path: Path,
+) -> None:
+    cloud = CloudAnswers(buckets={"near": "us-east-1"})
+    job = spec(data_uri="s3://near/train", resources={"cloud": "aws", "region": "us-east-1"})
+    ctx = context(tmp_path, job, cloud, store="s3://forbidden/ckpt")
+    got = DataLocalityCheck().run(ctx, prior={})
+    assert got.status is Status.FAIL
+    assert "dataset s3://near/train is in us-east-1" in got.detail
+    assert "cannot check the checkpoint store s3://forbidden/ckpt" in got.detail
+    assert "s3:GetBucketLocation" in got.detail and "fix what the message says" in got.remedy
+
+
+def test_the_worse_half_decides_and_both_remedies_are_given(tmp_path: Path) -> None:
+    cloud = CloudAnswers(buckets={"corpus": "eu-west-1"})
+    job = spec(data_uri="s3://corpus/train", resources={"cloud": "aws", "region": "us-east-1"})
+    got = DataLocalityCheck().run(context(tmp_path, job, cloud, store="/mnt/ck"), prior={})
+    assert got.status is Status.FAIL, "the dataset fails, the store only warns"
+    assert "stage the data into a bucket in us-east-1" in got.remedy
+    assert "create a checkpoint bucket in us-east-1" in got.remedy
+    assert got.data["bucket_region"] == "eu-west-1", "the dataset's figures stay on top"
+    assert got.data["checkpoint"]["uri"] == "/mnt/ck"
+
+
+# -- several regions ---------------------------------------------------------------------
+
+
+@dataclass
+class Regional(CloudAnswers):
+    """CloudAnswers with an answer per region: the regions listed are out of quota, or of
+    capacity (spot, or every market)."""
+
+    no_quota: set[str] = field(default_factory=set)
+    no_spot: set[str] = field(default_factory=set)
+    asked: list[tuple[str, bool, tuple[str, ...]]] = field(default_factory=list)
+
+    def quota(self, req: ResourceRequest) -> QuotaInfo:
+        ok = req.region not in self.no_quota
+        return QuotaInfo(
+            limit=8 if ok else 0,
+            used=0,
+            needed=1,
+            unit="GPUs",
+            ok=ok,
+            detail=f"{8 if ok else 0} A100 GPUs in {req.region}",
+            remedy="" if ok else f"request more A100 GPUs in {req.region}",
+        )
+
+    def capacity(self, req: ResourceRequest) -> list[ZoneCapacity]:
+        self.asked.append((req.region, req.spot, req.zones))
+        out = req.spot and req.region in self.no_spot
+        return [ZoneCapacity(f"{req.region}a", not out, None, "no spot capacity" if out else "")]
+
+
+TWO_REGIONS = {"cloud": "aws", "regions": ["us-east-1", "us-west-2"], "accelerator": "A100:1"}
+
+
+def test_quota_passes_in_the_second_region_and_names_the_first_as_short(tmp_path: Path) -> None:
+    cloud = Regional(no_quota={"us-east-1"})
+    got = QuotaCheck().run(context(tmp_path, spec(resources=TWO_REGIONS), cloud), prior={})
+    assert got.status is Status.PASS
+    assert "covers 1 × A100 (spot, us-east-1 or us-west-2) in us-west-2" in got.detail
+    assert "not in us-east-1" in got.detail and "limit 0 GPUs" in got.detail
+    assert got.data["usable_regions"] == ["us-west-2"]
+    assert got.data["regions"]["us-east-1"]["ok"] is False
+
+
+def test_quota_in_no_region_fails_naming_both_with_their_remedies(tmp_path: Path) -> None:
+    cloud = Regional(no_quota={"us-east-1", "us-west-2"})
+    got = QuotaCheck().run(context(tmp_path, spec(resources=TWO_REGIONS), cloud), prior={})
+    assert got.status is Status.FAIL
+    assert "no region of resources.regions" in got.detail
+    assert "us-east-1: 0 A100 GPUs" in got.detail and "us-west-2: 0 A100 GPUs" in got.detail
+    assert "in us-east-1" in got.remedy and "in us-west-2" in got.remedy
+
+
+def test_capacity_passes_in_the_second_region_and_the_budget_prices_spot_there(
+    tmp_path: Path,
+) -> None:
+    cloud = Regional(no_spot={"us-east-1"})
+    job = spec(
+        command="python train.py --steps 3600",
+        resources={**TWO_REGIONS, "zones": ["us-west-2a"], "on_demand_fallback": True},
+        checkpoint={"interval": "10m"},
+    )
+    ctx = context(tmp_path, job, cloud)
+    got = CapacityCheck().run(ctx, prior={})
+    assert got.status is Status.PASS, got.detail
+    assert "available now in us-west-2a" in got.detail
+    assert "none in us-east-1 (us-east-1a: no spot capacity)" in got.detail
+    assert got.data["region"] == "us-west-2" and got.data["on_demand"] is False
+    # Each region is asked with its own zones, as the launch asks (request_in).
+    assert ("us-east-1", True, ()) in cloud.asked and ("us-west-2", True, ("us-west-2a",)) in (
+        cloud.asked
+    )
+    assert not [a for a in cloud.asked if not a[1]], "spot somewhere: on-demand not asked"
+    budget = BudgetCheck().run(ctx, prior={"capacity": got, "dry_run": dry_result(step_time_s=1.0)})
+    assert budget.data["price_kind"] == "spot" and cloud.priced_zones == ["us-west-2a"]
+
+
+def test_capacity_out_in_every_region_fails_naming_both(tmp_path: Path) -> None:
+    cloud = Regional(no_spot={"us-east-1", "us-west-2"})
+    got = CapacityCheck().run(context(tmp_path, spec(resources=TWO_REGIONS), cloud), prior={})
+    assert got.status is Status.FAIL
+    assert "no zone of us-east-1 or us-west-2 offers" in got.detail
+    assert "us-east-1: us-east-1a: no spot capacity" in got.detail
+    assert "us-west-2: us-west-2a: no spot capacity" in got.detail
+    assert "resources.regions" in got.remedy
+
+
+def test_on_demand_is_priced_only_when_no_region_has_spot(tmp_path: Path) -> None:
+    cloud = Regional(no_spot={"us-east-1", "us-west-2"})
+    job = spec(resources={**TWO_REGIONS, "on_demand_fallback": True})
+    got = CapacityCheck().run(context(tmp_path, job, cloud), prior={})
+    assert got.status is Status.WARN and got.data["on_demand"] is True
+    assert "no zone of us-east-1 or us-west-2 has spot capacity" in got.detail
+    assert got.data["region"] == "us-east-1"
+
+
+def test_data_in_only_one_region_passes_with_that_one(tmp_path: Path) -> None:
+    cloud = CloudAnswers(buckets={"corpus": "us-west-2", "ck": "us-west-2"})
+    job = spec(data_uri="s3://corpus/train", resources=TWO_REGIONS)
+    got = DataLocalityCheck().run(context(tmp_path, job, cloud, store="s3://ck/r"), prior={})
+    assert got.status is Status.PASS, got.detail
+    assert got.detail.startswith("the run can go to us-west-2: dataset s3://corpus/train is in")
+    assert "not us-east-1: the dataset s3://corpus/train is in us-west-2" in got.detail
+    assert got.data["usable_regions"] == ["us-west-2"]
+    assert got.data["regions"] == {"us-east-1": "fail", "us-west-2": "pass"}
+    allowed = spec(
+        data_uri="s3://corpus/train", resources={**TWO_REGIONS, "regions": ["us-east-1"]}
+    )
+    far = DataLocalityCheck().run(context(tmp_path, allowed, cloud, store="s3://ck/r"), prior={})
+    assert far.status is Status.FAIL and "list us-west-2 in resources.regions" in far.remedy
+
+
+def test_data_in_neither_region_fails_naming_both(tmp_path: Path) -> None:
+    cloud = CloudAnswers(buckets={"corpus": "eu-west-1", "ck": "eu-west-1"})
+    job = spec(data_uri="s3://corpus/train", resources=TWO_REGIONS)
+    got = DataLocalityCheck().run(context(tmp_path, job, cloud, store="s3://ck/r"), prior={})
+    assert got.status is Status.FAIL
+    assert "us-east-1 and us-west-2" in got.detail
+    assert "us-east-1: stage the data" in got.remedy and "us-west-2: stage" in got.remedy
+
+
+def test_cross_region_data_passes_when_the_spec_allows_it(tmp_path: Path) -> None:
+    cloud = CloudAnswers(buckets={"corpus": "eu-west-1", "ck": "us-east-1"})
+    job = spec(
+        data_uri="s3://corpus/train",
+        resources={"cloud": "aws", "region": "us-east-1", "allow_cross_region_data": True},
+    )
+    got = DataLocalityCheck().run(context(tmp_path, job, cloud, store="s3://ck/r"), prior={})
+    assert got.status is Status.PASS and "across regions" in got.detail
 
 
 # -- checkpoint interval and budget ----------------------------------------------------------
@@ -395,10 +629,12 @@ def test_estimate_over_budget_warns_with_the_hard_cap_share(
 ) -> None:
     job = spec(
         command="python train.py --steps 7200",
-        resources={"instances": 2},
         checkpoint={"interval": "10m"},
         budget={"usd": 3},
     )
+    # Two instances are refused at validation until multi-node runs exist; the estimate
+    # still charges N of them, which is what this checks.
+    job = job.model_copy(update={"resources": job.resources.model_copy(update={"instances": 2})})
     ctx = context(tmp_path, job, local, mtbp_s=7200)
     got = BudgetCheck().run(
         ctx, prior={"dry_run": dry_result(step_time_s=0.5, write_s=2.0, restore_s=1.0)}
@@ -550,7 +786,7 @@ def test_without_figures_the_report_keeps_the_specs_interval(
 
 
 def test_resource_request_and_assumed_mtbp(tmp_path: Path, local: LocalProvider) -> None:
-    job = spec(resources={"cloud": "aws", "accelerator": "A100:8", "spot": False, "instances": 2})
+    job = spec(resources={"cloud": "aws", "accelerator": "A100:8", "spot": False})
     req = resource_request(job)
     assert (req.cloud, req.region, req.accelerator_type, req.accelerator_count) == (
         "aws",

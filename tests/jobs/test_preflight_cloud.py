@@ -33,6 +33,7 @@ from jobs.lifecycle import RunState
 from jobs.notify import CallbackJournal, CheckLine
 from jobs.preflight import (
     BudgetCheck,
+    CapacityCheck,
     DataLocalityCheck,
     DryRunCheck,
     PreflightContext,
@@ -235,6 +236,7 @@ def test_on_gcp_preflight_and_launch_run_nothing_here(tmp_path: Path, gce: FakeC
         "budget:\n  usd: 50\n"
         "dry_run:\n  local: true\n"
     )
+    gce.buckets["ckpt-bucket"] = "US-CENTRAL1"  # the checkpoint store, in the run's region
     env = {
         "TRAINBOT_GCP_PROJECT": gce.project,
         "TRAINBOT_CHECKPOINT_URI": "gs://ckpt-bucket/default",
@@ -353,7 +355,8 @@ def test_a_local_data_path_is_not_looked_up_here_for_a_cloud_provider(
         job = parse_spec(
             {"command": "true", "data_uri": str(path), "resources": {"cloud": "local"}}, name="t"
         )
-        got = DataLocalityCheck().run(aws_context(tmp_path, job, aws), prior={})
+        store = str(tmp_path / "ckpt")  # the spec's "local" region matches no bucket
+        got = DataLocalityCheck().run(aws_context(tmp_path, job, aws, store=store), prior={})
         assert got.status is Status.WARN, got.detail
         assert "cannot be checked from here" in got.detail and "aws image" in got.remedy
 
@@ -438,3 +441,113 @@ def test_slash_train_preflight_with_a_command_override_runs_nothing_here(
         hooks.close()
         fake.close()
     assert not marker.exists()
+
+
+# -- the checkpoint store's region -------------------------------------------------------
+
+
+def test_on_aws_a_checkpoint_bucket_in_another_region_fails_preflight(
+    tmp_path: Path, moto: dict[str, Any]
+) -> None:
+    aws = on_aws.make_aws(moto, boto3.session.Session())
+    far = fake_aws.unique_bucket(moto["url"], region="eu-west-1", prefix="ckpt")
+    job = parse_spec({"command": "true", "resources": {"cloud": "aws"}}, name="t")
+    report = run_preflight(
+        aws_context(tmp_path, job, aws, store=f"s3://{far}/runs"), [DataLocalityCheck()]
+    )
+    (got,) = report.results
+    assert got.status is Status.FAIL and not report.ok
+    assert (
+        f"the checkpoint store s3://{far}/runs is in eu-west-1 but the run is in {on_aws.REGION}"
+    ) in got.detail
+    assert f"aws s3 mb s3://BUCKET --region {on_aws.REGION}" in got.remedy
+    assert "checkpoint.uri" in got.remedy
+    near = f"s3://{moto['bucket']}/runs"
+    passed = DataLocalityCheck().run(aws_context(tmp_path, job, aws, store=near), prior={})
+    assert passed.status is Status.PASS, passed.detail
+    assert f"checkpoint store {near} is in {on_aws.REGION}" in passed.detail
+    # A Cloud Storage bucket is out of reach of the instance's credentials.
+    other = DataLocalityCheck().run(aws_context(tmp_path, job, aws, store="gs://ck/x"), prior={})
+    assert other.status is Status.FAIL
+    assert "is on gcp but the run's instances are on aws" in other.detail
+    # A bucket that does not exist cannot take a checkpoint.
+    missing = f"s3://missing-{far}/runs"
+    gone = DataLocalityCheck().run(aws_context(tmp_path, job, aws, store=missing), prior={})
+    assert gone.status is Status.FAIL and "does not exist" in gone.detail
+
+
+def test_on_gcp_a_checkpoint_bucket_in_another_region_fails_preflight(
+    tmp_path: Path, gce: FakeComputeApi
+) -> None:
+    gcp = GcpProvider(
+        project=gce.project,
+        region=GCP_REGION,
+        api_endpoint=gce.url,
+        credentials=AnonymousCredentials(),
+    )
+    gce.buckets.update({"ck-eu": "EUROPE-WEST4", "ck-us": "US-CENTRAL1", "ck-dual": "EUR4"})
+    job = parse_spec(
+        {"command": "true", "resources": {"cloud": "gcp", "region": GCP_REGION}}, name="t"
+    )
+
+    def check(store: str) -> Any:
+        return DataLocalityCheck().run(aws_context(tmp_path, job, gcp, store=store), prior={})
+
+    far = check("gs://ck-eu/runs")
+    assert far.status is Status.FAIL
+    assert f"is in europe-west4 but the run is in {GCP_REGION}" in far.detail
+    assert (
+        f"gcloud storage buckets create gs://BUCKET --location={GCP_REGION} "
+        "--soft-delete-duration=0"
+    ) in far.remedy
+    dual = check("gs://ck-dual/runs")
+    assert dual.status is Status.FAIL and "is in eur4" in dual.detail
+    near = check("gs://ck-us/runs")
+    assert near.status is Status.PASS, near.detail
+    other = check("s3://ck-us/runs")
+    assert other.status is Status.FAIL and "is on aws but the run's instances are on gcp" in (
+        other.detail
+    )
+    local = check("/var/trainbot/ckpt")
+    assert local.status is Status.WARN and "die with the instance" in local.detail
+
+
+def test_on_aws_with_the_first_region_full_capacity_passes_in_the_second(
+    tmp_path: Path, moto: dict[str, Any]
+) -> None:
+    """Two regions on moto; no zone of the first can be used (no subnet the runner may
+    take), so the run can only fail over: the check passes, naming the second."""
+    west = "us-west-2"
+    images = [
+        {
+            i["ImageId"]
+            for i in fake_aws.client("ec2", moto["url"], region=r).describe_images(
+                Owners=["amazon"]
+            )["Images"]
+        }
+        for r in (on_aws.REGION, west)
+    ]
+    aws = AwsProvider(
+        region=on_aws.REGION,
+        endpoint_url=moto["url"],
+        image_id=min(images[0] & images[1]),  # one both regions have, for the launch probe
+        instance_profile="trainbot-runner",
+        session=boto3.session.Session(),
+        subnet_ids={f"{west}a": "subnet-west-a", f"{west}b": "subnet-west-b"},
+    )
+    job = parse_spec(
+        {
+            "command": ["python", "train.py"],
+            "resources": {
+                "cloud": "aws",
+                "regions": [on_aws.REGION, west],
+                "accelerator": "A10G:1",
+            },
+        },
+        name="two-regions",
+    )
+    got = CapacityCheck().run(aws_context(tmp_path, job, aws), prior={})
+    assert got.status is Status.PASS, got.detail
+    assert got.data["region"] == west and got.data["usable_regions"] == [west]
+    assert got.data["zones"] and all(z.startswith(west) for z in got.data["zones"])
+    assert f"none in {on_aws.REGION} (" in got.detail and "no subnet is configured" in got.detail

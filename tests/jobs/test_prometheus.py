@@ -9,6 +9,7 @@ as the service layer leaves them.
 
 from __future__ import annotations
 
+import re
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -25,8 +26,17 @@ from bot.slack_notifier import SlackNotifier
 from jobs.db import make_engine, migrate
 from jobs.ingest import IngestService
 from jobs.lifecycle import AttemptState, RunState
-from jobs.models import Alert, AlertState, Attempt, Budget, Run, SchedulerLease, Severity
-from jobs.models import SpendRecord, hash_token
+from jobs.models import (
+    Alert,
+    AlertState,
+    Attempt,
+    Budget,
+    Run,
+    SchedulerLease,
+    Severity,
+    SpendRecord,
+    hash_token,
+)
 from jobs.notify import TextMessage
 from jobs.prometheus import ControlPlaneMetrics
 from jobs.server import EVENTS_PATH, ControlPlaneApp, ServerHandle, serve
@@ -34,6 +44,7 @@ from runner.wire import Event as WireEvent
 from runner.wire import encode_batch
 from tests.fakes.slack_api import FakeSlack
 
+ROOT = Path(__file__).resolve().parents[2]
 NOW = datetime.now(timezone.utc)
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -43,7 +54,9 @@ def scrape(url: str) -> tuple[Samples, set[str]]:
         text = reply.read().decode()
     families = list(text_string_to_metric_families(text))
     samples = {
-        (s.name, frozenset(s.labels.items())): s.value for family in families for s in family.samples
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in families
+        for s in family.samples
     }
     return samples, {family.name for family in families}
 
@@ -139,7 +152,7 @@ def test_metrics_hold_every_family_after_a_small_scenario(engine: Engine) -> Non
         scheduler.start()
         queued, _ = scrape(server.url)
         deadline = time.monotonic() + 15
-        while app.metrics.value("trainbot_scheduler_job_runs_total", {"job": "digest"}) != 1:
+        while app.metrics.value("trainbot_scheduler_job_runs_total", {"task": "digest"}) != 1:
             assert time.monotonic() < deadline, "the scheduled jobs did not run"
             time.sleep(0.05)
         assert notifier.flush(15)
@@ -186,8 +199,12 @@ def test_metrics_hold_every_family_after_a_small_scenario(engine: Engine) -> Non
     assert value(samples, "trainbot_paid_instance_seconds_total", channel="C1") == 10800
     assert value(samples, "trainbot_lost_instance_seconds_total", channel="C1") == 720
     assert value(samples, "trainbot_channel_goodput_ratio", channel="C2") == 1.0
+    month = NOW.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    month_to_date = sum(
+        usd for end, usd in ((NOW - timedelta(hours=2), 3.0), (NOW, 1.5)) if end >= month
+    )
     assert value(samples, "trainbot_team_budget_used_ratio", channel="C1") == pytest.approx(
-        0.045 if NOW.day > 1 or NOW.hour >= 4 else 0.045, abs=0.031
+        month_to_date / 100.0
     )
     # Alerts: open (not resolved) and unacknowledged by severity; escalations ever.
     assert value(samples, "trainbot_alerts_open", severity="critical") == 1
@@ -208,13 +225,21 @@ def test_metrics_hold_every_family_after_a_small_scenario(engine: Engine) -> Non
     assert value(samples, "trainbot_slack_calls_total", outcome="sent") == 6
     assert value(samples, "trainbot_slack_calls_total", outcome="dropped") == 0
     # The scheduler: one run each, the digest's a failure; lag observed per job.
-    assert value(samples, "trainbot_scheduler_job_runs_total", job="reconcile") == 1
-    assert value(samples, "trainbot_scheduler_job_failures_total", job="digest") == 1
-    assert ("trainbot_scheduler_job_failures_total", frozenset({("job", "reconcile")})) not in samples
-    assert value(samples, "trainbot_scheduler_job_lag_seconds_count", job="reconcile") == 1
-    assert 0 <= value(samples, "trainbot_scheduler_job_lag_seconds_sum", job="reconcile") < 10
+    assert value(samples, "trainbot_scheduler_job_runs_total", task="reconcile") == 1
+    assert value(samples, "trainbot_scheduler_job_failures_total", task="digest") == 1
+    assert (
+        "trainbot_scheduler_job_failures_total",
+        frozenset({("task", "reconcile")}),
+    ) not in samples
+    assert value(samples, "trainbot_scheduler_job_lag_seconds_count", task="reconcile") == 1
+    assert 0 <= value(samples, "trainbot_scheduler_job_lag_seconds_sum", task="reconcile") < 10
     assert value(samples, "trainbot_scheduler_leader") == 1
     assert value(samples, "trainbot_database_up") == 1
+    # The example alert rules and the dashboard use only names this exposes.
+    exposed = {name for name, _ in samples} | families
+    for path in ("deploy/prometheus/alerts.yaml", "deploy/grafana/trainbot.json"):
+        used = set(re.findall(r"trainbot_[a-z_]+", (ROOT / path).read_text()))
+        assert used <= exposed, (path, sorted(used - exposed))
 
 
 def _fail() -> None:
@@ -223,8 +248,8 @@ def _fail() -> None:
 
 def test_each_control_plane_has_its_own_registry(engine: Engine) -> None:
     """Two control planes in one process: separate series, and only the lease holder leads."""
-    leader, leader_server = serve_plane(engine, holder="replica-a")
-    other, other_server = serve_plane(engine, holder="replica-b")
+    _, leader_server = serve_plane(engine, holder="replica-a")
+    _, other_server = serve_plane(engine, holder="replica-b")
     try:
         post_batch(leader_server.url, 0)
         led, _ = scrape(leader_server.url)
@@ -237,7 +262,9 @@ def test_each_control_plane_has_its_own_registry(engine: Engine) -> None:
     assert value(not_led, "trainbot_ingest_events_total", result="accepted") == 0
     assert value(led, "trainbot_scheduler_leader") == 1
     assert value(not_led, "trainbot_scheduler_leader") == 0
-    assert value(led, "trainbot_runs", state="RUNNING") == value(not_led, "trainbot_runs", state="RUNNING")
+    assert value(led, "trainbot_runs", state="RUNNING") == value(
+        not_led, "trainbot_runs", state="RUNNING"
+    )
 
 
 def test_a_database_that_does_not_answer_is_a_gauge_not_an_error(tmp_path: Path) -> None:

@@ -38,10 +38,6 @@ GB = 1_000_000_000
 def ctx(**changes: Any) -> RunContext:
     base = RunContext(
         run_id=RUN,
-        budget_usd=None,
-        spent_usd=0.0,
-        thresholds_pct=(50, 80, 100),
-        hard_cap=False,
         last_heartbeat=None,
         preemption_times=(),
         attempt_number=1,
@@ -167,6 +163,31 @@ def test_rising_trend_is_a_warning() -> None:
     assert RUN in signal.title
     assert "2.14" in signal.detail
     assert "minimum 1 " in signal.detail
+
+
+def test_divergence_signals_are_one_incident_that_can_stop_the_run() -> None:
+    # A spike at steps 106-108 that also makes a rising trend from the minimum at 100.
+    window = losses([2.0] * 6 + [7.0, 7.5, 8.0] + [8.5 + i for i in range(11)])
+    signals = DivergentLoss().evaluate(window, now=NOW, ctx=ctx())
+    (trend,) = active(signals, "trend")
+    assert {s.incident for s in signals} == {"divergence"}  # cleared ones too
+    assert trend.stop_after_s == 1800.0 and trend.began_step == 100
+    window = losses([2.0] * 6 + [7.0, 7.5, 8.0])
+    (spike,) = active(DivergentLoss(AlertThresholds(stop_after="10m")).evaluate(
+        window, now=NOW, ctx=ctx()), "spike")  # fmt: skip
+    assert (spike.incident, spike.stop_after_s, spike.began_step) == ("divergence", 600.0, 106)
+
+
+@pytest.mark.parametrize(("on_nan", "stop_after_s"), [("stop", 0.0), ("alert", None)])
+def test_a_nan_asks_to_stop_at_once_unless_told_only_to_alert(
+    on_nan: str, stop_after_s: float | None
+) -> None:
+    window = losses([2.0, 1.9, math.nan, math.nan])
+    rule = DivergentLoss(AlertThresholds(on_nan=on_nan))  # type: ignore[arg-type]
+    (signal,) = active(rule.evaluate(window, now=NOW, ctx=ctx()), "nan")
+    assert (signal.stop_after_s, signal.began_step, signal.incident) == (
+        stop_after_s, 102, "divergence",
+    )  # fmt: skip
 
 
 def test_slow_rise_below_the_ratio_is_not_a_trend() -> None:
@@ -451,7 +472,7 @@ def test_default_rules_cover_every_rule_once() -> None:
 
 def test_evaluate_all_collects_every_rule() -> None:
     window = [metrics(NOW - 2, 10, math.nan), system(NOW - 1, used=95 * GB)]
-    state = ctx(budget_usd=10, spent_usd=6, last_heartbeat=NOW - 1000)
+    state = ctx(last_heartbeat=NOW - 1000)
     signals = active(evaluate_all(default_rules(AlertThresholds()), window, now=NOW, ctx=state))
     assert {(s.rule, s.key) for s in signals} == {
         ("divergent_loss", "nan"),
@@ -521,7 +542,7 @@ _TYPES = st.sampled_from(
     )
 )
 def test_malformed_payloads_never_crash_the_rules(window: list[Obs]) -> None:
-    state = ctx(budget_usd=100, spent_usd=90, last_heartbeat=NOW - 10)
+    state = ctx(last_heartbeat=NOW - 10)
     for signal in evaluate_all(default_rules(AlertThresholds()), window, now=NOW, ctx=state):
         assert RUN in signal.title
         assert signal.rule and signal.key

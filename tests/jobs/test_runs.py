@@ -17,9 +17,11 @@ from sqlmodel import select
 from bot.console import ConsoleNotifier
 from jobs.db import session_scope
 from jobs.deps import Deps
+from jobs.errors import SpecError
 from jobs.lifecycle import AttemptState, RunState
-from jobs.models import Alert, Attempt, Event, Run
+from jobs.models import Alert, Attempt, EventRow, Run
 from jobs.notify import CallbackJournal
+from jobs.providers.base import ZoneCapacity
 from jobs.providers.local import LocalProvider
 from jobs.runs import (
     end_attempt,
@@ -28,7 +30,9 @@ from jobs.runs import (
     on_attempt_event,
     reconcile,
 )
+from jobs.runs.placement import NO_CAPACITY, NoPlacement, Placement, decide
 from jobs.settings import Settings
+from jobs.spec import JobSpec, parse_spec
 from jobs.tasks import run_summary
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
@@ -239,7 +243,7 @@ def test_an_auto_interval_follows_the_stall_the_run_measured(deps: Deps) -> None
         saves = [(20, 0.4), (40, 0.5), (60, 0.6), (80, 0.5), (100, 0.001)]
         for seq, (step, stall) in enumerate(saves):
             session.add(
-                Event(
+                EventRow(
                     attempt_id=attempt.id,
                     run_id=run.id,
                     seq=seq,
@@ -279,7 +283,7 @@ def test_too_few_saves_leave_the_interval_alone(deps: Deps) -> None:
         session.add(Attempt(id="a-few", run_id=run.id, number=1, provider="local", last_step=50))
         session.flush()
         session.add(
-            Event(
+            EventRow(
                 attempt_id="a-few",
                 run_id=run.id,
                 seq=0,
@@ -326,3 +330,175 @@ def test_reconcile_relaunching_after_a_preemption_reports_the_resubmit_once(
     with session_scope(deps.engine) as session:
         attempts = session.exec(select(Attempt).where(Attempt.run_id == "r-backstop")).all()
     assert sorted(a.number for a in attempts) == [1, 2]
+
+
+# -- where the next attempt goes: the placement policy, without a provider ---------------
+
+EAST, WEST = "us-east-1", "us-west-2"
+EAST_ZONES = ("us-east-1c", "us-east-1a", "us-east-1b")  # as the provider ranks them
+WEST_ZONES = ("us-west-2a", "us-west-2b")
+NO_ROOM = "EC2 has no spot capacity for g5.xlarge in {zone} now (InsufficientInstanceCapacity)"
+
+
+def _aws_spec(**resources: Any) -> JobSpec:
+    data = {"command": "python train.py", "resources": {"cloud": "aws", **resources}}
+    return parse_spec({**data, "dry_run": {"enabled": False}}, name="gpu")
+
+
+def _attempt(number: int, zone: str | None, state: AttemptState, *, spot: bool = True) -> Attempt:
+    """A past attempt; a FAILED one was refused for lack of capacity in its zone."""
+    refused = state == AttemptState.FAILED
+    return Attempt(
+        run_id="r-place",
+        number=number,
+        provider="aws",
+        region=zone[:-1] if zone else EAST,
+        zone=zone,
+        spot=spot,
+        state=state,
+        end_reason=f"{NO_CAPACITY}: {NO_ROOM.format(zone=zone)}" if refused else None,
+    )
+
+
+class Cloud:
+    """What the placement asks a provider, answered from tables; ``asked`` keeps the
+    regions whose fit was checked."""
+
+    def __init__(
+        self,
+        zones: dict[str, tuple[str, ...]] | None = None,
+        misfits: dict[str, str] | None = None,
+    ) -> None:
+        self.zones = zones if zones is not None else {EAST: EAST_ZONES, WEST: WEST_ZONES}
+        self.misfits = misfits or {}
+        self.asked: list[tuple[str, bool]] = []
+
+    def capacity(self, region: str, spot: bool) -> list[ZoneCapacity]:
+        return [ZoneCapacity(z, True, None, "offered") for z in self.zones.get(region, ())]
+
+    def fits(self, region: str, spot: bool) -> str | None:
+        self.asked.append((region, spot))
+        return self.misfits.get(region)
+
+
+def _decide(
+    spec: JobSpec, attempts: list[Attempt], cloud: Cloud, *, preemptions: int = 0
+) -> Placement | NoPlacement:
+    return decide(
+        spec,
+        attempts,
+        preemptions=preemptions,
+        default_region=EAST,
+        capacity=cloud.capacity,
+        fits=cloud.fits,
+    )
+
+
+def test_placement_starts_on_spot_in_the_best_zone_and_moves_on_after_a_preemption() -> None:
+    spec, cloud = _aws_spec(region=EAST), Cloud()
+    first = _decide(spec, [], cloud)
+    assert first == Placement(EAST, "us-east-1c", True)
+    preempted = [_attempt(1, "us-east-1c", AttemptState.PREEMPTED)]
+    assert _decide(spec, preempted, cloud, preemptions=1) == Placement(EAST, "us-east-1a", True)
+    lost_nothing = [_attempt(1, "us-east-1a", AttemptState.LOST)]
+    assert _decide(spec, lost_nothing, cloud) == Placement(EAST, "us-east-1a", True)
+    assert cloud.asked == [], "the first region was preflight's to check"
+
+
+def test_no_spot_capacity_anywhere_fails_naming_each_zone_and_what_it_said() -> None:
+    spec = _aws_spec(region=EAST)
+    refused = [_attempt(n, z, AttemptState.FAILED) for n, z in enumerate(EAST_ZONES, 1)]
+    placed = _decide(spec, refused, Cloud())
+    assert isinstance(placed, NoPlacement)
+    for zone in EAST_ZONES:
+        assert f"{zone}: {NO_ROOM.format(zone=zone)}" in placed.reason
+    assert "resources.on_demand_fallback=true" in placed.reason
+
+
+def test_the_on_demand_fallback_runs_on_demand_then_tries_spot_again() -> None:
+    spec = _aws_spec(region=EAST, on_demand_fallback=True)
+    refused = [_attempt(n, z, AttemptState.FAILED) for n, z in enumerate(EAST_ZONES, 1)]
+    placed = _decide(spec, refused, Cloud())
+    assert isinstance(placed, Placement) and not placed.spot
+    assert placed.region == EAST and placed.zone in EAST_ZONES
+    assert placed.note.startswith(f"no spot capacity in {EAST}: us-east-1c: EC2 has no spot")
+    # The on-demand attempt ran and ended: the next one is spot again, in the best zone.
+    ran = [*refused, _attempt(4, placed.zone, AttemptState.LOST, spot=False)]
+    assert _decide(spec, ran, Cloud()) == Placement(EAST, placed.zone, True)
+    # On-demand refused too: the run fails, saying both.
+    both = [*refused, _attempt(4, placed.zone, AttemptState.FAILED, spot=False)]
+    both += [
+        _attempt(5 + i, z, AttemptState.FAILED, spot=False)
+        for i, z in enumerate(z for z in EAST_ZONES if z != placed.zone)
+    ]
+    failed = _decide(spec, both, Cloud())
+    assert isinstance(failed, NoPlacement)
+    assert "spot: us-east-1" in failed.reason and "on-demand: us-east-1" in failed.reason
+
+
+def test_on_demand_after_n_preemptions_says_why() -> None:
+    spec = parse_spec(
+        {
+            "command": "python train.py",
+            "resources": {"cloud": "aws", "region": EAST},
+            "resubmit": {"on_demand_after_preemptions": 2},
+        },
+        name="gpu",
+    )
+    preempted = [_attempt(n, "us-east-1c", AttemptState.PREEMPTED) for n in (1, 2)]
+    placed = _decide(spec, preempted, Cloud(), preemptions=2)
+    assert isinstance(placed, Placement) and not placed.spot
+    assert placed.note == "after 2 preemptions (resubmit.on_demand_after_preemptions=2)"
+    assert _decide(spec, preempted[:1], Cloud(), preemptions=1) == Placement(
+        EAST, "us-east-1a", True
+    )
+
+
+def test_a_region_out_of_capacity_moves_the_run_to_the_next_after_checking_it() -> None:
+    spec = _aws_spec(regions=[EAST, WEST], zones=["us-east-1a", "us-east-1c"])
+    cloud = Cloud(zones={EAST: ("us-east-1c", "us-east-1a"), WEST: WEST_ZONES})
+    refused = [_attempt(1, "us-east-1c", AttemptState.FAILED)]
+    assert _decide(spec, refused, cloud) == Placement(EAST, "us-east-1a", True)
+    refused.append(_attempt(2, "us-east-1a", AttemptState.FAILED))
+    placed = _decide(spec, refused, cloud)
+    assert isinstance(placed, Placement)
+    assert (placed.region, placed.zone, placed.spot) == (WEST, "us-west-2a", True)
+    assert placed.note.startswith(f"no spot capacity in {EAST}: us-east-1c: ")
+    assert cloud.asked == [(WEST, True)]
+    # Preempted there, the run stays in that region without checking it again.
+    there = [*refused, _attempt(3, "us-west-2a", AttemptState.PREEMPTED)]
+    assert _decide(spec, there, cloud, preemptions=1) == Placement(WEST, "us-west-2b", True)
+    assert cloud.asked == [(WEST, True)]
+
+
+def test_a_region_whose_data_is_elsewhere_is_skipped_with_the_reason() -> None:
+    spec = _aws_spec(regions=[EAST, WEST])
+    why = "the dataset s3://tokens/train is in us-east-1 (set resources.allow_cross_region_data=…)"
+    cloud = Cloud(misfits={WEST: why})
+    refused = [_attempt(n, z, AttemptState.FAILED) for n, z in enumerate(EAST_ZONES, 1)]
+    placed = _decide(spec, refused, cloud)
+    assert isinstance(placed, NoPlacement)
+    assert f"{WEST} skipped: {why}" in placed.reason
+
+
+def test_when_the_provider_ranks_no_zone_the_launch_decides() -> None:
+    """A provider's "not now" may be advice (the local provider's busy cores): with no
+    refused launch yet, the attempt goes ahead in the listed zones, or anywhere."""
+    nothing = Cloud(zones={})
+    assert _decide(_aws_spec(region=EAST), [], nothing) == Placement(EAST, None, True)
+    listed = _aws_spec(region=EAST, zones=["us-east-1b"])
+    assert _decide(listed, [], nothing) == Placement(EAST, "us-east-1b", True)
+    refused = [_attempt(1, "us-east-1b", AttemptState.FAILED)]
+    assert isinstance(_decide(listed, refused, nothing), NoPlacement)
+
+
+def test_regions_and_its_one_region_shorthand() -> None:
+    assert _aws_spec(region=EAST).resources.regions == [EAST]
+    both = _aws_spec(regions=[EAST, WEST], zones=["us-west-2b"]).resources
+    assert (both.region, both.zones_in(EAST), both.zones_in(WEST)) == (EAST, [], ["us-west-2b"])
+    stored = _aws_spec(regions=[EAST, WEST]).model_dump(mode="json")
+    assert JobSpec.model_validate(stored).resources.regions == [EAST, WEST]
+    with pytest.raises(SpecError, match=r"region .* and resources.regions .* are both set"):
+        _aws_spec(region=EAST, regions=[EAST, WEST])
+    with pytest.raises(SpecError, match="not in any of the regions"):
+        _aws_spec(regions=[EAST, WEST], zones=["eu-west-1a"])

@@ -1,4 +1,5 @@
-"""The scheduler: persisted jobs survive a restart; one leader runs them."""
+"""The scheduler: its jobs, in memory; one leader runs them (tests/jobs/test_replicas.py
+covers the election between replicas)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,21 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
+from apscheduler.jobstores.memory import MemoryJobStore
+from sqlalchemy import inspect
 
 from bot.console import ConsoleNotifier
 from jobs.deps import Deps
 from jobs.models import utcnow
 from jobs.providers.local import LocalProvider
-from jobs.scheduler import INTERVALS_S, run_job, start_scheduler, stop_scheduler, take_lease
+from jobs.scheduler import (
+    INTERVALS_S,
+    release_lease,
+    run_job,
+    start_scheduler,
+    stop_scheduler,
+    take_lease,
+)
 
 
 def make_deps(db_engine, settings, tmp_path: Path) -> Deps:  # type: ignore[no-untyped-def]
@@ -27,49 +36,43 @@ def make_deps(db_engine, settings, tmp_path: Path) -> Deps:  # type: ignore[no-u
     )
 
 
-def test_jobs_are_stored_in_the_database_and_survive_a_restart(
-    db_engine, settings, tmp_path
-) -> None:  # type: ignore[no-untyped-def]
+def test_the_jobs_live_in_memory_not_in_the_shared_database(db_engine, settings, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """APScheduler's job stores must not be shared by running schedulers."""
     deps = make_deps(db_engine, settings, tmp_path)
-    first = start_scheduler(deps, start=True)
-    stored = {job.id: job.next_run_time for job in first.get_jobs()}
-    assert set(stored) == {*INTERVALS_S, "digest"}
-    stop_scheduler(first)
-    # A new process finds the same jobs in the database before registering its own.
-    store = SQLAlchemyJobStore(engine=db_engine, tablename="apscheduler_jobs")
-    store.start(None, "default")  # type: ignore[arg-type]
-    assert {job.id for job in store.get_all_jobs()} == set(stored)
-    second = start_scheduler(deps, start=True)
-    assert {job.id for job in second.get_jobs()} == set(stored)
-    stop_scheduler(second)
-    deps.close()
+    scheduler = start_scheduler(deps, token=1, start=True)
+    try:
+        assert {job.id for job in scheduler.get_jobs()} == {*INTERVALS_S, "digest"}
+        assert {type(store) for store in scheduler._jobstores.values()} == {MemoryJobStore}
+        assert not inspect(db_engine).has_table("apscheduler_jobs")
+    finally:
+        stop_scheduler(scheduler)
+        deps.close()
 
 
 def test_one_leader_at_a_time(db_engine, settings, tmp_path) -> None:  # type: ignore[no-untyped-def]
     deps = make_deps(db_engine, settings, tmp_path)
-    assert take_lease(deps, holder="replica-a", ttl_s=60)
-    assert not take_lease(deps, holder="replica-b", ttl_s=60)
-    assert take_lease(deps, holder="replica-a", ttl_s=60)  # renewal
+    assert take_lease(deps, holder="replica-a", ttl_s=60) == 1
+    assert take_lease(deps, holder="replica-b", ttl_s=60) is None
+    assert take_lease(deps, holder="replica-a", ttl_s=60) == 1  # renewal keeps the token
     later = utcnow() + timedelta(seconds=120)
     deps.clock = lambda: later  # the lease expired: another replica takes over
-    assert take_lease(deps, holder="replica-b", ttl_s=60)
-    assert not take_lease(deps, holder="replica-a", ttl_s=60)
+    assert take_lease(deps, holder="replica-b", ttl_s=60) == 2  # a new holder, a new token
+    assert take_lease(deps, holder="replica-a", ttl_s=60) is None
+    release_lease(deps, holder="replica-b")
+    assert take_lease(deps, holder="replica-a", ttl_s=60) == 3  # released: no wait
     deps.close()
 
 
-def test_a_job_runs_its_body_through_the_registry(db_engine, settings, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_job_runs_its_body(db_engine, settings, tmp_path) -> None:  # type: ignore[no-untyped-def]
     deps = make_deps(db_engine, settings, tmp_path)
-    scheduler = start_scheduler(deps, start=False)
     try:
-        assert run_job("reconcile") == {
+        assert run_job(deps, "reconcile") == {
             "adopted": 0, "ended": 0, "orphans": 0, "launched": 0, "lost": 0,
         }  # fmt: skip
-        assert run_job("escalation") == []
-        assert run_job("cleanup") == []
+        assert run_job(deps, "escalation") == []
+        assert run_job(deps, "cleanup") == []
     finally:
-        stop_scheduler(scheduler)
         deps.close()
-    assert run_job("reconcile") is None  # no control plane registered any more
 
 
 def test_stopping_with_jobs_due_submits_nothing_after_shutdown(

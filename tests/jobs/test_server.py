@@ -26,7 +26,7 @@ from sqlmodel import Session
 from jobs.db import make_engine, migrate
 from jobs.ingest import IngestService
 from jobs.lifecycle import AttemptState
-from jobs.models import Attempt, Checkpoint, Event, MetricBlock, Run, hash_token
+from jobs.models import Attempt, Checkpoint, EventRow, MetricBlock, Run, hash_token
 from jobs.rules import Signal
 from jobs.server import (
     CHANNEL_TIMEOUT_S,
@@ -116,7 +116,7 @@ def add_attempt(
 def count_events(engine: Engine) -> int:
     """Stored events: rows of ``events`` and the points of the metrics blocks."""
     with engine.connect() as connection:
-        rows = connection.execute(select(func.count()).select_from(Event)).scalar_one()
+        rows = connection.execute(select(func.count()).select_from(EventRow)).scalar_one()
         points = connection.execute(select(func.sum(MetricBlock.count))).scalar_one()
         return int(rows) + int(points or 0)
 

@@ -80,6 +80,21 @@ def test_lists_are_comma_separated_and_names_case_insensitive() -> None:
     assert settings.admins == ["U1", "U2"]
 
 
+def test_aws_failover_regions_are_a_comma_list_the_provider_watches() -> None:
+    from jobs.providers.aws import from_settings
+
+    env = {"TRAINBOT_AWS_REGION": "us-east-1", "TRAINBOT_AWS_REGIONS": "us-west-2, eu-west-1,,"}
+    settings = load_settings(env)
+    assert settings.aws_regions == ["us-west-2", "eu-west-1"]
+    assert load_settings({"TRAINBOT_AWS_REGIONS": '["us-west-2"]'}).aws_regions == ["us-west-2"]
+    assert load_settings({}).aws_regions == []
+    provider = from_settings(settings)  # builds no client until asked
+    try:
+        assert provider.regions == ("us-west-2", "eu-west-1")
+    finally:
+        provider.close()
+
+
 def test_empty_variables_count_as_unset() -> None:
     settings = load_settings({"TRAINBOT_PROVIDER": "", "TRAINBOT_INGEST_PORT": ""})
     assert settings.provider == "local"

@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from jobs.errors import SpecError, TrainbotError
 from jobs.settings import SHIPPED_SPECS_DIR
@@ -175,6 +176,48 @@ def test_durations_in_a_spec_are_seconds() -> None:
     assert spec.checkpoint.interval_s == 5400.0
     assert spec.resubmit.backoff_s == 45.0
     assert spec.alerts.heartbeat_deadline_s == 600.0
+
+
+# --- one instance per run, until multi-node launches exist ----------------------------
+
+
+def test_more_than_one_instance_is_refused_in_an_override(specs_dir: Path) -> None:
+    with pytest.raises(SpecError) as caught:
+        load_spec("gpt-small", specs_dir=specs_dir, overrides=["resources.instances=4"])
+    assert caught.value.key_paths == ["resources.instances"]
+    text = str(caught.value)
+    assert "resources.instances: multi-node runs are not supported yet" in text
+    assert "set resources.instances to 1" in text and "one larger instance" in text
+    assert "4 would be charged 4 times" in text
+    assert "(from override 'resources.instances=4')" in text
+
+
+def test_more_than_one_instance_is_refused_in_a_spec_file(specs_dir: Path) -> None:
+    write_spec(specs_dir, "pair", "command: python t.py\nresources:\n  instances: 2\n")
+    message = spec_error(specs_dir, "pair")
+    assert "resources.instances: multi-node runs are not supported yet" in message
+    assert "set resources.instances to 1" in message
+
+
+def test_a_stored_spec_with_several_instances_no_longer_validates() -> None:
+    stored = parse_spec({"command": "python t.py"}, name="t").model_dump(mode="json")
+    stored["resources"]["instances"] = 2
+    with pytest.raises(ValidationError, match="multi-node runs are not supported yet"):
+        JobSpec.model_validate(stored)
+
+
+def test_one_instance_is_the_default_and_still_allowed(specs_dir: Path) -> None:
+    assert load_spec("gpt-small", specs_dir=specs_dir).resources.instances == 1
+    spec = load_spec("gpt-small", specs_dir=specs_dir, overrides=["resources.instances=1"])
+    assert spec.resources.instances == 1
+    assert "must be at least 1 (got 0)" in spec_error(
+        specs_dir, overrides=("resources.instances=0",)
+    )
+
+
+def test_no_shipped_spec_asks_for_several_instances() -> None:
+    for name in list_specs(SHIPPED_SPECS_DIR):
+        assert load_spec(name, specs_dir=SHIPPED_SPECS_DIR).resources.instances == 1
 
 
 # --- errors ---------------------------------------------------------------------------

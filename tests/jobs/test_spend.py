@@ -604,6 +604,16 @@ def test_a_hard_cap_stops_even_without_a_100_threshold(db_engine: Engine, deps: 
     assert alert.severity is Severity.CRITICAL and "hard cap stops the run" in alert.hint
 
 
+def test_a_resubmitted_run_counts_the_spend_it_carries(db_engine: Engine) -> None:
+    run = run_row("r-2", spec=spec_with(usd=100.0), budget_usd=100.0)
+    run.carried_usd = 90.0  # what the run it resubmits had spent
+    add(db_engine, run, attempt_row("a-2", "r-2"))
+    spend(db_engine, "r-2", "a-2", 10.0, T0)
+    assert spent(db_engine, "r-2") == pytest.approx(100.0)
+    status = check(db_engine, T0 + timedelta(minutes=5))[("run", "r-2")]
+    assert status.crossed == (50, 80, 100) and status.hard_cap_hit
+
+
 def test_an_unreadable_stored_budget_falls_back_to_the_defaults(db_engine: Engine) -> None:
     broken = {"budget": {"usd": 10.0, "thresholds": ["half"], "hard_cap": True}}
     add(db_engine, run_row("r-1", spec=broken, budget_usd=10.0), attempt_row("a-1", "r-1"))

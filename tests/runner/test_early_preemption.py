@@ -192,7 +192,19 @@ def test_a_plain_script_preempted_at_any_moment_resumes(tmp_path: Path, moment: 
     env = _env(tmp_path, "r-plain")
     store = tmp_path / "ck" / "r-plain"
     progress = tmp_path / "progress"
-    script = [*PLAIN, "--steps", "12", "--every", "4", "--progress", str(progress)]
+    # Steps of 0.15 s: the supervisor (which looks every 0.2 s) sees ckpt-8 closed before
+    # step 11, however busy the machine; with 0.05 s steps that was a race.
+    script = [
+        *PLAIN,
+        "--steps",
+        "12",
+        "--every",
+        "4",
+        "--step-s",
+        "0.15",
+        "--progress",
+        str(progress),
+    ]
 
     def at(text: str) -> Callable[[], bool]:
         return lambda: progress.exists() and progress.read_text() == text

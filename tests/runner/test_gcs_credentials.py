@@ -22,6 +22,7 @@ from datetime import datetime, timedelta, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 from google.auth import _helpers as auth_helpers
@@ -39,7 +40,7 @@ TOKEN = "tok-runner"
 
 class FakeBroker:
     """``POST /v1/credentials`` with a bearer token; each answer a fresh token expiring
-    after the next of ``lifetimes`` (the last one repeats)."""
+    after the next of ``lifetimes`` (the last one repeats). Events are acknowledged."""
 
     def __init__(self, *, lifetimes: list[timedelta] | None = None) -> None:
         self.lifetimes = list(lifetimes or [timedelta(hours=1)])
@@ -51,6 +52,8 @@ class FakeBroker:
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if self.path == "/v1/events":  # the runner's telemetry: acknowledged
+                    return self._answer(200, {})
                 broker.requests.append((self.path, self.headers.get("Authorization")))
                 if self.path != "/v1/credentials":
                     return self._answer(404, {"error": f"no such endpoint {self.path!r}"})
@@ -122,13 +125,18 @@ def runner_env(broker: FakeBroker, monkeypatch: pytest.MonkeyPatch) -> FakeBroke
     return broker
 
 
-def authorizations(store: GCSStore) -> list[str | None]:
-    """The ``Authorization`` header of every request the store's session sends, as sent."""
+def authorizations(store: GCSStore, *, objects_only: bool = False) -> list[str | None]:
+    """The ``Authorization`` header of every request the store's session sends, as sent.
+
+    ``objects_only`` leaves out the bucket-metadata GET google-cloud-storage sends from a
+    thread of its own (for its telemetry; a 403 there is cached and ignored), whose place
+    in the sequence is a race."""
     seen: list[str | None] = []
+    bucket_path = f"/storage/v1/b/{store.bucket}"
 
     def record(response: Any, *args: Any, **kwargs: Any) -> Any:
-        seen.append(response.request.headers.get("Authorization"))
-        print("REQ", response.request.method, response.request.url, response.status_code)
+        if not (objects_only and urlsplit(response.request.url).path == bucket_path):
+            seen.append(response.request.headers.get("Authorization"))
         return response
 
     store.http.hooks["response"].append(record)
@@ -165,7 +173,7 @@ def test_without_the_broker_the_emulator_store_sends_no_token(
 ) -> None:
     monkeypatch.delenv("TRAINBOT_STORE_CREDENTIALS")
     store = GCSStore(create_bucket(gcs_emulator), "ckpt/r-1", emulator_host=gcs_emulator)
-    sent = authorizations(store)
+    sent = authorizations(store, objects_only=True)
     store.put_bytes("a", b"1")
     assert not store.brokered and sent == [None] and runner_env.requests == []
 
@@ -175,20 +183,22 @@ def test_the_token_is_refreshed_before_it_expires(
 ) -> None:
     # google-auth renews a token REFRESH_THRESHOLD (3 min 45 s) before it expires: the
     # first token enters that window a second after it is issued, an hour before expiry.
-    runner_env.lifetimes = [auth_helpers.REFRESH_THRESHOLD + timedelta(seconds=1.5), timedelta(hours=1)]
+    runner_env.lifetimes = [
+        auth_helpers.REFRESH_THRESHOLD + timedelta(seconds=1.5),
+        timedelta(hours=1),
+    ]
     store = GCSStore(create_bucket(gcs_emulator), "ckpt/r-1", emulator_host=gcs_emulator)
-    sent = authorizations(store)
+    sent = authorizations(store, objects_only=True)
     store.put_bytes("a", b"1")
     time.sleep(2.0)
     store.put_bytes("b", b"2")
     assert store.get_bytes("a") == b"1"
 
-    print(sent)
     first, second = runner_env.tokens()
     assert sent == [f"Bearer {first}", f"Bearer {second}", f"Bearer {second}"]
     first_expiry = datetime.fromisoformat(runner_env.issued[0]["Expiration"])
     assert first_expiry - datetime.now(timezone.utc) > timedelta(minutes=3)  # still valid
-    assert len(runner_env.requests) == 2
+    assert len(runner_env.requests) == 2  # one fetch at start, one refresh
 
 
 def test_a_refused_token_or_a_wrong_answer_is_a_store_error_that_says_so(
@@ -200,7 +210,7 @@ def test_a_refused_token_or_a_wrong_answer_is_a_store_error_that_says_so(
     assert "tok-revoked" not in str(caught.value)
     monkeypatch.setenv("TRAINBOT_TOKEN", TOKEN)
     runner_env.answer_aws = True
-    with pytest.raises(StoreError, match="issued 'aws-credentials' credentials"):
+    with pytest.raises(StoreError, match="issued 'aws-credentials' credentials where"):
         GCSStore("some-bucket", "ckpt/r-1", emulator_host=gcs_emulator)
     monkeypatch.setenv("TRAINBOT_STORE_CREDENTIALS", "profile")
     with pytest.raises(StoreError, match="write 'broker'"):
@@ -250,8 +260,7 @@ def test_the_runner_checkpoints_with_the_token_and_the_child_never_sees_it(
     assert done.returncode == 0, done.stderr
 
     assert broker.issued, "the runner's store asked the broker"
-    # (It also reports events, which this broker does not take: the runner carries on.)
-    assert ("/v1/credentials", f"Bearer {TOKEN}") in broker.requests
+    assert set(broker.requests) == {("/v1/credentials", f"Bearer {TOKEN}")}
     store = GCSStore(bucket, "ckpt/r-1", emulator_host=gcs_emulator, credentials="default")
     assert [e.step for e in list_committed(store)] == [3]
     assert read_manifest(store, 3).label == "epoch-3"

@@ -55,6 +55,15 @@ def test_max_age_never_deletes_the_newest() -> None:
     assert select_deletions(entries(1, 2, 3), policy, now=10_000) == {1, 2}
 
 
+def test_protected_steps_survive_every_rule() -> None:
+    # The checkpoint an open alert offers to resubmit from: kept past keep_last and max age.
+    policy = RetentionPolicy(keep_last=1, max_age_s=15, protect=frozenset({2}))
+    assert select_deletions(entries(1, 2, 3, 4, 5), policy, now=1000) == {1, 3, 4}
+    # A protected step that is not there protects nothing else.
+    policy = RetentionPolicy(keep_last=1, protect=frozenset({9}))
+    assert select_deletions(entries(1, 2, 3), policy, now=1000) == {1, 2}
+
+
 def test_nothing_to_prune() -> None:
     assert select_deletions([], RetentionPolicy(), now=0) == set()
 

@@ -21,7 +21,8 @@ import pytest
 
 from runner.errors import BadURIError, StoreError
 from runner.store import DELETE_BATCH, LocalStore, ObjectInfo, Store, open_store
-from runner.store.gcs import GCSStore, _batch_answers
+from runner.store.gcs import GCSStore
+from runner.store.gcs_batch import batch_answers
 from runner.store.s3 import S3Store
 from tests.fakes.gcs_emulator import GcsEmulator, gcs_emulator, refusing_gcs
 from tests.fakes.gcs_emulator import create_bucket as create_gcs_bucket
@@ -427,11 +428,11 @@ def test_gcs_no_credentials_says_how_to_get_some(
         GCSStore("any-bucket", "p")
 
 
-def test_gcs_the_broker_is_refused_with_a_reason(
+def test_gcs_an_unknown_credentials_mode_is_refused_with_a_reason(
     gcs_emulator: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("TRAINBOT_STORE_CREDENTIALS", "broker")
-    with pytest.raises(StoreError, match="does not apply to gs://"):
+    monkeypatch.setenv("TRAINBOT_STORE_CREDENTIALS", "profile")
+    with pytest.raises(StoreError, match="write 'broker'"):
         GCSStore("bucket", emulator_host=gcs_emulator)
 
 
@@ -503,9 +504,9 @@ def test_gcs_batch_answers_are_matched_by_content_id() -> None:
             ("Content-ID: <response-0>\r\n", "HTTP/1.1 204 No Content"),
         ]
     )
-    assert _batch_answers(named, 2) == [(204, ""), (404, "No such object: b/k")]
+    assert batch_answers(named, 2) == [(204, ""), (404, "No such object: b/k")]
     unnamed = answer([("", "HTTP/1.1 204 No Content"), ("", "HTTP/1.1 503 Unavailable")])
-    assert [s for s, _ in _batch_answers(unnamed, 2)] == [204, 503]
+    assert [s for s, _ in batch_answers(unnamed, 2)] == [204, 503]
 
 
 def test_open_store_builds_a_gcs_store(gcs_emulator: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,6 +10,7 @@ docs/architecture.md, "Providers: AWS".
 from jobs.providers.aws.budgets import budget_name
 from jobs.providers.aws.capacity import quota_codes
 from jobs.providers.aws.catalog import ACCELERATOR_TYPES, PRICES_PATH
+from jobs.providers.aws.credentials import credential_broker
 from jobs.providers.aws.errors import IAM_ACTIONS, AwsCredentialsError
 from jobs.providers.aws.launch import DEFAULT_IMAGE, USER_DATA_TEMPLATE
 from jobs.providers.aws.provider import AwsProvider, from_settings, make
@@ -27,6 +28,7 @@ __all__ = [
     "AwsCredentialsError",
     "AwsProvider",
     "budget_name",
+    "credential_broker",
     "from_settings",
     "main",
     "make",

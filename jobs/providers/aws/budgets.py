@@ -21,6 +21,9 @@ __all__ = ["budget_name", "create_budget", "delete_budget"]
 
 log = logging.getLogger(__name__)
 
+#: Subscribers AWS accepts per budget notification (emails and the SNS topic together).
+_MAX_SUBSCRIBERS = 10
+
 
 def budget_name(run_id: str) -> str:
     """The AWS Budget of a run; a name, because that is what makes creating it idempotent."""
@@ -42,16 +45,18 @@ def create_budget(
     run_id: str,
     usd: float,
     thresholds: Sequence[int],
-    email: str | None,
-    sns_topic_arn: str | None,
+    emails: Sequence[str] = (),
+    sns_topic_arn: str | None = None,
 ) -> str:
     """An AWS Budget for the run's tagged cost, notifying at each threshold percent.
 
     Idempotent on :func:`budget_name`: a second call updates the limit and adds missing
     notifications. Costs are matched on the ``trainbot-run-id`` cost-allocation tag,
     which has to be activated once in the Billing console. The period is the calendar
-    year (AWS's longest standard one). Without an email or SNS topic the budget is
-    created with no notifications, since AWS requires a subscriber for each.
+    year (AWS's longest standard one). Each notification goes to every one of
+    ``emails`` and to ``sns_topic_arn`` (AWS takes at most 10 subscribers per
+    notification, one of them SNS); without any, the budget is created with no
+    notifications, since AWS requires a subscriber for each.
     """
     if not (usd > 0 and math.isfinite(usd)):
         raise ProviderError(f"run {run_id}: a budget needs a positive amount (got {usd})")
@@ -68,9 +73,14 @@ def create_budget(
         "BudgetType": "COST",
         "CostFilters": {"TagKeyValue": [f"user:{TAG_RUN_ID}${run_id}"]},
     }
-    subscribers = []
-    if email:
-        subscribers.append({"SubscriptionType": "EMAIL", "Address": email})
+    emails = list(dict.fromkeys(e.strip() for e in emails if e.strip()))
+    if len(emails) + bool(sns_topic_arn) > _MAX_SUBSCRIBERS:
+        raise ProviderError(
+            f"an AWS Budget notifies at most {_MAX_SUBSCRIBERS} subscribers; "
+            f"TRAINBOT_AWS_BUDGET_EMAILS lists {len(emails)}"
+            + (" besides the SNS topic" if sns_topic_arn else "")
+        )
+    subscribers = [{"SubscriptionType": "EMAIL", "Address": e} for e in emails]
     if sns_topic_arn:
         subscribers.append({"SubscriptionType": "SNS", "Address": sns_topic_arn})
     wanted = sorted(set(thresholds)) if subscribers else []
@@ -110,7 +120,9 @@ def create_budget(
                     )
     if not subscribers:
         log.warning(
-            "AWS budget %s has no notifications: give an email or budget_sns_topic_arn", name
+            "AWS budget %s notifies nobody: set TRAINBOT_AWS_BUDGET_EMAILS or "
+            "TRAINBOT_AWS_BUDGET_SNS_TOPIC_ARN",
+            name,
         )
     return name
 

@@ -1,4 +1,4 @@
-"""One AWS account in one region, as the provider's modules share it.
+"""One AWS account, in its home region and any other, as the provider's modules share it.
 
 The botocore clients (cached, thread-safe), the error translation every call goes
 through, what never changes there (the account id, instance-type sizes, AMI roots), and
@@ -8,6 +8,7 @@ the UTC conversion every dated answer needs.
 from __future__ import annotations
 
 import contextlib
+import copy
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -59,6 +60,24 @@ class Clients:
         self.types: dict[tuple[str, str], TypeInfo] = {}
         #: (region, AMI id) → (root device, size in GiB), None when AWS does not say.
         self.roots: dict[tuple[str, str], tuple[str, int] | None] = {}
+        #: Region → the same clients and caches, with that region as the default.
+        self._views: dict[str, Clients] = {region: self}
+
+    def in_region(self, region: str) -> Clients:
+        """These clients with ``region`` as their default: one cache of clients and facts
+        for every region the provider works in (an attempt may fail over to another)."""
+        with self._lock:
+            view = self._views.get(region)
+            if view is None:
+                view = copy.copy(self)  # shares the lock, the client cache and the facts
+                view.region = region
+                self._views[region] = view
+            return view
+
+    def regions(self) -> list[str]:
+        """The regions these clients have worked in, this one first."""
+        with self._lock:
+            return list(self._views)
 
     def client(self, service: str, *, region: str | None = None, advisory: bool = False) -> Any:
         """The botocore client this provider uses for ``service`` (cached, thread-safe).

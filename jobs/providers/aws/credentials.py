@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 import boto3
@@ -19,6 +19,9 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from jobs.errors import NotFound, PermissionDenied
 from jobs.providers.base import ProviderError
+
+if TYPE_CHECKING:
+    from jobs.settings import Settings
 
 __all__ = [
     "OBJECT_ACTIONS",
@@ -176,3 +179,14 @@ class StorageCredentialBroker:
             "SessionToken": credentials["SessionToken"],
             "Expiration": credentials["Expiration"].isoformat(),
         }
+
+
+def credential_broker(settings: Settings) -> StorageCredentialBroker | None:
+    """The broker ``TRAINBOT_AWS_RUNNER_STORAGE_ROLE_ARN`` enables; None without it."""
+    if not settings.aws_runner_storage_role_arn:
+        return None
+    return StorageCredentialBroker(
+        settings.aws_runner_storage_role_arn,
+        region=settings.aws_region,
+        endpoint_url=settings.aws_endpoint_url,
+    )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,9 +36,17 @@ if TYPE_CHECKING:
 
 __all__ = ["AwsProvider", "from_settings", "make"]
 
+#: Between the region and the EC2 id of an instance outside the home region.
+_REGION_SEP = "/"
+
 
 class AwsProvider:
-    """Spot (and on-demand) EC2 instances in one region, for trainbot's attempts."""
+    """Spot (and on-demand) EC2 instances for trainbot's attempts: in its home region, and
+    in any other a request names (``ResourceRequest.region``, for region failover).
+
+    Instances outside the home region are known by ``REGION/INSTANCE-ID``, so that
+    status and terminate find them after a restart with nothing else remembered.
+    """
 
     name = "aws"
 
@@ -54,15 +63,21 @@ class AwsProvider:
         runner_package: str = "trainbot[torch]",
         user_data_template: str | os.PathLike[str] | None = None,
         prices_path: str | os.PathLike[str] | None = None,
+        budget_emails: Sequence[str] = (),
         budget_sns_topic_arn: str | None = None,
+        regions: Sequence[str] = (),
         clock: Callable[[], datetime] = utcnow,
     ) -> None:
         """``instance_profile``: name or ARN of the runner's instance profile (its policy is
         deploy/aws/runner-instance-policy.json). ``subnet_ids``: zone → subnet; when given,
-        only those zones are used. ``image_id``: an AMI id or ``resolve:ssm:<parameter>``
+        only those zones are used (zone names are unique across regions, so one map serves
+        every region). ``image_id``: an AMI id or ``resolve:ssm:<parameter>``
         (default: the Deep Learning Base AMI). ``endpoint_url``: one endpoint for every
         service (moto in tests). ``runner_package``: what the instance pip-installs.
-        ``budget_sns_topic_arn``: also notify this topic at budget thresholds."""
+        ``budget_emails`` and ``budget_sns_topic_arn``: who a run's AWS Budget notifies at
+        its thresholds (AWS sends nothing without a subscriber). ``regions``: other
+        regions whose trainbot instances ``list_instances`` reports from the start (the
+        specs' failover regions), so reconcile finds orphans there after a restart."""
         if not region:
             raise ProviderError("the AWS provider needs a region: set TRAINBOT_AWS_REGION")
         self.region = region
@@ -71,7 +86,9 @@ class AwsProvider:
         self.security_group_ids = tuple(security_group_ids)
         self.image_id = image_id or launch.DEFAULT_IMAGE
         self.runner_package = runner_package
-        self.budget_sns_topic_arn = budget_sns_topic_arn
+        self.budget_emails = tuple(e.strip() for e in budget_emails if e.strip())
+        self.budget_sns_topic_arn = budget_sns_topic_arn or None
+        self.regions = tuple(r for r in regions if r and r != region)
         self._clients = Clients(
             region=region,
             session=session or boto3.session.Session(),
@@ -109,16 +126,16 @@ class AwsProvider:
         return catalog.accelerator_type(req)[0]
 
     def quota(self, req: ResourceRequest) -> QuotaInfo:
-        return capacity.quota(self._clients, req, self.instance_type(req))
+        return capacity.quota(self._in(req.region), req, self.instance_type(req))
 
     def capacity(self, req: ResourceRequest) -> list[ZoneCapacity]:
         return capacity.capacity(
-            self._clients, req, self.instance_type(req), subnet_ids=self.subnet_ids
+            self._in(req.region), req, self.instance_type(req), subnet_ids=self.subnet_ids
         )
 
     def price(self, req: ResourceRequest, *, zone: str | None = None) -> PriceQuote:
         return catalog.price(
-            self._clients,
+            self._in(req.region),
             req,
             self.instance_type(req),
             zone=zone,
@@ -139,17 +156,20 @@ class AwsProvider:
         thresholds: Sequence[int],
         email: str | None = None,
     ) -> str:
-        """An AWS Budget for the run's tagged cost (see :func:`budgets.create_budget`)."""
+        """An AWS Budget for the run's tagged cost, notifying the provider's subscribers
+        (and ``email``, when given) (see :func:`budgets.create_budget`)."""
+        emails = [*self.budget_emails, *([email] if email else [])]
         return budgets.create_budget(
             self._clients,
             run_id=run_id,
             usd=usd,
             thresholds=thresholds,
-            email=email,
+            emails=list(dict.fromkeys(emails)),
             sns_topic_arn=self.budget_sns_topic_arn,
         )
 
     def delete_budget(self, *, run_id: str) -> None:
+        """Remove the run's AWS Budget; one already gone is not an error."""
         budgets.delete_budget(self._clients, run_id=run_id)
 
     # -- instances -------------------------------------------------------------------------
@@ -160,11 +180,13 @@ class AwsProvider:
         Raises AwsCredentialsError without credentials, ProviderPermissionError naming
         the missing permission (``ec2:RunInstances``, ``iam:PassRole`` …) otherwise.
         """
-        launch.check_launch_permissions(self._clients, req, self._launch_config(), zone=zone)
+        launch.check_launch_permissions(self._in(req.region), req, self._launch_config(), zone=zone)
 
     def launch(self, req: LaunchRequest) -> InstanceInfo:
         """Start the attempt's instance, or return the one this key already started."""
-        return launch.launch(self._clients, req, self._launch_config(), clock=self._clock)
+        clients = self._in(req.request.region)
+        found = launch.launch(clients, req, self._launch_config(), clock=self._clock)
+        return self._qualified(clients.region, found)
 
     def render_user_data(self, req: LaunchRequest) -> str:
         """The instance's boot script (see :func:`launch.render_user_data`)."""
@@ -183,13 +205,41 @@ class AwsProvider:
         )
 
     def status(self, instance_id: str) -> InstanceStatus:
-        return status.status(self._clients, instance_id, clock=self._clock)
+        region, raw = self._split_id(instance_id)
+        found = status.status(self._in(region), raw, clock=self._clock)
+        return replace(found, instance_id=instance_id)
 
     def terminate(self, instance_id: str) -> None:
-        status.terminate(self._clients, instance_id)
+        region, raw = self._split_id(instance_id)
+        status.terminate(self._in(region), raw)
 
     def list_instances(self) -> list[InstanceInfo]:
-        return status.list_instances(self._clients, clock=self._clock)
+        """Every trainbot instance in the home region, the ``regions`` given, and any
+        region this provider has launched in or been asked about."""
+        for region in self.regions:
+            self._in(region)
+        found: list[InstanceInfo] = []
+        for region in self._clients.regions():
+            clients = self._in(region)
+            found.extend(
+                self._qualified(region, i)
+                for i in status.list_instances(clients, clock=self._clock)
+            )
+        return found
+
+    # -- regions ---------------------------------------------------------------------------
+
+    def _in(self, region: str | None) -> Clients:
+        return self._clients.in_region(region or self.region)
+
+    def _qualified(self, region: str, found: InstanceInfo) -> InstanceInfo:
+        if region == self.region:
+            return found
+        return replace(found, instance_id=f"{region}{_REGION_SEP}{found.instance_id}")
+
+    def _split_id(self, instance_id: str) -> tuple[str, str]:
+        region, sep, raw = instance_id.rpartition(_REGION_SEP)
+        return (region, raw) if sep else (self.region, instance_id)
 
     def instance_log(self, instance_id: str, *, lines: int) -> str:
         raise Unsupported("the aws provider keeps logs on the instance")
@@ -234,5 +284,8 @@ def from_settings(settings: Settings) -> AwsProvider:
         "security_group_ids": settings.aws_security_group_ids,
         "image_id": settings.aws_image_id,
         "endpoint_url": settings.aws_endpoint_url,
+        "budget_emails": settings.aws_budget_emails or None,
+        "budget_sns_topic_arn": settings.aws_budget_sns_topic_arn,
+        "regions": settings.aws_regions or None,
     }
     return make(**{k: v for k, v in options.items() if v is not None})

@@ -7,7 +7,7 @@ by a Credential Access Boundary to one run's prefix).
 """
 
 from jobs.providers.gcp.catalog import PRICES_PATH
-from jobs.providers.gcp.credentials import StorageTokenBroker
+from jobs.providers.gcp.credentials import StorageTokenBroker, credential_broker
 from jobs.providers.gcp.launch import DEFAULT_IMAGE, STARTUP_SCRIPT_PATH
 from jobs.providers.gcp.names import instance_name, label_value
 from jobs.providers.gcp.permissions import PERMISSIONS, REQUIRED_PERMISSIONS
@@ -22,6 +22,7 @@ __all__ = [
     "STARTUP_SCRIPT_PATH",
     "GcpProvider",
     "StorageTokenBroker",
+    "credential_broker",
     "from_settings",
     "instance_name",
     "label_value",

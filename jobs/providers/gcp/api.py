@@ -10,8 +10,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from google.api_core.client_options import ClientOptions
 from google.auth import exceptions as auth_exceptions
@@ -22,7 +21,6 @@ from jobs.providers.gcp import errors
 __all__ = ["CLOUD_PLATFORM", "ComputeApi"]
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 CLOUD_PLATFORM = "https://www.googleapis.com/auth/cloud-platform"
 _FACTORIES: dict[str, Any] = {
@@ -76,17 +74,8 @@ class ComputeApi:
                 self._clients["storage"] = session
             return session
 
-    def call(
-        self,
-        what: str,
-        call: str,
-        fn: Callable[[], T],
-        *,
-        not_found: str | None = "",
-        conflict: bool = False,
-    ) -> T:
-        """:func:`errors.call`: one API call, Google's errors as ProviderErrors."""
-        return errors.call(what, call, fn, not_found=not_found, conflict=conflict)
+    #: :func:`errors.call`: one API call, Google's errors as ProviderErrors.
+    call = staticmethod(errors.call)
 
     def wait(self, zone: str, op: Any, *, what: str, timeout_s: float) -> Any:
         """Wait for a zone operation (zoneOperations.wait returns at DONE or after ~2 min)."""

@@ -6,7 +6,7 @@ storage client library is needed.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from urllib.parse import quote, urlparse
 
 from jobs.providers.base import ProviderError, ProviderPermissionError
@@ -26,11 +26,13 @@ _MULTI_REGIONS: Mapping[str, list[str]] = {
 }
 
 
-def bucket_region(api: ComputeApi, uri: str, *, endpoint: str, region: str) -> str | None:
+def bucket_region(
+    api: ComputeApi, uri: str, *, endpoint: str, regions: Sequence[str]
+) -> str | None:
     """The region of a ``gs://`` bucket; other URIs are None.
 
-    A multi- or dual-region bucket that covers ``region`` counts as being in it (reads
-    from it do not cross regions).
+    A multi- or dual-region bucket counts as being in the first of ``regions`` it covers
+    (reads from it do not cross regions); one that covers none is its location.
     """
     parsed = urlparse(uri)
     if parsed.scheme != "gs" or not parsed.netloc:
@@ -67,6 +69,7 @@ def bucket_region(api: ComputeApi, uri: str, *, endpoint: str, region: str) -> s
     if data.get("locationType") in ("multi-region", "dual-region"):
         covered += _MULTI_REGIONS.get(location, [])
         prefix = {"us": "us-", "eu": "europe-", "asia": "asia-"}.get(location)
-        if region in covered or (prefix and region.startswith(prefix)):
-            return region
+        for region in regions:
+            if region in covered or (prefix and region.startswith(prefix)):
+                return region
     return location or None

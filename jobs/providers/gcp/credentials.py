@@ -22,7 +22,7 @@ import logging
 import re
 import threading
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 import google.auth
@@ -33,6 +33,9 @@ from google.oauth2 import sts
 
 from jobs.errors import NotFound, PermissionDenied
 from jobs.providers.base import ProviderError
+
+if TYPE_CHECKING:
+    from jobs.settings import Settings
 
 __all__ = [
     "AVAILABLE_PERMISSIONS",
@@ -267,3 +270,10 @@ class StorageTokenBroker:
             "AccessToken": token,
             "Expiration": expires.isoformat(),
         }
+
+
+def credential_broker(settings: Settings) -> StorageTokenBroker | None:
+    """The broker ``TRAINBOT_GCP_RUNNER_STORAGE_SERVICE_ACCOUNT`` enables; None without it."""
+    if not settings.gcp_runner_storage_service_account:
+        return None
+    return StorageTokenBroker(service_account=settings.gcp_runner_storage_service_account)

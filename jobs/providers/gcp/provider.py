@@ -45,7 +45,8 @@ __all__ = ["GcpProvider", "from_settings", "make"]
 
 
 class GcpProvider:
-    """Spot (or on-demand) GPU instances in one Compute Engine project.
+    """Spot (or on-demand) GPU instances in one Compute Engine project, in any of its
+    regions: ``region`` is where a spec naming none runs, and each request names its own.
 
     Clients are built on first use, so a missing credential shows up as a preflight
     failure that says how to fix it, not as a control plane that will not start.
@@ -59,6 +60,7 @@ class GcpProvider:
         project: str,
         region: str,
         zones: Sequence[str] | None = None,
+        regions: Sequence[str] = (),
         machine_type_for: Mapping[str, str] | None = None,
         image: str = DEFAULT_IMAGE,
         service_account: str | None = None,
@@ -79,12 +81,17 @@ class GcpProvider:
         """``machine_type_for`` maps ``TYPE:COUNT`` or ``TYPE`` (``A100:8``,
         ``nvidia-l4``; ``cpu`` for CPU-only runs) to a machine type, over the built-in
         choice. ``boot_disk_gb`` is added to the attempt's scratch size. A zone that ran out
-        of a type is ranked unavailable for ``stockout_cooldown_s``."""
+        of a type is ranked unavailable for ``stockout_cooldown_s``. ``zones`` may name
+        zones of several regions; a request in a region none of them is in may use any zone
+        of it. ``regions``: the other regions runs may fail over to (the specs'
+        ``resources.regions``); a multi- or dual-region bucket that covers one of them, and
+        not ``region``, is placed there."""
         if not project or not region:
             raise ProviderError("the GCP provider needs a project and a region (us-central1)")
         self.project = project
         self.region = region
         self.zones = tuple(zones or ())
+        self.regions = tuple(r for r in dict.fromkeys(regions) if r and r != region)
         self.machine_type_for = {k.lower(): v for k, v in (machine_type_for or {}).items()}
         self.image = image
         self.service_account = service_account
@@ -130,6 +137,9 @@ class GcpProvider:
     def create_budget(self, *, run_id: str, usd: float, thresholds: Sequence[int]) -> str:
         raise Unsupported("the gcp provider does not create Cloud Billing budgets yet")
 
+    def delete_budget(self, *, run_id: str) -> None:
+        raise Unsupported("the gcp provider does not create Cloud Billing budgets yet")
+
     def check_launch_permissions(self, req: ResourceRequest, *, zone: str | None = None) -> None:
         raise Unsupported("the gcp provider has no permission probe")
 
@@ -145,10 +155,14 @@ class GcpProvider:
         return self._placement.quota(req, region=self._region(req))
 
     def capacity(self, req: ResourceRequest) -> list[ZoneCapacity]:
-        """Zones of the region that offer the type (acceleratorTypes), available first;
-        a zone that ran out of the type lately is ranked unavailable."""
+        """Zones of the request's region that offer the type (acceleratorTypes), available
+        first; a zone that ran out of the type lately is ranked unavailable."""
+        region = self._region(req)
         return self._placement.capacity(
-            req, region=self._region(req), zones=self.zones, cooldown_s=self.stockout_cooldown_s
+            req,
+            region=region,
+            zones=self._zones_in(region),
+            cooldown_s=self.stockout_cooldown_s,
         )
 
     def price(self, req: ResourceRequest, *, zone: str | None = None) -> PriceQuote:
@@ -158,8 +172,14 @@ class GcpProvider:
 
     def bucket_region(self, uri: str) -> str | None:
         """The region of a ``gs://`` bucket; a multi- or dual-region bucket that covers
-        this provider's region counts as being in it; other URIs are None."""
-        return bucket_region(self._api, uri, endpoint=self.storage_endpoint, region=self.region)
+        this provider's region (else one of ``regions``) counts as being in it; other URIs
+        are None."""
+        return bucket_region(
+            self._api,
+            uri,
+            endpoint=self.storage_endpoint,
+            regions=(self.region, *self.regions),
+        )
 
     # -- Provider: instances --------------------------------------------------------------
 
@@ -175,8 +195,9 @@ class GcpProvider:
                 " the spec needs a command to run"
             )
         res = req.request
+        wanted = self._region(res)
         zone = req.zone or self._placement.first_zone(
-            res, region=self._region(res), zones=self.zones, cooldown_s=self.stockout_cooldown_s
+            res, region=wanted, zones=self._zones_in(wanted), cooldown_s=self.stockout_cooldown_s
         )
         region = region_of_zone(zone)
         if res.region not in ("", "local") and res.region != region:
@@ -217,13 +238,19 @@ class GcpProvider:
         self._instances.terminate(instance_id)
 
     def list_instances(self) -> list[InstanceInfo]:
-        """Every instance labelled trainbot-managed=true, in every zone of the project."""
+        """Every instance labelled trainbot-managed=true, in every zone of the project:
+        one aggregated list covers every region, so a restarted control plane finds the
+        instances of a run that failed over (``regions`` or any other)."""
         return self._instances.managed()
 
     # -- helpers --------------------------------------------------------------------------
 
     def _region(self, req: ResourceRequest) -> str:
         return req.region if req.region not in ("", "local") else self.region
+
+    def _zones_in(self, region: str) -> tuple[str, ...]:
+        """The configured zones of ``region``; none means any zone of it."""
+        return tuple(z for z in self.zones if region_of_zone(z) == region)
 
     def _template(self) -> InstanceTemplate:
         """The launch options as they are now (a caller may have changed one)."""
@@ -258,6 +285,7 @@ def from_settings(settings: Settings) -> GcpProvider:
         "project": settings.gcp_project,
         "region": settings.gcp_region,
         "zones": settings.gcp_zones or None,
+        "regions": settings.gcp_regions or None,
         "service_account": settings.gcp_service_account,
         "api_endpoint": settings.gcp_api_endpoint,
     }

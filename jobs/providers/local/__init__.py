@@ -10,4 +10,18 @@ from jobs.providers.local.processes import DEFAULT_NICE
 from jobs.providers.local.provider import LocalProvider, from_settings, make
 from jobs.providers.local.records import REGION, ZONE
 
-__all__ = ["DEFAULT_NICE", "REGION", "ZONE", "LocalProvider", "from_settings", "make"]
+__all__ = [
+    "DEFAULT_NICE",
+    "REGION",
+    "ZONE",
+    "LocalProvider",
+    "credential_broker",
+    "from_settings",
+    "make",
+]
+
+
+def credential_broker(settings: object) -> None:
+    """None: a local instance shares this machine's file system, so there is nothing to
+    hand out."""
+    return None

@@ -262,6 +262,9 @@ class LocalProvider:
     def create_budget(self, *, run_id: str, usd: float, thresholds: Sequence[int]) -> str:
         raise Unsupported("the local provider has no cloud billing")
 
+    def delete_budget(self, *, run_id: str) -> None:
+        raise Unsupported("the local provider has no cloud billing")
+
     def check_launch_permissions(self, req: ResourceRequest, *, zone: str | None = None) -> None:
         """Anyone who can run the control plane can start processes here."""
 

@@ -195,6 +195,10 @@ class ProviderContract:
         if not caps.cloud_budgets:
             with pytest.raises(Unsupported):
                 provider.create_budget(run_id="r-contract", usd=10.0, thresholds=[50, 100])
+            with pytest.raises(Unsupported):
+                provider.delete_budget(run_id="r-contract")
+        else:
+            provider.delete_budget(run_id="r-contract-never")  # one never made: not an error
         if not caps.instance_logs:
             with pytest.raises(Unsupported):
                 provider.instance_log("anything", lines=5)

@@ -142,13 +142,15 @@ def spec(data_uri: str | None = None, **resources: Any) -> JobSpec:
     return parse_spec(data, name="t")
 
 
-def context(tmp_path: Path, job: JobSpec, provider: AwsProvider) -> PreflightContext:
+def context(
+    tmp_path: Path, job: JobSpec, provider: AwsProvider, *, store: str | None = None
+) -> PreflightContext:
     return PreflightContext(
         spec=job,
         run_id="run-pre",
         provider=provider,
         request=spec_request(job),
-        checkpoint_uri=str(tmp_path / "ckpt"),
+        checkpoint_uri=store or str(tmp_path / "ckpt"),
         mtbp_s=6 * 3600.0,
         env={},
         workdir=tmp_path,
@@ -328,7 +330,13 @@ def test_bucket_in_another_region_fails_preflight(
     assert result.status is Status.FAIL
     assert f"s3://{far}/train is in eu-west-1 but the accelerators run in {REGION}" in result.detail
     passed = DataLocalityCheck().run(
-        context(tmp_path, spec(accelerator="A10G:1", data_uri=f"s3://{near}/x"), aws), prior={}
+        context(
+            tmp_path,
+            spec(accelerator="A10G:1", data_uri=f"s3://{near}/x"),
+            aws,
+            store=f"s3://{near}/ckpt",  # the checkpoints in the run's region too
+        ),
+        prior={},
     )
     assert passed.status is Status.PASS
     with pytest.raises(ProviderError, match="does not exist"):
@@ -702,6 +710,66 @@ def test_budget_is_created_once_with_a_notification_per_threshold(
         aws.create_budget(run_id=run_id, usd=0, thresholds=[50])
 
 
+def budget_subscribers(name: str) -> dict[float, list[tuple[str, str]]]:
+    """Each notification's subscribers, as moto stored them. moto's server runs in this
+    process and does not implement DescribeSubscribersForNotification, so its backend is
+    read directly."""
+    from moto.budgets.models import budgets_backends
+
+    backend = budgets_backends[fake.MOTO_ACCOUNT]["aws"]
+    budget = backend.budgets[fake.MOTO_ACCOUNT][name]
+    return {
+        float(n.details["Threshold"]): sorted(
+            (s["SubscriptionType"], s["Address"]) for s in n.subscribers
+        )
+        for n in budget.notifications
+    }
+
+
+def test_budget_notifies_the_configured_emails_and_topic_and_is_deleted(
+    make_aws: Callable[..., AwsProvider], moto: dict[str, Any]
+) -> None:
+    topic = f"arn:aws:sns:{REGION}:{fake.MOTO_ACCOUNT}:trainbot-budgets"
+    aws = make_aws(budget_emails=["oncall@x.io", " lead@x.io "], budget_sns_topic_arn=topic)
+    run_id = new_run()
+    name = aws.create_budget(run_id=run_id, usd=500, thresholds=[80, 100])
+    budgets = fake.client("budgets", moto["url"])
+    account = {"AccountId": fake.MOTO_ACCOUNT, "BudgetName": name}
+    notes = budgets.describe_notifications_for_budget(**account)["Notifications"]
+    assert sorted(n["Threshold"] for n in notes) == [80.0, 100.0]
+    assert budget_subscribers(name) == {
+        80.0: [("EMAIL", "lead@x.io"), ("EMAIL", "oncall@x.io"), ("SNS", topic)],
+        100.0: [("EMAIL", "lead@x.io"), ("EMAIL", "oncall@x.io"), ("SNS", topic)],
+    }
+    aws.delete_budget(run_id=run_id)
+    assert name not in {
+        b["BudgetName"] for b in budgets.describe_budgets(AccountId=fake.MOTO_ACCOUNT)["Budgets"]
+    }
+
+
+def test_budget_subscribers_come_from_settings(moto: dict[str, Any]) -> None:
+    from jobs.providers.aws import from_settings
+    from jobs.settings import load_settings
+
+    topic = f"arn:aws:sns:{REGION}:{fake.MOTO_ACCOUNT}:budgets"
+    aws = from_settings(
+        load_settings(
+            {
+                "TRAINBOT_AWS_REGION": REGION,
+                "TRAINBOT_AWS_BUDGET_EMAILS": "a@x.io, b@x.io",
+                "TRAINBOT_AWS_BUDGET_SNS_TOPIC_ARN": topic,
+            }
+        )
+    )
+    assert aws.budget_emails == ("a@x.io", "b@x.io") and aws.budget_sns_topic_arn == topic
+
+
+def test_too_many_budget_subscribers_are_refused(make_aws: Callable[..., AwsProvider]) -> None:
+    aws = make_aws(budget_emails=[f"p{n}@x.io" for n in range(10)], budget_sns_topic_arn="arn:x")
+    with pytest.raises(ProviderError, match="at most 10 subscribers"):
+        aws.create_budget(run_id=new_run(), usd=5, thresholds=[50])
+
+
 def test_budget_with_a_new_amount_is_updated(
     stubbers: list[Stubber], make_aws: Callable[..., AwsProvider]
 ) -> None:
@@ -766,9 +834,7 @@ def test_factory_options_and_requests_it_refuses(moto: dict[str, Any]) -> None:
         make(region="eu-west-1", subnet_ids="subnet-9")
     with pytest.raises(ProviderError, match="TRAINBOT_AWS_REGION"):
         AwsProvider(region="")
-    other = launch_request(replace(T4, region="us-west-2"), WORKLOAD, zone="us-west-2a")
-    with pytest.raises(ProviderError, match=r"resources\.region=eu-west-1"):
-        aws.launch(other)
+    # A launch in another region is region failover now (tests/jobs/test_aws_failover.py).
     with pytest.raises(ProviderError, match="command is empty"):
         aws.launch(launch_request(replace(T4, region="eu-west-1"), [], zone="eu-west-1a"))
 

@@ -5,6 +5,7 @@ idempotency, permissions and the startup script need from it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -50,11 +51,13 @@ from jobs.providers.gcp import (
     REQUIRED_PERMISSIONS,
     STARTUP_SCRIPT_PATH,
     GcpProvider,
+    from_settings,
     instance_name,
     label_value,
     make,
     prices_from_catalog,
 )
+from jobs.settings import load_settings
 from jobs.spec import JobSpec, parse_spec
 from tests.fakes.gce_api import FakeComputeApi
 from tests.jobs.providers.contract import ProviderContract, launch_request, wait_for_state
@@ -567,6 +570,122 @@ def test_list_instances_follows_pages_and_skips_unmanaged(
     assert len(fake.calls("GET", r"/aggregated/instances$")) >= 3
 
 
+# -- other regions (issue 12, item 3: region failover) -------------------------------------
+
+EAST = "us-east1"
+EAST_B, EAST_C, EAST_D = (f"{EAST}-{z}" for z in "bcd")
+
+
+@pytest.fixture
+def two_regions() -> Iterator[FakeComputeApi]:
+    """A project in us-central1 and us-east1, both in the price table; us-east1-c offers
+    no A100 (the fake leaves the second zone of each region without one)."""
+    zones = {REGION: [ZONE_A, ZONE_B, ZONE_C, ZONE_F], EAST: [EAST_B, EAST_C, EAST_D]}
+    with FakeComputeApi(regions=zones) as api:
+        yield api
+
+
+def regional(api: FakeComputeApi, **options: Any) -> GcpProvider:
+    """Home in us-central1, with zones configured there only."""
+    return GcpProvider(
+        project=api.project,
+        region=REGION,
+        zones=[ZONE_C, ZONE_A],
+        api_endpoint=api.url,
+        credentials=AnonymousCredentials(),
+        service_account=RUNNER_SA,
+        **options,
+    )
+
+
+def test_a_request_in_another_region_is_answered_and_launched_there(
+    two_regions: FakeComputeApi,
+) -> None:
+    gcp = regional(two_regions, regions=[EAST])
+    east = dataclasses.replace(A100, region=EAST)
+    # Quota: that region's metric, read with regions.get for it.
+    quota = gcp.quota(east)
+    assert quota.ok and quota.detail.startswith(f"PREEMPTIBLE_NVIDIA_A100_GPUS in {EAST}: 0 of 8")
+    assert two_regions.calls("GET", rf"/regions/{EAST}$")
+    # Capacity: that region's zones (the configured zones are all in the home region).
+    assert [(z.zone, z.available) for z in gcp.capacity(east)] == [
+        (EAST_B, True),
+        (EAST_D, True),
+        (EAST_C, False),
+    ]
+    assert [z.zone for z in gcp.capacity(A100)] == [ZONE_C, ZONE_A]  # home: as configured
+    # Price: that region's row of the table.
+    units = json.loads(PRICES_PATH.read_text())["regions"][EAST]
+    expected = 12 * units["vcpu"]["A2"]["spot"] + 85 * units["ram_gb"]["A2"]["spot"]
+    expected += units["gpu"]["nvidia-tesla-a100"]["spot"]
+    for quote in (gcp.price(east), gcp.price(A100, zone=EAST_D)):
+        assert quote.spot_usd_per_hour == pytest.approx(expected)
+        assert f"a2-highgpu-1g, {EAST})" in quote.source
+    # Launch without a zone: the first zone of that region that offers the type.
+    info = launch(gcp, request=east, zone=None)  # type: ignore[arg-type]
+    assert info.zone == EAST_B and info.instance_id == f"{EAST_B}/{name_of(info.instance_id)}"
+    inst = two_regions.instance(EAST_B, name_of(info.instance_id))
+    assert inst is not None and inst["machineType"].endswith(
+        f"/zones/{EAST_B}/machineTypes/a2-highgpu-1g"
+    )
+    assert gcp.quota(east).used == 1 and gcp.quota(A100).used == 0  # counted there only
+    # Status, listing (also by a restarted control plane), termination: there.
+    assert wait_for_state(gcp, info.instance_id, {InstanceState.RUNNING}).reason == "running"
+    assert [i.instance_id for i in gcp.list_instances()] == [info.instance_id]
+    later = regional(two_regions)
+    assert [(i.instance_id, i.zone) for i in later.list_instances()] == [(info.instance_id, EAST_B)]
+    later.terminate(info.instance_id)
+    assert wait_for_state(gcp, info.instance_id, {InstanceState.TERMINATED}).reason.startswith(
+        "deleted"
+    )
+    assert two_regions.instances() == []
+
+
+def test_a_stockout_in_another_region_moves_to_its_next_zone(
+    two_regions: FakeComputeApi,
+) -> None:
+    gcp = regional(two_regions)
+    east = dataclasses.replace(A100, region=EAST)
+    two_regions.exhaust(EAST_B)
+    with pytest.raises(CapacityError) as stockout:
+        launch(gcp, request=east, zone=EAST_B)
+    assert stockout.value.zone == EAST_B
+    assert [z.zone for z in gcp.capacity(east) if z.available] == [EAST_D]
+    info = launch(gcp, request=east, zone=None, attempt="a-2")  # type: ignore[arg-type]
+    assert info.zone == EAST_D
+    with pytest.raises(ProviderError, match=f"zone {ZONE_A} is not in region {EAST}"):
+        launch(gcp, request=east, zone=ZONE_A, attempt="a-3")
+    gcp.terminate(info.instance_id)
+
+
+def test_failover_regions_come_from_settings_and_place_multi_region_buckets(
+    tmp_path: Path, fake: FakeComputeApi
+) -> None:
+    settings = load_settings(
+        {
+            "TRAINBOT_STATE_DIR": str(tmp_path),
+            "TRAINBOT_PUBLIC_URL": "https://trainbot.example.test",
+            "TRAINBOT_CHECKPOINT_URI": "gs://ck/trainbot",
+            "TRAINBOT_PROVIDER": "gcp",
+            "TRAINBOT_GCP_PROJECT": fake.project,
+            "TRAINBOT_GCP_REGION": REGION,
+            "TRAINBOT_GCP_REGIONS": f"europe-west4, {REGION}",
+        }
+    )
+    assert settings.gcp_regions == ["europe-west4", REGION]
+    assert (from_settings(settings).region, from_settings(settings).regions) == (
+        REGION,
+        ("europe-west4",),
+    )
+    gcp = regional(fake, regions=["europe-west4"])
+    fake.buckets.update({"multi-us": "US", "multi-eu": "EU", "dual": "EUR4"})
+    assert gcp.bucket_region("gs://multi-us/x") == REGION  # the home region first
+    assert gcp.bucket_region("gs://multi-eu/x") == "europe-west4"
+    assert gcp.bucket_region("gs://dual/x") == "europe-west4"
+    assert gcp.bucket_region("gs://data-eu/x") == "europe-west4"
+    assert regional(fake).bucket_region("gs://multi-eu/x") == "eu"  # covers no region of it
+
+
 # -- idempotency and crash recovery ------------------------------------------------------
 
 
@@ -716,6 +835,13 @@ def test_roles_grant_the_control_plane_exactly_what_the_provider_uses() -> None:
         "trainbotLaunchAsRunner",
         "trainbotMintRunnerStorageTokens",
         "trainbotRunnerStorage",
+        "trainbotCleanCheckpoints",
+    }
+    # Retention deletes with the control plane's own account: list, read, delete only.
+    assert set(defined["trainbotCleanCheckpoints"]["includedPermissions"]) == {
+        "storage.objects.list",
+        "storage.objects.get",
+        "storage.objects.delete",
     }
     assert defined["trainbotMintRunnerStorageTokens"]["includedPermissions"] == [
         "iam.serviceAccounts.getAccessToken"

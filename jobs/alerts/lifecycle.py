@@ -1,97 +1,26 @@
-"""The alert lifecycle, after PagerDuty: ``OPEN → ACKED → RESOLVED``.
+"""Open, repeat, acknowledge, snooze and resolve: the life of one alert.
 
-Rules (:mod:`jobs.rules`) say what is wrong on every evaluation; this module turns that
-stream of :class:`~jobs.rules.Signal` objects into a few alerts people can act on:
-
-- One unresolved alert per ``(run, rule, key)``. The database enforces it
-  (``Alert.dedupe_key`` is UNIQUE while the alert is unresolved and NULL after), so two
-  replicas racing to open the same alert end with one row: the loser's insert fails
-  inside a savepoint, it re-reads the winner's row and counts a repeat.
-- A repeat never posts again: it bumps ``count``/``last_seen`` and updates the existing
-  message in place. A severity increase (warning → critical) is shown the same way.
-- An acknowledged alert stops notifying: repeats only update its message quietly, and
-  it never escalates. A snoozed alert is not shown at all until the snooze expires,
-  but its counts keep going.
-- An unacknowledged critical alert escalates once to the on-call group after a delay.
-
-Everything works inside the caller's session and never commits; the caller's
-``session_scope`` does. Messages are posted from inside the transaction, after the
-row is flushed (so a racing duplicate is detected *before* anything is posted) and
-before commit (so the returned :class:`~jobs.notify.MessageRef` is stored with the
-alert in the same transaction). ``Notifier.post`` only queues, so nothing waits on
-the network while rows are locked. The cost: if the transaction rolls back after the
-post, the queued message still goes out for an alert that was not stored; the next
-evaluation opens the alert again and posts a second message. A duplicate message
-beats a lost one, and rollbacks here mean the database failed, which is rare.
-
-Times are arguments (``now``); nothing here reads a clock.
+See :mod:`jobs.alerts` for the rules it keeps and why it posts inside the transaction.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 
-from sqlalchemy import or_
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
+from jobs.alerts import display, incidents
+from jobs.alerts.display import AlertTarget
 from jobs.errors import ConflictError, NotFound, TrainbotError
-from jobs.models import Alert, AlertState, Run, Severity, alert_dedupe_key
-from jobs.notify import AlertMessage, Journal, MessageRef, Notifier
+from jobs.models import Alert, AlertState, Run, alert_dedupe_key
+from jobs.notify import Journal, Notifier
 from jobs.rules import Signal
+from jobs.spec import AlertThresholds, stored_section
 
-__all__ = [
-    "AlertTarget",
-    "acknowledge",
-    "alert_message",
-    "escalate_due",
-    "open_alerts",
-    "process_signals",
-    "resolve",
-    "snooze",
-]
-
-_RANK = {Severity.INFO: 0, Severity.WARNING: 1, Severity.CRITICAL: 2}
-_UNRESOLVED = (AlertState.OPEN, AlertState.ACKED)
+UNRESOLVED = (AlertState.OPEN, AlertState.ACKED)
 _LIST_HINT = "`/train status <run>` lists a run's open alerts with their ids"
-
-
-@dataclass(frozen=True)
-class AlertTarget:
-    """Where a run's alerts go."""
-
-    #: Channel the alert messages are posted in.
-    channel: str
-    #: The run's root message; alerts go in its thread. ``None`` posts at top level
-    #: (team budget alerts have no run thread).
-    thread_ts: str | None
-    #: User group paged when a critical alert stays unacknowledged, if any.
-    oncall_group: str | None
-
-
-def alert_message(
-    alert: Alert, *, channel: str, thread_ts: str | None, escalate_to: str | None = None
-) -> AlertMessage:
-    """The alert as a message; the same function renders first posts, updates and escalations."""
-    return AlertMessage(
-        channel=channel,
-        thread_ts=thread_ts,
-        alert_id=alert.id,
-        run_id=alert.run_id,
-        rule=alert.rule,
-        severity=str(alert.severity),
-        state=str(alert.state),
-        title=alert.title,
-        detail=alert.detail,
-        hint=alert.hint,
-        count=alert.count,
-        acked_by=alert.acked_by,
-        acked_at=alert.acked_at,
-        snoozed_until=alert.snoozed_until,
-        escalate_to=escalate_to,
-    )
 
 
 def process_signals(
@@ -111,18 +40,57 @@ def process_signals(
     repeat "all clear" on every evaluation.
     """
     run_id = run.id if run is not None else None
+    cfg = (
+        stored_section(run.spec, AlertThresholds, run_id=run.id)
+        if run is not None
+        else AlertThresholds()
+    )
     touched: dict[str, Alert] = {}
-    for signal in signals:
-        alert = _find_unresolved(session, run_id, signal.rule, signal.key)
+    # What fires first, what cleared after: a spike clearing while its trend fires in the
+    # same evaluation must not resolve (and then reopen) their incident.
+    ordered = [s for s in signals if not s.resolved] + [s for s in signals if s.resolved]
+    for signal in ordered:
+        key = incidents.group(signal)
+        alert = _find_unresolved(session, run_id, signal.rule, key)
         if signal.resolved:
-            if alert is not None:
+            cleared = incidents.clear(alert, signal) if alert is not None else None
+            if alert is not None and cleared is True:
                 _resolve(session, alert, user=None, now=now, notifier=notifier, journal=journal)
                 touched[alert.id] = alert
+            elif alert is not None and cleared is False:
+                display.show(
+                    session, alert, notifier, channel=target.channel, thread_ts=target.thread_ts
+                )
+                touched[alert.id] = alert
             continue
+        if alert is None and cfg.quiet_period > 0:
+            since = now - timedelta(seconds=cfg.quiet_period)
+            alert = incidents.recently_resolved(session, run_id, signal.rule, key, since=since)
+            if alert is not None and incidents.reopen(session, alert, signal, now=now, cfg=cfg):
+                display.show(
+                    session, alert, notifier, channel=target.channel, thread_ts=target.thread_ts
+                )
+                journal.record(
+                    "alert_reopened",
+                    run_id,
+                    alert_id=alert.id,
+                    rule=alert.rule,
+                    key=alert.key,
+                    member=signal.key,
+                    reopened=alert.reopened,
+                    title=alert.title,
+                )
+                if alert.flapping_since == now:
+                    journal.record("alert_flapping", run_id, alert_id=alert.id, times=alert.flaps)
+                touched[alert.id] = alert
+                continue
+            alert = _find_unresolved(session, run_id, signal.rule, key)
         if alert is None:
             alert, created = _insert(session, run_id, signal, now=now)
             if created:
-                _show(session, alert, notifier, channel=target.channel, thread_ts=target.thread_ts)
+                display.show(
+                    session, alert, notifier, channel=target.channel, thread_ts=target.thread_ts
+                )
                 journal.record(
                     "alert_opened",
                     run_id,
@@ -131,6 +99,7 @@ def process_signals(
                     key=alert.key,
                     severity=str(alert.severity),
                     title=alert.title,
+                    **({"member": signal.key} if signal.incident else {}),
                 )
                 touched[alert.id] = alert
                 continue
@@ -165,8 +134,10 @@ def acknowledge(
     alert.state = AlertState.ACKED
     alert.acked_by = user
     alert.acked_at = now
+    if not incidents.stops_at_once(alert):
+        alert.stop_at = None  # somebody owns it: trainbot does not stop the run for them
     session.flush()
-    _show(session, alert, notifier)
+    display.show(session, alert, notifier)
     journal.record("alert_acknowledged", alert.run_id, alert_id=alert.id, user=user)
     return alert
 
@@ -198,7 +169,7 @@ def snooze(
         )
     alert.snoozed_until = now + timedelta(seconds=seconds)
     session.flush()
-    _show(session, alert, notifier)
+    display.show(session, alert, notifier)
     journal.record(
         "alert_snoozed",
         alert.run_id,
@@ -221,7 +192,8 @@ def resolve(
     """Close the alert by hand (``user``) or by the system (``None``).
 
     Resolving a resolved alert changes nothing and returns it. Once resolved, the same
-    ``(run, rule, key)`` may open a new alert.
+    ``(run, rule, key)`` firing again reopens it within the quiet period, and opens a
+    new alert after it.
     """
     alert = _get_for_update(session, alert_id)
     if alert.state is not AlertState.RESOLVED:
@@ -229,57 +201,9 @@ def resolve(
     return alert
 
 
-def escalate_due(
-    session: Session,
-    *,
-    now: datetime,
-    delay_s: float,
-    notifier: Notifier,
-    journal: Journal,
-    oncall_group: Callable[[Alert], str | None],
-) -> list[Alert]:
-    """Page the on-call group for critical alerts nobody has acknowledged in time.
-
-    Each alert escalates at most once. The delay counts from ``first_seen``, so an alert
-    that was a warning for hours and turns critical escalates on the next call: nobody
-    picked it up in all that time. An alert whose run has no on-call group is left
-    alone (there is nobody to page) and is looked at again next time.
-    """
-    cutoff = now - timedelta(seconds=delay_s)
-    due = session.exec(
-        select(Alert)
-        .where(
-            Alert.state == AlertState.OPEN,
-            Alert.severity == Severity.CRITICAL,
-            col(Alert.escalated_at).is_(None),
-            col(Alert.first_seen) <= cutoff,
-            or_(col(Alert.snoozed_until).is_(None), col(Alert.snoozed_until) <= now),
-        )
-        .order_by(col(Alert.first_seen), col(Alert.id))
-        .with_for_update()
-    ).all()
-    escalated: list[Alert] = []
-    for alert in due:
-        group = oncall_group(alert)
-        if group is None:
-            continue
-        channel, thread_ts = _where(session, alert)
-        if channel is None:
-            continue
-        if thread_ts is None:
-            # No run thread (a team alert): reply under the alert's own message.
-            thread_ts = alert.message_ts
-        notifier.post(alert_message(alert, channel=channel, thread_ts=thread_ts, escalate_to=group))
-        alert.escalated_at = now
-        journal.record("alert_escalated", alert.run_id, alert_id=alert.id, group=group)
-        escalated.append(alert)
-    session.flush()
-    return escalated
-
-
 def open_alerts(session: Session, *, run_id: str | None = None) -> list[Alert]:
     """Unresolved (open or acknowledged) alerts, oldest first; all runs when ``run_id`` is None."""
-    query = select(Alert).where(col(Alert.state).in_(_UNRESOLVED))
+    query = select(Alert).where(col(Alert.state).in_(UNRESOLVED))
     if run_id is not None:
         query = query.where(Alert.run_id == run_id)
     return list(session.exec(query.order_by(col(Alert.first_seen), col(Alert.id))).all())
@@ -327,11 +251,12 @@ def _insert(
     The insert runs in a savepoint so that losing the race (the UNIQUE ``dedupe_key``
     refuses the row) leaves the caller's transaction usable.
     """
+    key = incidents.group(signal)
     alert = Alert(
         run_id=run_id,
         rule=signal.rule,
-        key=signal.key,
-        dedupe_key=alert_dedupe_key(run_id, signal.rule, signal.key),
+        key=key,
+        dedupe_key=alert_dedupe_key(run_id, signal.rule, key),
         severity=signal.severity,
         state=AlertState.OPEN,
         title=signal.title,
@@ -340,12 +265,14 @@ def _insert(
         count=1,
         first_seen=now,
         last_seen=now,
+        began_step=signal.began_step,
     )
+    incidents.join(alert, signal, now=now)
     try:
         with session.begin_nested():
             session.add(alert)
     except IntegrityError:
-        existing = _find_unresolved(session, run_id, signal.rule, signal.key)
+        existing = _find_unresolved(session, run_id, signal.rule, key)
         if existing is None:
             raise ConflictError(
                 f"could not open the {signal.rule} alert for run {run_id or '(team)'}: the "
@@ -366,14 +293,15 @@ def _repeat(
 ) -> None:
     alert.count += 1
     alert.last_seen = now
-    if _RANK[signal.severity] > _RANK[alert.severity]:
+    if incidents.RANK[signal.severity] > incidents.RANK[alert.severity]:
         alert.severity = signal.severity
     alert.title = signal.title
     alert.detail = signal.detail
     alert.hint = signal.hint
+    incidents.join(alert, signal, now=now)
     if _snoozed(alert, now):
         return
-    _show(session, alert, notifier, channel=target.channel, thread_ts=target.thread_ts)
+    display.show(session, alert, notifier, channel=target.channel, thread_ts=target.thread_ts)
 
 
 def _resolve(
@@ -389,35 +317,5 @@ def _resolve(
     alert.resolved_at = now
     alert.dedupe_key = None
     session.flush()
-    _show(session, alert, notifier)
+    display.show(session, alert, notifier)
     journal.record("alert_resolved", alert.run_id, alert_id=alert.id, user=user)
-
-
-def _where(session: Session, alert: Alert) -> tuple[str | None, str | None]:
-    """The channel and thread an alert belongs in, from its message or its run."""
-    run = session.get(Run, alert.run_id) if alert.run_id is not None else None
-    channel = alert.message_channel or (run.channel if run is not None else None)
-    thread_ts = run.thread_ts if run is not None else None
-    return channel, thread_ts
-
-
-def _show(
-    session: Session,
-    alert: Alert,
-    notifier: Notifier,
-    *,
-    channel: str | None = None,
-    thread_ts: str | None = None,
-) -> None:
-    """Update the alert's message in place, or post it if it has none yet."""
-    if channel is None:
-        channel, thread_ts = _where(session, alert)
-        if channel is None:
-            return  # nowhere to show it; the alert is still in the database
-    if alert.message_channel is not None and alert.message_ts is not None:
-        ref = MessageRef(channel=alert.message_channel, ts=alert.message_ts)
-        notifier.update(ref, alert_message(alert, channel=ref.channel, thread_ts=thread_ts))
-        return
-    ref = notifier.post(alert_message(alert, channel=channel, thread_ts=thread_ts))
-    alert.message_channel = ref.channel
-    alert.message_ts = ref.ts

@@ -1,0 +1,270 @@
+"""The typed commands ``/train …`` text parses into (:mod:`bot.commands` parses).
+
+Each command's help text is its class docstring: the first line is the summary shown by
+``/train help``, the rest (with an example) is shown by ``/train help <command>``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+__all__ = [
+    "Ack",
+    "BotError",
+    "BudgetCommand",
+    "Cleanup",
+    "Command",
+    "CommandError",
+    "Help",
+    "Launch",
+    "ListRuns",
+    "Logs",
+    "Oncall",
+    "Preflight",
+    "Resubmit",
+    "Snooze",
+    "Spend",
+    "StatusCommand",
+    "Stop",
+    "UserRef",
+]
+
+
+class BotError(Exception):
+    """Root of every error the chat front ends raise on purpose."""
+
+
+class CommandError(BotError):
+    """The ``/train`` text does not follow the grammar; the message shows how to fix it."""
+
+
+@dataclass(frozen=True)
+class Command:
+    """Base of every parsed command; ``verb`` and ``usage`` describe its grammar."""
+
+    verb: ClassVar[str] = ""
+    usage: ClassVar[str] = ""
+
+
+@dataclass(frozen=True)
+class Launch(Command):
+    """Start a run from a spec; preflight checks run first and ask you to confirm.
+
+    Overrides change the spec for this run only. Without a spec, opens the launch form.
+    Example: /train launch gpt-small budget.usd=800 resources.zone=us-east-1b
+    """
+
+    verb: ClassVar[str] = "launch"
+    usage: ClassVar[str] = "/train launch [<spec> [key.path=value …]]"
+
+    #: Spec name, or None to open the launch form.
+    spec: str | None
+    #: Inline overrides, ``key.path=value``, in the order given.
+    overrides: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Preflight(Command):
+    """Run the preflight checks (quota, capacity, data locality, dry run) without launching.
+
+    Example: /train preflight gpt-small accelerator.count=8
+    """
+
+    verb: ClassVar[str] = "preflight"
+    usage: ClassVar[str] = "/train preflight <spec> [key.path=value …]"
+
+    #: Spec name.
+    spec: str
+    #: Inline overrides, ``key.path=value``, in the order given.
+    overrides: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class StatusCommand(Command):
+    """Show a run's state, step, spend and alerts; without a run, a summary of yours.
+
+    Example: /train status r-7f3a2c
+    """
+
+    verb: ClassVar[str] = "status"
+    usage: ClassVar[str] = "/train status [<run>]"
+
+    #: Run id, or None for a summary.
+    run: str | None = None
+
+
+@dataclass(frozen=True)
+class ListRuns(Command):
+    """List runs: yours, the active ones (default) or all of them.
+
+    Example: /train list mine
+    """
+
+    verb: ClassVar[str] = "list"
+    usage: ClassVar[str] = "/train list [mine|active|all]"
+    scopes: ClassVar[tuple[str, ...]] = ("mine", "active", "all")
+
+    #: One of ``scopes``.
+    scope: str = "active"
+
+
+@dataclass(frozen=True)
+class Stop(Command):
+    """Stop a run: checkpoint, terminate its instance, stop billing.
+
+    Example: /train stop r-7f3a2c
+    """
+
+    verb: ClassVar[str] = "stop"
+    usage: ClassVar[str] = "/train stop <run>"
+
+    #: Run id.
+    run: str
+
+
+@dataclass(frozen=True)
+class Resubmit(Command):
+    """Start a new attempt of a run from its last committed checkpoint, or with from=N
+    from the newest checkpoint at or before step N (after a divergence).
+
+    The spend so far carries over, so a run stopped at its budget's hard cap continues
+    only with a raised budget.usd, recorded with who raised it; without budget.usd the
+    budget stays as it was.
+    Example: /train resubmit r-7f3a2c from=2000 budget.usd=1200
+    """
+
+    verb: ClassVar[str] = "resubmit"
+    usage: ClassVar[str] = "/train resubmit <run> [from=<step>] [budget.usd=<dollars>]"
+
+    #: Run id.
+    run: str
+    #: The new budget in USD (``budget.usd=N``), or None to keep the run's.
+    budget_usd: float | None = None
+    #: Resume from the newest checkpoint at or before this step (``from=N``); None: the newest.
+    from_step: int | None = None
+
+
+@dataclass(frozen=True)
+class Logs(Command):
+    """Show the latest log lines and events of a run.
+
+    Example: /train logs r-7f3a2c
+    """
+
+    verb: ClassVar[str] = "logs"
+    usage: ClassVar[str] = "/train logs <run>"
+
+    #: Run id.
+    run: str
+
+
+@dataclass(frozen=True)
+class Ack(Command):
+    """Acknowledge an alert: it stops notifying and will not escalate.
+
+    Example: /train ack al-91b2
+    """
+
+    verb: ClassVar[str] = "ack"
+    usage: ClassVar[str] = "/train ack <alert>"
+
+    #: Alert id.
+    alert: str
+
+
+@dataclass(frozen=True)
+class Snooze(Command):
+    """Silence an alert for a while (s, m, h or d; at most 7 days).
+
+    Example: /train snooze al-91b2 2h
+    """
+
+    verb: ClassVar[str] = "snooze"
+    usage: ClassVar[str] = "/train snooze <alert> <duration>"
+
+    #: Alert id.
+    alert: str
+    #: How long to stay silent, in seconds (1 … MAX_SNOOZE_S).
+    seconds: int
+
+
+@dataclass(frozen=True)
+class Spend(Command):
+    """Show spend per run and per user for the last day (default), week or month.
+
+    Example: /train spend week
+    """
+
+    verb: ClassVar[str] = "spend"
+    usage: ClassVar[str] = "/train spend [day|week|month]"
+    periods: ClassVar[tuple[str, ...]] = ("day", "week", "month")
+
+    #: One of ``periods``.
+    period: str = "day"
+
+
+@dataclass(frozen=True)
+class BudgetCommand(Command):
+    """Show run and team budgets, what is spent, and the alert thresholds.
+
+    Example: /train budget
+    """
+
+    verb: ClassVar[str] = "budget"
+    usage: ClassVar[str] = "/train budget"
+
+
+@dataclass(frozen=True)
+class UserRef:
+    """A chat user as typed: a Slack mention carries an id, a plain ``@name`` only a name."""
+
+    #: Slack user id (``U123…``), or None for a plain ``@name``.
+    user_id: str | None
+    #: Display name, or None for a bare ``<@U123>`` mention.
+    name: str | None
+
+
+@dataclass(frozen=True)
+class Oncall(Command):
+    """Show who is on call, or hand on-call over to someone.
+
+    Example: /train oncall @dana
+    """
+
+    verb: ClassVar[str] = "oncall"
+    usage: ClassVar[str] = "/train oncall [@user]"
+
+    #: The new on-call engineer, or None to show the current one.
+    user: UserRef | None = None
+
+
+@dataclass(frozen=True)
+class Cleanup(Command):
+    """Delete a run's old checkpoints by its retention policy; the newest is always kept.
+
+    With --dry-run, lists what would be deleted and deletes nothing.
+    Example: /train cleanup r-7f3a2c --dry-run
+    """
+
+    verb: ClassVar[str] = "cleanup"
+    usage: ClassVar[str] = "/train cleanup <run> [--dry-run]"
+
+    #: Run id.
+    run: str
+    #: Report only; delete nothing.
+    dry_run: bool = False
+
+
+@dataclass(frozen=True)
+class Help(Command):
+    """Show the commands, or the details of one.
+
+    Example: /train help snooze
+    """
+
+    verb: ClassVar[str] = "help"
+    usage: ClassVar[str] = "/train help [<command>]"
+
+    #: A verb, or None for the list of commands.
+    command: str | None = None

@@ -1,0 +1,178 @@
+"""The Slack notifier's queues: one per channel, the handle → ts map, and coalescing.
+
+Plain state, with no thread and no lock of its own: :class:`bot.slack_notifier.SlackNotifier`
+holds its condition's lock around every call, and its one worker thread sends what
+:meth:`ChannelQueues.next` hands it.
+
+- A message's handle (``"pending-<session>-<n>"``) stands for its ts until Slack has
+  sent it; :meth:`~ChannelQueues.follow` says where a handle, or a message that had to
+  be posted again, lives now.
+- A reply under a root not yet sent, or an update of a message not yet sent, waits for
+  it (:meth:`~ChannelQueues.next` skips that channel meanwhile).
+- Coalescing: new content for a message whose post, or previous update, is still queued
+  replaces that queued content (:meth:`~ChannelQueues.coalesce`); an update sent back
+  to its queue is dropped when a newer one is already there.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from jobs.notify import Message
+
+HANDLE_PREFIX = "pending-"
+#: The resolved value of a handle whose post Slack refused for good.
+DROPPED = ""
+
+Attachment = tuple[str, bytes]
+
+
+@dataclass(eq=False)
+class Op:
+    """One queued Web API call (or, for an update of an unknown message, a post)."""
+
+    kind: Literal["post", "update", "upload"]
+    channel: str
+    #: post: the message's own handle; update: the target (handle or real ts);
+    #: upload: the handle of the message the file belongs to.
+    target: str
+    msg: Message | None = None
+    #: The thread as the caller gave it (may be a handle); upload: the real ts of the
+    #: thread the file is shared into.
+    thread: str | None = None
+    #: post: what attachments are looked up from (the content as first posted).
+    first: Message | None = None
+    upload: Attachment | None = None
+    attempts: int = 0
+    #: Slack refused the full blocks: send views.compact (then, refused again, text only).
+    compact: bool = False
+    text_only: bool = False
+    #: update: the message is unknown or gone, so post the content as a new one.
+    as_post: bool = False
+
+
+class ChannelQueues:
+    """The calls waiting per channel, when each channel may send again, and the handles.
+
+    ``notify`` is called whenever an op is queued (the notifier wakes its worker).
+    """
+
+    def __init__(self, notify: Callable[[], None]) -> None:
+        self._notify = notify
+        self.queues: dict[str, deque[Op]] = {}
+        self.ready_at: dict[str, float] = {}
+        #: handle -> real ts; absent while pending; DROPPED when Slack refused the post.
+        self.resolved: dict[str, str] = {}
+        self.channels: dict[str, str] = {}
+        #: Queued (not in flight) posts by handle, and updates by (channel, target).
+        self.queued_posts: dict[str, Op] = {}
+        self.queued_updates: dict[tuple[str, str], Op] = {}
+        self.in_flight: Op | None = None
+
+    def add_post(self, op: Op) -> None:
+        self.channels[op.target] = op.channel
+        self.queued_posts[op.target] = op
+        self.enqueue(op)
+
+    def add_update(self, op: Op) -> None:
+        self.queued_updates[(op.channel, op.target)] = op
+        self.enqueue(op)
+
+    def coalesce(self, channel: str, target: str, msg: Message) -> bool:
+        """Put ``msg`` in the queued post or update of ``target``; False when none is queued."""
+        post = self.queued_posts.get(target)
+        if post is not None:
+            post.msg = msg  # the post has not gone: it goes with this content
+            return True
+        queued = self.queued_updates.get((channel, target))
+        if queued is not None:
+            queued.msg = msg
+            return True
+        return False
+
+    def enqueue(self, op: Op, *, front: bool = False) -> None:
+        queue = self.queues.setdefault(op.channel, deque())
+        if front:
+            queue.appendleft(op)
+        else:
+            queue.append(op)
+        self._notify()
+
+    def requeue(self, op: Op) -> bool:
+        """Back to the head of its channel's queue; False when newer content supersedes it."""
+        if op.kind == "update" and not op.as_post:
+            key = (op.channel, op.target)
+            if key in self.queued_updates:
+                return False  # the newer update carries the latest content
+            self.queued_updates[key] = op
+        elif op.kind == "post":
+            self.queued_posts[op.target] = op
+        self.enqueue(op, front=True)
+        return True
+
+    def idle(self) -> bool:
+        return self.in_flight is None and not any(self.queues.values())
+
+    def waiting(self) -> int:
+        """Ops queued, not counting the one in flight."""
+        return sum(len(q) for q in self.queues.values())
+
+    def depths(self) -> dict[str, int]:
+        """Ops waiting per channel, the one in flight included."""
+        depths = {channel: len(queue) for channel, queue in self.queues.items() if queue}
+        if self.in_flight is not None:
+            channel = self.in_flight.channel
+            depths[channel] = depths.get(channel, 0) + 1
+        return depths
+
+    def next(self, now: float) -> tuple[Op | None, float | None]:
+        """The op to send now, or how long to wait for one (None: until notified)."""
+        best: tuple[float, str] | None = None
+        wait: float | None = None
+        for channel, queue in self.queues.items():
+            if not queue or self._blocked_on(queue[0]):
+                continue
+            ready = self.ready_at.get(channel, 0.0)
+            if ready <= now:
+                if best is None or ready < best[0]:
+                    best = (ready, channel)
+            else:
+                wait = ready - now if wait is None else min(wait, ready - now)
+        if best is None:
+            return None, wait
+        op = self.queues[best[1]].popleft()
+        self._unindex(op)
+        return op, None
+
+    def follow(self, ts: str) -> str:
+        """Where a handle (or a message that had to be posted again) lives now.
+
+        The ts itself when nothing is known about it; ``DROPPED`` when its post was
+        refused; a handle still pending stays that handle.
+        """
+        for _ in range(8):  # handle -> ts -> re-posted ts …; never a long chain
+            following = self.resolved.get(ts)
+            if following is None or following == ts:
+                return ts
+            if following == DROPPED:
+                return DROPPED
+            ts = following
+        return ts
+
+    def _blocked_on(self, op: Op) -> bool:
+        """Whether the op needs a root (or its own message) that has not been sent yet."""
+        for ts in (op.thread, op.target if op.kind != "post" else None):
+            if ts is None or not ts.startswith(HANDLE_PREFIX):
+                continue
+            if ts in self.channels and ts not in self.resolved:
+                return True
+        return False
+
+    def _unindex(self, op: Op) -> None:
+        if op.kind == "post":
+            self.queued_posts.pop(op.target, None)
+        elif op.kind == "update":
+            self.queued_updates.pop((op.channel, op.target), None)

@@ -1,0 +1,55 @@
+"""Preflight: the five questions that end runs early, asked before anything is paid for.
+
+Quota, capacity, data locality (the dataset and the checkpoint store), a real checkpoint
+round trip, and cost; each check is a small object behind :class:`Check`, run in order by
+:func:`run_preflight`. The design and its reasons: docs/architecture.md, "Preflight".
+"""
+
+from __future__ import annotations
+
+from jobs.preflight.budget import BudgetCheck
+from jobs.preflight.capacity import CapacityCheck
+from jobs.preflight.data import DataLocalityCheck
+from jobs.preflight.dry_run import DRY_RUN_PID_FILE, DryRunCheck, dry_run_command
+from jobs.preflight.interval import (
+    DEFAULT_REGIONS,
+    DEFAULT_SPOT_MTBP_S,
+    assumed_mtbp_s,
+    checkpoint_interval,
+    interval_choice,
+    resource_request,
+    target_steps,
+)
+from jobs.preflight.quota import QuotaCheck
+from jobs.preflight.report import (
+    Check,
+    CheckResult,
+    PreflightContext,
+    PreflightReport,
+    Status,
+)
+from jobs.preflight.run import default_checks, run_preflight
+
+__all__ = [
+    "DEFAULT_REGIONS",
+    "DEFAULT_SPOT_MTBP_S",
+    "DRY_RUN_PID_FILE",
+    "BudgetCheck",
+    "CapacityCheck",
+    "Check",
+    "CheckResult",
+    "DataLocalityCheck",
+    "DryRunCheck",
+    "PreflightContext",
+    "PreflightReport",
+    "QuotaCheck",
+    "Status",
+    "assumed_mtbp_s",
+    "checkpoint_interval",
+    "default_checks",
+    "dry_run_command",
+    "interval_choice",
+    "resource_request",
+    "run_preflight",
+    "target_steps",
+]

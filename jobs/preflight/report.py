@@ -1,0 +1,176 @@
+"""What every preflight check shares: the context it reads, the verdict it gives, and
+the report the service stores on the run.
+
+Nothing here formats chat text or touches the database; the front ends render
+:meth:`PreflightReport.to_message`.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from jobs.notify import CheckLine, PreflightMessage
+from jobs.providers.base import Provider, ResourceRequest
+from jobs.spec import JobSpec
+
+__all__ = [
+    "Check",
+    "CheckResult",
+    "PreflightContext",
+    "PreflightReport",
+    "Status",
+    "describe_request",
+    "number",
+]
+
+
+class Status(str, enum.Enum):
+    """A check's verdict. WARN waits for a person to say "launch anyway"."""
+
+    PASS = "pass"
+    WARN = "warn"
+    FAIL = "fail"
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """One check's answer, written for the person deciding whether to launch."""
+
+    #: "quota", "capacity", "data", "dry_run", "budget".
+    name: str
+    status: Status
+    #: What was found, with figures.
+    detail: str
+    #: What to do; always set when the status is WARN or FAIL.
+    remedy: str = ""
+    #: Figures for later checks and the report; JSON-able.
+    data: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.status is not Status.PASS and not self.remedy.strip():
+            raise ValueError(f"the {self.name} check gave {self.status.value} without a remedy")
+
+    def as_dict(self) -> dict[str, Any]:
+        """The result as JSON-able data, for the journal's ``preflight_check`` event."""
+        return {
+            "name": self.name,
+            "status": self.status.value,
+            "detail": self.detail,
+            "remedy": self.remedy,
+            "data": dict(self.data),
+        }
+
+
+@dataclass(frozen=True)
+class PreflightContext:
+    """What every check of one run's preflight shares."""
+
+    spec: JobSpec
+    run_id: str
+    provider: Provider
+    #: The spec's resources in the provider's vocabulary (see ``resource_request``).
+    request: ResourceRequest
+    #: Root of the real checkpoint store; the dry run writes under ``{run_id}-dry-run``.
+    checkpoint_uri: str
+    #: Mean seconds between preemptions assumed for the provider (see ``assumed_mtbp_s``).
+    mtbp_s: float
+    #: Environment for the dry run's process on top of a minimal one (``PYTHONPATH`` …).
+    env: Mapping[str, str]
+    #: Where dry-run scratch goes.
+    workdir: Path
+
+    def __post_init__(self) -> None:
+        if not self.mtbp_s > 0 or not math.isfinite(self.mtbp_s):
+            raise ValueError(f"mtbp_s must be a positive number of seconds (got {self.mtbp_s})")
+
+    @property
+    def dry_run_id(self) -> str:
+        """The dry run's namespace in the checkpoint store, apart from the run's own."""
+        return f"{self.run_id}-dry-run"
+
+
+class Check(Protocol):
+    """One preflight question."""
+
+    name: str
+
+    def run(self, ctx: PreflightContext, *, prior: Mapping[str, CheckResult]) -> CheckResult:
+        """Answer it; ``prior`` holds the results of the checks that ran before, by name."""
+        ...
+
+
+@dataclass(frozen=True)
+class PreflightReport:
+    """Every check's result, and the figures the service keeps for the run."""
+
+    results: tuple[CheckResult, ...]
+    #: The budget check's cost estimate (USD), the run's alert budget without budget.usd.
+    estimate_usd: float | None = None
+    #: The chosen checkpoint interval in seconds (the spec's, or Daly's for "auto").
+    interval_s: float | None = None
+    #: Hours the estimate assumes.
+    expected_hours: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        """No check failed."""
+        return all(r.status is not Status.FAIL for r in self.results)
+
+    @property
+    def needs_confirmation(self) -> bool:
+        """Nothing failed, but a warning waits for a person's "launch anyway"."""
+        return self.ok and any(r.status is Status.WARN for r in self.results)
+
+    def result(self, name: str) -> CheckResult | None:
+        """The named check's result, if it ran."""
+        return next((r for r in self.results if r.name == name), None)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-able form, to store on the run."""
+        return {
+            "ok": self.ok,
+            "needs_confirmation": self.needs_confirmation,
+            "estimate_usd": self.estimate_usd,
+            "interval_s": self.interval_s,
+            "expected_hours": self.expected_hours,
+            "results": [r.as_dict() for r in self.results],
+        }
+
+    def to_message(self, *, channel: str, thread_ts: str | None, run_id: str) -> PreflightMessage:
+        """The report as the message the front ends render in the run's thread."""
+        return PreflightMessage(
+            channel=channel,
+            thread_ts=thread_ts,
+            run_id=run_id,
+            checks=tuple(
+                CheckLine(name=r.name, status=r.status.value, detail=r.detail, remedy=r.remedy)
+                for r in self.results
+            ),
+            ok=self.ok,
+            needs_confirmation=self.needs_confirmation,
+            estimate_usd=self.estimate_usd,
+            interval_s=self.interval_s,
+        )
+
+
+def describe_request(req: ResourceRequest, *, where: str | None = None) -> str:
+    """The request in a few words: what, which market, where (``where``, else its region)."""
+    if req.accelerator_count > 0:
+        thing = f"{req.accelerator_count} × {req.accelerator_type or 'GPU'}"
+    elif req.instance_type:
+        thing = req.instance_type
+    else:
+        thing = f"{req.cpus or 1} CPU core(s)"
+    return f"{thing} ({'spot' if req.spot else 'on-demand'}, {where or req.region})"
+
+
+def number(value: Any) -> float | None:
+    """A finite number from a result's JSON-able data; None for anything else."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None

@@ -1,0 +1,91 @@
+"""Running the checks: the default five in order, each failure reported, never raised."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+from jobs.errors import TrainbotError
+from jobs.preflight.budget import BudgetCheck
+from jobs.preflight.capacity import CapacityCheck
+from jobs.preflight.data import DataLocalityCheck
+from jobs.preflight.dry_run import DryRunCheck
+from jobs.preflight.quota import QuotaCheck
+from jobs.preflight.report import (
+    Check,
+    CheckResult,
+    PreflightContext,
+    PreflightReport,
+    Status,
+    number,
+)
+from runner.errors import RunnerError
+
+__all__ = ["default_checks", "run_preflight"]
+
+log = logging.getLogger(__name__)
+
+
+def default_checks(*, dry_run_timeout_s: float = 600.0) -> list[Check]:
+    """The five checks, in the order their answers are needed."""
+    return [
+        QuotaCheck(),
+        CapacityCheck(),
+        DataLocalityCheck(),
+        DryRunCheck(timeout_s=dry_run_timeout_s),
+        BudgetCheck(),
+    ]
+
+
+def run_preflight(
+    ctx: PreflightContext,
+    checks: Sequence[Check] | None = None,
+    *,
+    on_result: Callable[[CheckResult], None] | None = None,
+) -> PreflightReport:
+    """Run every check in order, so the person sees all the problems at once.
+
+    A check that raises becomes a FAIL carrying the error's message (the traceback goes
+    to the log, never to the user). ``on_result`` is called after each check, for
+    progress and the journal's ``preflight_check`` events.
+    """
+    results: dict[str, CheckResult] = {}
+    ordered: list[CheckResult] = []
+    for check in default_checks() if checks is None else checks:
+        try:
+            result = check.run(ctx, prior=dict(results))
+        except Exception as exc:  # any failure of a check is reported as a FAIL
+            result = _crashed(check.name, exc, run_id=ctx.run_id)
+        results[result.name] = result
+        ordered.append(result)
+        if on_result is not None:
+            on_result(result)
+    budget = results.get("budget")
+    dry = results.get("dry_run")
+    interval = number(budget.data.get("interval_s")) if budget is not None else None
+    if interval is None and dry is not None:
+        interval = number(dry.data.get("interval_s"))
+    if interval is None:
+        interval = ctx.spec.checkpoint.interval_s
+    return PreflightReport(
+        results=tuple(ordered),
+        estimate_usd=number(budget.data.get("estimate_usd")) if budget is not None else None,
+        interval_s=interval,
+        expected_hours=number(budget.data.get("expected_hours")) if budget is not None else None,
+    )
+
+
+def _crashed(name: str, exc: Exception, *, run_id: str) -> CheckResult:
+    if isinstance(exc, (TrainbotError, RunnerError)):
+        log.warning("run %s: preflight check %s failed: %s", run_id, name, exc)
+        remedy = "fix what the message says, then run preflight again"
+    else:
+        log.exception("run %s: preflight check %s crashed", run_id, name)
+        remedy = (
+            "this looks like a bug or an outage: run preflight again, and if it repeats, "
+            "report it with the control plane's log"
+        )
+    message = str(exc).strip() or type(exc).__name__
+    return CheckResult(
+        name, Status.FAIL, f"the {name} check could not finish: {message}", remedy, data={}
+    )

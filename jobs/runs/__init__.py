@@ -1,0 +1,83 @@
+"""The attempt machinery: what drives a run through its attempts, one instance each.
+
+The boundaries, from the bottom up: ``jobs.lifecycle`` holds only the run and attempt
+state machines; this package moves runs and attempts through them; ``jobs.service``
+holds the chat use-cases that call it; ``jobs.tasks`` the scheduled jobs that call it.
+
+- ``rows``: reading a run and its attempts, moving the run's state.
+- ``cards``: the run's card, messages in its thread, and where its alerts go.
+- ``placement``: the zone and market of the next attempt.
+- ``interval``: the checkpoint interval, following the save cost the run measured.
+- ``launch``: recording an attempt and provisioning its instance.
+- ``events``: what a stored runner event does to its attempt and run.
+- ``end``: ending an attempt, terminating its instance.
+- ``resubmit``: the work a preemption lost, and the next attempt after the backoff.
+- ``reconcile``: the provider's instances against the database, repaired.
+"""
+
+from jobs.preflight import resource_request
+from jobs.runs.cards import (
+    alert_config,
+    alert_target,
+    card,
+    raise_signals,
+    refresh_card,
+    run_context,
+    say,
+)
+from jobs.runs.end import end_attempt, terminate_instance
+from jobs.runs.events import on_attempt_event
+from jobs.runs.interval import measured_interval
+from jobs.runs.launch import (
+    budget_then_launch,
+    launch_attempt,
+    provision,
+    runner_command,
+    runner_env,
+)
+from jobs.runs.placement import NO_CAPACITY, Placement, choose_placement
+from jobs.runs.reconcile import ADOPT_AFTER_S, reconcile
+from jobs.runs.resubmit import record_lost_work, resubmit_if_due
+from jobs.runs.rows import (
+    active_attempt,
+    channel_of,
+    checkpoint_prefix,
+    get_run,
+    latest_attempt,
+    move_run,
+    spec_of,
+)
+
+__all__ = [
+    "ADOPT_AFTER_S",
+    "NO_CAPACITY",
+    "Placement",
+    "active_attempt",
+    "alert_config",
+    "alert_target",
+    "budget_then_launch",
+    "card",
+    "channel_of",
+    "checkpoint_prefix",
+    "choose_placement",
+    "end_attempt",
+    "get_run",
+    "latest_attempt",
+    "launch_attempt",
+    "measured_interval",
+    "move_run",
+    "on_attempt_event",
+    "provision",
+    "raise_signals",
+    "reconcile",
+    "record_lost_work",
+    "refresh_card",
+    "resource_request",
+    "resubmit_if_due",
+    "run_context",
+    "runner_command",
+    "runner_env",
+    "say",
+    "spec_of",
+    "terminate_instance",
+]

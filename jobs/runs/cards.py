@@ -1,0 +1,113 @@
+"""What a run tells people: its card, messages in its thread, and where its alerts go.
+
+The card is the run's root message, updated in place; ``say`` posts into its thread.
+Alerts raised by the attempt machinery (preemptions, resubmits, lost heartbeats) go
+through :func:`raise_signals`, with the facts the rules read from :func:`run_context`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+
+from sqlmodel import Session, select
+
+from jobs import alerts
+from jobs.deps import Deps
+from jobs.lifecycle import AttemptState
+from jobs.metrics import run_metrics
+from jobs.models import Attempt, Run
+from jobs.notify import MessageRef, RunCard, TextMessage
+from jobs.rules import RunContext, Signal
+from jobs.runs.rows import channel_of, latest_attempt, spec_of
+from jobs.spec import AlertThresholds, JobSpec
+from jobs.spend import run_spent
+
+
+def card(session: Session, run: Run) -> RunCard:
+    att = latest_attempt(session, run.id)
+    newest = run_metrics(session.connection(), run.id, limit=1)
+    loss = newest[-1].data.get("loss") if newest else None
+    return RunCard(
+        channel=channel_of(run),
+        run_id=run.id,
+        spec_name=run.spec_name,
+        state=run.state.value,
+        requester=run.requester,
+        attempt=att.number if att else 0,
+        step=run.last_step,
+        target_steps=run.target_steps,
+        loss=float(loss) if isinstance(loss, int | float) else None,
+        spent_usd=round(run_spent(session, run.id), 4),
+        budget_usd=run.budget_usd,
+        instance_id=att.instance_id if att else None,
+        zone=att.zone if att else None,
+        market=None if att is None else "spot" if att.spot else "on-demand",
+        region=att.region if att else None,
+        reason=run.reason,
+    )
+
+
+def refresh_card(deps: Deps, session: Session, run: Run) -> None:
+    """Update the run's root message in place."""
+    if run.thread_ts is None:
+        return
+    deps.notifier.update(MessageRef(channel=channel_of(run), ts=run.thread_ts), card(session, run))
+
+
+def say(deps: Deps, run: Run, kind: str, text: str) -> None:
+    deps.notifier.post(
+        TextMessage(
+            channel=channel_of(run), thread_ts=run.thread_ts, kind=kind, text=text, run_id=run.id
+        )
+    )
+
+
+def alert_config(spec: JobSpec) -> AlertThresholds:
+    """The thresholds of the run's alert rules."""
+    return spec.alerts
+
+
+def alert_target(run: Run) -> alerts.AlertTarget:
+    return alerts.AlertTarget(
+        channel=channel_of(run),
+        thread_ts=run.thread_ts,
+        oncall_group=spec_of(run).notify.oncall_group,
+    )
+
+
+def run_context(
+    session: Session, run: Run, attempt: Attempt | None, *, now: datetime
+) -> RunContext:
+    """What the rules need to know about the run beyond the events they are given."""
+    ended = session.exec(
+        select(Attempt.ended_at).where(
+            Attempt.run_id == run.id,
+            Attempt.state.in_([AttemptState.PREEMPTED, AttemptState.LOST]),  # type: ignore[attr-defined]
+        )
+    ).all()
+    return RunContext(
+        run_id=run.id,
+        last_heartbeat=attempt.last_heartbeat.timestamp()
+        if attempt and attempt.last_heartbeat
+        else None,
+        preemption_times=tuple(t.timestamp() for t in ended if t is not None),
+        attempt_number=attempt.number if attempt else 0,
+        last_committed_step=run.last_committed_step,
+        current_step=run.last_step,
+    )
+
+
+def raise_signals(
+    deps: Deps, session: Session, run: Run, signals: Sequence[Signal], *, now: datetime
+) -> None:
+    """Open, update or resolve the run's alerts for what the rules said."""
+    alerts.process_signals(
+        session,
+        run=run,
+        signals=signals,
+        now=now,
+        target=alert_target(run),
+        notifier=deps.notifier,
+        journal=deps.journal,
+    )

@@ -1,0 +1,166 @@
+"""Ending an attempt: revoke its token, terminate its instance, move the run on.
+
+Whoever sees the end first (the runner's exit event, reconcile, a person's stop)
+calls :func:`end_attempt`; later callers find the attempt ended and do nothing. The
+instance is terminated by script, never left to memory, one termination at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime
+from typing import Any
+
+from sqlmodel import Session
+
+from jobs.db import session_scope
+from jobs.deps import Deps
+from jobs.lifecycle import AttemptState, RunState, transition
+from jobs.models import Attempt, Run
+from jobs.providers.base import InstanceNotFound, ProviderError
+from jobs.rules import Obs, Preemption, RepeatedPreemptions
+from jobs.runs.cards import alert_config, raise_signals, refresh_card, run_context, say
+from jobs.runs.launch import carry_fence, check_fence
+from jobs.runs.resubmit import record_lost_work, resubmit_if_due
+from jobs.runs.rows import move_run, spec_of
+from jobs.spend import remove_cloud_budgets
+
+log = logging.getLogger(__name__)
+
+
+def end_attempt(
+    deps: Deps,
+    attempt_id: str,
+    *,
+    state: AttemptState,
+    exit_code: int | None = None,
+    reason: str,
+) -> None:
+    """Close an attempt: revoke its token, shut its instance down, move the run on."""
+    if state == AttemptState.TERMINATED:
+        # We end it: let the runner flush and report before its token is revoked.
+        with session_scope(deps.engine) as session:
+            attempt = session.get(Attempt, attempt_id)
+            instance = attempt.instance_id if attempt and not attempt.state.is_terminal() else None
+        if instance is not None:
+            terminate_instance(deps, instance)
+    now = deps.clock()
+    resubmit_after: float | None = None
+    instance_id: str | None = None
+    with session_scope(deps.engine) as session:
+        attempt = session.get(Attempt, attempt_id)
+        if attempt is None or attempt.state.is_terminal():
+            return
+        run = session.get(Run, attempt.run_id)
+        assert run is not None
+        spec = spec_of(run)
+        if state == AttemptState.SUCCEEDED and attempt.state != AttemptState.RUNNING:
+            # It ran to the end but its "started" event never arrived (events lost, or
+            # the provider saw the exit first): it was running all the same.
+            attempt.state = transition(attempt.state, AttemptState.RUNNING, subject_id=attempt.id)
+        if state in (AttemptState.PREEMPTED, AttemptState.LOST) and run.state.is_terminal():
+            # We stopped it (a person, the budget cap): its runner's "preempted" exit is
+            # the flush we asked for, not a preemption to resubmit.
+            state = AttemptState.TERMINATED
+        attempt.state = transition(attempt.state, state, subject_id=attempt.id)
+        attempt.exit_code = exit_code
+        attempt.end_reason = reason
+        attempt.ended_at = now
+        attempt.token_hash = None  # revokes the runner's token
+        instance_id = attempt.instance_id
+        if state in (AttemptState.PREEMPTED, AttemptState.LOST):
+            record_lost_work(session, run, attempt, now=now)
+        session.add(attempt)
+        if state == AttemptState.SUCCEEDED:
+            if move_run(session, run, RunState.SUCCEEDED, now=now):
+                deps.journal.record("run_finished", run.id, state="SUCCEEDED", step=run.last_step)
+                say(deps, run, "finished", f"Run {run.id} finished at step {run.last_step}.")
+        elif state in (AttemptState.PREEMPTED, AttemptState.LOST):
+            run.preemptions += 1
+            session.add(run)
+            deps.journal.record(
+                "preempted",
+                run.id,
+                attempt=attempt.number,
+                lost=state == AttemptState.LOST,
+                committed_step=run.last_committed_step,
+                lost_steps=attempt.lost_steps,
+                lost_seconds=round(attempt.lost_seconds, 3),
+            )
+            say(
+                deps,
+                run,
+                "preempted",
+                f"Attempt {attempt.number} "
+                f"{'was lost' if state == AttemptState.LOST else 'was preempted'}"
+                f" ({reason}); last committed step {run.last_committed_step}.",
+            )
+            if run.state in (RunState.RUNNING, RunState.LAUNCHING):
+                move_run(session, run, RunState.RECOVERING, now=now)
+            if run.state == RunState.RECOVERING:
+                resubmit_after = spec.resubmit.backoff_s
+            _preemption_alerts(deps, session, run, attempt, now=now)
+        elif state == AttemptState.FAILED and not run.state.is_terminal():
+            move_run(session, run, RunState.FAILED, now=now, reason=reason)
+            deps.journal.record("run_finished", run.id, state="FAILED", reason=reason)
+            say(deps, run, "error", f"Run {run.id} failed: {reason}.")
+        refresh_card(deps, session, run)
+        ended_run = run.id if run.state.is_terminal() else None
+    if ended_run is not None:
+        # The run is over: its cloud budget goes too (or cloud_budget_keep_days later, by
+        # the cleanup job, which also retries a failure). Off the caller's thread, which
+        # may be the ingest request carrying the runner's exit.
+        deps.background(remove_cloud_budgets, deps, now=now, run_ids=[ended_run])
+    if resubmit_after is not None:
+        # The backoff runs from the end, not from when the old instance is gone: a runner
+        # reports a preempted exit before its processes have torn down, and terminating
+        # them can take the provider's grace period.
+        deps.later(resubmit_after, carry_fence(resubmit_if_due), deps, attempt_id)
+    if instance_id is not None and state != AttemptState.TERMINATED:
+        # Off the caller's thread: the caller may be the ingest request that carried the
+        # runner's exit, and the runner waits for that reply before its processes end, so
+        # a provider whose terminate waits for them (the local one) would wait on itself
+        # until its grace ran out. Reconcile retries whatever this leaves undone.
+        deps.background(terminate_instance, deps, instance_id)  # scripted, not remembered
+
+
+def terminate_instance(deps: Deps, instance_id: str, *, wait: bool = True) -> bool:
+    """Terminate an instance, once at a time: when another thread is terminating it,
+    wait for that (``wait``) or return at once. True when this call terminated it.
+
+    Scheduled work (reconcile, a spend stop) is fenced: a deposed leader's call raises
+    :class:`~jobs.runs.launch.FencedOut` before it reaches the provider."""
+    check_fence(deps, None, action=f"the termination of {instance_id}")
+    done, mine = deps.claim_termination(instance_id)
+    if not mine:
+        if wait:
+            done.wait()
+        return False
+    try:
+        deps.provider.terminate(instance_id)
+    except InstanceNotFound:
+        pass
+    except ProviderError as exc:
+        log.warning("terminating %s failed (reconcile will retry): %s", instance_id, exc)
+    finally:
+        deps.release_termination(instance_id)
+    return True
+
+
+def _preemption_alerts(
+    deps: Deps, session: Session, run: Run, attempt: Attempt, *, now: datetime
+) -> None:
+    spec = spec_of(run)
+    cfg = alert_config(spec)
+    ctx = run_context(session, run, attempt, now=now)
+    data: dict[str, Any] = {"reason": "preempted", "attempt": attempt.number}
+    if attempt.exit_code is not None:
+        data["code"] = attempt.exit_code
+    if attempt.end_reason:
+        data["cause"] = attempt.end_reason
+    obs = [Obs(time=now.timestamp(), type="exit", data=data)]
+    signals = [
+        *Preemption(cfg).evaluate(obs, now=now.timestamp(), ctx=ctx),
+        *RepeatedPreemptions(cfg).evaluate(obs, now=now.timestamp(), ctx=ctx),
+    ]
+    raise_signals(deps, session, run, signals, now=now)

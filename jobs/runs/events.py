@@ -1,0 +1,95 @@
+"""What a runner event does to its attempt and run, once the ingest API has stored it.
+
+``started`` moves the run to RUNNING, ``exit`` ends the attempt
+(:func:`jobs.runs.end.end_attempt`); the rest are told to the run's thread and journal.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jobs.db import session_scope
+from jobs.deps import Deps
+from jobs.lifecycle import AttemptState, RunState
+from jobs.models import Attempt, Run
+from jobs.runs.cards import refresh_card, say
+from jobs.runs.end import end_attempt
+from jobs.runs.rows import move_run
+
+
+def on_attempt_event(deps: Deps, attempt_id: str, type_: str, data: dict[str, Any]) -> None:
+    """React to a runner event that the ingest API has stored."""
+    now = deps.clock()
+    ended: tuple[AttemptState, int | None, str] | None = None
+    with session_scope(deps.engine) as session:
+        attempt = session.get(Attempt, attempt_id)
+        run = session.get(Run, attempt.run_id) if attempt else None
+        if attempt is None or run is None:
+            return
+        if type_ == "started" and run.state in (RunState.LAUNCHING, RunState.RECOVERING):
+            move_run(session, run, RunState.RUNNING, now=now)
+            refresh_card(deps, session, run)
+        elif type_ == "restored":
+            step = int(data.get("step") or 0)
+            if step > 0 and attempt.started_at is not None:
+                # Booting and restoring a resumed attempt is paid time that makes no progress.
+                attempt.lost_seconds += max(0.0, (now - attempt.started_at).total_seconds())
+                session.add(attempt)
+            if step > 0:
+                deps.journal.record("resumed", run.id, attempt=attempt.number, step=step)
+                say(deps, run, "resumed", f"Attempt {attempt.number} resumed at step {step}.")
+        elif type_ == "checkpoint_committed":
+            deps.journal.record(
+                "checkpoint_committed",
+                run.id,
+                attempt=attempt.number,
+                step=data.get("step"),
+                bytes=data.get("bytes"),
+                write_s=data.get("write_s"),
+            )
+            refresh_card(deps, session, run)
+        elif type_ == "preemption_notice" and run.state.is_terminal():
+            # We stopped it (a person, the budget cap): the SIGTERM its runner saw is ours.
+            say(
+                deps,
+                run,
+                "stopping",
+                f"Attempt {attempt.number} is stopping: its runner flushes a checkpoint first.",
+            )
+        elif type_ == "preemption_notice":
+            deps.journal.record(
+                "preemption_notice",
+                run.id,
+                attempt=attempt.number,
+                source=data.get("source"),
+                time_left_s=data.get("time_left_s"),
+            )
+            left = data.get("time_left_s")
+            say(
+                deps,
+                run,
+                "preempted",
+                f"Preemption notice for attempt {attempt.number} ({data.get('source')}); "
+                + (f"{left:.0f} s to flush a checkpoint." if isinstance(left, int | float) else ""),
+            )
+        elif type_ == "log" and data.get("level") in ("warning", "error"):
+            # The runner's own warnings (a script under exec that wrote nothing it could
+            # sync, say) are for the people watching the run, not only its log.
+            message = str(data.get("message") or "")
+            # Its text names the script's files: never markup (no <!channel> from a name).
+            message = message.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+            if len(message) > 1500:
+                message = message[:1500] + f"… ({len(message)} characters)"
+            deps.journal.record("runner_warning", run.id, attempt=attempt.number)
+            say(deps, run, "warning", f"Attempt {attempt.number}: {message}")
+        elif type_ == "exit":
+            code = int(data.get("code", 1))
+            reason = str(data.get("reason", "failed"))
+            state = {
+                "succeeded": AttemptState.SUCCEEDED,
+                "preempted": AttemptState.PREEMPTED,
+                "stopped": AttemptState.TERMINATED,
+            }.get(reason, AttemptState.FAILED)
+            ended = (state, code, f"runner exited {code} ({reason})")
+    if ended is not None:
+        end_attempt(deps, attempt_id, state=ended[0], exit_code=ended[1], reason=ended[2])

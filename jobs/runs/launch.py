@@ -1,0 +1,374 @@
+"""Launching an attempt: record it, then ask the provider for its instance.
+
+Every launch writes the attempt row (with its token's hash) *before* calling the
+provider, and the provider's launch is idempotent on the attempt id. So a control plane
+killed between the provider call and the database write finds, on restart, an attempt
+without an instance: reconcile (:mod:`jobs.runs.reconcile`) adopts the instance tagged
+with that attempt by calling :func:`provision` again. There is exactly one instance per
+attempt.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from datetime import datetime
+from typing import Any
+
+from sqlmodel import Session
+
+from jobs.db import detach, session_scope
+from jobs.deps import Deps
+from jobs.errors import ConflictError, DatabaseError
+from jobs.lifecycle import AttemptState, RunState, transition
+from jobs.models import LEADER_LEASE, Attempt, Run, SchedulerLease, hash_token
+from jobs.preflight import resource_request
+from jobs.providers.base import CapacityError, LaunchRequest, ProviderError
+from jobs.runs.cards import refresh_card, say
+from jobs.runs.interval import follow_measured_cost
+from jobs.runs.placement import NO_CAPACITY, NoPlacement, choose_placement, request_in
+from jobs.runs.rows import (
+    active_attempt,
+    checkpoint_prefix,
+    get_run,
+    latest_attempt,
+    move_run,
+    spec_of,
+)
+from jobs.spec import JobSpec
+
+log = logging.getLogger(__name__)
+
+#: The scheduler lease's fencing token that the scheduled work on this thread started
+#: under; None for work a person started (chat), which any replica may do.
+_FENCE: ContextVar[int | None] = ContextVar("trainbot_fence", default=None)
+
+
+class FencedOut(DatabaseError):
+    """This replica lost the scheduler lease after its scheduled work began; the new
+    leader's reconcile redoes whatever the refused call left undone."""
+
+
+@contextmanager
+def fenced(token: int | None) -> Iterator[None]:
+    """Run the block as scheduled work of the leader holding ``token``."""
+    reset = _FENCE.set(token)
+    try:
+        yield
+    finally:
+        _FENCE.reset(reset)
+
+
+def carry_fence(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, bound to the current fencing token: for timers (``deps.later``), whose
+    thread does not inherit the caller's context."""
+    token = _FENCE.get()
+    if token is None:
+        return fn
+
+    def under_fence(*args: Any, **kwargs: Any) -> Any:
+        with fenced(token):
+            return fn(*args, **kwargs)
+
+    return under_fence
+
+
+def check_fence(deps: Deps, session: Session | None, *, action: str) -> None:
+    """Refuse ``action`` (a provider call) when it is scheduled work whose fencing token
+    is no longer the lease's: a deposed leader's late call. Checked in the caller's
+    transaction (``session``; None: a transaction of its own), with the lease row
+    share-locked on PostgreSQL, so a takeover commits either before the check (refused)
+    or after the caller's transaction."""
+    token = _FENCE.get()
+    if token is None:
+        return
+    if session is None:
+        with session_scope(deps.engine) as own:
+            check_fence(deps, own, action=action)
+        return
+    lease = session.get(SchedulerLease, LEADER_LEASE, with_for_update={"read": True})
+    if lease is not None and lease.token == token and lease.expires_at > deps.clock():
+        return
+    current = "none" if lease is None else f"{lease.token} held by {lease.holder}"
+    log.warning(
+        "refused %s: this replica's scheduler lease (token %d) is no longer current "
+        "(lease: %s); the leader redoes it",
+        action,
+        token,
+        current,
+    )
+    raise FencedOut(
+        f"refused {action}: this replica is no longer the scheduler's leader (fencing "
+        f"token {token}, lease {current}); the current leader's reconcile takes it over"
+    )
+
+
+def runner_command(deps: Deps, spec: JobSpec) -> list[str]:
+    """What the instance runs: the supervisor around the spec's command."""
+    command = list(spec.command)
+    local = deps.provider.capabilities.runs_on_this_machine
+    if local and command and command[0] in ("python", "python3"):
+        command[0] = sys.executable  # the local "instance" shares this machine's interpreter
+    runner = [sys.executable, "-m", "runner.cli"] if local else ["trainbot-runner"]
+    return [*runner, "exec", "--", *command]
+
+
+def runner_env(deps: Deps, run: Run, attempt: Attempt, spec: JobSpec) -> dict[str, str]:
+    env = dict(spec.env)
+    env.update(
+        TRAINBOT_RUN_ID=run.id,
+        TRAINBOT_ATTEMPT_ID=attempt.id,
+        TRAINBOT_CHECKPOINT_URI=run.checkpoint_uri or deps.settings.checkpoint_uri,
+        TRAINBOT_CHECKPOINT_PREFIX=checkpoint_prefix(run),
+        TRAINBOT_TOKEN=deps.runner_token(attempt.id),
+        TRAINBOT_TERMINATION_WINDOW_S=str(deps.provider.capabilities.termination_window_s),
+        TRAINBOT_METRICS_EVERY="1",
+    )
+    if deps.ingest_url:
+        env["TRAINBOT_INGEST_URL"] = deps.ingest_url
+    if deps.store_credentials:
+        env["TRAINBOT_STORE_CREDENTIALS"] = "broker"  # the store asks /v1/credentials
+    if run.checkpoint_interval_s:
+        env["TRAINBOT_CHECKPOINT_INTERVAL_S"] = f"{run.checkpoint_interval_s:.3f}"
+    if spec.checkpoint.every_steps:
+        env["TRAINBOT_CHECKPOINT_EVERY_STEPS"] = str(spec.checkpoint.every_steps)
+    if spec.checkpoint.train_through_notice:
+        env["TRAINBOT_TRAIN_THROUGH_NOTICE"] = "1"
+    if attempt.number == 1 and not run.checkpoint_prefix and attempt.resumed_from_step:
+        # A run resubmitted from a step (its own directory holds a copy of that step; a
+        # step 0 needs no maximum, and the runner takes only a positive one).
+        env["TRAINBOT_RESUME_MAX_STEP"] = str(attempt.resumed_from_step)
+    if deps.provider.capabilities.runs_on_this_machine:
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    else:
+        # The notices of the cloud the instance really is on, not the one a spec names.
+        env["TRAINBOT_PREEMPTION_SOURCES"] = deps.provider.capabilities.preemption_source
+    return env
+
+
+def launch_attempt(deps: Deps, run_id: str) -> Attempt | None:
+    """Start the next attempt of a run, if it needs one. Safe to call concurrently."""
+    try:
+        made = _new_attempt(deps, run_id, now=deps.clock())
+    except ConflictError:
+        # Another thread (a resubmit timer, reconcile) created this attempt number first;
+        # the unique (run, number) key refused ours when the transaction committed.
+        return None
+    if made is None:
+        return None
+    attempt_id, why = made
+    return provision(deps, attempt_id, why=why)
+
+
+def _new_attempt(deps: Deps, run_id: str, *, now: datetime) -> tuple[str, str] | None:
+    """Record the run's next attempt, REQUESTED, and why it is placed where it is; or
+    say why there is none (None)."""
+    with session_scope(deps.engine) as session:
+        check_fence(deps, session, action=f"a new attempt of {run_id}")
+        run = session.get(Run, run_id)
+        if run is None or run.state not in (RunState.LAUNCHING, RunState.RECOVERING):
+            return None
+        if active_attempt(session, run_id) is not None:
+            return None
+        spec = spec_of(run)
+        prev = latest_attempt(session, run_id)
+        number = (prev.number if prev else 0) + 1
+        if number > spec.resubmit.max_attempts:
+            move_run(
+                session,
+                run,
+                RunState.FAILED,
+                now=now,
+                reason=(
+                    f"gave up after {spec.resubmit.max_attempts} attempts; raise "
+                    "resubmit.max_attempts or move the run to another zone or region"
+                ),
+            )
+            deps.journal.record("run_finished", run.id, state="FAILED", reason=run.reason)
+            say(deps, run, "error", f"Run {run.id} failed: {run.reason}.")
+            refresh_card(deps, session, run)
+            return None
+        placement = choose_placement(deps, session, run, spec)
+        if isinstance(placement, NoPlacement):
+            move_run(session, run, RunState.FAILED, now=now, reason=placement.reason)
+            deps.journal.record("run_finished", run.id, state="FAILED", reason=run.reason)
+            say(deps, run, "error", f"Run {run.id} failed: {run.reason}.")
+            refresh_card(deps, session, run)
+            return None
+        for skipped in placement.skipped:
+            say(deps, run, "info", f"Attempt {number} skips region {skipped}.")
+        if spec.checkpoint.interval_s is None:
+            follow_measured_cost(deps, session, run)
+        attempt = Attempt(
+            run_id=run_id,
+            number=number,
+            provider=deps.provider.name,
+            region=placement.region,
+            zone=placement.zone,
+            instance_type=spec.resources.instance_type,
+            spot=placement.spot,
+            instances=spec.resources.instances,
+            resumed_from_step=run.last_committed_step,
+        )
+        attempt.token_hash = hash_token(deps.runner_token(attempt.id))
+        session.add(attempt)
+        deps.journal.record(
+            "placed",
+            run.id,
+            attempt=number,
+            region=placement.region,
+            zone=placement.zone,
+            spot=placement.spot,
+            why=placement.note,
+            skipped=list(placement.skipped),
+        )
+        return attempt.id, placement.note
+
+
+def provision(deps: Deps, attempt_id: str, *, why: str = "") -> Attempt | None:
+    """Call the provider for a REQUESTED attempt (first launch, or adoption after a crash).
+    ``why``: why the attempt is on-demand or in another region, for the thread."""
+    with session_scope(deps.engine) as session:
+        check_fence(deps, session, action=f"the launch of attempt {attempt_id}")
+        attempt = session.get(Attempt, attempt_id)
+        if attempt is None or attempt.state != AttemptState.REQUESTED:
+            return attempt
+        run = session.get(Run, attempt.run_id)
+        assert run is not None
+        spec = spec_of(run)
+        req = LaunchRequest(
+            run_id=run.id,
+            attempt_id=attempt.id,
+            owner=run.requester,
+            request=(
+                request_in(spec, attempt.region, spot=attempt.spot)
+                if attempt.region
+                else resource_request(spec, spot=attempt.spot)
+            ),
+            zone=attempt.zone or "",
+            command=runner_command(deps, spec),
+            env=runner_env(deps, run, attempt, spec),
+            scratch_bytes=int(spec.resources.disk_gb * 1e9),
+            idempotency_key=attempt.id,
+            spot=attempt.spot,
+        )
+    now = deps.clock()
+    try:
+        info = deps.provider.launch(req)
+        price = deps.provider.price(req.request, zone=req.zone)
+    except ProviderError as exc:
+        _launch_failed(deps, attempt_id, exc, now=now)
+        return None
+    with session_scope(deps.engine) as session:
+        # Locked, so that of two racing writers (reconcile adopting an attempt whose launch
+        # is in progress, and the launcher) the second sees the first's state. SQLite's
+        # BEGIN IMMEDIATE already serialises them; PostgreSQL needs the row lock.
+        attempt = session.get(Attempt, attempt_id, with_for_update=True)
+        assert attempt is not None
+        if attempt.state != AttemptState.REQUESTED:
+            # Reconcile and the launcher both provisioned it (the launch is idempotent,
+            # so it is the same instance): the first to record it wins.
+            detach(session, attempt)
+            return attempt
+        run = session.get(Run, attempt.run_id)
+        assert run is not None
+        attempt.instance_id = info.instance_id
+        attempt.zone = info.zone or attempt.zone
+        attempt.state = transition(attempt.state, AttemptState.PROVISIONING, subject_id=attempt.id)
+        attempt.started_at = now
+        attempt.price_per_hour = (
+            price.spot_usd_per_hour if attempt.spot else price.on_demand_usd_per_hour
+        )
+        session.add(attempt)
+        deps.journal.record(
+            "launched",
+            run.id,
+            attempt=attempt.number,
+            attempt_id=attempt.id,
+            instance=info.instance_id,
+            region=attempt.region,
+            zone=attempt.zone,
+            spot=attempt.spot,
+            price_per_hour=attempt.price_per_hour,
+            why=why,
+            resume_from_step=attempt.resumed_from_step,
+            checkpoint_interval_s=run.checkpoint_interval_s,
+        )
+        resume = (
+            f", resuming from step {attempt.resumed_from_step}" if attempt.resumed_from_step else ""
+        )
+        where = attempt.zone or attempt.region
+        if attempt.spot:
+            text = (
+                f"Attempt {attempt.number} launched on spot instance {info.instance_id} "
+                f"in {where} at ${attempt.price_per_hour:.2f}/h{resume}."
+            )
+            if why:
+                text += f" It runs in {attempt.region}: {why}."
+        else:
+            # On-demand costs several times spot: say so, and why, where people look.
+            text = (
+                f"Attempt {attempt.number} runs on-demand at ${attempt.price_per_hour:.2f}/h"
+                f"{': ' + why if why else ''}. Instance {info.instance_id} in {where}"
+                f"{resume}."
+            )
+            if why.startswith("no spot capacity"):
+                text += " The next attempt tries spot first."
+        say(deps, run, "launched", text)
+        refresh_card(deps, session, run)
+        detach(session, attempt)
+        return attempt
+
+
+def _launch_failed(deps: Deps, attempt_id: str, exc: ProviderError, *, now: datetime) -> None:
+    """A refused launch: no capacity retries in the next zone after the backoff; anything
+    else (permissions, quota, a bad request) will not fix itself and fails the run."""
+    capacity = isinstance(exc, CapacityError)
+    with session_scope(deps.engine) as session:
+        attempt = session.get(Attempt, attempt_id)
+        run = session.get(Run, attempt.run_id) if attempt else None
+        if attempt is None or run is None:
+            return
+        attempt.state = transition(attempt.state, AttemptState.FAILED, subject_id=attempt.id)
+        attempt.end_reason = f"{NO_CAPACITY}: {exc}" if capacity else str(exc)
+        attempt.ended_at = now
+        attempt.token_hash = None
+        session.add(attempt)
+        say(deps, run, "error", f"Attempt {attempt.number} of {run.id} could not launch: {exc}")
+        if not capacity:
+            move_run(session, run, RunState.FAILED, now=now, reason=str(exc))
+            deps.journal.record("run_finished", run.id, state="FAILED", reason=run.reason)
+            refresh_card(deps, session, run)
+            return
+        if run.state == RunState.LAUNCHING:
+            move_run(session, run, RunState.RECOVERING, now=now)
+        backoff = spec_of(run).resubmit.backoff_s
+        run_id = run.id
+    deps.later(backoff, carry_fence(launch_attempt), deps, run_id)
+
+
+def budget_then_launch(
+    deps: Deps, run_id: str, *, budget: float | None, thresholds: Sequence[int]
+) -> None:
+    """Every way into LAUNCHING (checks passed, or a person confirmed) gets the cloud budget."""
+    if budget:
+        _cloud_budget(deps, run_id, budget, thresholds)
+    launch_attempt(deps, run_id)
+
+
+def _cloud_budget(deps: Deps, run_id: str, usd: float, thresholds: Sequence[int]) -> None:
+    """Where the provider has budgets (AWS Budgets), the run's budget alert lives there too."""
+    if not deps.provider.capabilities.cloud_budgets:
+        return
+    try:
+        name = deps.provider.create_budget(run_id=run_id, usd=usd, thresholds=list(thresholds))
+    except ProviderError as exc:
+        with session_scope(deps.engine) as session:
+            say(deps, get_run(session, run_id), "error", f"Cloud budget not created: {exc}")
+        return
+    deps.journal.record("cloud_budget", run_id, name=name, usd=usd)

@@ -1,0 +1,165 @@
+"""Reconcile: compare the provider's instances with the database and repair the difference.
+
+The scheduled backstop for everything the event path can miss: it adopts instances a
+crash left unrecorded, ends attempts whose instance ended or went silent, terminates
+instances no live attempt owns, and launches runs whose backoff is over.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from sqlmodel import col, select
+
+from jobs.db import session_scope
+from jobs.deps import Deps
+from jobs.lifecycle import AttemptState, RunState
+from jobs.models import Attempt, Run
+from jobs.providers.base import InstanceNotFound, InstanceState, ProviderError
+from jobs.rules import LostHeartbeat
+from jobs.runs.cards import alert_config, raise_signals, run_context
+from jobs.runs.end import end_attempt, terminate_instance
+from jobs.runs.launch import launch_attempt, provision
+from jobs.runs.resubmit import resubmit_if_due
+from jobs.runs.rows import active_attempt, latest_attempt, spec_of
+
+log = logging.getLogger(__name__)
+
+#: How long an attempt may sit REQUESTED without an instance before reconcile relaunches
+#: it (the launch is idempotent, so this adopts an instance a crash left unrecorded).
+ADOPT_AFTER_S = 20.0
+
+
+@dataclass(frozen=True)
+class _Live:
+    """What reconcile needs of a live attempt, read in one transaction."""
+
+    attempt_id: str
+    run_id: str
+    instance_id: str | None
+    created_at: datetime
+    #: Last sign of life: heartbeat, else start, else creation.
+    seen: datetime
+    heartbeat_deadline_s: float
+
+
+def reconcile(deps: Deps) -> dict[str, int]:
+    """Compare the provider's instances with the database and repair the difference."""
+    now = deps.clock()
+    counts = {"adopted": 0, "ended": 0, "orphans": 0, "launched": 0, "lost": 0}
+    with session_scope(deps.engine) as session:
+        rows = session.exec(
+            select(Attempt, Run)
+            .join(Run, col(Run.id) == col(Attempt.run_id))
+            .where(
+                col(Attempt.state).in_(
+                    [AttemptState.REQUESTED, AttemptState.PROVISIONING, AttemptState.RUNNING]
+                )
+            )
+        ).all()
+        live = {
+            a.id: _Live(
+                attempt_id=a.id,
+                run_id=a.run_id,
+                instance_id=a.instance_id,
+                created_at=a.created_at,
+                seen=a.last_heartbeat or a.started_at or a.created_at,
+                heartbeat_deadline_s=spec_of(r).alerts.heartbeat_deadline_s,
+            )
+            for a, r in rows
+        }
+    try:
+        instances = deps.provider.list_instances()
+    except ProviderError as exc:
+        log.warning("reconcile could not list instances: %s", exc)
+        return counts
+    by_attempt = {i.attempt_id: i for i in instances}
+    # Orphans: tagged by us, owned by no live attempt. One whose ended attempt is having
+    # it terminated already (end_attempt does that off its caller's thread) is left to it.
+    for inst in instances:
+        orphan = inst.attempt_id not in live and not inst.state.is_terminal()
+        if orphan and terminate_instance(deps, inst.instance_id, wait=False):
+            deps.journal.record("orphan_terminated", inst.run_id, instance=inst.instance_id)
+            counts["orphans"] += 1
+    for a in live.values():
+        if a.instance_id is None:
+            if a.attempt_id in by_attempt or (now - a.created_at).total_seconds() > ADOPT_AFTER_S:
+                provision(deps, a.attempt_id)  # idempotent launch: adopts what is there
+                counts["adopted"] += 1
+            continue
+        try:
+            status = deps.provider.status(a.instance_id)
+        except InstanceNotFound:
+            end_attempt(deps, a.attempt_id, state=AttemptState.LOST, reason="instance vanished")
+            counts["lost"] += 1
+            continue
+        ended = _ENDED_BY_PROVIDER.get(status.state)
+        if ended is not None:
+            end_attempt(
+                deps, a.attempt_id, state=ended, exit_code=status.exit_code, reason=status.reason
+            )
+            counts["ended"] += 1
+        elif (now - a.seen).total_seconds() > a.heartbeat_deadline_s:
+            _lost_heartbeat(deps, a.attempt_id, now=now, since=a.seen)
+            counts["lost"] += 1
+    counts["launched"] += _launch_due(deps, now=now)
+    return counts
+
+
+_ENDED_BY_PROVIDER = {
+    InstanceState.PREEMPTED: AttemptState.PREEMPTED,
+    InstanceState.SUCCEEDED: AttemptState.SUCCEEDED,
+    InstanceState.FAILED: AttemptState.FAILED,
+    InstanceState.TERMINATED: AttemptState.TERMINATED,
+}
+
+
+def _lost_heartbeat(deps: Deps, attempt_id: str, *, now: datetime, since: datetime) -> None:
+    with session_scope(deps.engine) as session:
+        attempt = session.get(Attempt, attempt_id)
+        run = session.get(Run, attempt.run_id) if attempt else None
+        if attempt is None or run is None:
+            return
+        spec = spec_of(run)
+        signals = LostHeartbeat(alert_config(spec)).evaluate(
+            [], now=now.timestamp(), ctx=run_context(session, run, attempt, now=now)
+        )
+        raise_signals(deps, session, run, signals, now=now)
+    silent = int((now - since).total_seconds())
+    end_attempt(deps, attempt_id, state=AttemptState.LOST, reason=f"no heartbeat for {silent} s")
+
+
+def _launch_due(deps: Deps, *, now: datetime) -> int:
+    """Runs waiting for an attempt whose backoff is over (the backstop for lost timers)."""
+    due: list[str] = []
+    #: Runs whose last attempt was preempted or lost: relaunched as a resubmit, so the
+    #: record, the lost work and the alert are the same whichever of the timer and this
+    #: backstop gets there first.
+    resubmits: dict[str, str] = {}
+    with session_scope(deps.engine) as session:
+        runs = session.exec(
+            select(Run).where(col(Run.state).in_([RunState.LAUNCHING, RunState.RECOVERING]))
+        ).all()
+        for run in runs:
+            if active_attempt(session, run.id) is not None:
+                continue
+            prev = latest_attempt(session, run.id)
+            backoff = timedelta(seconds=spec_of(run).resubmit.backoff_s)
+            if prev is None or prev.ended_at is None or now - prev.ended_at >= backoff:
+                due.append(run.id)
+                if (
+                    prev is not None
+                    and run.state == RunState.RECOVERING
+                    and prev.state in (AttemptState.PREEMPTED, AttemptState.LOST)
+                ):
+                    resubmits[run.id] = prev.id
+    launched = 0
+    for run_id in due:
+        if run_id in resubmits:
+            if resubmit_if_due(deps, resubmits[run_id]):
+                launched += 1
+        elif launch_attempt(deps, run_id) is not None:
+            launched += 1
+    return launched

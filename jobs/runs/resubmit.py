@@ -1,0 +1,91 @@
+"""Resubmitting after a preemption: the work it lost, and the next attempt after the backoff.
+
+:func:`jobs.runs.end.end_attempt` records the lost work and starts the backoff timer; reconcile's
+backstop calls :func:`resubmit_if_due` too, for timers a restart lost. Whichever comes
+second finds the next attempt launched and does nothing.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlmodel import Session, col, select
+
+from jobs.db import session_scope
+from jobs.deps import Deps
+from jobs.lifecycle import RunState
+from jobs.models import Attempt, Checkpoint, Run
+from jobs.rules import AutoResubmit, Obs
+from jobs.runs.cards import alert_config, raise_signals, run_context
+from jobs.runs.launch import launch_attempt
+from jobs.runs.rows import active_attempt, spec_of
+
+
+def record_lost_work(session: Session, run: Run, attempt: Attempt, *, now: datetime) -> None:
+    """The steps and paid seconds an ending attempt did since its last committed checkpoint."""
+    committed = run.last_committed_step or 0
+    reached = attempt.last_step or committed
+    attempt.lost_steps = max(0, reached - committed)
+    if attempt.step_time_s:
+        attempt.lost_seconds += attempt.lost_steps * attempt.step_time_s
+    else:
+        last_commit = session.exec(
+            select(Checkpoint)
+            .where(Checkpoint.attempt_id == attempt.id)
+            .order_by(col(Checkpoint.committed_at).desc())
+        ).first()
+        since = last_commit.committed_at if last_commit else attempt.started_at
+        attempt.lost_seconds += max(0.0, (now - since).total_seconds()) if since else 0.0
+
+
+def resubmit_if_due(deps: Deps, previous_attempt_id: str) -> bool:
+    """Launch the next attempt after a preemption, reporting the work lost.
+
+    Called by the backoff timer and by reconcile's backstop; whichever comes second
+    finds the attempt launched and does nothing. True when this call launched it.
+    """
+    with session_scope(deps.engine) as session:
+        prev = session.get(Attempt, previous_attempt_id)
+        run = session.get(Run, prev.run_id) if prev else None
+        if prev is None or run is None or run.state != RunState.RECOVERING:
+            return False
+        if active_attempt(session, run.id) is not None:
+            return False
+        run_id = run.id
+    attempt = launch_attempt(deps, run_id)
+    if attempt is None:
+        return False
+    now = deps.clock()
+    with session_scope(deps.engine) as session:
+        run = session.get(Run, run_id)
+        prev = session.get(Attempt, previous_attempt_id)
+        assert run is not None and prev is not None
+        deps.journal.record(
+            "resubmitted",
+            run.id,
+            attempt=attempt.number,
+            region=attempt.region,
+            zone=attempt.zone,
+            spot=attempt.spot,
+            resume_from_step=attempt.resumed_from_step,
+            lost_steps=prev.lost_steps,
+            lost_seconds=round(prev.lost_seconds, 3),
+        )
+        spec = spec_of(run)
+        obs = [
+            Obs(
+                time=now.timestamp(),
+                type="resubmitted",
+                data={
+                    "attempt": attempt.number,
+                    "lost_steps": prev.lost_steps,
+                    "lost_seconds": prev.lost_seconds,
+                    "zone": attempt.zone or "",
+                },
+            )
+        ]
+        signals = AutoResubmit(alert_config(spec)).evaluate(
+            obs, now=now.timestamp(), ctx=run_context(session, run, attempt, now=now)
+        )
+        raise_signals(deps, session, run, signals, now=now)
+    return True

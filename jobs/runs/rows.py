@@ -1,0 +1,73 @@
+"""A run's rows: reading the run and its attempts, and moving the run's state.
+
+What every other module of ``jobs.runs`` (and the service and the scheduled jobs)
+reads the same way: the stored spec, the run's channel and checkpoint prefix, its
+live and latest attempt.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlmodel import Session, col, select
+
+from jobs.errors import NotFound
+from jobs.lifecycle import RunState, transition
+from jobs.models import Attempt, Run
+from jobs.spec import JobSpec
+
+
+def checkpoint_prefix(run: Run) -> str:
+    """A run's checkpoints live in ``{checkpoint_uri}/{prefix}``: its own id, unless it
+    resumes another run's checkpoints (a resubmit of a finished run). Only trainbot
+    writes ``Run.checkpoint_prefix``; a spec cannot name it."""
+    return run.checkpoint_prefix or run.id
+
+
+def spec_of(run: Run) -> JobSpec:
+    """The whole stored spec, validated: what a launch needs. To watch a run, read one
+    section leniently with :func:`jobs.spec.stored_section` instead."""
+    return JobSpec.model_validate(run.spec)
+
+
+def channel_of(run: Run) -> str:
+    return run.channel or "trainbot"
+
+
+def active_attempt(session: Session, run_id: str) -> Attempt | None:
+    rows = session.exec(
+        select(Attempt).where(Attempt.run_id == run_id).order_by(col(Attempt.number).desc())
+    ).all()
+    for a in rows:
+        if not a.state.is_terminal():
+            return a
+    return None
+
+
+def latest_attempt(session: Session, run_id: str) -> Attempt | None:
+    return session.exec(
+        select(Attempt).where(Attempt.run_id == run_id).order_by(col(Attempt.number).desc())
+    ).first()
+
+
+def move_run(
+    session: Session, run: Run, target: RunState, *, now: datetime, reason: str | None = None
+) -> bool:
+    """Transition a run if it is not already there; returns whether it moved."""
+    if run.state == target:
+        return False
+    run.state = transition(run.state, target, subject_id=run.id)
+    run.updated_at = now
+    if reason is not None:
+        run.reason = reason
+    if target.is_terminal():
+        run.ended_at = now
+    session.add(run)
+    return True
+
+
+def get_run(session: Session, run_id: str) -> Run:
+    run = session.get(Run, run_id)
+    if run is None:
+        raise NotFound(f"no run {run_id}: `/train list all` shows the runs this channel has")
+    return run

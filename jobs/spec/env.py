@@ -1,0 +1,66 @@
+"""The spec's ``env``: shell-identifier names, text values, and the names trainbot keeps."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Annotated
+
+from pydantic import AfterValidator, BeforeValidator, ValidationInfo
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+#: Variables trainbot sets for the runner itself (run id, token, checkpoint prefix, URIs):
+#: a spec that set one could point a run at another run's checkpoints or events.
+RESERVED_ENV_PREFIX = "TRAINBOT_"
+#: Runner knobs under that prefix that only tune the run itself, so a spec may set them.
+TUNABLE_ENV = frozenset({"TRAINBOT_SYSTEM_SAMPLE_S"})
+#: Validation context key: set by :func:`jobs.spec.parse_spec`, which validates what people
+#: wrote, and not by re-validation of a stored spec (a resubmit stores the checkpoint prefix).
+FROM_PEOPLE = "from_people"
+
+
+def _stringify_env(value: object) -> object:
+    # YAML reads OMP_NUM_THREADS: 4 as a number; the process environment wants text.
+    if isinstance(value, Mapping):
+        return {key: _env_text(item) for key, item in value.items()}
+    return value
+
+
+def _env_text(item: object) -> object:
+    if isinstance(item, bool):
+        return "true" if item else "false"
+    if isinstance(item, int | float):
+        return str(item)
+    return item
+
+
+def _env_name(name: str, info: ValidationInfo) -> str:
+    if not _ENV_NAME.fullmatch(name):
+        raise ValueError(
+            "is not an environment variable name: use letters, digits and '_', "
+            "not starting with a digit"
+        )
+    context = info.context or {}
+    if (
+        context.get(FROM_PEOPLE)
+        and name.upper().startswith(RESERVED_ENV_PREFIX)
+        and name not in TUNABLE_ENV
+    ):
+        raise ValueError(
+            f"is reserved: trainbot sets {RESERVED_ENV_PREFIX}* variables itself (the run id, "
+            "its token, the checkpoint prefix and URIs); remove it from env, or rename it"
+        )
+    return name
+
+
+def _env_value(value: str) -> str:
+    if "\x00" in value:
+        raise ValueError("contains a NUL byte, which no process environment can hold: remove it")
+    return value
+
+
+EnvName = Annotated[str, AfterValidator(_env_name)]
+EnvValue = Annotated[str, AfterValidator(_env_value)]
+#: The type of ``JobSpec.env``.
+Env = Annotated[dict[EnvName, EnvValue], BeforeValidator(_stringify_env)]

@@ -1,0 +1,302 @@
+"""The spec's sections: resources, checkpoint, retention, budget, resubmit, alerts,
+notify and dry run, each a frozen pydantic model that refuses unknown keys."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+
+from jobs.errors import clip
+from runner.duration import parse_duration
+
+_ACCELERATOR_TYPE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+Duration = Annotated[float, BeforeValidator(parse_duration)]
+
+
+class Section(BaseModel):
+    """A part of the spec: frozen, and a misspelt key is an error, never ignored."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Accelerator(Section):
+    """Accelerators per instance, written ``TYPE:COUNT`` in a spec (``A100:8``)."""
+
+    #: Provider's name for the device (``A100``, ``H100``, ``nvidia-l4``).
+    type: str
+    #: Devices per instance.
+    count: int = Field(default=1, ge=1, le=16)
+
+    def __str__(self) -> str:
+        return f"{self.type}:{self.count}"
+
+
+def _parse_accelerator(value: object) -> object:
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    type_, sep, count_text = text.partition(":")
+    if not _ACCELERATOR_TYPE.fullmatch(type_):
+        raise ValueError(f"expected TYPE:COUNT such as A100:8 or L4:1 (got {clip(value)})")
+    if not sep:
+        return {"type": type_, "count": 1}
+    try:
+        count = int(count_text)
+    except ValueError:
+        raise ValueError(
+            f"the count after ':' must be a whole number, as in A100:8 (got {clip(value)})"
+        ) from None
+    if not 1 <= count <= 16:
+        raise ValueError(f"the accelerator count must be between 1 and 16 (got {clip(value)})")
+    return {"type": type_, "count": count}
+
+
+class Resources(Section):
+    """Where and on what the run executes."""
+
+    #: Which provider runs it.
+    cloud: Literal["local", "aws", "gcp"] = "local"
+    #: Region; ``None`` runs in the provider's default region. A one-region shorthand for
+    #: ``regions``: after validation it is always the first of ``regions``.
+    region: str | None = Field(default=None, exclude=True)
+    #: Regions to run in, in order of preference: an attempt moves to the next once every
+    #: zone of this one is out of capacity (its quota and data locality checked first).
+    regions: list[str] = Field(default_factory=list)
+    #: Zones to try, in order; a region none of whose zones is listed uses every zone it
+    #: has, ranked by capacity.
+    zones: list[str] = Field(default_factory=list)
+    #: Accelerators per instance; ``None`` for CPU-only.
+    accelerator: Annotated[Accelerator | None, BeforeValidator(_parse_accelerator)] = None
+    #: Exact instance type; ``None`` lets the provider pick the cheapest that fits.
+    instance_type: str | None = None
+    #: Instances launched together; spend is per instance. Only 1 until multi-node
+    #: launches exist: more would be charged N times for the one instance launched.
+    instances: int = Field(default=1, ge=1)
+    #: Scratch disk of each instance, in GB (logs and local checkpoints fill it).
+    disk_gb: float = Field(default=100.0, gt=0)
+    #: Spot/preemptible capacity (the point of trainbot); ``False`` pays on-demand prices.
+    spot: bool = True
+    #: Launch on-demand when no allowed zone of any region has spot capacity; the attempt
+    #: after it tries spot again.
+    on_demand_fallback: bool = False
+    #: Let an attempt run in a region other than its dataset's (``data_uri``); off, such
+    #: a region is skipped, since every epoch would read the data across regions.
+    allow_cross_region_data: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_way_to_name_regions(cls, data: object) -> object:
+        """``region`` is shorthand for a one-element ``regions``; both at once is ambiguous."""
+        if not isinstance(data, dict):
+            return data
+        region, regions = data.get("region"), data.get("regions")
+        if region is not None and regions:
+            raise ValueError(
+                f"resources.region ({clip(region)}) and resources.regions ({clip(regions)}) "
+                "are both set: keep one (region is shorthand for a one-element regions list; "
+                "inline, set resources.region=null next to resources.regions=[…])"
+            )
+        if region is not None:
+            return {**data, "regions": [region]}
+        if regions and isinstance(regions, list) and isinstance(regions[0], str):
+            return {**data, "region": regions[0]}
+        return data
+
+    @field_validator("instances")
+    @classmethod
+    def _one_instance(cls, value: int) -> int:
+        if value > 1:
+            raise ValueError(
+                "multi-node runs are not supported yet: set resources.instances to 1 (one "
+                "larger instance is usually better: more accelerators per instance, such as "
+                f"A100:8, or a bigger instance_type; {value} would be charged {value} times "
+                "for the one instance launched)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _zones_in_region(self) -> Resources:
+        if len(set(self.regions)) != len(self.regions):
+            raise ValueError(f"resources.regions lists a region twice ({clip(self.regions)})")
+        if self.regions:
+            strays = [z for z in self.zones if self.region_of_zone(z) is None]
+            if strays:
+                where = (
+                    f"region {clip(self.regions[0])}"
+                    if len(self.regions) == 1
+                    else f"any of the regions {clip(self.regions)}"
+                )
+                raise ValueError(
+                    f"zone {clip(strays[0])} is not in {where}: fix the zone, or change the region"
+                )
+        return self
+
+    def region_of_zone(self, zone: str) -> str | None:
+        """Which of ``regions`` holds ``zone`` (zone names start with their region's)."""
+        found = [r for r in self.regions if zone.startswith(r)]
+        return max(found, key=len) if found else None
+
+    def zones_in(self, region: str) -> list[str]:
+        """The listed zones of ``region``; empty: any zone of it. With no region named
+        (the provider's default), every listed zone."""
+        if not self.regions:
+            return list(self.zones)
+        return [z for z in self.zones if self.region_of_zone(z) == region]
+
+
+class CheckpointPolicy(Section):
+    """When checkpoints are written, and where."""
+
+    #: Root URI; ``None`` uses the control plane's ``TRAINBOT_CHECKPOINT_URI``.
+    uri: str | None = None
+    #: Seconds between checkpoints, or ``"auto"`` for Daly's optimum from the dry run's
+    #: checkpoint time and the provider's preemption rate.
+    interval: float | Literal["auto"] = "auto"
+    #: Also checkpoint every N steps; the first of the two triggers wins.
+    every_steps: int | None = Field(default=None, ge=1)
+    #: On a preemption notice, train on through the provider's window and write the
+    #: emergency checkpoint just before the deadline, while it still fits with a margin
+    #: (the window is paid for either way); off: write it at once and exit.
+    train_through_notice: bool = False
+
+    @field_validator("interval", mode="before")
+    @classmethod
+    def _auto_or_duration(cls, value: object) -> object:
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        seconds = parse_duration(value)
+        if seconds <= 0:
+            raise ValueError(f"must be 'auto' or a duration above zero (got {clip(value)})")
+        return seconds
+
+    @property
+    def interval_s(self) -> float | None:
+        """The interval in seconds, or ``None`` when it is to be chosen automatically."""
+        return None if self.interval == "auto" else float(self.interval)
+
+
+class KeepBest(Section):
+    """Keep the checkpoints with the best value of one reported metric."""
+
+    metric: str = Field(min_length=1)
+    mode: Literal["min", "max"] = "min"
+    count: int = Field(default=1, ge=1)
+
+
+class Retention(Section):
+    """Which checkpoints survive cleanup. The newest committed one always does."""
+
+    keep_last: int = Field(default=3, ge=1)
+    #: Keep every checkpoint whose step is a multiple of this.
+    keep_every_steps: int | None = Field(default=None, ge=1)
+    keep_best: KeepBest | None = None
+    #: Delete checkpoints older than this (seconds), unless another rule keeps them.
+    max_age: Duration | None = Field(default=None, gt=0)
+
+
+class BudgetPolicy(Section):
+    """What the run may cost, and what happens as it spends (the spec's ``budget``)."""
+
+    #: Dollars; ``None`` makes preflight's cost estimate the alerting budget.
+    usd: float | None = Field(default=None, gt=0)
+    #: Percentages of the budget that alert once each.
+    thresholds: list[int] = Field(default_factory=lambda: [50, 80, 100])
+    #: Stop the run when spend reaches an explicit ``usd`` (not an estimate).
+    hard_cap: bool = True
+
+    @field_validator("thresholds")
+    @classmethod
+    def _sorted_percentages(cls, value: list[int]) -> list[int]:
+        for percent in value:
+            if not 1 <= percent <= 1000:
+                raise ValueError(f"thresholds are percentages from 1 to 1000 (got {clip(percent)})")
+        return sorted(set(value))
+
+    @property
+    def caps_spend(self) -> bool:
+        """The hard cap applies: only to a budget written here, never to an estimate."""
+        return self.hard_cap and self.usd is not None
+
+    @property
+    def alert_percentages(self) -> list[int]:
+        """The thresholds that alert; a hard cap always alerts at 100 % (it stops there)."""
+        return sorted({*self.thresholds, 100}) if self.caps_spend else list(self.thresholds)
+
+
+class ResubmitPolicy(Section):
+    """What happens after a preemption or a lost instance (the spec's ``resubmit``)."""
+
+    #: Attempts in all, the first included.
+    max_attempts: int = Field(default=10, ge=1)
+    #: Wait before relaunching.
+    backoff_s: Duration = Field(default=30.0, ge=0)
+    #: Try the next zone when the current one has no capacity.
+    zone_failover: bool = True
+    #: Deprecated and ignored: listing several ``resources.regions`` is what turns region
+    #: failover on. Kept only because every stored spec carries it (specs are stored as
+    #: ``model_dump``, and sections refuse unknown keys); left out of new dumps.
+    region_failover: bool = Field(default=False, exclude=True)
+    #: Switch to on-demand after this many preemptions; ``None`` stays on spot.
+    on_demand_after_preemptions: int | None = Field(default=None, ge=1)
+
+
+class AlertThresholds(Section):
+    """Per-run thresholds for the alert rules."""
+
+    #: A loss above this many times its moving baseline is a spike...
+    loss_spike_factor: float = Field(default=3.0, gt=1)
+    #: ...when it lasts this many consecutive points.
+    loss_spike_points: int = Field(default=3, ge=1)
+    #: Points in the least-squares fit that detects a rising loss.
+    trend_points: int = Field(default=20, ge=3)
+    #: Device utilisation below this percentage...
+    low_util_percent: float = Field(default=40.0, ge=0, le=100)
+    #: ...for this long alerts.
+    low_util_window_s: Duration = Field(default=300.0, gt=0)
+    #: Scratch disk use above this percentage alerts...
+    disk_percent: float = Field(default=90.0, gt=0, le=100)
+    #: ...and so does a growth rate that fills it within this horizon.
+    disk_horizon_s: Duration = Field(default=1800.0, gt=0)
+    #: This many preemptions...
+    repeated_preemptions: int = Field(default=3, ge=1)
+    #: ...within this window alert as repeated preemptions.
+    repeated_window_s: Duration = Field(default=3600.0, gt=0)
+    #: No event from the runner for this long is a lost heartbeat.
+    heartbeat_deadline_s: Duration = Field(default=120.0, gt=0)
+    #: Without a GPU, a mean data-wait fraction above this is an input-bound run.
+    data_wait_fraction: float = Field(default=0.5, gt=0, le=1)
+    #: A NaN or infinite loss stops the run after a flush ("stop"), or only alerts.
+    on_nan: Literal["stop", "alert"] = "stop"
+    #: A divergence (loss spike or rising trend) nobody acknowledges for this long
+    #: stops the run: it is burning budget and producing nothing.
+    stop_after: Duration = Field(default=1800.0, gt=0)
+    #: A rule firing again this soon after its alert resolved reopens that alert.
+    quiet_period: Duration = Field(default=900.0, ge=0)
+    #: An alert reopened more than this many times...
+    flap_count: int = Field(default=3, ge=1)
+    #: ...within this window is flapping: said once, not repeated.
+    flap_window: Duration = Field(default=600.0, gt=0)
+
+
+class Notify(Section):
+    """Where the run reports."""
+
+    #: Channel for the run's thread; ``None`` is the channel it was launched from.
+    channel: str | None = None
+    #: Who is paged when a critical alert stays unacknowledged (Slack user group).
+    oncall_group: str | None = None
+
+
+class DryRun(Section):
+    """The preflight dry run: a few steps, a checkpoint, a kill, a restore, two more steps."""
+
+    enabled: bool = True
+    #: Steps before the checkpoint-and-kill.
+    steps: int = Field(default=20, ge=1)
+    #: URI of a small data sample; ``None`` uses ``data_uri``.
+    sample: str | None = None
+    #: Run it on this machine's CPU instead of a cheap cloud instance.
+    local: bool = True

@@ -1,0 +1,88 @@
+"""deploy/kubernetes/ validates offline against the Kubernetes API schemas (strict: no
+unknown fields), and holds what a two-replica team install needs."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+MANIFESTS = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
+KUBERNETES_VERSION = "1.30.0"
+
+
+def _resources() -> list[Path]:
+    return sorted(p for p in MANIFESTS.glob("*.yaml") if p.name != "kustomization.yaml")
+
+
+def _docs() -> dict[str, dict[str, Any]]:
+    docs: dict[str, dict[str, Any]] = {}
+    for path in _resources():
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc:
+                docs[doc["kind"]] = doc
+    return docs
+
+
+def test_manifests_validate_strictly() -> None:
+    validate = Path(sys.executable).with_name("kubernetes-validate")
+    command = str(validate) if validate.exists() else shutil.which("kubernetes-validate")
+    if command is None:
+        pytest.skip("kubernetes-validate is not installed (pip install kubernetes-validate)")
+    proc = subprocess.run(
+        [command, "--strict", "-k", KUBERNETES_VERSION, *map(str, _resources())],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("passed") == len(_resources()), proc.stdout
+
+
+def test_kustomization_lists_every_manifest() -> None:
+    kustomization = yaml.safe_load((MANIFESTS / "kustomization.yaml").read_text())
+    assert sorted(kustomization["resources"]) == sorted(p.name for p in _resources())
+
+
+def test_two_replicas_probed_on_healthz_and_kept_by_a_budget() -> None:
+    docs = _docs()
+    deployment = docs["Deployment"]
+    assert deployment["spec"]["replicas"] == 2
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"]["path"] == "/healthz"
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    for kind in ("Service", "PodDisruptionBudget"):
+        spec = docs[kind]["spec"]
+        selector = spec["selector"].get("matchLabels", spec["selector"])
+        assert selector.items() <= labels.items(), kind
+    assert docs["PodDisruptionBudget"]["spec"]["minAvailable"] == 1
+
+
+def test_credentials_come_from_secrets_only() -> None:
+    docs = _docs()
+    for kind in ("Deployment", "Job"):
+        (container,) = docs[kind]["spec"]["template"]["spec"]["containers"]
+        env = {e["name"]: e for e in container["env"]}
+        for name in ("TRAINBOT_DATABASE_URL", "TRAINBOT_SLACK_BOT_TOKEN"):
+            assert env[name]["valueFrom"]["secretKeyRef"]["name"].startswith("trainbot-")
+    config = docs["ConfigMap"]["data"]
+    assert not [k for k in config if "TOKEN" in k or "SECRET" in k or "DATABASE" in k]
+    deployment_env = {
+        e["name"]: e for e in docs["Deployment"]["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert deployment_env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["optional"]
+
+
+def test_migration_job_runs_trainbot_migrate() -> None:
+    job = _docs()["Job"]
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    assert container["args"] == ["migrate"]
+    assert job["spec"]["template"]["spec"]["restartPolicy"] in ("OnFailure", "Never")
