@@ -489,8 +489,12 @@ def test_the_demo_tells_the_whole_story(tmp_path: Path) -> None:
     kept = {e["run"]: e["kept"] for e in lines if e["type"] == "cleanup"}
     summaries = {e["run"]: e for e in lines if e["type"] == "summary"}
     assert len(summaries) == 3
+    assert kept, "cleanup pruned something"
     for run, summary in summaries.items():
-        assert summary["checkpoints_kept"] == kept[run], run
+        if run in kept:
+            assert summary["checkpoints_kept"] == kept[run], run
+        else:  # nothing past its retention (a run stopped early): all of it is kept
+            assert 0 < len(summary["checkpoints_kept"]) <= 3, run
     # The diverging run is stopped by trainbot, not trained to the end, and its one
     # problem makes at most two alerts (one incident, reopened rather than reposted).
     (diverge,) = {e["run"] for e in lines if e.get("rule") == "divergent_loss"}
