@@ -26,6 +26,7 @@ from bot.auth import Caller, caller_from_action
 from bot.commands import CommandError, parse_duration
 from bot.listeners import ListenerContext, action_key, first_time, reply
 from bot.listeners.runs import CHANNEL_DENIED, EXTERNAL_DENIED, NOT_IN_CHANNEL, not_yours
+from bot.mentions import escape
 from jobs import service
 from jobs.db import session_scope
 from jobs.errors import TrainbotError
@@ -149,7 +150,7 @@ def handle_action(
             log.info("ignored a repeated %s press", action_id)
             return
     except TrainbotError as exc:  # the database is unavailable: say so, change nothing
-        reply(client, body, caller, messages.error(str(exc)))
+        reply(client, body, caller, escape(messages.error(str(exc))))
         return
     kind, handler, owner_only = ACTIONS[action_id]
     value = _value(action)
@@ -188,7 +189,7 @@ def handle_action(
     try:
         text = handler(ctx, caller, value)
     except (TrainbotError, CommandError) as exc:
-        reply(client, body, caller, messages.error(str(exc)))
+        reply(client, body, caller, escape(messages.error(str(exc))))
         return
     except Exception:
         log.exception("the %s button failed", action_id)

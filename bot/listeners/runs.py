@@ -46,6 +46,7 @@ from bot.commands import (
 )
 from bot.dispatch import dispatch
 from bot.listeners import ListenerContext, command_key, first_time, reply
+from bot.mentions import escape
 from jobs import service
 from jobs.db import session_scope
 from jobs.errors import TrainbotError
@@ -188,7 +189,7 @@ def run_command(
     try:
         first = first_time(deps, key, command.verb)
     except TrainbotError as exc:  # the database is unavailable: say so, change nothing
-        reply(client, body, caller, messages.error(str(exc)))
+        reply(client, body, caller, escape(messages.error(str(exc))))
         return
     launches = isinstance(command, Launch | Preflight)
     if not first and not launches:

@@ -421,3 +421,13 @@ def test_cleanup_deletes_only_in_the_runs_own_directory(slack: Slack) -> None:
         session.add(run)
     answer(slack, f"cleanup {own}")
     assert [e.step for e in list_committed(victims)] == [10, 20, 30]
+
+
+def test_an_error_reply_never_carries_markup_from_the_request(slack: Slack) -> None:
+    """A button's value is the request's to choose: quoted back in an error, it is text."""
+    reply = press(
+        slack, "alert_snooze", "<!channel> <https://evil.example|x>|4h", user=ADA, channel=TRAIN
+    )
+    assert "names no alert" in reply
+    assert "<!channel>" not in reply and "<https://" not in reply
+    assert "&lt;!channel&gt;" in reply
