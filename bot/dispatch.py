@@ -147,12 +147,10 @@ def _dispatch(deps: Deps, command: Command, actor: Actor, *, key: str | None) ->
             deps, command.run, actor, budget_usd=command.budget_usd, from_step=command.from_step
         )
         if command.from_step is not None:
-            text = (
-                f"Resubmitted {command.run} as {run.id}; it resumes from step "
-                f"{run.last_committed_step}."
-            )
-            return Reply(text=text, run_id=run.id)
-        return Reply(text=messages.resubmitted(command.run, run.id), run_id=run.id)
+            text = messages.resubmitted_from(command.run, run.id, run.last_committed_step)
+        else:
+            text = messages.resubmitted(command.run, run.id)
+        return Reply(text=text, run_id=run.id)
     if isinstance(command, Logs):
         return Reply(text=service.logs(deps, command.run, actor), ephemeral=True)
     if isinstance(command, Ack):

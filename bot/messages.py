@@ -307,6 +307,10 @@ def resubmitted(old: str, new: str) -> str:
     return f"Resubmitted {old} as {new}; it resumes from {old}'s newest checkpoint."
 
 
+def resubmitted_from(old: str, new: str, step: int | None) -> str:
+    return f"Resubmitted {old} as {new}; it resumes from step {step}."
+
+
 def acked(alert_id: str, user: str) -> str:
     return f"Alert {alert_id} acknowledged by {user}; it will not notify or escalate again."
 

@@ -92,8 +92,7 @@ def _resubmit(ctx: ListenerContext, caller: Caller, run_id: str) -> str | None:
 def _resubmit_from(ctx: ListenerContext, caller: Caller, value: str) -> str | None:
     run_id, step = _resubmit_from_choice(value)
     run = service.resubmit(ctx.deps, run_id, ctx.auth.actor(caller), from_step=step)
-    # TODO(messages.py): a resubmitted_from() sentence there, shared with bot.dispatch.
-    return f"Resubmitted {run_id} as {run.id}; it resumes from step {run.last_committed_step}."
+    return messages.resubmitted_from(run_id, run.id, run.last_committed_step)
 
 
 def _resubmit_from_choice(value: str) -> tuple[str, int]:
