@@ -99,6 +99,9 @@ class Settings(BaseSettings):
     slack_signing_secret: SecretStr | None = None
     slack_bot_token: SecretStr | None = None
     slack_app_token: SecretStr | None = None
+    #: The Slack Web API's base URL: Slack's own, GovSlack's (``https://slack-gov.com/api/``),
+    #: or a local fake (tests, benchmarks).
+    slack_api_url: str = "https://slack.com/api/"
     #: Channels (ids or names) where commands are accepted; empty means every channel.
     allowed_channels: CommaList = Field(default_factory=list)
     #: Slack user ids or groups who may launch; empty means everyone in an allowed channel
@@ -280,6 +283,13 @@ class Settings(BaseSettings):
         if value and not value.startswith(("http://", "https://")):
             raise ValueError("expected an http:// or https:// URL the runners can reach")
         return value.rstrip("/")
+
+    @field_validator("slack_api_url")
+    @classmethod
+    def _api_url(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")):
+            raise ValueError("expected an http:// or https:// URL such as https://slack.com/api/")
+        return value.rstrip("/") + "/"  # the Slack SDK appends the method's name
 
     @model_validator(mode="after")
     def _derive_and_check(self) -> Settings:
