@@ -410,7 +410,7 @@ def main(kind: str) -> None:
     sys.stdin.readline()  # "stop", or the parent went away
     load.stop()
     worker.join()
-    print(json.dumps(load.result()), flush=True)
+    print(json.dumps({**load.result(), "cpu_s": time.process_time()}), flush=True)
 
 
 if __name__ == "__main__":

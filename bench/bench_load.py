@@ -254,6 +254,8 @@ class Replica:
             text=True,
         )
         self.url = ""
+        #: CPU seconds used when the load ended (or when it was killed).
+        self.cpu_at_end: float | None = None
 
     def wait_until_up(self) -> None:
         """Until it says where it listens (it has migrated and run for the lease)."""
@@ -291,14 +293,23 @@ class Replica:
                 return any(s.value == 1 for s in family.samples)
         raise BenchError(f"replica {self.name}'s /metrics has no trainbot_scheduler_leader")
 
+    def cpu_s(self) -> float | None:
+        """CPU seconds it has used so far (Linux ``/proc``), None where unknown."""
+        try:
+            fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            return None
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def kill(self) -> float:
         """SIGKILL; when it was sent (unix time)."""
+        self.cpu_at_end = self.cpu_s()
         self.process.send_signal(signal.SIGKILL)
         killed_at = time.time()
         self.process.wait()
         return killed_at
 
-    def stop(self, timeout: float = 30.0) -> int | None:
+    def stop(self, timeout: float = 60.0) -> int | None:
         """SIGTERM (the replica drains), SIGKILL after ``timeout``; its exit status."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
@@ -560,6 +571,7 @@ def measure(shape: Shape, root: Path, engine: Engine, database_url: str) -> dict
         time.sleep(max(0.0, end - time.monotonic()))
         load_s = time.monotonic() - start
         results = {kind: client.stop() for kind, client in clients.items()}
+        survivor.cpu_at_end = survivor.cpu_s()
         survivor_leads = survivor.leads()
         load_after = os.getloadavg()[0]
         stop_replicas()
@@ -602,6 +614,12 @@ def measure(shape: Shape, root: Path, engine: Engine, database_url: str) -> dict
             "survivor_leads": survivor_leads,
         },
         "replica_exit_codes": exits,
+        # Who got how much of the machine: the replicas until the load ended (the
+        # killed one until its kill), the load clients in all.
+        "cpu_s": {
+            **{r.name: r.cpu_at_end for r in replicas_stopped},
+            **{f"{kind}_client": results[kind]["cpu_s"] for kind in results},
+        },
         "instances_left_running": running,
         "replica_logs": {r.name: r.log_problems() for r in replicas_stopped},
         "load_average_1min": {
