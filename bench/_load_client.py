@@ -10,9 +10,11 @@ one JSON line with what it saw.
 Both kinds reach the two replicas through :class:`Balancer`, the clients' own round
 robin, standing in for the team's load balancer (with passive health checks, as nginx's
 ``max_fails``/``fail_timeout`` or an L4 balancer behave): each request goes to the next
-replica; a refused connection marks that replica down for :data:`DOWN_S` and the request
-goes to the other at once (nothing was sent, so any balancer retries it); a connection
-that breaks after the request was sent is an error the client sees.
+replica; a connection that fails (refused, reset by a dying listener, timed out) marks
+that replica down for :data:`DOWN_S` and the request goes to the other at once (nothing
+was sent, so any balancer retries it); a connection that breaks after the request was
+sent is an error the client sees. After ``stop`` a runner still holding events sends
+them at once, with its backoff started again, for up to :data:`DRAIN_S`.
 
 A simulated runner does what :class:`runner.telemetry.Reporter` does, without its disk
 spool: events are numbered per attempt, shipped once a second as one batch (real wire
@@ -60,7 +62,8 @@ DRAIN_S = 30.0
 
 
 class Failed(Exception):
-    """No HTTP answer: ``kind`` is ``refused`` (every replica), ``reset`` or ``timeout``."""
+    """No HTTP answer: ``kind`` is ``no_replica`` (none took the connection), ``reset``
+    or ``timeout`` (after the request was sent)."""
 
     def __init__(self, kind: str) -> None:
         super().__init__(kind)
@@ -127,7 +130,12 @@ class Balancer:
     def post(
         self, path: str, body: bytes, headers: dict[str, str], *, timeout: float
     ) -> tuple[str, int, bytes]:
-        """(replica, status, body) of the first replica that takes the connection."""
+        """(replica, status, body) of the first replica that takes the connection.
+
+        A failure to connect (refused, reset by a dying listener, timed out) sent
+        nothing, so the next replica is tried at once, as a balancer does; each is
+        counted. A failure after the request went out raises :class:`Failed`.
+        """
         for index in self._order():
             url = self.urls[index]
             parts = urlsplit(url)
@@ -137,13 +145,10 @@ class Balancer:
             try:
                 try:
                     connection.connect()
-                except ConnectionRefusedError:
+                except OSError as exc:
                     self._down(index)
-                    self._tally.connection_error("refused")
+                    self._tally.connection_error(_connect_error(exc))
                     continue
-                except TimeoutError as exc:
-                    self._down(index)
-                    raise Failed("timeout") from exc
                 try:
                     connection.request("POST", path, body=body, headers=headers)
                     response = connection.getresponse()
@@ -156,7 +161,15 @@ class Balancer:
                 return url, response.status, answer
             finally:
                 connection.close()
-        raise Failed("refused")
+        raise Failed("no_replica")  # every one failed to connect (each counted above)
+
+
+def _connect_error(exc: OSError) -> str:
+    if isinstance(exc, ConnectionRefusedError):
+        return "refused"
+    if isinstance(exc, TimeoutError):
+        return "connect_timeout"
+    return "connect_reset"
 
 
 def _wait(until: float, stop: threading.Event | None = None) -> None:
@@ -265,13 +278,23 @@ class Runners:
         self.stopping.set()
 
     def _loop(self, runner: Runner, first_tick: float, seed: int) -> None:
+        try:
+            self._deliver(runner, first_tick, seed)
+        except Exception as exc:  # the result says so, rather than a thread dying quietly
+            runner.stopped = f"load client error: {type(exc).__name__}: {exc}"
+
+    def _deliver(self, runner: Runner, first_tick: float, seed: int) -> None:
         rng = random.Random(seed)
-        tick, retry_at, failures = first_tick, 0.0, 0
+        tick, retry_at, failures, drained_once = first_tick, 0.0, 0, False
         since = 0.0  # when the batch in delivery was first sent
         while True:
             if self.stopping.is_set():
                 if not runner.pending or runner.stopped or time.monotonic() > self.drain_deadline:
                     return
+                # The load is over: what is held goes now, with the Reporter's backoff
+                # again from its start (a Reporter asleep for 30 s would get there later).
+                if failures and not drained_once:
+                    failures, retry_at, drained_once = 0, 0.0, True
                 _wait(retry_at)
             else:
                 _wait(min(tick, retry_at) if runner.pending else tick, self.stopping)
