@@ -40,14 +40,14 @@ def signed(body: bytes, *, now: float) -> dict[str, str]:
     }
 
 
-def command_body(text: str, response_url: str) -> bytes:
+def command_body(text: str, response_url: str, *, channel: str = CHANNEL) -> bytes:
     """A /train form body with a fresh trigger id (so each one is a new command)."""
     return urlencode(
         {
             "token": "legacy",
             "team_id": TEAM,
             "team_domain": "bench",
-            "channel_id": CHANNEL,
+            "channel_id": channel,
             "channel_name": "bench",
             "user_id": USER,
             "user_name": "bench",

@@ -125,6 +125,8 @@ class Sink:
 
     def __init__(self) -> None:
         self.count = 0
+        #: The path of each reply, in order of arrival.
+        self.paths: list[str] = []
         lock = threading.Lock()
         outer = self
 
@@ -133,6 +135,7 @@ class Sink:
                 self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 with lock:
                     outer.count += 1
+                    outer.paths.append(self.path)
                 self.send_response(200)
                 self.send_header("Content-Length", "2")
                 self.end_headers()

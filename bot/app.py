@@ -71,7 +71,9 @@ def build_app(
                 "TRAINBOT_SLACK_BOT_TOKEN is not set: the app cannot post or reply; copy the "
                 "xoxb- token from the app's OAuth & Permissions page"
             )
-        client = WebClient(token=settings.slack_bot_token.get_secret_value())
+        client = WebClient(
+            token=settings.slack_bot_token.get_secret_value(), base_url=settings.slack_api_url
+        )
     if not client.token:
         raise SlackSetupError(
             "the Slack Web API client has no token: set TRAINBOT_SLACK_BOT_TOKEN to the "

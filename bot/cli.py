@@ -183,7 +183,9 @@ def _serve_slack(settings: Settings, stop: threading.Event) -> int:
     if problem is not None:
         raise SettingsError(problem)
     assert settings.slack_bot_token is not None
-    client = WebClient(token=settings.slack_bot_token.get_secret_value())
+    client = WebClient(
+        token=settings.slack_bot_token.get_secret_value(), base_url=settings.slack_api_url
+    )
     notifier = SlackNotifier(client)
     try:
         cp = ControlPlane(settings, notifier=notifier)

@@ -28,7 +28,7 @@ from jobs.providers import credential_broker_from_settings, provider_from_settin
 from jobs.providers.base import Provider
 from jobs.rules import Rule, Signal, default_rules
 from jobs.runs import alert_config, on_attempt_event, raise_signals, spec_of
-from jobs.scheduler import LEASE_S, LeaderElector
+from jobs.scheduler import LeaderElector
 from jobs.server import ControlPlaneApp, CredentialBroker, ServerHandle, serve
 from jobs.service import resume_preflights
 from jobs.settings import Settings
@@ -113,13 +113,13 @@ class ControlPlane:
         scheduler: bool = True,
         scheduler_intervals: dict[str, float] | None = None,
         extra_apps: dict[str, WSGIApplication] | None = None,
-        lease_s: float = LEASE_S,
+        lease_s: float | None = None,
         lease_holder: str | None = None,
     ) -> None:
         """``lease_s``: how long the scheduler lease lasts unless renewed (a dead leader
-        is replaced within it); ``lease_holder``: this replica's name on the lease
-        (default: one per process; tests running several replicas in one process give
-        each its own)."""
+        is replaced within it; default: ``TRAINBOT_SCHEDULER_LEASE_S``); ``lease_holder``:
+        this replica's name on the lease (default: one per process; tests running
+        several replicas in one process give each its own)."""
         self.settings = settings
         engine = make_engine(settings.database_url)
         migrate(engine)
@@ -144,7 +144,7 @@ class ControlPlane:
             self.app.mount(prefix, app)
         self._want_scheduler = scheduler
         self._intervals = scheduler_intervals
-        self._lease_s = lease_s
+        self._lease_s = settings.scheduler_lease_s if lease_s is None else lease_s
         self._lease_holder = lease_holder
         self.server: ServerHandle | None = None
         #: Takes the scheduler lease; runs the scheduler while this replica leads.

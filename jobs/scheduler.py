@@ -41,6 +41,7 @@ from jobs.deps import Deps
 from jobs.errors import DatabaseError
 from jobs.models import LEADER_LEASE, SchedulerLease
 from jobs.runs.launch import fenced
+from jobs.settings import SCHEDULER_LEASE_S
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,8 @@ INTERVALS_S = {"reconcile": 30, "spend": 60, "escalation": 60, "cleanup": 3600}
 LEASE = LEADER_LEASE
 #: Seconds a lease lasts unless renewed; the elector renews it every third of that, so
 #: a leader that dies is replaced within this time (and one that stalls steps down).
-LEASE_S = 30.0
+#: The default of ``TRAINBOT_SCHEDULER_LEASE_S``.
+LEASE_S = SCHEDULER_LEASE_S
 
 #: This process's lease holder name (what ``/metrics`` compares the lease with).
 _holder = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"

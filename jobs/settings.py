@@ -41,6 +41,9 @@ __all__ = ["ENV_PREFIX", "SHIPPED_SPECS_DIR", "Settings", "env_name", "load_sett
 #: Every variable this module reads starts with this.
 ENV_PREFIX = "TRAINBOT_"
 
+#: Seconds the scheduler lease lasts unless renewed (``TRAINBOT_SCHEDULER_LEASE_S``).
+SCHEDULER_LEASE_S = 30.0
+
 #: The example specs that ship inside the package (``tiny``, ``diverge``).
 SHIPPED_SPECS_DIR = Path(__file__).resolve().parent / "specs"
 
@@ -96,6 +99,9 @@ class Settings(BaseSettings):
     slack_signing_secret: SecretStr | None = None
     slack_bot_token: SecretStr | None = None
     slack_app_token: SecretStr | None = None
+    #: The Slack Web API's base URL: Slack's own, GovSlack's (``https://slack-gov.com/api/``),
+    #: or a local fake (tests, benchmarks).
+    slack_api_url: str = "https://slack.com/api/"
     #: Channels (ids or names) where commands are accepted; empty means every channel.
     allowed_channels: CommaList = Field(default_factory=list)
     #: Slack user ids or groups who may launch; empty means everyone in an allowed channel
@@ -186,6 +192,10 @@ class Settings(BaseSettings):
     escalation_repeat_s: float = Field(default=900.0, gt=0)
     #: Pages at the last level after the first one there; 0 pages each level once.
     escalation_max_repeats: int = Field(default=3, ge=0)
+    #: Seconds the scheduler lease lasts unless renewed (every third of it): a leader
+    #: that dies is replaced within about this long, and each replica writes the lease
+    #: row that often. Every replica should use the same value.
+    scheduler_lease_s: float = Field(default=SCHEDULER_LEASE_S, ge=1.0, le=3600.0)
     #: PagerDuty Events API v2 integration key. Set: a critical alert that escalates
     #: triggers a PagerDuty incident, and acknowledging or resolving it in chat
     #: acknowledges or resolves the incident.
@@ -273,6 +283,13 @@ class Settings(BaseSettings):
         if value and not value.startswith(("http://", "https://")):
             raise ValueError("expected an http:// or https:// URL the runners can reach")
         return value.rstrip("/")
+
+    @field_validator("slack_api_url")
+    @classmethod
+    def _api_url(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")):
+            raise ValueError("expected an http:// or https:// URL such as https://slack.com/api/")
+        return value.rstrip("/") + "/"  # the Slack SDK appends the method's name
 
     @model_validator(mode="after")
     def _derive_and_check(self) -> Settings:

@@ -131,6 +131,25 @@ def test_a_crashed_leader_is_replaced_within_the_lease_time(make_replica) -> Non
     assert took <= LEASE_S + LEASE_S / 3 + 0.5  # expiry, plus one renewal period, plus slack
 
 
+def test_the_lease_time_is_a_setting(database_url: str, tmp_path: Path) -> None:
+    """``trainbot serve`` builds its replica from the settings alone."""
+    settings = load_settings(
+        {
+            "TRAINBOT_STATE_DIR": str(tmp_path),
+            "TRAINBOT_DATABASE_URL": database_url,
+            "TRAINBOT_INGEST_PORT": "0",
+            "TRAINBOT_SCHEDULER_LEASE_S": "2.5",
+        }
+    )
+    notifier = ConsoleNotifier(io.StringIO())
+    with ControlPlane(settings, notifier=notifier, provider=RecordingProvider(tmp_path)) as cp:
+        assert cp.elector is not None and cp.elector.lease_s == 2.5
+        with session_scope(cp.deps.engine) as session:
+            lease = session.get(SchedulerLease, LEADER_LEASE)
+            assert lease is not None
+            assert timedelta(0) < lease.expires_at - utcnow() <= timedelta(seconds=2.5)
+
+
 def test_a_deposed_leaders_late_calls_are_refused(make_replica, caplog, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     a, b = make_replica("replica-a"), make_replica("replica-b")
     assert a.elector is not None and b.elector is not None

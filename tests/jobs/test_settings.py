@@ -33,6 +33,8 @@ def test_defaults_are_the_embedded_setup() -> None:
     assert settings.digest_time == time(9, 0)
     assert settings.heartbeat_deadline_s > 0
     assert settings.escalation_delay_s > 0
+    assert settings.scheduler_lease_s == 30.0
+    assert settings.slack_api_url == "https://slack.com/api/"
 
 
 def test_state_dir_moves_every_derived_default(tmp_path: Path) -> None:
@@ -150,6 +152,8 @@ def test_unknown_trainbot_variables_are_ignored() -> None:
         ("HEARTBEAT_DEADLINE_S", "soon", "TRAINBOT_HEARTBEAT_DEADLINE_S='soon': expected a number"),
         ("ADMINS", "[U1", "TRAINBOT_ADMINS='[U1': expected a comma-separated list"),
         ("PUBLIC_URL", "ftp://host", "TRAINBOT_PUBLIC_URL='ftp://host': expected an http://"),
+        ("SCHEDULER_LEASE_S", "0.5", "TRAINBOT_SCHEDULER_LEASE_S='0.5': must be at least 1"),
+        ("SLACK_API_URL", "slack.com/api", "expected an http:// or https:// URL"),
     ],
 )
 def test_bad_values_are_named_by_their_variable(variable: str, value: str, expected: str) -> None:
