@@ -23,6 +23,7 @@ __all__ = [
     "ACCELERATOR_TYPES",
     "PRICES_PATH",
     "accelerator_type",
+    "exact_type",
     "load_prices",
     "price",
     "type_info",
@@ -87,6 +88,13 @@ def accelerator_type(req: ResourceRequest) -> tuple[str, int | None]:
     count = max(req.accelerator_count, 1)
     n, itype = next(((n, t) for n, t in sizes if n >= count), sizes[-1])
     return itype, n
+
+
+def exact_type(req: ResourceRequest) -> str | None:
+    """The instance type that holds exactly the request's accelerators, if one does."""
+    if not req.accelerator_type or req.accelerator_count <= 0:
+        return None
+    return ACCELERATOR_TYPES.get((_accelerator_key(req.accelerator_type), req.accelerator_count))
 
 
 def type_info(clients: Clients, instance_types: Sequence[str], region: str) -> dict[str, TypeInfo]:
