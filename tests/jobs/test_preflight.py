@@ -968,7 +968,7 @@ def test_the_refusal_of_several_instances_carries_the_larger_instance(
         with pytest.raises(SpecError) as plain:
             submit(deps, spec_name="tiny", actor=ada,
                    overrides=["resources.instances=4", "resources.accelerator=A100:4"])  # fmt: skip
-        assert "multi-node" in str(plain.value) and "larger instance" not in str(plain.value)
+        assert "multi-node" in str(plain.value) and "instead" not in str(plain.value)
         deps.close()
 
 
