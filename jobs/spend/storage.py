@@ -12,8 +12,6 @@ spec's first region, else the table's fallback region for that store (the figure
 
 from __future__ import annotations
 
-import functools
-import json
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -26,6 +24,7 @@ from sqlmodel import Session, col, select
 
 from jobs.errors import TrainbotError
 from jobs.models import Attempt, Checkpoint, Run
+from jobs.providers.data import read_table
 from jobs.spec import Resources, stored_section
 
 __all__ = [
@@ -71,25 +70,11 @@ def store_kind(uri: str) -> str:
     return "local"
 
 
-@functools.lru_cache(maxsize=4)
-def _table(path: str, mtime: float) -> dict[str, Any]:
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise TrainbotError(
-            f"the storage price table {path} is unreadable ({exc}): reinstall trainbot"
-        ) from None
-    if not isinstance(data, dict) or not isinstance(data.get("stores"), dict):
-        raise TrainbotError(f"the storage price table {path} has no 'stores': reinstall trainbot")
-    return data
-
-
 def _load(path: Path) -> dict[str, Any]:
     try:
-        mtime = path.stat().st_mtime
-    except OSError:
-        mtime = 0.0
-    return _table(str(path), mtime)
+        return read_table(path, key="stores")
+    except ValueError as exc:
+        raise TrainbotError(f"the storage price table {path} {exc}: reinstall trainbot") from None
 
 
 def storage_price(uri: str, region: str | None, *, path: Path = PRICES_PATH) -> StoragePrice:
