@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, TextIO
 from zoneinfo import ZoneInfo
 
+from bot import messages
 from bot.console import ConsoleNotifier, Shell
 from jobs import format as fmt
 from jobs import tasks
@@ -283,6 +284,8 @@ def _story(
         )
         if summary["state"] == RunState.STOPPED.value and summary["reason"]:
             print(f"     {summary['reason']}", file=out)
+        for line in messages.badput_lines(summary["badput"]):
+            print(f"     {line}", file=out)
     with session_scope(deps.engine) as session:
         acked = session.query(Alert).filter(Alert.acked_by.is_not(None)).count()  # type: ignore[union-attr]
         attempts = session.query(Attempt).count()

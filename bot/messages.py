@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
 
-from jobs.format import clock, percent, usd
+from jobs.format import clock, percent, size, usd
 from jobs.format import loss as fmt_loss
 from jobs.notify import (
     AlertMessage,
@@ -161,8 +161,16 @@ def digest(msg: DigestMessage) -> str:
         f"GPU-hours lost {f.get('gpu_hours_lost', 0):.2f} · instance-hours lost "
         f"{f.get('instance_hours_lost', 0):.3f}",
     ]
+    storage = f.get("storage")
+    if storage:
+        lines.append(f"  {digest_storage_line(storage, str(f.get('day_label', 'yesterday')))}")
+    badput = f.get("badput")
+    if badput:
+        lines.extend(f"  {line}" for line in badput_lines(badput))
     for row in f.get("per_run", [])[:10]:
         lines.append(f"  {digest_run_line(row)}")
+    for row in (storage or {}).get("per_run", [])[:10]:
+        lines.append(f"  {storage_run_line(row)}")
     for row in f.get("per_user", [])[:10]:
         lines.append(f"  {digest_user_line(row)}")
     if msg.chart_png:
@@ -180,6 +188,42 @@ def digest_run_line(row: Mapping[str, Any]) -> str:
         f"{usd(row.get('usd'))}, {row.get('preemptions', 0)} preemption(s), "
         f"goodput {percent(row.get('goodput'))}, {str(row.get('state', '')).lower()}"
     )
+
+
+def digest_storage_line(storage: Mapping[str, Any], day_label: str) -> str:
+    """Storage beside compute: what the checkpoints cost in the day and the month, and
+    what those kept now cost a month."""
+    return (
+        f"storage {usd(storage.get('usd'))} {day_label} · month to date "
+        f"{usd(storage.get('month_to_date_usd'))} · {size(storage.get('bytes_kept'))} of "
+        f"checkpoints kept, {usd(storage.get('usd_per_month'))} a month"
+    )
+
+
+def storage_run_line(row: Mapping[str, Any]) -> str:
+    """One run's checkpoints: bytes kept, in which store, what they cost a month."""
+    return (
+        f"{row.get('run_id')} keeps {size(row.get('bytes_kept'))} in {row.get('store')} "
+        f"({row.get('region')}): {usd(row.get('usd_per_month'))} a month"
+    )
+
+
+def badput_lines(badput: Mapping[str, Any]) -> list[str]:
+    """The paid time that made no progress, by cause: the total, then each cause."""
+    share = badput.get("share")
+    of_spend = f" ({percent(share)} of compute)" if share is not None else ""
+    lines = [
+        f"badput {usd(badput.get('usd'))}{of_spend}, "
+        f"{float(badput.get('instance_hours') or 0):.2f} instance-hours:"
+    ]
+    for row in badput.get("categories", []):
+        hours = float(row.get("instance_hours") or 0)
+        time = "" if row.get("name") == "on_demand_premium" else f" ({hours:.2f} h)"
+        lines.append(f"  {row.get('label')}: {usd(row.get('usd'))}{time}")
+    unknown = int(badput.get("premium_unknown") or 0)
+    if unknown:
+        lines.append(f"  ({unknown} on-demand attempt(s) with no recorded spot price left out)")
+    return lines
 
 
 def digest_user_line(row: Mapping[str, Any]) -> str:
@@ -365,9 +409,11 @@ def cleanup(summary: Mapping[str, Any]) -> str:
     if "error" in summary:
         return f"Cleanup of {summary['run_id']} failed: {summary['error']}"
     verb = "Would delete" if summary.get("dry_run") else "Deleted"
+    freed = summary.get("usd_per_month_freed")
+    saving = f", {usd(freed)} a month" if freed is not None else ""
     return (
         f"{verb} checkpoints {summary['deleted']} of {summary['run_id']} "
-        f"({summary['bytes_freed']:,} bytes) and torn saves {summary['torn']}; "
+        f"({summary['bytes_freed']:,} bytes{saving}) and torn saves {summary['torn']}; "
         f"kept {summary['kept']}."
     )
 

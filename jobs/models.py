@@ -243,6 +243,9 @@ class Attempt(SQLModel, table=True):
     instances: int = 1
     #: Price per instance-hour at launch, refreshed while it runs.
     price_per_hour: float | None = None
+    #: The spot price of the same request when it was priced (at launch, refreshed with
+    #: ``price_per_hour``): what an on-demand attempt's premium is measured against.
+    spot_price_per_hour: float | None = None
     #: SHA-256 of the runner's token (:func:`hash_token`); set to NULL when the attempt
     #: ends, which revokes the token.
     token_hash: str | None = Field(default=None, unique=True)

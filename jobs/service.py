@@ -59,7 +59,7 @@ from jobs.runs import (
     say,
     spec_of,
 )
-from jobs.spec import load_spec
+from jobs.spec import InstancesRefused, load_spec
 from runner.errors import RunnerError
 from runner.layout import copy_step, list_committed
 from runner.store import run_store
@@ -81,7 +81,10 @@ def submit(
 ) -> Run:
     """Create a run and start its preflight in the background; a repeated key returns
     the run the first request created, so a retried command launches once."""
-    spec = load_spec(spec_name, specs_dir=deps.settings.specs_dir, overrides=overrides)
+    try:
+        spec = load_spec(spec_name, specs_dir=deps.settings.specs_dir, overrides=overrides)
+    except InstancesRefused as exc:  # with one larger instance's figures, if there is one
+        raise preflight.with_one_instance_advice(exc, deps.provider) from None
     checkpoint_uri = checkpoint_root(
         spec.checkpoint.uri,
         default=deps.settings.checkpoint_uri,

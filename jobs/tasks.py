@@ -19,7 +19,7 @@ from sqlmodel import Session, col, select
 from jobs import alerts, spend
 from jobs.db import session_scope
 from jobs.deps import Deps
-from jobs.errors import SpecError
+from jobs.errors import SpecError, TrainbotError
 from jobs.format import usd
 from jobs.lifecycle import AttemptState, RunState
 from jobs.locations import check_prefix, checkpoint_root
@@ -173,19 +173,25 @@ def refresh_prices(deps: Deps) -> int:
         wanted = [
             (a.id, resource_request(spec_of(r), spot=a.spot), a.zone, a.spot) for a, r in live
         ]
-    prices: dict[str, float] = {}
+    prices: dict[str, tuple[float, float]] = {}
     for attempt_id, request, zone, spot in wanted:
         try:
             quote = deps.provider.price(request, zone=zone)
         except ProviderError as exc:
             log.warning("price refresh for %s failed: %s", attempt_id, exc)
             continue
-        prices[attempt_id] = quote.spot_usd_per_hour if spot else quote.on_demand_usd_per_hour
+        paid = quote.spot_usd_per_hour if spot else quote.on_demand_usd_per_hour
+        prices[attempt_id] = (paid, quote.spot_usd_per_hour)
     changed = 0
     with session_scope(deps.engine) as session:
-        for attempt_id, price in prices.items():
+        for attempt_id, (price, spot_price) in prices.items():
             attempt = session.get(Attempt, attempt_id)
-            if attempt is not None and attempt.price_per_hour != price:
+            if attempt is None:
+                continue
+            if attempt.spot_price_per_hour != spot_price:
+                attempt.spot_price_per_hour = spot_price  # the on-demand premium's base
+                session.add(attempt)
+            if attempt.price_per_hour != price:
                 attempt.price_per_hour = price
                 session.add(attempt)
                 changed += 1
@@ -371,6 +377,11 @@ def prune_run(deps: Deps, run_id: str, *, dry_run: bool = False) -> dict[str, An
         policy = dataclasses.replace(
             retention_policy(run), protect=_protected_steps(session, run_id)
         )
+        try:
+            price: spend.StoragePrice | None = spend.run_storage_price(session, run, root)
+        except TrainbotError as exc:  # the figure is a nicety: cleanup goes on without it
+            log.warning("no storage price for %s: %s", run_id, exc)
+            price = None
     try:
         result = prune(store, policy, now=now.timestamp(), dry_run=dry_run)
     except RunnerError as exc:
@@ -382,6 +393,11 @@ def prune_run(deps: Deps, run_id: str, *, dry_run: bool = False) -> dict[str, An
         "kept": list(result.kept),
         "torn": list(result.torn),
         "bytes_freed": result.bytes_freed,
+        # What the freed bytes cost a month in this store (0 for a local directory).
+        "usd_per_month_freed": (
+            spend.monthly_usd(result.bytes_freed, price) if price is not None else None
+        ),
+        "storage_price": price.source if price is not None else None,
         "dry_run": dry_run,
     }
     if not dry_run and (result.deleted or result.torn):
@@ -455,16 +471,25 @@ def _digest_summary(figures: dict[str, Any]) -> dict[str, Any]:
         "gpu_hours_lost",
         "instance_hours_lost",
     )
-    return {k: figures.get(k) for k in keys if k in figures}
+    summary = {k: figures.get(k) for k in keys if k in figures}
+    storage = figures.get("storage") or {}
+    summary["storage_usd"] = storage.get("usd")
+    summary["storage_bytes_kept"] = storage.get("bytes_kept")
+    badput = figures.get("badput") or {}
+    summary["badput_usd"] = badput.get("usd")
+    summary["badput"] = {row["name"]: row["usd"] for row in badput.get("categories", [])}
+    return summary
 
 
 def run_summary(deps: Deps, run_id: str) -> dict[str, Any]:
-    """The final summary: spend, goodput, lost work, checkpoints kept."""
+    """The final summary: spend, goodput, lost work, checkpoints kept, what they cost a
+    month to keep, and the badput split by cause over the run's life."""
+    now = deps.clock()
     with session_scope(deps.engine) as session:
         run = get_run(session, run_id)
         attempts = session.exec(select(Attempt).where(Attempt.run_id == run_id)).all()
         paid = sum(
-            ((a.ended_at or deps.clock()) - a.started_at).total_seconds()
+            ((a.ended_at or now) - a.started_at).total_seconds()
             for a in attempts
             if a.started_at is not None
         )
@@ -487,4 +512,10 @@ def run_summary(deps: Deps, run_id: str) -> dict[str, Any]:
             "goodput": round(1 - lost / paid, 4) if paid > 0 else None,
             "last_step": run.last_step,
             "checkpoints_kept": sorted(set(kept)),
+            "storage": spend.storage_figures(
+                session, channel=None, run_ids=[run_id], since=run.created_at, until=now
+            ),
+            "badput": spend.badput_figures(
+                session, run_ids=[run_id], since=run.created_at, until=now
+            ),
         }

@@ -8,7 +8,7 @@ from bot import messages
 from bot.mentions import escape, mention
 from bot.views.blocks import MAX_SECTION_TEXT, Block, context, section
 from bot.views.text import channel_mention
-from jobs.format import percent, usd
+from jobs.format import percent, size, usd
 from jobs.notify import DigestMessage
 
 
@@ -24,10 +24,31 @@ def digest(msg: DigestMessage) -> list[Block]:
         f"*GPU-hours lost*\n{float(f.get('gpu_hours_lost') or 0):.2f}",
         f"*Instance-hours lost*\n{float(f.get('instance_hours_lost') or 0):.3f}",
     ]
+    storage = f.get("storage")
+    if storage:
+        fields.append(
+            f"*Storage*\n{usd(storage.get('usd'))} "
+            f"(month to date {usd(storage.get('month_to_date_usd'))})"
+        )
+        fields.append(
+            f"*Checkpoints kept*\n{size(storage.get('bytes_kept'))}, "
+            f"{usd(storage.get('usd_per_month'))} a month"
+        )
     blocks = [section(f":bar_chart: *{title}*", fields=fields)]
+    badput = f.get("badput")
+    if badput:
+        head, *causes = messages.badput_lines(badput)
+        blocks.append(
+            section(
+                f"*{escape(head.capitalize())}*\n" + _bullets([escape(c.strip()) for c in causes])
+            )
+        )
     runs = [escape(messages.digest_run_line(row)) for row in f.get("per_run", [])]
     if runs:
         blocks.append(section("*Per run*\n" + _bullets(runs)))
+    kept = [escape(messages.storage_run_line(row)) for row in (storage or {}).get("per_run", [])]
+    if kept:
+        blocks.append(section("*Storage per run*\n" + _bullets(kept)))
     users = [
         f"{mention(str(row.get('user')))}: {usd(row.get('usd'))}" for row in f.get("per_user", [])
     ]

@@ -1,8 +1,9 @@
-"""Preflight: the five questions that end runs early, asked before anything is paid for.
+"""Preflight: the questions that end runs early, asked before anything is paid for.
 
-Quota, capacity, data locality (the dataset and the checkpoint store), a real checkpoint
-round trip, and cost; each check is a small object behind :class:`Check`, run in order by
-:func:`run_preflight`. The design and its reasons: docs/architecture.md, "Preflight".
+Quota, capacity, one larger instance before several small ones, data locality (the
+dataset and the checkpoint store), a real checkpoint round trip, and cost; each check is
+a small object behind :class:`Check`, run in order by :func:`run_preflight`. The design
+and its reasons: docs/architecture.md, "Preflight".
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from jobs.preflight.report import (
     Status,
 )
 from jobs.preflight.run import default_checks, run_preflight
+from jobs.preflight.shape import InstanceShapeCheck, one_larger_instance, with_one_instance_advice
 
 __all__ = [
     "DEFAULT_REGIONS",
@@ -40,6 +42,7 @@ __all__ = [
     "CheckResult",
     "DataLocalityCheck",
     "DryRunCheck",
+    "InstanceShapeCheck",
     "PreflightContext",
     "PreflightReport",
     "QuotaCheck",
@@ -49,7 +52,9 @@ __all__ = [
     "default_checks",
     "dry_run_command",
     "interval_choice",
+    "one_larger_instance",
     "resource_request",
     "run_preflight",
     "target_steps",
+    "with_one_instance_advice",
 ]

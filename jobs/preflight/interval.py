@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from jobs.format import duration
 from jobs.providers.base import Provider, ResourceRequest
 from jobs.providers.local import REGION as LOCAL_REGION
-from jobs.spec import JobSpec
+from jobs.spec import JobSpec, Resources
 from runner.preemption import IntervalChoice, choose_interval
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "interval_choice",
     "interval_text",
     "resource_request",
+    "resources_request",
     "target_steps",
 ]
 
@@ -49,7 +50,11 @@ def resource_request(spec: JobSpec, *, spot: bool | None = None) -> ResourceRequ
     (none means the cloud's default); each region's own request is
     :func:`jobs.runs.placement.request_in`, which the checks ask with several regions.
     ``spot`` overrides the spec's market (an on-demand fallback attempt)."""
-    res = spec.resources
+    return resources_request(spec.resources, spot=spot)
+
+
+def resources_request(res: Resources, *, spot: bool | None = None) -> ResourceRequest:
+    """:func:`resource_request` of the resources section alone (one instance's share)."""
     acc = res.accelerator
     return ResourceRequest(
         cloud=res.cloud,

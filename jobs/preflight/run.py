@@ -1,4 +1,4 @@
-"""Running the checks: the default five in order, each failure reported, never raised."""
+"""Running the checks: the default six in order, each failure reported, never raised."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from jobs.preflight.report import (
     Status,
     number,
 )
+from jobs.preflight.shape import InstanceShapeCheck
 from runner.errors import RunnerError
 
 __all__ = ["default_checks", "run_preflight"]
@@ -27,10 +28,11 @@ log = logging.getLogger(__name__)
 
 
 def default_checks(*, dry_run_timeout_s: float = 600.0) -> list[Check]:
-    """The five checks, in the order their answers are needed."""
+    """The six checks, in the order their answers are needed."""
     return [
         QuotaCheck(),
         CapacityCheck(),
+        InstanceShapeCheck(),
         DataLocalityCheck(),
         DryRunCheck(timeout_s=dry_run_timeout_s),
         BudgetCheck(),

@@ -352,6 +352,13 @@ class Provider(Protocol):
         """Region of a data or checkpoint bucket; None when this provider cannot tell."""
         ...
 
+    def instance_type_for(self, req: ResourceRequest) -> str | None:
+        """The instance type of the provider's catalogue that holds exactly the request's
+        accelerators (its type and count) in one instance; None when no type does, and
+        for a CPU-only request. Preflight asks whether N instances of k accelerators
+        could be one instance of N·k."""
+        ...
+
     def launch(self, req: LaunchRequest) -> InstanceInfo:
         """Start the attempt's instance; a second call with the same key returns it again."""
         ...

@@ -284,6 +284,7 @@ def provision(deps: Deps, attempt_id: str, *, why: str = "") -> Attempt | None:
         attempt.price_per_hour = (
             price.spot_usd_per_hour if attempt.spot else price.on_demand_usd_per_hour
         )
+        attempt.spot_price_per_hour = price.spot_usd_per_hour  # an on-demand premium's base
         session.add(attempt)
         deps.journal.record(
             "launched",

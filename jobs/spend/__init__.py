@@ -22,25 +22,38 @@ and one whose budget is spent (with a hard cap) is not resubmitted until the bud
 raised (:func:`resubmit_budget`). A run's cloud budget (AWS Budgets) is removed when the
 run has ended, or ``cloud_budget_keep_days`` later (:func:`remove_cloud_budgets`).
 
+Storage is its own line: the bytes each run keeps in its checkpoint store × the store's
+price per GB-month (:mod:`~jobs.spend.storage`). It is reported beside compute in the
+digest and the summary, and not counted in budgets, whose hard cap stops instances.
+Badput (:mod:`~jobs.spend.badput`) splits the paid time that made no progress by cause.
+
 The modules: :mod:`~jobs.spend.accrual` (records and totals), :mod:`~jobs.spend.budgets`,
-:mod:`~jobs.spend.cloud_budgets` and :mod:`~jobs.spend.digest` (digest and report figures).
+:mod:`~jobs.spend.cloud_budgets`, :mod:`~jobs.spend.storage`, :mod:`~jobs.spend.badput`
+and :mod:`~jobs.spend.digest` (digest and report figures).
 """
 
 from jobs.spend.accrual import accrue, run_spent, team_spent
+from jobs.spend.badput import badput_figures
 from jobs.spend.budgets import BudgetStatus, check_budgets, resubmit_budget
 from jobs.spend.cloud_budgets import remove_cloud_budgets
 from jobs.spend.digest import PERIODS, digest_figures, spend_chart_png, spend_report
+from jobs.spend.storage import StoragePrice, monthly_usd, run_storage_price, storage_figures
 
 __all__ = [
     "PERIODS",
     "BudgetStatus",
+    "StoragePrice",
     "accrue",
+    "badput_figures",
     "check_budgets",
     "digest_figures",
+    "monthly_usd",
     "remove_cloud_budgets",
     "resubmit_budget",
     "run_spent",
+    "run_storage_price",
     "spend_chart_png",
     "spend_report",
+    "storage_figures",
     "team_spent",
 ]

@@ -1,4 +1,8 @@
-"""The figures of the daily digest and of ``/train spend``, and the digest's chart."""
+"""The figures of the daily digest and of ``/train spend``, and the digest's chart.
+
+Compute (the spend records) and storage (:mod:`~jobs.spend.storage`) are separate lines;
+the badput split (:mod:`~jobs.spend.badput`) goes with both.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +15,13 @@ from typing import Any
 from sqlmodel import Session, col, select
 
 from jobs.errors import TrainbotError
+from jobs.format import usd as usd_text
 from jobs.lifecycle import AttemptState
 from jobs.models import Attempt, Run
 from jobs.spec import Resources, stored_section
 from jobs.spend.accrual import team_spent, window_pieces
+from jobs.spend.badput import badput_figures
+from jobs.spend.storage import storage_figures
 
 #: Periods ``/train spend`` understands: calendar periods to date, in the channel's time.
 PERIODS = ("day", "week", "month")
@@ -160,6 +167,9 @@ def digest_figures(
     )
     month_start = _midnight(month_first, tz)
     month_usd = team_spent(session, channel=channel, since=month_start, until=now)
+    storage = storage_figures(session, channel=channel, since=since, until=until)
+    month_storage = storage_figures(session, channel=channel, since=month_start, until=now)
+    storage["month_to_date_usd"] = month_storage["usd"]
     return {
         "channel": channel,
         "timezone": str(tz),
@@ -171,6 +181,8 @@ def digest_figures(
         "day_usd": day_usd,
         "month_to_date_usd": _cents(month_usd),
         **figures,
+        "storage": storage,
+        "badput": badput_figures(session, channel=channel, since=since, until=until),
         "per_day": _per_day(
             session, channel=channel, first=month_first, last=today, tz=tz, until=now
         ),
@@ -203,12 +215,15 @@ def spend_report(
         "first_date": first.isoformat(),
         "last_date": today.isoformat(),
         **figures,
+        "storage": storage_figures(session, channel=channel, since=since, until=now),
+        "badput": badput_figures(session, channel=channel, since=since, until=now),
         "per_day": _per_day(session, channel=channel, first=first, last=today, tz=tz, until=now),
     }
 
 
 def spend_chart_png(figures: Mapping[str, Any]) -> bytes:
-    """A bar chart of spend per run, and per day when the figures have days, as PNG bytes.
+    """A bar chart of spend per run, per day when the figures have days, and the badput
+    split by cause when they have one, as PNG bytes.
 
     matplotlib is imported here, with the Agg backend, so the control plane starts
     without it and never needs a display.
@@ -220,7 +235,8 @@ def spend_chart_png(figures: Mapping[str, Any]) -> bytes:
 
     runs = [row for row in figures.get("per_run", []) if row.get("usd", 0) > 0]
     days = list(figures.get("per_day", []))
-    panels = 2 if days else 1
+    badput = figures.get("badput")
+    panels = 1 + bool(days) + bool(badput)
     fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 3), dpi=100, squeeze=False)
     try:
         ax = axes[0][0]
@@ -239,9 +255,25 @@ def spend_chart_png(figures: Mapping[str, Any]) -> bytes:
                 [row["date"][-2:] for row in days], [row["usd"] for row in days], color="#55a868"
             )
             ax.tick_params(axis="x", labelsize=6)
+        if badput:
+            _badput_panel(axes[0][panels - 1], badput)
         fig.tight_layout()
         buffer = io.BytesIO()
         fig.savefig(buffer, format="png")
         return buffer.getvalue()
     finally:
         plt.close(fig)
+
+
+def _badput_panel(ax: Any, badput: Mapping[str, Any]) -> None:
+    """Horizontal bars: the dollars each cause of badput cost, the first cause on top."""
+    rows = list(badput.get("categories", []))
+    ax.set_title(f"Badput by cause, {usd_text(badput.get('usd'))} in all", fontsize=9)
+    if not any(row.get("usd", 0) > 0 for row in rows):
+        ax.text(0.5, 0.5, "no badput", ha="center", va="center", transform=ax.transAxes)
+        return
+    labels = [str(row["label"]) for row in rows][::-1]
+    values = [float(row["usd"]) for row in rows][::-1]
+    ax.barh(labels, values, color="#c44e52")
+    ax.set_xlabel("USD")
+    ax.tick_params(axis="y", labelsize=7)

@@ -144,7 +144,10 @@ def _check_payload(kind: str, data: Any) -> dict[str, Any]:
     result: dict[str, Any] = {}
     for field in fields:
         if field.name not in data:
-            names = ", ".join(f.name for f in fields)
+            if not field.required:
+                result[field.name] = field.default
+                continue
+            names = ", ".join(f.name for f in fields if f.required)
             raise Invalid(f"missing ({kind} events need {names})", f".{field.name}")
         try:
             result[field.name] = _convert(data[field.name], field)

@@ -268,7 +268,10 @@ def _decode_general(body: bytes, max_events: int) -> Batch:
         types.append(kind)
         times.append(time)
         datas.append(data)
-        texts.append(_text(item["data"]))  # as sent: "NaN" strings and 1 for 1.0 kept
+        sent = item["data"]  # as sent: "NaN" strings and 1 for 1.0 kept
+        if len(data) > len(sent):  # with the defaults of fields added later, as stored
+            sent = {**sent, **{k: json_safe(v) for k, v in data.items() if k not in sent}}
+        texts.append(_text(sent))
     return Batch(attempt, run, seqs, types, times, datas, texts)
 
 

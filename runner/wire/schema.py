@@ -1,8 +1,10 @@
 """The wire's one schema: each event type's payload as a msgspec struct, and the batch.
 
 The structs are the format: fields, types and ranges; extra payload fields pass through
-(see :mod:`runner.wire.checks`). Floats travel as JSON numbers or, when not finite, as
-the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``; integers are 64-bit.
+(see :mod:`runner.wire.checks`). A field added later has a default, so a batch from an
+older runner, which lacks it, is still read (the field takes its default). Floats travel
+as JSON numbers or, when not finite, as the strings ``"NaN"``, ``"Infinity"``,
+``"-Infinity"``; integers are 64-bit.
 """
 
 from __future__ import annotations
@@ -62,6 +64,10 @@ class CheckpointCommittedData(Payload):
     bytes: Count
     write_s: Float
     uri: str
+    #: Seconds the training loop was blocked by the save (snapshotting the state; the
+    #: write runs beside the next steps). None: not measured (an older runner, or a
+    #: script that writes its own checkpoint files).
+    stall_s: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
 
 
 class CheckpointFailedData(Payload):
@@ -177,6 +183,9 @@ class Field:
     info: Info
     #: "float": non-finite strings decode to floats; "map": in its values; "any": anywhere.
     floats: str | None
+    #: Whether a payload must carry it; one added later is optional and has a default.
+    required: bool = True
+    default: Any = None
 
 
 def _payload_fields(payload: type[Payload]) -> tuple[Field, ...]:
@@ -188,7 +197,8 @@ def _payload_fields(payload: type[Payload]) -> tuple[Field, ...]:
             floats = "float"
         elif isinstance(info, msgspec.inspect.DictType):
             floats = "map" if floats_in(info.value_type) else "any"
-        result.append(Field(field.name, field.type, info, floats))
+        default = None if field.required else field.default
+        result.append(Field(field.name, field.type, info, floats, field.required, default))
     return tuple(result)
 
 

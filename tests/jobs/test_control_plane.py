@@ -484,6 +484,9 @@ def test_the_demo_tells_the_whole_story(tmp_path: Path) -> None:
     # The digest covers the demo's own day, preemption and spend included.
     (digest,) = [e for e in lines if e["type"] == "digest"]
     assert digest["preemptions"] >= 1 and digest["day_usd"] > 0
+    # Its badput and storage: every attempt booted (paid); the local store costs nothing.
+    assert digest["badput"]["startup"] > 0
+    assert digest["storage_usd"] == 0 and digest["storage_bytes_kept"] > 0
     # What the database says is kept is what cleanup left in the store, the stopped
     # run's last flush included.
     kept = {e["run"]: e["kept"] for e in lines if e["type"] == "cleanup"}
@@ -491,10 +494,21 @@ def test_the_demo_tells_the_whole_story(tmp_path: Path) -> None:
     assert len(summaries) == 3
     assert kept, "cleanup pruned something"
     for run, summary in summaries.items():
+        # The badput split, from what the real runners reported (restore_s, stall_s).
+        causes = {c["name"]: c["instance_seconds"] for c in summary["badput"]["categories"]}
+        assert causes["startup"] > 0 and causes["checkpoint_stall"] > 0, (run, causes)
+        assert summary["storage"]["bytes_kept"] > 0 and summary["storage"]["usd"] == 0, run
         if run in kept:
             assert summary["checkpoints_kept"] == kept[run], run
         else:  # nothing past its retention (a run stopped early): all of it is kept
             assert 0 < len(summary["checkpoints_kept"]) <= 3, run
+    resumed = [s for s in summaries.values() if s["attempts"] > 1]
+    assert resumed and all(
+        c["instance_seconds"] > 0
+        for s in resumed
+        for c in s["badput"]["categories"]
+        if c["name"] == "restore"
+    )
     # The diverging run is stopped by trainbot, not trained to the end, and its one
     # problem makes at most two alerts (one incident, reopened rather than reposted).
     (diverge,) = {e["run"] for e in lines if e.get("rule") == "divergent_loss"}

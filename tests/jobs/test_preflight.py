@@ -9,6 +9,7 @@ One real dry run of the tiny example covers the end-to-end path.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import sys
@@ -19,7 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import Engine
 
+from bot.console import ConsoleNotifier
+from jobs.deps import Deps
 from jobs.errors import SpecError
 from jobs.notify import PreflightMessage
 from jobs.preflight import (
@@ -30,6 +34,7 @@ from jobs.preflight import (
     CheckResult,
     DataLocalityCheck,
     DryRunCheck,
+    InstanceShapeCheck,
     PreflightContext,
     PreflightReport,
     QuotaCheck,
@@ -41,6 +46,7 @@ from jobs.preflight import (
     resource_request,
     run_preflight,
     target_steps,
+    with_one_instance_advice,
 )
 from jobs.providers.base import (
     Capabilities,
@@ -56,7 +62,8 @@ from jobs.providers.base import (
     ZoneCapacity,
 )
 from jobs.providers.local import LocalProvider
-from jobs.spec import JobSpec, parse_spec
+from jobs.settings import Settings
+from jobs.spec import InstancesRefused, JobSpec, parse_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_COMMAND = "python -m runner.examples.tiny --dim 32 --batch 8 --steps 100"
@@ -87,6 +94,8 @@ class CloudAnswers:
     on_demand_usd: float = 6.0
     buckets: dict[str, str] = field(default_factory=dict)
     priced_zones: list[str | None] = field(default_factory=list)
+    #: Accelerators per instance → the instance type that holds exactly that many.
+    offers: dict[int, str] = field(default_factory=dict)
 
     def quota(self, req: ResourceRequest) -> QuotaInfo:
         return self.quota_info
@@ -107,6 +116,9 @@ class CloudAnswers:
         if uri.startswith("s3://forbidden"):
             raise ProviderError("access denied to s3://forbidden: grant s3:GetBucketLocation")
         return self.buckets.get(uri.split("/")[2])
+
+    def instance_type_for(self, req: ResourceRequest) -> str | None:
+        return self.offers.get(req.accelerator_count) if req.accelerator_count else None
 
     def launch(self, req: LaunchRequest) -> InstanceInfo:
         raise ProviderError("CloudAnswers launches nothing")
@@ -799,7 +811,14 @@ def test_resource_request_and_assumed_mtbp(tmp_path: Path, local: LocalProvider)
     assert assumed_mtbp_s(local) == DEFAULT_SPOT_MTBP_S
     with LocalProvider(tmp_path / "s2", mean_time_between_preemptions_s=600) as preempting:
         assert assumed_mtbp_s(preempting) == 600
-    assert [c.name for c in default_checks()] == ["quota", "capacity", "data", "dry_run", "budget"]
+    assert [c.name for c in default_checks()] == [
+        "quota",
+        "capacity",
+        "instances",
+        "data",
+        "dry_run",
+        "budget",
+    ]
 
 
 # -- the dry run -----------------------------------------------------------------------------
@@ -839,7 +858,7 @@ def test_full_preflight_with_the_real_dry_run(tmp_path: Path) -> None:
         names: list[str] = []
         report = run_preflight(ctx, on_result=lambda r: names.append(r.name))
 
-        assert names == ["quota", "capacity", "data", "dry_run", "budget"]
+        assert names == ["quota", "capacity", "instances", "data", "dry_run", "budget"]
         statuses = {r.name: r.status for r in report.results}
         assert statuses == dict.fromkeys(names, Status.PASS), [r.detail for r in report.results]
         assert report.ok and not report.needs_confirmation
@@ -885,3 +904,80 @@ def test_full_preflight_with_the_real_dry_run(tmp_path: Path) -> None:
         assert warned.status is Status.WARN
         assert "500 ms termination window" in warned.detail
         assert "smaller" in warned.remedy
+
+
+# -- one larger instance ------------------------------------------------------------------
+
+
+def multi_node(job: JobSpec, instances: int) -> JobSpec:
+    """``job`` with N instances, as a spec will validate once multi-node runs exist
+    (today validation refuses N > 1: see the refusal's advice below)."""
+    resources = job.resources.model_copy(update={"instances": instances})
+    return job.model_copy(update={"resources": resources})
+
+
+def test_n_small_instances_that_one_type_holds_warn_with_both_prices(tmp_path: Path) -> None:
+    provider = CloudAnswers(offers={2: "a2-highgpu-2g", 8: "a2-highgpu-8g"}, spot_usd=3.5)
+    job = multi_node(spec(resources={"accelerator": "A100:2"}), 4)
+    got = InstanceShapeCheck().run(context(tmp_path, job, provider), prior={})
+    assert got.status is Status.WARN
+    assert got.detail == (
+        "4 instances of 2 × A100 (a2-highgpu-2g) cost $14.00/h spot; one a2-highgpu-8g "
+        "holds all 8 for $3.50/h"
+    )
+    assert "resources.accelerator=A100:8 and resources.instances=1" in got.remedy
+    assert "interconnect" in got.remedy and "restart after a preemption" in got.remedy
+    assert got.data["large_type"] == "a2-highgpu-8g"
+    # No single type holds 3 × 2: nothing to advise; one instance: nothing to combine.
+    three = InstanceShapeCheck().run(context(tmp_path, multi_node(job, 3), provider), prior={})
+    assert three.status is Status.PASS and "no single instance type" in three.detail
+    one = InstanceShapeCheck().run(context(tmp_path, spec(), provider), prior={})
+    assert one.status is Status.PASS and one.detail == "one instance"
+
+
+def test_the_refusal_of_several_instances_carries_the_larger_instance(
+    tmp_path: Path, settings: Settings, db_engine: Engine
+) -> None:
+    """Through submit, as a chat command reaches it: the advice and the refusal in one
+    message, from the local provider's catalogue (this machine, 8 A100s, $1/h)."""
+    from jobs.actor import Actor
+    from jobs.service import submit
+
+    with LocalProvider(
+        tmp_path / "state", gpu_names=["NVIDIA A100-SXM4-40GB"] * 8, spot_usd_per_hour=1.0
+    ) as provider:
+        deps = Deps(
+            settings=settings,
+            engine=db_engine,
+            provider=provider,
+            notifier=ConsoleNotifier(io.StringIO()),
+        )
+        ada = Actor(user="ada", channel="#ml")
+        with pytest.raises(SpecError) as refused:
+            submit(deps, spec_name="tiny", actor=ada,
+                   overrides=["resources.instances=4", "resources.accelerator=A100:2"])  # fmt: skip
+        text = str(refused.value)
+        assert "multi-node runs are not supported yet" in text
+        assert (
+            "One larger instance instead: 4 instances of 2 × A100 (local) cost $4.00/h spot; "
+            "one local holds all 8 for $1.00/h; prefer one local: set "
+            "resources.accelerator=A100:8 and resources.instances=1" in text
+        )
+        assert refused.value.key_paths == ["resources.instances"]
+        # 4 × 4 is more than this machine holds: the refusal alone.
+        with pytest.raises(SpecError) as plain:
+            submit(deps, spec_name="tiny", actor=ada,
+                   overrides=["resources.instances=4", "resources.accelerator=A100:4"])  # fmt: skip
+        assert "multi-node" in str(plain.value) and "instead" not in str(plain.value)
+        deps.close()
+
+
+def test_a_refused_spec_keeps_its_shape_only_when_the_rest_validates() -> None:
+    with pytest.raises(InstancesRefused) as refused:
+        spec(resources={"accelerator": "T4:1", "instances": 3, "spot": False})
+    assert refused.value.instances == 3 and refused.value.resources.instances == 1
+    assert str(refused.value.resources.accelerator) == "T4:1"
+    with pytest.raises(SpecError) as other:
+        spec(resources={"accelerator": "T4:99", "instances": 3})
+    assert not isinstance(other.value, InstancesRefused)
+    assert with_one_instance_advice(refused.value, CloudAnswers()) is refused.value

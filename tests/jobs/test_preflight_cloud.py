@@ -170,7 +170,14 @@ def preflight_then_launch(cp: ControlPlane, notes: on_aws.Recorder, marker: Path
     assert not marker.exists(), "preflight ran the spec's command on the control plane"
     assert on_aws.run_row(cp, run.id).state == RunState.AWAITING_CONFIRMATION
     report = notes.preflight(run.id)
-    assert [c.name for c in report.checks] == ["quota", "capacity", "data", "dry_run", "budget"]
+    assert [c.name for c in report.checks] == [
+        "quota",
+        "capacity",
+        "instances",
+        "data",
+        "dry_run",
+        "budget",
+    ]
     service.confirm(cp.deps, run.id, ADA)
     on_aws.wait_until(lambda: on_aws.attempt_launched(cp, run.id, 1), what="attempt 1")
     assert not marker.exists(), "the launch ran the spec's command on the control plane"
@@ -551,3 +558,80 @@ def test_on_aws_with_the_first_region_full_capacity_passes_in_the_second(
     assert got.data["region"] == west and got.data["usable_regions"] == [west]
     assert got.data["zones"] and all(z.startswith(west) for z in got.data["zones"])
     assert f"none in {on_aws.REGION} (" in got.detail and "no subnet is configured" in got.detail
+
+
+# -- one larger instance, from each cloud's catalogue -------------------------------------
+
+
+def refused(*overrides: str) -> Any:
+    """The refusal of a spec asking for several instances (the shape it asked for kept)."""
+    from jobs.spec import InstancesRefused
+
+    with pytest.raises(InstancesRefused) as caught:
+        parse_spec({"command": "python train.py"}, name="big", overrides=list(overrides))
+    return caught.value
+
+
+def test_on_gcp_four_a100_pairs_are_one_a2_highgpu_8g(gce: FakeComputeApi) -> None:
+    from jobs.format import usd
+    from jobs.preflight import with_one_instance_advice
+    from jobs.providers.base import ResourceRequest
+
+    gcp = GcpProvider(
+        project=gce.project,
+        region=GCP_REGION,
+        api_endpoint=gce.url,
+        credentials=AnonymousCredentials(),
+    )
+    error = refused("resources.cloud=gcp", "resources.accelerator=A100:2", "resources.instances=4")
+    text = str(with_one_instance_advice(error, gcp))
+
+    def spot(count: int) -> float:
+        req = ResourceRequest(cloud="gcp", region=GCP_REGION, accelerator_type="A100",
+                              accelerator_count=count)  # fmt: skip
+        return gcp.price(req).spot_usd_per_hour
+
+    # Both priced from the shipped table's A2 units (vCPUs, memory and GPUs of each type).
+    assert (
+        f"4 instances of 2 × A100 (a2-highgpu-2g) cost {usd(4 * spot(2))}/h spot; one "
+        f"a2-highgpu-8g holds all 8 for {usd(spot(8))}/h" in text
+    )
+    assert "resources.accelerator=A100:8 and resources.instances=1" in text
+    # No machine type holds 3 × 4 A100s.
+    three = refused("resources.cloud=gcp", "resources.accelerator=A100:4", "resources.instances=3")
+    assert with_one_instance_advice(three, gcp) is three
+
+
+def test_on_aws_four_t4_instances_are_one_g4dn_12xlarge_on_demand(aws: AwsProvider) -> None:
+    from jobs.preflight import with_one_instance_advice
+
+    error = refused(
+        "resources.cloud=aws", "resources.accelerator=T4:1", "resources.instances=4",
+        "resources.spot=false",
+    )  # fmt: skip
+    text = str(with_one_instance_advice(error, aws))
+    # The shipped on-demand table: g4dn.xlarge $0.526/h, g4dn.12xlarge $3.912/h.
+    assert (
+        "4 instances of 1 × T4 (g4dn.xlarge) cost $2.10/h on-demand; one g4dn.12xlarge "
+        "holds all 4 for $3.91/h" in text
+    )
+    # EC2 has no instance of two A100s: each of the four would be a p4d.24xlarge, eight
+    # A100s paid for two used; the one p4d.24xlarge holds all eight.
+    pairs = refused(
+        "resources.cloud=aws", "resources.accelerator=A100:2", "resources.instances=4",
+        "resources.spot=false",
+    )  # fmt: skip
+    assert aws.instance_type_for(resource_request_of(pairs)) is None
+    assert (
+        "4 instances of 2 × A100 cost $131.09/h on-demand; one p4d.24xlarge holds all 8 for "
+        "$32.77/h" in str(with_one_instance_advice(pairs, aws))
+    )
+    # No EC2 type holds 16 A100s.
+    many = refused("resources.cloud=aws", "resources.accelerator=A100:8", "resources.instances=2")
+    assert with_one_instance_advice(many, aws) is many
+
+
+def resource_request_of(error: Any) -> Any:
+    from jobs.preflight.interval import resources_request
+
+    return resources_request(error.resources)

@@ -45,6 +45,7 @@ PAYLOADS: dict[str, dict[str, Any]] = {
         "bytes": 123456789,
         "write_s": 4.2,
         "uri": "s3://bucket/run-1/step-0000000100",
+        "stall_s": 0.05,
     },
     "checkpoint_failed": {"step": 100, "error": "S3 SlowDown"},
     "restored": {"step": 100, "fallback_from": 200, "restore_s": 3.0},
@@ -549,3 +550,27 @@ def test_the_fast_path_takes_what_the_runner_sends() -> None:
 
     assert fast is not None and fast.events() == decode_batch(raw)
     assert len(fast) == len(EVENT_TYPES) - 1
+
+
+def test_a_field_added_later_may_be_missing_on_either_path() -> None:
+    """``checkpoint_committed.stall_s`` came after the first runners: a batch without it
+    (an older runner, a script's own files) still decodes, the field as None."""
+    older = wire_event(0, "checkpoint_committed")
+    del older["data"]["stall_s"]
+    raw = body([older])
+    fast = _decode_typed(raw, 10)
+    general = _decode_general(raw, 10)
+    assert fast is not None and fast.data[0]["stall_s"] is None
+    assert general.data[0]["stall_s"] is None
+    assert validate_payload("checkpoint_committed", older["data"])["stall_s"] is None
+    measured = decode_batch(body([wire_event(0, "checkpoint_committed", stall_s=0.25)]))
+    assert measured[0].data["stall_s"] == 0.25
+    with pytest.raises(WireError, match=r"events\[0\]\.data\.stall_s"):
+        decode_batch(body([wire_event(0, "checkpoint_committed", stall_s=-1.0)]))
+    # A field every runner sends is still required.
+    with pytest.raises(
+        WireError,
+        match=r"data\.write_s: missing \(checkpoint_committed events "
+        r"need step, bytes, write_s, uri\)",
+    ):
+        validate_payload("checkpoint_committed", {"step": 1, "bytes": 2, "uri": "x"})

@@ -6,8 +6,6 @@ Spot prices come from EC2's price history; on-demand ones from the shipped, date
 
 from __future__ import annotations
 
-import functools
-import json
 from collections.abc import Callable, Mapping, Sequence
 from datetime import date, datetime, timezone
 from pathlib import Path
@@ -18,11 +16,13 @@ from botocore.exceptions import ClientError
 from jobs.providers.aws.clients import Clients, TypeInfo, utc
 from jobs.providers.aws.errors import error_code
 from jobs.providers.base import PriceQuote, ProviderError, ResourceRequest
+from jobs.providers.data import read_table
 
 __all__ = [
     "ACCELERATOR_TYPES",
     "PRICES_PATH",
     "accelerator_type",
+    "exact_type",
     "load_prices",
     "price",
     "type_info",
@@ -89,6 +89,13 @@ def accelerator_type(req: ResourceRequest) -> tuple[str, int | None]:
     return itype, n
 
 
+def exact_type(req: ResourceRequest) -> str | None:
+    """The instance type that holds exactly the request's accelerators, if one does."""
+    if not req.accelerator_type or req.accelerator_count <= 0:
+        return None
+    return ACCELERATOR_TYPES.get((_accelerator_key(req.accelerator_type), req.accelerator_count))
+
+
 def type_info(clients: Clients, instance_types: Sequence[str], region: str) -> dict[str, TypeInfo]:
     """The sizes of the types EC2 knows in ``region`` (cached: a type never changes)."""
     cache = clients.types
@@ -125,27 +132,15 @@ def zones(clients: Clients, region: str) -> dict[str, str]:
 # -- prices ------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=4)
-def _price_table(path: str, mtime: float) -> dict[str, Any]:
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ProviderError(
-            f"the AWS price table {path} is unreadable ({exc}): reinstall trainbot or run "
-            "python -m jobs.providers.aws refresh-prices"
-        ) from None
-    if not isinstance(data, dict) or not isinstance(data.get("regions"), dict):
-        raise ProviderError(f"the AWS price table {path} has no 'regions': regenerate it")
-    return data
-
-
 def load_prices(path: Path) -> dict[str, Any]:
     """The on-demand table at ``path``, read again only when the file changes."""
     try:
-        mtime = path.stat().st_mtime
-    except OSError:
-        mtime = 0.0
-    return _price_table(str(path), mtime)
+        return read_table(path, key="regions")
+    except ValueError as exc:
+        raise ProviderError(
+            f"the AWS price table {path} {exc}: reinstall trainbot or run "
+            "python -m jobs.providers.aws refresh-prices"
+        ) from None
 
 
 def price(

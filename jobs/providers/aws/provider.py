@@ -125,6 +125,9 @@ class AwsProvider:
         """The EC2 type for a request: its own, or the smallest that holds its accelerators."""
         return catalog.accelerator_type(req)[0]
 
+    def instance_type_for(self, req: ResourceRequest) -> str | None:
+        return catalog.exact_type(req)
+
     def quota(self, req: ResourceRequest) -> QuotaInfo:
         return capacity.quota(self._in(req.region), req, self.instance_type(req))
 

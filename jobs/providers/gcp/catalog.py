@@ -137,9 +137,9 @@ class Catalog:
                 )
             return f"e2-standard-{size}"
         count = req.accelerator_count
-        for key in (f"{accel.name}:{count}", f"{(req.accelerator_type or '').lower()}:{count}"):
-            if key in self.machine_type_for:
-                return self.machine_type_for[key]
+        configured = self._configured_for_count(accel, req)
+        if configured is not None:
+            return configured
         for key in (accel.name, (req.accelerator_type or "").lower()):
             if key in self.machine_type_for:
                 return self.machine_type_for[key]
@@ -151,6 +151,22 @@ class Catalog:
                 f" {counts} per instance, or set resources.instance_type"
             )
         return machine
+
+    def _configured_for_count(self, accel: Accelerator, req: ResourceRequest) -> str | None:
+        """The machine type ``machine_type_for`` names for ``TYPE:COUNT``, if any."""
+        count = req.accelerator_count
+        for key in (f"{accel.name}:{count}", f"{(req.accelerator_type or '').lower()}:{count}"):
+            if key in self.machine_type_for:
+                return self.machine_type_for[key]
+        return None
+
+    def exact_machine_type(self, req: ResourceRequest) -> str | None:
+        """The machine type that holds exactly the request's GPUs (the configured one for
+        ``TYPE:COUNT``, else the built-in one), if one does; None for a CPU-only request."""
+        accel = accelerator(req)
+        if accel is None:
+            return None
+        return self._configured_for_count(accel, req) or accel.machines.get(req.accelerator_count)
 
     def vcpus(self, req: ResourceRequest) -> int:
         shape = self.table()["machine_types"].get(self.machine_type(req))

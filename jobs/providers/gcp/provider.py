@@ -165,6 +165,10 @@ class GcpProvider:
             cooldown_s=self.stockout_cooldown_s,
         )
 
+    def instance_type_for(self, req: ResourceRequest) -> str | None:
+        """The machine type that carries exactly the request's GPUs, if one does."""
+        return self._catalog.exact_machine_type(req)
+
     def price(self, req: ResourceRequest, *, zone: str | None = None) -> PriceQuote:
         """From the shipped table: machine vCPUs and memory plus GPUs, per region."""
         region = region_of_zone(zone) if zone else self._region(req)

@@ -15,7 +15,10 @@ from datetime import datetime, timezone
 from jobs.providers.base import PriceQuote, QuotaInfo, ResourceRequest, ZoneCapacity
 from jobs.providers.local.records import ZONE, Record
 
-__all__ = ["Machine", "capacity", "detect_gpus", "gpu_matches", "price"]
+__all__ = ["INSTANCE_TYPE", "Machine", "capacity", "detect_gpus", "gpu_matches", "price"]
+
+#: The local provider's one instance type: this machine.
+INSTANCE_TYPE = "local"
 
 
 class Machine:
@@ -31,6 +34,13 @@ class Machine:
             if self._gpu_names is None:
                 self._gpu_names = detect_gpus()
             return list(self._gpu_names)
+
+    def instance_type_for(self, req: ResourceRequest) -> str | None:
+        """One local instance is this machine: it holds as many GPUs of a type as it has."""
+        if req.accelerator_count <= 0:
+            return None
+        gpus = [n for n in self.gpus() if gpu_matches(n, req.accelerator_type)]
+        return INSTANCE_TYPE if len(gpus) >= req.accelerator_count else None
 
     def quota(self, req: ResourceRequest, live: Sequence[Record]) -> QuotaInfo:
         """Cores and GPUs, less what the ``live`` instances asked for."""

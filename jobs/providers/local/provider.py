@@ -157,6 +157,10 @@ class LocalProvider:
         """One zone, available when this machine's quota covers the request."""
         return machine.capacity(req, self.quota(req))
 
+    def instance_type_for(self, req: ResourceRequest) -> str | None:
+        """``local``, this machine, when it has as many GPUs of the type as asked for."""
+        return self._machine.instance_type_for(req)
+
     def price(self, req: ResourceRequest, *, zone: str | None = None) -> PriceQuote:
         """The configured prices, so local spend is the same arithmetic as a cloud's."""
         return machine.price(

@@ -183,6 +183,28 @@ class ProviderContract:
         assert quote.source
         assert quote.as_of.tzinfo is not None
 
+    def test_instance_type_for_holds_exactly_what_it_is_asked(
+        self, provider: Provider, resource_request: ResourceRequest
+    ) -> None:
+        """A CPU-only request has no accelerator type to hold; one no type holds (10,000
+        accelerators) has none; an answer is a type name the provider prices."""
+        cpu = dataclasses.replace(resource_request, accelerator_type=None, accelerator_count=0)
+        assert provider.instance_type_for(cpu) is None
+        for count in (1, 8):
+            asked = dataclasses.replace(
+                resource_request,
+                accelerator_type=resource_request.accelerator_type or "A100",
+                accelerator_count=count,
+                instance_type=None,
+            )
+            found = provider.instance_type_for(asked)
+            assert found is None or (isinstance(found, str) and found)
+            if found is not None:
+                quote = provider.price(dataclasses.replace(asked, instance_type=found))
+                assert quote.on_demand_usd_per_hour > 0
+        huge = dataclasses.replace(resource_request, accelerator_count=10_000)
+        assert provider.instance_type_for(huge) is None
+
     def test_capabilities_say_what_callers_may_rely_on(
         self, provider: Provider, resource_request: ResourceRequest, unknown_instance_id: str
     ) -> None:
