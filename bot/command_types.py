@@ -1,4 +1,5 @@
-"""The typed commands ``/train …`` text parses into (:mod:`bot.commands` parses).
+"""The typed commands ``/train …`` text parses into (:mod:`bot.commands` parses, and
+exports them: import them from there).
 
 Each command's help text is its class docstring: the first line is the summary shown by
 ``/train help``, the rest (with an example) is shown by ``/train help <command>``.
@@ -8,27 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import ClassVar
-
-__all__ = [
-    "Ack",
-    "BotError",
-    "BudgetCommand",
-    "Cleanup",
-    "Command",
-    "CommandError",
-    "Help",
-    "Launch",
-    "ListRuns",
-    "Logs",
-    "Oncall",
-    "Preflight",
-    "Resubmit",
-    "Snooze",
-    "Spend",
-    "StatusCommand",
-    "Stop",
-    "UserRef",
-]
 
 
 class BotError(Exception):

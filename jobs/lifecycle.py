@@ -8,8 +8,9 @@ docs/architecture.md ("Runs and attempts") draws both machines and gives the rea
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import Enum
-from typing import overload
+from typing import Any, overload
 
 from jobs.errors import IllegalTransition
 
@@ -22,7 +23,18 @@ __all__ = [
 ]
 
 
-class RunState(str, Enum):
+class _State(str, Enum):
+    """A state of one of the two machines: its value is its name, its table says what follows."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def is_terminal(self) -> bool:
+        """Whether nothing moves it on: the run is over, or the attempt's instance is gone."""
+        return not _TRANSITIONS[type(self)][self]
+
+
+class RunState(_State):
     """Where a run is in its life."""
 
     PENDING = "PENDING"
@@ -37,15 +49,8 @@ class RunState(str, Enum):
     STOPPED = "STOPPED"
     BUDGET_EXCEEDED = "BUDGET_EXCEEDED"
 
-    def __str__(self) -> str:
-        return self.value
 
-    def is_terminal(self) -> bool:
-        """Whether the run is over; nothing moves it on from here."""
-        return not RUN_TRANSITIONS[self]
-
-
-class AttemptState(str, Enum):
+class AttemptState(_State):
     """Where one instance working on a run is in its life."""
 
     REQUESTED = "REQUESTED"
@@ -56,13 +61,6 @@ class AttemptState(str, Enum):
     FAILED = "FAILED"
     LOST = "LOST"
     TERMINATED = "TERMINATED"
-
-    def __str__(self) -> str:
-        return self.value
-
-    def is_terminal(self) -> bool:
-        """Whether the attempt is over (its instance is gone or going)."""
-        return not ATTEMPT_TRANSITIONS[self]
 
 
 _R = RunState
@@ -98,6 +96,11 @@ ATTEMPT_TRANSITIONS: dict[AttemptState, frozenset[AttemptState]] = {
     _A.FAILED: frozenset(),
     _A.LOST: frozenset(),
     _A.TERMINATED: frozenset(),
+}
+
+_TRANSITIONS: dict[type[_State], Mapping[Any, frozenset[Any]]] = {
+    RunState: RUN_TRANSITIONS,
+    AttemptState: ATTEMPT_TRANSITIONS,
 }
 
 

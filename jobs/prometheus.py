@@ -121,17 +121,20 @@ class ControlPlaneMetrics:
         ``holder``: this process's scheduler lease holder name (default: the one
         :mod:`jobs.scheduler` uses)."""
         self.registry = CollectorRegistry(auto_describe=True)
-        self.ingest_events = Counter(
-            "trainbot_ingest_events",
-            "Runner events received by the ingest API, by result (accepted, duplicate).",
-            ["result"],
-            registry=self.registry,
-        )
-        self.ingest_batches = Counter(
-            "trainbot_ingest_batches",
-            "Runner batches answered by the ingest API, by HTTP status.",
-            ["status"],
-            registry=self.registry,
+        self.ingest_events, self.ingest_batches = (
+            Counter(name, doc, [label], registry=self.registry)
+            for name, doc, label in (
+                (
+                    "trainbot_ingest_events",
+                    "Runner events received by the ingest API, by result (accepted, duplicate).",
+                    "result",
+                ),
+                (
+                    "trainbot_ingest_batches",
+                    "Runner batches answered by the ingest API, by HTTP status.",
+                    "status",
+                ),
+            )
         )
         self.ingest_latency = Histogram(
             "trainbot_ingest_latency_seconds",
@@ -141,23 +144,19 @@ class ControlPlaneMetrics:
         )
         for result in ("accepted", "duplicate"):
             self.ingest_events.labels(result)
-        self.job_runs = Counter(
-            "trainbot_scheduler_job_runs",
-            "Scheduled job runs that finished on this replica, by job.",
-            ["task"],
-            registry=self.registry,
-        )
-        self.job_failures = Counter(
-            "trainbot_scheduler_job_failures",
-            "Scheduled job runs that raised, by job.",
-            ["task"],
-            registry=self.registry,
-        )
-        self.job_missed = Counter(
-            "trainbot_scheduler_jobs_missed",
-            "Scheduled job runs skipped because they were later than their grace time.",
-            ["task"],
-            registry=self.registry,
+        self.job_runs, self.job_failures, self.job_missed = (
+            Counter(name, doc, ["task"], registry=self.registry)
+            for name, doc in (
+                (
+                    "trainbot_scheduler_job_runs",
+                    "Scheduled job runs that finished on this replica, by job.",
+                ),
+                ("trainbot_scheduler_job_failures", "Scheduled job runs that raised, by job."),
+                (
+                    "trainbot_scheduler_jobs_missed",
+                    "Scheduled job runs skipped because they were later than their grace time.",
+                ),
+            )
         )
         self.job_lag = Histogram(
             "trainbot_scheduler_job_lag_seconds",

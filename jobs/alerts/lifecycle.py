@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime, timedelta
+from typing import Any
 
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
@@ -67,18 +68,15 @@ def process_signals(
             since = now - timedelta(seconds=cfg.quiet_period)
             alert = incidents.recently_resolved(session, run_id, signal.rule, key, since=since)
             if alert is not None and incidents.reopen(session, alert, signal, now=now, cfg=cfg):
-                display.show(
-                    session, alert, notifier, channel=target.channel, thread_ts=target.thread_ts
-                )
-                journal.record(
+                _announce(
+                    session,
+                    alert,
                     "alert_reopened",
-                    run_id,
-                    alert_id=alert.id,
-                    rule=alert.rule,
-                    key=alert.key,
+                    target=target,
+                    notifier=notifier,
+                    journal=journal,
                     member=signal.key,
                     reopened=alert.reopened,
-                    title=alert.title,
                 )
                 if alert.flapping_since == now:
                     journal.record("alert_flapping", run_id, alert_id=alert.id, times=alert.flaps)
@@ -88,17 +86,14 @@ def process_signals(
         if alert is None:
             alert, created = _insert(session, run_id, signal, now=now)
             if created:
-                display.show(
-                    session, alert, notifier, channel=target.channel, thread_ts=target.thread_ts
-                )
-                journal.record(
+                _announce(
+                    session,
+                    alert,
                     "alert_opened",
-                    run_id,
-                    alert_id=alert.id,
-                    rule=alert.rule,
-                    key=alert.key,
+                    target=target,
+                    notifier=notifier,
+                    journal=journal,
                     severity=str(alert.severity),
-                    title=alert.title,
                     **({"member": signal.key} if signal.incident else {}),
                 )
                 touched[alert.id] = alert
@@ -107,6 +102,29 @@ def process_signals(
         touched[alert.id] = alert
     session.flush()
     return list(touched.values())
+
+
+def _announce(
+    session: Session,
+    alert: Alert,
+    event: str,
+    *,
+    target: AlertTarget,
+    notifier: Notifier,
+    journal: Journal,
+    **fields: Any,
+) -> None:
+    """Show a new or reopened alert in its channel and journal ``event`` with its identity."""
+    display.show(session, alert, notifier, channel=target.channel, thread_ts=target.thread_ts)
+    journal.record(
+        event,
+        alert.run_id,
+        alert_id=alert.id,
+        rule=alert.rule,
+        key=alert.key,
+        title=alert.title,
+        **fields,
+    )
 
 
 def acknowledge(

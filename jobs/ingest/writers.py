@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from itertools import chain
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import orjson
 from sqlalchemy import Connection
@@ -130,6 +130,18 @@ def event_datetime(seconds: float) -> datetime:
     return _EPOCH + timedelta(seconds=seconds)
 
 
+class EventRows(NamedTuple):
+    """A batch's events bound for rows of ``events`` (all but its metrics)."""
+
+    attempt_id: str
+    run_id: str
+    #: The batch's arrival time, as the column's text.
+    received: str
+    new: Batch
+    #: The events' times, as the column's texts (see :func:`time_texts`).
+    times: list[str]
+
+
 class EventWriter(Protocol):
     """Inserts a batch's new events, inside the batch's transaction."""
 
@@ -137,17 +149,8 @@ class EventWriter(Protocol):
     #: DATETIME, ``"+00:00"`` for PostgreSQL's timestamptz.
     time_suffix: str
 
-    def insert_rows(
-        self,
-        connection: Connection,
-        *,
-        attempt_id: str,
-        run_id: str,
-        received: str,
-        new: Batch,
-        times: list[str],
-    ) -> None:
-        """Insert the events of ``new`` as rows of ``events``; ``times`` are their texts."""
+    def insert_rows(self, connection: Connection, rows: EventRows) -> None:
+        """Insert the events of ``rows.new`` as rows of ``events``."""
         ...
 
     def insert_block(self, connection: Connection, values: Sequence[Any]) -> None:
@@ -166,18 +169,12 @@ class SqliteWriter:
 
     time_suffix = ""
 
-    def insert_rows(
-        self,
-        connection: Connection,
-        *,
-        attempt_id: str,
-        run_id: str,
-        received: str,
-        new: Batch,
-        times: list[str],
-    ) -> None:
-        values = list(chain.from_iterable(zip(new.seqs, new.types, times, new.texts, strict=True)))
-        _sqlite_insert_events(connection, [attempt_id, run_id, received], values)
+    def insert_rows(self, connection: Connection, rows: EventRows) -> None:
+        new = rows.new
+        values = list(
+            chain.from_iterable(zip(new.seqs, new.types, rows.times, new.texts, strict=True))
+        )
+        _sqlite_insert_events(connection, [rows.attempt_id, rows.run_id, rows.received], values)
 
     def insert_block(self, connection: Connection, values: Sequence[Any]) -> None:
         with _sqlite_cursor(connection) as execute:
@@ -190,26 +187,17 @@ class PostgresWriter:
 
     time_suffix = "+00:00"
 
-    def insert_rows(
-        self,
-        connection: Connection,
-        *,
-        attempt_id: str,
-        run_id: str,
-        received: str,
-        new: Batch,
-        times: list[str],
-    ) -> None:
+    def insert_rows(self, connection: Connection, rows: EventRows) -> None:
         connection.exec_driver_sql(
             _PG_INSERT_EVENTS,
             {
-                "attempt_id": attempt_id,
-                "run_id": run_id,
-                "received_at": received,
-                "seqs": new.seqs,
-                "types": new.types,
-                "times": times,
-                "texts": new.texts,
+                "attempt_id": rows.attempt_id,
+                "run_id": rows.run_id,
+                "received_at": rows.received,
+                "seqs": rows.new.seqs,
+                "types": rows.new.types,
+                "times": rows.times,
+                "texts": rows.new.texts,
             },
         )
 
@@ -243,14 +231,8 @@ def insert_events(
     received = time_texts([now.timestamp()], suffix=suffix)[0]
     if kinds.others:
         others = new.select(kinds.others) if kinds.metrics else new
-        writer.insert_rows(
-            connection,
-            attempt_id=attempt_id,
-            run_id=run_id,
-            received=received,
-            new=others,
-            times=time_texts(others.times, suffix=suffix),
-        )
+        times = time_texts(others.times, suffix=suffix)
+        writer.insert_rows(connection, EventRows(attempt_id, run_id, received, others, times))
     if kinds.metrics:
         writer.insert_block(
             connection,

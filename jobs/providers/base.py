@@ -242,6 +242,17 @@ class LaunchRequest:
     # Spot capacity rather than on-demand (after N preemptions the policy switches).
     spot: bool = True
 
+    def tags(self, idempotency_key: str) -> dict[str, str]:
+        """The tags (AWS) or labels (GCP) of its instance, before each cloud's limits on
+        their values; ``idempotency_key`` is the one the provider launches with."""
+        return {
+            TAG_MANAGED: "true",
+            TAG_RUN_ID: self.run_id,
+            TAG_ATTEMPT_ID: self.attempt_id,
+            TAG_OWNER: self.owner,
+            TAG_IDEMPOTENCY_KEY: idempotency_key,
+        }
+
 
 @dataclass(frozen=True)
 class InstanceInfo:

@@ -16,6 +16,17 @@ from jobs.runs.cards import refresh_card, say
 from jobs.runs.end import end_attempt
 from jobs.runs.rows import move_run
 
+#: The runner events the journal keeps as they are, with the fields of theirs it keeps.
+_JOURNALED: dict[str, tuple[str, ...]] = {
+    "checkpoint_committed": ("step", "bytes", "write_s"),
+    "preemption_notice": ("source", "time_left_s"),
+}
+
+
+def _journal(deps: Deps, run: Run, attempt: Attempt, type_: str, data: dict[str, Any]) -> None:
+    fields = {name: data.get(name) for name in _JOURNALED[type_]}
+    deps.journal.record(type_, run.id, attempt=attempt.number, **fields)
+
 
 def on_attempt_event(deps: Deps, attempt_id: str, type_: str, data: dict[str, Any]) -> None:
     """React to a runner event that the ingest API has stored."""
@@ -39,14 +50,7 @@ def on_attempt_event(deps: Deps, attempt_id: str, type_: str, data: dict[str, An
                 deps.journal.record("resumed", run.id, attempt=attempt.number, step=step)
                 say(deps, run, "resumed", f"Attempt {attempt.number} resumed at step {step}.")
         elif type_ == "checkpoint_committed":
-            deps.journal.record(
-                "checkpoint_committed",
-                run.id,
-                attempt=attempt.number,
-                step=data.get("step"),
-                bytes=data.get("bytes"),
-                write_s=data.get("write_s"),
-            )
+            _journal(deps, run, attempt, type_, data)
             refresh_card(deps, session, run)
         elif type_ == "preemption_notice" and run.state.is_terminal():
             # We stopped it (a person, the budget cap): the SIGTERM its runner saw is ours.
@@ -57,13 +61,7 @@ def on_attempt_event(deps: Deps, attempt_id: str, type_: str, data: dict[str, An
                 f"Attempt {attempt.number} is stopping: its runner flushes a checkpoint first.",
             )
         elif type_ == "preemption_notice":
-            deps.journal.record(
-                "preemption_notice",
-                run.id,
-                attempt=attempt.number,
-                source=data.get("source"),
-                time_left_s=data.get("time_left_s"),
-            )
+            _journal(deps, run, attempt, type_, data)
             left = data.get("time_left_s")
             say(
                 deps,

@@ -230,6 +230,18 @@ def _new_attempt(deps: Deps, run_id: str, *, now: datetime) -> tuple[str, str] |
         return attempt.id, placement.note
 
 
+def placement_record(attempt: Attempt) -> dict[str, Any]:
+    """What the journal says of where an attempt runs, the same in "launched" and
+    "resubmitted"."""
+    return {
+        "attempt": attempt.number,
+        "region": attempt.region,
+        "zone": attempt.zone,
+        "spot": attempt.spot,
+        "resume_from_step": attempt.resumed_from_step,
+    }
+
+
 def provision(deps: Deps, attempt_id: str, *, why: str = "") -> Attempt | None:
     """Call the provider for a REQUESTED attempt (first launch, or adoption after a crash).
     ``why``: why the attempt is on-demand or in another region, for the thread."""
@@ -289,15 +301,11 @@ def provision(deps: Deps, attempt_id: str, *, why: str = "") -> Attempt | None:
         deps.journal.record(
             "launched",
             run.id,
-            attempt=attempt.number,
+            **placement_record(attempt),
             attempt_id=attempt.id,
             instance=info.instance_id,
-            region=attempt.region,
-            zone=attempt.zone,
-            spot=attempt.spot,
             price_per_hour=attempt.price_per_hour,
             why=why,
-            resume_from_step=attempt.resumed_from_step,
             checkpoint_interval_s=run.checkpoint_interval_s,
         )
         resume = (

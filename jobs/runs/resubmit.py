@@ -17,7 +17,7 @@ from jobs.lifecycle import RunState
 from jobs.models import Attempt, Checkpoint, Run
 from jobs.rules import AutoResubmit, Obs
 from jobs.runs.cards import alert_config, raise_signals, run_context
-from jobs.runs.launch import launch_attempt
+from jobs.runs.launch import launch_attempt, placement_record
 from jobs.runs.rows import active_attempt, spec_of
 
 
@@ -63,11 +63,7 @@ def resubmit_if_due(deps: Deps, previous_attempt_id: str) -> bool:
         deps.journal.record(
             "resubmitted",
             run.id,
-            attempt=attempt.number,
-            region=attempt.region,
-            zone=attempt.zone,
-            spot=attempt.spot,
-            resume_from_step=attempt.resumed_from_step,
+            **placement_record(attempt),
             lost_steps=prev.lost_steps,
             lost_seconds=round(prev.lost_seconds, 3),
         )

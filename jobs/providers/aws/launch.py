@@ -25,11 +25,8 @@ from jobs.providers.aws.clients import Clients
 from jobs.providers.aws.errors import error_code, launch_error
 from jobs.providers.aws.status import TERMINATION_WINDOW_S, info
 from jobs.providers.base import (
-    TAG_ATTEMPT_ID,
     TAG_IDEMPOTENCY_KEY,
     TAG_MANAGED,
-    TAG_OWNER,
-    TAG_RUN_ID,
     CapacityError,
     InstanceInfo,
     LaunchRequest,
@@ -190,11 +187,7 @@ def _launch_params(
     tags = [
         {"Key": k, "Value": v[:256]}
         for k, v in {
-            TAG_MANAGED: "true",
-            TAG_RUN_ID: req.run_id,
-            TAG_ATTEMPT_ID: req.attempt_id,
-            TAG_OWNER: req.owner,
-            TAG_IDEMPOTENCY_KEY: token,
+            **req.tags(token),
             "Name": f"trainbot {req.run_id} {req.attempt_id}",
         }.items()
     ]

@@ -21,9 +21,6 @@ from google.cloud import compute_v1
 
 from jobs.providers.base import (
     TAG_ATTEMPT_ID,
-    TAG_IDEMPOTENCY_KEY,
-    TAG_MANAGED,
-    TAG_OWNER,
     TAG_RUN_ID,
     CapacityError,
     LaunchRequest,
@@ -135,13 +132,7 @@ def instance_body(
             f"the GCP startup script {template.startup_script} is unreadable ({e}): reinstall"
             " trainbot from its repository, or pass startup_script= to the gcp provider"
         ) from None
-    labels = {
-        TAG_MANAGED: "true",
-        TAG_RUN_ID: label_value(req.run_id),
-        TAG_ATTEMPT_ID: label_value(req.attempt_id),
-        TAG_OWNER: label_value(req.owner),
-        TAG_IDEMPOTENCY_KEY: label_value(key),
-    }
+    labels = {k: label_value(v) for k, v in req.tags(key).items()}
     metadata = {
         "startup-script": script,
         "enable-guest-attributes": "TRUE",
