@@ -13,9 +13,13 @@ runner's events give (one clock: the control plane and the runner share the mach
        last commit)
 
 Start-up, shutdown and lag are real process and control-plane costs that a time
-compression cannot shrink; :func:`account` counts them at their wall length in
-``goodput`` (one second of them is one second at scale, every other wall second is
-``compression`` seconds) and as they fell in ``goodput_wall``.
+compression cannot shrink; so is the loop's fixed work between two steps (reporting the
+step's metrics, looking at the flag: the same microseconds after a 100 ms step as after
+a 3 s one), measured as the median gap between consecutive steps of an attempt, times
+the gaps (a gap with a save in it is an outlier the median leaves out; the save's stall
+stays at scale, as it is proportional to the state). :func:`account` counts these at
+their wall length in ``goodput`` (one second of them is one second at scale, every other
+wall second is ``compression`` seconds) and as they fell in ``goodput_wall``.
 
 Progress is the time of the steps that were kept: every step of a finished run, or up to
 the newest commit of one stopped early, each at the time it took in the last attempt
@@ -64,6 +68,8 @@ class Split:
     setup: float = 0.0
     steps: float = 0.0
     loop: float = 0.0
+    #: The part of ``loop`` that is fixed work per step (not simulated, not compressed).
+    reporting: float = 0.0
     tail: float = 0.0
     shutdown: float = 0.0
     lag: float = 0.0
@@ -98,6 +104,10 @@ def split_attempt(
     s.setup = first_start - ready
     s.steps = sum(float(e.data["step_time_s"]) for e in metrics)
     s.loop = (last_end - first_start) - s.steps
+    gaps = [b.time - float(b.data["step_time_s"]) - a.time for a, b in itertools.pairwise(metrics)]
+    if gaps:
+        s.reporting = min(max(0.0, s.loop), max(0.0, statistics.median(gaps)) * len(gaps))
+        s.loop -= s.reporting
     # After the last step and the last commit, a process that ends by itself spends real
     # time tearing down (interpreters, the supervisor's polling): not simulated work.
     done = max([last_end, *(c for c in commits if c <= proc_end)])
@@ -165,7 +175,7 @@ def account(
     kept = range(1, kept_steps + 1)
     # A kept step whose event died with its process counts at the median step time.
     progress = sum(kept_by_step.get(s, median_step) for s in kept)
-    uncompressed = total.startup + total.shutdown + total.lag
+    uncompressed = total.startup + total.reporting + total.shutdown + total.lag
     at_scale_paid = total.paid - uncompressed * (1 - 1 / compression)
     return {
         "attempts": len(attempts),
@@ -182,6 +192,7 @@ def account(
             "steps_kept": _r(progress, 2),
             "steps_redone": _r(max(0.0, total.steps - progress), 2),
             "loop_overhead": _r(total.loop, 2),
+            "loop_reporting": _r(total.reporting, 3),
             "tail": _r(total.tail, 2),
             "shutdown": _r(total.shutdown, 2),
             "control_plane_lag": _r(total.lag, 2),

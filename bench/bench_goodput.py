@@ -900,7 +900,7 @@ def _beyond(fig: dict[str, Any], cl: Ceiling, *, compression: float) -> dict[str
         "startup": b["startup"],  # launch to `started`: at 1x
         "setup_restore": b["setup_restore"] * k,
         "steps": b["steps_kept"] * k,
-        "loop": b["loop_overhead"] * k,
+        "loop": b["loop_overhead"] * k + b["loop_reporting"],  # the stalls at scale
         "lost": b["steps_redone"] * k,
         "tail": b["tail"] * k,
         "shutdown_and_lag": b["shutdown"] + b["control_plane_lag"],

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from runner import EXIT_PREEMPTED, EXIT_SUCCEEDED
 from runner.errors import CheckpointError, RunnerError, StoreError
-from runner.preemption import PreemptionFlag, SignalHandlers, start_pollers
+from runner.preemption import PreemptionFlag, SignalHandlers, start_pollers, write_notice
 from runner.sync import CheckpointSync, open_files
 from runner.telemetry import EventSink, FileFollower, SystemSampler, follow_file
 
@@ -84,6 +84,8 @@ class Supervisor:
         self._exit_reported = False
         #: Whether the preemption notice was reported (it must come before the exit).
         self._announced = False
+        #: Where the child reads the notice's real deadline (runner.preemption.relay).
+        self._notice_file: Path | None = None
 
     def run(self) -> int:
         # The handlers go in first: a notice during the restore or the start-up is a
@@ -100,6 +102,8 @@ class Supervisor:
                 events.touch()
                 env = dict(self.env)
                 env["TRAINBOT_EVENTS_FILE"] = str(events)
+                self._notice_file = Path(tmp) / "notice.json"
+                env["TRAINBOT_NOTICE_FILE"] = str(self._notice_file)
                 env["TRAINBOT_TERMINATION_WINDOW_S"] = str(self.window_s)
                 env.pop("TRAINBOT_PREEMPTION_SOURCES", None)  # we poll, then signal
                 if self.sync is not None:
@@ -162,6 +166,7 @@ class Supervisor:
                     # One look before the script is told: what it has closed by now is
                     # whole, so it is committed even if it has not settled yet.
                     self._sync(final=False)
+                self._relay_notice()
                 child.send_signal(signal.SIGTERM)
             if code is not None:
                 break
@@ -212,6 +217,16 @@ class Supervisor:
             if type_ in ("checkpoint_committed", "restored"):
                 self._child_checkpoints = True
             self.sink.emit(type_, data, time=when)
+
+    def _relay_notice(self) -> None:
+        """Hand the child the notice's real deadline before the signal that carries none."""
+        notice = self.flag.notice
+        if notice is None or self._notice_file is None:
+            return
+        try:
+            write_notice(self._notice_file, notice)
+        except OSError as exc:  # the child then counts the window from the signal
+            log.warning("could not hand the notice to the command: %s", exc)
 
     def _announce(self) -> bool:
         """Report the preemption notice, once: True the first time, False after."""

@@ -2,8 +2,8 @@
 
 ``flag`` is the flag and its notices; ``signals`` the handlers that set it; ``aws`` and
 ``gcp`` the metadata pollers, ``pollers`` which ones start; ``flush`` the termination
-windows and what fits in them. Standard library only. See docs/architecture.md,
-"Runner: preemption".
+windows and what fits in them; ``relay`` the notice a supervisor hands its child.
+Standard library only. See docs/architecture.md, "Runner: preemption".
 """
 
 from __future__ import annotations
@@ -25,11 +25,13 @@ from runner.preemption.flush import (
     choose_interval,
     daly_interval,
     flush_fits,
+    flush_seconds,
     write_seconds,
 )
 from runner.preemption.gcp import GcpPreemptedPoller
 from runner.preemption.metadata import Poller
 from runner.preemption.pollers import Pollers, start_pollers, termination_window_s
+from runner.preemption.relay import read_notice, write_notice
 from runner.preemption.signals import SignalHandlers
 
 __all__ = [
@@ -53,7 +55,10 @@ __all__ = [
     "choose_interval",
     "daly_interval",
     "flush_fits",
+    "flush_seconds",
+    "read_notice",
     "start_pollers",
     "termination_window_s",
+    "write_notice",
     "write_seconds",
 ]

@@ -29,22 +29,48 @@ def flush_fits(
     nbytes: int,
     bandwidth_bps: float | None,
     time_left_s: float | None,
+    stall_s: float = 0.0,
     overhead_s: float = 1.0,
     safety: float = 1.5,
 ) -> bool:
     """Whether an emergency checkpoint of ``nbytes`` can finish before the deadline.
 
     A flush that cannot finish is worse than none: it spends the window and leaves a torn
-    step. The estimate is ``overhead_s + safety * nbytes / bandwidth_bps <= time_left_s``
-    from the write bandwidth measured on earlier saves. With no measurement yet it assumes
-    :data:`ASSUMED_BANDWIDTH_BPS`. With no deadline known
-    (``time_left_s`` None) it always fits.
+    step. The estimate is :func:`flush_seconds`. With no deadline known (``time_left_s``
+    None) it always fits.
     """
     if nbytes < 0:
         raise ValueError(f"checkpoint size must be >= 0 bytes, got {nbytes}")
     if time_left_s is None:
         return True
-    return overhead_s + safety * write_seconds(nbytes, bandwidth_bps) <= time_left_s
+    return (
+        flush_seconds(nbytes, bandwidth_bps, stall_s=stall_s, overhead_s=overhead_s, safety=safety)
+        <= time_left_s
+    )
+
+
+def flush_seconds(
+    nbytes: int,
+    bandwidth_bps: float | None,
+    *,
+    stall_s: float = 0.0,
+    overhead_s: float = 1.0,
+    safety: float = 1.5,
+) -> float:
+    """The time to keep back for an emergency checkpoint of ``nbytes``.
+
+    With a measured bandwidth (bytes ÷ the whole write of an earlier save, first request
+    to manifest) the store's fixed costs per checkpoint are in the measurement already:
+    ``stall_s + safety * nbytes / bandwidth_bps``, where ``stall_s`` is the measured
+    snapshot before the write (a device-to-host copy on a GPU) and ``safety`` covers a
+    write slower than those measured. Nothing here is a wall-clock constant, so the margin
+    scales with the checkpoint (a 10 s write keeps 15 s; a 0.3 s one, 0.45 s). With no
+    measurement yet, the cautious guess ``overhead_s + safety * nbytes /``
+    :data:`ASSUMED_BANDWIDTH_BPS`.
+    """
+    if bandwidth_bps is None or bandwidth_bps <= 0:
+        return overhead_s + safety * write_seconds(nbytes, None)
+    return max(0.0, stall_s) + safety * write_seconds(nbytes, bandwidth_bps)
 
 
 def write_seconds(nbytes: int, bandwidth_bps: float | None) -> float:

@@ -8,13 +8,12 @@ hooks. See docs/architecture.md, "Runner: session", for the loop it expects.
 from __future__ import annotations
 
 from runner.session.config import SessionConfig
-from runner.session.core import TRAIN_ON_MARGIN_S, Session, Stateful
+from runner.session.core import Session, Stateful
 from runner.session.phases import DRY_RUN_SAVES
 from runner.session.policy import AnyOf, EverySeconds, EverySteps, SaveDecision
 
 __all__ = [
     "DRY_RUN_SAVES",
-    "TRAIN_ON_MARGIN_S",
     "AnyOf",
     "EverySeconds",
     "EverySteps",

@@ -96,6 +96,9 @@ class SessionConfig:
     #: Restore the newest committed checkpoint at or before this step rather than the
     #: newest of all: a run resubmitted "from step N" (after a divergence).
     resume_max_step: int | None = None
+    #: Where the supervisor writes the notice it saw, with the real deadline, before it
+    #: signals this process (set by ``trainbot-runner exec``; see runner.preemption.relay).
+    notice_file: str | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> SessionConfig:
@@ -122,6 +125,7 @@ class SessionConfig:
             metrics_every=_env_number(e, "TRAINBOT_METRICS_EVERY", int) or 1,
             train_through_notice=_env_flag(e, "TRAINBOT_TRAIN_THROUGH_NOTICE", default=False),
             resume_max_step=_env_number(e, "TRAINBOT_RESUME_MAX_STEP", int),
+            notice_file=e.get("TRAINBOT_NOTICE_FILE") or None,
         )
 
     def decision(self) -> SaveDecision | None:

@@ -11,8 +11,10 @@ import logging
 import math
 import os
 import socket
+import statistics
 import sys
 import time
+from collections import deque
 from collections.abc import Iterator, Mapping
 from types import TracebackType
 from typing import Any, Protocol
@@ -26,6 +28,7 @@ from runner.preemption import (
     PreemptionFlag,
     SignalHandlers,
     flush_fits,
+    read_notice,
     start_pollers,
     write_seconds,
 )
@@ -38,9 +41,9 @@ from runner.telemetry import EventSink
 
 log = logging.getLogger(__name__)
 
-#: What the loop keeps back, beyond the write and a step, when it trains on after a
-#: preemption notice: the notice reaches a supervised process a poll after the instance.
-TRAIN_ON_MARGIN_S = 0.25
+#: How many recent writes the emergency checkpoint's estimate looks back on: it takes
+#: the slowest of them, so one fast write does not talk the loop into a late flush.
+WRITE_HISTORY = 8
 
 
 class Stateful(Protocol):
@@ -103,6 +106,11 @@ class Session:
         #: The longest step seen lately (seconds), for the train-on budget.
         self._step_s = 0.0
         self._notice_reported = False
+        #: Whether the supervisor's notice (with the real deadline) has been read.
+        self._relayed = False
+        #: (bandwidth in bytes/s, stall in s) of the recent writes, newest last: this
+        #: process's commits, and the one it restored (its manifest's write time).
+        self._writes: deque[tuple[float, float]] = deque(maxlen=WRITE_HISTORY)
         #: The state's size in bytes, once counted (see _checkpoint_bytes).
         self._state_nbytes: int | None = None
         #: The newest checkpoint, being read and verified in the background while the caller
@@ -207,6 +215,11 @@ class Session:
         restore_rng(state["rng"])
         self.step = int(state["step"])
         self.committed_step = self.step
+        manifest = restored.manifest
+        if manifest.write_s > 0 and manifest.bytes > 0:
+            # The write that committed it, on the run's store: a measured bandwidth for a
+            # notice that comes before this process has saved anything.
+            self._writes.append((manifest.bytes / manifest.write_s, 0.0))
         self._last_save_step = self.step
         for skipped_step, why in restored.skipped:
             msg = f"checkpoint step {skipped_step} is corrupt ({why}); fell back to {self.step}"
@@ -326,22 +339,58 @@ class Session:
         """Whether the loop may take another step after a preemption notice.
 
         The instance is paid for until the deadline whatever the loop does, so the window
-        is used for training for as long as the emergency checkpoint would still be
-        started (:func:`~runner.preemption.flush_fits`, the test the flush itself makes)
-        after the save in flight, one more step (the longest lately) and
-        :data:`TRAIN_ON_MARGIN_S`. Without a known deadline, or with
-        ``train_through_notice`` off, the loop stops at once.
+        is used for training for as long as the emergency checkpoint would still fit
+        (:meth:`_flush_fits`, the test the flush itself makes) after the save in flight
+        and one more step (the longest lately). Every term is measured in this run, so
+        the window left unused is about half a write and part of a step, at any scale
+        (no wall-clock constant: the deadline itself comes from the supervisor, see
+        :meth:`_read_relayed_notice`). Without a known deadline, or with
+        ``train_through_notice`` off, the loop stops.
         """
+        self._read_relayed_notice()
         left = self.flag.time_left()
         if not self.config.train_through_notice or left is None:
             return False
         self._report_notice(left)
         nbytes = self._checkpoint_bytes()
-        bandwidth = self.writer.bandwidth_bps
-        budget = left - self._step_s - TRAIN_ON_MARGIN_S
         if self.writer.in_flight:
-            budget -= write_seconds(nbytes, bandwidth)
-        return budget > 0 and flush_fits(nbytes=nbytes, bandwidth_bps=bandwidth, time_left_s=budget)
+            after = left - self._step_s - write_seconds(nbytes, self._write_measured()[0])
+            if after > 0 and self._flush_fits(nbytes, after):
+                return True
+            # Stopping now would only wait for this save before the flush. Wait for it
+            # here instead, and decide again with what its commit measured (the first
+            # save of a process would otherwise be judged by the cautious guess).
+            try:
+                self.writer.wait(timeout=left)
+            except TimeoutError:
+                return False
+            left = self.flag.time_left() or 0.0
+        budget = left - self._step_s
+        return budget > 0 and self._flush_fits(nbytes, budget)
+
+    def _read_relayed_notice(self) -> None:
+        """Take the real deadline from the supervisor's notice file once it is there: the
+        SIGTERM it sent carries none, and came a poll (or a metadata poll) after the
+        notice. It can only bring the deadline forward."""
+        path = self.config.notice_file
+        if self._relayed or not path:
+            return
+        notice = read_notice(path)
+        if notice is not None:
+            self._relayed = True
+            self.flag.set(notice)
+
+    def _write_measured(self) -> tuple[float | None, float]:
+        """The slowest recent write's bandwidth (None before any), and the median stall
+        of the recent saves (the snapshot before an emergency write: on a GPU, its copy)."""
+        writes = list(self._writes)
+        if not writes:
+            return None, 0.0
+        return min(b for b, _ in writes), statistics.median(st for _, st in writes)
+
+    def _flush_fits(self, nbytes: int, left: float | None) -> bool:
+        bandwidth, stall = self._write_measured()
+        return flush_fits(nbytes=nbytes, bandwidth_bps=bandwidth, stall_s=stall, time_left_s=left)
 
     def _report_notice(self, left: float | None) -> None:
         if self._notice_reported:
@@ -361,6 +410,8 @@ class Session:
 
     def _committed(self, info: CommitInfo) -> None:
         self.committed_step = max(self.committed_step or 0, info.step)
+        if info.write_s > 0:
+            self._writes.append((info.bytes / info.write_s, info.stall_s))
         # stall_s is how long the loop was blocked (Daly's C for an asynchronous save);
         # write_s ran beside the next steps.
         self.sink.emit(
@@ -420,6 +471,7 @@ class Session:
 
     def _flush_on_notice(self) -> None:
         stopped = time.monotonic()  # the loop has just ended
+        self._read_relayed_notice()
         left = self.flag.time_left()
         self._report_notice(left)
         # Finish the save in flight, if any, within the window.
@@ -432,7 +484,7 @@ class Session:
         elif self.committed_step != self.step:
             left = self.flag.time_left()
             nbytes = self._checkpoint_bytes()
-            if flush_fits(nbytes=nbytes, bandwidth_bps=self.writer.bandwidth_bps, time_left_s=left):
+            if self._flush_fits(nbytes, left):
                 self._save_now(timeout=left)
             else:
                 msg = (

@@ -82,6 +82,7 @@ def test_bench_goodput_prints_its_figures_as_the_last_line(tmp_path: Path) -> No
             "steps_kept",
             "steps_redone",
             "loop_overhead",
+            "loop_reporting",
             "tail",
             "shutdown",
             "control_plane_lag",
@@ -145,6 +146,7 @@ def test_ledger_splits_paid_time_and_keeps_the_last_run_of_each_step() -> None:
         "steps_kept": 15.0,
         "steps_redone": 2.0,  # steps 9 and 10 of attempt 1
         "loop_overhead": 0.0,
+        "loop_reporting": 0.0,
         "tail": 2.0,  # last step to the last commit: the flush, then the final save
         "shutdown": 2.0,  # last commit to exit, twice
         "control_plane_lag": 0.7,  # exit to ended_at: 0.5 + 0.2
@@ -162,6 +164,37 @@ def test_ledger_splits_paid_time_and_keeps_the_last_run_of_each_step() -> None:
     # the loop did not go on from, are not counted.
     assert fig["stall_s_median"] == 0.02
     assert fig["write_s_median"] == 0.5
+
+
+def test_ledger_counts_the_fixed_work_between_steps_at_its_wall_length() -> None:
+    """Reporting a step takes the same wall time after a compressed step as after a real
+    one: the median gap between steps, times the gaps, counts at 1x. A save's stall (the
+    one long gap) is proportional to the state, and counts at scale."""
+    a1 = AttemptRow("a1", 1, launched=100.0, ended=113.0, state="SUCCEEDED")
+    gap, stall = 0.01, 0.5
+    ends, t = [], 102.0
+    for step in range(1, 11):
+        t += 1.0  # the step
+        ends.append(t)
+        t += stall if step == 5 else gap  # then the loop's work before the next step
+    steps = [
+        RunEvent("a1", "metrics", end, {"step": s, "step_time_s": 1.0})
+        for s, end in zip(range(1, 11), ends, strict=True)
+    ]
+    events = [*_events("a1", ("started", 102.0, {})), *steps]
+    events += _events("a1", ("checkpoint_committed", ends[-1], {"step": 10, "write_s": 0.1}))
+    events += _events("a1", ("exit", ends[-1] + 0.2, {}))
+
+    fig = account(
+        [a1], events, kept_steps=10, compression=10.0, killed_at={}, now=1000.0, default_step_s=1.0
+    )
+
+    parts = fig["breakdown_s"]
+    assert parts["loop_reporting"] == pytest.approx(9 * gap)
+    assert parts["loop_overhead"] == pytest.approx(stall - gap)
+    uncompressed = parts["startup"] + parts["loop_reporting"] + parts["shutdown"]
+    uncompressed += parts["control_plane_lag"]
+    assert fig["goodput"] == pytest.approx(10.0 / (13.0 - uncompressed * 0.9), abs=1e-4)
 
 
 def test_ledger_ends_a_killed_attempt_at_its_kill_and_imputes_lost_events() -> None:

@@ -1,6 +1,7 @@
 """The emergency checkpoint on a preemption notice: written when it saves more than it
-costs, skipped when the newest checkpoint is only a moment of work old; and the commit
-event carries the stall of the save."""
+costs, skipped when the newest checkpoint is only a moment of work old; its margin taken
+from the writes measured (the resumed checkpoint's too) and the supervisor's deadline; and
+the commit event carries the stall of the save."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 from runner import EXIT_PREEMPTED
 from runner.checkpoint import list_committed
 from runner.errors import RunnerError
-from runner.preemption import Notice, PreemptionFlag
+from runner.preemption import Notice, PreemptionFlag, write_notice
 from runner.session import EverySteps, Session, SessionConfig
 from runner.store import LocalStore
 
@@ -174,14 +175,133 @@ def test_training_goes_on_through_the_window_and_the_flush_lands_before_the_dead
     # Done, checkpoint written, by the deadline (no kill comes in process; a second of
     # slack for a machine loaded enough to slow the write past 1.5 times its estimate).
     assert ended < deadline + 1.0
-    # It keeps 1 s, 1.5 writes, a step and a margin for the flush: ~1 s of 10 ms steps.
-    assert session.step > 21 + 20, "the loop went on after the notice"
+    # It keeps 1.5 measured writes and a step for the flush: most of 3 s of 10 ms steps.
+    assert session.step > 21 + 100, "the loop went on after the notice"
     committed = [e.step for e in list_committed(LocalStore(tmp_path / "r-flush"))]
     assert committed[-1] == session.step  # the emergency checkpoint is the last step
     # No periodic save after the notice: only the emergency one is newer than step 21.
     assert [s for s in committed if s > 21] == [session.step]
     assert len(sink.of("preemption_notice")) == 1
     assert sink.of("preemption_notice")[0]["time_left_s"] > 2.5
+
+
+def test_a_resumed_session_trains_on_with_the_write_its_checkpoint_measured(
+    tmp_path: Path,
+) -> None:
+    """A notice before this process has saved anything: the write that committed the
+    checkpoint it resumed from is the measurement. The unmeasured guess (1 s and 1.5 x
+    32 MiB at 25 MB/s: 3 s) would not fit a 2 s window at all, and nothing would be
+    saved; measured, the loop trains on and flushes just before the deadline."""
+    first = Recorder()
+    with _session(tmp_path, first, PreemptionFlag()) as s:
+        s.track(weights=Weights())
+        for _ in s.steps(3):
+            pass
+    sink = Recorder()
+    session = Session(
+        SessionConfig(
+            run_id="r-flush", checkpoint_uri=str(tmp_path), window_s=2.0, train_through_notice=True
+        ),
+        sink=sink,
+        store=LocalStore(tmp_path / "r-flush"),
+        flag=PreemptionFlag(),
+        decision=EverySteps(100_000),  # no save of its own before the notice
+        install_signals=False,
+    )
+    weights = Weights()
+    with session as s:
+        s.track(weights=weights)
+        for step in s.steps(100_000):
+            weights.t[step] += 1.0
+            time.sleep(0.01)
+            if step == 3:  # the first step after the restore
+                now = time.monotonic()
+                s.flag.set(Notice("signal", "test", received_at=now, deadline=now + 2.0))
+    assert session.exit_code == EXIT_PREEMPTED
+    assert not any("no time for an emergency" in d["message"] for d in sink.of("log"))
+    assert session.step > 3 + 20, "the loop went on after the notice"
+    committed = [e.step for e in list_committed(LocalStore(tmp_path / "r-flush"))]
+    assert committed == [3, session.step]
+
+
+class SlowStore(LocalStore):
+    """A local store whose large writes take a while to land, like an object store's."""
+
+    def open_write(self, key: str) -> Any:
+        inner = super().open_write(key)
+        close = inner.close
+
+        def slow_close() -> None:
+            time.sleep(0.3)
+            close()
+
+        inner.close = slow_close  # type: ignore[method-assign]
+        return inner
+
+
+def test_a_first_save_in_flight_at_the_notice_is_waited_for_and_measured(
+    tmp_path: Path,
+) -> None:
+    """The notice comes while this process's first save is still being written: nothing
+    is measured yet, and the cautious guess (1.3 s for the rest of that save, 3 s for a
+    flush of 32 MiB) does not fit a 3 s window. The loop waits for that save's commit,
+    which measures the write, and trains on."""
+    sink = Recorder()
+    session = Session(
+        SessionConfig(
+            run_id="r-flush", checkpoint_uri=str(tmp_path), window_s=3.0, train_through_notice=True
+        ),
+        sink=sink,
+        store=SlowStore(tmp_path / "r-flush"),
+        flag=PreemptionFlag(),
+        decision=EverySteps(3),
+        install_signals=False,
+    )
+    weights = Weights()
+    with session as s:
+        s.track(weights=weights)
+        for step in s.steps(100_000):
+            weights.t[step] += 1.0
+            if step == 3:  # just after the save of step 3 started
+                now = time.monotonic()
+                s.flag.set(Notice("signal", "test", received_at=now, deadline=now + 3.0))
+            time.sleep(0.01)
+    assert session.exit_code == EXIT_PREEMPTED
+    assert session.step > 4 + 20, "the loop went on after the notice"
+    committed = [e.step for e in list_committed(LocalStore(tmp_path / "r-flush"))]
+    assert committed == [3, session.step]
+
+
+def test_the_supervisors_deadline_overrides_the_signals(tmp_path: Path) -> None:
+    """Under ``exec`` the SIGTERM comes a poll after the notice and carries no deadline;
+    the supervisor's notice file does. The session trains on only until that deadline."""
+    sink = Recorder()
+    notice_file = tmp_path / "notice.json"
+    session = _session(
+        tmp_path,
+        sink,
+        PreemptionFlag(),
+        window_s=30.0,
+        train_through_notice=True,
+        notice_file=str(notice_file),
+    )
+    weights = Weights()
+    real_deadline = signal_deadline = 0.0
+    with session as s:
+        s.track(weights=weights)
+        for step in s.steps(100_000):
+            weights.t[step] += 1.0
+            time.sleep(0.01)
+            if step == 20:
+                now = time.monotonic()
+                real_deadline, signal_deadline = now + 2.0, now + 30.0
+                write_notice(notice_file, Notice("aws", "instance-action", now, real_deadline))
+                s.flag.set(Notice("signal", "SIGTERM", received_at=now, deadline=signal_deadline))
+    ended = time.monotonic()
+    assert session.exit_code == EXIT_PREEMPTED
+    assert session.step > 21 and ended < real_deadline + 1.0 < signal_deadline
+    committed = [e.step for e in list_committed(LocalStore(tmp_path / "r-flush"))]
+    assert committed[-1] == session.step
 
 
 def test_a_window_too_short_to_train_in_stops_at_once(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -14,7 +15,10 @@ import pytest
 
 from runner import EXIT_PREEMPTED, EXIT_SUCCEEDED
 from runner.checkpoint import list_committed, read_manifest
+from runner.preemption import Notice, PreemptionFlag
 from runner.store import LocalStore
+from runner.supervisor import Supervisor
+from runner.telemetry import NullSink
 from tests.fakes.ingest import FakeIngest
 from tests.runner.tinyproc import ROOT, TINY, tiny_env
 
@@ -259,3 +263,51 @@ def test_a_preempted_session_is_reported_ended_before_its_process_tears_down(
         committed
         and list_committed(LocalStore(tmp_path / "ck" / "r-slow"))[-1].step == (committed[-1])
     )
+
+
+RELAY_READER = textwrap.dedent(
+    """
+    import os, pathlib, signal, sys, time
+    from runner.preemption import read_notice
+    got = []
+    signal.signal(signal.SIGTERM, lambda *_: got.append(time.monotonic()))
+    pathlib.Path(sys.argv[1]).write_text("ready")
+    end = time.monotonic() + 30
+    while not got and time.monotonic() < end:
+        time.sleep(0.01)
+    notice = read_notice(os.environ["TRAINBOT_NOTICE_FILE"])
+    left = "none" if notice is None else repr(notice.deadline - time.monotonic())
+    pathlib.Path(sys.argv[2]).write_text(left)
+    sys.exit(75)
+    """
+)
+
+
+def test_the_child_learns_the_notices_real_deadline_before_its_sigterm(tmp_path: Path) -> None:
+    """A metadata notice seen by the supervisor reaches the child as a SIGTERM, which says
+    nothing of when the kill comes; the notice file the supervisor writes first does."""
+    ready, out = tmp_path / "ready", tmp_path / "left"
+    flag = PreemptionFlag()
+    supervisor = Supervisor(
+        [sys.executable, "-c", RELAY_READER, str(ready), str(out)],
+        sink=NullSink(),
+        flag=flag,
+        env=tiny_env(tmp_path),
+        window_s=30.0,  # what the child would count from its signal without the file
+        install_signals=False,
+    )
+
+    def notice_when_ready() -> None:
+        end = time.monotonic() + 30
+        while not ready.exists() and time.monotonic() < end:
+            time.sleep(0.01)
+        now = time.monotonic()
+        flag.set(Notice("aws", "instance-action", received_at=now, deadline=now + 5.0))
+
+    thread = threading.Thread(target=notice_when_ready, daemon=True)
+    thread.start()
+    code = supervisor.run()
+    thread.join(timeout=5)
+    assert code == EXIT_PREEMPTED
+    left = float(out.read_text())
+    assert 0.0 < left <= 5.0
