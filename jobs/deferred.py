@@ -40,7 +40,7 @@ from datetime import datetime, timedelta
 from enum import Enum
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from sqlalchemy import Engine, delete, or_, select, update
+from sqlalchemy import Engine, and_, delete, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlmodel import col
 
@@ -217,8 +217,13 @@ def claim_due(
                 _WORK.c.due_at <= now - timedelta(seconds=grace_s),
                 or_(
                     _WORK.c.claimed_until.is_(None),
-                    _WORK.c.claimed_until < now,
                     _WORK.c.claimed_fence < token,
+                    # An expired claim, unless it is this leader's own: still running
+                    # here, however long it takes.
+                    and_(
+                        _WORK.c.claimed_until < now,
+                        or_(_WORK.c.claimed_fence.is_(None), _WORK.c.claimed_fence != token),
+                    ),
                 ),
             )
             .order_by(_WORK.c.due_at)

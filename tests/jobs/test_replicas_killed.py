@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime, timedelta, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -52,6 +52,7 @@ from jobs.models import (
     SchedulerLease,
     SlackOutbox,
 )
+from jobs.providers.base import InstanceInfo, InstanceState
 from jobs.providers.local import LocalProvider
 from tests.bot.test_slack_app import ResponseUrls, sign
 from tests.fakes.slack_api import FakeSlack
@@ -69,6 +70,24 @@ LEASE_S = 2.0
 #: The notifier's pace per channel: slow enough that posts queue up behind each other.
 POST_INTERVAL_S = 0.5
 REPLICAS = ("replica-0", "replica-1", "replica-2")
+#: A run whose instances start at once and wait (the runner supervises a sleep): what is
+#: under test is who launches it, not what it trains. No dry run, so preflight asks for
+#: "Launch anyway"; a short resubmit backoff.
+SLEEPER = """\
+description: sleeps, for the replica tests
+command: python -c "import time; time.sleep(600)"
+resources:
+  cloud: local
+  spot: true
+  disk_gb: 1
+budget:
+  usd: 5
+resubmit:
+  max_attempts: 5
+  backoff_s: 1s
+dry_run:
+  enabled: false
+"""
 
 
 def wait_until(pred: Callable[[], Any], timeout: float, what: str) -> Any:
@@ -142,9 +161,13 @@ class FirstAlive:
 class Cluster:
     """Three replica processes, the database they share, and the ends a test talks to."""
 
-    def __init__(self, url: str, tmp_path: Path, *, digest_at: str | None = None) -> None:
+    def __init__(
+        self, url: str, tmp_path: Path, *, digest_at: str | None = None, runs: Sequence[Run] = ()
+    ) -> None:
         self.engine = make_engine(url)
         migrate(self.engine)
+        with session_scope(self.engine) as session:
+            session.add_all(runs)
         self.state = tmp_path / "state"
         load_secret(self.state)  # made once here, not raced for by three starting replicas
         self.fake = FakeSlack(
@@ -155,10 +178,14 @@ class Cluster:
         self.balancer = FirstAlive()
         self.logs = tmp_path / "logs"
         self.logs.mkdir()
+        specs = tmp_path / "specs"
+        specs.mkdir()
+        (specs / "sleeper.yaml").write_text(SLEEPER)
         env = {
             **os.environ,
             "PYTHONPATH": str(ROOT),
             "TRAINBOT_STATE_DIR": str(self.state),
+            "TRAINBOT_SPECS_DIR": str(specs),
             "TRAINBOT_DATABASE_URL": url,
             "TRAINBOT_INGEST_PORT": "0",
             "TRAINBOT_PUBLIC_URL": self.balancer.url,
@@ -195,6 +222,22 @@ class Cluster:
             line = proc.stdout.readline()
             assert line, f"{name} exited before serving: {self.log(name)[-3000:]}"
             self.urls[name] = json.loads(line)["url"]
+
+    def describe(self) -> str:
+        """The deferred work and the outbox, for a failing test's message."""
+        with session_scope(self.engine) as session:
+            work = session.exec(select(DeferredWork)).all()
+            outbox = session.exec(select(SlackOutbox)).all()
+            lines = [
+                f"work {w.key} claimed_by={w.claimed_by} fence={w.fence}/{w.claimed_fence} "
+                f"until={w.claimed_until} done={w.done_at} err={w.error}"
+                for w in work
+            ] + [
+                f"outbox {o.id} {o.op} {o.channel} {o.target} key={o.key} owner={o.owner} "
+                f"sent={o.sent_at} ts={o.ts}"
+                for o in outbox
+            ]
+        return "\n".join(lines)
 
     def log(self, name: str) -> str:
         return (self.logs / f"{name}.log").read_text()
@@ -313,15 +356,11 @@ class Cluster:
             return all(r.sent_at is not None for r in rows)
 
     def close(self) -> None:
-        for proc in self.procs.values():
+        for proc in self.procs.values():  # the test is over: no need to drain
             if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.wait(5)
+        for proc in self.procs.values():
+            proc.wait(10)
         provider = LocalProvider(self.state / "local")
         for instance in provider.list_instances():
             if not instance.state.is_terminal():
@@ -378,10 +417,11 @@ def _engine_rows(engine: Engine, model: Any, *where: Any) -> list[Any]:
 def test_killing_the_leader_during_a_launch(make_cluster: Callable[..., Cluster]) -> None:
     cluster = make_cluster()
     engine = cluster.engine
+    provider = LocalProvider(cluster.state / "local")
     leader = cluster.leader()
     cluster.route_to(leader)
 
-    cluster.command("launch tiny dry_run.enabled=false resubmit.backoff_s=1")
+    cluster.command("launch sleeper")
     run = wait_until(lambda: _engine_rows(engine, Run), 20, "the run")[0]
     wait_until(
         lambda: (
@@ -391,57 +431,53 @@ def test_killing_the_leader_during_a_launch(make_cluster: Callable[..., Cluster]
         "the preflight report",
     )
     cluster.press("launch_anyway", run.id)
+
+    def instances() -> list[InstanceInfo]:
+        return [i for i in provider.list_instances() if i.run_id == run.id]
+
     first = wait_until(
-        lambda: next(
-            (
-                a
-                for a in _engine_rows(engine, Attempt, Attempt.run_id == run.id)
-                if a.state == AttemptState.RUNNING
-            ),
-            None,
-        ),
-        60,
-        "attempt 1's runner to start",
-    )
-    # The spot instance is preempted: the runner reports it to the leader, which raises
-    # the preemption alert and defers the resubmit by the run's backoff.
-    provider = LocalProvider(cluster.state / "local")
-    provider.preempt(first.instance_id)
-    key = f"resubmit:{first.id}"
-    wait_until(
-        lambda: any(
-            w.claimed_by for w in _engine_rows(engine, DeferredWork, DeferredWork.key == key)
-        ),
+        lambda: next((i for i in instances() if i.state == InstanceState.RUNNING), None),
         30,
-        "the leader to start the resubmit",
+        "attempt 1's instance",
     )
-    took = cluster.kill(leader)  # while it launches attempt 2
+    # The spot instance is preempted: the leader sees it end (from the runner or from
+    # reconcile), raises the preemption alert and defers the resubmit by its backoff.
+    provider.preempt(first.instance_id)
+    # Killed while it launches attempt 2: its instance is there, the attempt may not
+    # have it recorded yet.
+    wait_until(lambda: len(instances()) == 2, 30, "the leader to launch attempt 2")
+    took = cluster.kill(leader)
     assert took <= LEASE_S + LEASE_S / 3 + 1.0, f"a new leader took {took:.1f} s"
-    # The posts it had queued behind the channel's pace (the preemption, its alert, the
-    # new attempt): another replica sends them.
     queued = cluster.orphaned
     assert queued, "the leader died with posts queued (the pace holds them back)"
 
-    def second_running() -> Attempt | None:
+    def second_recorded() -> Attempt | None:
         attempts = _engine_rows(engine, Attempt, Attempt.run_id == run.id, Attempt.number == 2)
         return next((a for a in attempts if a.instance_id), None)
 
-    second = wait_until(second_running, 40, "attempt 2 to have its instance")
+    second = wait_until(second_recorded, 30, "attempt 2 to have its instance")
+    key = f"resubmit:{first.attempt_id}"
+    wait_until(
+        lambda: _engine_rows(engine, DeferredWork, DeferredWork.key == key)[0].done_at,
+        30,
+        "the resubmit to be done, by whichever replica",
+    )
     wait_until(lambda: cluster.sent(queued), 20, "the dead leader's posts to reach Slack")
 
     attempts = _engine_rows(engine, Attempt, Attempt.run_id == run.id)
     assert sorted(a.number for a in attempts) == [1, 2], "one attempt per launch"
-    mine = [i for i in provider.list_instances() if i.run_id == run.id]
-    assert sorted(i.attempt_id for i in mine) == sorted([first.id, second.id]), (
+    assert sorted(i.attempt_id for i in instances()) == sorted([first.attempt_id, second.id]), (
         "exactly one instance per attempt"
     )
-    assert first.instance_id != second.instance_id
-    assert _engine_rows(engine, Attempt, Attempt.id == first.id)[0].state == AttemptState.PREEMPTED
-    done = _engine_rows(engine, DeferredWork, DeferredWork.key == key)[0]
-    assert done.done_at is not None, "the resubmit is done, by whichever replica"
+    assert second.instance_id != first.instance_id
+    assert (
+        _engine_rows(engine, Attempt, Attempt.id == first.attempt_id)[0].state
+        == AttemptState.PREEMPTED
+    )
     # No alert lost: each alert the run raised is in the channel, once.
     alerts = _engine_rows(engine, Alert, Alert.run_id == run.id)
     assert any(a.rule == "preemption" for a in alerts)
+    wait_until(lambda: not cluster.unsent(), 20, "the channel's queue to drain")
     shown = cluster.slack_text()
     for alert in alerts:
         assert sum(f"alert:{alert.id}" in m for m in shown) == 1, alert.rule
@@ -450,21 +486,21 @@ def test_killing_the_leader_during_a_launch(make_cluster: Callable[..., Cluster]
 
 def test_killing_the_leader_in_the_digest_minute(make_cluster: Callable[..., Cluster]) -> None:
     channels = ("C0ONE", "C0TWO", "C0THREE")
-    # The digest is due a few seconds after the replicas start.
-    at = datetime.now(timezone.utc) + timedelta(seconds=12)
-    cluster = make_cluster(digest_at=at.strftime("%H:%M:%S"))
-    with session_scope(cluster.engine) as session:
-        for n, channel in enumerate(channels):
-            session.add(
-                Run(
-                    id=f"r-digest{n}",
-                    spec_name="tiny",
-                    spec={"name": "tiny", "command": ["x"]},
-                    requester=ADA,
-                    channel=channel,
-                    state=RunState.SUCCEEDED,
-                )
-            )
+    # The digest is due a few seconds after the replicas start (or, if they take longer
+    # to start, it is already due and the first leader catches up on it).
+    at = datetime.now(timezone.utc) + timedelta(seconds=10)
+    finished = [
+        Run(
+            id=f"r-digest{n}",
+            spec_name="tiny",
+            spec={"name": "tiny", "command": ["x"]},
+            requester=ADA,
+            channel=channel,
+            state=RunState.SUCCEEDED,
+        )
+        for n, channel in enumerate(channels)
+    ]
+    cluster = make_cluster(digest_at=at.strftime("%H:%M:%S"), runs=finished)
     leader = cluster.leader()
     day = at.date().isoformat()
     recorded = wait_until(
@@ -479,7 +515,11 @@ def test_killing_the_leader_in_the_digest_minute(make_cluster: Callable[..., Clu
     def digests(channel: str) -> int:
         return sum("Daily spend digest" in m for m in cluster.slack_text(channel))
 
-    wait_until(lambda: all(digests(c) for c in channels), 30, "a digest in every channel")
+    try:
+        wait_until(lambda: all(digests(c) for c in channels), 30, "a digest in every channel")
+    except pytest.fail.Exception:
+        print(cluster.describe())
+        raise
     wait_until(lambda: not cluster.unsent(), 20, "every queued post to reach Slack")
     time.sleep(2 * LEASE_S)  # a second digest would have come by now
     assert {c: digests(c) for c in channels} == dict.fromkeys(channels, 1)
