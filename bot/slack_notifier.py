@@ -175,13 +175,7 @@ class SlackNotifier:
     def use_outbox(self, outbox: Outbox) -> None:
         """Write every post and update to ``outbox`` before queueing it, from now on
         (before the control plane starts posting)."""
-        link = OutboxLink(
-            outbox,
-            queues=self._q,
-            cond=self._cond,
-            clock=self.clock,
-            min_interval_s=self.min_interval_s,
-        )
+        link = OutboxLink(outbox, self._q, self._cond, self.min_interval_s)
         with self._cond:
             self._link = link
         link.start()

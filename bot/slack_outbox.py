@@ -31,15 +31,15 @@ import logging
 import math
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass
 from datetime import date, datetime, timedelta, timezone
 from typing import Any
 
-from sqlalchemy import Engine, delete, select, update
+from sqlalchemy import Engine, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from bot.slack_queue import DROPPED, HANDLE_PREFIX, ChannelQueues, Op
-from jobs.db import session_scope
+from jobs.db import claim_rows, delete_before, session_scope
 from jobs.errors import DatabaseError
 from jobs.models import SlackOutbox, SlackPace, table_of, utcnow
 from jobs.notify import (
@@ -148,15 +148,9 @@ class Outbox:
         """Write a post or update before it is queued: its row id; None when its key
         was queued already (nothing to queue)."""
         now = utcnow()
+        what = {"channel": channel, "op": op, "target": target, "payload": encode(msg)}
         insert = self._dialect.insert(_OUTBOX).values(
-            channel=channel,
-            op=op,
-            target=target,
-            payload=encode(msg),
-            key=msg.key,
-            owner=self.owner,
-            owner_until=self._until(now),
-            created_at=now,
+            **what, key=msg.key, owner=self.owner, owner_until=self._until(now), created_at=now
         )
         with session_scope(self.engine) as session:
             row = session.execute(
@@ -218,23 +212,12 @@ class Outbox:
                 .order_by(_OUTBOX.c.id)
                 .limit(limit)
             )
-            if session.get_bind().dialect.name == "postgresql":
-                stale = stale.with_for_update(skip_locked=True)
-            ids = list(session.execute(stale).scalars())
-            if not ids:
-                return []
-            rows = session.execute(
+            take = (
                 update(_OUTBOX)
-                .where(_OUTBOX.c.id.in_(ids))
                 .values(owner=self.owner, owner_until=self._until(now))
-                .returning(
-                    _OUTBOX.c.id,
-                    _OUTBOX.c.op,
-                    _OUTBOX.c.channel,
-                    _OUTBOX.c.target,
-                    _OUTBOX.c.payload,
-                )
-            ).all()
+                .returning(*(_OUTBOX.c[c] for c in ("id", "op", "channel", "target", "payload")))
+            )
+            rows = claim_rows(session, stale, _OUTBOX.c.id, take)
         adopted = [
             Adopted(row=r.id, op=r.op, channel=r.channel, target=r.target, msg=decode(r.payload))
             for r in rows
@@ -281,15 +264,10 @@ class Outbox:
 
     def prune(self, *, before: datetime) -> int:
         """Forget rows sent before ``before`` (their handles are long resolved)."""
-        with session_scope(self.engine) as session:
-            gone = session.execute(
-                delete(_OUTBOX)
-                .where(_OUTBOX.c.sent_at.is_not(None), _OUTBOX.c.sent_at < before)
-                .returning(_OUTBOX.c.id)
-            ).all()
-            return len(gone)
+        return delete_before(self.engine, _OUTBOX.c.sent_at, before)
 
 
+@dataclass(eq=False)
 class OutboxLink:
     """A notifier's queues tied to an outbox: what the notifier asks of the database.
 
@@ -299,25 +277,16 @@ class OutboxLink:
     memory, paced by this replica alone, as without an outbox.
     """
 
-    def __init__(
-        self,
-        outbox: Outbox,
-        *,
-        queues: ChannelQueues,
-        cond: threading.Condition,
-        clock: Callable[[], float],
-        min_interval_s: float,
-    ) -> None:
-        self.outbox = outbox
-        self._q = queues
-        self._cond = cond
-        self._clock = clock
-        self._min_interval_s = min_interval_s
-        #: Rows to mark (id, ts) once the lock is released.
-        self._finished: list[tuple[int, str | None]] = []
-        self._pruned: float | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+    outbox: Outbox
+    queues: ChannelQueues
+    cond: threading.Condition
+    #: The channel's pace: seconds between calls, for all replicas together.
+    min_interval_s: float
+    #: Rows to mark (id, ts) once the lock is released.
+    _finished: list[tuple[int, str | None]] = field(default_factory=list)
+    _pruned: datetime | None = None
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
 
     def start(self) -> None:
         """Renew and adopt on a thread of its own, every third of the hold, so that a
@@ -365,7 +334,7 @@ class OutboxLink:
 
     def flush(self) -> None:
         """Mark the settled rows (lock not held)."""
-        with self._cond:
+        with self.cond:
             finished, self._finished = self._finished, []
         for row, ts in finished:
             self._store(Outbox.done, row, ts=ts)
@@ -375,11 +344,11 @@ class OutboxLink:
 
     def housekeep(self) -> None:
         """Renew this replica's rows; queue those of replicas that stopped renewing theirs."""
-        now = self._clock()
+        now = utcnow()
         try:
             self.outbox.renew()
             adopted = self.outbox.adopt()
-            if self._pruned is None or now - self._pruned > 3600:
+            if self._pruned is None or now - self._pruned > timedelta(hours=1):
                 self._pruned = now
                 self.outbox.prune(before=utcnow() - KEEP_SENT)
         except DatabaseError as exc:
@@ -389,23 +358,23 @@ class OutboxLink:
             return
         log.warning("Slack: sending %d message(s) queued by a replica that stopped", len(adopted))
         merged: list[int] = []
-        with self._cond:
+        with self.cond:
             for row in adopted:
                 msg = row.msg
                 if row.op == "post":
-                    self._q.add_post(
+                    self.queues.add_post(
                         Op("post", row.channel, row.target, msg=msg, thread=msg.thread_ts,
                            first=msg, row=row.row)
                     )  # fmt: skip
                     continue
-                target = self._q.follow(row.target)
-                if self._q.coalesce(row.channel, target, msg) is not None:
+                target = self.queues.follow(row.target)
+                if self.queues.coalesce(row.channel, target, msg) is not None:
                     merged.append(row.row)  # a queued op carries its content now
                     continue
-                self._q.add_update(
+                self.queues.add_update(
                     Op("update", row.channel, target, msg=msg, thread=msg.thread_ts, row=row.row)
                 )
-            self._cond.notify_all()
+            self.cond.notify_all()
         for row_id in merged:
             self._store(Outbox.done, row_id, ts=None)
 
@@ -416,18 +385,18 @@ class OutboxLink:
             for handle in (op.thread, op.target if op.kind == "update" else None):
                 if handle is None or not handle.startswith(HANDLE_PREFIX):
                     continue
-                with self._cond:
-                    known = handle in self._q.channels or handle in self._q.resolved
+                with self.cond:
+                    known = handle in self.queues.channels or handle in self.queues.resolved
                 if known:
                     continue
                 found = self.outbox.ts_of(handle)
                 if found is PENDING:
                     return REMOTE_WAIT_S
                 if isinstance(found, str):
-                    with self._cond:
-                        self._q.resolved[handle] = found or DROPPED
-                        self._q.channels.setdefault(handle, op.channel)
-            return self.outbox.take_slot(op.channel, self._min_interval_s)
+                    with self.cond:
+                        self.queues.resolved[handle] = found or DROPPED
+                        self.queues.channels.setdefault(handle, op.channel)
+            return self.outbox.take_slot(op.channel, self.min_interval_s)
         except DatabaseError as exc:
             log.warning("Slack: the outbox is unreachable, pacing %s alone: %s", op.channel, exc)
             return 0.0

@@ -40,11 +40,11 @@ from datetime import datetime, timedelta
 from enum import Enum
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from sqlalchemy import Engine, and_, delete, or_, select, update
+from sqlalchemy import Engine, and_, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlmodel import col
 
-from jobs.db import session_scope
+from jobs.db import claim_rows, delete_before, session_scope
 from jobs.errors import DatabaseError, FencedOut
 from jobs.models import DeferredWork, table_of
 
@@ -229,14 +229,8 @@ def claim_due(
             .order_by(_WORK.c.due_at)
             .limit(limit)
         )
-        if session.get_bind().dialect.name == "postgresql":
-            due = due.with_for_update(skip_locked=True)
-        keys = list(session.execute(due).scalars())
-        if not keys:
-            return []
-        rows = session.execute(
+        take = (
             update(_WORK)
-            .where(_WORK.c.key.in_(keys))
             .values(
                 claimed_by=holder,
                 claimed_until=now + timedelta(seconds=hold_s),
@@ -244,7 +238,8 @@ def claim_due(
                 attempts=_WORK.c.attempts + 1,
             )
             .returning(_WORK.c.key, _WORK.c.kind, _WORK.c.args, _WORK.c.attempts)
-        ).all()
+        )
+        rows = claim_rows(session, due, _WORK.c.key, take)
     return [
         Claimed(key=r.key, kind=r.kind, args=r.args or {}, fence=token, attempts=r.attempts)
         for r in rows
@@ -279,13 +274,7 @@ def release(engine: Engine, key: str, *, now: datetime, delay_s: float, error: s
 
 def prune(engine: Engine, *, before: datetime) -> int:
     """Forget work done before ``before``."""
-    with session_scope(engine) as session:
-        gone = session.execute(
-            delete(_WORK)
-            .where(_WORK.c.done_at.is_not(None), _WORK.c.done_at < before)
-            .returning(_WORK.c.key)
-        ).all()
-        return len(gone)
+    return delete_before(engine, _WORK.c.done_at, before)
 
 
 def pending(engine: Engine) -> list[DeferredWork]:
