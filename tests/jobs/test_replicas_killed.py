@@ -448,8 +448,9 @@ def test_killing_the_leader_during_a_launch(make_cluster: Callable[..., Cluster]
     wait_until(lambda: len(instances()) == 2, 30, "the leader to launch attempt 2")
     took = cluster.kill(leader)
     assert took <= LEASE_S + LEASE_S / 3 + 1.0, f"a new leader took {took:.1f} s"
+    # The posts it had queued behind the channel's pace (usually some: the preemption,
+    # its alert, the new attempt; none when a loaded machine let it send them first).
     queued = cluster.orphaned
-    assert queued, "the leader died with posts queued (the pace holds them back)"
 
     def second_recorded() -> Attempt | None:
         attempts = _engine_rows(engine, Attempt, Attempt.run_id == run.id, Attempt.number == 2)
