@@ -32,11 +32,19 @@ everything, from one queue per channel:
   message's thread with files upload v2. ``attachments`` runs on the worker thread
   (drawing a chart there keeps it off the caller's path) and may return None.
 
-The handle → ts map lives in memory. Nothing is written to the database here: after a
-restart the handles stored by the previous process are unknown, so an update of such a
-message is posted as a new message in its thread (and a reply under an unknown root as
-a new top-level message); later updates of the same handle then edit that new message.
-``on_resolved`` lets the composition root persist the map if it wants to.
+The handle → ts map lives in memory. Without an outbox nothing is written to the
+database here: after a restart the handles stored by the previous process are unknown,
+so an update of such a message is posted as a new message in its thread (and a reply
+under an unknown root as a new top-level message); later updates of the same handle
+then edit that new message. ``on_resolved`` lets the composition root persist the map
+if it wants to.
+
+With an outbox (:mod:`bot.slack_outbox`, PostgreSQL and several replicas: see
+:meth:`SlackNotifier.use_outbox`), every post and update is written to the database
+before it is queued and marked when Slack has it; the worker takes each channel's pace
+slot from the database before a call, asks the outbox for handles other replicas
+posted, renews its rows and adopts those of replicas that died. The queues above stay
+as they are: coalescing, 429s and threads work the same.
 
 Give this class a ``WebClient`` without ``RateLimitErrorRetryHandler``: it handles 429s
 itself, per channel, without blocking the other channels.
@@ -63,6 +71,7 @@ from slack_sdk.errors import SlackApiError, SlackClientError
 from bot import views
 from bot.mentions import MentionResolver
 from bot.plots import SPEND_CHART_FILENAME
+from bot.slack_outbox import Outbox, OutboxLink
 from bot.slack_queue import DROPPED, HANDLE_PREFIX, Attachment, ChannelQueues, Op
 from jobs.notify import AlertMessage, DigestMessage, Message, MessageRef
 
@@ -127,6 +136,7 @@ class SlackNotifier:
         on_resolved: Callable[[str, MessageRef], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         mentions: MentionResolver | None = None,
+        outbox: Outbox | None = None,
     ) -> None:
         self.client = client
         self.mentions = mentions if mentions is not None else MentionResolver(client)
@@ -154,15 +164,35 @@ class SlackNotifier:
             "coalesced": 0,
             "dropped": 0,
         }
+        self._link: OutboxLink | None = None
+        if outbox is not None:
+            self.use_outbox(outbox)
         self._worker = threading.Thread(target=self._run, name="slack-notifier", daemon=True)
         self._worker.start()
 
     # ------------------------------------------------------------------ Notifier
 
+    def use_outbox(self, outbox: Outbox) -> None:
+        """Write every post and update to ``outbox`` before queueing it, from now on
+        (before the control plane starts posting)."""
+        link = OutboxLink(outbox, self._q, self._cond, self.min_interval_s)
+        with self._cond:
+            self._link = link
+        link.start()
+
+    @property
+    def outbox(self) -> Outbox | None:
+        return self._link.outbox if self._link is not None else None
+
     def post(self, msg: Message) -> MessageRef:
         """Queue ``msg``; its ref (with a local handle for ``ts``) comes back at once."""
         handle = f"{HANDLE_PREFIX}{self._session}-{next(self._ids)}"
         op = Op("post", msg.channel, handle, msg=msg, thread=msg.thread_ts, first=msg)
+        if self._link is not None and not self._closing:
+            written, op.row = self._link.write("post", msg.channel, handle, msg)
+            if written and op.row is None:
+                log.info("Slack: %s (key %s) was queued already; not again", handle, msg.key)
+                return MessageRef(channel=msg.channel, ts=handle)
         with self._cond:
             if self._closing:
                 log.error(
@@ -176,6 +206,11 @@ class SlackNotifier:
 
     def update(self, ref: MessageRef, msg: Message) -> None:
         """Queue new content for a posted message; only the newest queued content is sent."""
+        row: int | None = None
+        if self._link is not None and not self._closing:
+            _, row = self._link.write("update", ref.channel, ref.ts, msg)
+        superseded: int | None = None
+        refill: int | None = None
         with self._cond:
             if self._closing:
                 log.error("Slack notifier is closed; not updating %s in %s", ref.ts, ref.channel)
@@ -185,10 +220,19 @@ class SlackNotifier:
                 # Its post was refused (and logged): this content goes out as a new message.
                 log.warning("Slack: %s was refused; posting its update as a new message", ref.ts)
                 target = ref.ts
-            if self._q.coalesce(ref.channel, target, msg):
+            queued = self._q.coalesce(ref.channel, target, msg)
+            if queued is None:
+                self._q.add_update(
+                    Op("update", ref.channel, target, msg=msg, thread=msg.thread_ts, row=row)
+                )
+            else:
                 self._metrics["coalesced"] += 1
-                return
-            self._q.add_update(Op("update", ref.channel, target, msg=msg, thread=msg.thread_ts))
+                if queued.kind == "update":  # the newest row goes with the op
+                    superseded, queued.row = queued.row, row
+                else:  # the queued post's row takes the content
+                    superseded, refill = row, queued.row
+        if self._link is not None:
+            self._link.coalesced(msg, refill=refill, superseded=superseded)
 
     # ------------------------------------------------------------------ control
 
@@ -215,8 +259,15 @@ class SlackNotifier:
             left = self._q.waiting()
             self._cond.notify_all()
         self._worker.join(timeout=5.0)
+        if self._link is not None:
+            self._link.stop()
+            self._link.release()  # the other replicas send what is left
         if left:
-            log.error("Slack notifier closed with %d message(s) not sent", left)
+            log.error(
+                "Slack notifier closed with %d message(s) not sent%s",
+                left,
+                "; the other replicas send them" if self._link is not None else "",
+            )
         return flushed
 
     @property
@@ -250,6 +301,17 @@ class SlackNotifier:
                     if op is None:
                         self._cond.wait(timeout=wait)
                 self._q.in_flight = op
+                link = self._link
+            wait = link.held_back(op) if link is not None else 0.0  # outside the lock
+            if wait > 0:
+                with self._cond:
+                    self._q.ready_at[op.channel] = self.clock() + wait
+                    self._requeue(op)
+                    self._q.in_flight = None
+                    self._cond.notify_all()
+                if link is not None:
+                    link.flush()
+                continue
             self._resolve_mentions(op)  # may ask Slack: outside the lock
             with self._cond:
                 call = self._prepare(op)
@@ -259,6 +321,13 @@ class SlackNotifier:
                 self._settle(op, outcome, follow_up)
                 self._q.in_flight = None
                 self._cond.notify_all()
+            if link is not None:
+                link.flush()
+
+    def _finish(self, op: Op, ts: str | None) -> None:
+        """``op``'s outbox row is settled: sent (post: at ``ts``), refused, superseded."""
+        if self._link is not None:
+            self._link.finish(op, ts)
 
     # ------------------------------------------------------------------ sending
 
@@ -395,8 +464,10 @@ class SlackNotifier:
                 self._metrics["uploaded"] += 1
             elif op.kind == "update" and not op.as_post:
                 self._metrics["updated"] += 1
+                self._finish(op, None)
             else:
                 self._metrics["posted"] += 1
+                self._finish(op, outcome.ts or "")
                 if outcome.ts:
                     self._remember(op.target, channel, outcome.ts)
             if follow_up is not None:
@@ -459,6 +530,7 @@ class SlackNotifier:
         """Back to the head of its channel's queue, unless newer content supersedes it."""
         if not self._q.requeue(op):
             self._metrics["coalesced"] += 1
+            self._finish(op, None)
 
     def _remember(self, handle: str, channel: str, ts: str) -> None:
         """``handle`` (or the ts of a message that had to be posted again) is now ``ts``."""
@@ -475,6 +547,7 @@ class SlackNotifier:
 
     def _drop(self, op: Op, outcome: _Outcome) -> None:
         self._metrics["dropped"] += 1
+        self._finish(op, "")
         what = type(op.msg).__name__ if op.msg is not None else "file"
         remedy = REMEDIES.get(outcome.error, "see the error in Slack's API documentation")
         log.error(

@@ -52,6 +52,8 @@ class Op:
     text_only: bool = False
     #: update: the message is unknown or gone, so post the content as a new one.
     as_post: bool = False
+    #: Its row in the durable outbox (``bot.slack_outbox``), when there is one.
+    row: int | None = None
 
 
 class ChannelQueues:
@@ -81,17 +83,18 @@ class ChannelQueues:
         self.queued_updates[(op.channel, op.target)] = op
         self.enqueue(op)
 
-    def coalesce(self, channel: str, target: str, msg: Message) -> bool:
-        """Put ``msg`` in the queued post or update of ``target``; False when none is queued."""
+    def coalesce(self, channel: str, target: str, msg: Message) -> Op | None:
+        """Put ``msg`` in the queued post or update of ``target`` and return that op;
+        None when none is queued."""
         post = self.queued_posts.get(target)
         if post is not None:
             post.msg = msg  # the post has not gone: it goes with this content
-            return True
+            return post
         queued = self.queued_updates.get((channel, target))
         if queued is not None:
             queued.msg = msg
-            return True
-        return False
+            return queued
+        return None
 
     def enqueue(self, op: Op, *, front: bool = False) -> None:
         queue = self.queues.setdefault(op.channel, deque())

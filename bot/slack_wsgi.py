@@ -36,6 +36,7 @@ from sqlalchemy.engine import Engine
 from bot.app import SlackSetupError, build_app, work_pool
 from bot.plots import LOSS_CURVE_FILENAME, loss_curve_png
 from bot.slack_notifier import AttachmentsFn, SlackNotifier
+from bot.slack_outbox import Outbox
 from bot.workpool import WorkPool
 from jobs.db import session_scope
 from jobs.metrics import run_metrics
@@ -347,7 +348,10 @@ def attach(
     """Build the Bolt app over ``cp``'s dependencies and mount it at ``/slack``.
 
     With ``notifier`` (the one ``cp`` posts through), a divergent-loss alert also gets
-    its loss curve attached, unless the notifier already has an attachments function.
+    its loss curve attached, unless the notifier already has an attachments function;
+    on PostgreSQL (several replicas) the notifier writes what it queues to the shared
+    outbox (:mod:`bot.slack_outbox`), which other replicas send if this one dies, and
+    paces each channel with them.
     """
     settings = cp.settings
     if settings.slack_signing_secret is None:
@@ -364,5 +368,9 @@ def attach(
         notifier.attachments = loss_curve_attachment(cp.deps.engine)
     if notifier is not None:
         cp.app.metrics.watch_post_queue(notifier)  # its depth and 429s on /metrics
+        if notifier.outbox is None and cp.deps.engine.dialect.name == "postgresql":
+            # Held as long as the scheduler lease: a dead replica's posts go out then.
+            hold = cp.deps.hold_s / 2
+            notifier.use_outbox(Outbox(cp.deps.engine, owner=cp.deps.replica, hold_s=hold))
     token = settings.slack_app_token.get_secret_value() if settings.slack_app_token else None
     return SlackFrontEnd(app=app, endpoint=endpoint, work=work, app_token=token)

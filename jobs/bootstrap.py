@@ -132,7 +132,11 @@ class ControlPlane:
             journal=FanoutJournal(base_journal, pager) if pager is not None else base_journal,
             secret=load_secret(settings.state_dir),
             pager=pager,
+            # A claim on deferred work outlives its replica as long as two leases.
+            hold_s=2 * lease_s,
         )
+        if lease_holder is not None:
+            self.deps.replica = lease_holder
         self.ingest = build_ingest(self.deps)
         broker = build_credential_broker(settings)
         # Runners ask it for their checkpoint credentials only when there is one.

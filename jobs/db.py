@@ -30,8 +30,9 @@ then review the generated file; ``tests/jobs/test_db.py`` checks it matches the 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,19 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from alembic.util import CommandError
-from sqlalchemy import Connection, Engine, create_engine, event, text
+from sqlalchemy import (
+    Column,
+    ColumnElement,
+    Connection,
+    Engine,
+    Row,
+    Select,
+    Update,
+    create_engine,
+    delete,
+    event,
+    text,
+)
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, IntegrityError, NoSuchModuleError, OperationalError
 from sqlalchemy.pool import StaticPool
@@ -51,7 +64,9 @@ from jobs.errors import ConflictError, DatabaseError, SettingsError
 __all__ = [
     "MIGRATIONS_DIR",
     "alembic_config",
+    "claim_rows",
     "current_revision",
+    "delete_before",
     "head_revision",
     "make_engine",
     "migrate",
@@ -193,6 +208,29 @@ def session_scope(engine: Engine) -> Iterator[Session]:
         raise
     finally:
         session.close()
+
+
+def claim_rows(
+    session: Session, query: Select[Any], key: ColumnElement[Any], change: Update
+) -> Sequence[Row[Any]]:
+    """Claim the rows ``query`` selects (their ``key`` column) with ``change``, an
+    ``UPDATE … RETURNING``, in the caller's transaction. On PostgreSQL the selected rows
+    are locked ``FOR UPDATE SKIP LOCKED`` first, so two replicas claiming at once take
+    different rows; SQLite's single writer (``BEGIN IMMEDIATE``) serialises them already."""
+    if session.get_bind().dialect.name == "postgresql":
+        query = query.with_for_update(skip_locked=True)
+    keys = list(session.execute(query).scalars())
+    if not keys:
+        return []
+    return session.execute(change.where(key.in_(keys))).all()
+
+
+def delete_before(engine: Engine, column: Column[Any], before: datetime) -> int:
+    """Delete the rows of ``column``'s table whose ``column`` is earlier than ``before``
+    (NULL: kept); how many went."""
+    with session_scope(engine) as session:
+        gone = session.execute(delete(column.table).where(column < before).returning(column))
+        return len(gone.all())
 
 
 def alembic_config(connection: Connection | None = None, *, url: str | None = None) -> Config:

@@ -13,16 +13,19 @@ import hmac
 import logging
 import os
 import secrets
+import socket
 import threading
+import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy.engine import Engine
 
+from jobs.deferred import Later, current_fence, defer, run_now
 from jobs.errors import DatabaseError
 from jobs.models import utcnow
 from jobs.notify import Journal, Notifier, NullJournal
@@ -31,6 +34,11 @@ from jobs.providers.base import Provider
 from jobs.settings import Settings
 
 log = logging.getLogger(__name__)
+
+#: This process's name among the replicas: on the scheduler lease, on the deferred work
+#: and Slack posts it claims (tests running several replicas in one process give each
+#: its own).
+PROCESS_REPLICA = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
 def load_secret(state_dir: Path) -> bytes:
@@ -66,6 +74,11 @@ class Deps:
     store_credentials: bool = False
     #: The PagerDuty bridge (``TRAINBOT_PAGERDUTY_ROUTING_KEY``), closed with the rest.
     pager: PagerDutyBridge | None = None
+    #: This replica's name (the lease holder's), on the deferred work it claims.
+    replica: str = PROCESS_REPLICA
+    #: Seconds a claim on deferred work holds: a replica that dies holding one frees it
+    #: then (the control plane makes it twice the scheduler lease).
+    hold_s: float = 120.0
     _pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=4, thread_name_prefix="trainbot")
     )
@@ -115,12 +128,32 @@ class Deps:
         # The caller's log context (its run and attempt ids) goes with the work.
         return self._pool.submit(contextvars.copy_context().run, guarded)
 
-    def later(self, delay_s: float, fn: Callable[..., Any], /, *args: Any) -> None:
-        """Call ``fn`` after a delay (a resubmit backoff). The reconcile job is the backstop
-        if the process dies first, so this needs no persistence."""
-        if self._closed:
+    def later(self, delay_s: float, kind: Later, /, *, key: str, **args: Any) -> None:
+        """Run ``kind``'s function with ``args`` (JSON) after ``delay_s``: a resubmit's
+        backoff, a launch retry. ``key`` names the work; deferring it again does nothing.
+
+        The work is a row first (:mod:`jobs.deferred`), then a timer here runs it on
+        time; if this replica dies or stops before, the leader runs it. Scheduled work
+        defers under its fencing token, and the timer runs it under the same token.
+        """
+        now = self.clock()
+        delay = max(0.0, delay_s)
+        try:
+            new = defer(
+                self.engine,
+                kind=kind,
+                key=key,
+                args=args,
+                due_at=now + timedelta(seconds=delay),
+                fence=current_fence(),
+                now=now,
+            )
+        except DatabaseError as exc:  # reconcile's backstop launches what is due
+            log.warning("could not defer %s: %s", key, exc)
             return
-        timer = threading.Timer(max(0.0, delay_s), lambda: self.background(fn, *args))
+        if not new or self._closed:
+            return  # deferred already (its timer runs it), or the leader runs it
+        timer = threading.Timer(delay, lambda: self.background(run_now, self, key))
         timer.daemon = True
         self._timers = [t for t in self._timers if t.is_alive()] + [timer]
         timer.start()

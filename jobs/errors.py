@@ -82,6 +82,11 @@ class DatabaseError(TrainbotError):
     """The database could not be reached, is locked, or is at an unknown schema revision."""
 
 
+class FencedOut(DatabaseError):
+    """This replica lost the scheduler lease after its scheduled work began; the new
+    leader's reconcile redoes whatever the refused call left undone."""
+
+
 #: The most characters of someone's input that an error message quotes.
 CLIP_CHARS = 80
 

@@ -49,12 +49,15 @@ __all__ = [
     "Budget",
     "Checkpoint",
     "CommandLog",
+    "DeferredWork",
     "EnumText",
     "EventRow",
     "MetricBlock",
     "Run",
     "SchedulerLease",
     "Severity",
+    "SlackOutbox",
+    "SlackPace",
     "SpendRecord",
     "UTCDateTime",
     "alert_dedupe_key",
@@ -488,3 +491,67 @@ class OnCall(SQLModel, table=True):
     user: str
     set_by: str
     set_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+
+
+class DeferredWork(SQLModel, table=True):
+    """Work due later (a resubmit after its backoff, a launch retry, a day's digest),
+    kept in a row so that it outlives the replica that deferred it (``jobs.deferred``)."""
+
+    __tablename__ = "deferred_work"
+
+    #: What the work is for (``resubmit:<attempt>``): deferring it twice keeps one row.
+    key: str = Field(primary_key=True)
+    #: The registered function that does it (``jobs.deferred.Later``), never a pickle.
+    kind: str
+    #: Its keyword arguments, JSON.
+    args: dict[str, Any] = Field(default_factory=dict, sa_type=JSON)
+    due_at: datetime = Field(sa_type=UTCDateTime, index=True)
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+    #: The fencing token of the scheduled work that deferred it (NULL: a person's or a
+    #: runner's), which it runs under when its own replica's timer runs it.
+    fence: int | None = Field(default=None, sa_type=_BIG_INT)
+    #: Who is running it, until when; a leader's claim also holds its token, so the
+    #: next leader takes back at once what a dead one left half done.
+    claimed_by: str | None = None
+    claimed_until: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    claimed_fence: int | None = Field(default=None, sa_type=_BIG_INT)
+    attempts: int = 0
+    #: The last failure, for whoever looks at the table.
+    error: str | None = None
+    #: Done (kept a week, so the same key is not deferred again meanwhile).
+    done_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+
+
+class SlackOutbox(SQLModel, table=True):
+    """A Slack post or update written before it is sent (``bot.slack_outbox``): a
+    replica that dies leaves what it had queued to the others."""
+
+    __tablename__ = "slack_outbox"
+
+    id: int | None = Field(default=None, primary_key=True)
+    channel: str
+    #: ``post`` or ``update``.
+    op: str
+    #: post: the message's handle (``pending-…``); update: the message it edits.
+    target: str = Field(index=True)
+    #: The message: its type and fields as JSON.
+    payload: dict[str, Any] = Field(sa_type=JSON)
+    #: Posted once per key (a digest's channel and day); NULL: no such promise.
+    key: str | None = Field(default=None, unique=True)
+    #: The replica sending it, and until when its claim holds unless renewed.
+    owner: str
+    owner_until: datetime = Field(sa_type=UTCDateTime, index=True)
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+    #: Sent (or refused for good); the row stays a day for the handle below.
+    sent_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    #: post: Slack's ts for the handle ("" when refused), so any replica can resolve it.
+    ts: str | None = None
+
+
+class SlackPace(SQLModel, table=True):
+    """When each channel may next be sent to: one pace for every replica together."""
+
+    __tablename__ = "slack_pace"
+
+    channel: str = Field(primary_key=True)
+    next_at: datetime = Field(sa_type=UTCDateTime)

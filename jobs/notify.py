@@ -38,6 +38,9 @@ class Message:
     channel: str
     #: The run's root message, when this belongs in its thread.
     thread_ts: str | None = None
+    #: Posted once per key where the notifier keeps a durable outbox (a day's digest of
+    #: a channel, which a new leader may make again); None: no such promise.
+    key: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

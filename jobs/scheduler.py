@@ -10,21 +10,21 @@ run under the token of the tenure they started in, and their launches and termin
 check it is still current before the provider call (:func:`jobs.runs.launch.check_fence`),
 so a deposed leader's late call is refused.
 
-What in-memory jobs give up: a digest due while no replica leads (the leader died in the
-digest minute and its successor took over after it) is not posted late. Reconcile and the
-spend job catch up on everything else by themselves.
+The leader also runs the deferred work that nobody else ran (:mod:`jobs.deferred`: a
+resubmit whose replica died during its backoff), and the digest is deferred work too:
+the daily trigger records the day's digest and one row per channel, each posted once,
+and a leader that takes over within the misfire grace of a digest time that no replica
+posted (the old leader died in the digest minute) posts it then. Reconcile and the spend
+job catch up on everything else by themselves.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
-import socket
 import threading
-import uuid
 from collections.abc import Callable, Mapping
-from datetime import datetime, timedelta, timezone
+from datetime import date, datetime, timedelta, timezone
 from typing import Any
 
 from apscheduler.schedulers.background import BackgroundScheduler
@@ -37,11 +37,19 @@ from sqlmodel import col
 
 from jobs import tasks
 from jobs.db import session_scope
-from jobs.deps import Deps
+from jobs.deferred import (
+    DeferredRunner,
+    Later,
+    current_fence,
+    defer,
+    deferrable,
+    fenced,
+    run_now,
+)
+from jobs.deps import PROCESS_REPLICA, Deps
 from jobs.errors import DatabaseError
 from jobs.models import LEADER_LEASE, SchedulerLease
-from jobs.runs.launch import fenced
-from jobs.settings import SCHEDULER_LEASE_S
+from jobs.settings import SCHEDULER_LEASE_S, Settings
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +68,12 @@ LEASE = LEADER_LEASE
 #: The default of ``TRAINBOT_SCHEDULER_LEASE_S``.
 LEASE_S = SCHEDULER_LEASE_S
 
+#: Seconds late a job may still run (APScheduler's misfire grace); a new leader posts a
+#: digest that nobody posted within this time of its due moment.
+MISFIRE_GRACE_S = 3600
+
 #: This process's lease holder name (what ``/metrics`` compares the lease with).
-_holder = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+_holder = PROCESS_REPLICA
 _EXPIRED = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 
@@ -115,12 +127,19 @@ def release_lease(deps: Deps, *, holder: str = _holder) -> None:
         )
 
 
-def run_job(deps: Deps, name: str, *, token: int | None = None) -> Any:
-    """Run one job as the leader holding ``token`` (its launches and terminations carry
-    it). A busy database, or a lease lost meanwhile, skips this run; the next retries."""
+def run_job(
+    deps: Deps,
+    name: str,
+    *,
+    token: int | None = None,
+    body: Callable[[Deps], Any] | None = None,
+) -> Any:
+    """Run one job (``body``, else ``JOBS[name]``) as the leader holding ``token`` (its
+    launches and terminations carry it). A busy database, or a lease lost meanwhile,
+    skips this run; the next retries."""
     try:
         with fenced(token):
-            return JOBS[name](deps)
+            return (body or JOBS[name])(deps)
     except DatabaseError as exc:  # includes FencedOut: a deposed leader's late call
         log.warning("scheduled job %s skipped: %s", name, exc)
         return None
@@ -187,7 +206,11 @@ def start_scheduler(
     ``digest`` entry there replaces the daily digest with an interval (tests).
     """
     scheduler = _Scheduler(
-        job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": 3600},
+        job_defaults={
+            "coalesce": True,
+            "max_instances": 1,
+            "misfire_grace_time": MISFIRE_GRACE_S,
+        },
         timezone=deps.settings.timezone,
     )
     periods = {**INTERVALS_S, **(intervals or {})}
@@ -199,16 +222,91 @@ def start_scheduler(
             name=name,
         )
     if "digest" not in periods:
-        at = deps.settings.digest_time
         scheduler.add_job(
-            functools.partial(run_job, deps, "digest", token=token),
-            trigger=DailyTrigger(hour=at.hour, minute=at.minute, timezone=deps.settings.timezone),
+            functools.partial(run_job, deps, "digest", token=token, body=schedule_digest),
+            trigger=daily_trigger(deps.settings),
             id="digest",
             name="digest",
         )
     if start:
         scheduler.start()
     return scheduler
+
+
+def daily_trigger(settings: Settings) -> DailyTrigger:
+    """The digest's trigger: ``digest_time`` (its seconds too) in ``timezone``."""
+    at = settings.digest_time
+    return DailyTrigger(
+        hour=at.hour, minute=at.minute, second=at.second, timezone=settings.timezone
+    )
+
+
+def schedule_digest(deps: Deps) -> None:
+    """The daily trigger's job: today's digest as deferred work, run at once here."""
+    _defer_digest(deps, deps.clock())
+
+
+def catch_up_digest(deps: Deps, *, token: int) -> bool:
+    """A new leader's look back: post the digest whose time passed within the misfire
+    grace if no replica did (the previous leader died in the digest minute). True when
+    this call recorded it (False: none was due, or it was recorded already, and whoever
+    holds it finishes it)."""
+    now = deps.clock()
+    trigger = daily_trigger(deps.settings)
+    fire = trigger.get_next_fire_time(None, now - timedelta(seconds=MISFIRE_GRACE_S))
+    if fire is None or fire > now:
+        return False
+    with fenced(token):
+        return _defer_digest(deps, fire)
+
+
+def _defer_digest(deps: Deps, fire: datetime) -> bool:
+    """Record the digest due at ``fire`` (once per local day) and run it now."""
+    posted = fire.astimezone(deps.settings.tz).date()
+    key = f"digest:{posted.isoformat()}"
+    now = deps.clock()
+    args = {"posted": posted.isoformat(), "day": (posted - timedelta(days=1)).isoformat()}
+    new = defer(
+        deps.engine,
+        kind=Later.DIGEST,
+        key=key,
+        args=args,
+        due_at=now,
+        fence=current_fence(),
+        now=now,
+    )
+    run_now(deps, key)
+    return new
+
+
+@deferrable(Later.DIGEST)
+def digest_day(deps: Deps, *, posted: str, day: str) -> None:
+    """The digest posted on ``posted``, of ``day``: one deferred row per channel, so a
+    channel's digest is made once and a new leader makes only those the old one left."""
+    with session_scope(deps.engine) as session:
+        channels = tasks.digest_channels(session)
+    now = deps.clock()
+    keys = [f"digest:{posted}:{channel}" for channel in channels]
+    for channel, key in zip(channels, keys, strict=True):
+        defer(
+            deps.engine,
+            kind=Later.DIGEST_CHANNEL,
+            key=key,
+            args={"channel": channel, "posted": posted, "day": day},
+            due_at=now,
+            fence=current_fence(),
+            now=now,
+        )
+    for key in keys:
+        run_now(deps, key)
+
+
+@deferrable(Later.DIGEST_CHANNEL)
+def digest_channel(deps: Deps, *, channel: str, posted: str, day: str) -> None:
+    """One channel's digest; its post carries a key the Slack outbox posts once."""
+    tasks.digest_job(
+        deps, channels=[channel], day=date.fromisoformat(day), key_prefix=f"digest:{posted}"
+    )
 
 
 def stop_scheduler(scheduler: BackgroundScheduler) -> None:
@@ -243,6 +341,7 @@ class LeaderElector:
         self._thread: threading.Thread | None = None
         self._token: int | None = None
         self._scheduler: BackgroundScheduler | None = None
+        self._deferred: DeferredRunner | None = None
         # Every scheduler this elector started, kept so that none's id() is reused by
         # the next (the metrics watch schedulers by id); one per lease won, so few.
         self._started: list[BackgroundScheduler] = []
@@ -294,9 +393,15 @@ class LeaderElector:
             self._started.append(self._scheduler)
             if self._on_scheduler is not None:
                 self._on_scheduler(self._scheduler)
+            self._deferred = DeferredRunner(self.deps, token=token).start()
+            if "digest" not in (self._intervals or {}):
+                self.deps.background(catch_up_digest, self.deps, token=token)
             return True
 
     def _step_down(self) -> None:
+        if self._deferred is not None:
+            self._deferred.stop()
+            self._deferred = None
         if self._scheduler is not None:
             log.warning("this replica (%s) no longer leads the scheduler", self.holder)
             stop_scheduler(self._scheduler)

@@ -433,18 +433,28 @@ def cleanup_job(deps: Deps) -> list[dict[str, Any]]:
 # ----------------------------------------------------------------------------- digest
 
 
+def digest_channels(session: Session) -> list[str]:
+    """The channels that get a digest: every channel a run was launched from."""
+    return sorted({c for c in session.exec(select(Run.channel).distinct()).all() if c is not None})
+
+
 def digest_job(
-    deps: Deps, *, channels: list[str] | None = None, day: date | None = None
+    deps: Deps,
+    *,
+    channels: list[str] | None = None,
+    day: date | None = None,
+    key_prefix: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Post each channel's daily spend digest: of yesterday, or of the local ``day``."""
+    """Post each channel's daily spend digest: of yesterday, or of the local ``day``.
+
+    ``key_prefix``: each post carries the key ``{key_prefix}:{channel}``, which a
+    durable notifier posts once (the scheduled digest, which a new leader may redo)."""
     now = deps.clock()
     tz = ZoneInfo(deps.settings.timezone)
     with session_scope(deps.engine) as session:
         spend.accrue(session, now=now)
         if channels is None:
-            channels = sorted(
-                {c for c in session.exec(select(Run.channel).distinct()).all() if c is not None}
-            )
+            channels = digest_channels(session)
         all_figures = [
             spend.digest_figures(session, channel=channel, now=now, tz=tz, day=day)
             for channel in channels
@@ -456,7 +466,10 @@ def digest_job(
         except Exception as exc:  # a chart is a nicety; the figures must still go out
             log.warning("digest chart for %s failed: %s", channel, exc)
             chart = None
-        deps.notifier.post(DigestMessage(channel=channel, figures=figures, chart_png=chart))
+        key = f"{key_prefix}:{channel}" if key_prefix else None
+        deps.notifier.post(
+            DigestMessage(channel=channel, figures=figures, chart_png=chart, key=key)
+        )
         deps.journal.record("digest", None, channel=channel, **_digest_summary(figures))
     return all_figures
 

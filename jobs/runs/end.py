@@ -14,14 +14,15 @@ from typing import Any
 from sqlmodel import Session
 
 from jobs.db import session_scope
+from jobs.deferred import Later
 from jobs.deps import Deps
 from jobs.lifecycle import AttemptState, RunState, transition
 from jobs.models import Attempt, Run
 from jobs.providers.base import InstanceNotFound, ProviderError
 from jobs.rules import Obs, Preemption, RepeatedPreemptions
 from jobs.runs.cards import alert_config, raise_signals, refresh_card, run_context, say
-from jobs.runs.launch import carry_fence, check_fence
-from jobs.runs.resubmit import record_lost_work, resubmit_if_due
+from jobs.runs.launch import check_fence
+from jobs.runs.resubmit import record_lost_work
 from jobs.runs.rows import move_run, spec_of
 from jobs.spend import remove_cloud_budgets
 
@@ -114,8 +115,14 @@ def end_attempt(
     if resubmit_after is not None:
         # The backoff runs from the end, not from when the old instance is gone: a runner
         # reports a preempted exit before its processes have torn down, and terminating
-        # them can take the provider's grace period.
-        deps.later(resubmit_after, carry_fence(resubmit_if_due), deps, attempt_id)
+        # them can take the provider's grace period. A row, not a timer: the resubmit
+        # outlives this replica (jobs.deferred).
+        deps.later(
+            resubmit_after,
+            Later.RESUBMIT,
+            key=f"resubmit:{attempt_id}",
+            previous_attempt_id=attempt_id,
+        )
     if instance_id is not None and state != AttemptState.TERMINATED:
         # Off the caller's thread: the caller may be the ingest request that carried the
         # runner's exit, and the runner waits for that reply before its processes end, so
@@ -129,7 +136,7 @@ def terminate_instance(deps: Deps, instance_id: str, *, wait: bool = True) -> bo
     wait for that (``wait``) or return at once. True when this call terminated it.
 
     Scheduled work (reconcile, a spend stop) is fenced: a deposed leader's call raises
-    :class:`~jobs.runs.launch.FencedOut` before it reaches the provider."""
+    :class:`~jobs.errors.FencedOut` before it reaches the provider."""
     check_fence(deps, None, action=f"the termination of {instance_id}")
     done, mine = deps.claim_termination(instance_id)
     if not mine:

@@ -13,17 +13,15 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Sequence
 from datetime import datetime
-from typing import Any
 
 from sqlmodel import Session
 
 from jobs.db import detach, session_scope
-from jobs.deps import Deps
-from jobs.errors import ConflictError, DatabaseError
+from jobs.deferred import Later, deferrable
+from jobs.deps import Deps, current_fence
+from jobs.errors import ConflictError, FencedOut
 from jobs.lifecycle import AttemptState, RunState, transition
 from jobs.models import LEADER_LEASE, Attempt, Run, SchedulerLease, hash_token
 from jobs.preflight import resource_request
@@ -43,39 +41,6 @@ from jobs.spec import JobSpec
 
 log = logging.getLogger(__name__)
 
-#: The scheduler lease's fencing token that the scheduled work on this thread started
-#: under; None for work a person started (chat), which any replica may do.
-_FENCE: ContextVar[int | None] = ContextVar("trainbot_fence", default=None)
-
-
-class FencedOut(DatabaseError):
-    """This replica lost the scheduler lease after its scheduled work began; the new
-    leader's reconcile redoes whatever the refused call left undone."""
-
-
-@contextmanager
-def fenced(token: int | None) -> Iterator[None]:
-    """Run the block as scheduled work of the leader holding ``token``."""
-    reset = _FENCE.set(token)
-    try:
-        yield
-    finally:
-        _FENCE.reset(reset)
-
-
-def carry_fence(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn``, bound to the current fencing token: for timers (``deps.later``), whose
-    thread does not inherit the caller's context."""
-    token = _FENCE.get()
-    if token is None:
-        return fn
-
-    def under_fence(*args: Any, **kwargs: Any) -> Any:
-        with fenced(token):
-            return fn(*args, **kwargs)
-
-    return under_fence
-
 
 def check_fence(deps: Deps, session: Session | None, *, action: str) -> None:
     """Refuse ``action`` (a provider call) when it is scheduled work whose fencing token
@@ -83,7 +48,7 @@ def check_fence(deps: Deps, session: Session | None, *, action: str) -> None:
     transaction (``session``; None: a transaction of its own), with the lease row
     share-locked on PostgreSQL, so a takeover commits either before the check (refused)
     or after the caller's transaction."""
-    token = _FENCE.get()
+    token = current_fence()
     if token is None:
         return
     if session is None:
@@ -151,8 +116,10 @@ def runner_env(deps: Deps, run: Run, attempt: Attempt, spec: JobSpec) -> dict[st
     return env
 
 
+@deferrable(Later.LAUNCH)
 def launch_attempt(deps: Deps, run_id: str) -> Attempt | None:
-    """Start the next attempt of a run, if it needs one. Safe to call concurrently."""
+    """Start the next attempt of a run, if it needs one. Safe to call concurrently (and
+    again after a crash: the next attempt number is unique per run)."""
     try:
         made = _new_attempt(deps, run_id, now=deps.clock())
     except ConflictError:
@@ -358,7 +325,8 @@ def _launch_failed(deps: Deps, attempt_id: str, exc: ProviderError, *, now: date
             move_run(session, run, RunState.RECOVERING, now=now)
         backoff = spec_of(run).resubmit.backoff_s
         run_id = run.id
-    deps.later(backoff, carry_fence(launch_attempt), deps, run_id)
+    # A row, not a timer: the retry outlives this replica (jobs.deferred).
+    deps.later(backoff, Later.LAUNCH, key=f"launch-after:{attempt_id}", run_id=run_id)
 
 
 def budget_then_launch(

@@ -1,8 +1,9 @@
 """Resubmitting after a preemption: the work it lost, and the next attempt after the backoff.
 
-:func:`jobs.runs.end.end_attempt` records the lost work and starts the backoff timer; reconcile's
-backstop calls :func:`resubmit_if_due` too, for timers a restart lost. Whichever comes
-second finds the next attempt launched and does nothing.
+:func:`jobs.runs.end.end_attempt` records the lost work and defers the resubmit by the
+backoff (a row in ``deferred_work``, which the leader runs if this replica dies first);
+reconcile's backstop calls :func:`resubmit_if_due` too. Whichever comes second finds the
+next attempt launched and does nothing.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from datetime import datetime
 from sqlmodel import Session, col, select
 
 from jobs.db import session_scope
+from jobs.deferred import Later, deferrable
 from jobs.deps import Deps
 from jobs.lifecycle import RunState
 from jobs.models import Attempt, Checkpoint, Run
@@ -38,6 +40,7 @@ def record_lost_work(session: Session, run: Run, attempt: Attempt, *, now: datet
         attempt.lost_seconds += max(0.0, (now - since).total_seconds()) if since else 0.0
 
 
+@deferrable(Later.RESUBMIT)
 def resubmit_if_due(deps: Deps, previous_attempt_id: str) -> bool:
     """Launch the next attempt after a preemption, reporting the work lost.
 

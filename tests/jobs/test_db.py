@@ -56,6 +56,9 @@ TABLES = {
     "scheduler_leases",
     "command_log",
     "oncall",
+    "deferred_work",
+    "slack_outbox",
+    "slack_pace",
 }
 
 

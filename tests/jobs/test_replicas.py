@@ -24,11 +24,12 @@ from bot.console import ConsoleNotifier
 from jobs import scheduler as scheduler_module
 from jobs.bootstrap import ControlPlane
 from jobs.db import current_revision, head_revision, migrate, session_scope
+from jobs.deferred import fenced
 from jobs.deps import Deps
+from jobs.errors import FencedOut
 from jobs.models import LEADER_LEASE, SchedulerLease, utcnow
 from jobs.providers.local import LocalProvider
 from jobs.runs import launch_attempt, provision, terminate_instance
-from jobs.runs.launch import FencedOut, fenced
 from jobs.settings import load_settings
 
 #: Short, so that a takeover happens within the test: renewed every third of it.
