@@ -133,7 +133,7 @@ class ControlPlane:
             secret=load_secret(settings.state_dir),
             pager=pager,
             # A claim on deferred work outlives its replica as long as two leases.
-            hold_s=2 * lease_s,
+            hold_s=2 * (settings.scheduler_lease_s if lease_s is None else lease_s),
         )
         if lease_holder is not None:
             self.deps.replica = lease_holder

@@ -15,6 +15,7 @@ import os
 import sys
 from collections.abc import Sequence
 from datetime import datetime
+from typing import Any
 
 from sqlmodel import Session
 
