@@ -307,6 +307,18 @@ def resubmitted(old: str, new: str) -> str:
     return f"Resubmitted {old} as {new}; it resumes from {old}'s newest checkpoint."
 
 
+def resubmitted_changed(old: str, new: str, max_price: float | None) -> str:
+    wait = (
+        f" It launches once an instance-hour costs ${max_price:.2f} or less."
+        if max_price is not None
+        else ""
+    )
+    return (
+        f"Resubmitted {old} as {new} with your changes; it resumes from {old}'s newest "
+        f"checkpoint. Its thread lists what changed.{wait}"
+    )
+
+
 def resubmitted_from(old: str, new: str, step: int | None) -> str:
     return f"Resubmitted {old} as {new}; it resumes from step {step}."
 
