@@ -225,6 +225,13 @@ def successor(
     )
     session.add(run)
     session.flush()
+    asked = old.projection or {}
+    if asked.get("asked") and not asked.get("answer"):
+        # A resubmit answers the projection's question as Continue would: its button
+        # must not start a second run.
+        answer = {"choice": "continue", "by": actor.user, "at": now.isoformat(), "as": run.id}
+        old.projection = {**asked, "answer": answer}
+        session.add(old)
     move_run(session, run, RunState.PREFLIGHT, now=now, reason=reason if checks else None)
     if not checks:
         move_run(session, run, RunState.LAUNCHING, now=now, reason=reason)

@@ -392,6 +392,58 @@ def resubmit(
         return run
 
 
+def continue_profiled(
+    deps: Deps, run_id: str, actor: Actor, *, budget_usd: float | None = None
+) -> Run:
+    """ "Continue" on a run its projection stopped: a resubmit from the checkpoint it
+    stopped at (the budget raised when ``budget_usd`` is given), answered once."""
+    _answer_projection(deps, run_id, actor, choice="continue")
+    try:
+        new = resubmit(deps, run_id, actor, budget_usd=budget_usd)
+    except Exception:
+        _answer_projection(deps, run_id, actor, choice=None)  # nothing continued: ask again
+        raise
+    deps.journal.record("profile_answered", run_id, choice="continue", by=actor.user, run=new.id)
+    return new
+
+
+def stop_profiled(deps: Deps, run_id: str, actor: Actor) -> Run:
+    """ "Stop" on a run its projection stopped: it stays stopped, its checkpoints kept."""
+    run = _answer_projection(deps, run_id, actor, choice="stop")
+    deps.journal.record("profile_answered", run_id, choice="stop", by=actor.user)
+    say(
+        deps,
+        run,
+        "info",
+        f"{actor.user} chose Stop: {run.id} stays stopped at step {run.last_committed_step}; "
+        f"its checkpoints are kept, and /train resubmit {run.id} continues it later.",
+    )
+    return run
+
+
+def _answer_projection(deps: Deps, run_id: str, actor: Actor, *, choice: str | None) -> Run:
+    """Record the answer to a projection's question, once (None takes it back)."""
+    with session_scope(deps.engine) as session:
+        run = session.get(Run, run_id, with_for_update=True) or get_run(session, run_id)
+        may_touch(actor, run)
+        asked = dict(run.projection or {})
+        if not asked.get("asked") or run.state != RunState.STOPPED:
+            raise ConflictError(f"{run_id} is not waiting for Continue or Stop")
+        answer = asked.get("answer")
+        if choice is not None and answer:
+            raise ConflictError(
+                f"{answer.get('by')} already chose {answer.get('choice')} for {run_id}"
+            )
+        if choice is None:
+            asked.pop("answer", None)
+        else:
+            asked["answer"] = {"choice": choice, "by": actor.user, "at": deps.clock().isoformat()}
+        run.projection = asked
+        session.add(run)
+        detach(session, run)
+        return run
+
+
 __all__ = [
     "LIST_LIMIT",
     "PREFLIGHT_ONLY",
@@ -401,6 +453,7 @@ __all__ = [
     "budgets",
     "cleanup",
     "confirm",
+    "continue_profiled",
     "list_runs",
     "logs",
     "oncall",
@@ -412,6 +465,7 @@ __all__ = [
     "spend_report",
     "status",
     "stop",
+    "stop_profiled",
     "submit",
     "wait_for",
 ]

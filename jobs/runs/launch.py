@@ -32,6 +32,7 @@ from jobs.runs import price
 from jobs.runs.cards import refresh_card, say
 from jobs.runs.interval import follow_measured_cost
 from jobs.runs.placement import NO_CAPACITY, NoPlacement, choose_placement, request_in
+from jobs.runs.profile import window
 from jobs.runs.rows import (
     active_attempt,
     checkpoint_prefix,
@@ -221,6 +222,9 @@ def _new_attempt(deps: Deps, run_id: str, *, now: datetime) -> tuple[str, str] |
             spot=placement.spot,
             instances=spec.resources.instances,
             resumed_from_step=run.last_committed_step,
+        )
+        attempt.profile_until_step, attempt.profile_until_s = window(
+            spec, run, start_step=run.last_committed_step or 0
         )
         attempt.token_hash = hash_token(deps.runner_token(attempt.id))
         session.add(attempt)
