@@ -300,18 +300,20 @@ def resubmit_changed(
         )
         prefix = check_prefix(checkpoint_prefix(old))
         checks = checks_for(changes)
+        # A new place or a new command measures anew: it is profiled again.
+        moved = any(k.startswith("resources.") or k == "command" for k, _, _ in changes)
         run, _ = successor(
             deps,
             session,
             old,
+            spec=new_spec,
+            checks=bool(checks),
+            profiled=not moved,
             actor=actor,
             budget_usd=budget_usd,
             prefix=prefix,
             step=old.last_committed_step,
             reason=f"resubmit of {old.id} with changes",
-            spec=new_spec,
-            checks=bool(checks),
-            profiled=not any(k.startswith("resources.") or k == "command" for k, _, _ in changes),
         )
         run.target_steps = preflight.target_steps(spec.command)
         session.add(run)

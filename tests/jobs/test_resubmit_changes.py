@@ -36,34 +36,19 @@ from jobs.runs import resubmit_if_due
 from jobs.service import Actor
 from jobs.settings import Settings
 from jobs.spec import JobSpec
-from runner.session import EverySteps, Session, SessionConfig
 from tests.bot import test_slack_app
 from tests.bot.test_slack_app import ADA, BOB, CHANNEL, Slack, wait_until
-from tests.jobs.test_resubmit_from import Counter
+from tests.jobs import test_resubmit_from
+from tests.jobs.test_resubmit_from import write_checkpoints
 
 slack = test_slack_app.slack
 
-#: Restore through the session API, write down the step and the LR it runs with, exit.
-SCRIPT = """
-import os, sys
-from runner.session import Session
-
-class Counter:
-    def __init__(self):
-        self.step = -1
-    def state_dict(self):
-        import torch
-        return {"step": self.step, "w": torch.full((4,), float(self.step))}
-    def load_state_dict(self, state):
-        self.step = int(state["step"])
-
-with Session.from_env() as s:
-    counter = Counter()
-    s.track(counter=counter)
-    step = s.restore()
-    with open(sys.argv[1], "w") as f:
-        f.write(f"{step} {os.environ.get('LR')}")
-"""
+#: test_resubmit_from's script (restore through the session API, write down the step),
+#: writing down the LR the run sees instead of the restored counter.
+SCRIPT = test_resubmit_from.SCRIPT.replace("import sys", "import os, sys").replace(
+    'f.write(f"{step} {counter.step}")', "f.write(f\"{step} {os.environ.get('LR')}\")"
+)
+assert "os.environ.get('LR')" in SCRIPT
 
 
 def stopped_run(deps: Deps, tmp_path: Path, *, requester: str = ADA, **spec: Any) -> str:
@@ -92,12 +77,7 @@ def stopped_run(deps: Deps, tmp_path: Path, *, requester: str = ADA, **spec: Any
         session.add(run)
         session.flush()
         run_id = run.id
-    config = SessionConfig(run_id=run_id, checkpoint_uri=root)
-    with Session(config, install_signals=False, decision=EverySteps(10), prefetch=False) as s:
-        counter = Counter()
-        s.track(counter=counter)
-        for step in s.steps(20):
-            counter.step = step + 1
+    write_checkpoints(run_id, root, last=20)
     return run_id
 
 
