@@ -106,16 +106,23 @@ class Stop(Command):
 @dataclass(frozen=True)
 class Resubmit(Command):
     """Start a new attempt of a run from its last committed checkpoint, or with from=N
-    from the newest checkpoint at or before step N (after a divergence).
+    from the newest checkpoint at or before step N (after a divergence), optionally with
+    changes.
 
     The spend so far carries over, so a run stopped at its budget's hard cap continues
     only with a raised budget.usd, recorded with who raised it; without budget.usd the
-    budget stays as it was.
-    Example: /train resubmit r-7f3a2c from=2000 budget.usd=1200
+    budget stays as it was. Changes (key.path=value, as for launch) take the command,
+    env (hyperparameters), resources (region, zones, instance type) and a few others;
+    the checks for what changed run again, and the thread records old → new and who.
+    --max-price waits for capacity at or below that price per instance-hour.
+    Example: /train resubmit r-7f3a2c env.LR=3e-4 --max-price 1.20
     """
 
     verb: ClassVar[str] = "resubmit"
-    usage: ClassVar[str] = "/train resubmit <run> [from=<step>] [budget.usd=<dollars>]"
+    usage: ClassVar[str] = (
+        "/train resubmit <run> [from=<step>] [budget.usd=<dollars>] [key.path=value …] "
+        "[--max-price <dollars>]"
+    )
 
     #: Run id.
     run: str
@@ -123,6 +130,10 @@ class Resubmit(Command):
     budget_usd: float | None = None
     #: Resume from the newest checkpoint at or before this step (``from=N``); None: the newest.
     from_step: int | None = None
+    #: Spec changes, ``key.path=value``, in the order given.
+    overrides: tuple[str, ...] = ()
+    #: Wait for a price per instance-hour at or below this (``--max-price``); None: any.
+    max_price: float | None = None
 
 
 @dataclass(frozen=True)

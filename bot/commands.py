@@ -36,6 +36,7 @@ from bot.command_types import (
     Stop,
     UserRef,
 )
+from jobs.spec.changes import TOP_LEVEL_CHANGES
 from runner.duration import parse_duration as runner_duration
 
 __all__ = [
@@ -131,9 +132,14 @@ def _spec_and_overrides(
         raise _fail(
             cls, f"{_show(spec)} is not a spec name; use letters, digits, '-', '_' and '.'."
         )
+    return spec, _overrides(cls, rest)
+
+
+def _overrides(cls: type[Command], tokens: Sequence[str]) -> tuple[str, ...]:
+    """``key.path=value`` tokens, each with a valid key and a value, no key twice."""
     overrides: list[str] = []
     seen: set[str] = set()
-    for token in rest:
+    for token in tokens:
         key, eq, value = token.partition("=")
         if not eq:
             raise _fail(cls, f"{_show(token)} is not an override; write key.path=value.")
@@ -145,7 +151,7 @@ def _spec_and_overrides(
             raise _fail(cls, f"{key} is set twice; keep one.")
         seen.add(key)
         overrides.append(f"{key}={value}")
-    return spec, tuple(overrides)
+    return tuple(overrides)
 
 
 def parse_duration(text: str) -> int:
@@ -259,39 +265,79 @@ def _parse_cleanup(args: Sequence[str]) -> Command:
 def _parse_resubmit(args: Sequence[str]) -> Command:
     if not args:
         raise _fail(Resubmit, "`resubmit` needs a run id.")
-    _at_most(Resubmit, args, 3)
-    if "=" in args[0]:
+    if "=" in args[0] or args[0].startswith("--"):
         raise _fail(Resubmit, f"Name the run before the settings: {_show(args[0])} is one.")
     run = _run_id(Resubmit, args[0])
+    rest = list(args[1:])
+    max_price: float | None = None
     got: dict[str, float | int] = {}
-    for arg in args[1:]:
-        key, eq, value = arg.partition("=")
-        setting = _RESUBMIT_SETTINGS.get(key.strip().lower()) if eq else None
+    changes: list[str] = []
+    while rest:
+        arg = rest.pop(0)
+        flag, eq, value = arg.partition("=")
+        if arg.startswith("--"):
+            if flag.lower() != "--max-price":
+                raise _fail(Resubmit, f"Unknown option {_show(arg)}; the only one is --max-price.")
+            if max_price is not None:
+                raise _fail(Resubmit, "--max-price is given twice; give it once.")
+            if not eq:
+                if not rest:
+                    raise _fail(Resubmit, "--max-price needs a price, like --max-price 1.20.")
+                value = rest.pop(0)
+            max_price = _price(value)
+            continue
         if not eq:
             raise _fail(Resubmit, f"Too many arguments to `resubmit`: {_show(arg)} is extra.")
+        setting = _RESUBMIT_SETTINGS.get(flag.strip().lower())
         if setting is None:
-            raise _fail(
-                Resubmit,
-                f"{_show(arg)} is not a resubmit setting; the ones a resubmit takes are "
-                "from=<step>, like from=2000, and budget.usd=<dollars>, like budget.usd=1200.",
-            )
+            if "." not in flag and flag.strip() not in TOP_LEVEL_CHANGES:
+                raise _fail(
+                    Resubmit,
+                    f"{_show(arg)} is not a resubmit setting; a resubmit takes from=<step>, "
+                    "like from=2000, budget.usd=<dollars>, like budget.usd=1200, and spec "
+                    "changes, like env.LR=3e-4 or resources.zones=[us-east-1b].",
+                )
+            changes.append(arg)
+            continue
         field, read = setting
         if field in got:
-            raise _fail(Resubmit, f"{key.strip()}= is given twice; give it once.")
+            raise _fail(Resubmit, f"{flag.strip()}= is given twice; give it once.")
         got[field] = read(value)
+    overrides = _overrides(Resubmit, changes)
+    if any(o.partition("=")[0] == "resubmit.max_price" for o in overrides) and max_price:
+        raise _fail(Resubmit, "Give the price once: --max-price or resubmit.max_price=, not both.")
     return Resubmit(
         run=run,
         budget_usd=float(got["budget_usd"]) if "budget_usd" in got else None,
         from_step=int(got["from_step"]) if "from_step" in got else None,
+        overrides=overrides,
+        max_price=max_price,
     )
 
 
-def _dollars(value: str) -> float:
+def _amount(value: str) -> float:
+    """A positive amount of dollars from ``1200``, ``$1,200.50`` or ``1.20/h``; NaN when
+    the text is not one."""
     try:
-        amount = float(value.strip().lstrip("$").replace(",", ""))
+        amount = float(value.strip().lstrip("$").removesuffix("/h").replace(",", ""))
     except ValueError:
-        amount = math.nan
-    if not (math.isfinite(amount) and amount > 0):
+        return math.nan
+    return amount if math.isfinite(amount) and amount > 0 else math.nan
+
+
+def _price(value: str) -> float:
+    amount = _amount(value)
+    if not amount <= 10_000:  # NaN too
+        raise _fail(
+            Resubmit,
+            f"{_show(value)} is not a price per instance-hour; write --max-price 1.20.",
+        )
+    return amount
+
+
+def _dollars(value: str) -> float:
+    amount = _amount(value)
+    if math.isnan(amount):
         raise _fail(Resubmit, f"{_show(value)} is not an amount of dollars; write budget.usd=1200.")
     return amount
 

@@ -144,10 +144,18 @@ def _dispatch(deps: Deps, command: Command, actor: Actor, *, key: str | None) ->
         return Reply(text=messages.stopped(run.id), run_id=run.id)
     if isinstance(command, Resubmit):
         run = service.resubmit(
-            deps, command.run, actor, budget_usd=command.budget_usd, from_step=command.from_step
+            deps,
+            command.run,
+            actor,
+            budget_usd=command.budget_usd,
+            from_step=command.from_step,
+            overrides=command.overrides,
+            max_price=command.max_price,
         )
         if command.from_step is not None:
             text = messages.resubmitted_from(command.run, run.id, run.last_committed_step)
+        elif command.overrides or command.max_price is not None:
+            text = messages.resubmitted_changed(command.run, run.id, command.max_price)
         else:
             text = messages.resubmitted(command.run, run.id)
         return Reply(text=text, run_id=run.id)

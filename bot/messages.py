@@ -11,13 +11,14 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
 
-from jobs.format import clock, percent, size, usd
+from jobs.format import clock, duration, percent, size, usd
 from jobs.format import loss as fmt_loss
 from jobs.notify import (
     AlertMessage,
     DigestMessage,
     Message,
     PreflightMessage,
+    ProjectionMessage,
     RunCard,
     TextMessage,
 )
@@ -149,6 +150,70 @@ def alert_snoozed(until: datetime | None) -> str:
 def confirm_stop(run_id: str) -> str:
     """The question before a Stop button does anything."""
     return f"Stop {run_id}? Its runner flushes a checkpoint and the instance shuts down."
+
+
+def projection(msg: ProjectionMessage) -> str:
+    """The projection from a run's profiled start, and what happens next."""
+    lines = [projection_title(msg), f"  {projection_measured(msg)}", f"  {projection_whole(msg)}"]
+    lines.append(f"  {projection_verdict(msg)}")
+    if msg.stopped:
+        lines.append(f"  {projection_commands(msg)}")
+    return "\n".join(lines)
+
+
+def projection_title(msg: ProjectionMessage) -> str:
+    where = f" on {msg.zone}" if msg.zone else ""
+    return f"Profile of {msg.run_id}: the first {msg.step} steps{where}"
+
+
+def projection_measured(msg: ProjectionMessage) -> str:
+    gpu = "no GPU" if msg.gpu_util is None else f"GPU {msg.gpu_util:.0f}% busy"
+    wait = "data-wait not reported" if msg.data_wait is None else f"data-wait {msg.data_wait:.0%}"
+    step = "n/a" if msg.step_time_s is None else duration(msg.step_time_s)
+    return f"Measured: {step} a step, {wait}, {gpu}, {usd(msg.price_per_hour)}/h."
+
+
+def projection_whole(msg: ProjectionMessage) -> str:
+    if msg.hours_left is None:
+        return (
+            "No projection of the whole run: its command gives no --steps, so the steps "
+            "left are unknown."
+        )
+    budget = f" (budget {usd(msg.budget_usd)})" if msg.budget_usd else ""
+    lost = (
+        f", losing about {duration(msg.lost_s)} of work"
+        + (f" at the {duration(msg.interval_s)} checkpoint interval" if msg.interval_s else "")
+        if msg.lost_s
+        else ""
+    )
+    return (
+        f"Projection: {msg.hours_left:.2f} h more to step {msg.target_steps}, "
+        f"{usd(msg.cost_usd)} in all{budget}, finishing about {_when(msg.finish_at)}; "
+        f"about {msg.preemptions or 0:.1f} preemption(s){lost}."
+    )
+
+
+def _when(moment: datetime | None) -> str:
+    return "n/a" if moment is None else moment.strftime("%a %d %b %H:%M UTC")
+
+
+def projection_verdict(msg: ProjectionMessage) -> str:
+    if not msg.reasons:
+        return "Within its budget and limits: it goes on."
+    why = "; ".join(msg.reasons)
+    if msg.stopped:
+        return f"Stopped at a checkpoint before spending more: {why}. Continue or stop?"
+    return f"Warning: {why}. It goes on (profile.ask is false)."
+
+
+def projection_commands(msg: ProjectionMessage) -> str:
+    raise_to = (
+        f" · with a budget that covers it: /train resubmit {msg.run_id} "
+        f"budget.usd={msg.suggested_budget_usd:.0f}"
+        if msg.suggested_budget_usd
+        else ""
+    )
+    return f"Continue: /train resubmit {msg.run_id}{raise_to}"
 
 
 def digest(msg: DigestMessage) -> str:
@@ -286,6 +351,7 @@ def by_type(
 _RENDERERS: dict[type[Message], Callable[[Any], str]] = {
     RunCard: run_card,
     PreflightMessage: preflight_report,
+    ProjectionMessage: projection,
     AlertMessage: alert,
     DigestMessage: digest,
     TextMessage: text,
@@ -349,6 +415,18 @@ def resubmitted(old: str, new: str) -> str:
     if old == new:
         return f"Launching the next attempt of {old} from its newest checkpoint."
     return f"Resubmitted {old} as {new}; it resumes from {old}'s newest checkpoint."
+
+
+def resubmitted_changed(old: str, new: str, max_price: float | None) -> str:
+    wait = (
+        f" It launches once an instance-hour costs ${max_price:.2f} or less."
+        if max_price is not None
+        else ""
+    )
+    return (
+        f"Resubmitted {old} as {new} with your changes; it resumes from {old}'s newest "
+        f"checkpoint. Its thread lists what changed.{wait}"
+    )
 
 
 def resubmitted_from(old: str, new: str, step: int | None) -> str:

@@ -27,6 +27,7 @@ from jobs.providers import credential_broker_from_settings, provider_from_settin
 from jobs.providers.base import Provider
 from jobs.rules import Rule, Signal, default_rules
 from jobs.runs import alert_config, on_attempt_event, raise_signals, spec_of
+from jobs.runs.profile import project
 from jobs.scheduler import LeaderElector
 from jobs.server import ControlPlaneApp, CredentialBroker, ServerHandle, serve
 from jobs.service import resume_preflights
@@ -90,11 +91,17 @@ def build_ingest(deps: Deps) -> IngestService:
     def on_event(attempt_id: str, type_: str, data: dict[str, Any]) -> None:
         on_attempt_event(deps, attempt_id, type_, data)
 
+    def on_profile_due(attempt_id: str) -> None:
+        # Off the request thread: a projection past the budget stops the run, and the
+        # runner whose batch ended the window waits for this request's answer.
+        deps.background(project, deps, attempt_id)
+
     return IngestService(
         deps.engine,
         rules_for=rules_for,
         on_signals=on_signals,
         on_attempt_event=on_event,
+        on_profile_due=on_profile_due,
         now=deps.clock,
     )
 

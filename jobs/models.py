@@ -218,6 +218,12 @@ class Run(SQLModel, table=True):
     preflight: dict[str, Any] | None = Field(default=None, sa_type=JSON)
     #: Seconds between checkpoints chosen at preflight (Daly's optimum for "auto").
     checkpoint_interval_s: float | None = None
+    #: While the run waits for a price at or below ``resubmit.max_price``: the limit, the
+    #: price last seen, where, and since when (``jobs.runs.price``); NULL otherwise.
+    price_wait: dict[str, Any] | None = Field(default=None, sa_type=JSON)
+    #: The projection made from the profiled start of the run (``jobs.runs.profile``),
+    #: with who answered its question; a run that has one is not profiled again.
+    projection: dict[str, Any] | None = Field(default=None, sa_type=JSON)
     created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
     updated_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
     ended_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
@@ -269,6 +275,12 @@ class Attempt(SQLModel, table=True):
     lost_seconds: float = 0.0
     #: Seconds the runner measured per step (median of recent steps), for lost-work figures.
     step_time_s: float | None = None
+    #: Where the attempt's profile window ends: at this step, or this many seconds after
+    #: launch, whichever comes first (``jobs.runs.profile``); NULL: it is not profiled.
+    profile_until_step: int | None = Field(default=None, sa_type=_BIG_INT)
+    profile_until_s: float | None = None
+    #: When the ingest API saw the window end (the projection is made once).
+    profiled_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
     created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
     started_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
     ended_at: datetime | None = Field(default=None, sa_type=UTCDateTime)

@@ -115,6 +115,45 @@ class AlertMessage(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
+class ProjectionMessage(Message):
+    """The projection from a run's profiled start, in its thread; when ``stopped``, the
+    question it asks (Continue, optionally with a raised budget, or Stop)."""
+
+    run_id: str
+    #: The step the profile reached, of ``target_steps`` (None: the command gives none).
+    step: int
+    target_steps: int | None
+    #: Where the profiled attempt ran.
+    zone: str | None
+    #: What the runner measured: median seconds per step, mean data-wait fraction, mean
+    #: GPU utilisation in percent (None: no GPU).
+    step_time_s: float | None
+    data_wait: float | None
+    gpu_util: float | None
+    #: Hours still to go (the steps left, with the work preemptions are expected to
+    #: lose), the cost in all (spent so far included), and when it would finish.
+    hours_left: float | None
+    cost_usd: float | None
+    spent_usd: float
+    budget_usd: float | None
+    max_hours: float | None
+    finish_at: datetime | None
+    #: Preemptions expected over the hours left, and the work they lose in seconds, at
+    #: the checkpoint interval ``interval_s``.
+    preemptions: float | None
+    lost_s: float | None
+    interval_s: float | None
+    #: USD per hour for the run's instances.
+    price_per_hour: float
+    #: Why it should not go on as it is; empty: it goes on.
+    reasons: tuple[str, ...] = ()
+    #: A budget that covers the projection, offered with Continue.
+    suggested_budget_usd: float | None = None
+    #: The run was stopped at a checkpoint and waits for Continue or Stop.
+    stopped: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
 class DigestMessage(Message):
     """The daily spend digest for one channel."""
 

@@ -56,12 +56,13 @@ log = logging.getLogger(__name__)
 #: Each job, its schedule and what it does (README: "Scheduled jobs").
 JOBS: dict[str, Callable[[Deps], Any]] = {
     "reconcile": tasks.reconcile_job,
+    "price": tasks.price_job,
     "spend": tasks.spend_job,
     "escalation": tasks.escalation_job,
     "cleanup": tasks.cleanup_job,
     "digest": tasks.digest_job,
 }
-INTERVALS_S = {"reconcile": 30, "spend": 60, "escalation": 60, "cleanup": 3600}
+INTERVALS_S = {"reconcile": 30, "price": 60, "spend": 60, "escalation": 60, "cleanup": 3600}
 LEASE = LEADER_LEASE
 #: Seconds a lease lasts unless renewed; the elector renews it every third of that, so
 #: a leader that dies is replaced within this time (and one that stalls steps down).

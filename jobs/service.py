@@ -17,16 +17,16 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from sqlmodel import Session, select
+from sqlmodel import select
 
 from jobs import format as fmt
-from jobs import preflight, spend
+from jobs import preflight, resubmits, spend
 from jobs.actor import Actor, may_touch, report_channel
 from jobs.db import detach, session_scope
 from jobs.deps import Deps
 from jobs.errors import ConflictError, SpecError
 from jobs.lifecycle import AttemptState, RunState
-from jobs.locations import check_prefix, checkpoint_root
+from jobs.locations import checkpoint_root
 from jobs.logs import log_context
 from jobs.models import Run, new_id
 from jobs.queries import (
@@ -60,9 +60,6 @@ from jobs.runs import (
     spec_of,
 )
 from jobs.spec import InstancesRefused, load_spec
-from runner.errors import RunnerError
-from runner.layout import copy_step, list_committed
-from runner.store import run_store
 
 log = logging.getLogger(__name__)
 
@@ -173,13 +170,20 @@ def resume_preflights(deps: Deps) -> list[str]:
     return [run_id for run_id, _ in runs]
 
 
-def preflight_then_launch(deps: Deps, run_id: str, *, launch: bool = True) -> None:
-    """Run the checks; launch when they pass, ask when they warn, stop when one fails."""
+def preflight_then_launch(
+    deps: Deps, run_id: str, *, launch: bool = True, checks: Sequence[str] | None = None
+) -> None:
+    """Run the checks; launch when they pass, ask when they warn, stop when one fails.
+
+    ``checks``: only the checks of these names (a resubmit's changes need no more), and
+    the run keeps its checkpoint interval and budget."""
     with log_context(run_id=run_id):
-        _preflight_then_launch(deps, run_id, launch=launch)
+        _preflight_then_launch(deps, run_id, launch=launch, checks=checks)
 
 
-def _preflight_then_launch(deps: Deps, run_id: str, *, launch: bool) -> None:
+def _preflight_then_launch(
+    deps: Deps, run_id: str, *, launch: bool, checks: Sequence[str] | None
+) -> None:
     with session_scope(deps.engine) as session:
         run = get_run(session, run_id)
         spec = spec_of(run)
@@ -212,14 +216,16 @@ def _preflight_then_launch(deps: Deps, run_id: str, *, launch: bool) -> None:
             remedy=result.remedy,
         )
 
-    report = preflight.run_preflight(ctx, on_result=on_result)
+    chosen = None if checks is None else [c for c in preflight.default_checks() if c.name in checks]
+    report = preflight.run_preflight(ctx, chosen, on_result=on_result)
     now = deps.clock()
     with session_scope(deps.engine) as session:
         run = get_run(session, run_id)
         if run.state != RunState.PREFLIGHT:
             return  # stopped while the checks ran
         run.preflight = report.as_dict()
-        run.checkpoint_interval_s = report.interval_s
+        if chosen is None:
+            run.checkpoint_interval_s = report.interval_s
         if run.budget_usd is None and report.estimate_usd:
             run.budget_usd = round(report.estimate_usd, 2)  # the budget alert at the expected cost
             say(
@@ -300,6 +306,8 @@ def resubmit(
     *,
     budget_usd: float | None = None,
     from_step: int | None = None,
+    overrides: Sequence[str] = (),
+    max_price: float | None = None,
 ) -> Run:
     """Launch a run again from its newest checkpoint (or confirm one awaiting it).
 
@@ -308,7 +316,10 @@ def resubmit(
     recorded with who raised it (the cap would otherwise be walked around by resubmitting).
 
     ``from_step``: resume from the newest committed checkpoint at or before that step
-    instead (the offer after a divergence); see :func:`_resubmit_from`.
+    instead (the offer after a divergence); see :func:`jobs.resubmits.resubmit_from`.
+
+    ``overrides`` (``key.path=value``) and ``max_price`` (``resubmit.max_price``) change
+    the spec of the new run; see :func:`jobs.resubmits.resubmit_changed`.
     """
     if budget_usd is not None and not 0 < budget_usd < float("inf"):
         raise SpecError(f"budget.usd must be a positive number of dollars (got {budget_usd})")
@@ -316,13 +327,27 @@ def resubmit(
         run = get_run(session, run_id)
         may_touch(actor, run)
         state = run.state
+    changes = [*overrides, *([f"resubmit.max_price={max_price}"] if max_price else [])]
+    if from_step is not None and changes:
+        raise SpecError(
+            "from= and changes go one at a time: resubmit from the step first, then stop "
+            "that run and resubmit it with the changes"
+        )
     if from_step is not None:
-        return _resubmit_from(deps, run_id, actor, from_step=from_step, budget_usd=budget_usd)
+        return resubmits.resubmit_from(
+            deps, run_id, actor, from_step=from_step, budget_usd=budget_usd
+        )
+    if changes:
+        return resubmits.resubmit_changed(
+            deps, run_id, actor, overrides=changes, budget_usd=budget_usd
+        )
     if state in (RunState.AWAITING_CONFIRMATION, RunState.RECOVERING) and budget_usd is not None:
         with session_scope(deps.engine) as session:
             run = get_run(session, run_id)
             spent = spend.run_spent(session, run_id)
-            _raise_budget(deps, run, budget_usd, actor=actor, was=run.budget_usd, spent=spent)
+            resubmits.raise_budget(
+                deps, run, budget_usd, actor=actor, was=run.budget_usd, spent=spent
+            )
             session.add(run)
     if state == RunState.AWAITING_CONFIRMATION:
         return confirm(deps, run_id, actor)
@@ -340,7 +365,7 @@ def resubmit(
         # A finished run is final: resubmitting starts a new run that resumes its checkpoints.
         with session_scope(deps.engine) as session:
             old = get_run(session, run_id)
-            run, carried = _successor(
+            run, carried = resubmits.successor(
                 deps,
                 session,
                 old,
@@ -370,199 +395,56 @@ def resubmit(
         return run
 
 
-def _resubmit_from(
-    deps: Deps, run_id: str, actor: Actor, *, from_step: int, budget_usd: float | None
+def continue_profiled(
+    deps: Deps, run_id: str, actor: Actor, *, budget_usd: float | None = None
 ) -> Run:
-    """A new run that resumes a finished run from the newest checkpoint at or before
-    ``from_step``.
-
-    The new run gets its own checkpoint directory, and the chosen checkpoint is copied
-    into it (in the background, before the launch), so that "newest" there can never be
-    a later step of the run it continues: the diverged run's checkpoints stay where they
-    were, untouched, for debugging. Its first attempt is also told the step
-    (``TRAINBOT_RESUME_MAX_STEP``), so the runner restores it even from a shared store.
-    """
-    if from_step < 0:
-        raise SpecError(f"from= takes a step number, 0 or more (got {from_step})")
-    with session_scope(deps.engine) as session:
-        old = get_run(session, run_id)
-        if old.state not in (RunState.STOPPED, RunState.FAILED, RunState.BUDGET_EXCEEDED):
-            raise ConflictError(
-                f"{run_id} is {old.state.value}; only a stopped or failed run can be "
-                f"resubmitted from a step. Stop it first: /train stop {run_id}"
-            )
-        last = old.last_committed_step
-        if last is None:
-            raise ConflictError(
-                f"{run_id} has no committed checkpoint to resume from step {from_step}: "
-                f"launch it again instead"
-            )
-        if from_step > last:
-            raise ConflictError(
-                f"step {from_step} is past {run_id}'s last committed checkpoint (step {last}); "
-                f"give from={last} or less, or resubmit without from= to resume from step {last}"
-            )
-        root = checkpoint_root(
-            old.checkpoint_uri,
-            default=deps.settings.checkpoint_uri,
-            allowed=deps.settings.checkpoint_locations,
-        )
-        src_prefix = check_prefix(checkpoint_prefix(old))
-    src = run_store(root, src_prefix)
+    """ "Continue" on a run its projection stopped: a resubmit from the checkpoint it
+    stopped at (the budget raised when ``budget_usd`` is given), answered once."""
+    _answer_projection(deps, run_id, actor, choice="continue")
     try:
-        committed = [e.step for e in list_committed(src)]
-    except RunnerError as exc:
-        raise ConflictError(
-            f"cannot list {run_id}'s checkpoints in {src.uri} to resume from step "
-            f"{from_step}: {exc}"
-        ) from exc
-    chosen = max((step for step in committed if step <= from_step), default=None)
-    if chosen is None:
-        have = ", ".join(str(step) for step in committed[:10]) or "none"
-        raise ConflictError(
-            f"{run_id} has no committed checkpoint at or before step {from_step} "
-            f"(its checkpoints: {have}); give a later step"
-        )
-    later = [step for step in committed if step > chosen]
-    with session_scope(deps.engine) as session:
-        old = get_run(session, run_id)
-        run, _ = _successor(
-            deps,
-            session,
-            old,
-            actor=actor,
-            budget_usd=budget_usd,
-            # Its own directory (no prefix): the chosen step is copied there.
-            prefix=None,
-            step=chosen,
-            reason=f"resubmit of {old.id} from step {chosen}",
-        )
-        deps.journal.record(
-            "resubmitted_from",
-            run.id,
-            from_run=old.id,
-            from_step=chosen,
-            asked_step=from_step,
-            later_steps_kept=later,
-            by=actor.user,
-        )
-        kept = (
-            f" {old.id}'s later checkpoints (steps {', '.join(map(str, later))}) stay in "
-            f"its own directory, for debugging."
-            if later
-            else ""
-        )
-        say(
-            deps,
-            run,
-            "info",
-            f"{actor.user} resubmitted {old.id} from step {chosen}"
-            + (
-                f" (the newest checkpoint at or before step {from_step})"
-                if chosen != from_step
-                else ""
-            )
-            + f": {run.id} starts from a copy of that checkpoint.{kept}",
-        )
-        say(deps, old, "info", f"{actor.user} resubmitted {old.id} from step {chosen} as {run.id}.")
-        detach(session, run)
-    deps.background(_copy_then_launch, deps, run.id, src_prefix=src_prefix, step=chosen)
-    return run
+        new = resubmit(deps, run_id, actor, budget_usd=budget_usd)
+    except Exception:
+        _answer_projection(deps, run_id, actor, choice=None)  # nothing continued: ask again
+        raise
+    deps.journal.record("profile_answered", run_id, choice="continue", by=actor.user, run=new.id)
+    return new
 
 
-def _copy_then_launch(deps: Deps, run_id: str, *, src_prefix: str, step: int) -> None:
-    """Copy the chosen checkpoint into the new run's own directory, then launch it; a
-    failed copy fails the run, saying why, rather than launching it from nothing."""
-    with session_scope(deps.engine) as session:
-        run = get_run(session, run_id)
-        root = checkpoint_root(
-            run.checkpoint_uri,
-            default=deps.settings.checkpoint_uri,
-            allowed=deps.settings.checkpoint_locations,
-        )
-        dst_prefix = check_prefix(checkpoint_prefix(run))
-    try:
-        copy_step(run_store(root, src_prefix), run_store(root, dst_prefix), step)
-    except RunnerError as exc:
-        with session_scope(deps.engine) as session:
-            run = get_run(session, run_id)
-            reason = f"could not copy checkpoint step {step} from {src_prefix}: {exc}"
-            move_run(session, run, RunState.FAILED, now=deps.clock(), reason=reason)
-            deps.journal.record("run_finished", run.id, state="FAILED", reason=reason)
-            say(deps, run, "error", f"Run {run.id} failed: {reason}.")
-            refresh_card(deps, session, run)
-        return
-    launch_attempt(deps, run_id)
-
-
-def _successor(
-    deps: Deps,
-    session: Session,
-    old: Run,
-    *,
-    actor: Actor,
-    budget_usd: float | None,
-    prefix: str | None,
-    step: int | None,
-    reason: str,
-) -> tuple[Run, float]:
-    """Create the run that continues ``old``, move it to launching and post its card.
-
-    Its budget counts what the runs before it spent; returns the run and that spend.
-    """
-    now = deps.clock()
-    spend.accrue(session, now=now)  # the old run's last attempt, to its end
-    carried, budget = spend.resubmit_budget(session, old, raised_usd=budget_usd)
-    run = Run(
-        id=new_id("r"),
-        spec_name=old.spec_name,
-        spec=old.spec,
-        requester=actor.user,
-        channel=old.channel,
-        checkpoint_uri=old.checkpoint_uri,
-        checkpoint_prefix=prefix,
-        budget_usd=budget,
-        carried_usd=round(carried, 6) or None,
-        budget_raised_by=old.budget_raised_by,
-        target_steps=old.target_steps,
-        last_committed_step=step,
-        checkpoint_interval_s=old.checkpoint_interval_s,
-        created_at=now,
-        updated_at=now,
-    )
-    session.add(run)
-    session.flush()
-    move_run(session, run, RunState.PREFLIGHT, now=now)
-    move_run(session, run, RunState.LAUNCHING, now=now, reason=reason)
-    ref = deps.notifier.post(card(session, run))
-    run.thread_ts = ref.ts
-    session.add(run)
-    session.flush()
-    if budget_usd is not None:
-        _raise_budget(deps, run, budget_usd, actor=actor, was=old.budget_usd, spent=carried)
-        session.add(run)
-    return run, carried
-
-
-def _raise_budget(
-    deps: Deps, run: Run, usd: float, *, actor: Actor, was: float | None, spent: float
-) -> None:
-    """Set a run's budget from ``budget.usd=`` on a resubmit, as if the spec had said it
-    (so a hard cap applies to it), and record who raised it: on the run, in the journal
-    and in the run's thread."""
-    run.budget_usd = usd
-    run.budget_raised_by = actor.user
-    run.spec = {**run.spec, "budget": {**(run.spec.get("budget") or {}), "usd": usd}}
-    deps.journal.record(
-        "budget_raised", run.id, usd=usd, was_usd=was, by=actor.user, spent_usd=round(spent, 2)
-    )
+def stop_profiled(deps: Deps, run_id: str, actor: Actor) -> Run:
+    """ "Stop" on a run its projection stopped: it stays stopped, its checkpoints kept."""
+    run = _answer_projection(deps, run_id, actor, choice="stop")
+    deps.journal.record("profile_answered", run_id, choice="stop", by=actor.user)
     say(
         deps,
         run,
         "info",
-        f"{actor.user} set the budget of {run.id} to {fmt.usd(usd)} (was {fmt.usd(was)}); "
-        f"{fmt.usd(spent)} is already spent.",
+        f"{actor.user} chose Stop: {run.id} stays stopped at step {run.last_committed_step}; "
+        f"its checkpoints are kept, and /train resubmit {run.id} continues it later.",
     )
+    return run
+
+
+def _answer_projection(deps: Deps, run_id: str, actor: Actor, *, choice: str | None) -> Run:
+    """Record the answer to a projection's question, once (None takes it back)."""
+    with session_scope(deps.engine) as session:
+        run = session.get(Run, run_id, with_for_update=True) or get_run(session, run_id)
+        may_touch(actor, run)
+        asked = dict(run.projection or {})
+        if not asked.get("asked") or run.state != RunState.STOPPED:
+            raise ConflictError(f"{run_id} is not waiting for Continue or Stop")
+        answer = asked.get("answer")
+        if choice is not None and answer:
+            raise ConflictError(
+                f"{answer.get('by')} already chose {answer.get('choice')} for {run_id}"
+            )
+        if choice is None:
+            asked.pop("answer", None)
+        else:
+            asked["answer"] = {"choice": choice, "by": actor.user, "at": deps.clock().isoformat()}
+        run.projection = asked
+        session.add(run)
+        detach(session, run)
+        return run
 
 
 __all__ = [
@@ -574,6 +456,7 @@ __all__ = [
     "budgets",
     "cleanup",
     "confirm",
+    "continue_profiled",
     "list_runs",
     "logs",
     "oncall",
@@ -585,6 +468,7 @@ __all__ = [
     "spend_report",
     "status",
     "stop",
+    "stop_profiled",
     "submit",
     "wait_for",
 ]

@@ -1,4 +1,4 @@
-"""The bodies of the scheduled jobs: reconcile, spend, escalation, cleanup, digest.
+"""The bodies of the scheduled jobs: reconcile, prices, spend, escalation, cleanup, digest.
 
 Each is a plain function of ``deps`` (and ``now`` from ``deps.clock``), so tests call
 them directly; ``jobs.scheduler`` only decides when they run and on which replica.
@@ -40,6 +40,7 @@ from jobs.runs import (
     say,
     spec_of,
 )
+from jobs.runs.price import watch_prices
 from runner.errors import RunnerError
 from runner.retention import RetentionPolicy, prune
 from runner.store import run_store
@@ -49,6 +50,11 @@ log = logging.getLogger(__name__)
 
 def reconcile_job(deps: Deps) -> dict[str, int]:
     return reconcile(deps)
+
+
+def price_job(deps: Deps) -> list[str]:
+    """Launch the runs waiting for ``resubmit.max_price`` whose price is met now."""
+    return watch_prices(deps)
 
 
 # ----------------------------------------------------------------------------- spend

@@ -1,6 +1,7 @@
 """The buttons: Acknowledge, Snooze, Stop run, Resubmit (and Resubmit from step N on an
 alert whose run trainbot stopped) on alerts; Launch anyway on a preflight report with
-warnings.
+warnings; Continue (optionally with a raised budget) and Stop on a projection that
+stopped its run to ask.
 
 Each press is acknowledged at once (an empty 200) and handled on the work pool: the
 caller and channel come from the signed payload, the button's value names the alert or
@@ -109,6 +110,22 @@ def _launch_anyway(ctx: ListenerContext, caller: Caller, run_id: str) -> str | N
     return None  # the thread says who confirmed; the card shows the launch
 
 
+def _continue_profiled(ctx: ListenerContext, caller: Caller, value: str) -> str | None:
+    try:
+        run_id, budget = views.parse_continue_value(value)
+    except ValueError:
+        raise CommandError(
+            f"the Continue button sent {value[:60]!r}, which names no run and budget"
+        ) from None
+    run = service.continue_profiled(ctx.deps, run_id, ctx.auth.actor(caller), budget_usd=budget)
+    return messages.resubmitted(run_id, run.id)
+
+
+def _stop_profiled(ctx: ListenerContext, caller: Caller, run_id: str) -> str | None:
+    service.stop_profiled(ctx.deps, run_id, ctx.auth.actor(caller))
+    return None  # the run's thread says who chose Stop
+
+
 #: action_id → (what the value names, handler, whether only the owner or an admin may).
 ACTIONS: dict[str, tuple[str, Handler, bool]] = {
     "alert_ack": ("alert", _acknowledge, False),
@@ -117,6 +134,8 @@ ACTIONS: dict[str, tuple[str, Handler, bool]] = {
     "run_resubmit": ("run", _resubmit, True),
     "run_resubmit_from": ("run", _resubmit_from, True),
     "launch_anyway": ("run", _launch_anyway, True),
+    "profile_continue": ("run", _continue_profiled, True),
+    "profile_stop": ("run", _stop_profiled, True),
 }
 
 

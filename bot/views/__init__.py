@@ -20,6 +20,9 @@ action_id           element                  value
 ``run_resubmit``    button (alert)           run id
 ``run_resubmit_from`` button (stopped alert) ``"<run id>|<step>"``, see
                                              :func:`parse_resubmit_from_value`
+``profile_continue`` button (projection)     run id, or ``"<run id>|<budget>"``, see
+                                             :func:`parse_continue_value`
+``profile_stop``    button (projection)      run id
 ==================  =======================  ==========================================
 
 The launch modal has ``callback_id="launch_modal"``; :func:`read_launch_modal` reads
@@ -79,6 +82,13 @@ from bot.views.digest import digest
 from bot.views.home import home_tab
 from bot.views.modal import LAUNCH_MODAL_CALLBACK, launch_modal, read_launch_modal
 from bot.views.preflight import LAUNCH_ANYWAY, preflight_report
+from bot.views.projection import (
+    PROFILE_CONTINUE,
+    PROFILE_STOP,
+    continue_value,
+    parse_continue_value,
+    projection,
+)
 from bot.views.render import compact, fallback_text, render
 from bot.views.text import channel_mention, clip, clip_middle
 
@@ -106,6 +116,8 @@ __all__ = [
     "MAX_PRIVATE_METADATA",
     "MAX_SECTION_TEXT",
     "MAX_VIEW_BLOCKS",
+    "PROFILE_CONTINUE",
+    "PROFILE_STOP",
     "RUN_RESUBMIT",
     "RUN_RESUBMIT_FROM",
     "RUN_STOP",
@@ -118,6 +130,7 @@ __all__ = [
     "clip_middle",
     "compact",
     "context",
+    "continue_value",
     "digest",
     "divider",
     "escape",
@@ -126,9 +139,11 @@ __all__ = [
     "home_tab",
     "launch_modal",
     "mention",
+    "parse_continue_value",
     "parse_resubmit_from_value",
     "parse_snooze_value",
     "preflight_report",
+    "projection",
     "read_launch_modal",
     "render",
     "resubmit_from_value",

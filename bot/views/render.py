@@ -12,12 +12,14 @@ from bot.views.blocks import MAX_FALLBACK_TEXT, MAX_SECTION_TEXT, Block, section
 from bot.views.cards import run_card, text_line
 from bot.views.digest import digest
 from bot.views.preflight import preflight_report
+from bot.views.projection import projection
 from bot.views.text import clip_middle
 from jobs.notify import (
     AlertMessage,
     DigestMessage,
     Message,
     PreflightMessage,
+    ProjectionMessage,
     RunCard,
     TextMessage,
 )
@@ -25,6 +27,7 @@ from jobs.notify import (
 _RENDERERS: dict[type[Message], Callable[[Any], list[Block]]] = {
     RunCard: run_card,
     PreflightMessage: preflight_report,
+    ProjectionMessage: projection,
     AlertMessage: alert,
     DigestMessage: digest,
     TextMessage: text_line,

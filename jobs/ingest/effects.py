@@ -49,6 +49,9 @@ class Applied:
     budget_usd: float | None = None
     preemption_times: tuple[float, ...] = ()
     max_time: float = 0.0
+    #: The attempt's profile window ended with this batch (``jobs.runs.profile``): the
+    #: projection is due, once.
+    profile_due: bool = False
 
 
 class Effects:
@@ -105,6 +108,13 @@ class Effects:
                 "metrics": ckpt_insert.excluded.metrics,
                 "deleted_at": None,
             },
+        )
+
+        # Rare: once per profiled attempt. The WHERE makes it once even if two batches race.
+        self._mark_profiled = (
+            update(_ATTEMPTS)
+            .where(attempts.id == bindparam("attempt_id"), attempts.profiled_at.is_(None))
+            .values(profiled_at=bindparam("p_now", type_=attempts.profiled_at.type))
         )
 
         # Both run columns in one statement; a NULL parameter leaves its column as it is,
@@ -182,6 +192,11 @@ class Effects:
         if state != attempt.state:
             values["p_state"] = state
         connection.execute(self._update_attempt, values)
+        if attempt.profiled_at is None and _profile_ended(attempt, top_step, applied.max_time):
+            marked = connection.execute(
+                self._mark_profiled, {"attempt_id": attempt_id, "p_now": now}
+            )
+            applied.profile_due = marked.rowcount == 1
         for event in committed:
             data = event.data
             step = data["step"]
@@ -239,6 +254,15 @@ class Effects:
         if state.is_terminal():
             log.info("attempt %s reported 'started' after it ended (%s)", attempt_id, state)
         return state
+
+
+def _profile_ended(attempt: Any, top_step: int | None, max_time: float) -> bool:
+    """Whether the attempt's profile window (a step, or seconds after launch) is over."""
+    until_step, until_s = attempt.profile_until_step, attempt.profile_until_s
+    if until_step is not None and top_step is not None and top_step >= until_step:
+        return True
+    started = attempt.started_at
+    return until_s is not None and started is not None and max_time - started.timestamp() >= until_s
 
 
 def _last_metrics_at(

@@ -71,9 +71,11 @@ class IngestService:
     """The runner events API, independent of HTTP: ``handle(authorization, body)``.
 
     Thread-safe; one instance serves every request thread of the process.
-    ``rules_for(run)`` picks a run's alert rules (default: :func:`jobs.rules.default_rules`
-    with the thresholds of the run's spec); it is called when the run's window is built,
-    the first batch after start or after :meth:`forget_run`.
+    ``on_profile_due(attempt)`` is told once when an attempt's profile window ends
+    (:mod:`jobs.runs.profile`). ``rules_for(run)`` picks a run's alert rules
+    (default: :func:`jobs.rules.default_rules` with the thresholds of the run's spec);
+    it is called when the run's window is built, the first batch after start or after
+    :meth:`forget_run`.
     """
 
     def __init__(
@@ -83,12 +85,14 @@ class IngestService:
         rules_for: Callable[[Run], Sequence[Rule]] | None = None,
         on_signals: SignalSink | None = None,
         on_attempt_event: AttemptEventSink | None = None,
+        on_profile_due: Callable[[str], None] | None = None,
         now: Callable[[], datetime] = utcnow,
         max_body_bytes: int = 8 << 20,
     ) -> None:
         self._engine = engine
         self._on_signals = on_signals
         self._on_attempt_event = on_attempt_event
+        self._on_profile_due = on_profile_due
         self._now = now
         self.max_body_bytes = max_body_bytes
         self._postgres = engine.dialect.name == "postgresql"
@@ -183,6 +187,9 @@ class IngestService:
             attempts.last_seq,
             attempts.started_at,
             attempts.preemption_notice_at,
+            attempts.profile_until_step,
+            attempts.profile_until_s,
+            attempts.profiled_at,
         ).where(attempts.id == bindparam("attempt_id"))
         self._read_attempt = read_attempt.with_for_update() if self._postgres else read_attempt
         self._existing_seqs = select(events.seq).where(
@@ -308,6 +315,11 @@ class IngestService:
                     self._on_attempt_event(attempt_id, event.type, event.data)
                 except Exception:
                     log.exception("on_attempt_event(%s, %s) failed", attempt_id, event.type)
+        if applied.profile_due and self._on_profile_due is not None:
+            try:
+                self._on_profile_due(attempt_id)
+            except Exception:
+                log.exception("on_profile_due(%s) failed", attempt_id)
         try:
             signals = self._windows.evaluate(applied, now=now)
         except Exception:

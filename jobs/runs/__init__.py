@@ -7,6 +7,8 @@ holds the chat use-cases that call it; ``jobs.tasks`` the scheduled jobs that ca
 - ``rows``: reading a run and its attempts, moving the run's state.
 - ``cards``: the run's card, messages in its thread, and where its alerts go.
 - ``placement``: the zone and market of the next attempt.
+- ``price``: holding a launch back until ``resubmit.max_price`` is met.
+- ``profile``: the profile window of a run's start, and the projection made from it.
 - ``interval``: the checkpoint interval, following the save cost the run measured.
 - ``launch``: recording an attempt and provisioning its instance.
 - ``events``: what a stored runner event does to its attempt and run.

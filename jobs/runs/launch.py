@@ -27,9 +27,11 @@ from jobs.lifecycle import AttemptState, RunState, transition
 from jobs.models import LEADER_LEASE, Attempt, Run, SchedulerLease, hash_token
 from jobs.preflight import resource_request
 from jobs.providers.base import CapacityError, LaunchRequest, ProviderError
+from jobs.runs import price
 from jobs.runs.cards import refresh_card, say
 from jobs.runs.interval import follow_measured_cost
 from jobs.runs.placement import NO_CAPACITY, NoPlacement, choose_placement, request_in
+from jobs.runs.profile import window
 from jobs.runs.rows import (
     active_attempt,
     checkpoint_prefix,
@@ -168,6 +170,12 @@ def _new_attempt(deps: Deps, run_id: str, *, now: datetime) -> tuple[str, str] |
             say(deps, run, "error", f"Run {run.id} failed: {run.reason}.")
             refresh_card(deps, session, run)
             return None
+        gated = price.gate(deps, spec, placement)
+        if isinstance(gated, price.PriceWait):
+            price.wait(deps, session, run, gated, now=now)  # the price job launches it
+            return None
+        price.met(deps, run, gated)
+        placement = gated
         for skipped in placement.skipped:
             say(deps, run, "info", f"Attempt {number} skips region {skipped}.")
         if spec.checkpoint.interval_s is None:
@@ -182,6 +190,9 @@ def _new_attempt(deps: Deps, run_id: str, *, now: datetime) -> tuple[str, str] |
             spot=placement.spot,
             instances=spec.resources.instances,
             resumed_from_step=run.last_committed_step,
+        )
+        attempt.profile_until_step, attempt.profile_until_s = window(
+            spec, run, start_step=run.last_committed_step or 0
         )
         attempt.token_hash = hash_token(deps.runner_token(attempt.id))
         session.add(attempt)

@@ -14,6 +14,7 @@ from jobs.spec.sections import (
     CheckpointPolicy,
     DryRun,
     Notify,
+    Profile,
     Resources,
     ResubmitPolicy,
     Retention,
@@ -55,6 +56,7 @@ class JobSpec(Section):
     alerts: AlertThresholds = Field(default_factory=AlertThresholds)
     notify: Notify = Field(default_factory=Notify)
     dry_run: DryRun = Field(default_factory=DryRun)
+    profile: Profile = Field(default_factory=Profile)
 
     @field_validator("command")
     @classmethod

@@ -1,5 +1,5 @@
 """The spec's sections: resources, checkpoint, retention, budget, resubmit, alerts,
-notify and dry run, each a frozen pydantic model that refuses unknown keys."""
+notify, dry run and profile, each a frozen pydantic model that refuses unknown keys."""
 
 from __future__ import annotations
 
@@ -241,6 +241,10 @@ class ResubmitPolicy(Section):
     region_failover: bool = Field(default=False, exclude=True)
     #: Switch to on-demand after this many preemptions; ``None`` stays on spot.
     on_demand_after_preemptions: int | None = Field(default=None, ge=1)
+    #: The most an instance-hour may cost, in USD: an attempt waits (first launch,
+    #: resubmit, after a preemption) until the provider's price is at or below it, and a
+    #: scheduled job launches it then. ``None``: launch at any price.
+    max_price: float | None = Field(default=None, gt=0, le=10_000)
 
 
 class AlertThresholds(Section):
@@ -300,3 +304,23 @@ class DryRun(Section):
     sample: str | None = None
     #: Run it on this machine's CPU instead of a cheap cloud instance.
     local: bool = True
+
+
+class Profile(Section):
+    """Profile the start of a real run on its own instance, project the whole run from
+    it, and ask before spending past the budget (the spec's ``profile``).
+
+    The window is ``steps`` steps or ``minutes`` of the first attempt, whichever ends
+    first; with neither, one epoch (the command's ``--steps`` divided by its
+    ``--epochs``), else a tenth of ``--steps``, else ten minutes.
+    """
+
+    enabled: bool = True
+    #: Steps to profile, counted from where the attempt starts.
+    steps: int | None = Field(default=None, ge=1)
+    #: Minutes of the attempt to profile, counted from its launch.
+    minutes: float | None = Field(default=None, gt=0, le=24 * 60)
+    #: Stop at a checkpoint and ask (Continue or Stop) when the projection passes the
+    #: budget or ``max_hours``, or the input pipeline starves the device; ``false`` only
+    #: posts the projection.
+    ask: bool = True

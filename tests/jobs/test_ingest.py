@@ -887,3 +887,44 @@ def test_a_nan_in_the_thinned_part_of_a_large_batch_still_fires(db_engine: Engin
     nan = recorder.fired("divergent_loss", "nan")
     assert len(nan) == 2  # the second batch and the third: the NaN stayed in the window
     assert {s.data["step"] for s in nan} == {15}
+
+
+def _profiled(engine: Engine, **window: Any) -> list[str]:
+    """An attempt with a profile window, and the list its due projections go to."""
+    add_run(engine, state=AttemptState.RUNNING)
+    with Session(engine) as session:
+        attempt = session.get(Attempt, "a-1")
+        assert attempt is not None
+        attempt.started_at = datetime.fromtimestamp(T0, timezone.utc)
+        for name, value in window.items():
+            setattr(attempt, name, value)
+        session.add(attempt)
+        session.commit()
+    return []
+
+
+def test_the_end_of_a_profile_window_is_told_once(db_engine: Engine) -> None:
+    due = _profiled(db_engine, profile_until_step=20)
+    svc = service(db_engine, on_profile_due=due.append)
+    bearer = f"Bearer {TOKEN}"
+    assert svc.handle(bearer, body([metrics(s) for s in range(10)])).status == 200
+    assert due == []
+    assert svc.handle(bearer, body([metrics(s) for s in range(10, 21)], first_seq=10)).status == 200
+    assert due == ["a-1"]
+    # Later batches, and the same batch again, say nothing more.
+    svc.handle(bearer, body([metrics(s) for s in range(10, 21)], first_seq=10))
+    svc.handle(bearer, body([metrics(s) for s in range(21, 30)], first_seq=21))
+    assert due == ["a-1"]
+    with Session(db_engine) as session:
+        attempt = session.get(Attempt, "a-1")
+        assert attempt is not None and attempt.profiled_at == NOW
+
+
+def test_a_profile_window_in_minutes_ends_by_the_events_time(db_engine: Engine) -> None:
+    due = _profiled(db_engine, profile_until_s=120.0)
+    svc = service(db_engine, on_profile_due=due.append)
+    bearer = f"Bearer {TOKEN}"
+    svc.handle(bearer, body([metrics(0)], times=[T0 + 119]))
+    assert due == []
+    svc.handle(bearer, body([metrics(1)], first_seq=1, times=[T0 + 121]))
+    assert due == ["a-1"]

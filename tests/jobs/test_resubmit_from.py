@@ -73,6 +73,16 @@ class Counter:
         self.step = int(state["step"])
 
 
+def write_checkpoints(run_id: str, root: str, *, last: int) -> None:
+    """Commit the run's checkpoints every 10 steps up to ``last``, as its runner would."""
+    config = SessionConfig(run_id=run_id, checkpoint_uri=root)
+    with Session(config, install_signals=False, decision=EverySteps(10), prefetch=False) as s:
+        counter = Counter()
+        s.track(counter=counter)
+        for step in s.steps(last):
+            counter.step = step + 1
+
+
 def _diverged_run(slack: Slack, tmp_path: Path) -> tuple[str, str, str]:
     """A stopped run (Ada's) with checkpoints 10, 20, 30, whose divergence began at step 25,
     and its stop alert offering step 20. Returns (run id, checkpoint root, alert id)."""
@@ -106,12 +116,7 @@ def _diverged_run(slack: Slack, tmp_path: Path) -> tuple[str, str, str]:
         session.add(run)
         session.flush()
         run_id = run.id
-    config = SessionConfig(run_id=run_id, checkpoint_uri=root)
-    with Session(config, install_signals=False, decision=EverySteps(10), prefetch=False) as s:
-        counter = Counter()
-        s.track(counter=counter)
-        for step in s.steps(30):
-            counter.step = step + 1
+    write_checkpoints(run_id, root, last=30)
     signal = Signal(
         rule="loss_spike", key="loss", severity=Severity.CRITICAL, title="Loss spiked",
         detail="loss 1.4e6 at step 31", hint="Acknowledge, or trainbot stops the run",

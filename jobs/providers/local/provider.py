@@ -162,11 +162,33 @@ class LocalProvider:
         return self._machine.instance_type_for(req)
 
     def price(self, req: ResourceRequest, *, zone: str | None = None) -> PriceQuote:
-        """The configured prices, so local spend is the same arithmetic as a cloud's."""
-        return machine.price(
-            spot_usd_per_hour=self.spot_usd_per_hour,
-            on_demand_usd_per_hour=self.on_demand_usd_per_hour,
-        )
+        """The configured prices (see :meth:`set_prices`), so local spend is the same
+        arithmetic as a cloud's."""
+        with self._lock:
+            return machine.price(
+                spot_usd_per_hour=self.spot_usd_per_hour,
+                on_demand_usd_per_hour=self.on_demand_usd_per_hour,
+            )
+
+    def set_prices(
+        self,
+        *,
+        spot_usd_per_hour: float | None = None,
+        on_demand_usd_per_hour: float | None = None,
+    ) -> None:
+        """Move the prices, as a spot market does (tests, the demo): later ``price`` calls
+        and launches see the new figures; a price limit's watcher launches on a drop."""
+        for label, value in (
+            ("spot_usd_per_hour", spot_usd_per_hour),
+            ("on_demand_usd_per_hour", on_demand_usd_per_hour),
+        ):
+            if value is not None and not 0 <= value < float("inf"):
+                raise ProviderError(f"local provider: {label} is {value}; use 0 or more")
+        with self._lock:
+            if spot_usd_per_hour is not None:
+                self.spot_usd_per_hour = spot_usd_per_hour
+            if on_demand_usd_per_hour is not None:
+                self.on_demand_usd_per_hour = on_demand_usd_per_hour
 
     def bucket_region(self, uri: str) -> str | None:
         """Local paths and file URIs are in this machine's region; anything else is unknown."""

@@ -1,0 +1,139 @@
+"""What a resubmit may change in a run's spec, the spec it makes, and what changed.
+
+A resubmit resumes a run's checkpoints, so what decides *where* they are and *who* hears
+about the run stays as it was launched: the checkpoint root, the channel, the budget's
+hard cap (``budget.usd=`` raises the budget by the existing, recorded path). The changes
+are validated exactly as a launch's overrides are (:func:`jobs.spec.parse_spec`: reserved
+``TRAINBOT_*`` env, the bounds of every value, the size of an override), so a resubmit
+is no way around them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from jobs.errors import SpecError, clip
+from jobs.spec.load import parse_spec
+from jobs.spec.model import JobSpec
+
+__all__ = [
+    "CHANGEABLE",
+    "TOP_LEVEL_CHANGES",
+    "Change",
+    "apply_changes",
+    "changed_paths",
+    "checks_for",
+]
+
+#: Spec keys a resubmit may change: a section with None takes any key under it, a set
+#: only the keys it names.
+CHANGEABLE: Mapping[str, frozenset[str] | None] = {
+    "command": frozenset(),
+    "env": None,
+    "max_hours": frozenset(),
+    "data_uri": frozenset(),
+    "description": frozenset(),
+    "resources": frozenset(
+        {
+            "region",
+            "regions",
+            "zones",
+            "instance_type",
+            "accelerator",
+            "spot",
+            "on_demand_fallback",
+            "disk_gb",
+            "allow_cross_region_data",
+        }
+    ),
+    "checkpoint": frozenset({"interval", "every_steps", "train_through_notice"}),
+    "resubmit": None,
+    "alerts": None,
+    "retention": None,
+    "profile": None,
+}
+#: The keys of :data:`CHANGEABLE` that are values, not sections.
+TOP_LEVEL_CHANGES = tuple(k for k, v in CHANGEABLE.items() if v == frozenset())
+
+#: Why the keys a resubmit may not change stay as they are.
+_WHY_NOT = {
+    "checkpoint.uri": "the run resumes its checkpoints where they are",
+    "notify": "the run keeps reporting where it was launched",
+    "budget": "budget.usd= is the budget setting a resubmit takes; the rest of the budget "
+    "(its hard cap, its thresholds) stays as launched",
+    "dry_run": "the dry run is part of a launch's preflight, not of a resubmit",
+    "name": "the run keeps its spec's name",
+    "resources.cloud": "a run stays with the provider it was launched on",
+}
+
+#: (dotted key, old value, new value).
+Change = tuple[str, Any, Any]
+
+
+def _refusal(key: str) -> str | None:
+    """Why ``key`` may not change on a resubmit; None when it may."""
+    parts = key.split(".")
+    for depth in (2, 1):
+        why = _WHY_NOT.get(".".join(parts[:depth]))
+        if why is not None and len(parts) >= depth:
+            return why
+    allowed = CHANGEABLE.get(parts[0], frozenset())
+    if parts[0] not in CHANGEABLE:
+        return "a resubmit does not change it"
+    if allowed == frozenset():
+        return None if len(parts) == 1 else f"{parts[0]} is a value, not a section"
+    if allowed is None or len(parts) == 1 or parts[1] in allowed:
+        return None
+    return "a resubmit does not change it"
+
+
+def apply_changes(stored: Mapping[str, Any], overrides: Sequence[str], *, name: str) -> JobSpec:
+    """The run's stored spec with ``overrides`` applied, validated as a launch's are.
+
+    A new region without new zones drops the old zones (they belong to the old region);
+    ``resources.region`` and ``resources.regions`` replace each other."""
+    for text in overrides:
+        key = text.partition("=")[0].strip()
+        why = _refusal(key)
+        if why is not None:
+            raise SpecError(
+                f"{clip(key)} cannot change on a resubmit: {why}. A resubmit changes "
+                "command, env.*, resources (region, regions, zones, instance_type, "
+                "accelerator, spot …), data_uri, max_hours, checkpoint.interval, "
+                "resubmit.*, alerts.*, retention.* and profile.*",
+                problems=[(key, why)],
+            )
+    keys = {text.partition("=")[0].strip() for text in overrides}
+    base = {k: v for k, v in stored.items() if k != "name"}
+    resources = dict(base.get("resources") or {})
+    if keys & {"resources.region", "resources.regions"}:
+        resources.pop("regions", None)
+        resources.pop("region", None)
+        if "resources.zones" not in keys:
+            resources.pop("zones", None)
+    base["resources"] = resources
+    return parse_spec(base, name=name, overrides=overrides)
+
+
+def changed_paths(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Change]:
+    """Every dotted key whose value differs between two spec dumps, sorted."""
+    found: list[Change] = []
+
+    def walk(prefix: str, a: Any, b: Any) -> None:
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            for key in sorted(set(a) | set(b)):
+                walk(f"{prefix}.{key}" if prefix else str(key), a.get(key), b.get(key))
+        elif a != b:
+            found.append((prefix, a, b))
+
+    walk("", old, new)
+    return found
+
+
+def checks_for(changes: Sequence[Change]) -> tuple[str, ...]:
+    """The preflight checks a set of changes needs again: a move (region, zones,
+    instance type, market, dataset) asks quota, capacity and data locality again; a
+    change of the command or the environment needs none of them."""
+    moved = any(key.startswith("resources.") or key == "data_uri" for key, _, _ in changes)
+    return ("quota", "capacity", "data") if moved else ()
