@@ -108,6 +108,11 @@ class CloudAnswers:
             raise ProviderError("access denied to s3://forbidden: grant s3:GetBucketLocation")
         return self.buckets.get(uri.split("/")[2])
 
+    def dry_run_request(
+        self, req: ResourceRequest, *, instance_type: str | None = None
+    ) -> ResourceRequest:
+        return req
+
     def launch(self, req: LaunchRequest) -> InstanceInfo:
         raise ProviderError("CloudAnswers launches nothing")
 

@@ -26,6 +26,7 @@ from jobs.providers.aws.errors import error_code, launch_error
 from jobs.providers.aws.status import TERMINATION_WINDOW_S, info
 from jobs.providers.base import (
     TAG_ATTEMPT_ID,
+    TAG_DRY_RUN,
     TAG_IDEMPOTENCY_KEY,
     TAG_MANAGED,
     TAG_OWNER,
@@ -187,17 +188,17 @@ def _launch_params(
     token: str,
     user_data: str,
 ) -> dict[str, Any]:
-    tags = [
-        {"Key": k, "Value": v[:256]}
-        for k, v in {
-            TAG_MANAGED: "true",
-            TAG_RUN_ID: req.run_id,
-            TAG_ATTEMPT_ID: req.attempt_id,
-            TAG_OWNER: req.owner,
-            TAG_IDEMPOTENCY_KEY: token,
-            "Name": f"trainbot {req.run_id} {req.attempt_id}",
-        }.items()
-    ]
+    named = {
+        TAG_MANAGED: "true",
+        TAG_RUN_ID: req.run_id,
+        TAG_ATTEMPT_ID: req.attempt_id,
+        TAG_OWNER: req.owner,
+        TAG_IDEMPOTENCY_KEY: token,
+        "Name": f"trainbot {req.run_id} {'dry run ' if req.dry_run else ''}{req.attempt_id}",
+    }
+    if req.dry_run:
+        named[TAG_DRY_RUN] = "true"
+    tags = [{"Key": k, "Value": v[:256]} for k, v in named.items()]
     image, root = _image(clients, config.image_id, clients.region)
     params: dict[str, Any] = {
         "ImageId": image,

@@ -21,6 +21,7 @@ from google.cloud import compute_v1
 
 from jobs.providers.base import (
     TAG_ATTEMPT_ID,
+    TAG_DRY_RUN,
     TAG_IDEMPOTENCY_KEY,
     TAG_MANAGED,
     TAG_OWNER,
@@ -142,6 +143,8 @@ def instance_body(
         TAG_OWNER: label_value(req.owner),
         TAG_IDEMPOTENCY_KEY: label_value(key),
     }
+    if req.dry_run:
+        labels[TAG_DRY_RUN] = "true"
     metadata = {
         "startup-script": script,
         "enable-guest-attributes": "TRUE",

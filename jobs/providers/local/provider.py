@@ -157,6 +157,13 @@ class LocalProvider:
         """One zone, available when this machine's quota covers the request."""
         return machine.capacity(req, self.quota(req))
 
+    def dry_run_request(
+        self, req: ResourceRequest, *, instance_type: str | None = None
+    ) -> ResourceRequest:
+        """The request itself: a local dry run is a process on this machine, not an
+        instance (``capabilities.runs_on_this_machine``)."""
+        return req
+
     def price(self, req: ResourceRequest, *, zone: str | None = None) -> PriceQuote:
         """The configured prices, so local spend is the same arithmetic as a cloud's."""
         return machine.price(
