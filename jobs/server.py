@@ -1,6 +1,6 @@
 """The control plane's HTTP server: runner ingest, health, metrics, and mounted apps.
 
-A plain WSGI application with a small router (no web framework: four routes do not need
+A plain WSGI application with a small router (no web framework: five routes do not need
 one, and the Slack app mounts under ``/slack/`` as a WSGI app of its own):
 
 - ``POST /v1/events``: :class:`jobs.ingest.IngestService`, JSON in and out;

@@ -219,6 +219,7 @@ def _dry_run(args: argparse.Namespace) -> int:
             mtbp_s=args.mtbp,
             timeout_s=args.timeout,
             on_saved=(lambda: reports.progress("saved")) if reports is not None else None,
+            read_sample=reports is not None,
         )
     except RunnerError as exc:
         if reports is None:

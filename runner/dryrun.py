@@ -28,7 +28,7 @@ from runner.dryrun_report import DryRunReport
 from runner.errors import RunnerError
 from runner.pidfile import end_stale_dry_run, record_process_group
 from runner.preemption import WINDOWS_S, choose_interval, daly_interval, flush_fits
-from runner.store import run_store
+from runner.store import open_store, run_store
 from runner.store.broker import STORE_CREDENTIALS_ENV
 from runner.telemetry import follow_file
 
@@ -91,6 +91,7 @@ def run_dry_run(
     log_path: Path | None = None,
     pid_file: Path | None = None,
     on_saved: Callable[[], None] | None = None,
+    read_sample: bool = False,
 ) -> DryRunReport:
     """Run both phases and report. The run id should be the dry run's own namespace.
 
@@ -99,6 +100,8 @@ def run_dry_run(
     the running phase's process group while it runs, so that a caller restarted after a
     crash can end it (:func:`end_stale_dry_run`); it is removed when the dry run ends.
     ``on_saved`` is called once the first phase has committed its checkpoint and died.
+    ``read_sample``: first list ``TRAINBOT_DATA_URI`` and read a byte of it with this
+    machine's own credentials, as the script will (:func:`read_sample`).
     """
     if not command:
         raise RunnerError("no command: write `trainbot-runner dry-run -- python train.py …`")
@@ -116,6 +119,16 @@ def run_dry_run(
         dropped.append("TRAINBOT_INGEST_URL")
     for key in dropped:
         base.pop(key, None)
+    sample = base.get("TRAINBOT_DATA_URI")
+    if read_sample and sample:
+        report.sample_uri = sample
+        try:
+            report.sample_objects, report.sample_bytes = _read_sample(sample)
+        except RunnerError as exc:
+            report.problems.append(
+                f"the data sample {sample} cannot be read with this instance's own "
+                f"credentials (the training script's): {exc}"
+            )
     deadline = time.monotonic() + timeout_s
     with contextlib.ExitStack() as stack:
         log = stack.enter_context(open(log_path, "ab")) if log_path is not None else None
@@ -234,6 +247,18 @@ def _run_phases(
             )
     report.ok = not report.problems
     return report
+
+
+def _read_sample(uri: str) -> tuple[int, int]:
+    """(objects, bytes) under the sample; its first object is opened and a byte read, so
+    both the listing and the read are allowed. Raises RunnerError."""
+    store = open_store(uri, credentials="default")
+    found = store.list()
+    if not found:
+        raise RunnerError("it holds no object")
+    with store.open_read(found[0].key) as stream:
+        stream.read(1)
+    return len(found), sum(o.size for o in found)
 
 
 def _read_commits(phase: _Phase, report: DryRunReport) -> None:

@@ -55,6 +55,11 @@ class DryRunReport:
     daly_interval_s: float | None = None
     #: Whether an emergency checkpoint fits each provider's termination window.
     emergency_fits: dict[str, bool] = field(default_factory=dict)
+    #: The data sample (``TRAINBOT_DATA_URI``) as this machine's own credentials read it,
+    #: where the dry run was asked to read it (a cloud dry run's instance).
+    sample_uri: str | None = None
+    sample_objects: int | None = None
+    sample_bytes: int | None = None
     problems: list[str] = field(default_factory=list)
 
     def to_json(self) -> str:

@@ -229,9 +229,8 @@ class CloudDryRun:
         kind, value = outcome
         seconds = _seconds(ended)
         cost = ended.cost_usd or 0.0
-        where = f"{ended.instance_type} {ended.instance_id or ''} in {ended.zone}".replace(
-            "  ", " "
-        )
+        what = " ".join(p for p in (ended.instance_type, ended.instance_id) if p)
+        where = f"{what} in {ended.zone}" if ended.zone else what
         instance = {
             "dry_run_id": ended.id,
             "instance_id": ended.instance_id,

@@ -175,6 +175,11 @@ class DryRunCheck:
             f"{stall}, restored bit-identical in {duration(report.restore_s)}; "
             f"checkpoint interval {interval_text(ctx.spec, interval, choice)}"
         )
+        if report.sample_objects is not None:
+            figures += (
+                f"; the data sample {report.sample_uri} is readable from the instance "
+                f"({report.sample_objects} objects, {size(report.sample_bytes)})"
+            )
         if window is None:
             return CheckResult(self.name, Status.PASS, figures, data=data)
         data["termination_window_s"] = window

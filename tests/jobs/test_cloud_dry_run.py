@@ -20,6 +20,8 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,18 +32,24 @@ import pytest
 from botocore.stub import Stubber
 from google.auth.credentials import AnonymousCredentials
 from moto.sts.models import sts_backends
+from sqlalchemy import Engine
+from sqlmodel import Session
 
 from jobs import service
 from jobs.bootstrap import ControlPlane
 from jobs.db import make_engine, session_scope
+from jobs.ingest import IngestService
 from jobs.lifecycle import RunState
-from jobs.models import DryRunInstance, Run
+from jobs.models import DryRunInstance, Run, hash_token
 from jobs.notify import CallbackJournal, CheckLine, TextMessage
 from jobs.providers.aws import AwsProvider
 from jobs.providers.base import TAG_DRY_RUN, TAG_RUN_ID, Provider, ResourceRequest
 from jobs.providers.gcp import GcpProvider
 from jobs.runs import reconcile
+from jobs.server import CREDENTIALS_PATH, ControlPlaneApp, serve
 from jobs.settings import load_settings
+from runner.store.gcs import GCSStore
+from runner.wire import DRY_RUN_ROUTE, encode_dry_run_post
 from tests.fakes import aws as fake
 from tests.fakes.gce_api import FakeComputeApi
 from tests.fakes.gcs_emulator import create_bucket, gcs_emulator
@@ -132,15 +140,18 @@ def wait_for(pred: Any, *, what: str, timeout: float = 60.0) -> Any:
 
 
 def aws_spec(bucket: str, url: str, *, command: str, timeout: str = "5m") -> str:
-    """Four T4s a run; the dry run gets the smallest T4 type. The instance's store reaches
-    moto's S3 through the spec's env, as it would reach S3."""
+    """Four T4s a run; the dry run gets the smallest T4 type. The instance reaches moto's
+    S3 through the spec's env, as it would reach S3; the keys in it stand for the instance
+    profile (the sample is read with the instance's own credentials, the checkpoints are
+    written with the broker's)."""
     return (
         f"command: {command}\n"
         "resources:\n  cloud: aws\n  accelerator: T4:4\n"
         f"checkpoint:\n  uri: s3://{bucket}/ckpt\n"
         "budget:\n  usd: 50\n"
         f"env:\n  AWS_ENDPOINT_URL_S3: {url}\n  AWS_DEFAULT_REGION: {on_aws.REGION}\n"
-        f"dry_run:\n  steps: 3\n  timeout: {timeout}\n"
+        "  AWS_ACCESS_KEY_ID: testing\n  AWS_SECRET_ACCESS_KEY: testing\n"
+        f"dry_run:\n  steps: 3\n  timeout: {timeout}\n  sample: s3://{bucket}/sample/\n"
     )
 
 
@@ -166,6 +177,7 @@ def aws_env(tmp_path: Path, moto: dict[str, Any], spec_yaml: str) -> dict[str, s
 @pytest.fixture(scope="module")
 def moto(moto_server: str) -> dict[str, Any]:
     bucket = fake.unique_bucket(moto_server, region=on_aws.REGION, prefix="ckpt")
+    fake.client("s3", moto_server).put_object(Bucket=bucket, Key="sample/shard-0", Body=b"12+7=19.")
     # Versioned, so a checkpoint deleted after the dry run still shows it was written.
     fake.client("s3", moto_server).put_bucket_versioning(
         Bucket=bucket, VersioningConfiguration={"Status": "Enabled"}
@@ -263,6 +275,8 @@ def test_aws_dry_run_on_the_cheapest_t4_commits_restores_reports_and_is_terminat
         boot_log = (tmp_path / instance_id / "boot.log").read_text(errors="replace")
         assert dry.status == "pass", (dry.detail, boot_log[-3000:])
         assert "restored bit-identical" in dry.detail and "ran on g4dn.xlarge" in dry.detail
+        assert f"the data sample s3://{bucket}/sample/ is readable" in dry.detail
+        assert "(1 objects, 8 B)" in dry.detail
         assert state_of(url, instance_id) in ("shutting-down", "terminated")
         [row] = dry_rows(cp, run_id)
         assert row.token_hash is None and row.ended_at is not None
@@ -459,6 +473,7 @@ def gcp_plane(
 ) -> Iterator[tuple[ControlPlane, on_aws.Recorder, str]]:
     bucket = create_bucket(host, prefix="ckpt")
     gce.buckets[bucket] = "US-CENTRAL1"
+    GCSStore(bucket, "sample", emulator_host=host).put_bytes("shard-0", b"12+7=19.")
     specs = tmp_path / "specs"
     specs.mkdir(exist_ok=True)
     (specs / "gpu.yaml").write_text(
@@ -467,7 +482,7 @@ def gcp_plane(
         f"checkpoint:\n  uri: gs://{bucket}/ckpt\n"
         "budget:\n  usd: 500\n"
         f"env:\n  STORAGE_EMULATOR_HOST: {host}\n"
-        "dry_run:\n  steps: 3\n  timeout: 5m\n"
+        f"dry_run:\n  steps: 3\n  timeout: 5m\n  sample: gs://{bucket}/sample\n"
     )
     settings = load_settings(
         {
@@ -503,7 +518,7 @@ def test_gcp_dry_run_on_one_a100_commits_to_gcs_restores_and_is_deleted(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_emulator)
-    with gcp_plane(tmp_path, gce, gcs_emulator, TINY) as (cp, notes, _bucket):
+    with gcp_plane(tmp_path, gce, gcs_emulator, TINY) as (cp, notes, bucket):
         run_id = preflight_only(cp)
         [inst] = wait_for(lambda: gcp_dry_runs(gce, run_id), what="the dry run's instance")
         # One A100 of the eight the run asks for, with the runner's service account.
@@ -516,6 +531,7 @@ def test_gcp_dry_run_on_one_a100_commits_to_gcs_restores_and_is_deleted(
         log = (tmp_path / inst["name"] / "boot.log").read_text(errors="replace")
         assert dry.status == "pass", (dry.detail, log[-3000:])
         assert "restored bit-identical" in dry.detail and "ran on a2-highgpu-1g" in dry.detail
+        assert f"the data sample gs://{bucket}/sample is readable" in dry.detail
         assert deleted(gce, inst["name"])
         [row] = dry_rows(cp, run_id)
         assert row.report is not None and row.report["checkpoint_bytes"] > 0
@@ -595,3 +611,83 @@ def test_the_dry_run_gets_the_cheapest_type_that_can_run_the_job(
     assert got.accelerator_count <= 1 or expected == "p4d.24xlarge"
     if instance_type == "cpu" or not request_.accelerator_type:
         assert got.accelerator_type is None and got.accelerator_count == 0
+
+
+# -- the report route and the credentials of a dry run's token --------------------------------
+
+
+class _Recording:
+    """A broker that says what it was asked for (the cloud's side is tested elsewhere)."""
+
+    def __init__(self) -> None:
+        self.asked: list[dict[str, str]] = []
+
+    def issue(self, **asked: str) -> dict[str, Any]:
+        self.asked.append(asked)
+        return {"Version": 1, "AccessKeyId": "k", "SecretAccessKey": "s", "SessionToken": "t"}
+
+
+def _post(url: str, token: str | None, body: bytes) -> tuple[int, dict[str, Any]]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    request = urllib.request.Request(url, data=body, method="POST", headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_the_report_route_takes_only_its_own_dry_run_s_token_until_it_ends(
+    db_engine: Engine,
+) -> None:
+    with Session(db_engine) as session:
+        session.add(
+            Run(id="r-1", spec_name="t", spec={}, requester="U1", checkpoint_uri="s3://b/ck")
+        )
+        session.flush()
+        for dry_id, token in (("d-1", "tok-1"), ("d-2", "tok-2")):
+            session.add(
+                DryRunInstance(
+                    id=dry_id, run_id="r-1", provider="aws", token_hash=hash_token(token)
+                )
+            )
+        session.commit()
+    broker = _Recording()
+    server = serve(
+        ControlPlaneApp(db_engine, IngestService(db_engine), credentials=broker), "127.0.0.1", 0
+    )
+    route = server.url + DRY_RUN_ROUTE
+    try:
+        saved = encode_dry_run_post("d-1", "saved")
+        assert _post(route, "tok-1", saved) == (200, {"stored": "saved"})
+        assert _post(route, None, saved)[0] == 401
+        assert _post(route, "tok-unknown", saved)[0] == 401
+        status, body = _post(route, "tok-2", saved)
+        assert status == 403 and "scoped to its dry run" in body["error"]
+        status, body = _post(route, "tok-1", b'{"v": 1, "dry_run": "d-1", "phase": "finished"}')
+        assert status == 400 and "'finished' phase" in body["error"]
+        assert _post(route, "tok-1", b"x" * (70 * 1024))[0] == 413
+        # The same token gets store credentials for the run's dry-run directory, no other.
+        status, _ = _post(server.url + CREDENTIALS_PATH, "tok-1", b"")
+        assert status == 200
+        assert broker.asked == [
+            {
+                "checkpoint_uri": "s3://b/ck",
+                "run_prefix": "r-1-dry-run",
+                "run_id": "r-1",
+                "attempt_id": "d-1",
+            }
+        ]
+        report = encode_dry_run_post("d-1", "finished", {"ok": True, "write_s": float("nan")})
+        assert _post(route, "tok-1", report)[0] == 200
+        with Session(db_engine) as session:
+            row = session.get(DryRunInstance, "d-1")
+            assert row is not None and row.phase == "finished"
+            assert row.report == {"ok": True, "write_s": "NaN"}, "JSON columns take no NaN"
+            row.token_hash = None  # the dry run ended
+            session.add(row)
+            session.commit()
+        assert _post(route, "tok-1", saved)[0] == 401
+        assert _post(server.url + CREDENTIALS_PATH, "tok-1", b"")[0] == 401
+    finally:
+        server.shutdown()

@@ -56,6 +56,7 @@ TABLES = {
     "scheduler_leases",
     "command_log",
     "oncall",
+    "dry_runs",
 }
 
 
