@@ -23,9 +23,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from runner.checkpoint import delete_steps, scan
 from runner.dryrun_report import DryRunReport
 from runner.errors import RunnerError
+from runner.layout import delete_steps, scan
 from runner.pidfile import end_stale_dry_run, record_process_group
 from runner.preemption import WINDOWS_S, choose_interval, daly_interval, flush_fits
 from runner.store import open_store, run_store

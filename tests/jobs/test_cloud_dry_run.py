@@ -198,9 +198,10 @@ def store_on_moto(monkeypatch: pytest.MonkeyPatch, moto: dict[str, Any]) -> None
 
 @contextmanager
 def aws_plane(
-    tmp_path: Path, moto: dict[str, Any], spec_yaml: str
+    tmp_path: Path, moto: dict[str, Any], spec_yaml: str, *, endpoint_url: str | None = None
 ) -> Iterator[tuple[ControlPlane, on_aws.Recorder, list[dict[str, Any]]]]:
-    aws = on_aws.make_aws(moto, boto3.session.Session())
+    """The control plane on moto; ``endpoint_url``: a gate in front of it (Ec2Gate)."""
+    aws = on_aws.make_aws(moto, boto3.session.Session(), endpoint_url=endpoint_url)
     quotas = Stubber(aws.client("service-quotas"))
     for code in (on_aws.G_SPOT, on_aws.G_ON_DEMAND):
         quotas.add_response(
@@ -249,17 +250,21 @@ def test_aws_dry_run_on_the_cheapest_t4_commits_restores_reports_and_is_terminat
     tmp_path: Path, moto: dict[str, Any], store_on_moto: None
 ) -> None:
     url, bucket = moto["url"], moto["bucket"]
-    with aws_plane(tmp_path, moto, aws_spec(bucket, url, command=TINY)) as (cp, notes, records):
+    gate = on_aws.Ec2Gate(url)  # records what RunInstances was asked for
+    spec = aws_spec(bucket, url, command=TINY)
+    with aws_plane(tmp_path, moto, spec, endpoint_url=gate.url) as (cp, notes, records):
         run_id = preflight_only(cp)
         [inst] = wait_for(lambda: dry_run_instances(url, run_id), what="the dry run's instance")
         instance_id = inst["InstanceId"]
         # The cheapest type of the run's accelerator, launched as attempts are: the real
         # boot script, the instance profile and the image, tagged as a dry run.
         assert inst["InstanceType"] == "g4dn.xlarge"
-        assert inst["IamInstanceProfile"]["Arn"].endswith("/trainbot-runner")
-        assert inst["ImageId"] == moto["image"]
-        env = on_aws.user_data_env(url, instance_id)
         [row] = dry_rows(cp, run_id)
+        [asked] = [f for f in gate.launches() if f.get("ClientToken") == row.id]
+        assert asked["IamInstanceProfile.Name"] == "trainbot-runner"
+        assert asked["ImageId"] == moto["image"]
+        assert asked["InstanceType"] == "g4dn.xlarge"
+        env = on_aws.user_data_env(url, instance_id)
         assert env["TRAINBOT_DRY_RUN_ID"] == row.id == on_aws.tags(inst)["trainbot-attempt-id"]
         assert env["TRAINBOT_STORE_CREDENTIALS"] == "broker"
         assert env["TRAINBOT_INGEST_URL"] == cp.deps.ingest_url
@@ -304,6 +309,7 @@ def test_aws_dry_run_on_the_cheapest_t4_commits_restores_reports_and_is_terminat
     manifests = [v for v in versions.get("Versions", []) if v["Key"].endswith("manifest.json")]
     assert manifests, "the dry run committed a checkpoint to the run's bucket"
     assert versions.get("DeleteMarkers"), "and preflight deleted it once it passed"
+    gate.close()
 
 
 def _user_data(url: str, instance_id: str) -> str:
