@@ -158,6 +158,12 @@ class Deps:
         self._timers = [t for t in self._timers if t.is_alive()] + [timer]
         timer.start()
 
+    @property
+    def closing(self) -> bool:
+        """``close`` has begun: long waits (a cloud dry run) end early instead of holding
+        the shutdown up."""
+        return self._closed
+
     def close(self) -> None:
         self._closed = True
         for t in self._timers:

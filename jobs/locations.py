@@ -23,7 +23,7 @@ from urllib.parse import unquote, urlparse
 
 from jobs.errors import SpecError
 
-__all__ = ["Location", "check_prefix", "checkpoint_root", "parse_location"]
+__all__ = ["Location", "check_prefix", "checkpoint_root", "dry_run_prefix", "parse_location"]
 
 #: Schemes the checkpoint stores understand (``gs`` is reserved for the GCS store).
 _SCHEMES = ("file", "s3", "gs")
@@ -31,6 +31,12 @@ _SCHEMES = ("file", "s3", "gs")
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9._-]{1,221}[a-z0-9]")
 #: A run's directory: a run id (``r-3f9c2a1b``) or a dry run's (``r-3f9c2a1b-dry-run``).
 _PREFIX = re.compile(r"r-[a-z0-9]{1,64}(-dry-run)?")
+
+
+def dry_run_prefix(run_id: str) -> str:
+    """A run's dry-run directory under its root, beside the run's own: the dry run
+    commits there, and its instance's brokered credentials reach nothing else."""
+    return f"{run_id}-dry-run"
 
 
 @dataclass(frozen=True)

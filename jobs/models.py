@@ -50,6 +50,7 @@ __all__ = [
     "Checkpoint",
     "CommandLog",
     "DeferredWork",
+    "DryRunInstance",
     "EnumText",
     "EventRow",
     "MetricBlock",
@@ -283,6 +284,44 @@ class Attempt(SQLModel, table=True):
     profiled_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
     created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
     started_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    ended_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+
+
+class DryRunInstance(SQLModel, table=True):
+    """The cloud instance of one preflight dry run (``jobs.preflight.cloud_dry_run``).
+
+    The row is written, with its token's hash, before the instance is launched, so that
+    a control plane restarted in the middle finds the instance (by id, or by the dry
+    run's id in its tags when the launch had not answered) and terminates it. Not an
+    attempt: nothing bills a run's attempts, retries or resubmits for it.
+    """
+
+    __tablename__ = "dry_runs"
+
+    id: str = Field(default_factory=lambda: new_id("d"), primary_key=True)
+    run_id: str = Field(foreign_key="runs.id", index=True)
+    provider: str
+    region: str | None = None
+    zone: str | None = None
+    instance_type: str | None = None
+    spot: bool = True
+    #: The provider's id for the instance; None until the launch answers.
+    instance_id: str | None = None
+    #: SHA-256 of the instance's token (:func:`hash_token`); NULL once the dry run has
+    #: ended, which revokes it (reports, credentials).
+    token_hash: str | None = Field(default=None, unique=True)
+    #: The last phase the instance reported ("started", "saved", "restored", "finished").
+    phase: str | None = None
+    #: ``runner.dryrun.DryRunReport`` as JSON, once the instance sent it.
+    report: dict[str, Any] | None = Field(default=None, sa_type=JSON)
+    #: Price per instance-hour at launch.
+    price_per_hour: float | None = None
+    #: Price × the seconds from launch to the end of its terminate.
+    cost_usd: float | None = None
+    #: Why it ended ("reported", "timed out", "instance ended", "control plane restarted").
+    end_reason: str | None = None
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+    launched_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
     ended_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
 
 

@@ -1,6 +1,6 @@
 """The control plane's HTTP server: runner ingest, health, metrics, and mounted apps.
 
-A plain WSGI application with a small router (no web framework: four routes do not need
+A plain WSGI application with a small router (no web framework: five routes do not need
 one, and the Slack app mounts under ``/slack/`` as a WSGI app of its own):
 
 - ``POST /v1/events``: :class:`jobs.ingest.IngestService`, JSON in and out;
@@ -8,6 +8,9 @@ one, and the Slack app mounts under ``/slack/`` as a WSGI app of its own):
   run (:class:`CredentialBroker`: on AWS :mod:`jobs.providers.aws.credentials`, on GCP
   :mod:`jobs.providers.gcp.credentials`), with the same runner token; 404 when no broker
   is configured;
+- ``POST /v1/dry-run``: a cloud dry run's instance reports its phase and its report, with
+  the dry run's own token (:class:`jobs.ingest.dry_run.DryRunIngest`); the same token
+  gets credentials for the run's dry-run directory from ``/v1/credentials``;
 - ``GET /healthz``: 200 when the database answers ``SELECT 1``, 503 when it does not;
 - ``GET /metrics``: Prometheus exposition from :mod:`jobs.prometheus` (OpenMetrics when
   the scraper asks for it).
@@ -68,10 +71,14 @@ from waitress.task import ErrorTask
 
 from jobs.errors import NotFound, PermissionDenied
 from jobs.ingest import IngestResult, IngestService
+from jobs.ingest.dry_run import DryRunIngest
+from jobs.locations import dry_run_prefix
 from jobs.models import Run
 from jobs.prometheus import ControlPlaneMetrics
 from jobs.providers.base import ProviderError
 from jobs.runs import checkpoint_prefix
+from runner.wire import DRY_RUN_ROUTE
+from runner.wire.dry_run import MAX_BODY_BYTES as _DRY_RUN_MAX_BODY
 
 if TYPE_CHECKING:
     from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
@@ -188,6 +195,7 @@ class ControlPlaneApp:
         app's own, reading the figures of ``engine``)."""
         self._engine = engine
         self._ingest = ingest
+        self._dry_runs = DryRunIngest(engine)
         self._credentials = credentials
         self.metrics = metrics if metrics is not None else ControlPlaneMetrics(engine)
         self._clock = clock
@@ -195,6 +203,7 @@ class ControlPlaneApp:
         self._routes: dict[str, dict[str, Callable[[WSGIEnvironment], _Reply]]] = {
             EVENTS_PATH: {"POST": self._events},
             CREDENTIALS_PATH: {"POST": self._issue_credentials},
+            DRY_RUN_ROUTE: {"POST": self._dry_run_report},
             "/healthz": {"GET": self._healthz},
             "/metrics": {"GET": self._metrics},
         }
@@ -292,11 +301,18 @@ class ControlPlaneApp:
         if length > _CREDENTIALS_MAX_BODY or length < 0:
             return _error(413, "a credentials request takes no body")
         _read_exactly(environ["wsgi.input"], length)
+        authorization = environ.get("HTTP_AUTHORIZATION")
+        dry_run = None
         try:
-            runner = self._ingest.runner_of(environ.get("HTTP_AUTHORIZATION"))
+            runner = self._ingest.runner_of(authorization)
+            if runner is None:
+                dry_run = self._dry_runs.principal(authorization)
         except SQLAlchemyError as exc:
             log.warning("credentials: the database failed: %s", type(exc).__name__)
             return _error(503, "the database is unavailable: retry later", [("Retry-After", "5")])
+        if dry_run is not None:
+            # A dry run's instance: its run's dry-run directory, and nothing else.
+            runner = (dry_run.run_id, dry_run.dry_run_id)
         if runner is None:
             return _error(
                 401,
@@ -317,6 +333,8 @@ class ControlPlaneApp:
             if run is None:  # pragma: no cover - an attempt's run is never deleted
                 return _error(404, f"run {run_id} does not exist")
             checkpoint_uri, prefix = run.checkpoint_uri or "", checkpoint_prefix(run)
+        if dry_run is not None:
+            prefix = dry_run_prefix(run_id)
         try:
             body = self._credentials.issue(
                 checkpoint_uri=checkpoint_uri,
@@ -335,6 +353,21 @@ class ControlPlaneApp:
                 503, "the cloud did not issue credentials: retry later", [("Retry-After", "5")]
             )
         return _Reply.json(200, body, [("Cache-Control", "no-store")])
+
+    def _dry_run_report(self, environ: WSGIEnvironment) -> _Reply:
+        """A dry run's phase or report (:class:`DryRunIngest`); the token is never logged."""
+        try:
+            length = int((environ.get("CONTENT_LENGTH") or "").strip())
+        except ValueError:
+            return _error(411, "send the report with a valid Content-Length header")
+        if length < 0 or length > _DRY_RUN_MAX_BODY:
+            return _error(413, f"a dry-run report takes at most {_DRY_RUN_MAX_BODY} bytes")
+        body = _read_exactly(environ["wsgi.input"], length)
+        if len(body) < length:
+            return _error(400, f"body ended after {len(body)} of {length} bytes")
+        result = self._dry_runs.handle(environ.get("HTTP_AUTHORIZATION"), body)
+        headers = [("Retry-After", "5")] if result.status == 503 else []
+        return _Reply.json(result.status, result.body, headers)
 
     def _healthz(self, environ: WSGIEnvironment) -> _Reply:
         try:

@@ -157,6 +157,16 @@ def resume_preflights(deps: Deps) -> list[str]:
         workdir = deps.settings.state_dir / "preflight" / run_id
         if end_stale_dry_run(workdir / preflight.DRY_RUN_PID_FILE):
             deps.journal.record("dry_run_ended", run_id, reason="control plane restarted")
+        for ended in preflight.end_stale_dry_runs(
+            deps.engine, deps.provider, run_id, clock=deps.clock
+        ):
+            deps.journal.record(
+                "dry_run_ended",
+                run_id,
+                reason="control plane restarted",
+                instance=ended.instance_id,
+                cost_usd=ended.cost_usd,
+            )
         with session_scope(deps.engine) as session:
             say(
                 deps,
@@ -189,6 +199,7 @@ def _preflight_then_launch(
         spec = spec_of(run)
         channel, thread_ts = channel_of(run), run.thread_ts
         checkpoint_uri = run.checkpoint_uri or deps.settings.checkpoint_uri
+        requester = run.requester
     workdir = deps.settings.state_dir / "preflight" / run_id
     workdir.mkdir(parents=True, exist_ok=True)
     ctx = preflight.PreflightContext(
@@ -204,6 +215,7 @@ def _preflight_then_launch(
             {"PYTHONPATH": _code_root()} if deps.provider.capabilities.runs_on_this_machine else {}
         ),
         workdir=workdir,
+        cloud=_cloud_dry_run(deps, run_id, owner=requester),
     )
 
     def on_result(result: preflight.CheckResult) -> None:
@@ -250,6 +262,29 @@ def _preflight_then_launch(
         state, budget = run.state, run.budget_usd
     if state == RunState.LAUNCHING:
         budget_then_launch(deps, run_id, budget=budget, thresholds=spec.budget.thresholds)
+
+
+def _cloud_dry_run(deps: Deps, run_id: str, *, owner: str) -> preflight.CloudDryRun | None:
+    """What a dry run on a cloud instance needs; None with the local provider (a local
+    process) or without a URL instances can report to."""
+    if deps.provider.capabilities.runs_on_this_machine or not deps.ingest_url:
+        return None
+
+    def say_in_thread(text: str) -> None:
+        with session_scope(deps.engine) as session:
+            say(deps, get_run(session, run_id), "info", text)
+
+    return preflight.CloudDryRun(
+        engine=deps.engine,
+        token_for=deps.runner_token,
+        ingest_url=deps.ingest_url,
+        store_credentials=deps.store_credentials,
+        owner=owner,
+        say=say_in_thread,
+        record=lambda type_, **data: deps.journal.record(type_, run_id, **data),
+        clock=deps.clock,
+        stopping=lambda: deps.closing,
+    )
 
 
 def _code_root() -> str:

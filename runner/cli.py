@@ -199,25 +199,40 @@ def _exec(args: argparse.Namespace) -> int:
 
 
 def _dry_run(args: argparse.Namespace) -> int:
-    from runner.dryrun import run_dry_run
+    from runner.dryrun import DryRunReport, run_dry_run
+    from runner.dryrun_report import DryRunReports
 
     uri = args.checkpoint_uri or os.environ.get("TRAINBOT_CHECKPOINT_URI")
     if not uri:
         raise RunnerError("say where checkpoints go: --checkpoint-uri or TRAINBOT_CHECKPOINT_URI")
     run_id = args.run_id or f"{os.environ.get('TRAINBOT_RUN_ID') or 'local'}-dry-run"
-    report = run_dry_run(
-        _command(args),
-        checkpoint_uri=uri,
-        run_id=run_id,
-        steps=args.steps,
-        mtbp_s=args.mtbp,
-        timeout_s=args.timeout,
-    )
+    # On a cloud dry run's instance: where it stands, and its report, go to the control plane.
+    reports = DryRunReports.from_env(os.environ)
+    if reports is not None:
+        reports.progress("started")
+    try:
+        report = run_dry_run(
+            _command(args),
+            checkpoint_uri=uri,
+            run_id=run_id,
+            steps=args.steps,
+            mtbp_s=args.mtbp,
+            timeout_s=args.timeout,
+            on_saved=(lambda: reports.progress("saved")) if reports is not None else None,
+            read_sample=reports is not None,
+        )
+    except RunnerError as exc:
+        if reports is None:
+            raise
+        # The control plane is waiting: it gets the reason rather than a silent instance.
+        report = DryRunReport(mtbp_s=args.mtbp, problems=[f"it could not start: {exc}"])
     for line in report.lines():
         print(line)
     if args.report is not None:
         args.report.write_text(report.to_json())
     print(json.dumps(json.loads(report.to_json())))
+    if reports is not None:
+        reports.finish(report)
     return 0 if report.ok else EXIT_FAILED
 
 

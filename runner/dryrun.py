@@ -13,73 +13,26 @@ preemptions M, with C the stall and the write time as the floor
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import statistics
 import subprocess
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from runner.checkpoint import delete_steps, scan
+from runner.dryrun_report import DryRunReport
 from runner.errors import RunnerError
+from runner.layout import delete_steps, scan
 from runner.pidfile import end_stale_dry_run, record_process_group
 from runner.preemption import WINDOWS_S, choose_interval, daly_interval, flush_fits
-from runner.store import run_store
+from runner.store import open_store, run_store
+from runner.store.broker import STORE_CREDENTIALS_ENV
 from runner.telemetry import follow_file
 
 __all__ = ["DryRunReport", "daly_interval", "end_stale_dry_run", "run_dry_run"]
-
-
-@dataclass
-class DryRunReport:
-    """What the dry run measured and whether the round trip held."""
-
-    ok: bool = False
-    steps_before_kill: int = 0
-    steps_after_restore: int = 0
-    step_time_s: float | None = None
-    checkpoint_bytes: int | None = None
-    write_s: float | None = None
-    #: Seconds a periodic save blocked the loop (median over the saves after the first,
-    #: which also allocates the staging buffers); None from a runner that does not say.
-    stall_s: float | None = None
-    restore_s: float | None = None
-    saved_sha256: str | None = None
-    restored_sha256: str | None = None
-    mtbp_s: float = 3600.0
-    #: Daly's interval for C = the stall, floored at the write time, if every preemption
-    #: lost the work since the last checkpoint (no emergency checkpoint).
-    daly_interval_s: float | None = None
-    #: Whether an emergency checkpoint fits each provider's termination window.
-    emergency_fits: dict[str, bool] = field(default_factory=dict)
-    problems: list[str] = field(default_factory=list)
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=True)
-
-    def lines(self) -> list[str]:
-        def fmt(v: float | None, unit: str) -> str:
-            return "n/a" if v is None else f"{v:.3f}{unit}"
-
-        out = [
-            f"dry run: {'PASSED' if self.ok else 'FAILED'}",
-            f"  step time        {fmt(self.step_time_s, ' s')}",
-            f"  checkpoint       {self.checkpoint_bytes or 0:,} bytes, "
-            f"write {fmt(self.write_s, ' s')}, restore {fmt(self.restore_s, ' s')}, "
-            f"stall {fmt(self.stall_s, ' s')}",
-            f"  state after restore bit-identical: {self.saved_sha256 == self.restored_sha256}",
-            f"  Daly interval    {fmt(self.daly_interval_s, ' s')} for MTBP {self.mtbp_s:.0f} s",
-        ]
-        for name, fits in sorted(self.emergency_fits.items()):
-            window = WINDOWS_S[name]
-            out.append(f"  emergency checkpoint within {name}'s {window:.0f} s window: {fits}")
-        out.extend(f"  problem: {p}" for p in self.problems)
-        return out
 
 
 class _Phase:
@@ -137,6 +90,8 @@ def run_dry_run(
     env: Mapping[str, str] | None = None,
     log_path: Path | None = None,
     pid_file: Path | None = None,
+    on_saved: Callable[[], None] | None = None,
+    read_sample: bool = False,
 ) -> DryRunReport:
     """Run both phases and report. The run id should be the dry run's own namespace.
 
@@ -144,6 +99,9 @@ def run_dry_run(
     of its own terminal), else to this process's stdout and stderr. ``pid_file`` names
     the running phase's process group while it runs, so that a caller restarted after a
     crash can end it (:func:`end_stale_dry_run`); it is removed when the dry run ends.
+    ``on_saved`` is called once the first phase has committed its checkpoint and died.
+    ``read_sample``: first list ``TRAINBOT_DATA_URI`` and read a byte of it with this
+    machine's own credentials, as the script will (:func:`read_sample`).
     """
     if not command:
         raise RunnerError("no command: write `trainbot-runner dry-run -- python train.py …`")
@@ -155,8 +113,22 @@ def run_dry_run(
     delete_steps(store, found, set(found.objects))  # a dry run starts from nothing
     base = dict(os.environ if env is None else env)
     base.update(TRAINBOT_RUN_ID=run_id, TRAINBOT_CHECKPOINT_URI=checkpoint_uri)
-    for key in ("TRAINBOT_INGEST_URL", "TRAINBOT_CHECKPOINT_INTERVAL_S", "TRAINBOT_STOP_FILE"):
+    dropped = ["TRAINBOT_CHECKPOINT_INTERVAL_S", "TRAINBOT_STOP_FILE", "TRAINBOT_CHECKPOINT_PREFIX"]
+    if base.get(STORE_CREDENTIALS_ENV) != "broker":
+        # Events go to each phase's file; the URL stays only for the store's broker.
+        dropped.append("TRAINBOT_INGEST_URL")
+    for key in dropped:
         base.pop(key, None)
+    sample = base.get("TRAINBOT_DATA_URI")
+    if read_sample and sample:
+        report.sample_uri = sample
+        try:
+            report.sample_objects, report.sample_bytes = _read_sample(sample)
+        except RunnerError as exc:
+            report.problems.append(
+                f"the data sample {sample} cannot be read with this instance's own "
+                f"credentials (the training script's): {exc}"
+            )
     deadline = time.monotonic() + timeout_s
     with contextlib.ExitStack() as stack:
         log = stack.enter_context(open(log_path, "ab")) if log_path is not None else None
@@ -173,6 +145,7 @@ def run_dry_run(
             steps=steps,
             mtbp_s=mtbp_s,
             pid_file=pid_file,
+            on_saved=on_saved,
         )
 
 
@@ -187,6 +160,7 @@ def _run_phases(
     steps: int,
     mtbp_s: float,
     pid_file: Path | None = None,
+    on_saved: Callable[[], None] | None = None,
 ) -> DryRunReport:
     first = _Phase(
         command,
@@ -215,6 +189,8 @@ def _run_phases(
         times = times[1:]  # the first step pays for warm-up
     report.step_time_s = statistics.median(times) if times else None
     _read_commits(first, report)
+    if on_saved is not None:
+        on_saved()
 
     second = _Phase(
         command,
@@ -271,6 +247,18 @@ def _run_phases(
             )
     report.ok = not report.problems
     return report
+
+
+def _read_sample(uri: str) -> tuple[int, int]:
+    """(objects, bytes) under the sample; its first object is opened and a byte read, so
+    both the listing and the read are allowed. Raises RunnerError."""
+    store = open_store(uri, credentials="default")
+    found = store.list()
+    if not found:
+        raise RunnerError("it holds no object")
+    with store.open_read(found[0].key) as stream:
+        stream.read(1)
+    return len(found), sum(o.size for o in found)
 
 
 def _read_commits(phase: _Phase, report: DryRunReport) -> None:

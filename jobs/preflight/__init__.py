@@ -10,6 +10,12 @@ from __future__ import annotations
 
 from jobs.preflight.budget import BudgetCheck
 from jobs.preflight.capacity import CapacityCheck
+from jobs.preflight.cloud_dry_run import (
+    CloudDryRun,
+    end_dry_run,
+    end_stale_dry_runs,
+    live_dry_run_ids,
+)
 from jobs.preflight.data import DataLocalityCheck
 from jobs.preflight.dry_run import DRY_RUN_PID_FILE, DryRunCheck, dry_run_command
 from jobs.preflight.interval import (
@@ -40,6 +46,7 @@ __all__ = [
     "CapacityCheck",
     "Check",
     "CheckResult",
+    "CloudDryRun",
     "DataLocalityCheck",
     "DryRunCheck",
     "InstanceShapeCheck",
@@ -51,7 +58,10 @@ __all__ = [
     "checkpoint_interval",
     "default_checks",
     "dry_run_command",
+    "end_dry_run",
+    "end_stale_dry_runs",
     "interval_choice",
+    "live_dry_run_ids",
     "one_larger_instance",
     "resource_request",
     "run_preflight",

@@ -1,8 +1,10 @@
-"""The dry run check: the real command through a checkpoint round trip, where allowed.
+"""The dry run check: the real command through a checkpoint round trip.
 
-Only a provider whose instances run on this machine gets a dry run here; with a cloud
-provider the control plane runs nothing from a spec, and the check warns with the exact
-``trainbot-runner dry-run`` command a person can run (:func:`dry_run_command`).
+Only a provider whose instances run on this machine gets a dry run here, as a local
+process; with a cloud provider the control plane runs nothing from a spec and launches a
+cheap instance for it instead (:mod:`jobs.preflight.cloud_dry_run`), or, with
+``dry_run.local=true``, warns with the exact ``trainbot-runner dry-run`` command a
+person can run (:func:`dry_run_command`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from runner.errors import RunnerError
 from runner.preemption import flush_fits
 
 if TYPE_CHECKING:
-    from runner.dryrun import DryRunReport
+    from runner.dryrun_report import DryRunReport
 
 __all__ = ["DRY_RUN_PID_FILE", "DryRunCheck", "dry_run_command"]
 
@@ -36,14 +38,16 @@ DRY_RUN_PID_FILE = "dry-run.pid"
 
 
 class DryRunCheck:
-    """The real command through a checkpoint round trip, where the provider allows it.
+    """The real command through a checkpoint round trip.
 
-    Only where ``capabilities.runs_on_this_machine`` (the local provider), on this
-    machine's CPU: ``dry_run.steps`` steps, a checkpoint committed to the real store under
+    ``dry_run.steps`` steps, a checkpoint committed to the real store under
     ``{run_id}-dry-run``, killed, restored, verified bit-identical, two more steps
-    (``runner.dryrun``). With a cloud provider it warns with the command a person can run
-    (``dry_run.local`` cannot change that). The dry run's checkpoints are deleted on
-    success and kept on failure. Why: docs/architecture.md, "Preflight".
+    (``runner.dryrun``): on this machine's CPU where ``capabilities.runs_on_this_machine``
+    (the local provider), else on a cheap instance of the cloud (``ctx.cloud``), never on
+    the control plane. With ``dry_run.local`` on a cloud, or a control plane instances
+    cannot report to, it warns with the command a person can run. The dry run's
+    checkpoints are deleted on success and kept on failure. Why: docs/architecture.md,
+    "Preflight".
     """
 
     name: str = "dry_run"
@@ -63,7 +67,13 @@ class DryRunCheck:
                 data={"skipped": True},
             )
         if not ctx.provider.capabilities.runs_on_this_machine:
-            return self._not_here(ctx)
+            if settings.local or ctx.cloud is None:
+                return self._not_here(ctx)
+            # On a cheap instance of the run's cloud (jobs.preflight.cloud_dry_run).
+            result = ctx.cloud.run(ctx, judge=lambda report: self.evaluate(report, ctx))
+            if result.status is not Status.FAIL:
+                self._clean_up(ctx)
+            return result
         try:
             from runner.dryrun import run_dry_run
         except ImportError as exc:
@@ -104,13 +114,18 @@ class DryRunCheck:
         command = dry_run_command(ctx)
         names = ", ".join(sorted(ctx.spec.env))
         with_env = f", with the spec's env ({names}) set as the run has it" if names else ""
+        why = (
+            "dry_run.local=true launches no instance for it"
+            if ctx.spec.dry_run.local
+            else "no cloud instance could be launched for it here (these checks run outside "
+            "a started control plane, so an instance would have nowhere to report)"
+        )
         return CheckResult(
             self.name,
             Status.WARN,
             f"the dry run did not run: with the {ctx.provider.name} provider the control "
-            "plane never runs a spec's command on its own machine, and dry runs on a cloud "
-            "instance are not available yet; checkpoint and restore are untested, and there "
-            "is no step time for the cost estimate",
+            f"plane never runs a spec's command on its own machine, and {why}; checkpoint "
+            "and restore are untested, and there is no step time for the cost estimate",
             "run the dry run on your own machine, with the runner installed and access to "
             f"the checkpoint store: `{command}`{with_env}; launch anyway once it passes",
             data={"skipped": True, "reason": "not_on_this_machine", "command": command},
@@ -160,6 +175,11 @@ class DryRunCheck:
             f"{stall}, restored bit-identical in {duration(report.restore_s)}; "
             f"checkpoint interval {interval_text(ctx.spec, interval, choice)}"
         )
+        if report.sample_objects is not None:
+            figures += (
+                f"; the data sample {report.sample_uri} is readable from the instance "
+                f"({report.sample_objects} objects, {size(report.sample_bytes)})"
+            )
         if window is None:
             return CheckResult(self.name, Status.PASS, figures, data=data)
         data["termination_window_s"] = window
@@ -220,26 +240,29 @@ def dry_run_command(ctx: PreflightContext) -> str:
     The spec's ``env`` is left out: its values may be tokens, and this text is posted in
     the run's thread; the caller names the variables instead.
     """
-    settings = ctx.spec.dry_run
-    sample = settings.sample or ctx.spec.data_uri
+    sample = ctx.spec.dry_run.sample or ctx.spec.data_uri
     prefix = ["env", f"TRAINBOT_DATA_URI={sample}"] if sample else []
-    return shlex.join(
-        [
-            *prefix,
-            "trainbot-runner",
-            "dry-run",
-            "--steps",
-            str(settings.steps),
-            "--mtbp",
-            f"{ctx.mtbp_s:g}",
-            "--checkpoint-uri",
-            ctx.checkpoint_uri,
-            "--run-id",
-            ctx.dry_run_id,
-            "--",
-            *ctx.spec.command,
-        ]
-    )
+    return shlex.join([*prefix, *dry_run_args(ctx)])
+
+
+def dry_run_args(ctx: PreflightContext, *, timeout_s: float | None = None) -> list[str]:
+    """``trainbot-runner dry-run``'s words for this context, the spec's command last."""
+    timeout = ["--timeout", f"{timeout_s:g}"] if timeout_s is not None else []
+    return [
+        "trainbot-runner",
+        "dry-run",
+        "--steps",
+        str(ctx.spec.dry_run.steps),
+        "--mtbp",
+        f"{ctx.mtbp_s:g}",
+        *timeout,
+        "--checkpoint-uri",
+        ctx.checkpoint_uri,
+        "--run-id",
+        ctx.dry_run_id,
+        "--",
+        *ctx.spec.command,
+    ]
 
 
 def _emergency_fits(report: DryRunReport, window_s: float) -> bool:

@@ -12,11 +12,15 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
+from jobs.locations import dry_run_prefix
 from jobs.notify import CheckLine, PreflightMessage
 from jobs.providers.base import Provider, ResourceRequest
 from jobs.spec import JobSpec
+
+if TYPE_CHECKING:
+    from jobs.preflight.cloud_dry_run import CloudDryRun
 
 __all__ = [
     "Check",
@@ -83,6 +87,9 @@ class PreflightContext:
     env: Mapping[str, str]
     #: Where dry-run scratch goes.
     workdir: Path
+    #: With a cloud provider: what launching the dry run on a cheap instance needs (the
+    #: database, tokens, the URL instances report to); None: the check cannot, and warns.
+    cloud: CloudDryRun | None = None
 
     def __post_init__(self) -> None:
         if not self.mtbp_s > 0 or not math.isfinite(self.mtbp_s):
@@ -91,7 +98,7 @@ class PreflightContext:
     @property
     def dry_run_id(self) -> str:
         """The dry run's namespace in the checkpoint store, apart from the run's own."""
-        return f"{self.run_id}-dry-run"
+        return dry_run_prefix(self.run_id)
 
 
 class Check(Protocol):

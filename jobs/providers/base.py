@@ -22,7 +22,9 @@ from typing import Protocol, runtime_checkable
 from jobs.errors import TrainbotError
 
 __all__ = [
+    "CPU_INSTANCE",
     "TAG_ATTEMPT_ID",
+    "TAG_DRY_RUN",
     "TAG_IDEMPOTENCY_KEY",
     "TAG_MANAGED",
     "TAG_OWNER",
@@ -53,6 +55,11 @@ TAG_RUN_ID = "trainbot-run-id"
 TAG_ATTEMPT_ID = "trainbot-attempt-id"
 TAG_OWNER = "trainbot-owner"
 TAG_IDEMPOTENCY_KEY = "trainbot-idempotency-key"
+#: On a preflight dry run's instance only ("true"): its TAG_ATTEMPT_ID is the dry run's
+#: id, which no attempt has, so reconcile asks the dry runs before calling it an orphan.
+TAG_DRY_RUN = "trainbot-dry-run"
+#: ``dry_run.instance_type`` for "the cheapest CPU type": the script runs without a GPU.
+CPU_INSTANCE = "cpu"
 
 
 # -- errors ------------------------------------------------------------------------------
@@ -241,6 +248,9 @@ class LaunchRequest:
     idempotency_key: str = ""
     # Spot capacity rather than on-demand (after N preemptions the policy switches).
     spot: bool = True
+    # A preflight dry run's instance (``attempt_id`` is the dry run's id): launched the
+    # same way, and tagged TAG_DRY_RUN so that nothing takes it for an attempt's.
+    dry_run: bool = False
 
     def tags(self, idempotency_key: str) -> dict[str, str]:
         """The tags (AWS) or labels (GCP) of its instance, before each cloud's limits on
@@ -251,6 +261,7 @@ class LaunchRequest:
             TAG_ATTEMPT_ID: self.attempt_id,
             TAG_OWNER: self.owner,
             TAG_IDEMPOTENCY_KEY: idempotency_key,
+            **({TAG_DRY_RUN: "true"} if self.dry_run else {}),
         }
 
 
@@ -368,6 +379,14 @@ class Provider(Protocol):
         accelerators (its type and count) in one instance; None when no type does, and
         for a CPU-only request. Preflight asks whether N instances of k accelerators
         could be one instance of N·k."""
+
+    def dry_run_request(
+        self, req: ResourceRequest, *, instance_type: str | None = None
+    ) -> ResourceRequest:
+        """The cheapest request that can run ``req``'s preflight dry run, from the catalog:
+        ``instance_type`` when given (``"cpu"``: the cheapest CPU type), else one instance
+        of the smallest type of the same accelerator, or the cheapest CPU type for a
+        request without one. One instance, in ``req``'s region, zones and market."""
         ...
 
     def launch(self, req: LaunchRequest) -> InstanceInfo:

@@ -17,6 +17,7 @@ from jobs.db import session_scope
 from jobs.deps import Deps
 from jobs.lifecycle import AttemptState, RunState
 from jobs.models import Attempt, Run
+from jobs.preflight import live_dry_run_ids
 from jobs.providers.base import InstanceNotFound, InstanceState, ProviderError
 from jobs.rules import LostHeartbeat
 from jobs.runs.cards import alert_config, raise_signals, run_context
@@ -70,6 +71,8 @@ def reconcile(deps: Deps) -> dict[str, int]:
             )
             for a, r in rows
         }
+        # A preflight dry run's instance is tagged with the dry run's id, not an attempt's.
+        dry_runs = live_dry_run_ids(session)
     try:
         instances = deps.provider.list_instances()
     except ProviderError as exc:
@@ -79,7 +82,8 @@ def reconcile(deps: Deps) -> dict[str, int]:
     # Orphans: tagged by us, owned by no live attempt. One whose ended attempt is having
     # it terminated already (end_attempt does that off its caller's thread) is left to it.
     for inst in instances:
-        orphan = inst.attempt_id not in live and not inst.state.is_terminal()
+        owned = inst.attempt_id in live or inst.attempt_id in dry_runs
+        orphan = not owned and not inst.state.is_terminal()
         if orphan and terminate_instance(deps, inst.instance_id, wait=False):
             deps.journal.record("orphan_terminated", inst.run_id, instance=inst.instance_id)
             counts["orphans"] += 1

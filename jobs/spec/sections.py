@@ -302,8 +302,17 @@ class DryRun(Section):
     steps: int = Field(default=20, ge=1)
     #: URI of a small data sample; ``None`` uses ``data_uri``.
     sample: str | None = None
-    #: Run it on this machine's CPU instead of a cheap cloud instance.
-    local: bool = True
+    #: On a cloud provider, launch no instance: the check warns with the
+    #: ``trainbot-runner dry-run`` command to run on your own machine. (With the local
+    #: provider the dry run is always a local process.)
+    local: bool = False
+    #: The cloud instance type it runs on; ``cpu``: the cheapest CPU type, for a script
+    #: that runs without a GPU; ``None``: the cheapest type of the run's accelerator with
+    #: the fewest of them (or of CPU types, for a CPU run), from the provider's catalog.
+    instance_type: str | None = Field(default=None, max_length=64, pattern=r"^[a-z0-9][a-z0-9.-]*$")
+    #: How long preflight waits for the cloud instance's report (boot, install, both
+    #: phases) before it fails the check and terminates the instance.
+    timeout: Duration = Field(default=1800.0, gt=0, le=6 * 3600)
 
 
 class Profile(Section):

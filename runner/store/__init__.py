@@ -31,12 +31,16 @@ __all__ = [
 _SEGMENT = re.compile(r"[A-Za-z0-9._-]{1,200}")
 
 
-def open_store(uri: str | Path, *, endpoint_url: str | None = None) -> Store:
+def open_store(
+    uri: str | Path, *, endpoint_url: str | None = None, credentials: str | None = None
+) -> Store:
     """The store for a URI: a path, ``file://…``, ``s3://bucket/prefix`` or
     ``gs://bucket/prefix``.
 
     ``endpoint_url`` (or ``TRAINBOT_S3_ENDPOINT_URL``/``AWS_ENDPOINT_URL_S3``) points S3
     at any S3-compatible service; ``STORAGE_EMULATOR_HOST`` points gs:// at a GCS emulator.
+    ``credentials``: a cloud store's ``"default"`` or ``"broker"`` (unset:
+    ``TRAINBOT_STORE_CREDENTIALS``); ``"default"`` reads data as the training script does.
     """
     text = str(uri).strip()
     if not text:
@@ -67,6 +71,7 @@ def open_store(uri: str | Path, *, endpoint_url: str | None = None) -> Store:
             endpoint_url=endpoint_url
             or os.environ.get("TRAINBOT_S3_ENDPOINT_URL")
             or os.environ.get("AWS_ENDPOINT_URL_S3"),
+            credentials=credentials,
         )
     if parsed.scheme == "gs":
         if not parsed.netloc:
@@ -81,7 +86,9 @@ def open_store(uri: str | Path, *, endpoint_url: str | None = None) -> Store:
                 "pip install google-cloud-storage"
             ) from exc
 
-        return GCSStore(bucket=parsed.netloc, prefix=parsed.path.strip("/"))
+        return GCSStore(
+            bucket=parsed.netloc, prefix=parsed.path.strip("/"), credentials=credentials
+        )
     raise BadURIError(
         f"unsupported checkpoint URI scheme {parsed.scheme!r} in {text!r}: "
         "use a local path, file:///path, s3://bucket/prefix or gs://bucket/prefix"

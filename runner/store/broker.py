@@ -45,11 +45,17 @@ _FIELDS = {
 }
 
 
-def credentials_url(ingest_url: str) -> str:
-    """The broker's URL from ``TRAINBOT_INGEST_URL`` (the events URL, or the base URL)."""
+def route_url(ingest_url: str, route: str) -> str:
+    """A control-plane route's URL from ``TRAINBOT_INGEST_URL`` (the events URL, or the
+    base URL): the broker's, the dry run's report."""
     base = ingest_url.rstrip("/")
     base = base.removesuffix(_EVENTS_ROUTE)
-    return base + CREDENTIALS_ROUTE
+    return base + route
+
+
+def credentials_url(ingest_url: str) -> str:
+    """The broker's URL from ``TRAINBOT_INGEST_URL``."""
+    return route_url(ingest_url, CREDENTIALS_ROUTE)
 
 
 def fetch_broker_credentials(

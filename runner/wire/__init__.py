@@ -8,6 +8,12 @@ runner never imports ``jobs/``. The design: ``docs/architecture.md``, "The wire 
 
 from runner.wire.checks import encode_batch, event_from_wire, event_to_wire, validate_payload
 from runner.wire.decode import Batch, decode_batch, decode_batch_columns, decode_batch_with_json
+from runner.wire.dry_run import (
+    DRY_RUN_ROUTE,
+    DryRunPost,
+    decode_dry_run_post,
+    encode_dry_run_post,
+)
 from runner.wire.schema import (
     EVENT_TYPES,
     EXIT_REASONS,
@@ -20,17 +26,21 @@ from runner.wire.schema import (
 )
 
 __all__ = [
+    "DRY_RUN_ROUTE",
     "EVENT_TYPES",
     "EXIT_REASONS",
     "MAX_UNIX_TIME",
     "PAYLOADS",
     "WIRE_VERSION",
     "Batch",
+    "DryRunPost",
     "Event",
     "decode_batch",
     "decode_batch_columns",
     "decode_batch_with_json",
+    "decode_dry_run_post",
     "encode_batch",
+    "encode_dry_run_post",
     "event_from_wire",
     "event_to_wire",
     "json_safe",

@@ -59,6 +59,7 @@ TABLES = {
     "deferred_work",
     "slack_outbox",
     "slack_pace",
+    "dry_runs",
 }
 
 

@@ -120,6 +120,11 @@ class CloudAnswers:
     def instance_type_for(self, req: ResourceRequest) -> str | None:
         return self.offers.get(req.accelerator_count) if req.accelerator_count else None
 
+    def dry_run_request(
+        self, req: ResourceRequest, *, instance_type: str | None = None
+    ) -> ResourceRequest:
+        return req
+
     def launch(self, req: LaunchRequest) -> InstanceInfo:
         raise ProviderError("CloudAnswers launches nothing")
 

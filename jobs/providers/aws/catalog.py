@@ -22,6 +22,7 @@ __all__ = [
     "ACCELERATOR_TYPES",
     "PRICES_PATH",
     "accelerator_type",
+    "dry_run_type",
     "exact_type",
     "load_prices",
     "price",
@@ -94,6 +95,36 @@ def exact_type(req: ResourceRequest) -> str | None:
     if not req.accelerator_type or req.accelerator_count <= 0:
         return None
     return ACCELERATOR_TYPES.get((_accelerator_key(req.accelerator_type), req.accelerator_count))
+
+
+def dry_run_type(req: ResourceRequest, *, prices_path: Path, region: str) -> str:
+    """The cheapest EC2 type that runs ``req``'s dry run: of the types that carry its
+    accelerator, those with the fewest, the cheapest on demand in ``region`` (the shipped
+    table); for a request without an accelerator, the cheapest type that carries none.
+
+    A request that names its type and no accelerator gets a CPU type; one that names a
+    GPU type without the accelerator keeps its own type (the table says nothing of it).
+    """
+    table: dict[str, Any] = load_prices(prices_path)["regions"]
+    prices: dict[str, float] = dict((table.get("us-east-1") or {}).get("prices") or {})
+    prices.update((table.get(region) or {}).get("prices") or {})
+    gpu_types = set(ACCELERATOR_TYPES.values())
+    if req.accelerator_type:
+        wanted = _accelerator_key(req.accelerator_type)
+        sizes = sorted(n for (a, n) in ACCELERATOR_TYPES if a == wanted)
+        if not sizes:
+            return accelerator_type(req)[0]  # raises, naming the accelerators it knows
+        smallest = [t for (a, n), t in ACCELERATOR_TYPES.items() if a == wanted and n == sizes[0]]
+        return min(smallest, key=lambda t: prices.get(t, float("inf")))
+    if req.instance_type and req.instance_type in gpu_types:
+        return req.instance_type
+    cpu = {t: usd for t, usd in prices.items() if t not in gpu_types}
+    if not cpu:
+        raise ProviderError(
+            f"the shipped AWS price table lists no CPU instance type for {region}: set "
+            "dry_run.instance_type (for example m6i.large)"
+        )
+    return min(cpu, key=lambda t: cpu[t])
 
 
 def type_info(clients: Clients, instance_types: Sequence[str], region: str) -> dict[str, TypeInfo]:

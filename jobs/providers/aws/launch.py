@@ -188,7 +188,7 @@ def _launch_params(
         {"Key": k, "Value": v[:256]}
         for k, v in {
             **req.tags(token),
-            "Name": f"trainbot {req.run_id} {req.attempt_id}",
+            "Name": f"trainbot {req.run_id} {'dry run ' if req.dry_run else ''}{req.attempt_id}",
         }.items()
     ]
     image, root = _image(clients, config.image_id, clients.region)

@@ -19,6 +19,7 @@ from jobs.providers.aws import budgets, capacity, catalog, launch, status
 from jobs.providers.aws.clients import Clients, utcnow
 from jobs.providers.aws.launch import LaunchConfig
 from jobs.providers.base import (
+    CPU_INSTANCE,
     Capabilities,
     InstanceInfo,
     InstanceStatus,
@@ -127,6 +128,32 @@ class AwsProvider:
 
     def instance_type_for(self, req: ResourceRequest) -> str | None:
         return catalog.exact_type(req)
+
+    def dry_run_request(
+        self, req: ResourceRequest, *, instance_type: str | None = None
+    ) -> ResourceRequest:
+        """One instance of the cheapest type for the dry run (:func:`catalog.dry_run_type`),
+        or of ``instance_type``; ``"cpu"`` asks for the cheapest CPU type."""
+        region = req.region or self.region
+        if instance_type and instance_type != CPU_INSTANCE:
+            itype = instance_type
+        else:
+            source = req
+            if instance_type == CPU_INSTANCE:
+                source = replace(
+                    req, accelerator_type=None, accelerator_count=0, instance_type=None
+                )
+            itype = catalog.dry_run_type(source, prices_path=self._prices_path, region=region)
+        gpus = itype in catalog.ACCELERATOR_TYPES.values()
+        held = next((k for k, t in catalog.ACCELERATOR_TYPES.items() if t == itype), None)
+        return replace(
+            req,
+            region=region,
+            instance_type=itype,
+            accelerator_type=held[0] if gpus and held else None,
+            accelerator_count=held[1] if gpus and held else 0,
+            cpus=None,
+        )
 
     def quota(self, req: ResourceRequest) -> QuotaInfo:
         return capacity.quota(self._in(req.region), req, self.instance_type(req))

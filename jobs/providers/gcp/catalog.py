@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import date, datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from jobs.providers.base import PriceQuote, ProviderError, ResourceRequest
+from jobs.providers.base import CPU_INSTANCE, PriceQuote, ProviderError, ResourceRequest
 
 __all__ = ["PRICES_PATH", "Accelerator", "Catalog", "accelerator", "load_prices"]
 
@@ -71,6 +71,8 @@ ACCELERATORS = (
     Accelerator("nvidia-tesla-p4", "NVIDIA_P4_GPUS", _N1, ("p4",)),
 )
 _BY_NAME = {k: a for a in ACCELERATORS for k in (a.name, *a.aliases)}
+#: Machine families whose machines carry GPUs of their own (A2, A3, G2): not CPU types.
+_GPU_FAMILIES = frozenset({"A2", "A3", "G2"})
 
 
 def accelerator(req: ResourceRequest) -> Accelerator | None:
@@ -167,6 +169,39 @@ class Catalog:
         if accel is None:
             return None
         return self._configured_for_count(accel, req) or accel.machines.get(req.accelerator_count)
+
+    def dry_run_request(
+        self, req: ResourceRequest, *, instance_type: str | None
+    ) -> ResourceRequest:
+        """One instance of the cheapest machine for ``req``'s dry run: ``instance_type``
+        (``"cpu"``: the cheapest CPU machine), else the machine that carries the fewest of
+        its GPUs (one, where Compute Engine has it) or, without GPUs, the cheapest CPU
+        machine of the table, priced in the request's region."""
+        accel = accelerator(req)
+        if instance_type and instance_type != CPU_INSTANCE:
+            return replace(req, instance_type=instance_type, cpus=None)
+        if accel is not None and instance_type is None:
+            count = min(accel.machines)
+            one = replace(req, accelerator_count=count, instance_type=None, cpus=None)
+            return replace(one, instance_type=self.machine_type(one))
+        cpu = replace(req, accelerator_type=None, accelerator_count=0, instance_type=None)
+        region = req.region if req.region not in ("", "local") else "us-central1"
+        machines = [
+            name
+            for name, shape in self.table()["machine_types"].items()
+            if shape.get("family") not in _GPU_FAMILIES
+        ]
+        if not machines:
+            raise ProviderError(
+                f"the GCP price table {self.prices_path} lists no CPU machine type: set "
+                "dry_run.instance_type (for example e2-standard-2)"
+            )
+
+        def hourly(name: str) -> float:
+            quote = self.price(replace(cpu, instance_type=name), region=region)
+            return quote.spot_usd_per_hour if req.spot else quote.on_demand_usd_per_hour
+
+        return replace(cpu, instance_type=min(machines, key=hourly), cpus=None)
 
     def vcpus(self, req: ResourceRequest) -> int:
         shape = self.table()["machine_types"].get(self.machine_type(req))

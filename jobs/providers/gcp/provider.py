@@ -7,6 +7,7 @@ it: catalog (machine types, prices), quota (quota, capacity), launch, status, bu
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -168,6 +169,14 @@ class GcpProvider:
     def instance_type_for(self, req: ResourceRequest) -> str | None:
         """The machine type that carries exactly the request's GPUs, if one does."""
         return self._catalog.exact_machine_type(req)
+
+    def dry_run_request(
+        self, req: ResourceRequest, *, instance_type: str | None = None
+    ) -> ResourceRequest:
+        """One instance of the cheapest machine for the dry run (see the catalog's)."""
+        return self._catalog.dry_run_request(
+            replace(req, region=self._region(req)), instance_type=instance_type
+        )
 
     def price(self, req: ResourceRequest, *, zone: str | None = None) -> PriceQuote:
         """From the shipped table: machine vCPUs and memory plus GPUs, per region."""

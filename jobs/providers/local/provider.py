@@ -161,6 +161,13 @@ class LocalProvider:
         """``local``, this machine, when it has as many GPUs of the type as asked for."""
         return self._machine.instance_type_for(req)
 
+    def dry_run_request(
+        self, req: ResourceRequest, *, instance_type: str | None = None
+    ) -> ResourceRequest:
+        """The request itself: a local dry run is a process on this machine, not an
+        instance (``capabilities.runs_on_this_machine``)."""
+        return req
+
     def price(self, req: ResourceRequest, *, zone: str | None = None) -> PriceQuote:
         """The configured prices (see :meth:`set_prices`), so local spend is the same
         arithmetic as a cloud's."""

@@ -205,6 +205,21 @@ class ProviderContract:
         huge = dataclasses.replace(resource_request, accelerator_count=10_000)
         assert provider.instance_type_for(huge) is None
 
+    def test_the_dry_run_request_is_one_instance_no_dearer_than_the_run_s(
+        self, provider: Provider, resource_request: ResourceRequest, launch_zone: str
+    ) -> None:
+        """The dry run's instance comes from the catalog: of the run's accelerator, with
+        no more of them, in the run's region and market, priced no higher."""
+        cheap = provider.dry_run_request(resource_request)
+        assert isinstance(cheap, ResourceRequest)
+        assert cheap.region in (resource_request.region, provider.capabilities.default_region)
+        assert cheap.spot == resource_request.spot
+        assert cheap.accelerator_count <= max(resource_request.accelerator_count, 1)
+        if resource_request.accelerator_count:
+            assert cheap.accelerator_count >= 1
+        run_price = provider.price(resource_request, zone=launch_zone).on_demand_usd_per_hour
+        assert provider.price(cheap, zone=launch_zone).on_demand_usd_per_hour <= run_price
+
     def test_capabilities_say_what_callers_may_rely_on(
         self, provider: Provider, resource_request: ResourceRequest, unknown_instance_id: str
     ) -> None:
