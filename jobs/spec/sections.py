@@ -82,8 +82,10 @@ class Resources(Section):
     #: Launch on-demand when no allowed zone of any region has spot capacity; the attempt
     #: after it tries spot again.
     on_demand_fallback: bool = False
-    #: Let an attempt run in a region other than its dataset's (``data_uri``); off, such
-    #: a region is skipped, since every epoch would read the data across regions.
+    #: Let an attempt run in a region other than its dataset's (``data_uri``) or its
+    #: checkpoint store's; off, such a region is skipped, since every epoch would read the
+    #: data, and every save write, across regions. A multi- or dual-region bucket is in
+    #: every region it covers.
     allow_cross_region_data: bool = False
 
     @model_validator(mode="before")
