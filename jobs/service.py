@@ -56,6 +56,7 @@ from jobs.runs import (
     move_run,
     refresh_card,
     resource_request,
+    run_hours,
     say,
     spec_of,
 )
@@ -287,6 +288,10 @@ def stop(deps: Deps, run_id: str, actor: Actor, *, reason: str | None = None) ->
         deps.background(
             end_attempt, deps, attempt_id, state=AttemptState.TERMINATED, reason="stopped"
         )
+    else:
+        # No attempt to end (stopped before its launch): its cloud budget goes now, as
+        # end_attempt would have it go.
+        deps.background(spend.remove_cloud_budgets, deps, now=now, run_ids=[run_id])
     return run
 
 
@@ -357,8 +362,10 @@ def resubmit(
                     f"{run.id} continues {old.id}: {fmt.usd(carried)} of its "
                     f"{fmt.usd(budget)} budget is already spent.",
                 )
+            thresholds = spec_of(run).budget.thresholds
             detach(session, run)
-        deps.background(launch_attempt, deps, run.id)
+        # A new run: its own cloud budget, as every way into LAUNCHING gets.
+        deps.background(budget_then_launch, deps, run.id, budget=budget, thresholds=thresholds)
         return run
     deps.background(launch_attempt, deps, run_id)
     with session_scope(deps.engine) as session:
@@ -478,6 +485,7 @@ def _copy_then_launch(deps: Deps, run_id: str, *, src_prefix: str, step: int) ->
             allowed=deps.settings.checkpoint_locations,
         )
         dst_prefix = check_prefix(checkpoint_prefix(run))
+        budget, thresholds = run.budget_usd, spec_of(run).budget.thresholds
     try:
         copy_step(run_store(root, src_prefix), run_store(root, dst_prefix), step)
     except RunnerError as exc:
@@ -489,7 +497,7 @@ def _copy_then_launch(deps: Deps, run_id: str, *, src_prefix: str, step: int) ->
             say(deps, run, "error", f"Run {run.id} failed: {reason}.")
             refresh_card(deps, session, run)
         return
-    launch_attempt(deps, run_id)
+    budget_then_launch(deps, run_id, budget=budget, thresholds=thresholds)
 
 
 def _successor(
@@ -510,6 +518,7 @@ def _successor(
     now = deps.clock()
     spend.accrue(session, now=now)  # the old run's last attempt, to its end
     carried, budget = spend.resubmit_budget(session, old, raised_usd=budget_usd)
+    hours = run_hours(session, old, now=now)  # max_hours counts them, as the cap the spend
     run = Run(
         id=new_id("r"),
         spec_name=old.spec_name,
@@ -520,6 +529,7 @@ def _successor(
         checkpoint_prefix=prefix,
         budget_usd=budget,
         carried_usd=round(carried, 6) or None,
+        carried_hours=round(hours, 6) or None,
         budget_raised_by=old.budget_raised_by,
         target_steps=old.target_steps,
         last_committed_step=step,
