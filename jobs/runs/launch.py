@@ -114,7 +114,8 @@ def runner_command(deps: Deps, spec: JobSpec) -> list[str]:
     if local and command and command[0] in ("python", "python3"):
         command[0] = sys.executable  # the local "instance" shares this machine's interpreter
     runner = [sys.executable, "-m", "runner.cli"] if local else ["trainbot-runner"]
-    return [*runner, "exec", "--", *command]
+    sync = spec.checkpoint.sync_dir
+    return [*runner, "exec", *(["--sync-dir", sync] if sync else []), "--", *command]
 
 
 def runner_env(deps: Deps, run: Run, attempt: Attempt, spec: JobSpec) -> dict[str, str]:

@@ -163,6 +163,11 @@ class CheckpointPolicy(Section):
     #: emergency checkpoint just before the deadline, while it still fits with a margin
     #: (the window is paid for either way); off: write it at once and exit.
     train_through_notice: bool = False
+    #: For a script that writes its own checkpoints (no session API): the directory it
+    #: writes them into ($TRAINBOT_CHECKPOINT_DIR), synced to the store and filled from it
+    #: on a new instance (``trainbot-runner exec --sync-dir``). Relative: on the
+    #: instance's scratch volume.
+    sync_dir: str | None = Field(default=None, min_length=1)
 
     @field_validator("interval", mode="before")
     @classmethod
