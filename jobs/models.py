@@ -202,6 +202,9 @@ class Run(SQLModel, table=True):
     #: What the runs it continues had spent (a resubmit carries the spend so far), so a
     #: resubmit cannot walk around the budget's hard cap; counted in its spend. NULL: none.
     carried_usd: float | None = None
+    #: Hours the instances of the runs it continues ran, so ``max_hours`` counts them as
+    #: the budget counts their spend. NULL: none.
+    carried_hours: float | None = None
     #: Chat user id of who raised the budget when resubmitting (``budget.usd=N``).
     budget_raised_by: str | None = None
     #: When its cloud budget (AWS Budgets) was removed; NULL while it may still exist.

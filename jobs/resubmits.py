@@ -26,13 +26,15 @@ from jobs.lifecycle import RunState
 from jobs.locations import check_prefix, checkpoint_root
 from jobs.models import Run, new_id
 from jobs.runs import (
+    budget_then_launch,
     card,
     checkpoint_prefix,
     get_run,
-    launch_attempt,
     move_run,
     refresh_card,
+    run_hours,
     say,
+    spec_of,
 )
 from jobs.spec.changes import Change, apply_changes, changed_paths, checks_for
 from runner.errors import RunnerError
@@ -164,6 +166,7 @@ def copy_then_launch(deps: Deps, run_id: str, *, src_prefix: str, step: int) -> 
             allowed=deps.settings.checkpoint_locations,
         )
         dst_prefix = check_prefix(checkpoint_prefix(run))
+        budget, thresholds = run.budget_usd, spec_of(run).budget.thresholds
     try:
         copy_step(run_store(root, src_prefix), run_store(root, dst_prefix), step)
     except RunnerError as exc:
@@ -175,7 +178,7 @@ def copy_then_launch(deps: Deps, run_id: str, *, src_prefix: str, step: int) -> 
             say(deps, run, "error", f"Run {run.id} failed: {reason}.")
             refresh_card(deps, session, run)
         return
-    launch_attempt(deps, run_id)
+    budget_then_launch(deps, run_id, budget=budget, thresholds=thresholds)
 
 
 def successor(
@@ -203,6 +206,7 @@ def successor(
     now = deps.clock()
     spend.accrue(session, now=now)  # the old run's last attempt, to its end
     carried, budget = spend.resubmit_budget(session, old, raised_usd=budget_usd)
+    hours = run_hours(session, old, now=now)  # max_hours counts them, as the cap the spend
     run = Run(
         id=new_id("r"),
         spec_name=old.spec_name,
@@ -213,6 +217,7 @@ def successor(
         checkpoint_prefix=prefix,
         budget_usd=budget,
         carried_usd=round(carried, 6) or None,
+        carried_hours=round(hours, 6) or None,
         budget_raised_by=old.budget_raised_by,
         target_steps=old.target_steps,
         last_committed_step=step,
@@ -341,7 +346,11 @@ def resubmit_changed(
 
         deps.background(preflight_then_launch, deps, run.id, checks=checks)
     else:
-        deps.background(launch_attempt, deps, run.id)
+        # A new run: its own cloud budget, as every way into LAUNCHING gets.
+        thresholds = spec_of(run).budget.thresholds
+        deps.background(
+            budget_then_launch, deps, run.id, budget=run.budget_usd, thresholds=thresholds
+        )
     return run
 
 

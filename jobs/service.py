@@ -331,6 +331,10 @@ def stop(deps: Deps, run_id: str, actor: Actor, *, reason: str | None = None) ->
         deps.background(
             end_attempt, deps, attempt_id, state=AttemptState.TERMINATED, reason="stopped"
         )
+    else:
+        # No attempt to end (stopped before its launch): its cloud budget goes now, as
+        # end_attempt would have it go.
+        deps.background(spend.remove_cloud_budgets, deps, now=now, run_ids=[run_id])
     return run
 
 
@@ -420,8 +424,10 @@ def resubmit(
                     f"{run.id} continues {old.id}: {fmt.usd(carried)} of its "
                     f"{fmt.usd(budget)} budget is already spent.",
                 )
+            thresholds = spec_of(run).budget.thresholds
             detach(session, run)
-        deps.background(launch_attempt, deps, run.id)
+        # A new run: its own cloud budget, as every way into LAUNCHING gets.
+        deps.background(budget_then_launch, deps, run.id, budget=budget, thresholds=thresholds)
         return run
     deps.background(launch_attempt, deps, run_id)
     with session_scope(deps.engine) as session:

@@ -37,6 +37,7 @@ from jobs.runs import (
     reconcile,
     refresh_card,
     resource_request,
+    run_hours,
     say,
     spec_of,
 )
@@ -110,19 +111,6 @@ def spend_job(deps: Deps) -> list[str]:
     return [run_id for run_id, _ in to_stop + past_hours]
 
 
-def run_hours(session: Session, run_id: str, *, now: datetime) -> float:
-    """Hours the run's instances have run so far, every attempt (what ``max_hours`` caps)."""
-    attempts = session.exec(
-        select(Attempt).where(Attempt.run_id == run_id, col(Attempt.started_at).is_not(None))
-    ).all()
-    seconds = sum(
-        max(0.0, ((a.ended_at or now) - a.started_at).total_seconds())
-        for a in attempts
-        if a.started_at is not None
-    )
-    return seconds / 3600.0
-
-
 def _stop_past_max_hours(
     deps: Deps, session: Session, *, now: datetime
 ) -> list[tuple[str, str | None]]:
@@ -138,7 +126,7 @@ def _stop_past_max_hours(
         limit = spec_of(run).max_hours
         if limit is None:
             continue
-        hours = run_hours(session, run.id, now=now)
+        hours = run_hours(session, run, now=now)
         if hours < limit:
             continue
         attempt = active_attempt(session, run.id)

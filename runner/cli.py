@@ -18,23 +18,77 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 from runner import EXIT_FAILED
 from runner.duration import parse_duration
 from runner.errors import CheckpointError, RunnerError
-from runner.layout import list_committed, read_manifest
-from runner.retention import RetentionPolicy, prune
-from runner.store import open_store
-from runner.supervisor import Supervisor
-from runner.telemetry import EventSink, NullSink, Reporter
+
+if TYPE_CHECKING:
+    from runner.preemption import PreemptionFlag
+    from runner.telemetry import EventSink
 
 # ``exec`` must start the training process fast: torch is imported only by the commands
 # that read tensors (``dry-run`` starts processes that do; ``checkpoints verify`` does).
+# And a SIGTERM during its own start is a preemption notice (exit 75), not a death (143):
+# this module imports the standard library only, and ``main`` catches SIGTERM
+# (:class:`EarlyNotice`) before the heavy imports (the store, the supervisor, telemetry).
+
+
+class EarlyNotice:
+    """A SIGTERM that arrives while ``exec`` is still importing, kept for the flag.
+
+    Installed first thing in :func:`main`, before anything but the standard library is
+    imported; :meth:`hand_over` passes what it caught to the preemption flag once the
+    real handlers (:class:`runner.preemption.SignalHandlers`) have replaced it. Only the
+    interpreter's own start (tens of milliseconds) comes before it; an instance that is
+    preempted then dies of the signal, and the control plane, which sees the provider
+    report the preemption, resubmits the attempt all the same.
+    """
+
+    def __init__(self) -> None:
+        #: time.monotonic() of the first SIGTERM caught, if any.
+        self.received_at: float | None = None
+        self._original: Any = None
+
+    def install(self) -> EarlyNotice | None:
+        """None where no handler can be installed (``main`` called off the main thread)."""
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        self._original = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.received_at is None:
+            self.received_at = time.monotonic()
+
+    def uninstall(self, *, redeliver: bool) -> None:
+        """SIGTERM does what it did before; ``redeliver``: one caught meanwhile (that no
+        flag was handed) is delivered again."""
+        signal.signal(signal.SIGTERM, self._original or signal.SIG_DFL)
+        if redeliver and self.received_at is not None:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def hand_over(self, flag: PreemptionFlag, *, window_s: float) -> None:
+        """Set ``flag`` from the SIGTERM caught before its handlers were installed."""
+        from runner.preemption import Notice
+
+        if self.received_at is not None:
+            flag.set(
+                Notice(
+                    source="signal",
+                    reason="SIGTERM (during start-up)",
+                    received_at=self.received_at,
+                    deadline=self.received_at + window_s,
+                )
+            )
 
 
 def _duration_arg(text: str) -> float:
@@ -86,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         help="directory the script writes checkpoints into (synced to the store): folders "
         "or files whose names hold the step (checkpoint-500/, ckpt-500.pt, "
-        "epoch=0-step=500.ckpt)",
+        "epoch=0-step=500.ckpt); a relative one is on the scratch volume "
+        "($TRAINBOT_SCRATCH_DIR) when that is set",
     )
     ex.add_argument("--settle", type=_duration_arg, default=2.0, help="quiet time before sync")
     ex.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD…")
@@ -140,6 +195,8 @@ def _command(args: argparse.Namespace) -> list[str]:
 
 
 def _sink_from_env() -> EventSink:
+    from runner.telemetry import NullSink, Reporter
+
     url = os.environ.get("TRAINBOT_INGEST_URL")
     token = os.environ.get("TRAINBOT_TOKEN")
     if not url:
@@ -159,9 +216,10 @@ def _sink_from_env() -> EventSink:
     )
 
 
-def _exec(args: argparse.Namespace) -> int:
+def _exec(args: argparse.Namespace, early: EarlyNotice | None = None) -> int:
     from runner.preemption import PreemptionFlag, SignalHandlers
     from runner.store import run_store
+    from runner.supervisor import Supervisor
     from runner.sync import CheckpointSync
 
     cmd = _command(args)
@@ -170,9 +228,14 @@ def _exec(args: argparse.Namespace) -> int:
     # the attempt then ends resumable (75), never killed by the signal (143, a failure).
     flag = PreemptionFlag()
     with SignalHandlers(flag, window_s=window):
+        if early is not None:
+            early.hand_over(flag, window_s=window)
         scratch_bytes = os.environ.get("TRAINBOT_SCRATCH_BYTES")
         sync = None
         if args.sync_dir is not None:
+            scratch = os.environ.get("TRAINBOT_SCRATCH_DIR")
+            if scratch and not args.sync_dir.is_absolute():
+                args.sync_dir = Path(scratch) / args.sync_dir
             store = run_store(
                 os.environ.get("TRAINBOT_CHECKPOINT_URI") or "checkpoints",
                 os.environ.get("TRAINBOT_CHECKPOINT_PREFIX")
@@ -250,6 +313,10 @@ def _when(ts: float) -> str:
 
 
 def _checkpoints(args: argparse.Namespace) -> int:
+    from runner.layout import list_committed, read_manifest
+    from runner.retention import RetentionPolicy, prune
+    from runner.store import open_store
+
     store = open_store(args.uri)
     entries = list_committed(store)
     if args.action == "list":
@@ -308,14 +375,26 @@ def _checkpoints(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args_in = sys.argv[1:] if argv is None else argv
+    # Before anything else: from here on a SIGTERM to ``exec`` is a preemption notice.
+    early = EarlyNotice().install() if args_in[:1] == ["exec"] else None
     logging.basicConfig(
         level=os.environ.get("TRAINBOT_LOG_LEVEL", "WARNING").upper(),
         format="trainbot-runner: %(levelname)s %(message)s",
     )
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit:
+        if early is not None:
+            early.uninstall(redeliver=True)
+        raise
     try:
         if args.cmd == "exec":
-            return _exec(args)
+            try:
+                return _exec(args, early)
+            finally:
+                if early is not None:
+                    early.uninstall(redeliver=False)
         if args.cmd == "dry-run":
             return _dry_run(args)
         if args.cmd == "credentials":

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -154,6 +155,9 @@ class Supervisor:
             child = self.child = subprocess.Popen(self.command, env=env)
         except OSError as exc:
             raise RunnerError(f"cannot start {self.command[0]!r}: {exc.strerror}") from exc
+        # The attempt is running from here, whatever the command: a plain script never
+        # says so itself (a session's own "started" is dropped in _forward: one per attempt).
+        self.sink.emit("started", {"pid": child.pid, "host": socket.gethostname()})
         sampler.start()
         while True:
             code = child.poll()
@@ -212,7 +216,7 @@ class Supervisor:
                     if send_now is not None:
                         send_now(0.0)  # ask the sender to ship it now; do not wait here
                 continue  # the supervisor reports the exit itself, once
-            if type_ == "preemption_notice":
+            if type_ in ("preemption_notice", "started"):
                 continue
             if type_ in ("checkpoint_committed", "restored"):
                 self._child_checkpoints = True

@@ -7,6 +7,7 @@ save slow, lost or impossible. Both answers go into one "data" result.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,9 +16,12 @@ from urllib.parse import unquote, urlparse
 
 from jobs.preflight.regions import region_requests, said_list
 from jobs.preflight.report import CheckResult, PreflightContext, Status
-from jobs.providers.base import ProviderError
+from jobs.providers.base import BucketLocation, Provider, ProviderError
+from jobs.spec import JobSpec
 
-__all__ = ["DataLocalityCheck"]
+__all__ = ["BucketLookup", "DataLocalityCheck", "region_refusal"]
+
+log = logging.getLogger(__name__)
 
 #: Object-store URI schemes → the provider whose instances hold credentials for them.
 _CLOUD_OF_SCHEME: Mapping[str, str] = {"s3": "aws", "gs": "gcp"}
@@ -55,7 +59,7 @@ class DataLocalityCheck:
     name: str = "data"
 
     def run(self, ctx: PreflightContext, *, prior: Mapping[str, CheckResult]) -> CheckResult:
-        lookup = _Buckets(ctx)
+        lookup = BucketLookup(ctx.provider)
         regions = [req.region for req in region_requests(ctx)]
         answers = {
             region: (_dataset(ctx, region, lookup), _checkpoint_store(ctx, region, lookup))
@@ -102,17 +106,17 @@ def _remedy(dataset: _Finding, store: _Finding) -> str:
     return "; ".join(f.remedy for f in (dataset, store) if f.status is not Status.PASS)
 
 
-class _Buckets:
-    """Each bucket's region, asked once however many regions are checked (an error too)."""
+class BucketLookup:
+    """Each bucket's location, asked once however many regions are checked (an error too)."""
 
-    def __init__(self, ctx: PreflightContext) -> None:
-        self._provider = ctx.provider
-        self._seen: dict[str, str | ProviderError | None] = {}
+    def __init__(self, provider: Provider) -> None:
+        self._provider = provider
+        self._seen: dict[str, BucketLocation | ProviderError | None] = {}
 
-    def region(self, uri: str) -> str | None:
+    def location(self, uri: str) -> BucketLocation | None:
         if uri not in self._seen:
             try:
-                self._seen[uri] = self._provider.bucket_region(uri)
+                self._seen[uri] = self._provider.bucket_location(uri)
             except ProviderError as exc:
                 self._seen[uri] = exc
         found = self._seen[uri]
@@ -121,7 +125,32 @@ class _Buckets:
         return found
 
 
-def _dataset(ctx: PreflightContext, region: str, buckets: _Buckets) -> _Finding:
+def region_refusal(
+    lookup: BucketLookup, spec: JobSpec, *, checkpoint_uri: str | None, region: str
+) -> str | None:
+    """Why an attempt may not move to ``region`` for where its data is: the dataset's or
+    the checkpoint store's bucket is not there (a multi- or dual-region that covers it
+    is). None when it may, or when ``resources.allow_cross_region_data`` allows it. A
+    bucket whose location cannot be read is not a refusal: preflight has said so."""
+    if spec.resources.allow_cross_region_data:
+        return None
+    for what, uri in (("the dataset", spec.data_uri), ("the checkpoint store", checkpoint_uri)):
+        if not uri:
+            continue
+        try:
+            where = lookup.location(uri)
+        except ProviderError as exc:
+            log.warning("cannot tell the region of %s: %s", uri, exc)
+            continue
+        if where is not None and not where.covers(region):
+            return (
+                f"{what} {uri} is in {where} (set resources.allow_cross_region_data=true "
+                "to use it from there)"
+            )
+    return None
+
+
+def _dataset(ctx: PreflightContext, region: str, buckets: BucketLookup) -> _Finding:
     """Where ``data_uri`` is: reading it from another region is slow and billed per GB."""
     uri = ctx.spec.data_uri
     if uri is None:
@@ -149,9 +178,10 @@ def _dataset(ctx: PreflightContext, region: str, buckets: _Buckets) -> _Finding:
                 data,
             )
         return _Finding(Status.PASS, f"dataset {path} is on this machine", data=data)
-    bucket_region = buckets.region(uri)
+    location = buckets.location(uri)
+    bucket_region = str(location) if location is not None else None
     data["bucket_region"] = bucket_region
-    if bucket_region is None:
+    if location is None:
         return _Finding(
             Status.WARN,
             f"cannot tell which region holds {uri} (the {ctx.provider.name} provider "
@@ -160,27 +190,32 @@ def _dataset(ctx: PreflightContext, region: str, buckets: _Buckets) -> _Finding:
             f"{region} to avoid cross-region reads",
             data,
         )
-    if bucket_region != region and ctx.spec.resources.allow_cross_region_data:
+    if location.covers(region):
+        return _Finding(Status.PASS, f"dataset {uri} is in {_where(location, region)}", data=data)
+    if ctx.spec.resources.allow_cross_region_data:
         return _Finding(
             Status.PASS,
             f"the dataset {uri} is in {bucket_region}, read from {region} across regions "
             "(resources.allow_cross_region_data: slower, and billed per GB)",
             data=data,
         )
-    if bucket_region != region:
-        return _Finding(
-            Status.FAIL,
-            f"the dataset {uri} is in {bucket_region} but the accelerators run in "
-            f"{region}: every read would cross regions (slow, and billed per GB)",
-            f"stage the data into a bucket in {region} and point data_uri at it, list "
-            f"{bucket_region} in resources.regions if the accelerators are available there, "
-            "or set resources.allow_cross_region_data=true",
-            data,
-        )
-    return _Finding(Status.PASS, f"dataset {uri} is in {region}", data=data)
+    return _Finding(
+        Status.FAIL,
+        f"the dataset {uri} is in {bucket_region} but the accelerators run in "
+        f"{region}: every read would cross regions (slow, and billed per GB)",
+        f"stage the data into a bucket in {region} and point data_uri at it, list "
+        f"{bucket_region} in resources.regions if the accelerators are available there, "
+        "or set resources.allow_cross_region_data=true",
+        data,
+    )
 
 
-def _checkpoint_store(ctx: PreflightContext, region: str, buckets: _Buckets) -> _Finding:
+def _where(location: BucketLocation, region: str) -> str:
+    """``us-east-1``, or ``US, which covers us-east1`` for a multi- or dual-region."""
+    return region if location.name == region else f"{location}, which covers {region}"
+
+
+def _checkpoint_store(ctx: PreflightContext, region: str, buckets: BucketLookup) -> _Finding:
     """Where the checkpoints go: every save and every restore after a preemption reads or
     writes it, so it belongs in the run's region, on the run's cloud, off the instance."""
     uri = ctx.checkpoint_uri
@@ -212,7 +247,7 @@ def _checkpoint_store(ctx: PreflightContext, region: str, buckets: _Buckets) -> 
             data,
         )
     try:
-        bucket_region = buckets.region(uri)
+        location = buckets.location(uri)
     except ProviderError as exc:
         data["error"] = str(exc)
         return _Finding(
@@ -221,8 +256,8 @@ def _checkpoint_store(ctx: PreflightContext, region: str, buckets: _Buckets) -> 
             f"fix what the message says, or {new_bucket}; then run preflight again",
             data,
         )
-    data["bucket_region"] = bucket_region
-    if bucket_region is None:
+    data["bucket_region"] = str(location) if location is not None else None
+    if location is None:
         return _Finding(
             Status.WARN,
             f"cannot tell which region holds the checkpoint store {uri} (the "
@@ -230,16 +265,24 @@ def _checkpoint_store(ctx: PreflightContext, region: str, buckets: _Buckets) -> 
             f"check that {uri} is in {region}; if not, {new_bucket}",
             data,
         )
-    if bucket_region != region:
+    if location.covers(region):
         return _Finding(
-            Status.FAIL,
-            f"the checkpoint store {uri} is in {bucket_region} but the run is in {region}: "
-            "every save and every restore would cross regions (slower, a longer stall, a "
-            "flush less likely to fit the preemption window, and billed per GB)",
+            Status.PASS, f"checkpoint store {uri} is in {_where(location, region)}", data=data
+        )
+    crossing = (
+        f"the checkpoint store {uri} is in {location} but the run is in {region}: "
+        "every save and every restore would cross regions (slower, a longer stall, a "
+        "flush less likely to fit the preemption window, and billed per GB)"
+    )
+    if ctx.spec.resources.allow_cross_region_data:
+        # Allowed, and said: a person confirms the launch (a failover takes it as allowed).
+        return _Finding(
+            Status.WARN,
+            f"{crossing}; resources.allow_cross_region_data allows it",
             new_bucket,
             data,
         )
-    return _Finding(Status.PASS, f"checkpoint store {uri} is in {region}", data=data)
+    return _Finding(Status.FAIL, crossing, new_bucket, data)
 
 
 def _new_bucket_remedy(ctx: PreflightContext, region: str) -> str:

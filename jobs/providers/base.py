@@ -29,6 +29,7 @@ __all__ = [
     "TAG_MANAGED",
     "TAG_OWNER",
     "TAG_RUN_ID",
+    "BucketLocation",
     "Capabilities",
     "CapacityError",
     "InstanceInfo",
@@ -224,6 +225,32 @@ class PriceQuote:
 
 
 @dataclass(frozen=True)
+class BucketLocation:
+    """Where a data or checkpoint bucket is: the regions that read and write it without
+    crossing regions. One region for most buckets; several for a Cloud Storage dual-
+    region, a whole continent's for a multi-region (``US``, ``EU``, ``ASIA``)."""
+
+    # The location as the cloud names it: "us-east-1", "us-central1", "US", "NAM4".
+    name: str
+    # The regions it is in (a dual-region's two; a single region's one).
+    regions: frozenset[str] = frozenset()
+    # Region-name prefixes it covers entirely (a multi-region: "us-" for US).
+    region_prefixes: tuple[str, ...] = ()
+
+    @classmethod
+    def region(cls, region: str) -> BucketLocation:
+        """A bucket in one region."""
+        return cls(name=region, regions=frozenset({region}))
+
+    def covers(self, region: str) -> bool:
+        """An instance in ``region`` reads and writes it without crossing regions."""
+        return region in self.regions or region.startswith(self.region_prefixes or ("\0",))
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True)
 class LaunchRequest:
     """Everything a provider needs to start the instance for one attempt."""
 
@@ -370,8 +397,8 @@ class Provider(Protocol):
         """Spot and on-demand USD per hour for one instance of the request."""
         ...
 
-    def bucket_region(self, uri: str) -> str | None:
-        """Region of a data or checkpoint bucket; None when this provider cannot tell."""
+    def bucket_location(self, uri: str) -> BucketLocation | None:
+        """Where a data or checkpoint bucket is; None when this provider cannot tell."""
         ...
 
     def instance_type_for(self, req: ResourceRequest) -> str | None:

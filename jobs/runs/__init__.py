@@ -47,6 +47,7 @@ from jobs.runs.rows import (
     get_run,
     latest_attempt,
     move_run,
+    run_hours,
     spec_of,
 )
 
@@ -77,6 +78,7 @@ __all__ = [
     "resource_request",
     "resubmit_if_due",
     "run_context",
+    "run_hours",
     "runner_command",
     "runner_env",
     "say",

@@ -18,7 +18,7 @@ from jobs.deferred import Later
 from jobs.deps import Deps
 from jobs.lifecycle import AttemptState, RunState, transition
 from jobs.models import Attempt, Run
-from jobs.providers.base import InstanceNotFound, ProviderError
+from jobs.providers.base import InstanceNotFound, InstanceState, ProviderError
 from jobs.rules import Obs, Preemption, RepeatedPreemptions
 from jobs.runs.cards import alert_config, raise_signals, refresh_card, run_context, say
 from jobs.runs.launch import check_fence
@@ -37,7 +37,17 @@ def end_attempt(
     exit_code: int | None = None,
     reason: str,
 ) -> None:
-    """Close an attempt: revoke its token, shut its instance down, move the run on."""
+    """Close an attempt: revoke its token, shut its instance down, move the run on.
+
+    A failure of an attempt that was being preempted is a preemption (it resumes), whatever
+    its exit code: a SIGTERM that reached the runner before its handler (143), a script
+    that crashed on the notice. "Being preempted": it reported a preemption notice, or the
+    provider says its instance was preempted (:func:`_preempted_all_the_same`).
+    """
+    if state == AttemptState.FAILED:
+        why = _preempted_all_the_same(deps, attempt_id)
+        if why is not None:
+            state, reason = AttemptState.PREEMPTED, f"{reason}; {why}"
     if state == AttemptState.TERMINATED:
         # We end it: let the runner flush and report before its token is revoked.
         with session_scope(deps.engine) as session:
@@ -129,6 +139,28 @@ def end_attempt(
         # a provider whose terminate waits for them (the local one) would wait on itself
         # until its grace ran out. Reconcile retries whatever this leaves undone.
         deps.background(terminate_instance, deps, instance_id)  # scripted, not remembered
+
+
+def _preempted_all_the_same(deps: Deps, attempt_id: str) -> str | None:
+    """Why an attempt that ended as a failure was in fact preempted, or None: it had a
+    preemption notice, or its provider reports its instance preempted."""
+    with session_scope(deps.engine) as session:
+        attempt = session.get(Attempt, attempt_id)
+        if attempt is None or attempt.state.is_terminal():
+            return None
+        if attempt.preemption_notice_at is not None:
+            return "it had a preemption notice, so it resumes"
+        instance_id = attempt.instance_id
+    if instance_id is None:
+        return None
+    try:
+        status = deps.provider.status(instance_id)
+    except ProviderError as exc:  # InstanceNotFound included: nothing to say otherwise
+        log.info("status of %s after its failure: %s", instance_id, exc)
+        return None
+    if status.state == InstanceState.PREEMPTED:
+        return f"its instance was preempted ({status.reason}), so it resumes"
+    return None
 
 
 def terminate_instance(deps: Deps, instance_id: str, *, wait: bool = True) -> bool:

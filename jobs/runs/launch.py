@@ -82,7 +82,8 @@ def runner_command(deps: Deps, spec: JobSpec) -> list[str]:
     if local and command and command[0] in ("python", "python3"):
         command[0] = sys.executable  # the local "instance" shares this machine's interpreter
     runner = [sys.executable, "-m", "runner.cli"] if local else ["trainbot-runner"]
-    return [*runner, "exec", "--", *command]
+    sync = spec.checkpoint.sync_dir
+    return [*runner, "exec", *(["--sync-dir", sync] if sync else []), "--", *command]
 
 
 def runner_env(deps: Deps, run: Run, attempt: Attempt, spec: JobSpec) -> dict[str, str]:
@@ -344,15 +345,25 @@ def _launch_failed(deps: Deps, attempt_id: str, exc: ProviderError, *, now: date
 def budget_then_launch(
     deps: Deps, run_id: str, *, budget: float | None, thresholds: Sequence[int]
 ) -> None:
-    """Every way into LAUNCHING (checks passed, or a person confirmed) gets the cloud budget."""
+    """Every way into LAUNCHING (checks passed, a person confirmed, a resubmit) gets the
+    cloud budget."""
     if budget:
-        _cloud_budget(deps, run_id, budget, thresholds)
+        cloud_budget(deps, run_id, budget, thresholds)
     launch_attempt(deps, run_id)
 
 
-def _cloud_budget(deps: Deps, run_id: str, usd: float, thresholds: Sequence[int]) -> None:
-    """Where the provider has budgets (AWS Budgets), the run's budget alert lives there too."""
+def cloud_budget(deps: Deps, run_id: str, budget: float, thresholds: Sequence[int]) -> None:
+    """Where the provider has budgets (AWS Budgets), the run's budget alert lives there too.
+
+    The cloud's budget sees the costs tagged with this run only, so a resubmitted run's
+    gets what is left of ``budget`` after the spend it carries from the runs before it
+    (none left: no cloud budget; the control plane's own cap and alerts still hold)."""
     if not deps.provider.capabilities.cloud_budgets:
+        return
+    with session_scope(deps.engine) as session:
+        carried = get_run(session, run_id).carried_usd or 0.0
+    usd = round(budget - carried, 2)
+    if usd <= 0:
         return
     try:
         name = deps.provider.create_budget(run_id=run_id, usd=usd, thresholds=list(thresholds))

@@ -3,9 +3,10 @@
 Spot first, always (spot is the point). The same zone as before; after a preemption, or
 a launch refused for lack of capacity, the next zone the provider ranks; once every zone
 of a region has refused, the next region of ``resources.regions``, whose quota and data
-locality are checked before anything launches there. Only when no allowed zone of any
-region has spot capacity does an attempt run on-demand, and only where the spec allows
-it (``resources.on_demand_fallback``); the attempt after it tries spot again.
+locality (the dataset's bucket and the checkpoint store's) are checked before anything
+launches there. Only when no allowed zone of any region has spot capacity does an
+attempt run on-demand, and only where the spec allows it
+(``resources.on_demand_fallback``); the attempt after it tries spot again.
 ``resubmit.on_demand_after_preemptions`` switches to on-demand for good after N.
 
 "Refused" means refused since the run last had an instance: the trailing attempts that
@@ -27,6 +28,7 @@ from jobs.deps import Deps
 from jobs.lifecycle import AttemptState
 from jobs.models import Attempt, Run
 from jobs.preflight import resource_request
+from jobs.preflight.data import BucketLookup, region_refusal
 from jobs.providers.base import ProviderError, ResourceRequest, ZoneCapacity
 from jobs.spec import JobSpec
 
@@ -263,26 +265,16 @@ def choose_placement(
     ).all()
     provider = deps.provider
     default = resource_request(spec).region
-    data_regions: dict[str, str | None] = {}
+    buckets = BucketLookup(provider)
+    checkpoint_uri = run.checkpoint_uri or deps.settings.checkpoint_uri
 
     def capacity(region: str, spot: bool) -> Sequence[ZoneCapacity]:
         return provider.capacity(request_in(spec, region, spot=spot))
 
     def fits(region: str, spot: bool) -> str | None:
-        uri = spec.data_uri
-        if uri and not spec.resources.allow_cross_region_data:
-            if uri not in data_regions:
-                try:
-                    data_regions[uri] = provider.bucket_region(uri)
-                except ProviderError as exc:
-                    log.warning("cannot tell the region of %s: %s", uri, exc)
-                    data_regions[uri] = None
-            where = data_regions[uri]
-            if where is not None and where != region:
-                return (
-                    f"the dataset {uri} is in {where} (set "
-                    "resources.allow_cross_region_data=true to read it from there)"
-                )
+        refused = region_refusal(buckets, spec, checkpoint_uri=checkpoint_uri, region=region)
+        if refused is not None:
+            return refused
         try:
             quota = provider.quota(request_in(spec, region, spot=spot))
         except ProviderError as exc:

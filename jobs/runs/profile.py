@@ -33,7 +33,7 @@ from jobs.metrics import run_metrics
 from jobs.models import Attempt, EventRow, Run
 from jobs.notify import ProjectionMessage
 from jobs.runs.cards import refresh_card
-from jobs.runs.rows import channel_of, move_run, spec_of
+from jobs.runs.rows import channel_of, move_run, run_hours, spec_of
 from jobs.spec import JobSpec
 from jobs.spend import run_spent
 
@@ -186,7 +186,7 @@ def _message(
     hours_left = (compute_s + (lost_s or 0.0)) / 3600 if compute_s is not None else None
     spent = run_spent(session, run.id)
     cost = spent + hours_left * price if hours_left is not None else None
-    hours_in_all = _hours_so_far(session, run.id, now=now) + (hours_left or 0.0)
+    hours_in_all = run_hours(session, run, now=now) + (hours_left or 0.0)
     reasons = projection_reasons(
         spec,
         cost_usd=cost,
@@ -221,12 +221,6 @@ def _message(
         interval_s=interval,
         suggested_budget_usd=suggested,
     )
-
-
-def _hours_so_far(session: Session, run_id: str, *, now: datetime) -> float:
-    from jobs.tasks import run_hours  # what max_hours counts, one definition
-
-    return run_hours(session, run_id, now=now)
 
 
 def _figures(msg: ProjectionMessage) -> dict[str, object]:

@@ -24,6 +24,20 @@ def checkpoint_prefix(run: Run) -> str:
     return run.checkpoint_prefix or run.id
 
 
+def run_hours(session: Session, run: Run, *, now: datetime) -> float:
+    """Hours the run's instances have run so far, every attempt, with the hours it
+    carries from the runs it resubmits (what ``max_hours`` caps)."""
+    attempts = session.exec(
+        select(Attempt).where(Attempt.run_id == run.id, col(Attempt.started_at).is_not(None))
+    ).all()
+    seconds = sum(
+        max(0.0, ((a.ended_at or now) - a.started_at).total_seconds())
+        for a in attempts
+        if a.started_at is not None
+    )
+    return (run.carried_hours or 0.0) + seconds / 3600.0
+
+
 def spec_of(run: Run) -> JobSpec:
     """The whole stored spec, validated: what a launch needs. To watch a run, read one
     section leniently with :func:`jobs.spec.stored_section` instead."""

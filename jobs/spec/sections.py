@@ -82,8 +82,10 @@ class Resources(Section):
     #: Launch on-demand when no allowed zone of any region has spot capacity; the attempt
     #: after it tries spot again.
     on_demand_fallback: bool = False
-    #: Let an attempt run in a region other than its dataset's (``data_uri``); off, such
-    #: a region is skipped, since every epoch would read the data across regions.
+    #: Let an attempt run in a region other than its dataset's (``data_uri``) or its
+    #: checkpoint store's; off, such a region is skipped, since every epoch would read the
+    #: data, and every save write, across regions. A multi- or dual-region bucket is in
+    #: every region it covers.
     allow_cross_region_data: bool = False
 
     @model_validator(mode="before")
@@ -161,6 +163,11 @@ class CheckpointPolicy(Section):
     #: emergency checkpoint just before the deadline, while it still fits with a margin
     #: (the window is paid for either way); off: write it at once and exit.
     train_through_notice: bool = False
+    #: For a script that writes its own checkpoints (no session API): the directory it
+    #: writes them into ($TRAINBOT_CHECKPOINT_DIR), synced to the store and filled from it
+    #: on a new instance (``trainbot-runner exec --sync-dir``). Relative: on the
+    #: instance's scratch volume.
+    sync_dir: str | None = Field(default=None, min_length=1)
 
     @field_validator("interval", mode="before")
     @classmethod

@@ -23,6 +23,8 @@ BENCHES = {
     "bench_preemption_flush.py": [],
     # Dropping the page cache would slow down everything else on the machine.
     "bench_resume.py": ["--keep-page-cache"],
+    # Local, S3 on moto's server and GCS on the emulator, side by side.
+    "bench_stores.py": [],
 }
 
 

@@ -172,6 +172,13 @@ def test_no_spot_capacity_without_the_fallback_fails_naming_the_zones(
         assert [r["reason"] for r in records if r["type"] == "run_finished"] == [reason]
 
 
+def _east_is_full(form: Mapping[str, str]) -> Refusal | None:
+    zone = form.get("Placement.AvailabilityZone", "")
+    if zone.startswith(REGION) and form.get("DryRun") != "true":
+        return (400, "InsufficientInstanceCapacity", NO_ROOM)
+    return None
+
+
 def test_a_region_out_of_capacity_moves_the_run_to_the_next_region(
     tmp_path: Any,
     moto: dict[str, Any],
@@ -193,16 +200,14 @@ def test_a_region_out_of_capacity_moves_the_run_to_the_next_region(
             fake.quota(code, 64, region=WEST),
             {"ServiceCode": "ec2", "QuotaCode": code},
         )
-
-    def east_is_full(form: Mapping[str, str]) -> Refusal | None:
-        zone = form.get("Placement.AvailabilityZone", "")
-        if zone.startswith(REGION) and form.get("DryRun") != "true":
-            return (400, "InsufficientInstanceCapacity", NO_ROOM)
-        return None
-
-    gate.refuse = east_is_full
+    gate.refuse = _east_is_full
     with control_plane(tmp_path, aws, moto["bucket"]) as (cp, records, notes):
-        run = _confirmed(cp, f"resources.regions=[{REGION}, {WEST}]")
+        # The checkpoint bucket is in the first region: the spec accepts saving across.
+        run = _confirmed(
+            cp,
+            f"resources.regions=[{REGION}, {WEST}]",
+            "resources.allow_cross_region_data=true",
+        )
         wait_until(lambda: attempt_launched(cp, run.id, 4), what="attempt 4")
         *refused, fourth = attempts_of(cp, run.id)
         assert [(a.region, a.zone) for a in refused] == [(REGION, zone) for zone in RANKED]
@@ -233,3 +238,39 @@ def test_a_region_out_of_capacity_moves_the_run_to_the_next_region(
             lambda: attempts_of(cp, run.id)[-1].state == AttemptState.TERMINATED, what="stop"
         )
         assert cp.deps.provider.status(fourth.instance_id).state is InstanceState.TERMINATED
+
+
+def test_a_region_without_the_checkpoint_bucket_is_skipped_with_a_message(
+    tmp_path: Any,
+    moto: dict[str, Any],
+    session: boto3.session.Session,
+    stubbers: list[Stubber],
+    gate: Ec2Gate,
+) -> None:
+    """The first region is out of capacity; the second does not hold the run's checkpoint
+    bucket (S3: one region), so the failover skips it, saying why, as it would for the
+    dataset: nothing launches there, and the run fails naming both."""
+    url = moto["url"]
+    bucket = moto["bucket"]
+    aws = _aws(moto, session, gate)
+    stub_quotas(stubbers, aws, (G_SPOT, 64), (G_ON_DEMAND, 64))
+    stub_scores(stubbers, aws, url=url, calls=8)
+    gate.refuse = _east_is_full
+    with control_plane(tmp_path, aws, bucket) as (cp, _, notes):
+        run = _confirmed(cp, f"resources.regions=[{REGION}, {WEST}]")
+        # Preflight said so already: the run can go to the first region only.
+        data = (run_row(cp, run.id).preflight or {})["results"]
+        [check] = [r for r in data if r["name"] == "data"]
+        assert check["data"]["usable_regions"] == [REGION], check
+        wait_until(lambda: run_row(cp, run.id).state == RunState.FAILED, what="FAILED")
+        reason = run_row(cp, run.id).reason or ""
+        skipped = (
+            f"{WEST} skipped: the checkpoint store s3://{bucket}/ckpt is in {REGION} "
+            "(set resources.allow_cross_region_data=true to use it from there)"
+        )
+        assert skipped in reason, reason
+        assert all(a.region == REGION for a in attempts_of(cp, run.id))
+        assert not any(
+            f.get("Placement.AvailabilityZone", "").startswith(WEST) for f in gate.launches()
+        )
+        assert f"Run {run.id} failed: {reason}." in _thread(notes, run.id)

@@ -32,7 +32,10 @@ from jobs.lifecycle import AttemptState, RunState
 from jobs.models import Alert, Attempt, Run, SpendRecord
 from jobs.notify import CallbackJournal
 from jobs.providers.aws import from_settings
+from jobs.providers.aws.budgets import budget_name
+from jobs.providers.base import TAG_RUN_ID
 from jobs.providers.local import LocalProvider
+from jobs.runs.launch import cloud_budget
 from jobs.service import Actor
 from jobs.settings import Settings, load_settings
 from jobs.spec import JobSpec
@@ -94,9 +97,12 @@ def make_deps(
     )
 
     def background(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> None:
-        # Launches are recorded, not run: no instance is started in these tests. The rest
-        # (ending an attempt, removing a cloud budget) runs at once.
-        if fn.__name__ == "launch_attempt":
+        # Launches are recorded, not run: no instance is started in these tests; the cloud
+        # budget that comes first is created. The rest (ending an attempt, removing a cloud
+        # budget) runs at once.
+        if fn.__name__ == "budget_then_launch" and kwargs["budget"]:
+            cloud_budget(args[0], args[1], kwargs["budget"], kwargs["thresholds"])
+        if fn.__name__ in ("launch_attempt", "budget_then_launch"):
             launched.append(args[1])
         else:
             fn(*args, **kwargs)
@@ -340,6 +346,47 @@ def test_max_hours_stops_a_run_with_an_alert(
     assert spend_job(deps) == []  # once
 
 
+def test_a_resubmit_carries_the_hours_its_runs_used_into_max_hours(
+    db_engine: Engine, deps: Deps, clock: Clock
+) -> None:
+    """r-1 ran 1.5 h of its max_hours=2 and was stopped; its resubmit may run 0.5 h more."""
+    add_run(
+        db_engine,
+        "r-1",
+        state=RunState.STOPPED,
+        spent=0.0,
+        spec=stored_spec(max_hours=2),
+        started=T0 - timedelta(hours=1, minutes=30),
+    )
+    new = service.resubmit(deps, "r-1", ADA)
+    assert new.carried_hours == pytest.approx(1.5)
+    with session_scope(db_engine) as session:
+        session.add(
+            Attempt(
+                id="a-new",
+                run_id=new.id,
+                number=1,
+                provider="local",
+                price_per_hour=1.0,
+                started_at=T0,
+                state=AttemptState.RUNNING,
+            )
+        )
+        run = session.get(Run, new.id)
+        assert run is not None
+        run.state = RunState.RUNNING
+    clock.now = T0 + timedelta(minutes=29)
+    assert spend_job(deps) == []
+    clock.now = T0 + timedelta(minutes=30)
+    assert spend_job(deps) == [new.id]
+    stopped = get(db_engine, new.id)
+    assert stopped.state is RunState.STOPPED
+    assert stopped.reason == "max_hours: ran 2.00 h of 2 h"
+    # And the next resubmit carries all 2 hours: it is stopped at its first pass.
+    again = service.resubmit(deps, new.id, ADA)
+    assert again.carried_hours == pytest.approx(2.0)
+
+
 # --- the cloud budget ------------------------------------------------------------------
 
 
@@ -426,6 +473,47 @@ def test_on_moto_the_aws_budget_notifies_the_configured_subscribers_and_goes_wit
         assert name not in stored
         assert get(db_engine, run_id).cloud_budget_removed_at == T0
         assert {"type": "cloud_budget_removed", "run": run_id} in journal
+    finally:
+        deps.close()
+
+
+def test_on_moto_a_resubmitted_run_gets_its_own_aws_budget_for_what_is_left(
+    db_engine: Engine,
+    moto_server: str,
+    tmp_path: Path,
+    clock: Clock,
+    journal: list[dict[str, Any]],
+    launched: list[str],
+) -> None:
+    """The AWS Budget follows the run's tag, so the run a resubmit creates gets one of its
+    own, for what is left of the budget after the $40 it carries; the old one's went
+    with the old run."""
+    settings = load_settings(
+        {
+            "TRAINBOT_STATE_DIR": str(tmp_path / "state"),
+            "TRAINBOT_PROVIDER": "aws",
+            "TRAINBOT_AWS_REGION": "us-east-1",
+            "TRAINBOT_AWS_ENDPOINT_URL": moto_server,
+            "TRAINBOT_CHECKPOINT_URI": "s3://checkpoints/runs",
+            "TRAINBOT_PUBLIC_URL": "https://trainbot.example.com",
+            "TRAINBOT_AWS_BUDGET_EMAILS": "oncall@x.io",
+        }
+    )
+    deps = make_deps(db_engine, settings, from_settings(settings), clock, journal, launched)
+    try:
+        old = f"r-{uuid.uuid4().hex[:8]}"
+        add_run(db_engine, old, state=RunState.STOPPED, spent=40.0)
+        new = service.resubmit(deps, old, ADA)
+        assert launched == [new.id]
+        stored = budgets_backends[fake.MOTO_ACCOUNT]["aws"].budgets[fake.MOTO_ACCOUNT]
+        budget = stored[budget_name(new.id)]
+        assert float(budget.budget["BudgetLimit"]["Amount"]) == pytest.approx(60.0)
+        assert budget.budget["CostFilters"] == {"TagKeyValue": [f"user:{TAG_RUN_ID}${new.id}"]}
+        assert {r["run"]: r["usd"] for r in journal if r["type"] == "cloud_budget"} == {
+            new.id: 60.0
+        }
+        service.stop(deps, new.id, ADA)
+        assert budget_name(new.id) not in stored
     finally:
         deps.close()
 

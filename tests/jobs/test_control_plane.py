@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -11,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -306,24 +307,139 @@ def test_reconcile_leaves_an_instance_being_terminated_to_its_terminator(plane) 
 SHELL_ENV_KEYS = ("PATH", "HOME", "LANG")
 
 
+def trainbot_processes(state: Path) -> dict[int, dict[str, str]]:
+    """The live processes that control planes under ``state`` started (dry runs and
+    local instances, found by their scratch volume there): pid → their TRAINBOT_ env."""
+    marker = str(state)
+    found: dict[int, dict[str, str]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            raw = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        env = dict(
+            v.decode(errors="replace").partition("=")[::2]
+            for v in raw
+            if v.startswith(b"TRAINBOT_")
+        )
+        if env.get("TRAINBOT_SCRATCH_DIR", "").startswith(marker):
+            found[int(entry.name)] = env
+    return found
+
+
+def dry_run_processes(state: Path) -> list[int]:
+    """Pids of processes that are some control plane's dry run under ``state``."""
+    preflight = str(state / "preflight")
+    return [
+        pid
+        for pid, env in trainbot_processes(state).items()
+        if env["TRAINBOT_SCRATCH_DIR"].startswith(preflight)
+    ]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class _Db:
+    """The state directory's database, read as the control planes write it."""
+
+    def __init__(self, state: Path) -> None:
+        self.path = state / "trainbot.db"
+
+    def rows(self, sql: str, *args: object) -> list[tuple]:
+        import sqlite3
+
+        if not self.path.exists():
+            return []
+        try:
+            with sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=5) as db:
+                return db.execute(sql, args).fetchall()
+        except sqlite3.OperationalError:  # not migrated yet
+            return []
+
+    def run_ids(self) -> set[str]:
+        return {r[0] for r in self.rows("SELECT id FROM runs")}
+
+    def run_state(self, run_id: str) -> str:
+        got = self.rows("SELECT state FROM runs WHERE id = ?", run_id)
+        return str(got[0][0]) if got else ""
+
+    def attempt_states(self, run_id: str) -> list[str]:
+        return [r[0] for r in self.rows("SELECT state FROM attempts WHERE run_id = ?", run_id)]
+
+
+#: Without a dry run, preflight warns and the run waits for a person; the sweep's later
+#: moments take that path (the dry run is swept by the first two), and the person types
+#: "Launch anyway" (``/train resubmit``) in the console.
+NO_DRY_RUN = ("dry_run.enabled=false",)
+
+#: The moments of a run's start that the sweep kills the control plane at: the spec
+#: overrides that lead there, whether a person confirms the launch, and when the moment
+#: has come (a seeded jitter is added).
+_MOMENTS: dict[str, tuple[tuple[str, ...], bool, Callable[[_Db, Path, str], bool]]] = {
+    # The run is recorded, its preflight under way (or not yet begun).
+    "submit": ((), False, lambda db, state, run: db.run_state(run) == "PREFLIGHT"),
+    # Its dry run trains; it outlives the kill (a new process group).
+    "dry_run": (
+        (),
+        False,
+        lambda db, state, run: (state / "preflight" / run / "dry-run.pid").exists(),
+    ),
+    # Preflight warned: the run waits for a person, who confirms after the restart.
+    "awaiting": (
+        NO_DRY_RUN,
+        False,
+        lambda db, state, run: db.run_state(run) == "AWAITING_CONFIRMATION",
+    ),
+    # Confirmed; the attempt may be recorded, the instance asked for or not.
+    "launching": (NO_DRY_RUN, True, lambda db, state, run: db.run_state(run) == "LAUNCHING"),
+    # The instance is launched; its runner has not started yet (or just has).
+    "provisioning": (
+        NO_DRY_RUN,
+        True,
+        lambda db, state, run: any(
+            a in ("REQUESTED", "PROVISIONING") for a in db.attempt_states(run)
+        ),
+    ),
+    # The runner has started: restored, about to train its first step.
+    "first_step": (NO_DRY_RUN, True, lambda db, state, run: "RUNNING" in db.attempt_states(run)),
+}
+
+
 @pytest.mark.slow
-def test_kill_9_during_a_launch_then_restart_leaves_one_instance_per_attempt(
-    tmp_path: Path,
-) -> None:
-    """Kill the control plane at random points of a launch; after a restart every attempt
-    has exactly one instance, nothing is orphaned, and the run goes on."""
-    rng = random.Random(7)
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc")
+def test_kill_9_at_random_moments_from_submit_to_the_first_step(tmp_path: Path) -> None:
+    """kill -9 of the control plane at seeded random moments of a run's start, preflight
+    included, each run submitted to a fresh control plane on the same state directory
+    (each start is the restart of the runs before it). After the last restart every run
+    reaches its first step, none is left in PREFLIGHT or LAUNCHING, the dry runs killed
+    mid-way are ended and run again, each attempt has one instance, and no process or
+    instance is left without a live attempt."""
+    rng = random.Random(12)
     state = tmp_path / "state"
     env = {k: os.environ[k] for k in SHELL_ENV_KEYS if k in os.environ}
+    # One address for every control plane, as behind a load balancer: a runner started
+    # by a killed one spools its events and delivers them to the next.
+    port = str(_free_port())
     env.update(
         PYTHONPATH=str(ROOT),
         TRAINBOT_STATE_DIR=str(state),
-        TRAINBOT_INGEST_PORT="0",
+        TRAINBOT_INGEST_PORT=port,
         TRAINBOT_LOCAL_CORES="8",
     )
-    spec = "/train launch tiny checkpoint.every_steps=20 resubmit.backoff_s=0\n"
-    # Early (during preflight), around the launch call, and after it.
-    for delay in (rng.uniform(0.5, 4), rng.uniform(4, 9), rng.uniform(9, 14)):
+    db = _Db(state)
+    killed: dict[str, str] = {}  # run id → the moment it was killed at
+    orphaned_dry_runs: list[int] = []
+    for moment, (overrides, confirm, reached) in _MOMENTS.items():
+        jitter = rng.uniform(0.0, 1.5 if moment in ("dry_run", "first_step") else 0.3)
+        before = db.run_ids()
         proc = subprocess.Popen(
             [sys.executable, "-m", "bot.cli", "shell"],
             env=env,
@@ -333,125 +449,264 @@ def test_kill_9_during_a_launch_then_restart_leaves_one_instance_per_attempt(
             text=True,
         )
         assert proc.stdin is not None
-        proc.stdin.write(spec)
+        proc.stdin.write(
+            "/train launch tiny checkpoint.every_steps=20 resubmit.backoff_s=0 "
+            + " ".join(overrides)
+            + "\n"
+        )
         proc.stdin.flush()
-        time.sleep(delay)
+        deadline = time.monotonic() + 60
+        run_id = None
+        confirmed = False
+        while run_id is None or not reached(db, state, run_id):
+            assert proc.poll() is None, f"the control plane exited before {moment}"
+            assert time.monotonic() < deadline, f"never reached {moment} ({run_id})"
+            if run_id is None:
+                new = db.run_ids() - before
+                run_id = next(iter(new)) if new else None
+            elif confirm and not confirmed and db.run_state(run_id) == "AWAITING_CONFIRMATION":
+                proc.stdin.write(f"/train resubmit {run_id}\n")  # "Launch anyway"
+                proc.stdin.flush()
+                confirmed = True
+            time.sleep(0.01)
+        time.sleep(jitter)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+        killed[run_id] = moment
+        if moment == "dry_run":
+            orphaned_dry_runs = dry_run_processes(state)
+            assert orphaned_dry_runs, "the dry run outlives the control plane that started it"
 
-    # Restart: a control plane on the same state directory reconciles.
-    settings = settings_for(state, TRAINBOT_HEARTBEAT_DEADLINE_S="600")
-    with ControlPlane(settings, notifier=ConsoleNotifier(io.StringIO()), scheduler=False) as cp:  # type: ignore[arg-type]
+    # Whatever the last kill interrupted of a preflight (the runs before it were resumed
+    # by the control planes after them) is run again by the last restart.
+    in_preflight = {r for r in killed if db.run_state(r) == "PREFLIGHT"}
+    records: list[dict] = []
+    journal = CallbackJournal(lambda t, run, data: records.append({"type": t, "run": run, **data}))
+    settings = settings_for(state, TRAINBOT_INGEST_PORT=port)
+    with ControlPlane(
+        settings,  # type: ignore[arg-type]
+        notifier=ConsoleNotifier(io.StringIO()),
+        journal=journal,
+        scheduler=False,  # its reconcile is called below, as the leader's would be
+    ) as cp:
         deps = cp.deps
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+        assert {r["run"] for r in records if r["type"] == "preflight_resumed"} == in_preflight
+        try:
+            [waiting] = [r for r, m in killed.items() if m == "awaiting"]
+            deadline = time.monotonic() + 150  # a bound for a busy machine, not a timing
+            while True:
+                reconcile(deps)
+                with session_scope(deps.engine) as session:
+                    runs = {r.id: r for r in session.exec(select(Run)).all()}
+                if runs[waiting].state == RunState.AWAITING_CONFIRMATION:
+                    # The person at the console, after the restart.
+                    who = Actor(user=runs[waiting].requester, channel="console", is_admin=True)
+                    service.confirm(deps, waiting, who)
+                ended = {
+                    rid: (r.state, r.reason) for rid, r in runs.items() if r.state.is_terminal()
+                }
+                assert all(s == RunState.SUCCEEDED for s, _ in ended.values()), ended
+                started = {
+                    rid
+                    for rid, r in runs.items()
+                    if r.state == RunState.SUCCEEDED
+                    or (r.state == RunState.RUNNING and (r.last_step or 0) >= 1)
+                }
+                if started == set(killed):
+                    break
+                stuck = {
+                    rid: (
+                        runs[rid].state,
+                        killed[rid],
+                        [r["check"] for r in records if r["run"] == rid and "check" in r],
+                    )
+                    for rid in set(killed) - started
+                }
+                assert time.monotonic() < deadline, f"runs that never reached a step: {stuck}"
+                time.sleep(0.5)
             reconcile(deps)
+            assert not any(pid in dry_run_processes(state) for pid in orphaned_dry_runs)
+            assert not dry_run_processes(state), "no dry run is left once every run trains"
             with session_scope(deps.engine) as session:
                 attempts = session.exec(select(Attempt)).all()
-                runs = session.exec(select(Run)).all()
-            pending = [a for a in attempts if a.instance_id is None and not a.state.is_terminal()]
-            if runs and not pending:
-                break
-            time.sleep(1)
-        instances = deps.provider.list_instances()
-        live = [i for i in instances if not i.state.is_terminal()]
-        with session_scope(deps.engine) as session:
-            attempts = session.exec(select(Attempt)).all()
-        by_attempt: dict[str, int] = {}
-        for inst in instances:
-            by_attempt[inst.attempt_id] = by_attempt.get(inst.attempt_id, 0) + 1
-        assert all(n == 1 for n in by_attempt.values()), by_attempt
-        known = {a.id for a in attempts}
-        assert all(i.attempt_id in known for i in live), "no orphan survives reconcile"
-        for a in attempts:
-            if not a.state.is_terminal():
-                assert a.instance_id is not None
-                status = deps.provider.status(a.instance_id)
-                assert status.state in (InstanceState.RUNNING, InstanceState.SUCCEEDED)
-        for inst in live:
-            deps.provider.terminate(inst.instance_id)
-        deps.provider.close()  # type: ignore[attr-defined]
+            live = {a.instance_id: a for a in attempts if not a.state.is_terminal()}
+            instances = deps.provider.list_instances()
+            per_attempt: dict[str, int] = {}
+            for inst in instances:
+                per_attempt[inst.attempt_id] = per_attempt.get(inst.attempt_id, 0) + 1
+            assert all(n == 1 for n in per_attempt.values()), per_attempt
+            running = [i for i in instances if not i.state.is_terminal()]
+            assert all(
+                i.instance_id in live and live[i.instance_id].id == i.attempt_id for i in running
+            ), "an instance without a live attempt"
+
+            # And the process table agrees: every process started under this state
+            # directory is a live attempt's instance (one that just finished may take
+            # a moment to go).
+            def strays() -> dict[int, dict[str, str]]:
+                return {
+                    pid: penv
+                    for pid, penv in trainbot_processes(state).items()
+                    if penv.get("TRAINBOT_INSTANCE_ID") not in live
+                    or live[penv["TRAINBOT_INSTANCE_ID"]].id != penv.get("TRAINBOT_ATTEMPT_ID")
+                }
+
+            gone_by = time.monotonic() + 15
+            while strays() and time.monotonic() < gone_by:
+                time.sleep(0.2)
+            assert not strays(), "processes that belong to no live attempt"
+        finally:
+            for pid in dry_run_processes(state):
+                os.kill(pid, signal.SIGKILL)
+    # Instances outlive their control plane: end them once it is closed (a terminated
+    # instance looks preempted, and an open one would resubmit it).
+    for inst in cp.deps.provider.list_instances():
+        if not inst.state.is_terminal():
+            cp.deps.provider.terminate(inst.instance_id)
+    cp.deps.provider.close()  # type: ignore[attr-defined]
+    assert not trainbot_processes(state)
 
 
-def dry_run_processes(state: Path) -> list[int]:
-    """Pids of processes that are some control plane's dry run under ``state``."""
-    marker = f"TRAINBOT_SCRATCH_DIR={state / 'preflight'}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if any(v.startswith(marker) for v in environ):
-            found.append(int(entry.name))
-    return found
+# --- a preempted `trainbot-runner exec` is resubmitted -------------------------------------
+
+PLAIN_SCRIPT = ROOT / "tests" / "runner" / "scripts" / "plain_counter.py"
+
+
+def attempts_of(cp: ControlPlane, run_id: str) -> list[Attempt]:
+    with session_scope(cp.deps.engine) as session:
+        rows = session.exec(
+            select(Attempt).where(Attempt.run_id == run_id).order_by(Attempt.number)  # type: ignore[arg-type]
+        ).all()
+        for row in rows:
+            session.expunge(row)
+        return list(rows)
+
+
+def _started(cp: ControlPlane, run_id: str, number: int) -> Attempt | None:
+    """Attempt ``number`` of the run, once its runner has said it started."""
+    found = [a for a in attempts_of(cp, run_id) if a.number == number]
+    booting = (AttemptState.REQUESTED, AttemptState.PROVISIONING)
+    if found and found[0].started_at is not None and found[0].state not in booting:
+        return found[0]
+    return None
+
+
+def _launch_confirmed(cp: ControlPlane, overrides: list[str]) -> Run:
+    run = service.submit(cp.deps, spec_name="tiny", overrides=[*FAST, *overrides], actor=ADA)
+    wait_until(lambda: run_state(cp, run.id) == RunState.AWAITING_CONFIRMATION, what="preflight")
+    service.confirm(cp.deps, run.id, ADA)
+    return run
+
+
+def _preempted_then_resubmitted(cp: ControlPlane, run_id: str) -> tuple[Attempt, Attempt]:
+    """Wait for attempt 1 to end and attempt 2 to start (reconcile as the scheduler
+    would: it is what sees an instance whose runner could not report)."""
+
+    def second() -> Attempt | None:
+        reconcile(cp.deps)
+        return _started(cp, run_id, 2)
+
+    wait_until(lambda: second() is not None, timeout=90, what="attempt 2 to start")
+    first, again = attempts_of(cp, run_id)[:2]
+    return first, again
+
+
+@pytest.mark.slow
+def test_exec_sleep_preempted_one_second_in_is_resubmitted(plane) -> None:  # type: ignore[no-untyped-def]
+    """`exec -- sleep 60` gets its notice one second in: exit 75, attempt PREEMPTED, the
+    run resubmitted and its next attempt started."""
+    cp, records = plane
+    run = _launch_confirmed(cp, ["command=sleep 60"])
+    wait_until(lambda: _started(cp, run.id, 1) is not None, what="attempt 1 to start")
+    first = _started(cp, run.id, 1)
+    assert first is not None and first.instance_id is not None
+    time.sleep(1.0)
+    cp.deps.provider.preempt(first.instance_id)  # type: ignore[attr-defined]
+    first, second = _preempted_then_resubmitted(cp, run.id)
+    assert (first.state, first.exit_code) == (AttemptState.PREEMPTED, 75), first.end_reason
+    assert second.state == AttemptState.RUNNING
+    assert [r["attempt"] for r in records if r["type"] == "preempted" and r["run"] == run.id] == [1]
+    wait_until(lambda: run_state(cp, run.id) == RunState.RUNNING, what="the run running again")
+    service.stop(cp.deps, run.id, ADA)
+
+
+@pytest.mark.slow
+def test_a_plain_script_under_sync_dir_preempted_before_any_checkpoint_resumes_from_0(
+    plane, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """A plain script under `exec --sync-dir` (the spec's checkpoint.sync_dir) preempted
+    before its first checkpoint: exit 75, PREEMPTED, resubmitted, and the next attempt,
+    on a new instance, starts from step 0 and finishes."""
+    cp, records = plane
+    progress = tmp_path / "progress"
+    script = f"python {PLAIN_SCRIPT} --steps 24 --every 20 --step-s 0.1 --progress {progress}"
+    run = _launch_confirmed(cp, [f"command={script}", "checkpoint.sync_dir=ckpt"])
+    wait_until(lambda: _started(cp, run.id, 1) is not None, what="attempt 1 to start")
+
+    def step() -> int:
+        text = progress.read_text() if progress.exists() else ""
+        return int(text.split()[1]) if text.startswith("running ") else -1
+
+    wait_until(lambda: step() >= 2, what="step 2")
+    assert step() < 20, "the notice comes before its first checkpoint (step 20)"
+    first = _started(cp, run.id, 1)
+    assert first is not None and first.instance_id is not None
+    cp.deps.provider.preempt(first.instance_id)  # type: ignore[attr-defined]
+    first, second = _preempted_then_resubmitted(cp, run.id)
+    assert (first.state, first.exit_code) == (AttemptState.PREEMPTED, 75), first.end_reason
+    # The runner said nothing could be synced; the thread heard it.
+    assert any(r["type"] == "runner_warning" and r["attempt"] == 1 for r in records)
+    wait_until(lambda: run_state(cp, run.id).is_terminal(), timeout=90, what="the end")
+    assert run_state(cp, run.id) == RunState.SUCCEEDED
+    assert second.instance_id is not None
+    log_text = cp.deps.provider.log_path(second.instance_id).read_text()  # type: ignore[attr-defined]
+    result = json.loads([line for line in log_text.splitlines() if line.startswith("{")][-1])
+    assert (result["step"], result["resumed_from"]) == (24, 0)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc")
-def test_kill_9_during_the_dry_run_then_restart_ends_it_and_runs_preflight_again(
-    tmp_path: Path,
-) -> None:
-    """A control plane killed while its dry run trains leaves that process behind and the
-    run in PREFLIGHT; the next start ends the process and runs the checks again."""
-    state = tmp_path / "state"
-    env = {k: os.environ[k] for k in SHELL_ENV_KEYS if k in os.environ}
-    env.update(PYTHONPATH=str(ROOT), TRAINBOT_STATE_DIR=str(state), TRAINBOT_INGEST_PORT="0")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "bot.cli", "shell"],
-        env=env,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    assert proc.stdin is not None
-    # A dry run slow enough to be caught in the middle of.
-    proc.stdin.write("/train launch tiny dry_run.steps=50 resubmit.backoff_s=0\n")
-    proc.stdin.flush()
-    deadline = time.monotonic() + 60
-    while not list(state.glob("preflight/*/dry-run.pid")):
-        assert time.monotonic() < deadline and proc.poll() is None, "no dry run started"
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    orphans = dry_run_processes(state)
-    assert orphans, "the dry run outlives the control plane that started it"
+def test_a_sigterm_during_the_runners_interpreter_start_is_a_preemption(
+    plane, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    """The notice comes while the runner's interpreter is still starting, before any of
+    its code runs (a slow disk: here a sitecustomize that sleeps), so the runner dies of
+    the SIGTERM (143) without a word. The provider reports the instance preempted, so
+    the attempt is PREEMPTED and resubmitted, not a failure."""
+    cp, records = plane
+    slow = tmp_path / "slow-start"
+    slow.mkdir()
+    (slow / "sitecustomize.py").write_text("import time\ntime.sleep(3)\n")
+    # Instances' pythons find it (the wrapper runs isolated, -I, and does not).
+    monkeypatch.setenv("PYTHONPATH", str(slow))
+    run = _launch_confirmed(cp, ["command=sleep 60"])
 
-    records: list[dict] = []
-    journal = CallbackJournal(lambda t, run, data: records.append({"type": t, "run": run, **data}))
-    settings = settings_for(state, TRAINBOT_HEARTBEAT_DEADLINE_S="600")
-    with ControlPlane(
-        settings,
-        notifier=ConsoleNotifier(io.StringIO()),
-        journal=journal,
-        scheduler=False,  # type: ignore[arg-type]
-    ) as cp:
-        deps = cp.deps
-        [run_id] = [r["run"] for r in records if r["type"] == "preflight_resumed"]
-        assert [r["run"] for r in records if r["type"] == "dry_run_ended"] == [run_id]
-        wait_until = time.monotonic() + 5
-        while dry_run_processes(state) and time.monotonic() < wait_until:
-            time.sleep(0.05)
-        assert not any(pid in dry_run_processes(state) for pid in orphans)
-        # The checks run again, to the end, and the run launches.
-        deadline = time.monotonic() + 120
-        while True:
-            with session_scope(deps.engine) as session:
-                run = session.get(Run, run_id)
-                assert run is not None
-                state_now = run.state
-            if state_now not in (RunState.PREFLIGHT,):
-                break
-            assert time.monotonic() < deadline, "the run stayed in PREFLIGHT"
-            time.sleep(0.2)
-        assert state_now in (RunState.LAUNCHING, RunState.RUNNING), state_now
-        for inst in deps.provider.list_instances():
-            if not inst.state.is_terminal():
-                deps.provider.terminate(inst.instance_id)
-    assert not dry_run_processes(state)
+    def launched() -> Attempt | None:
+        found = attempts_of(cp, run.id)
+        return found[0] if found and found[0].instance_id else None
+
+    wait_until(lambda: launched() is not None, what="attempt 1's instance")
+    first = launched()
+    assert first is not None and first.instance_id is not None
+    instance = first.instance_id
+
+    def runner_started() -> bool:
+        for pid, penv in trainbot_processes(tmp_path / "state").items():
+            if penv.get("TRAINBOT_INSTANCE_ID") == instance:
+                with contextlib.suppress(OSError):
+                    if b"runner.cli" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                        return True
+        return False
+
+    wait_until(runner_started, what="the runner's interpreter to start")
+    time.sleep(0.5)  # it sleeps in its interpreter's start, before any of its code
+    cp.deps.provider.preempt(instance)  # type: ignore[attr-defined]
+    first, second = _preempted_then_resubmitted(cp, run.id)
+    assert first.exit_code == 128 + signal.SIGTERM or first.exit_code == -signal.SIGTERM
+    assert first.state == AttemptState.PREEMPTED, first.end_reason
+    assert second.state == AttemptState.RUNNING
+    assert not any(r["type"] == "run_finished" and r["run"] == run.id for r in records)
+    service.stop(cp.deps, run.id, ADA)
 
 
 @pytest.mark.slow

@@ -106,3 +106,62 @@ def test_a_region_out_of_capacity_moves_the_run_to_the_next_region(
         )
         assert gcp.status(fourth.instance_id).state is InstanceState.TERMINATED
     assert gce.instances() == []
+
+
+@pytest.mark.parametrize(
+    ("location", "moves"),
+    [("NAM4", True), ("us-central1", False)],
+    ids=["dual-region-covers-both", "regional-bucket-elsewhere"],
+)
+def test_the_checkpoint_bucket_decides_whether_the_run_may_move_region(
+    tmp_path: Path, gce: FakeComputeApi, location: str, moves: bool
+) -> None:
+    """With us-central1 full, the run moves to us-east1 only where its checkpoint bucket
+    is: a dual-region (NAM4: us-central1 and us-east1) covers it; a us-central1 bucket
+    does not, so the region is skipped with a message and the run fails naming it."""
+    gce.buckets["ckpt-here"] = location
+    gcp = GcpProvider(
+        project=gce.project,
+        region=CENTRAL,
+        regions=[EAST],
+        api_endpoint=gce.url,
+        credentials=AnonymousCredentials(),
+        service_account=RUNNER_SA,
+    )
+    for zone in CENTRAL_A100:
+        gce.exhaust(zone)
+    spec_yaml = (
+        "command: ['python', 'train.py']\n"
+        "resources:\n  cloud: gcp\n  accelerator: A100:1\n"
+        f"  regions: [{CENTRAL}, {EAST}]\n"
+        "budget:\n  usd: 50\n"
+        "dry_run:\n  enabled: false\n"
+        "resubmit:\n  backoff_s: 0\n"
+    )
+    env = {
+        "TRAINBOT_GCP_PROJECT": gce.project,
+        "TRAINBOT_CHECKPOINT_URI": "gs://ckpt-here/default",
+    }
+    with control_plane(tmp_path, gcp, spec_yaml, **env) as (cp, notes):
+        run = service.submit(cp.deps, spec_name="owned", overrides=[], actor=ADA)
+        wait_until(lambda: run_row(cp, run.id).state != RunState.PREFLIGHT, what="preflight")
+        service.confirm(cp.deps, run.id, ADA)
+        if moves:
+            wait_until(lambda: attempt_launched(cp, run.id, 4), what="attempt 4")
+            assert attempts_of(cp, run.id)[-1].region == EAST
+            service.stop(cp.deps, run.id, ADA)
+            wait_until(
+                lambda: attempts_of(cp, run.id)[-1].state == AttemptState.TERMINATED,
+                what="stop",
+            )
+            return
+        wait_until(lambda: run_row(cp, run.id).state == RunState.FAILED, what="FAILED")
+        reason = run_row(cp, run.id).reason or ""
+        assert (
+            f"{EAST} skipped: the checkpoint store gs://ckpt-here/default is in {CENTRAL} "
+            "(set resources.allow_cross_region_data=true to use it from there)"
+        ) in reason, reason
+        assert all(a.region == CENTRAL for a in attempts_of(cp, run.id))
+        assert gce.instances() == []
+        said = [m.text for m in notes.posted if isinstance(m, TextMessage) and m.run_id == run.id]
+        assert f"Run {run.id} failed: {reason}." in said

@@ -49,6 +49,7 @@ from jobs.preflight import (
     with_one_instance_advice,
 )
 from jobs.providers.base import (
+    BucketLocation,
     Capabilities,
     InstanceInfo,
     InstanceStatus,
@@ -112,10 +113,11 @@ class CloudAnswers:
             as_of=datetime(2024, 5, 1, tzinfo=timezone.utc),
         )
 
-    def bucket_region(self, uri: str) -> str | None:
+    def bucket_location(self, uri: str) -> BucketLocation | None:
         if uri.startswith("s3://forbidden"):
             raise ProviderError("access denied to s3://forbidden: grant s3:GetBucketLocation")
-        return self.buckets.get(uri.split("/")[2])
+        region = self.buckets.get(uri.split("/")[2])
+        return BucketLocation.region(region) if region else None
 
     def instance_type_for(self, req: ResourceRequest) -> str | None:
         return self.offers.get(req.accelerator_count) if req.accelerator_count else None
@@ -595,6 +597,24 @@ def test_cross_region_data_passes_when_the_spec_allows_it(tmp_path: Path) -> Non
     )
     got = DataLocalityCheck().run(context(tmp_path, job, cloud, store="s3://ck/r"), prior={})
     assert got.status is Status.PASS and "across regions" in got.detail
+
+
+def test_a_checkpoint_store_in_another_region_warns_when_the_spec_allows_it(
+    tmp_path: Path,
+) -> None:
+    """The allowance covers the checkpoint store too, but saving across regions costs
+    every save and restore: a warning, so a person confirms; without it, a failure."""
+    cloud = CloudAnswers(buckets={"ck": "eu-west-1"})
+    allowed = spec(
+        resources={"cloud": "aws", "region": "us-east-1", "allow_cross_region_data": True}
+    )
+    got = DataLocalityCheck().run(context(tmp_path, allowed, cloud, store="s3://ck/r"), prior={})
+    assert got.status is Status.WARN
+    assert "s3://ck/r is in eu-west-1 but the run is in us-east-1" in got.detail
+    assert "allow_cross_region_data allows it" in got.detail
+    strict = spec(resources={"cloud": "aws", "region": "us-east-1"})
+    got = DataLocalityCheck().run(context(tmp_path, strict, cloud, store="s3://ck/r"), prior={})
+    assert got.status is Status.FAIL
 
 
 # -- checkpoint interval and budget ----------------------------------------------------------

@@ -152,6 +152,35 @@ def test_the_sigterm_of_a_stop_is_not_reported_as_a_preemption(deps: Deps) -> No
     assert "Attempt 1 is stopping: its runner flushes a checkpoint first." in text
 
 
+@pytest.mark.parametrize("noticed", [True, False], ids=["after-a-notice", "no-notice"])
+def test_a_failed_exit_after_a_preemption_notice_is_a_preemption(deps: Deps, noticed: bool) -> None:
+    """A runner that reports a failure (143: the SIGTERM reached the script before its
+    handler) after a preemption notice was preempted, and its run is resubmitted; the
+    same exit without a notice fails the run."""
+    _running(
+        deps,
+        "r-143",
+        committed=0,
+        id="a-143",
+        number=1,
+        preemption_notice_at=T0 if noticed else None,
+    )
+    on_attempt_event(deps, "a-143", "exit", {"code": 143, "reason": "failed"})
+    with session_scope(deps.engine) as session:
+        attempt = session.get(Attempt, "a-143")
+        run = session.get(Run, "r-143")
+        assert attempt is not None and run is not None
+        assert attempt.exit_code == 143
+        if noticed:
+            assert attempt.state == AttemptState.PREEMPTED
+            assert attempt.end_reason == (
+                "runner exited 143 (failed); it had a preemption notice, so it resumes"
+            )
+            assert run.state == RunState.RECOVERING
+        else:
+            assert (attempt.state, run.state) == (AttemptState.FAILED, RunState.FAILED)
+
+
 def _new_run(deps: Deps, run_id: str) -> None:
     with session_scope(deps.engine) as session:
         session.add(

@@ -108,6 +108,41 @@ def test_sleep_sent_sigterm_one_second_in_exits_75(tmp_path: Path) -> None:
     assert proc.returncode == EXIT_PREEMPTED, err
 
 
+#: What ``exec`` imports after its SIGTERM handler is installed (boto3 and the GCS client
+#: come with the store, msgspec and orjson with telemetry).
+_HEAVY = ("runner.supervisor", "runner.store", "runner.telemetry", "runner.preemption")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc")
+def test_exec_catches_sigterm_before_its_heavy_imports(tmp_path: Path) -> None:
+    """The supervisor's own start: importing ``runner.cli`` loads none of what ``exec``
+    needs (so ``main`` installs its SIGTERM handler first thing), and a SIGTERM at the
+    first moment the process catches it is a preemption notice: exit 75, not 143."""
+    probe = f"import sys, runner.cli; print([m for m in {_HEAVY!r} if m in sys.modules])"
+    env = _env(tmp_path, "r-early")
+    out = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.stdout.strip() == "[]", out.stderr
+    proc = _start(["--", "sleep", "60"], env)
+
+    def catches_sigterm() -> bool:
+        try:
+            status = Path(f"/proc/{proc.pid}/status").read_text()
+        except OSError:
+            return False
+        caught = next(line for line in status.splitlines() if line.startswith("SigCgt:"))
+        return bool(int(caught.split()[1], 16) & (1 << (signal.SIGTERM - 1)))
+
+    deadline = time.monotonic() + 30
+    while not catches_sigterm():
+        assert proc.poll() is None and time.monotonic() < deadline, "no handler installed"
+        time.sleep(0.001)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == EXIT_PREEMPTED, err
+
+
 def test_a_notice_before_the_command_starts_does_not_start_it(tmp_path: Path) -> None:
     """The notice came during the restore (or anything before the start): the command is
     not started at all, and the attempt says it was preempted."""

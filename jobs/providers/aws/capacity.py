@@ -301,6 +301,11 @@ def bucket_region(clients: Clients, uri: str) -> str | None:
     bucket = parsed.netloc
     if not bucket:
         raise ProviderError(f"{uri!r} names no bucket: write s3://BUCKET/PREFIX")
+    if bucket.endswith(".mrap"):
+        # A Multi-Region Access Point's alias: its buckets are in several regions, each
+        # request routed to the nearest; no one region to compare.
+        log.info("s3://%s is a Multi-Region Access Point: no one region", bucket)
+        return None
     s3 = clients.client("s3")
     try:
         with clients.call("s3", f"find the region of s3://{bucket}"):

@@ -20,6 +20,7 @@ from jobs.providers.aws.clients import Clients, utcnow
 from jobs.providers.aws.launch import LaunchConfig
 from jobs.providers.base import (
     CPU_INSTANCE,
+    BucketLocation,
     Capabilities,
     InstanceInfo,
     InstanceStatus,
@@ -173,8 +174,10 @@ class AwsProvider:
             clock=self._clock,
         )
 
-    def bucket_region(self, uri: str) -> str | None:
-        return capacity.bucket_region(self._clients, uri)
+    def bucket_location(self, uri: str) -> BucketLocation | None:
+        """An S3 bucket is in one region (see :func:`capacity.bucket_region`)."""
+        region = capacity.bucket_region(self._clients, uri)
+        return None if region is None else BucketLocation.region(region)
 
     # -- budgets ---------------------------------------------------------------------------
 

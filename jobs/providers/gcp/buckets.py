@@ -6,17 +6,17 @@ storage client library is needed.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from urllib.parse import quote, urlparse
 
-from jobs.providers.base import ProviderError, ProviderPermissionError
+from jobs.providers.base import BucketLocation, ProviderError, ProviderPermissionError
 from jobs.providers.gcp.api import ComputeApi
 from jobs.providers.gcp.errors import ROLE_HINT, translate
 
-__all__ = ["bucket_region"]
+__all__ = ["bucket_location"]
 
-# Predefined multi- and dual-regions → the regions they hold.
-_MULTI_REGIONS: Mapping[str, list[str]] = {
+# Predefined dual-regions → the regions they hold.
+_DUAL_REGIONS: Mapping[str, list[str]] = {
     "nam4": ["us-central1", "us-east1"],
     "eur4": ["europe-north1", "europe-west4"],
     "eur5": ["europe-west1", "europe-west2"],
@@ -24,15 +24,17 @@ _MULTI_REGIONS: Mapping[str, list[str]] = {
     "eur8": ["europe-west3", "europe-west6"],
     "asia1": ["asia-northeast1", "asia-northeast2"],
 }
+# Multi-regions → the prefix of the regions on their continent: reads from any of them
+# stay inside the multi-region.
+_MULTI_REGIONS: Mapping[str, str] = {"us": "us-", "eu": "europe-", "asia": "asia-"}
 
 
-def bucket_region(
-    api: ComputeApi, uri: str, *, endpoint: str, regions: Sequence[str]
-) -> str | None:
-    """The region of a ``gs://`` bucket; other URIs are None.
+def bucket_location(api: ComputeApi, uri: str, *, endpoint: str) -> BucketLocation | None:
+    """Where a ``gs://`` bucket is; other URIs are None.
 
-    A multi- or dual-region bucket counts as being in the first of ``regions`` it covers
-    (reads from it do not cross regions); one that covers none is its location.
+    A dual-region holds its two regions (predefined, or a configurable one's
+    ``customPlacementConfig.dataLocations``); a multi-region covers every region of its
+    continent. Failover checks each region it moves to against that, not one answer.
     """
     parsed = urlparse(uri)
     if parsed.scheme != "gs" or not parsed.netloc:
@@ -63,13 +65,18 @@ def bucket_region(
         )
     data = response.json()
     location = str(data.get("location", "")).lower()
-    covered = [
+    if not location:
+        return None
+    kind = data.get("locationType")
+    if kind not in ("multi-region", "dual-region"):
+        return BucketLocation.region(location)
+    covered = {
         str(r).lower() for r in (data.get("customPlacementConfig") or {}).get("dataLocations", [])
-    ]
-    if data.get("locationType") in ("multi-region", "dual-region"):
-        covered += _MULTI_REGIONS.get(location, [])
-        prefix = {"us": "us-", "eu": "europe-", "asia": "asia-"}.get(location)
-        for region in regions:
-            if region in covered or (prefix and region.startswith(prefix)):
-                return region
-    return location or None
+    }
+    covered.update(_DUAL_REGIONS.get(location, []))
+    prefix = _MULTI_REGIONS.get(location) if kind == "multi-region" else None
+    return BucketLocation(
+        name=location.upper(),
+        regions=frozenset(covered),
+        region_prefixes=(prefix,) if prefix else (),
+    )

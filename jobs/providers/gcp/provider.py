@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jobs.providers.base import (
+    BucketLocation,
     Capabilities,
     CapacityError,
     InstanceInfo,
@@ -25,7 +26,7 @@ from jobs.providers.base import (
     ZoneCapacity,
 )
 from jobs.providers.gcp.api import ComputeApi
-from jobs.providers.gcp.buckets import bucket_region
+from jobs.providers.gcp.buckets import bucket_location
 from jobs.providers.gcp.catalog import PRICES_PATH, Catalog
 from jobs.providers.gcp.launch import (
     DEFAULT_IMAGE,
@@ -183,16 +184,10 @@ class GcpProvider:
         region = region_of_zone(zone) if zone else self._region(req)
         return self._catalog.price(req, region=region)
 
-    def bucket_region(self, uri: str) -> str | None:
-        """The region of a ``gs://`` bucket; a multi- or dual-region bucket that covers
-        this provider's region (else one of ``regions``) counts as being in it; other URIs
-        are None."""
-        return bucket_region(
-            self._api,
-            uri,
-            endpoint=self.storage_endpoint,
-            regions=(self.region, *self.regions),
-        )
+    def bucket_location(self, uri: str) -> BucketLocation | None:
+        """Where a ``gs://`` bucket is, a multi- or dual-region with every region it
+        covers; other URIs are None."""
+        return bucket_location(self._api, uri, endpoint=self.storage_endpoint)
 
     # -- Provider: instances --------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from jobs.providers.base import (
+    BucketLocation,
     Capabilities,
     CapacityError,
     InstanceInfo,
@@ -197,10 +198,10 @@ class LocalProvider:
             if on_demand_usd_per_hour is not None:
                 self.on_demand_usd_per_hour = on_demand_usd_per_hour
 
-    def bucket_region(self, uri: str) -> str | None:
+    def bucket_location(self, uri: str) -> BucketLocation | None:
         """Local paths and file URIs are in this machine's region; anything else is unknown."""
         scheme = urlparse(uri).scheme
-        return REGION if scheme in ("", "file") else None
+        return BucketLocation.region(REGION) if scheme in ("", "file") else None
 
     # -- Provider: instances --------------------------------------------------------------
 

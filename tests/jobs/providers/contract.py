@@ -246,8 +246,8 @@ class ProviderContract:
             with suppress(Unsupported):  # a provider without a probe may also just allow
                 provider.check_launch_permissions(resource_request)
 
-    def test_bucket_region_is_none_when_unknowable(self, provider: Provider) -> None:
-        assert provider.bucket_region("ftp://example.invalid/data") is None
+    def test_bucket_location_is_none_when_unknowable(self, provider: Provider) -> None:
+        assert provider.bucket_location("ftp://example.invalid/data") is None
 
     # -- instances ------------------------------------------------------------------------
 

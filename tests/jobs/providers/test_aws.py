@@ -47,6 +47,7 @@ from jobs.providers.aws import (
     refresh_prices,
 )
 from jobs.providers.base import (
+    BucketLocation,
     CapacityError,
     InstanceState,
     LaunchRequest,
@@ -321,9 +322,11 @@ def test_bucket_in_another_region_fails_preflight(
     aws = make_aws()
     far = fake.unique_bucket(moto["url"], region="eu-west-1")
     near = fake.unique_bucket(moto["url"], region=REGION)
-    assert aws.bucket_region(f"s3://{far}/train") == "eu-west-1"
-    assert aws.bucket_region(f"s3://{near}/train") == REGION
-    assert aws.bucket_region("gs://elsewhere/train") is None
+    assert aws.bucket_location(f"s3://{far}/train") == BucketLocation.region("eu-west-1")
+    assert aws.bucket_location(f"s3://{near}/train") == BucketLocation.region(REGION)
+    assert aws.bucket_location("gs://elsewhere/train") is None
+    # A Multi-Region Access Point has no one region: unknown, not an error.
+    assert aws.bucket_location("s3://mfzwi23gnjvgw.mrap/train") is None
     result = DataLocalityCheck().run(
         context(tmp_path, spec(accelerator="A10G:1", data_uri=f"s3://{far}/train"), aws), prior={}
     )
@@ -340,16 +343,18 @@ def test_bucket_in_another_region_fails_preflight(
     )
     assert passed.status is Status.PASS
     with pytest.raises(ProviderError, match="does not exist"):
-        aws.bucket_region(f"s3://missing-{uuid.uuid4().hex[:8]}/x")
+        aws.bucket_location(f"s3://missing-{uuid.uuid4().hex[:8]}/x")
 
 
 def test_bucket_region_when_access_is_denied(
     make_aws: Callable[..., AwsProvider], caplog: pytest.LogCaptureFixture
 ) -> None:
     with fake.region_telling_s3("ap-south-1") as url:
-        assert make_aws(endpoint_url=url).bucket_region("s3://theirs/data") == "ap-south-1"
+        assert make_aws(endpoint_url=url).bucket_location("s3://theirs/data") == (
+            BucketLocation.region("ap-south-1")
+        )
     with refusing_s3() as url, caplog.at_level(logging.WARNING, "jobs.providers.aws"):
-        assert make_aws(endpoint_url=url).bucket_region("s3://theirs/data") is None
+        assert make_aws(endpoint_url=url).bucket_location("s3://theirs/data") is None
     assert "s3:GetBucketLocation" in caplog.text
 
 
@@ -1111,7 +1116,7 @@ def test_the_policy_grants_every_call_the_provider_makes(
     aws.quota(T4)
     zones = aws.capacity(T4)
     aws.price(T4, zone=zones[0].zone)
-    aws.bucket_region(f"s3://{fake.unique_bucket(moto['url'], region=REGION)}/x")
+    aws.bucket_location(f"s3://{fake.unique_bucket(moto['url'], region=REGION)}/x")
     aws.create_budget(run_id=new_run(), usd=10, thresholds=[50], email="a@b.c")
     info = aws.launch(launch_request(T4, WORKLOAD, zone=zones[0].zone))
     aws.status(info.instance_id)

@@ -37,6 +37,7 @@ from jobs.providers.base import (
     TAG_MANAGED,
     TAG_OWNER,
     TAG_RUN_ID,
+    BucketLocation,
     CapacityError,
     InstanceNotFound,
     InstanceState,
@@ -417,22 +418,28 @@ def test_prices_refresh_from_billing_catalog_skus() -> None:
 def test_bucket_regions_from_cloud_storage(
     tmp_path: Path, gcp: GcpProvider, fake: FakeComputeApi
 ) -> None:
-    assert gcp.bucket_region("gs://data-us/train") == "us-central1"
-    assert gcp.bucket_region("s3://elsewhere/x") is None
+    assert gcp.bucket_location("gs://data-us/train") == BucketLocation.region("us-central1")
+    assert gcp.bucket_location("s3://elsewhere/x") is None
     fake.buckets["multi"] = "US"
-    assert gcp.bucket_region("gs://multi/x") == REGION  # a US multi-region bucket covers it
+    multi = gcp.bucket_location("gs://multi/x")
+    assert multi is not None and str(multi) == "US"
+    assert multi.covers(REGION) and multi.covers("us-east1")  # a US multi-region covers it
+    assert not multi.covers("europe-west4")
     fake.buckets["dual"] = "EUR4"
-    assert gcp.bucket_region("gs://dual/x") == "eur4"
+    dual = gcp.bucket_location("gs://dual/x")
+    assert dual is not None and str(dual) == "EUR4"
+    assert dual.covers("europe-west4") and dual.covers("europe-north1")
+    assert not dual.covers("europe-west1") and not dual.covers(REGION)
     got = DataLocalityCheck().run(
         context(tmp_path, gcp_spec(data_uri="gs://data-eu/imagenet"), gcp), prior={}
     )
     assert got.status is Status.FAIL
     assert "is in europe-west4 but the accelerators run in us-central1" in got.detail
     with pytest.raises(ProviderError, match="gs://nope does not exist"):
-        gcp.bucket_region("gs://nope/x")
+        gcp.bucket_location("gs://nope/x")
     fake.deny("storage.buckets.get")
     with pytest.raises(ProviderPermissionError, match=r"storage\.buckets\.get") as denied:
-        gcp.bucket_region("gs://data-us/train")
+        gcp.bucket_location("gs://data-us/train")
     assert denied.value.permission == "storage.buckets.get"
 
 
@@ -679,11 +686,17 @@ def test_failover_regions_come_from_settings_and_place_multi_region_buckets(
     )
     gcp = regional(fake, regions=["europe-west4"])
     fake.buckets.update({"multi-us": "US", "multi-eu": "EU", "dual": "EUR4"})
-    assert gcp.bucket_region("gs://multi-us/x") == REGION  # the home region first
-    assert gcp.bucket_region("gs://multi-eu/x") == "europe-west4"
-    assert gcp.bucket_region("gs://dual/x") == "europe-west4"
-    assert gcp.bucket_region("gs://data-eu/x") == "europe-west4"
-    assert regional(fake).bucket_region("gs://multi-eu/x") == "eu"  # covers no region of it
+    # Each bucket is answered once, with every region it covers, whatever the provider's.
+    where = {b: gcp.bucket_location(f"gs://{b}/x") for b in ("multi-us", "multi-eu", "dual")}
+    assert {b: w is not None and w.covers(REGION) for b, w in where.items()} == {
+        "multi-us": True,
+        "multi-eu": False,
+        "dual": False,
+    }
+    assert all(
+        w is not None and w.covers("europe-west4") for b, w in where.items() if b != "multi-us"
+    )
+    assert gcp.bucket_location("gs://data-eu/x") == BucketLocation.region("europe-west4")
 
 
 # -- idempotency and crash recovery ------------------------------------------------------
@@ -856,7 +869,7 @@ def lifecycle(provider: GcpProvider, fake: FakeComputeApi) -> None:
     """Everything the control plane does with GCP, once."""
     provider.quota(A100)
     provider.capacity(A100)
-    provider.bucket_region("gs://data-us/x")
+    provider.bucket_location("gs://data-us/x")
     info = launch(provider)
     provider.status(info.instance_id)
     fake.preempt(ZONE_A, name_of(info.instance_id))

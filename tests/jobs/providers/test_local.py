@@ -23,6 +23,7 @@ import pytest
 
 from jobs.providers import PROVIDERS, make_provider
 from jobs.providers.base import (
+    BucketLocation,
     CapacityError,
     InstanceNotFound,
     InstanceState,
@@ -457,14 +458,14 @@ def test_gpus_come_from_nvidia_smi(make_local: Callable[..., LocalProvider]) -> 
     assert provider.quota(typed).ok
 
 
-def test_price_and_bucket_region(make_local: Callable[..., LocalProvider]) -> None:
+def test_price_and_bucket_location(make_local: Callable[..., LocalProvider]) -> None:
     provider = make_local(spot_usd_per_hour=0.75, on_demand_usd_per_hour=2.5)
     quote = provider.price(CPU)
     assert (quote.spot_usd_per_hour, quote.on_demand_usd_per_hour) == (0.75, 2.5)
     for local in ("/data/shards", "file:///data/shards", "checkpoints/run-1"):
-        assert provider.bucket_region(local) == "local"
+        assert provider.bucket_location(local) == BucketLocation.region("local")
     for remote in ("s3://bucket/data", "gs://bucket/data"):
-        assert provider.bucket_region(remote) is None
+        assert provider.bucket_location(remote) is None
 
 
 def test_launch_refuses_what_it_cannot_do(provider: LocalProvider) -> None:
