@@ -11,7 +11,7 @@ profile window ends (a step, seconds after launch); ``attempts.profiled_at``: wh
 ingest API saw it end, so the projection is made once.
 
 Revision ID: 0012
-Revises: 0009
+Revises: 0011
 Create Date: 2026-12-02
 """
 
@@ -23,7 +23,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0012"
-down_revision: str | None = "0009"
+down_revision: str | None = "0011"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

@@ -5,7 +5,7 @@ control plane can terminate an instance it launched and never heard back from (s
 :class:`jobs.models.DryRunInstance`). A new table; nothing existing changes.
 
 Revision ID: 0013
-Revises: 0009
+Revises: 0012
 Create Date: 2026-12-02
 """
 
@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0013"
-down_revision: str | None = "0009"
+down_revision: str | None = "0012"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

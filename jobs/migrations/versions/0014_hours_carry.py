@@ -4,7 +4,7 @@
 ``max_hours`` counts it. Existing runs carry nothing (NULL).
 
 Revision ID: 0014
-Revises: 0009
+Revises: 0013
 Create Date: 2026-12-02
 """
 
@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0014"
-down_revision: str | None = "0009"
+down_revision: str | None = "0013"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
