@@ -413,9 +413,20 @@ _MOMENTS: dict[str, tuple[tuple[str, ...], bool, Callable[[_Db, Path, str], bool
 }
 
 
+@pytest.fixture
+def reaped_state(tmp_path: Path) -> Iterator[Path]:
+    """A state directory whose processes (dry runs, local instances) are killed when the
+    test ends, whatever it asserted: a failed sweep must not leave runners training."""
+    state = tmp_path / "state"
+    yield state
+    for pid in trainbot_processes(state):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc")
-def test_kill_9_at_random_moments_from_submit_to_the_first_step(tmp_path: Path) -> None:
+def test_kill_9_at_random_moments_from_submit_to_the_first_step(reaped_state: Path) -> None:
     """kill -9 of the control plane at seeded random moments of a run's start, preflight
     included, each run submitted to a fresh control plane on the same state directory
     (each start is the restart of the runs before it). After the last restart every run
@@ -423,7 +434,7 @@ def test_kill_9_at_random_moments_from_submit_to_the_first_step(tmp_path: Path) 
     mid-way are ended and run again, each attempt has one instance, and no process or
     instance is left without a live attempt."""
     rng = random.Random(12)
-    state = tmp_path / "state"
+    state = reaped_state
     env = {k: os.environ[k] for k in SHELL_ENV_KEYS if k in os.environ}
     # One address for every control plane, as behind a load balancer: a runner started
     # by a killed one spools its events and delivers them to the next.
@@ -458,19 +469,21 @@ def test_kill_9_at_random_moments_from_submit_to_the_first_step(tmp_path: Path) 
         deadline = time.monotonic() + 60
         run_id = None
         confirmed = False
-        while run_id is None or not reached(db, state, run_id):
-            assert proc.poll() is None, f"the control plane exited before {moment}"
-            assert time.monotonic() < deadline, f"never reached {moment} ({run_id})"
-            if run_id is None:
-                new = db.run_ids() - before
-                run_id = next(iter(new)) if new else None
-            elif confirm and not confirmed and db.run_state(run_id) == "AWAITING_CONFIRMATION":
-                proc.stdin.write(f"/train resubmit {run_id}\n")  # "Launch anyway"
-                proc.stdin.flush()
-                confirmed = True
-            time.sleep(0.01)
-        time.sleep(jitter)
-        proc.send_signal(signal.SIGKILL)
+        try:
+            while run_id is None or not reached(db, state, run_id):
+                assert proc.poll() is None, f"the control plane exited before {moment}"
+                assert time.monotonic() < deadline, f"never reached {moment} ({run_id})"
+                if run_id is None:
+                    new = db.run_ids() - before
+                    run_id = next(iter(new)) if new else None
+                elif confirm and not confirmed and db.run_state(run_id) == "AWAITING_CONFIRMATION":
+                    proc.stdin.write(f"/train resubmit {run_id}\n")  # "Launch anyway"
+                    proc.stdin.flush()
+                    confirmed = True
+                time.sleep(0.01)
+            time.sleep(jitter)
+        finally:
+            proc.send_signal(signal.SIGKILL)
         proc.wait()
         killed[run_id] = moment
         if moment == "dry_run":
