@@ -524,7 +524,7 @@ def serve(
     listeners = [d for d in socket_map.values() if isinstance(d, BaseWSGIServer)]
     for listener in listeners:
         listener.channel_class = _Channel
-    bound = listeners[0].effective_port
+    bound = int(listeners[0].effective_port)  # waitress gives a str for some sockets
     thread = threading.Thread(target=server.run, name="http", daemon=True)
     thread.start()
     shown = f"[{host}]" if ":" in host else host
