@@ -36,7 +36,6 @@ from bot.command_types import (
     Stop,
     UserRef,
 )
-from jobs.spec.changes import TOP_LEVEL_CHANGES
 from runner.duration import parse_duration as runner_duration
 
 __all__ = [
@@ -290,6 +289,10 @@ def _parse_resubmit(args: Sequence[str]) -> Command:
             raise _fail(Resubmit, f"Too many arguments to `resubmit`: {_show(arg)} is extra.")
         setting = _RESUBMIT_SETTINGS.get(flag.strip().lower())
         if setting is None:
+            # Here, not at the top: the spec model is the server's (pydantic), and
+            # ``trainbot`` without the server extra must still say what to install.
+            from jobs.spec.changes import TOP_LEVEL_CHANGES
+
             if "." not in flag and flag.strip() not in TOP_LEVEL_CHANGES:
                 raise _fail(
                     Resubmit,

@@ -540,18 +540,34 @@ def test_kill_9_at_random_moments_from_submit_to_the_first_step(reaped_state: Pa
             reconcile(deps)
             assert not any(pid in dry_run_processes(state) for pid in orphaned_dry_runs)
             assert not dry_run_processes(state), "no dry run is left once every run trains"
-            with session_scope(deps.engine) as session:
-                attempts = session.exec(select(Attempt)).all()
-            live = {a.instance_id: a for a in attempts if not a.state.is_terminal()}
             instances = deps.provider.list_instances()
             per_attempt: dict[str, int] = {}
             for inst in instances:
                 per_attempt[inst.attempt_id] = per_attempt.get(inst.attempt_id, 0) + 1
             assert all(n == 1 for n in per_attempt.values()), per_attempt
-            running = [i for i in instances if not i.state.is_terminal()]
-            assert all(
-                i.instance_id in live and live[i.instance_id].id == i.attempt_id for i in running
-            ), "an instance without a live attempt"
+
+            def live_attempts() -> dict[str, Attempt]:
+                with session_scope(deps.engine) as session:
+                    attempts = session.exec(select(Attempt)).all()
+                return {a.instance_id: a for a in attempts if not a.state.is_terminal()}
+
+            def orphans() -> list[tuple[str, str, str]]:
+                """Running instances without a live attempt (an attempt that has just
+                ended has its instance terminated off the caller's thread: a moment)."""
+                live = live_attempts()
+                return [
+                    (i.instance_id, i.attempt_id, str(i.state))
+                    for i in deps.provider.list_instances()
+                    if not i.state.is_terminal()
+                    and not (i.instance_id in live and live[i.instance_id].id == i.attempt_id)
+                ]
+
+            gone_by = time.monotonic() + 15
+            while orphans() and time.monotonic() < gone_by:
+                reconcile(deps)
+                time.sleep(0.2)
+            assert not orphans(), f"instances without a live attempt: {orphans()}"
+            live = live_attempts()
 
             # And the process table agrees: every process started under this state
             # directory is a live attempt's instance (one that just finished may take

@@ -508,7 +508,7 @@ def test_on_gcp_a_checkpoint_bucket_in_another_region_fails_preflight(
         "--soft-delete-duration=0"
     ) in far.remedy
     dual = check("gs://ck-dual/runs")
-    assert dual.status is Status.FAIL and "is in eur4" in dual.detail
+    assert dual.status is Status.FAIL and "is in EUR4" in dual.detail
     near = check("gs://ck-us/runs")
     assert near.status is Status.PASS, near.detail
     other = check("s3://ck-us/runs")

@@ -57,9 +57,10 @@ def test_resume_after_repeated_sigterm_is_bit_identical(tmp_path: Path) -> None:
 
 
 def test_emergency_flush_is_skipped_when_it_cannot_fit_the_window(tmp_path: Path) -> None:
-    """With 0.2 s left (less than the 1 s fixed overhead), no emergency save is started;
-    the run exits 75 and resumes from the last periodic checkpoint."""
-    env = tiny_env(tmp_path, TRAINBOT_TERMINATION_WINDOW_S="0.2")
+    """With 1 ms left (less than the measured write: a stall and one and a half writes),
+    no emergency save is started; the run exits 75 and resumes from the last periodic
+    checkpoint."""
+    env = tiny_env(tmp_path, TRAINBOT_TERMINATION_WINDOW_S="0.001")
     args = ["--steps", "200", "--checkpoint-every", "10", "--step-delay", "0.01"]
 
     def when(events: list) -> bool:
