@@ -584,6 +584,7 @@ def test_spot_launch_interruption_next_zones_and_stop(
         assert checks == {
             "quota": "pass",
             "capacity": "pass",
+            "instances": "pass",
             "data": "pass",
             "dry_run": "warn",
             "budget": "pass",

@@ -924,10 +924,10 @@ def test_full_preflight_with_the_real_dry_run(tmp_path: Path) -> None:
 
         # The same measurements under a window too short for any flush: a warning.
         measured = DryRunReport(**{k: d[k] for k in asdict(DryRunReport())})
-        with LocalProvider(tmp_path / "s2", termination_window_s=0.5) as tight:
+        with LocalProvider(tmp_path / "s2", termination_window_s=0.001) as tight:
             warned = DryRunCheck().evaluate(measured, context(tmp_path, job, tight))
         assert warned.status is Status.WARN
-        assert "500 ms termination window" in warned.detail
+        assert "1 ms termination window" in warned.detail
         assert "smaller" in warned.remedy
 
 
