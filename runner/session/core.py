@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Iterator, Mapping
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any, Protocol, Self
 
 from runner import EXIT_FAILED, EXIT_PREEMPTED, EXIT_SUCCEEDED
 from runner.checkpoint import CheckpointWriter, CommitInfo, Prefetch, Restored, restore_latest
@@ -113,12 +113,12 @@ class Session:
         self.prefetch: Prefetch | None = Prefetch(self.store) if wanted else None
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **kwargs: Any) -> Session:
+    def from_env(cls, env: Mapping[str, str] | None = None, **kwargs: Any) -> Self:
         return cls(SessionConfig.from_env(env), **kwargs)
 
     # -- set-up and teardown
 
-    def __enter__(self) -> Session:
+    def __enter__(self) -> Self:
         if self._install_signals:
             self._signals = SignalHandlers(self.flag, window_s=self.config.window_s)
             self._signals.__enter__()
