@@ -131,12 +131,18 @@ def _restore_from(
             skipped=skipped,
             restore_s=time.perf_counter() - t0,
         )
+    raise none_usable(store, skipped)
+
+
+def none_usable(store: Store, skipped: list[tuple[int, str]]) -> CheckpointError:
+    """The error when no checkpoint could be restored: none committed, or why each was
+    skipped."""
     if skipped:
-        raise CheckpointError(
+        return CheckpointError(
             f"no usable checkpoint in {store.uri}: "
             + "; ".join(f"step {s}: {why}" for s, why in skipped)
         )
-    raise NoCheckpointError(f"no committed checkpoint in {store.uri}")
+    return NoCheckpointError(f"no committed checkpoint in {store.uri}")
 
 
 class Prefetch:

@@ -91,13 +91,7 @@ class PartWriter(CheckpointWriter):
         self.store.delete([part_key(step, self.rank)])
 
     def _commit(self, manifest: Manifest) -> Manifest:
-        part = PartManifest(
-            step=manifest.step,
-            rank=self.rank,
-            world_size=self.world_size,
-            nonce=self.nonce,
-            files=manifest.files,
-        )
+        part = PartManifest(manifest.step, self.rank, self.world_size, self.nonce, manifest.files)
         self.store.put_bytes(part_key(manifest.step, self.rank), part.to_json())
         return manifest
 

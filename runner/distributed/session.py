@@ -19,13 +19,12 @@ import logging
 import time
 from typing import Any
 
-from runner import EXIT_FAILED, EXIT_PREEMPTED, EXIT_SUCCEEDED
 from runner.checkpoint import Restored, list_committed, load_checkpoint, read_manifest
-from runner.checkpoint.restore import part_of
+from runner.checkpoint.restore import none_usable, part_of
 from runner.distributed.gang import Gang
 from runner.distributed.parts import RankWriter, part_dir
 from runner.distributed.vote import GO, PREEMPT, STOP, Vote
-from runner.errors import CheckpointError, NoCheckpointError, RunnerError, StoreError
+from runner.errors import CheckpointError, RunnerError, StoreError
 from runner.session import Session, Stateful
 from runner.session.config import SessionConfig
 from runner.state import capture_rng
@@ -134,21 +133,9 @@ class DistributedSession(Session):
         # a multi-rank run stops at the first notice.
         return False
 
-    def _flush_on_notice(self) -> None:
-        """Every rank flushes the same step (a rank that skipped its part would tear it)."""
-        left = self.flag.time_left()
-        self._report_notice(left)
-        try:
-            self.writer.wait(timeout=left)
-        except TimeoutError:
-            pass
-        if self.committed_step != self.step:
-            self._save_now(timeout=self.flag.time_left())
-        if self.stop_reason == "stopped":
-            ok = self.committed_step == self.step
-            self.exit_code = EXIT_SUCCEEDED if ok else EXIT_FAILED
-        else:
-            self.exit_code = EXIT_PREEMPTED
+    def _flush_costs_more(self, stopped: float) -> bool:
+        # Every rank flushes: a rank that skipped its part would leave the step torn.
+        return False
 
     def close(self) -> None:
         # Rank 0 may still wait for parts: no rank exits (and so no rank's torchrun
@@ -188,12 +175,7 @@ class DistributedSession(Session):
                 skipped=skipped,
                 restore_s=time.perf_counter() - t0,
             )
-        if skipped:
-            raise CheckpointError(
-                f"no usable checkpoint in {self.store.uri}: "
-                + "; ".join(f"step {s}: {why}" for s, why in skipped)
-            )
-        raise NoCheckpointError(f"no committed checkpoint in {self.store.uri}")
+        raise none_usable(self.store, skipped)
 
     def _load(self, step: int) -> dict[str, Any]:
         """The replicated state and this rank's part of one checkpoint, verified."""

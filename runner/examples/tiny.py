@@ -100,6 +100,35 @@ def params_sha256(model: nn.Module) -> str:
     return h.hexdigest()
 
 
+def make_optimizer(
+    model: nn.Module, *, lr: float, steps: int
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW with a linear warm-up over the first tenth of the steps, then a cosine decay."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    warmup = max(1, steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / steps))
+    )
+    return opt, sched
+
+
+def train_step(
+    net: nn.Module,
+    opt: torch.optim.Optimizer,
+    sched: torch.optim.lr_scheduler.LRScheduler,
+    batch: tuple[torch.Tensor, torch.Tensor],
+) -> float:
+    """One step of next-character prediction; its loss."""
+    x, y = batch
+    net.train()
+    loss = nn.functional.cross_entropy(net(x).reshape(-1, len(VOCAB)), y.reshape(-1))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    sched.step()
+    return float(loss.item())
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m runner.examples.tiny", description=__doc__)
     p.add_argument("--steps", type=int, default=300, help="total training steps")
@@ -128,29 +157,17 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     torch.use_deterministic_algorithms(True)
     model = TinyTransformer(dim=args.dim)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    warmup = max(1, args.steps // 10)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / args.steps))
-    )
+    opt, sched = make_optimizer(model, lr=args.lr, steps=args.steps)
     data = Batches(
         make_corpus(args.seed), batch=args.batch, seed=args.seed, delay_s=args.data_delay
     )
-    loss_fn = nn.CrossEntropyLoss()
     scratch_dir = os.environ.get("TRAINBOT_SCRATCH_DIR") or "."
     scratch = Path(scratch_dir) if args.scratch_fill_mb else None
     loss_value = float("nan")
     with session as s:
         s.track(model=model, optimizer=opt, scheduler=sched, data=data)
         for _ in s.steps(args.steps):
-            x, y = s.next_batch(data)
-            model.train()
-            loss = loss_fn(model(x).reshape(-1, len(VOCAB)), y.reshape(-1))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            loss_value = loss.item()
+            loss_value = train_step(model, opt, sched, s.next_batch(data))
             s.log(loss=loss_value, lr=float(sched.get_last_lr()[0]))
             if args.step_delay:
                 time.sleep(args.step_delay)

@@ -22,12 +22,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from runner.distributed import DistributedSession
 from runner.errors import RunnerError
-from runner.examples.tiny import VOCAB, Batches, TinyTransformer, make_corpus, params_sha256
+from runner.examples.tiny import (
+    Batches,
+    TinyTransformer,
+    make_corpus,
+    make_optimizer,
+    params_sha256,
+    train_step,
+)
 from runner.session import EverySteps
 
 
@@ -77,26 +83,15 @@ def _train(
     model = TinyTransformer(dim=args.dim).to(device)
     ddp = DistributedDataParallel(model)
     torch.manual_seed(args.seed + 7919 * rank)  # each rank its own dropout
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    warmup = max(1, args.steps // 10)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / args.steps))
-    )
+    opt, sched = make_optimizer(model, lr=args.lr, steps=args.steps)
     data = Batches(make_corpus(args.seed), batch=args.batch, seed=args.seed * 1000 + rank)
-    loss_fn = nn.CrossEntropyLoss()
     loss_value = float("nan")
     with session as s:
         s.track(model=model, optimizer=opt, scheduler=sched)
         s.track_local(data=data)
         for _ in s.steps(args.steps):
-            x, y = (t.to(device) for t in s.next_batch(data))
-            ddp.train()
-            loss = loss_fn(ddp(x).reshape(-1, len(VOCAB)), y.reshape(-1))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            loss_value = loss.item()
+            x, y = s.next_batch(data)
+            loss_value = train_step(ddp, opt, sched, (x.to(device), y.to(device)))
             s.log(loss=loss_value, lr=float(sched.get_last_lr()[0]))
             if args.step_delay:
                 time.sleep(args.step_delay)
