@@ -18,13 +18,15 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from runner.errors import RunnerError
 from runner.session import EverySteps, Session
+
+S = TypeVar("S", bound=Session)
 
 VOCAB = "0123456789+=. \n"
 CONTEXT = 32
@@ -100,6 +102,25 @@ def params_sha256(model: nn.Module) -> str:
     return h.hexdigest()
 
 
+def session_for(args: argparse.Namespace, cls: type[S]) -> S:
+    """The example's session, saving every ``--checkpoint-every`` steps if given."""
+    decision = EverySteps(args.checkpoint_every) if args.checkpoint_every else None
+    return cls.from_env(decision=decision)
+
+
+def print_result(s: Session, model: nn.Module, loss: float, **extra: Any) -> None:
+    """The last line of output: where the run stopped, and a digest of its parameters."""
+    result = {
+        "step": s.step,
+        "params_sha256": params_sha256(model),
+        "loss": loss if math.isfinite(loss) else None,
+        "exit_code": s.exit_code,
+        "stop_reason": s.stop_reason,
+        **extra,
+    }
+    print(json.dumps(result), flush=True)
+
+
 def make_optimizer(
     model: nn.Module, *, lr: float, steps: int
 ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
@@ -148,9 +169,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # The session first: it starts reading the newest checkpoint while the model is built.
-    decision = EverySteps(args.checkpoint_every) if args.checkpoint_every else None
     try:
-        session = Session.from_env(decision=decision)
+        session = session_for(args, Session)
     except RunnerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -174,14 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             if scratch is not None:
                 with open(scratch / "train.log", "ab") as f:
                     f.write(b"x" * int(args.scratch_fill_mb * 1e6))
-    result = {
-        "step": s.step,
-        "params_sha256": params_sha256(model),
-        "loss": loss_value if math.isfinite(loss_value) else None,
-        "exit_code": s.exit_code,
-        "stop_reason": s.stop_reason,
-    }
-    print(json.dumps(result), flush=True)
+    print_result(s, model, loss_value)
     return s.exit_code
 
 

@@ -13,8 +13,6 @@ parameters and, per rank, the step it stopped at and its exit code.
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 import sys
 import time
@@ -31,10 +29,10 @@ from runner.examples.tiny import (
     TinyTransformer,
     make_corpus,
     make_optimizer,
-    params_sha256,
+    print_result,
+    session_for,
     train_step,
 )
-from runner.session import EverySteps
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -64,9 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     device = _init()
     rank = dist.get_rank()
     try:
-        decision = EverySteps(args.checkpoint_every) if args.checkpoint_every else None
         try:
-            session = DistributedSession.from_env(decision=decision)
+            session = session_for(args, DistributedSession)
         except RunnerError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
@@ -100,16 +97,7 @@ def _train(
         dist.all_gather_object(ranks, mine)
     # Every rank's exit code is settled once the session has closed (rank 0's commit).
     if rank == 0:
-        result = {
-            "step": s.step,
-            "params_sha256": params_sha256(model),
-            "loss": loss_value if math.isfinite(loss_value) else None,
-            "exit_code": s.exit_code,
-            "stop_reason": s.stop_reason,
-            "world_size": len(ranks),
-            "ranks": ranks,
-        }
-        print(json.dumps(result), flush=True)
+        print_result(s, model, loss_value, world_size=len(ranks), ranks=ranks)
     return s.exit_code
 
 
