@@ -41,18 +41,28 @@ class Restored:
     restore_s: float
 
 
+def part_of(name: str) -> str:
+    """The part a checkpoint file belongs to: "" at the step directory's top, else its
+    directory with a trailing slash ("rank-00001/")."""
+    head = name.rpartition("/")[0]
+    return f"{head}/" if head else ""
+
+
 def load_checkpoint(
     store: Store,
     manifest: Manifest,
     *,
     chunk_bytes: int = READ_CHUNK,
     cancel: threading.Event | None = None,
+    part: str = "",
 ) -> Any:
     """Read and verify every file of a checkpoint, and rebuild its state.
 
     Nothing is used before every file's sha256 matches the manifest. Large tensors are
     views into the buffers the files were read into (no copy); setting ``cancel`` makes
-    the reads stop at their next chunk and raises :class:`PrefetchCancelled`.
+    the reads stop at their next chunk and raises :class:`PrefetchCancelled`. ``part``
+    ("rank-00001/") reads one rank's part of a multi-rank checkpoint instead of the
+    files at the step directory's top.
     """
     sd = step_dir(manifest.step)
     if manifest.kind != "state":
@@ -60,16 +70,17 @@ def load_checkpoint(
             f"{store.uri}/{sd} holds a script's files, not a session state: "
             "restore it with `trainbot-runner exec --sync-dir`"
         )
-    entries = {f.name: f for f in manifest.files}
-    if META not in entries:
-        raise CheckpointError(f"{store.uri}/{sd} has no {META} in its manifest")
+    entries = {f.name: f for f in manifest.files if part_of(f.name) == part}
+    if part + META not in entries:
+        raise CheckpointError(f"{store.uri}/{sd} has no {part}{META} in its manifest")
     data = read_all(store, sd, entries, chunk_bytes, cancel)
     try:
-        meta = torch.load(io.BytesIO(data.pop(META).numpy().tobytes()), weights_only=True)
+        raw_meta = data.pop(part + META).numpy().tobytes()
+        meta = torch.load(io.BytesIO(raw_meta), weights_only=True)
         tensors = []
         for raw in meta["tensors"]:
             spec = TensorSpec(**{**raw, "shape": tuple(raw["shape"])})
-            shard = data[spec.shard]
+            shard = data[part + spec.shard]
             flat = shard[spec.offset : spec.offset + spec.nbytes]
             t = flat.view(dtype_from_name(spec.dtype)).reshape(spec.shape)
             # Small tensors get their own storage: some consumers (Generator.set_state)
@@ -120,12 +131,18 @@ def _restore_from(
             skipped=skipped,
             restore_s=time.perf_counter() - t0,
         )
+    raise none_usable(store, skipped)
+
+
+def none_usable(store: Store, skipped: list[tuple[int, str]]) -> CheckpointError:
+    """The error when no checkpoint could be restored: none committed, or why each was
+    skipped."""
     if skipped:
-        raise CheckpointError(
+        return CheckpointError(
             f"no usable checkpoint in {store.uri}: "
             + "; ".join(f"step {s}: {why}" for s, why in skipped)
         )
-    raise NoCheckpointError(f"no committed checkpoint in {store.uri}")
+    return NoCheckpointError(f"no committed checkpoint in {store.uri}")
 
 
 class Prefetch:
@@ -197,9 +214,12 @@ class Prefetch:
 
 
 def verify(store: Store, step: int) -> list[str]:
-    """Problems with one committed checkpoint; an empty list means it verifies."""
+    """Problems with one committed checkpoint (every rank's part of a multi-rank one);
+    an empty list means it verifies."""
     try:
-        load_checkpoint(store, read_manifest(store, step))
+        manifest = read_manifest(store, step)
+        for part in sorted({part_of(f.name) for f in manifest.files}):
+            load_checkpoint(store, manifest, part=part)
     except (CheckpointError, StoreError) as exc:
         return [str(exc)]
     return []

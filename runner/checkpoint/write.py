@@ -137,7 +137,15 @@ def _shard_pieces(items: list[tuple[TensorSpec, torch.Tensor]]) -> Iterator[memo
 
 
 class CheckpointWriter:
-    """Saves states of a run asynchronously into a store, at most one save in flight."""
+    """Saves states of a run asynchronously into a store, at most one save in flight.
+
+    A subclass may write its files under :attr:`prefix` inside the step directory and
+    commit differently (:meth:`_uncommit`, :meth:`_commit`): one rank's part of a
+    multi-rank checkpoint (:mod:`runner.distributed`).
+    """
+
+    #: Where the files go inside the step directory ("" or "name/").
+    prefix: str = ""
 
     def __init__(
         self,
@@ -229,6 +237,16 @@ class CheckpointWriter:
         self._worker.shutdown(wait=True)
         self._shards.shutdown(wait=True)
 
+    def _uncommit(self, step: int) -> None:
+        """Before writing a step: re-saving one (after a fallback past a corrupt one)
+        first uncommits it."""
+        self.store.delete([f"{step_dir(step)}/{MANIFEST}"])
+
+    def _commit(self, manifest: Manifest) -> Manifest:
+        """After every file is written: the manifest, last; returns what was committed."""
+        self.store.put_bytes(f"{step_dir(manifest.step)}/{MANIFEST}", manifest.to_json())
+        return manifest
+
     def _write(
         self,
         step: int,
@@ -244,8 +262,7 @@ class CheckpointWriter:
         files: list[FileEntry] = []
         stream: WriteStream | None = None
         try:
-            # Re-saving a step (after a fallback past a corrupt one) first uncommits it.
-            self.store.delete([f"{sd}/{MANIFEST}"])
+            self._uncommit(step)
             by_shard: dict[str, list[tuple[TensorSpec, torch.Tensor]]] = {}
             for spec, t in zip(specs, staged, strict=True):
                 by_shard.setdefault(spec.shard, []).append((spec, t))
@@ -253,7 +270,7 @@ class CheckpointWriter:
                 self._shards.submit(
                     _write_shard,
                     self.store,
-                    f"{sd}/{shard}",
+                    f"{sd}/{self.prefix}{shard}",
                     list(_shard_pieces(items)),
                     self.chunk_bytes,
                 )
@@ -262,12 +279,16 @@ class CheckpointWriter:
             # Wait for every shard before raising, so no thread still writes into the step.
             wait(pending)
             files.extend(f.result() for f in pending)
-            stream = self.store.open_write(f"{sd}/{META}")
+            stream = self.store.open_write(f"{sd}/{self.prefix}{META}")
             stream.write(meta)
             stream.close()
             stream = None
             files.append(
-                FileEntry(name=META, size=len(meta), sha256=hashlib.sha256(meta).hexdigest())
+                FileEntry(
+                    name=f"{self.prefix}{META}",
+                    size=len(meta),
+                    sha256=hashlib.sha256(meta).hexdigest(),
+                )
             )
             total = sum(f.size for f in files)
             write_s = time.perf_counter() - t0
@@ -279,7 +300,7 @@ class CheckpointWriter:
                 write_s=write_s,
                 metrics=metrics,
             )
-            self.store.put_bytes(f"{sd}/{MANIFEST}", manifest.to_json())
+            total = self._commit(manifest).bytes
             write_s = time.perf_counter() - t0
         except Exception as exc:
             if stream is not None:

@@ -18,13 +18,15 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from runner.errors import RunnerError
 from runner.session import EverySteps, Session
+
+S = TypeVar("S", bound=Session)
 
 VOCAB = "0123456789+=. \n"
 CONTEXT = 32
@@ -100,6 +102,54 @@ def params_sha256(model: nn.Module) -> str:
     return h.hexdigest()
 
 
+def session_for(args: argparse.Namespace, cls: type[S]) -> S:
+    """The example's session, saving every ``--checkpoint-every`` steps if given."""
+    decision = EverySteps(args.checkpoint_every) if args.checkpoint_every else None
+    return cls.from_env(decision=decision)
+
+
+def print_result(s: Session, model: nn.Module, loss: float, **extra: Any) -> None:
+    """The last line of output: where the run stopped, and a digest of its parameters."""
+    result = {
+        "step": s.step,
+        "params_sha256": params_sha256(model),
+        "loss": loss if math.isfinite(loss) else None,
+        "exit_code": s.exit_code,
+        "stop_reason": s.stop_reason,
+        **extra,
+    }
+    print(json.dumps(result), flush=True)
+
+
+def make_optimizer(
+    model: nn.Module, *, lr: float, steps: int
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW with a linear warm-up over the first tenth of the steps, then a cosine decay."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    warmup = max(1, steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / steps))
+    )
+    return opt, sched
+
+
+def train_step(
+    net: nn.Module,
+    opt: torch.optim.Optimizer,
+    sched: torch.optim.lr_scheduler.LRScheduler,
+    batch: tuple[torch.Tensor, torch.Tensor],
+) -> float:
+    """One step of next-character prediction; its loss."""
+    x, y = batch
+    net.train()
+    loss = nn.functional.cross_entropy(net(x).reshape(-1, len(VOCAB)), y.reshape(-1))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    sched.step()
+    return float(loss.item())
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m runner.examples.tiny", description=__doc__)
     p.add_argument("--steps", type=int, default=300, help="total training steps")
@@ -119,52 +169,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # The session first: it starts reading the newest checkpoint while the model is built.
-    decision = EverySteps(args.checkpoint_every) if args.checkpoint_every else None
     try:
-        session = Session.from_env(decision=decision)
+        session = session_for(args, Session)
     except RunnerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     torch.manual_seed(args.seed)
     torch.use_deterministic_algorithms(True)
     model = TinyTransformer(dim=args.dim)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    warmup = max(1, args.steps // 10)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / args.steps))
-    )
+    opt, sched = make_optimizer(model, lr=args.lr, steps=args.steps)
     data = Batches(
         make_corpus(args.seed), batch=args.batch, seed=args.seed, delay_s=args.data_delay
     )
-    loss_fn = nn.CrossEntropyLoss()
     scratch_dir = os.environ.get("TRAINBOT_SCRATCH_DIR") or "."
     scratch = Path(scratch_dir) if args.scratch_fill_mb else None
     loss_value = float("nan")
     with session as s:
         s.track(model=model, optimizer=opt, scheduler=sched, data=data)
         for _ in s.steps(args.steps):
-            x, y = s.next_batch(data)
-            model.train()
-            loss = loss_fn(model(x).reshape(-1, len(VOCAB)), y.reshape(-1))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            loss_value = loss.item()
+            loss_value = train_step(model, opt, sched, s.next_batch(data))
             s.log(loss=loss_value, lr=float(sched.get_last_lr()[0]))
             if args.step_delay:
                 time.sleep(args.step_delay)
             if scratch is not None:
                 with open(scratch / "train.log", "ab") as f:
                     f.write(b"x" * int(args.scratch_fill_mb * 1e6))
-    result = {
-        "step": s.step,
-        "params_sha256": params_sha256(model),
-        "loss": loss_value if math.isfinite(loss_value) else None,
-        "exit_code": s.exit_code,
-        "stop_reason": s.stop_reason,
-    }
-    print(json.dumps(result), flush=True)
+    print_result(s, model, loss_value)
     return s.exit_code
 
 

@@ -17,7 +17,7 @@ import time
 from collections import deque
 from collections.abc import Iterator, Mapping
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any, Protocol, Self
 
 from runner import EXIT_FAILED, EXIT_PREEMPTED, EXIT_SUCCEEDED
 from runner.checkpoint import CheckpointWriter, CommitInfo, Prefetch, Restored, restore_latest
@@ -121,12 +121,12 @@ class Session:
         self.prefetch: Prefetch | None = Prefetch(self.store) if wanted else None
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **kwargs: Any) -> Session:
+    def from_env(cls, env: Mapping[str, str] | None = None, **kwargs: Any) -> Self:
         return cls(SessionConfig.from_env(env), **kwargs)
 
     # -- set-up and teardown
 
-    def __enter__(self) -> Session:
+    def __enter__(self) -> Self:
         if self._install_signals:
             self._signals = SignalHandlers(self.flag, window_s=self.config.window_s)
             self._signals.__enter__()
@@ -199,7 +199,7 @@ class Session:
         cap = self.config.resume_max_step
         below = None if cap is None else cap + 1
         try:
-            restored = self._take_prefetched() or restore_latest(self.store, below=below)
+            restored = self._read_latest(below)
         except NoCheckpointError:
             self.sink.emit("restored", {"step": 0, "fallback_from": None, "restore_s": 0.0})
             return 0
@@ -238,6 +238,10 @@ class Session:
             self._report_dry_run("restored")
         return self.step
 
+    def _read_latest(self, below: int | None) -> Restored:
+        """The checkpoint to restore: the prefetched one, or the newest below ``below``."""
+        return self._take_prefetched() or restore_latest(self.store, below=below)
+
     def _take_prefetched(self) -> Restored | None:
         """The checkpoint read since the session was created; None to read it now."""
         prefetch, self.prefetch = self.prefetch, None
@@ -267,17 +271,23 @@ class Session:
             if limit is not None and self.step >= limit:
                 self.stop_reason = "limit"
                 break
-            now = time.monotonic()
-            if not self.flag.is_set and self.decision.should_save(
-                step=self.step,
-                now=now,
-                last_step=self._last_save_step,
-                last_time=self._last_save_time,
-            ):
-                self._save()
+            self._maybe_save()
         else:
             self.stop_reason = "finished"
         self._finish()
+
+    def _maybe_save(self) -> None:
+        """The periodic save after a step, when the policy says so (not after a notice)."""
+        if self._save_due():
+            self._save()
+
+    def _save_due(self) -> bool:
+        return not self.flag.is_set and self.decision.should_save(
+            step=self.step,
+            now=time.monotonic(),
+            last_step=self._last_save_step,
+            last_time=self._last_save_time,
+        )
 
     def next_batch(self, it: Iterator[Any]) -> Any:
         """``next(it)``, timed: the data-wait fraction is built from this."""

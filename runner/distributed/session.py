@@ -1,0 +1,209 @@
+"""The session on one rank of a DDP job: agreed stops and saves, per-rank checkpoint parts.
+
+Everything the single-process :class:`~runner.session.Session` does stays; what changes:
+
+- after each step, one ``all_reduce(MAX)`` of the ranks' votes (:mod:`vote`) decides
+  whether every rank stops before the next step (and why) and whether every rank saves;
+- :meth:`track` is for the replicated state (model, optimizer: rank 0 writes it),
+  :meth:`track_local` for what is each rank's own (its data position); each rank's RNG
+  state goes with its part;
+- a stop flushes on every rank, and a step counts as saved only once rank 0 has
+  committed it with every part in (:mod:`parts`);
+- restore: rank 0 lists, every rank reads the replicated state and its own part, and the
+  ranks agree (``all_reduce(MIN)``) on the newest step every rank could verify.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from runner.checkpoint import Restored, list_committed, load_checkpoint, read_manifest
+from runner.checkpoint.restore import none_usable, part_of
+from runner.distributed.gang import Gang
+from runner.distributed.parts import RankWriter, part_dir
+from runner.distributed.vote import GO, PREEMPT, STOP, Vote
+from runner.errors import CheckpointError, RunnerError, StoreError
+from runner.session import Session, Stateful
+from runner.session.config import SessionConfig
+from runner.state import capture_rng
+from runner.telemetry import FileSink
+
+log = logging.getLogger(__name__)
+
+#: How long rank 0 waits for the other ranks' parts of a step before giving it up.
+PART_TIMEOUT_S = 120.0
+
+
+class WorldSizeError(RunnerError):
+    """A checkpoint's per-rank state was saved by a different number of ranks."""
+
+
+class DistributedSession(Session):
+    """One rank's part of a multi-rank run; create it after ``init_process_group``.
+
+    ``fresh_local_on_resize=True`` lets a run resume at a different world size with each
+    rank's own state (data position, RNG) as the script built it: the replicated state
+    is restored either way. Without it, such a restore raises :class:`WorldSizeError`.
+    """
+
+    def __init__(
+        self,
+        config: SessionConfig,
+        *,
+        gang: Gang | None = None,
+        fresh_local_on_resize: bool = False,
+        part_timeout_s: float = PART_TIMEOUT_S,
+        **kwargs: Any,
+    ) -> None:
+        self.gang = gang if gang is not None else Gang.current()
+        if self.gang.rank and config.events_file and "sink" not in kwargs:
+            # Rank 0 writes the events file the supervisor tails; the others their own.
+            kwargs["sink"] = FileSink(f"{config.events_file}.rank-{self.gang.rank}")
+        # The prefetch reads on its own thread, unagreed: the ranks restore together.
+        kwargs["prefetch"] = False
+        super().__init__(config, **kwargs)
+        self.writer.close()  # never used: replaced by the rank's writer
+        self.writer = RankWriter(  # type: ignore[assignment]
+            self.store,
+            rank=self.gang.rank,
+            world_size=self.gang.world_size,
+            nonce=self.gang.nonce(),
+            part_timeout_s=part_timeout_s,
+            on_commit=self._committed,
+            on_error=self._save_failed,
+        )
+        self.fresh_local_on_resize = fresh_local_on_resize
+        self._local: dict[str, Stateful] = {}
+        #: The gang's decision after the last step, for the check before the next one.
+        self._agreed: Vote | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.gang.rank
+
+    # -- state
+
+    def track_local(self, **objects: Stateful) -> None:
+        """Objects that differ from rank to rank (a data loader's position): each rank
+        saves and restores its own, in its part of every checkpoint."""
+        self.track(**objects)
+        self._local.update(objects)
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "objects": {
+                name: obj.state_dict()
+                for name, obj in self._tracked.items()
+                if name not in self._local
+            },
+            "local": {
+                "objects": {name: obj.state_dict() for name, obj in self._local.items()},
+                "rng": capture_rng(),
+            },
+        }
+
+    # -- the step's vote
+
+    def _must_stop(self) -> bool:
+        if self._agreed is None:  # before the first step: nothing was voted yet
+            self._agreed = self.gang.agree(Vote(stop=self._local_stop()))
+        decision, self._agreed = self._agreed, None
+        if decision.reason is None:
+            return False
+        self.stop_reason = decision.reason
+        return True
+
+    def _maybe_save(self) -> None:
+        self._agreed = self.gang.agree(Vote(stop=self._local_stop(), save=self._save_due()))
+        if self._agreed.save and self._agreed.stop == GO:
+            self._save()
+
+    def _local_stop(self) -> int:
+        """This rank's own vote: what the single-process check says (signals, pollers,
+        the stop file)."""
+        if not Session._must_stop(self):
+            return GO
+        return STOP if self.stop_reason == "stopped" else PREEMPT
+
+    def _train_on(self) -> bool:
+        # Training on through a notice would need the ranks to agree on the budget too:
+        # a multi-rank run stops at the first notice.
+        return False
+
+    def _flush_costs_more(self, stopped: float) -> bool:
+        # Every rank flushes: a rank that skipped its part would leave the step torn.
+        return False
+
+    def close(self) -> None:
+        # Rank 0 may still wait for parts: no rank exits (and so no rank's torchrun
+        # agent tears the gang down) before the step is committed.
+        try:
+            self.writer.wait()
+            self.gang.barrier()
+        except Exception as exc:  # a rank is gone: nothing left to wait for
+            log.warning("ranks did not meet at the end of the session: %s", exc)
+        super().close()
+
+    # -- restore
+
+    def _read_latest(self, below: int | None) -> Restored:
+        t0 = time.perf_counter()
+        steps = self.gang.broadcast(
+            [e.step for e in list_committed(self.store)] if self.rank == 0 else None
+        )
+        skipped: list[tuple[int, str]] = []
+        for step in reversed(steps):
+            if below is not None and step >= below:
+                continue
+            try:
+                state: Any = self._load(step)
+                why = ""
+            except (CheckpointError, StoreError) as exc:
+                state, why = None, str(exc)
+            if not self.gang.all_ok(state is not None):
+                reason = why or "another rank could not read its part"
+                log.warning("checkpoint step %d is unusable (%s); trying the previous", step, why)
+                skipped.append((step, reason))
+                continue
+            return Restored(
+                step=step,
+                state=state,
+                manifest=read_manifest(self.store, step),
+                skipped=skipped,
+                restore_s=time.perf_counter() - t0,
+            )
+        raise none_usable(self.store, skipped)
+
+    def _load(self, step: int) -> dict[str, Any]:
+        """The replicated state and this rank's part of one checkpoint, verified."""
+        manifest = read_manifest(self.store, step)
+        shared = load_checkpoint(self.store, manifest)
+        saved_world = len({p for f in manifest.files if (p := part_of(f.name))})
+        own = part_dir(self.rank)
+        if saved_world != self.gang.world_size or own not in {
+            part_of(f.name) for f in manifest.files
+        }:
+            if not self.fresh_local_on_resize:
+                raise WorldSizeError(
+                    f"checkpoint step {step} was saved by {saved_world} ranks and this run has "
+                    f"{self.gang.world_size}: each rank's own state (data position, RNG) "
+                    "cannot be split or merged. Resume with the same number of ranks, or pass "
+                    "fresh_local_on_resize=True to start each rank's own state afresh"
+                )
+            local = {
+                "objects": {n: o.state_dict() for n, o in self._local.items()},
+                "rng": capture_rng(),
+            }
+        else:
+            local = load_checkpoint(self.store, manifest, part=own)
+        missing = set(self._local) - set(local["objects"])
+        if missing:
+            raise RunnerError(
+                f"checkpoint step {step} has no per-rank state for {sorted(missing)}: "
+                "track_local the same objects as the run that saved it"
+            )
+        objects = {**shared["objects"], **local["objects"]}
+        return {"step": shared["step"], "objects": objects, "rng": local["rng"]}
