@@ -264,7 +264,21 @@ def provision(deps: Deps, attempt_id: str, *, why: str = "") -> Attempt | None:
         assert attempt is not None
         if attempt.state != AttemptState.REQUESTED:
             # Reconcile and the launcher both provisioned it (the launch is idempotent,
-            # so it is the same instance): the first to record it wins.
+            # so it is the same instance): the first to record it wins. Or the runner
+            # reported that it started before the launch call returned: then nobody has
+            # recorded where it runs yet, and an attempt without its instance id leaves
+            # that instance to no one.
+            if attempt.instance_id is None:
+                attempt.instance_id = info.instance_id
+                attempt.zone = info.zone or attempt.zone
+                attempt.started_at = attempt.started_at or now
+                if attempt.price_per_hour is None:
+                    attempt.price_per_hour = (
+                        price.spot_usd_per_hour if attempt.spot else price.on_demand_usd_per_hour
+                    )
+                    attempt.spot_price_per_hour = price.spot_usd_per_hour
+                session.add(attempt)
+                session.flush()
             detach(session, attempt)
             return attempt
         run = session.get(Run, attempt.run_id)

@@ -18,7 +18,7 @@ from jobs.deps import Deps
 from jobs.lifecycle import AttemptState, RunState
 from jobs.models import Attempt, Run
 from jobs.preflight import live_dry_run_ids
-from jobs.providers.base import InstanceNotFound, InstanceState, ProviderError
+from jobs.providers.base import InstanceInfo, InstanceNotFound, InstanceState, ProviderError
 from jobs.rules import LostHeartbeat
 from jobs.runs.cards import alert_config, raise_signals, run_context
 from jobs.runs.end import end_attempt, terminate_instance
@@ -89,7 +89,9 @@ def reconcile(deps: Deps) -> dict[str, int]:
             counts["orphans"] += 1
     for a in live.values():
         if a.instance_id is None:
-            if a.attempt_id in by_attempt or (now - a.created_at).total_seconds() > ADOPT_AFTER_S:
+            if a.attempt_id in by_attempt and _record_instance(deps, by_attempt[a.attempt_id]):
+                counts["adopted"] += 1
+            elif a.attempt_id in by_attempt or (now - a.created_at).total_seconds() > ADOPT_AFTER_S:
                 provision(deps, a.attempt_id)  # idempotent launch: adopts what is there
                 counts["adopted"] += 1
             continue
@@ -110,6 +112,24 @@ def reconcile(deps: Deps) -> dict[str, int]:
             counts["lost"] += 1
     counts["launched"] += _launch_due(deps, now=now)
     return counts
+
+
+def _record_instance(deps: Deps, inst: InstanceInfo) -> bool:
+    """Record the instance of an attempt that its runner reported started while its
+    launcher died before recording it (REQUESTED attempts go through ``provision``).
+    Whether it was recorded here."""
+    with session_scope(deps.engine) as session:
+        attempt = session.get(Attempt, inst.attempt_id, with_for_update=True)
+        if attempt is None or attempt.state == AttemptState.REQUESTED:
+            return False
+        if attempt.instance_id is None:
+            attempt.instance_id = inst.instance_id
+            attempt.zone = inst.zone or attempt.zone
+            session.add(attempt)
+            deps.journal.record(
+                "instance_adopted", attempt.run_id, attempt_id=attempt.id, instance=inst.instance_id
+            )
+        return True
 
 
 _ENDED_BY_PROVIDER = {
