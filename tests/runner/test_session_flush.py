@@ -21,6 +21,10 @@ from runner.store import LocalStore
 
 #: Large enough that writing it takes clearly longer than a step that does nothing.
 STATE_FLOATS = 8 << 20  # 32 MiB
+#: For the tests that compare a measured write with the unmeasured guess: large enough
+#: that the guess (1 s + 1.5 x 128 MiB at 25 MB/s: 9 s) is far outside their window while
+#: a local write, even on a loaded machine, keeps well inside it.
+LARGE_FLOATS = 32 << 20  # 128 MiB
 
 
 class Recorder:
@@ -40,8 +44,8 @@ class Recorder:
 
 
 class Weights:
-    def __init__(self) -> None:
-        self.t = torch.zeros(STATE_FLOATS)
+    def __init__(self, floats: int = STATE_FLOATS) -> None:
+        self.t = torch.zeros(floats)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"w": self.t}
@@ -190,17 +194,17 @@ def test_a_resumed_session_trains_on_with_the_write_its_checkpoint_measured(
 ) -> None:
     """A notice before this process has saved anything: the write that committed the
     checkpoint it resumed from is the measurement. The unmeasured guess (1 s and 1.5 x
-    32 MiB at 25 MB/s: 3 s) would not fit a 2 s window at all, and nothing would be
+    128 MiB at 25 MB/s: 9 s) would not fit a 6 s window at all, and nothing would be
     saved; measured, the loop trains on and flushes just before the deadline."""
     first = Recorder()
     with _session(tmp_path, first, PreemptionFlag()) as s:
-        s.track(weights=Weights())
+        s.track(weights=Weights(LARGE_FLOATS))
         for _ in s.steps(3):
             pass
     sink = Recorder()
     session = Session(
         SessionConfig(
-            run_id="r-flush", checkpoint_uri=str(tmp_path), window_s=2.0, train_through_notice=True
+            run_id="r-flush", checkpoint_uri=str(tmp_path), window_s=6.0, train_through_notice=True
         ),
         sink=sink,
         store=LocalStore(tmp_path / "r-flush"),
@@ -208,7 +212,7 @@ def test_a_resumed_session_trains_on_with_the_write_its_checkpoint_measured(
         decision=EverySteps(100_000),  # no save of its own before the notice
         install_signals=False,
     )
-    weights = Weights()
+    weights = Weights(LARGE_FLOATS)
     with session as s:
         s.track(weights=weights)
         for step in s.steps(100_000):
@@ -216,7 +220,7 @@ def test_a_resumed_session_trains_on_with_the_write_its_checkpoint_measured(
             time.sleep(0.01)
             if step == 3:  # the first step after the restore
                 now = time.monotonic()
-                s.flag.set(Notice("signal", "test", received_at=now, deadline=now + 2.0))
+                s.flag.set(Notice("signal", "test", received_at=now, deadline=now + 6.0))
     assert session.exit_code == EXIT_PREEMPTED
     assert not any("no time for an emergency" in d["message"] for d in sink.of("log"))
     assert session.step > 3 + 20, "the loop went on after the notice"
@@ -243,13 +247,13 @@ def test_a_first_save_in_flight_at_the_notice_is_waited_for_and_measured(
     tmp_path: Path,
 ) -> None:
     """The notice comes while this process's first save is still being written: nothing
-    is measured yet, and the cautious guess (1.3 s for the rest of that save, 3 s for a
-    flush of 32 MiB) does not fit a 3 s window. The loop waits for that save's commit,
+    is measured yet, and the cautious guess (5 s for the rest of that save, 9 s for a
+    flush of 128 MiB) does not fit a 6 s window. The loop waits for that save's commit,
     which measures the write, and trains on."""
     sink = Recorder()
     session = Session(
         SessionConfig(
-            run_id="r-flush", checkpoint_uri=str(tmp_path), window_s=3.0, train_through_notice=True
+            run_id="r-flush", checkpoint_uri=str(tmp_path), window_s=6.0, train_through_notice=True
         ),
         sink=sink,
         store=SlowStore(tmp_path / "r-flush"),
@@ -257,14 +261,14 @@ def test_a_first_save_in_flight_at_the_notice_is_waited_for_and_measured(
         decision=EverySteps(3),
         install_signals=False,
     )
-    weights = Weights()
+    weights = Weights(LARGE_FLOATS)
     with session as s:
         s.track(weights=weights)
         for step in s.steps(100_000):
             weights.t[step] += 1.0
             if step == 3:  # just after the save of step 3 started
                 now = time.monotonic()
-                s.flag.set(Notice("signal", "test", received_at=now, deadline=now + 3.0))
+                s.flag.set(Notice("signal", "test", received_at=now, deadline=now + 6.0))
             time.sleep(0.01)
     assert session.exit_code == EXIT_PREEMPTED
     assert session.step > 4 + 20, "the loop went on after the notice"
