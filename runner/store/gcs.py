@@ -42,10 +42,12 @@ module holds the store and turns errors into messages that say what to do.
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import re
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import BinaryIO, TypeVar, cast
 from urllib.parse import quote
@@ -71,6 +73,8 @@ from runner.store.gcs_http import (
     StatusError,
     backoff_s,
     check,
+    crc32c_b64,
+    crc32c_update,
     transient,
 )
 from runner.store.gcs_upload import ResumableWrite
@@ -266,15 +270,39 @@ class GCSStore(BucketStore):
         self._upload_whole(key, data)
 
     def _upload_whole(self, key: str, data: bytes) -> None:
-        """One multipart upload: atomic, and the service checks the CRC32C before it commits."""
-        blob = self._bucket.blob(self._full(key))
-        self._retrying(
-            "upload",
-            key,
-            lambda: blob.upload_from_string(
-                data, content_type=OCTET, checksum="crc32c", retry=None, timeout=self.timeout
-            ),
+        """One multipart upload: atomic, and the service checks the CRC32C (sent in the
+        metadata) before it commits.
+
+        Sent through the JSON API directly rather than ``blob.upload_from_string``: the
+        client library draws each multipart boundary from Python's global ``random``, the
+        training script's own generator, which would make a resumed run's random stream
+        differ from the one its checkpoint saved. This boundary comes from OS entropy.
+        """
+        full = self._full(key)
+        boundary = f"trainbot-{uuid.uuid4().hex}"
+        meta = {"name": full, "contentType": OCTET, "crc32c": crc32c_b64(crc32c_update(0, data))}
+        body = b"".join(
+            (
+                f"--{boundary}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n".encode(),
+                json.dumps(meta).encode(),
+                f"\r\n--{boundary}\r\nContent-Type: {OCTET}\r\n\r\n".encode(),
+                data,
+                f"\r\n--{boundary}--\r\n".encode(),
+            )
         )
+
+        def post() -> None:
+            check(
+                self.http.post(
+                    f"{self.endpoint}/upload/storage/v1/b/{self.bucket}/o",
+                    params={"uploadType": "multipart"},
+                    data=body,
+                    headers={"Content-Type": f'multipart/related; boundary="{boundary}"'},
+                    timeout=self.timeout,
+                )
+            ).close()
+
+        self._retrying("upload", key, post)
 
     def open_read(self, key: str) -> BinaryIO:
         url = self._object_url(self._full(key), api="download/storage/v1")

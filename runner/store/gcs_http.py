@@ -24,11 +24,14 @@ OCTET = "application/octet-stream"
 #: Statuses worth another try (Google's retry strategy for Cloud Storage).
 RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _CRC_PIECE = CHUNK_ALIGN  # google_crc32c takes bytes only: checksum in small copies
+#: The jitter's own generator (OS entropy): the global ``random`` is the training script's,
+#: and a draw from it by a checkpoint write would change the run's random stream.
+_JITTER = random.SystemRandom()
 
 
 def backoff_s(attempt: int) -> float:
     """Seconds to wait before try ``attempt + 1``: exponential, capped, jittered."""
-    return min(10.0, 0.5 * 2 ** (attempt - 1)) * (0.5 + random.random())
+    return min(10.0, 0.5 * 2 ** (attempt - 1)) * (0.5 + _JITTER.random())
 
 
 def crc32c_update(crc: int, data: bytes | bytearray | memoryview) -> int:

@@ -517,12 +517,6 @@ def deleted(gce: FakeComputeApi, name: str) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    reason="found by this test, not fixed yet: through the GCP startup script and the GCS "
-    "emulator the tiny example restores step 3 from GCS, but its state digest differs "
-    "from the saved one (the same script passes through the AWS user data and moto's S3)",
-    strict=False,
-)
 def test_gcp_dry_run_on_one_a100_commits_to_gcs_restores_and_is_deleted(
     tmp_path: Path,
     gce: FakeComputeApi,

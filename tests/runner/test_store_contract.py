@@ -156,6 +156,29 @@ def test_object_of_exactly_one_part(store: Store) -> None:
         assert len(uploads) == 1 and "uploadType=multipart" in uploads[0]
 
 
+def test_writes_and_reads_never_draw_from_the_training_scripts_random(store: Store) -> None:
+    """Python's global ``random`` is the training script's: a checkpoint write that drew
+    from it (the GCS client library draws every multipart boundary there) would make the
+    state a run restores differ from the one it saved (the dry run's bit-identity check
+    found exactly that on GCS)."""
+    before = random.getstate()
+    store.put_bytes("rng/manifest.json", b'{"step": 1}')
+    small = store.open_write("rng/small.bin")
+    small.write(b"x" * 1000)
+    small.close()
+    big = store.open_write("rng/big.bin")
+    big.write(_payload(PART + 1, seed=4))
+    big.close()
+    assert store.get_bytes("rng/small.bin") == b"x" * 1000
+    assert [o.key for o in store.list("rng/")] == [
+        "rng/big.bin",
+        "rng/manifest.json",
+        "rng/small.bin",
+    ]
+    store.delete(["rng/big.bin", "rng/small.bin", "rng/manifest.json"])
+    assert random.getstate() == before
+
+
 def test_abort_leaves_nothing_and_keeps_the_previous_object(store: Store) -> None:
     store.put_bytes("step/shard.bin", b"committed")
     calls = _calls(store) if isinstance(store, GCSStore) else []
