@@ -473,10 +473,9 @@ def gcp_dry_runs(gce: FakeComputeApi, run_id: str) -> list[dict[str, Any]]:
     ]
 
 
-@contextmanager
-def gcp_plane(
-    tmp_path: Path, gce: FakeComputeApi, host: str, command: str
-) -> Iterator[tuple[ControlPlane, on_aws.Recorder, str]]:
+def gcp_env(tmp_path: Path, gce: FakeComputeApi, host: str, command: str) -> dict[str, str]:
+    """A bucket with a data sample on the emulator, the ``gpu`` spec, and the settings of a
+    control plane on GCP that uses them, as ``TRAINBOT_*`` variables."""
     bucket = create_bucket(host, prefix="ckpt")
     gce.buckets[bucket] = "US-CENTRAL1"
     GCSStore(bucket, "sample", emulator_host=host).put_bytes("shard-0", b"12+7=19.")
@@ -490,22 +489,36 @@ def gcp_plane(
         f"env:\n  STORAGE_EMULATOR_HOST: {host}\n"
         f"dry_run:\n  steps: 3\n  timeout: 5m\n  sample: gs://{bucket}/sample\n"
     )
-    settings = load_settings(
-        {
-            "TRAINBOT_STATE_DIR": str(tmp_path / "state"),
-            "TRAINBOT_SPECS_DIR": str(specs),
-            "TRAINBOT_PROVIDER": "gcp",
-            "TRAINBOT_GCP_PROJECT": gce.project,
-            "TRAINBOT_CHECKPOINT_URI": f"gs://{bucket}/default",
-            "TRAINBOT_CHECKPOINT_LOCATIONS": f"gs://{bucket}",
-            "TRAINBOT_INGEST_PORT": "0",
-        }
-    )
+    return {
+        "TRAINBOT_STATE_DIR": str(tmp_path / "state"),
+        "TRAINBOT_SPECS_DIR": str(specs),
+        "TRAINBOT_PROVIDER": "gcp",
+        "TRAINBOT_GCP_PROJECT": gce.project,
+        "TRAINBOT_CHECKPOINT_URI": f"gs://{bucket}/default",
+        "TRAINBOT_CHECKPOINT_LOCATIONS": f"gs://{bucket}",
+        "TRAINBOT_INGEST_PORT": "0",
+    }
+
+
+@contextmanager
+def gcp_plane(
+    tmp_path: Path,
+    gce: FakeComputeApi,
+    host: str,
+    command: str,
+    *,
+    env: dict[str, str] | None = None,
+    journal: CallbackJournal | None = None,
+) -> Iterator[tuple[ControlPlane, on_aws.Recorder, str]]:
+    """A control plane on the fake Compute API (``env``: the settings of an earlier one,
+    whose state it takes over)."""
+    env = env or gcp_env(tmp_path, gce, host, command)
+    bucket = env["TRAINBOT_CHECKPOINT_LOCATIONS"].removeprefix("gs://")
     notes = on_aws.Recorder()
     with ControlPlane(
-        settings,
+        load_settings(env),
         notifier=notes,
-        journal=CallbackJournal(lambda *_: None),
+        journal=journal or CallbackJournal(lambda *_: None),
         provider=gcp_provider(gce),
         scheduler=False,
     ) as cp:
@@ -542,6 +555,85 @@ def test_gcp_dry_run_on_one_a100_commits_to_gcs_restores_and_is_deleted(
         [row] = dry_rows(cp, run_id)
         assert row.report is not None and row.report["checkpoint_bytes"] > 0
         assert row.cost_usd is not None and row.token_hash is None
+
+
+#: A control plane on the fake Compute API as a process of its own, to be killed: it
+#: submits ``/train preflight gpu`` and waits. The settings come from the environment.
+_GCP_PLANE = """
+import sys, time
+from google.auth.credentials import AnonymousCredentials
+from jobs import service
+from jobs.bootstrap import ControlPlane
+from jobs.notify import CallbackJournal
+from jobs.providers.gcp import GcpProvider
+from jobs.settings import load_settings
+from tests.jobs.test_aws_control_plane import Recorder
+
+url, project, zones, account = sys.argv[1:5]
+provider = GcpProvider(
+    project=project, region="us-central1", zones=zones.split(","), api_endpoint=url,
+    credentials=AnonymousCredentials(), service_account=account,
+)
+with ControlPlane(
+    load_settings(), notifier=Recorder(), journal=CallbackJournal(lambda *_: None),
+    provider=provider, scheduler=False,
+) as cp:
+    ada = service.Actor(user="ada", channel="#ml")
+    service.submit(cp.deps, spec_name="gpu", overrides=[], actor=ada, launch=False)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_gcp_kill_9_during_the_dry_run_then_restart_deletes_its_instance(
+    tmp_path: Path, gce: FakeComputeApi, gcs_emulator: str
+) -> None:
+    env = gcp_env(tmp_path, gce, gcs_emulator, TINY)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            _GCP_PLANE,
+            gce.url,
+            gce.project,
+            ",".join(GCP_ZONES),
+            "trainbot-runner@trainbot-test.iam.gserviceaccount.com",
+        ],
+        env={**env, "PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT)},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+
+        def launched() -> list[dict[str, Any]]:
+            assert proc.poll() is None, "the control plane exited"
+            return [i for i in gce.instances() if i["labels"].get(TAG_DRY_RUN) == "true"]
+
+        [inst] = wait_for(launched, what="the dry run's instance", timeout=120)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    first, run_id = inst["name"], inst["labels"][TAG_RUN_ID]
+    assert not deleted(gce, first), "nobody deleted it yet"
+
+    records: list[dict[str, Any]] = []
+    journal = CallbackJournal(lambda t, run, data: records.append({"type": t, "run": run, **data}))
+    with gcp_plane(tmp_path, gce, gcs_emulator, TINY, env=env, journal=journal) as (cp, _, _):
+        ended = [r for r in records if r["type"] == "dry_run_ended" and r["run"] == run_id]
+        zone = inst["zone"].rsplit("/", 1)[-1]
+        assert ended and ended[0]["instance"] == f"{zone}/{first}"  # GCP's ids are zone/name
+        assert deleted(gce, first)
+        # The checks run again, with a dry run of their own...
+        [again] = wait_for(
+            lambda: [i for i in gcp_dry_runs(gce, run_id) if i["name"] != first],
+            what="the rerun's dry-run instance",
+        )
+    # ...whose instance goes when this control plane stops in the middle of it.
+    assert deleted(gce, again["name"])
+    row = on_aws.run_row(cp, run_id)
+    assert row.state == RunState.PREFLIGHT_FAILED
+    assert "the control plane shut down during the dry run" in json.dumps(row.preflight)
 
 
 def test_gcp_dry_run_that_fails_is_reported_and_its_instance_deleted(

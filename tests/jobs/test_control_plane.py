@@ -532,6 +532,19 @@ def test_kill_9_at_random_moments_from_submit_to_the_first_step(reaped_state: Pa
                         runs[rid].state,
                         killed[rid],
                         [r["check"] for r in records if r["run"] == rid and "check" in r],
+                        # What a failure needs to be understood: the attempts and the
+                        # instances of the run as the database and the provider see them.
+                        db.rows(
+                            "SELECT number, state, instance_id, created_at, started_at, "
+                            "end_reason FROM attempts WHERE run_id = ?",
+                            rid,
+                        ),
+                        [
+                            (i.instance_id, i.attempt_id, str(i.state))
+                            for i in deps.provider.list_instances()
+                            if i.run_id == rid
+                        ],
+                        [r["type"] for r in records if r["run"] == rid][-12:],
                     )
                     for rid in set(killed) - started
                 }
