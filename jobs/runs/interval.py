@@ -13,6 +13,7 @@ from sqlmodel import Session, col, select
 
 from jobs.deps import Deps
 from jobs.models import Attempt, EventRow, Run
+from jobs.runs.rows import dry_run_data
 from runner.preemption import choose_interval
 
 #: Periodic saves a run must have reported before its interval follows their stall.
@@ -31,10 +32,7 @@ def measured_interval(session: Session, run: Run) -> float | None:
     a final or emergency save copies nothing) and the median write time. None until
     enough periodic saves are known, or without preflight's M.
     """
-    dry = next(
-        (r for r in (run.preflight or {}).get("results", []) if r.get("name") == "dry_run"), None
-    )
-    lossy_mtbp = (dry or {}).get("data", {}).get("interval_mtbp_s")
+    lossy_mtbp = dry_run_data(run).get("interval_mtbp_s")
     if not isinstance(lossy_mtbp, int | float) or not lossy_mtbp > 0:
         return None
     last_steps = dict(

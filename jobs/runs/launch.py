@@ -35,6 +35,7 @@ from jobs.runs.profile import window
 from jobs.runs.rows import (
     active_attempt,
     checkpoint_prefix,
+    dry_run_data,
     get_run,
     latest_attempt,
     move_run,
@@ -103,6 +104,7 @@ def runner_env(deps: Deps, run: Run, attempt: Attempt, spec: JobSpec) -> dict[st
         env["TRAINBOT_STORE_CREDENTIALS"] = "broker"  # the store asks /v1/credentials
     if run.checkpoint_interval_s:
         env["TRAINBOT_CHECKPOINT_INTERVAL_S"] = f"{run.checkpoint_interval_s:.3f}"
+    env.update(measured_write_env(run))
     if spec.checkpoint.every_steps:
         env["TRAINBOT_CHECKPOINT_EVERY_STEPS"] = str(spec.checkpoint.every_steps)
     if spec.checkpoint.train_through_notice:
@@ -117,6 +119,24 @@ def runner_env(deps: Deps, run: Run, attempt: Attempt, spec: JobSpec) -> dict[st
     else:
         # The notices of the cloud the instance really is on, not the one a spec names.
         env["TRAINBOT_PREEMPTION_SOURCES"] = deps.provider.capabilities.preemption_source
+    return env
+
+
+def measured_write_env(run: Run) -> dict[str, str]:
+    """The checkpoint write that preflight's dry run measured on the run's store, for the
+    runner's emergency-flush margin before it has saved (or restored) anything itself:
+    without it a first attempt's notice is judged by the cautious guess
+    (:data:`runner.preemption.ASSUMED_BANDWIDTH_BPS`), which leaves most of a short window
+    unused. A resumed attempt measures the checkpoint it restores instead."""
+    data = dry_run_data(run)
+    nbytes, write_s, stall_s = (data.get(k) for k in ("checkpoint_bytes", "write_s", "stall_s"))
+    if not (isinstance(nbytes, int | float) and isinstance(write_s, int | float)):
+        return {}
+    if not (nbytes > 0 and write_s > 0):
+        return {}
+    env = {"TRAINBOT_MEASURED_WRITE_BPS": f"{nbytes / write_s:.0f}"}
+    if isinstance(stall_s, int | float) and stall_s > 0:
+        env["TRAINBOT_MEASURED_STALL_S"] = f"{stall_s:.6f}"
     return env
 
 

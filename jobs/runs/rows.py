@@ -8,6 +8,7 @@ live and latest attempt.
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
 from sqlmodel import Session, col, select
 
@@ -36,6 +37,15 @@ def run_hours(session: Session, run: Run, *, now: datetime) -> float:
         if a.started_at is not None
     )
     return (run.carried_hours or 0.0) + seconds / 3600.0
+
+
+def dry_run_data(run: Run) -> dict[str, Any]:
+    """The figures preflight's dry run measured for ``run`` (empty without one)."""
+    for result in (run.preflight or {}).get("results", []):
+        if result.get("name") == "dry_run":
+            data = result.get("data")
+            return data if isinstance(data, dict) else {}
+    return {}
 
 
 def spec_of(run: Run) -> JobSpec:

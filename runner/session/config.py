@@ -99,6 +99,11 @@ class SessionConfig:
     #: Where the supervisor writes the notice it saw, with the real deadline, before it
     #: signals this process (set by ``trainbot-runner exec``; see runner.preemption.relay).
     notice_file: str | None = None
+    #: A checkpoint write measured before this process started (the control plane passes
+    #: its dry run's, on the run's store): bytes a second, and the stall of its save. Used
+    #: for the emergency-flush margin until this process has a write of its own.
+    measured_write_bps: float | None = None
+    measured_stall_s: float | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> SessionConfig:
@@ -126,6 +131,8 @@ class SessionConfig:
             train_through_notice=_env_flag(e, "TRAINBOT_TRAIN_THROUGH_NOTICE", default=False),
             resume_max_step=_env_number(e, "TRAINBOT_RESUME_MAX_STEP", int),
             notice_file=e.get("TRAINBOT_NOTICE_FILE") or None,
+            measured_write_bps=_env_number(e, "TRAINBOT_MEASURED_WRITE_BPS", float),
+            measured_stall_s=_env_number(e, "TRAINBOT_MEASURED_STALL_S", float),
         )
 
     def decision(self) -> SaveDecision | None:

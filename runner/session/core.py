@@ -111,6 +111,13 @@ class Session:
         #: (bandwidth in bytes/s, stall in s) of the recent writes, newest last: this
         #: process's commits, and the one it restored (its manifest's write time).
         self._writes: deque[tuple[float, float]] = deque(maxlen=WRITE_HISTORY)
+        #: A write measured before this process (the dry run's, on the run's store), for
+        #: as long as ``_writes`` is empty.
+        self._prior_write: tuple[float, float] | None = (
+            (config.measured_write_bps, config.measured_stall_s or 0.0)
+            if config.measured_write_bps
+            else None
+        )
         #: The state's size in bytes, once counted (see _checkpoint_bytes).
         self._state_nbytes: int | None = None
         #: The newest checkpoint, being read and verified in the background while the caller
@@ -393,7 +400,7 @@ class Session:
     def _write_measured(self) -> tuple[float | None, float]:
         """The slowest recent write's bandwidth (None before any), and the median stall
         of the recent saves (the snapshot before an emergency write: on a GPU, its copy)."""
-        writes = list(self._writes)
+        writes = list(self._writes) or ([self._prior_write] if self._prior_write else [])
         if not writes:
             return None, 0.0
         return min(b for b, _ in writes), statistics.median(st for _, st in writes)

@@ -339,6 +339,30 @@ def dry_run_processes(state: Path) -> list[int]:
     ]
 
 
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc")
+def test_the_first_attempt_gets_the_write_its_dry_run_measured(plane, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Preflight's dry run writes a checkpoint to the run's store and measures it; the
+    first attempt's runner is handed that bandwidth, so a notice before its first save
+    is judged by a measurement, not by the cautious guess."""
+    cp, _ = plane
+    run = service.submit(
+        cp.deps, spec_name="tiny", overrides=["checkpoint.every_steps=1000"], actor=ADA
+    )
+    wait_until(lambda: _started(cp, run.id, 1) is not None, timeout=120, what="the launch")
+    with session_scope(cp.deps.engine) as session:
+        row = session.get(Run, run.id)
+        assert row is not None
+        [dry] = [r for r in row.preflight["results"] if r["name"] == "dry_run"]
+    data = dry["data"]
+    assert dry["status"] == "pass" and data["checkpoint_bytes"] > 0 and data["write_s"] > 0
+    state = Path(cp.deps.settings.state_dir)
+    envs = [e for e in trainbot_processes(state).values() if e.get("TRAINBOT_RUN_ID") == run.id]
+    assert envs, "the first attempt's process"
+    expected = f"{data['checkpoint_bytes'] / data['write_s']:.0f}"
+    assert {e.get("TRAINBOT_MEASURED_WRITE_BPS") for e in envs} == {expected}
+    service.stop(cp.deps, run.id, ADA)
+
+
 def _free_port() -> int:
     import socket
 

@@ -228,6 +228,66 @@ def test_a_resumed_session_trains_on_with_the_write_its_checkpoint_measured(
     assert committed == [3, session.step]
 
 
+def _first_attempt(root: Path, *, measured_write_bps: float | None) -> Session:
+    """A first attempt (an empty store) with a 6 s notice at step 3, before any save."""
+    session = Session(
+        SessionConfig(
+            run_id="r-first",
+            checkpoint_uri=str(root),
+            window_s=6.0,
+            train_through_notice=True,
+            measured_write_bps=measured_write_bps,
+        ),
+        sink=Recorder(),
+        store=LocalStore(root / "r-first"),
+        flag=PreemptionFlag(),
+        decision=EverySteps(100_000),
+        install_signals=False,
+    )
+    weights = Weights(LARGE_FLOATS)
+    with session as s:
+        s.track(weights=weights)
+        for step in s.steps(100_000):
+            weights.t[step] += 1.0
+            time.sleep(0.01)
+            if step == 3:
+                now = time.monotonic()
+                s.flag.set(Notice("signal", "test", received_at=now, deadline=now + 6.0))
+    return session
+
+
+def test_a_first_attempt_trains_on_with_the_write_its_dry_run_measured(tmp_path: Path) -> None:
+    """Nothing saved or restored yet: the write the dry run measured on the run's store
+    (``TRAINBOT_MEASURED_WRITE_BPS``, from the control plane) sets the flush margin.
+    Without it the cautious guess (9 s for 128 MiB) does not fit the 6 s window, and the
+    attempt flushes at once, leaving the window unused."""
+    dry = Recorder()
+    with _session(tmp_path / "dry", dry, PreemptionFlag()) as s:
+        s.track(weights=Weights(LARGE_FLOATS))
+        for _ in s.steps(3):
+            pass
+    [commit] = [d for d in dry.of("checkpoint_committed") if d["step"] == 3]
+    measured = commit["bytes"] / commit["write_s"]
+
+    guessed = _first_attempt(tmp_path / "guessed", measured_write_bps=None)
+    assert guessed.exit_code == EXIT_PREEMPTED and guessed.step <= 4  # the next step at most
+
+    informed = _first_attempt(tmp_path / "informed", measured_write_bps=measured)
+    assert informed.exit_code == EXIT_PREEMPTED
+    assert informed.step > 3 + 20, "the loop went on after the notice"
+    committed = [e.step for e in list_committed(LocalStore(tmp_path / "informed" / "r-first"))]
+    assert committed == [informed.step]
+
+
+def test_the_measured_write_is_read_from_the_environment() -> None:
+    config = SessionConfig.from_env(
+        {"TRAINBOT_MEASURED_WRITE_BPS": "125000000", "TRAINBOT_MEASURED_STALL_S": "0.02"}
+    )
+    assert config.measured_write_bps == 125e6 and config.measured_stall_s == 0.02
+    with pytest.raises(RunnerError, match="TRAINBOT_MEASURED_WRITE_BPS"):
+        SessionConfig.from_env({"TRAINBOT_MEASURED_WRITE_BPS": "fast"})
+
+
 class SlowStore(LocalStore):
     """A local store whose large writes take a while to land, like an object store's."""
 
