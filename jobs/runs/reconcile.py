@@ -2,7 +2,8 @@
 
 The scheduled backstop for everything the event path can miss: it adopts instances a
 crash left unrecorded, ends attempts whose instance ended or went silent, terminates
-instances no live attempt owns, and launches runs whose backoff is over.
+instances no live attempt owns, moves to RUNNING the runs whose attempt runs, and
+launches runs whose backoff is over.
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ from jobs.models import Attempt, Run
 from jobs.preflight import live_dry_run_ids
 from jobs.providers.base import InstanceInfo, InstanceNotFound, InstanceState, ProviderError
 from jobs.rules import LostHeartbeat
-from jobs.runs.cards import alert_config, raise_signals, run_context
+from jobs.runs.cards import alert_config, raise_signals, refresh_card, run_context
 from jobs.runs.end import end_attempt, terminate_instance
 from jobs.runs.launch import launch_attempt, provision
 from jobs.runs.resubmit import resubmit_if_due
-from jobs.runs.rows import active_attempt, latest_attempt, spec_of
+from jobs.runs.rows import active_attempt, latest_attempt, move_run, spec_of
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +111,32 @@ def reconcile(deps: Deps) -> dict[str, int]:
         elif (now - a.seen).total_seconds() > a.heartbeat_deadline_s:
             _lost_heartbeat(deps, a.attempt_id, now=now, since=a.seen)
             counts["lost"] += 1
+    counts["running"] = _running_runs(deps, now=now)
     counts["launched"] += _launch_due(deps, now=now)
     return counts
+
+
+def _running_runs(deps: Deps, *, now: datetime) -> int:
+    """Runs still LAUNCHING or RECOVERING whose attempt is RUNNING: the ingest API moves the
+    attempt in the transaction that stores its ``started`` event and the run right after
+    the commit, so a control plane killed in between leaves the run behind, and the
+    runner, whose batch was stored, never sends that event again."""
+    moved = 0
+    with session_scope(deps.engine) as session:
+        rows = session.exec(
+            select(Run)
+            .join(Attempt, col(Attempt.run_id) == col(Run.id))
+            .where(
+                col(Run.state).in_([RunState.LAUNCHING, RunState.RECOVERING]),
+                Attempt.state == AttemptState.RUNNING,
+            )
+        ).all()
+        for run in {r.id: r for r in rows}.values():
+            if move_run(session, run, RunState.RUNNING, now=now):
+                deps.journal.record("run_running", run.id, by="reconcile")
+                refresh_card(deps, session, run)
+                moved += 1
+    return moved
 
 
 def _record_instance(deps: Deps, inst: InstanceInfo) -> bool:

@@ -190,6 +190,31 @@ def _new_run(deps: Deps, run_id: str) -> None:
         )
 
 
+def test_reconcile_moves_a_run_whose_attempt_runs_to_running(deps: Deps) -> None:
+    """The ingest API moves an attempt to RUNNING in the transaction that stores its
+    ``started`` event and the run only after the commit: a control plane killed in between
+    leaves the run LAUNCHING, and its runner, whose batch was stored, never sends that
+    event again (the kill -9 sweep found a run stuck so). Reconcile finishes the move."""
+    _new_run(deps, "r-started")
+    attempt = launch_attempt(deps, "r-started")
+    assert attempt is not None and attempt.instance_id
+    try:
+        with session_scope(deps.engine) as session:  # what that transaction commits
+            row = session.get(Attempt, attempt.id)
+            assert row is not None and row.state == AttemptState.PROVISIONING
+            row.state = AttemptState.RUNNING
+            row.last_heartbeat = deps.clock()
+            session.add(row)
+        assert reconcile(deps)["running"] == 1
+        with session_scope(deps.engine) as session:
+            run = session.get(Run, "r-started")
+            assert run is not None and run.state == RunState.RUNNING
+        assert [r["type"] for r in deps.records if r["type"] == "run_running"] == ["run_running"]  # type: ignore[attr-defined]
+        assert reconcile(deps)["running"] == 0  # once
+    finally:
+        deps.provider.terminate(attempt.instance_id)
+
+
 def test_reconcile_racing_a_launch_records_one_instance_once(deps: Deps) -> None:
     """Reconcile runs while launches are in progress (the instance exists, the database
     does not know it yet): it may adopt the attempt, but the launch and the adoption
