@@ -113,6 +113,9 @@ def take_lease(deps: Deps, *, ttl_s: float = LEASE_S, holder: str = _holder) -> 
         try:
             session.flush()
         except IntegrityError:  # another replica inserted it first
+            # The failed INSERT ended the transaction: roll it back here, or the commit
+            # at the end of the block raises (replicas starting together crashed so).
+            session.rollback()
             return None
     return 1
 

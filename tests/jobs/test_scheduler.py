@@ -11,11 +11,11 @@ from datetime import timedelta
 from pathlib import Path
 
 from apscheduler.jobstores.memory import MemoryJobStore
-from sqlalchemy import inspect
+from sqlalchemy import delete, inspect
 
 from bot.console import ConsoleNotifier
 from jobs.deps import Deps
-from jobs.models import utcnow
+from jobs.models import SchedulerLease, utcnow
 from jobs.providers.local import LocalProvider
 from jobs.scheduler import (
     INTERVALS_S,
@@ -61,6 +61,42 @@ def test_one_leader_at_a_time(db_engine, settings, tmp_path) -> None:  # type: i
     release_lease(deps, holder="replica-b")
     assert take_lease(deps, holder="replica-a", ttl_s=60) == 3  # released: no wait
     deps.close()
+
+
+def test_replicas_starting_together_elect_one_leader_and_none_fails(
+    db_engine, settings, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """With no lease row yet, replicas that start at the same moment all try to insert it:
+    the losers' failed INSERT must not fail their start (it did: the transaction it ended
+    was committed). Several rounds, each on a table without the row."""
+    deps = make_deps(db_engine, settings, tmp_path)
+    try:
+        for _ in range(5):
+            with db_engine.begin() as connection:
+                connection.execute(delete(SchedulerLease))
+            start = threading.Barrier(6)
+            tokens: list[int | None] = []
+            errors: list[BaseException] = []
+
+            def elect(name: str, start: threading.Barrier, tokens: list, errors: list) -> None:  # type: ignore[type-arg]
+                start.wait()
+                try:
+                    tokens.append(take_lease(deps, holder=name, ttl_s=60))
+                except BaseException as exc:
+                    errors.append(exc)
+
+            threads = [
+                threading.Thread(target=elect, args=(f"r-{i}", start, tokens, errors))
+                for i in range(6)
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=30)
+            assert errors == []
+            assert sorted(tokens, key=lambda t: t or 0) == [None] * 5 + [1]
+    finally:
+        deps.close()
 
 
 def test_a_job_runs_its_body(db_engine, settings, tmp_path) -> None:  # type: ignore[no-untyped-def]

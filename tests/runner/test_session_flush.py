@@ -189,6 +189,20 @@ def test_training_goes_on_through_the_window_and_the_flush_lands_before_the_dead
     assert sink.of("preemption_notice")[0]["time_left_s"] > 2.5
 
 
+def _noticed_at_step_3(session: Session, window_s: float = 6.0) -> Session:
+    """Train 128 MiB of weights, 10 ms a step, with a notice of ``window_s`` during step 3."""
+    weights = Weights(LARGE_FLOATS)
+    with session as s:
+        s.track(weights=weights)
+        for step in s.steps(100_000):
+            weights.t[step] += 1.0
+            if step == 3:
+                now = time.monotonic()
+                s.flag.set(Notice("signal", "test", received_at=now, deadline=now + window_s))
+            time.sleep(0.01)
+    return session
+
+
 def test_a_resumed_session_trains_on_with_the_write_its_checkpoint_measured(
     tmp_path: Path,
 ) -> None:
@@ -212,15 +226,7 @@ def test_a_resumed_session_trains_on_with_the_write_its_checkpoint_measured(
         decision=EverySteps(100_000),  # no save of its own before the notice
         install_signals=False,
     )
-    weights = Weights(LARGE_FLOATS)
-    with session as s:
-        s.track(weights=weights)
-        for step in s.steps(100_000):
-            weights.t[step] += 1.0
-            time.sleep(0.01)
-            if step == 3:  # the first step after the restore
-                now = time.monotonic()
-                s.flag.set(Notice("signal", "test", received_at=now, deadline=now + 6.0))
+    _noticed_at_step_3(session)  # step 3: the first step after the restore
     assert session.exit_code == EXIT_PREEMPTED
     assert not any("no time for an emergency" in d["message"] for d in sink.of("log"))
     assert session.step > 3 + 20, "the loop went on after the notice"
@@ -244,16 +250,7 @@ def _first_attempt(root: Path, *, measured_write_bps: float | None) -> Session:
         decision=EverySteps(100_000),
         install_signals=False,
     )
-    weights = Weights(LARGE_FLOATS)
-    with session as s:
-        s.track(weights=weights)
-        for step in s.steps(100_000):
-            weights.t[step] += 1.0
-            time.sleep(0.01)
-            if step == 3:
-                now = time.monotonic()
-                s.flag.set(Notice("signal", "test", received_at=now, deadline=now + 6.0))
-    return session
+    return _noticed_at_step_3(session)
 
 
 def test_a_first_attempt_trains_on_with_the_write_its_dry_run_measured(tmp_path: Path) -> None:
@@ -321,15 +318,7 @@ def test_a_first_save_in_flight_at_the_notice_is_waited_for_and_measured(
         decision=EverySteps(3),
         install_signals=False,
     )
-    weights = Weights(LARGE_FLOATS)
-    with session as s:
-        s.track(weights=weights)
-        for step in s.steps(100_000):
-            weights.t[step] += 1.0
-            if step == 3:  # just after the save of step 3 started
-                now = time.monotonic()
-                s.flag.set(Notice("signal", "test", received_at=now, deadline=now + 6.0))
-            time.sleep(0.01)
+    _noticed_at_step_3(session)  # just after the save of step 3 started
     assert session.exit_code == EXIT_PREEMPTED
     assert session.step > 4 + 20, "the loop went on after the notice"
     committed = [e.step for e in list_committed(LocalStore(tmp_path / "r-flush"))]
