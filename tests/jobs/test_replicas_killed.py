@@ -217,11 +217,15 @@ class Cluster:
                 stderr=(self.logs / f"{name}.log").open("w"),
                 text=True,
             )
-        for name, proc in self.procs.items():
-            assert proc.stdout is not None
-            line = proc.stdout.readline()
-            assert line, f"{name} exited before serving: {self.log(name)[-3000:]}"
-            self.urls[name] = json.loads(line)["url"]
+        try:
+            for name, proc in self.procs.items():
+                assert proc.stdout is not None
+                line = proc.stdout.readline()
+                assert line, f"{name} exited before serving: {self.log(name)[-3000:]}"
+                self.urls[name] = json.loads(line)["url"]
+        except BaseException:
+            self.close()  # the fixture never saw this cluster: nothing else stops the others
+            raise
 
     def describe(self) -> str:
         """The deferred work and the outbox, for a failing test's message."""
