@@ -10,17 +10,26 @@ Everything the single-process :class:`~runner.session.Session` does stays; what 
 - a stop flushes on every rank, and a step counts as saved only once rank 0 has
   committed it with every part in (:mod:`parts`);
 - restore: rank 0 lists, every rank reads the replicated state and its own part, and the
-  ranks agree (``all_reduce(MIN)``) on the newest step every rank could verify.
+  ranks agree (``all_reduce(MIN)``) on the newest step every rank could verify;
+- :meth:`track_sharded` is for sharded state (FSDP, DTensors): ``torch.distributed.
+  checkpoint`` saves each rank's shards into its part and reshards them on a restore at
+  another world size (:mod:`sharded`).
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from runner.checkpoint import Restored, list_committed, load_checkpoint, read_manifest
 from runner.checkpoint.restore import none_usable, part_of
+from runner.distributed import sharded
 from runner.distributed.gang import Gang
 from runner.distributed.parts import RankWriter, part_dir
 from runner.distributed.vote import GO, PREEMPT, STOP, Vote
@@ -76,6 +85,11 @@ class DistributedSession(Session):
         )
         self.fresh_local_on_resize = fresh_local_on_resize
         self._local: dict[str, Stateful] = {}
+        self._sharded: dict[str, Stateful] = {}
+        #: This rank's DCP files of the save being made (see _save).
+        self._staged: dict[str, torch.Tensor] | None = None
+        #: Where DCP writes and reads this rank's files: its own disk, never shared.
+        self._scratch = Path(tempfile.mkdtemp(prefix=f"trainbot-dcp-rank{self.gang.rank}-"))
         #: The gang's decision after the last step, for the check before the next one.
         self._agreed: Vote | None = None
 
@@ -91,7 +105,23 @@ class DistributedSession(Session):
         self.track(**objects)
         self._local.update(objects)
 
+    def track_sharded(self, **objects: Stateful) -> None:
+        """Sharded state (an FSDP model and its optimizer, as :class:`sharded.Sharded`):
+        every rank saves its own shards through ``torch.distributed.checkpoint``, and a
+        restore reshards them to this run's world size. Call it on every rank with the
+        same names, before :meth:`steps`."""
+        clash = set(objects) & (set(self._tracked) | set(self._sharded))
+        if clash:
+            raise RunnerError(f"already tracked: {sorted(clash)}")
+        self._sharded.update(objects)
+
     def state(self) -> dict[str, Any]:
+        local: dict[str, Any] = {
+            "objects": {name: obj.state_dict() for name, obj in self._local.items()},
+            "rng": capture_rng(),
+        }
+        if self._staged is not None:
+            local[sharded.DCP_KEY] = self._staged
         return {
             "step": self.step,
             "objects": {
@@ -99,11 +129,21 @@ class DistributedSession(Session):
                 for name, obj in self._tracked.items()
                 if name not in self._local
             },
-            "local": {
-                "objects": {name: obj.state_dict() for name, obj in self._local.items()},
-                "rng": capture_rng(),
-            },
+            "local": local,
         }
+
+    def _sharded_state(self) -> dict[str, Any]:
+        return {name: obj.state_dict() for name, obj in self._sharded.items()}
+
+    def _save(self, *, copy: bool = True) -> None:
+        # Every rank saves at the same step (agreed saves, agreed flushes): DCP's save is
+        # a collective. Its files then go into this rank's part like any other state.
+        if self._sharded:
+            self._staged = sharded.stage(self._sharded_state(), self._scratch / "save")
+        try:
+            super()._save(copy=copy)
+        finally:
+            self._staged = None
 
     # -- the step's vote
 
@@ -137,6 +177,11 @@ class DistributedSession(Session):
         # Every rank flushes: a rank that skipped its part would leave the step torn.
         return False
 
+    def _should_flush(self, stopped: float) -> bool:
+        # Agreed: a rank whose window looks shorter than the others' would leave the step
+        # torn (and, with sharded state, the others waiting in DCP's collective save).
+        return self.gang.all_ok(super()._should_flush(stopped))
+
     def close(self) -> None:
         # Rank 0 may still wait for parts: no rank exits (and so no rank's torchrun
         # agent tears the gang down) before the step is committed.
@@ -146,6 +191,7 @@ class DistributedSession(Session):
         except Exception as exc:  # a rank is gone: nothing left to wait for
             log.warning("ranks did not meet at the end of the session: %s", exc)
         super().close()
+        shutil.rmtree(self._scratch, ignore_errors=True)
 
     # -- restore
 
@@ -168,6 +214,8 @@ class DistributedSession(Session):
                 log.warning("checkpoint step %d is unusable (%s); trying the previous", step, why)
                 skipped.append((step, reason))
                 continue
+            if self._sharded:  # every rank has the step's files: DCP loads them together
+                self._load_sharded(step, state.pop("sharded"))
             return Restored(
                 step=step,
                 state=state,
@@ -197,8 +245,10 @@ class DistributedSession(Session):
                 "objects": {n: o.state_dict() for n, o in self._local.items()},
                 "rng": capture_rng(),
             }
+            own_part = False
         else:
             local = load_checkpoint(self.store, manifest, part=own)
+            own_part = True
         missing = set(self._local) - set(local["objects"])
         if missing:
             raise RunnerError(
@@ -206,4 +256,27 @@ class DistributedSession(Session):
                 "track_local the same objects as the run that saved it"
             )
         objects = {**shared["objects"], **local["objects"]}
-        return {"step": shared["step"], "objects": objects, "rng": local["rng"]}
+        loaded: dict[str, Any] = {"step": shared["step"], "objects": objects, "rng": local["rng"]}
+        if self._sharded:
+            # DCP plans a load from every saved rank's files, whatever the world size now.
+            files: dict[str, torch.Tensor] = {}
+            for part in sorted({p for f in manifest.files if (p := part_of(f.name))}):
+                theirs = local if part == own and own_part else None
+                if theirs is None:
+                    theirs = load_checkpoint(self.store, manifest, part=part)
+                files.update(theirs.get(sharded.DCP_KEY) or {})
+            loaded["sharded"] = {"files": files, "saved_world": saved_world}
+        return loaded
+
+    def _load_sharded(self, step: int, found: dict[str, Any]) -> None:
+        target = self._sharded_state()
+        sharded.load(
+            target,
+            found["files"],
+            self._scratch / "restore",
+            step=step,
+            saved_world=found["saved_world"],
+            world=self.gang.world_size,
+        )
+        for name, obj in self._sharded.items():
+            obj.load_state_dict(target[name])

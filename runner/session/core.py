@@ -496,25 +496,32 @@ class Session:
             self.writer.wait(timeout=left)
         except TimeoutError:
             pass
-        if self.stop_reason == "preempted" and self._flush_costs_more(stopped):
-            pass  # the next attempt redoes the few steps since the newest checkpoint
-        elif self.committed_step != self.step:
-            left = self.flag.time_left()
-            nbytes = self._checkpoint_bytes()
-            if self._flush_fits(nbytes, left):
-                self._save_now(timeout=left)
-            else:
-                msg = (
-                    f"no time for an emergency checkpoint of {nbytes} bytes "
-                    f"({left:.1f}s left); resuming from step {self.committed_step}"
-                )
-                log.warning(msg)
-                self.sink.emit("log", {"level": "warning", "message": msg})
+        if self._should_flush(stopped):
+            self._save_now(timeout=self.flag.time_left())
         if self.stop_reason == "stopped":
             self.exit_code = EXIT_SUCCEEDED if self.committed_step == self.step else EXIT_FAILED
         else:
             # Resumable either way: from the newest checkpoint, or from the start if none.
             self.exit_code = EXIT_PREEMPTED
+
+    def _should_flush(self, stopped: float) -> bool:
+        """Whether to write the current step now that the loop has stopped on a notice or
+        a stop request (the save in flight is finished by then)."""
+        if self.stop_reason == "preempted" and self._flush_costs_more(stopped):
+            return False  # the next attempt redoes the few steps since the newest checkpoint
+        if self.committed_step == self.step:
+            return False
+        left = self.flag.time_left()
+        nbytes = self._checkpoint_bytes()
+        if self._flush_fits(nbytes, left):
+            return True
+        msg = (
+            f"no time for an emergency checkpoint of {nbytes} bytes "
+            f"({left:.1f}s left); resuming from step {self.committed_step}"
+        )
+        log.warning(msg)
+        self.sink.emit("log", {"level": "warning", "message": msg})
+        return False
 
     def _flush_costs_more(self, stopped: float) -> bool:
         """Whether writing the current step would take longer than redoing the steps done
