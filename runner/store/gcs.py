@@ -42,12 +42,10 @@ module holds the store and turns errors into messages that say what to do.
 from __future__ import annotations
 
 import io
-import json
 import logging
 import os
 import re
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from typing import BinaryIO, TypeVar, cast
 from urllib.parse import quote
@@ -68,16 +66,13 @@ from runner.store.gcs_download import MediaReader
 from runner.store.gcs_http import (
     CHUNK_ALIGN,
     DEFAULT_CHUNK_SIZE,
-    OCTET,
     MiB,
     StatusError,
     backoff_s,
     check,
-    crc32c_b64,
-    crc32c_update,
     transient,
 )
-from runner.store.gcs_upload import ResumableWrite
+from runner.store.gcs_upload import ResumableWrite, upload_whole
 
 __all__ = [
     "BATCH_LIMIT",
@@ -267,42 +262,7 @@ class GCSStore(BucketStore):
         return ResumableWrite(self, key)
 
     def put_bytes(self, key: str, data: bytes) -> None:
-        self._upload_whole(key, data)
-
-    def _upload_whole(self, key: str, data: bytes) -> None:
-        """One multipart upload: atomic, and the service checks the CRC32C (sent in the
-        metadata) before it commits.
-
-        Sent through the JSON API directly rather than ``blob.upload_from_string``: the
-        client library draws each multipart boundary from Python's global ``random``, the
-        training script's own generator, which would make a resumed run's random stream
-        differ from the one its checkpoint saved. This boundary comes from OS entropy.
-        """
-        full = self._full(key)
-        boundary = f"trainbot-{uuid.uuid4().hex}"
-        meta = {"name": full, "contentType": OCTET, "crc32c": crc32c_b64(crc32c_update(0, data))}
-        body = b"".join(
-            (
-                f"--{boundary}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n".encode(),
-                json.dumps(meta).encode(),
-                f"\r\n--{boundary}\r\nContent-Type: {OCTET}\r\n\r\n".encode(),
-                data,
-                f"\r\n--{boundary}--\r\n".encode(),
-            )
-        )
-
-        def post() -> None:
-            check(
-                self.http.post(
-                    f"{self.endpoint}/upload/storage/v1/b/{self.bucket}/o",
-                    params={"uploadType": "multipart"},
-                    data=body,
-                    headers={"Content-Type": f'multipart/related; boundary="{boundary}"'},
-                    timeout=self.timeout,
-                )
-            ).close()
-
-        self._retrying("upload", key, post)
+        upload_whole(self, key, data)
 
     def open_read(self, key: str) -> BinaryIO:
         url = self._object_url(self._full(key), api="download/storage/v1")

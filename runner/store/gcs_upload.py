@@ -11,6 +11,7 @@ import json
 import logging
 import re
 import time
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, cast
 
@@ -32,6 +33,42 @@ if TYPE_CHECKING:
     from runner.store.gcs import GCSStore
 
 log = logging.getLogger(__name__)
+
+
+def upload_whole(store: GCSStore, key: str, data: bytes) -> None:
+    """One multipart upload: atomic, and the service checks the CRC32C (sent in the
+    metadata) before it commits.
+
+    Sent through the JSON API directly rather than ``blob.upload_from_string``: the
+    client library draws each multipart boundary from Python's global ``random``, the
+    training script's own generator, which would make a resumed run's random stream
+    differ from the one its checkpoint saved. This boundary comes from OS entropy.
+    """
+    full = store._full(key)
+    boundary = f"trainbot-{uuid.uuid4().hex}"
+    meta = {"name": full, "contentType": OCTET, "crc32c": crc32c_b64(crc32c_update(0, data))}
+    body = b"".join(
+        (
+            f"--{boundary}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n".encode(),
+            json.dumps(meta).encode(),
+            f"\r\n--{boundary}\r\nContent-Type: {OCTET}\r\n\r\n".encode(),
+            data,
+            f"\r\n--{boundary}--\r\n".encode(),
+        )
+    )
+
+    def post() -> None:
+        check(
+            store.http.post(
+                f"{store.endpoint}/upload/storage/v1/b/{store.bucket}/o",
+                params={"uploadType": "multipart"},
+                data=body,
+                headers={"Content-Type": f'multipart/related; boundary="{boundary}"'},
+                timeout=store.timeout,
+            )
+        ).close()
+
+    store._retrying("upload", key, post)
 
 
 class ResumableWrite(PartWrite):
@@ -203,7 +240,7 @@ class ResumableWrite(PartWrite):
             return
         if self._session is None:
             try:
-                self._store._upload_whole(self._key, bytes(self._buf))
+                upload_whole(self._store, self._key, bytes(self._buf))
             finally:
                 self._done = True
                 self._buf = bytearray()

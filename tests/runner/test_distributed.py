@@ -179,9 +179,34 @@ def _events(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _gone(pids: list[int], *, within_s: float) -> bool:
+    """Whether every process in ``pids`` has ended (and been reaped) within the time."""
+    deadline = time.monotonic() + within_s
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                os.kill(pid, 0)
+                alive.append(pid)
+            except ProcessLookupError:
+                pass
+        if not alive:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+
+
 def _torchrun(
-    tmp: Path, launch: int, *, sigterm_rank: int | None = None, after_s: float = 0.0
+    tmp: Path,
+    launch: int,
+    *,
+    sigterm_rank: int | None = None,
+    after_s: float = 0.0,
+    sig: signal.Signals = signal.SIGTERM,
 ) -> dict[str, Any]:
+    """One launch of the DDP example on two ranks; ``sig`` to ``sigterm_rank`` once it
+    trains. Its result line, or (no line: a rank was killed) what is known of it."""
     events = tmp / f"events-{launch}.jsonl"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINBOT_")}
     env.update(
@@ -215,10 +240,18 @@ def _torchrun(
             time.sleep(0.05)
         time.sleep(after_s)
         if pid is not None and proc.poll() is None:
-            os.kill(pid, signal.SIGTERM)
+            os.kill(pid, sig)
     proc.wait(timeout=240)
     out, err = out_path.read_text(), err_path.read_text()
     lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+    pids = [
+        int(e["data"]["pid"])
+        for f in (events, Path(f"{events}.rank-1"))
+        for e in _events(f)
+        if e["type"] == "started"
+    ]
+    if sig == signal.SIGKILL:
+        return {"returncode": proc.returncode, "pids": pids, "stderr": err}
     assert lines, f"no result line (rc {proc.returncode}):\n{err[-3000:]}"
     result: dict[str, Any] = json.loads(lines[-1])
     exits = [
@@ -240,6 +273,13 @@ def test_sigterm_to_one_rank_stops_both_and_resumes_bit_exactly(tmp_path: Path) 
     assert clean["exit_code"] == 0 and clean["step"] == 40
 
     rng = random.Random(16)
+    # A rank lost without notice (SIGKILL, as a lost node): the other rank does not hang
+    # in its next collective, nothing of the job is left running, and the launches below
+    # resume from the newest step that was committed before it.
+    killed = _torchrun(tmp_path / "pre", 0, sigterm_rank=1, after_s=0.5, sig=signal.SIGKILL)
+    assert killed["returncode"] != 0 and len(killed["pids"]) == 2, killed["stderr"][-2000:]
+    assert _gone(killed["pids"], within_s=30), "a rank outlived its job"
+    kept = [e.step for e in list_committed(run_store(str(tmp_path / "pre" / "ck"), "ddp"))]
     preempted_at: list[int] = []
     for launch in range(1, 8):
         if len(preempted_at) >= 3:
@@ -257,6 +297,12 @@ def test_sigterm_to_one_rank_stops_both_and_resumes_bit_exactly(tmp_path: Path) 
     assert len(preempted_at) >= 3, preempted_at
     assert result["step"] == 40
     assert result["params_sha256"] == clean["params_sha256"]
+    first_restore = next(
+        e["data"]["step"]
+        for e in _events(tmp_path / "pre" / "events-1.jsonl")
+        if e["type"] == "restored"
+    )
+    assert first_restore == (kept[-1] if kept else 0)
 
 
 # -- sharded state (FSDP) through torch.distributed.checkpoint
