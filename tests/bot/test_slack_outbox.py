@@ -163,7 +163,9 @@ def test_two_replicas_keep_one_pace_per_channel(
 ) -> None:
     # Slack allows one post per WINDOW_S here (no burst); each replica alone keeps to
     # its pace, and only the shared slot keeps the two of them, together, within it.
-    a, b = replica("replica-a"), replica("replica-b")
+    # Both are alive: holds long enough that a loaded machine's late renewal never hands
+    # a row being posted to the other replica (which would post it again, at least once).
+    a, b = replica("replica-a", hold_s=3.0), replica("replica-b", hold_s=3.0)
     for n in range(8):
         a.post(alert(n))
         b.post(alert(100 + n))

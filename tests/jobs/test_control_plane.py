@@ -705,7 +705,8 @@ def test_a_plain_script_under_sync_dir_preempted_before_any_checkpoint_resumes_f
     on a new instance, starts from step 0 and finishes."""
     cp, records = plane
     progress = tmp_path / "progress"
-    script = f"python {PLAIN_SCRIPT} --steps 24 --every 20 --step-s 0.1 --progress {progress}"
+    # 0.2 s a step: 3.6 s between step 2 and the first checkpoint, for a loaded machine.
+    script = f"python {PLAIN_SCRIPT} --steps 24 --every 20 --step-s 0.2 --progress {progress}"
     run = _launch_confirmed(cp, [f"command={script}", "checkpoint.sync_dir=ckpt"])
     wait_until(lambda: _started(cp, run.id, 1) is not None, what="attempt 1 to start")
 
