@@ -229,11 +229,12 @@ class DistributedSession(Session):
         """The replicated state and this rank's part of one checkpoint, verified."""
         manifest = read_manifest(self.store, step)
         shared = load_checkpoint(self.store, manifest)
-        saved_world = len({p for f in manifest.files if (p := part_of(f.name))})
+        saved_parts = sorted({p for f in manifest.files if (p := part_of(f.name))})
+        saved_world = len(saved_parts)
         own = part_dir(self.rank)
-        if saved_world != self.gang.world_size or own not in {
-            part_of(f.name) for f in manifest.files
-        }:
+        #: The parts read so far, by directory: another rank's are read only for DCP.
+        parts: dict[str, Any] = {}
+        if saved_world != self.gang.world_size or own not in saved_parts:
             if not self.fresh_local_on_resize:
                 raise WorldSizeError(
                     f"checkpoint step {step} was saved by {saved_world} ranks and this run has "
@@ -245,10 +246,8 @@ class DistributedSession(Session):
                 "objects": {n: o.state_dict() for n, o in self._local.items()},
                 "rng": capture_rng(),
             }
-            own_part = False
         else:
-            local = load_checkpoint(self.store, manifest, part=own)
-            own_part = True
+            local = parts[own] = load_checkpoint(self.store, manifest, part=own)
         missing = set(self._local) - set(local["objects"])
         if missing:
             raise RunnerError(
@@ -260,11 +259,10 @@ class DistributedSession(Session):
         if self._sharded:
             # DCP plans a load from every saved rank's files, whatever the world size now.
             files: dict[str, torch.Tensor] = {}
-            for part in sorted({p for f in manifest.files if (p := part_of(f.name))}):
-                theirs = local if part == own and own_part else None
-                if theirs is None:
-                    theirs = load_checkpoint(self.store, manifest, part=part)
-                files.update(theirs.get(sharded.DCP_KEY) or {})
+            for part in saved_parts:
+                if part not in parts:
+                    parts[part] = load_checkpoint(self.store, manifest, part=part)
+                files.update(parts[part].get(sharded.DCP_KEY) or {})
             loaded["sharded"] = {"files": files, "saved_world": saved_world}
         return loaded
 

@@ -65,9 +65,7 @@ class Sharded:
 def stage(state: dict[str, Any], directory: Path) -> dict[str, torch.Tensor]:
     """Save ``state`` with DCP into ``directory`` (a collective); the files this rank
     wrote, by name, as uint8 tensors for its part of the step."""
-    if directory.exists():
-        shutil.rmtree(directory)
-    directory.mkdir(parents=True)
+    _empty(directory)
     dcp.save(state, storage_writer=FileSystemWriter(str(directory), single_file_per_rank=True))
     files = {
         path.name: torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
@@ -94,9 +92,7 @@ def load(
             f"checkpoint step {step} has no sharded-state metadata (rank 0's .metadata): "
             "it was not saved with track_sharded, so it cannot be loaded as sharded state"
         )
-    if directory.exists():
-        shutil.rmtree(directory)
-    directory.mkdir(parents=True)
+    _empty(directory)
     try:
         for name, blob in files.items():
             (directory / name).write_bytes(blob.numpy().tobytes())
@@ -112,6 +108,13 @@ def load(
             ) from exc
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def _empty(directory: Path) -> None:
+    """``directory``, created empty (what an interrupted save or load left there goes)."""
+    if directory.exists():
+        shutil.rmtree(directory)
+    directory.mkdir(parents=True)
 
 
 def _first_line(exc: BaseException) -> str:
