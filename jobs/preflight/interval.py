@@ -64,6 +64,7 @@ def resources_request(res: Resources, *, spot: bool | None = None) -> ResourceRe
         accelerator_count=acc.count if acc is not None else 0,
         instance_type=res.instance_type,
         spot=res.spot if spot is None else spot,
+        instances=res.instances,
     )
 
 

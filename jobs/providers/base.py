@@ -27,6 +27,8 @@ __all__ = [
     "TAG_DRY_RUN",
     "TAG_IDEMPOTENCY_KEY",
     "TAG_MANAGED",
+    "TAG_NODE",
+    "TAG_NODES",
     "TAG_OWNER",
     "TAG_RUN_ID",
     "BucketLocation",
@@ -59,6 +61,10 @@ TAG_IDEMPOTENCY_KEY = "trainbot-idempotency-key"
 #: On a preflight dry run's instance only ("true"): its TAG_ATTEMPT_ID is the dry run's
 #: id, which no attempt has, so reconcile asks the dry runs before calling it an orphan.
 TAG_DRY_RUN = "trainbot-dry-run"
+#: On each node of a multi-node attempt (:mod:`jobs.providers.gang`): its node rank
+#: ("0", "1", …) and the gang's node count.
+TAG_NODE = "trainbot-node"
+TAG_NODES = "trainbot-nodes"
 #: ``dry_run.instance_type`` for "the cheapest CPU type": the script runs without a GPU.
 CPU_INSTANCE = "cpu"
 
@@ -137,6 +143,9 @@ class InstanceState(str, enum.Enum):
     TERMINATED = "terminated"
     FAILED = "failed"
     SUCCEEDED = "succeeded"
+    #: A node of a gang ended without notice (killed, gone): the gang cannot go on, and
+    #: the attempt resumes from its last committed step like a preempted one.
+    LOST = "lost"
     UNKNOWN = "unknown"
 
     def is_terminal(self) -> bool:
@@ -150,6 +159,7 @@ _TERMINAL = frozenset(
         InstanceState.TERMINATED,
         InstanceState.FAILED,
         InstanceState.SUCCEEDED,
+        InstanceState.LOST,
     }
 )
 
@@ -174,6 +184,9 @@ class ResourceRequest:
     spot: bool = True
     # Virtual CPUs per instance; None when the instance type decides.
     cpus: int | None = None
+    # Instances of it the run needs at once (the nodes of a multi-node run): quota counts
+    # them all; capacity and prices stay per instance.
+    instances: int = 1
 
 
 @dataclass(frozen=True)
@@ -278,6 +291,16 @@ class LaunchRequest:
     # A preflight dry run's instance (``attempt_id`` is the dry run's id): launched the
     # same way, and tagged TAG_DRY_RUN so that nothing takes it for an attempt's.
     dry_run: bool = False
+    # Nodes of the attempt's gang (``resources.instances``), launched all or none
+    # (:mod:`jobs.providers.gang`), and which of them this request is for.
+    nodes: int = 1
+    node_rank: int = 0
+
+    @property
+    def placement_group(self) -> str:
+        """The name of the gang's placement (an AWS cluster placement group, a GCP compact
+        placement policy): one per attempt, so a resubmitted gang gets a new one."""
+        return f"trainbot-{self.attempt_id}".lower()
 
     def tags(self, idempotency_key: str) -> dict[str, str]:
         """The tags (AWS) or labels (GCP) of its instance, before each cloud's limits on
@@ -289,6 +312,11 @@ class LaunchRequest:
             TAG_OWNER: self.owner,
             TAG_IDEMPOTENCY_KEY: idempotency_key,
             **({TAG_DRY_RUN: "true"} if self.dry_run else {}),
+            **(
+                {TAG_NODE: str(self.node_rank), TAG_NODES: str(self.nodes)}
+                if self.nodes > 1
+                else {}
+            ),
         }
 
 
@@ -310,6 +338,9 @@ class InstanceInfo:
     launched_at: datetime
     # Every tag on the instance, the trainbot ones included.
     tags: Mapping[str, str] = field(default_factory=dict)
+    # Its private address, where the other nodes of its gang reach it; "" when the
+    # provider does not know it (yet).
+    address: str = ""
 
 
 @dataclass(frozen=True)
@@ -363,6 +394,11 @@ class Capabilities:
     permission_probe: bool = False
     # ``instance_log`` can read an instance's output (the local provider's log files).
     instance_logs: bool = False
+    # How ``launch`` places the nodes of a multi-node attempt (``LaunchRequest.nodes``),
+    # all or none (:mod:`jobs.providers.gang`): "cluster placement group", "compact
+    # placement policy", "this machine". "": the provider launches one node only, and a
+    # spec with ``resources.instances`` above 1 is refused.
+    gang_placement: str = ""
 
 
 class Unsupported(ProviderError):
