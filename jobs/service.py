@@ -59,7 +59,7 @@ from jobs.runs import (
     say,
     spec_of,
 )
-from jobs.spec import InstancesRefused, load_spec
+from jobs.spec import load_spec
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +78,7 @@ def submit(
 ) -> Run:
     """Create a run and start its preflight in the background; a repeated key returns
     the run the first request created, so a retried command launches once."""
-    try:
-        spec = load_spec(spec_name, specs_dir=deps.settings.specs_dir, overrides=overrides)
-    except InstancesRefused as exc:  # with one larger instance's figures, if there is one
-        raise preflight.with_one_instance_advice(exc, deps.provider) from None
+    spec = load_spec(spec_name, specs_dir=deps.settings.specs_dir, overrides=overrides)
     checkpoint_uri = checkpoint_root(
         spec.checkpoint.uri,
         default=deps.settings.checkpoint_uri,

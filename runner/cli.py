@@ -194,7 +194,7 @@ def _command(args: argparse.Namespace) -> list[str]:
     return cmd
 
 
-def _sink_from_env() -> EventSink:
+def _sink_from_env(node: int = 0) -> EventSink:
     from runner.telemetry import NullSink, Reporter
 
     url = os.environ.get("TRAINBOT_INGEST_URL")
@@ -213,16 +213,21 @@ def _sink_from_env() -> EventSink:
         attempt=attempt,
         run=os.environ.get("TRAINBOT_RUN_ID") or "local",
         spool_dir=spool,
+        node=node,
     )
 
 
 def _exec(args: argparse.Namespace, early: EarlyNotice | None = None) -> int:
+    from runner.nodes import Node
     from runner.preemption import PreemptionFlag, SignalHandlers
     from runner.store import run_store
     from runner.supervisor import Supervisor
     from runner.sync import CheckpointSync
 
     cmd = _command(args)
+    node = Node.from_env()
+    if node is not None:
+        cmd = node.command(cmd)
     window = float(os.environ.get("TRAINBOT_TERMINATION_WINDOW_S") or 30)
     # From here on a SIGTERM is a preemption notice, even while the store (boto3) loads:
     # the attempt then ends resumable (75), never killed by the signal (143, a failure).
@@ -243,7 +248,7 @@ def _exec(args: argparse.Namespace, early: EarlyNotice | None = None) -> int:
                 or "local",
             )
             sync = CheckpointSync(store=store, root=args.sync_dir, settle_s=args.settle)
-        sink = _sink_from_env()
+        sink = _sink_from_env(node.rank if node is not None else 0)
         try:
             sup = Supervisor(
                 cmd,
@@ -255,6 +260,8 @@ def _exec(args: argparse.Namespace, early: EarlyNotice | None = None) -> int:
                 sync=sync,
                 scratch_bytes=int(scratch_bytes) if scratch_bytes else None,
                 sample_s=float(os.environ.get("TRAINBOT_SYSTEM_SAMPLE_S") or 10.0),
+                under_torchrun=node is not None,
+                node=node.rank if node is not None else 0,
             )
             return sup.run()
         finally:

@@ -26,6 +26,7 @@ from typing import IO, Any
 from runner.dryrun_report import DryRunReport
 from runner.errors import RunnerError
 from runner.layout import delete_steps, scan
+from runner.nodes import Node
 from runner.pidfile import end_stale_dry_run, record_process_group
 from runner.preemption import WINDOWS_S, choose_interval, daly_interval, flush_fits
 from runner.store import open_store, run_store
@@ -119,6 +120,10 @@ def run_dry_run(
         dropped.append("TRAINBOT_INGEST_URL")
     for key in dropped:
         base.pop(key, None)
+    if Node.from_env(base) is not None:
+        # A script written for torchrun: its dry run is one process under torchrun, so
+        # its process group initialises; the gang itself first meets at the launch.
+        command = Node.alone().command(command)
     sample = base.get("TRAINBOT_DATA_URI")
     if read_sample and sample:
         report.sample_uri = sample

@@ -24,9 +24,11 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from runner import EXIT_PREEMPTED, EXIT_SUCCEEDED
 from runner.errors import CheckpointError, RunnerError, StoreError
@@ -35,6 +37,10 @@ from runner.sync import CheckpointSync, open_files
 from runner.telemetry import EventSink, FileFollower, SystemSampler, follow_file
 
 log = logging.getLogger(__name__)
+
+#: What only node 0 of a multi-node attempt forwards: the run's progress, which every
+#: node's first rank reports alike (a node after the first keeps its data wait).
+_RANK_ZEROS = frozenset({"metrics", "restored", "checkpoint_committed"})
 
 
 class Supervisor:
@@ -55,7 +61,14 @@ class Supervisor:
         poll_s: float = 0.2,
         sample_s: float = 10.0,
         install_signals: bool = True,
+        under_torchrun: bool = False,
+        node: int = 0,
     ) -> None:
+        """``under_torchrun``: the command is torchrun (:mod:`runner.nodes`), which exits 1
+        whatever its workers exited with: the exit code the session reported wins.
+        ``node``: this runner's node of a multi-node attempt. Node 0 reports the run's
+        progress; the others report their own system figures, data wait, notice and exit,
+        and not their ranks' metrics and checkpoints, which rank 0's already are."""
         if not command:
             raise RunnerError(
                 "no command to run: write `trainbot-runner exec -- python train.py …`"
@@ -72,6 +85,11 @@ class Supervisor:
         self.poll_s = poll_s
         self.sample_s = sample_s
         self.install_signals = install_signals
+        self.under_torchrun = under_torchrun
+        self.node = node
+        #: Data-wait fractions a node after the first heard since its last system sample.
+        self._waits: list[float] = []
+        self._waits_lock = threading.Lock()  # the sampler's thread takes them
         #: The child process, once started.
         self.child: subprocess.Popen[bytes] | None = None
         #: The child's exit code, once it has exited.
@@ -117,6 +135,7 @@ class Supervisor:
                     disk_path=self.scratch_dir,
                     declared_total=self.scratch_bytes,
                     interval_s=self.sample_s,
+                    extra=self._node_figures if self.node else None,
                 )
                 try:
                     return self._supervise(env, events, sampler)
@@ -218,9 +237,21 @@ class Supervisor:
                 continue  # the supervisor reports the exit itself, once
             if type_ in ("preemption_notice", "started"):
                 continue
+            if self.node and type_ in _RANK_ZEROS:
+                if type_ == "metrics" and data.get("data_wait_fraction") is not None:
+                    with self._waits_lock:
+                        self._waits.append(float(data["data_wait_fraction"]))
+                continue
             if type_ in ("checkpoint_committed", "restored"):
                 self._child_checkpoints = True
             self.sink.emit(type_, data, time=when)
+
+    def _node_figures(self) -> dict[str, Any]:
+        """This node's own fields of a "system" sample: its rank and recent data wait."""
+        with self._waits_lock:
+            waits, self._waits = self._waits, []
+        wait = sum(waits) / len(waits) if waits else None
+        return {"node": self.node, "data_wait_fraction": wait}
 
     def _relay_notice(self) -> None:
         """Hand the child the notice's real deadline before the signal that carries none."""
@@ -295,6 +326,9 @@ class Supervisor:
         self.sink.emit("log", {"level": "warning", "message": msg})
 
     def _exit_code(self, code: int, *, noticed: bool) -> int:
+        if self.under_torchrun and code > 0 and self._child_reported is not None:
+            # A worker's 75 (its node was told to stop by another's notice) is torchrun's 1.
+            code = self._child_reported
         if code < 0 and self._child_reported is not None:
             # The child decided its exit code and said so, then a second SIGTERM (sent to
             # the whole process group as well as forwarded by us) ended it first.

@@ -154,17 +154,22 @@ class Effects:
         step_times: list[float],
         applied: Applied,
         now: datetime,
+        node: int = 0,
     ) -> None:
-        """The side effects of the new events, inside the batch's transaction."""
+        """The side effects of the new events, inside the batch's transaction. ``node``:
+        a multi-node attempt's node that sent them; the attempt's high-water seq is node
+        0's (the others' batches are always checked for repeats)."""
         run_id, attempt_id = applied.run_id, new.attempt
-        top_seq = max(new.seqs)
+        top_seq = attempt.last_seq if node else max(new.seqs)
         top_step = max(steps) if steps else None
         # The attempt row is locked (FOR UPDATE / BEGIN IMMEDIATE): what was read is current.
         # None leaves a column as it is (see _update_attempt).
         values: dict[str, Any] = {
             "attempt_id": attempt_id,
             "p_now": now,
-            "p_last_seq": top_seq if attempt.last_seq is None else max(attempt.last_seq, top_seq),
+            "p_last_seq": top_seq
+            if attempt.last_seq is None or top_seq is None
+            else max(attempt.last_seq, top_seq),
             "p_last_step": top_step
             if top_step is not None and (attempt.last_step is None or top_step > attempt.last_step)
             else None,

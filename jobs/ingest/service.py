@@ -23,7 +23,7 @@ from jobs.logs import log_context
 from jobs.models import Attempt, EventRow, MetricBlock, Run, hash_token, table_of, utcnow
 from jobs.rules import Rule, Signal
 from runner.errors import WireError
-from runner.wire import Batch, Event, decode_batch_columns
+from runner.wire import NODE_SEQ_SPAN, Batch, Event, decode_batch_columns
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,9 @@ LIFECYCLE_EVENTS = frozenset(
 LOUD_LOG_LEVELS = frozenset({"warning", "error"})
 #: Event types whose ``step`` (a 64-bit count on the wire) is the attempt's progress.
 _STEP_EVENTS = frozenset({"metrics", "heartbeat", "checkpoint_committed", "restored"})
+
+#: The last seq a node's batch is checked against: above every seq, so always checked.
+_I64_MAX = 2**63 - 1
 
 _ATTEMPTS = table_of(Attempt)
 _EVENTS = table_of(EventRow)
@@ -143,6 +146,14 @@ class IngestService:
                 f"{principal.run_id}, but the batch is for attempt {batch.attempt} of run "
                 f"{batch.run}: a token is scoped to its attempt",
             )
+        low, high = batch.node * NODE_SEQ_SPAN, (batch.node + 1) * NODE_SEQ_SPAN
+        if batch.node and not low <= min(batch.seqs) <= max(batch.seqs) < high:
+            return _error(
+                400,
+                f"node {batch.node}'s events must have seqs from {low} to {high - 1} "
+                "(node × 2**40 up): the nodes of an attempt share it, and each numbers its "
+                "events in its own range",
+            )
         # Whatever is logged from here on names the run and attempt (JSON logs).
         with log_context(run_id=principal.run_id, attempt_id=principal.attempt_id):
             kinds = Kinds.of(batch.types)
@@ -222,7 +233,10 @@ class IngestService:
             attempt = connection.execute(self._read_attempt, {"attempt_id": attempt_id}).first()
             if attempt is None or attempt.token_hash != principal.token_hash:
                 return None
-            new = self._new_events(connection, attempt.last_seq, attempt_id, batch)
+            # A node after the first numbers its events from node × NODE_SEQ_SPAN, above
+            # the attempt's high-water mark (node 0's): its batches are always checked.
+            last_seq = _I64_MAX if batch.node else attempt.last_seq
+            new = self._new_events(connection, last_seq, attempt_id, batch)
             applied = Applied(
                 accepted=len(new),
                 duplicates=len(batch) - len(new),
@@ -236,7 +250,8 @@ class IngestService:
             if new is not batch:  # some were stored already
                 kinds = Kinds.of(types)
             data = new.data
-            metrics = [data[i] for i in kinds.metrics]
+            # Only node 0 reports the run's progress (see runner.supervisor).
+            metrics = [] if batch.node else [data[i] for i in kinds.metrics]
             steps = [d["step"] for d in metrics]
             step_times = [s for s in (d["step_time_s"] for d in metrics) if s == s]  # not NaN
             applied.observations["metrics"] = list(
@@ -246,6 +261,8 @@ class IngestService:
             for index in kinds.others:  # a few per batch
                 if types[index] == "system":
                     system.append((times[index], data[index]))
+                elif batch.node:
+                    self._from_other_node(new.event(index), applied)
                 else:
                     self._rare(new.event(index), attempt.number, steps, applied)
             applied.observations["system"] = system
@@ -267,8 +284,18 @@ class IngestService:
                 step_times=step_times,
                 applied=applied,
                 now=now,
+                node=batch.node,
             )
         return applied
+
+    @staticmethod
+    def _from_other_node(event: Event, applied: Applied) -> None:
+        """A node after the first of a multi-node attempt: its notice and its warnings are
+        told; the run's progress, start and end are node 0's to report (a node's exit
+        ends the attempt through the provider's status of the gang)."""
+        kind, data = event.type, event.data
+        if kind == "preemption_notice" or (kind == "log" and data.get("level") in LOUD_LOG_LEVELS):
+            applied.lifecycle.append(event)
 
     @staticmethod
     def _rare(event: Event, attempt_number: int, steps: list[int], applied: Applied) -> None:

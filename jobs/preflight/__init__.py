@@ -36,7 +36,7 @@ from jobs.preflight.report import (
     Status,
 )
 from jobs.preflight.run import default_checks, run_preflight
-from jobs.preflight.shape import InstanceShapeCheck, one_larger_instance, with_one_instance_advice
+from jobs.preflight.shape import InstanceShapeCheck, one_larger_instance
 
 __all__ = [
     "DEFAULT_REGIONS",
@@ -66,5 +66,4 @@ __all__ = [
     "resource_request",
     "run_preflight",
     "target_steps",
-    "with_one_instance_advice",
 ]

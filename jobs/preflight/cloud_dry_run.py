@@ -156,6 +156,8 @@ class CloudDryRun:
         sample = ctx.spec.dry_run.sample or ctx.spec.data_uri
         if sample:
             env["TRAINBOT_DATA_URI"] = sample
+        if ctx.spec.resources.under_torchrun:
+            env["TRAINBOT_TORCHRUN"] = "1"  # the dry run: one process under torchrun
         return env
 
     def _launch_and_wait(

@@ -217,6 +217,8 @@ class DryRunCheck:
         scratch = ctx.workdir / ctx.dry_run_id
         scratch.mkdir(parents=True, exist_ok=True)
         env["TRAINBOT_SCRATCH_DIR"] = str(scratch)
+        if ctx.spec.resources.under_torchrun:
+            env["TRAINBOT_TORCHRUN"] = "1"  # the dry run: one process under torchrun
         return env
 
     @staticmethod

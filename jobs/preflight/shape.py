@@ -7,12 +7,8 @@ same accelerator that holds all N·k, that is usually the better run: the accele
 talk over the instance's own interconnect (NVLink, PCIe), and there is one machine to
 launch, watch and restart. The check says so, with both prices, as a warning.
 
-``resources.instances`` above 1 is refused when a spec is validated, until multi-node
-runs exist; :func:`with_one_instance_advice` puts the same finding into that refusal,
-where the provider is at hand (submit), so the person reads the advice and the refusal
-in one message. Validation itself never asks a provider: it stays offline and quick, for
-files, overrides and stored specs alike. The check, :class:`InstanceShapeCheck`, reads
-the parsed resources, so it answers in preflight wherever validation lets N > 1 through.
+A provider that cannot launch several nodes as one gang (its capabilities say no
+``gang_placement``) fails the check: validation stays offline, so it is said here.
 """
 
 from __future__ import annotations
@@ -22,14 +18,11 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from jobs.errors import SpecError
 from jobs.format import usd
-from jobs.preflight.interval import resources_request
 from jobs.preflight.report import CheckResult, PreflightContext, Status
-from jobs.providers.base import Provider, ProviderError, ResourceRequest
-from jobs.spec import InstancesRefused
+from jobs.providers.base import Provider, ResourceRequest
 
-__all__ = ["InstanceShapeCheck", "OneLarger", "one_larger_instance", "with_one_instance_advice"]
+__all__ = ["InstanceShapeCheck", "OneLarger", "one_larger_instance"]
 
 log = logging.getLogger(__name__)
 
@@ -107,21 +100,6 @@ def one_larger_instance(
     )
 
 
-def with_one_instance_advice(refused: InstancesRefused, provider: Provider) -> SpecError:
-    """The refusal of ``instances`` > 1, with the larger instance that holds it all when
-    the provider's catalogue has one. A provider that cannot answer leaves it as it is."""
-    request = resources_request(refused.resources)
-    try:
-        found = one_larger_instance(provider, request, refused.instances)
-    except ProviderError as exc:
-        log.info("no larger-instance advice for the refused spec: %s", exc)
-        return refused
-    if found is None:
-        return refused
-    message = f"{refused}\nOne larger instance instead: {found.detail()}; {found.remedy()}."
-    return SpecError(message, problems=refused.problems)
-
-
 class InstanceShapeCheck:
     """N instances of k accelerators, when one instance type holds N·k: a warning."""
 
@@ -132,6 +110,17 @@ class InstanceShapeCheck:
         n = resources.instances
         if n <= 1:
             return CheckResult(self.name, Status.PASS, "one instance", data={"instances": 1})
+        placement = ctx.provider.capabilities.gang_placement
+        if not placement:
+            return CheckResult(
+                self.name,
+                Status.FAIL,
+                f"{n} instances: the {ctx.provider.name} provider launches one instance per "
+                "attempt, not a gang of nodes",
+                "set resources.instances=1 (a larger instance, more accelerators each), or "
+                "run on a provider that launches multi-node gangs (local, aws, gcp)",
+                data={"instances": n},
+            )
         found = one_larger_instance(ctx.provider, ctx.request, n)
         if found is None:
             what = (
@@ -141,7 +130,10 @@ class InstanceShapeCheck:
                 else "CPU-only, nothing to combine"
             )
             return CheckResult(
-                self.name, Status.PASS, f"{n} instances: {what}", data={"instances": n}
+                self.name,
+                Status.PASS,
+                f"{n} instances in one {placement}: {what}",
+                data={"instances": n},
             )
         return CheckResult(
             self.name,

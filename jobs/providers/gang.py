@@ -194,7 +194,9 @@ def combine(instance_id: str, nodes: Sequence[InstanceStatus]) -> InstanceStatus
             reason += f"; node {', '.join(map(str, done))} finished, the others still run"
         return InstanceStatus(instance_id, state, reason)
 
-    def said(rank: int, node: InstanceStatus, state: InstanceState, why: str = "") -> InstanceStatus:
+    def said(
+        rank: int, node: InstanceStatus, state: InstanceState, why: str = ""
+    ) -> InstanceStatus:
         return InstanceStatus(
             instance_id,
             state,
@@ -263,8 +265,7 @@ def group(instances: Iterable[InstanceInfo]) -> list[InstanceInfo]:
             return math.inf
 
     return [
-        item if isinstance(item, InstanceInfo) else _as_one(sorted(item, key=rank))
-        for item in out
+        item if isinstance(item, InstanceInfo) else _as_one(sorted(item, key=rank)) for item in out
     ]
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import chain
 from operator import attrgetter
 from typing import Any, NamedTuple, Protocol, overload
@@ -28,10 +28,12 @@ __all__ = [
     "TypedWindow",
     "Verdict",
     "attempt_of",
+    "by_node",
     "cleared",
     "integer",
     "number",
     "of_type",
+    "on_node",
     "slope",
 ]
 
@@ -183,6 +185,28 @@ class Rule(Protocol):
     name: str
 
     def evaluate(self, window: Sequence[Obs], *, now: float, ctx: RunContext) -> list[Signal]: ...
+
+
+def by_node(observations: Iterable[Obs]) -> dict[int, list[Obs]]:
+    """Observations per node of a multi-node run (their ``node`` field; none: node 0),
+    node 0 first, each in the given order."""
+    nodes: dict[int, list[Obs]] = {0: []}
+    for obs in observations:
+        node = obs.data.get("node", 0)
+        nodes.setdefault(node if type(node) is int and node >= 0 else 0, []).append(obs)
+    return dict(sorted(nodes.items()))
+
+
+def on_node(signal: Signal, node: int) -> Signal:
+    """A rule's signal about one node of a multi-node run: the title says which, and a
+    node after the first has alerts of its own (node 0 keeps the run's keys, so a run's
+    alerts stay the same when it grows a second node)."""
+    return replace(
+        signal,
+        key=signal.key if node == 0 else f"{signal.key}:node-{node}",
+        title=f"{signal.title} (node {node})",
+        data={**signal.data, "node": node},
+    )
 
 
 def number(data: Mapping[str, Any], key: str) -> float | None:

@@ -13,8 +13,10 @@ from jobs.rules.base import (
     Severity,
     Signal,
     Verdict,
+    by_node,
     number,
     of_type,
+    on_node,
     slope,
 )
 
@@ -38,8 +40,19 @@ class Disk:
         self.cfg = cfg
 
     def evaluate(self, window: Sequence[Obs], *, now: float, ctx: RunContext) -> list[Signal]:
+        nodes = by_node(of_type(window, "system"))
+        if len(nodes) == 1:
+            return self._node(nodes[0], now=now, ctx=ctx)
+        # Each node of a multi-node run has its own scratch disk; the alert names it.
+        return [
+            on_node(signal, node)
+            for node, system in nodes.items()
+            for signal in self._node(system, now=now, ctx=ctx)
+        ]
+
+    def _node(self, system: Sequence[Obs], *, now: float, ctx: RunContext) -> list[Signal]:
         samples: list[tuple[float, float, float]] = []
-        for obs in of_type(window, "system"):
+        for obs in system:
             data = obs.data
             used, total = data.get("disk_used"), data.get("disk_total")
             if type(used) is int and type(total) is int:  # nearly always: _num, inlined

@@ -14,8 +14,10 @@ from jobs.rules.base import (
     Severity,
     Signal,
     Verdict,
+    by_node,
     number,
     of_type,
+    on_node,
 )
 
 __all__ = ["LowUtilisation"]
@@ -41,17 +43,28 @@ class LowUtilisation:
         self.cfg = cfg
 
     def evaluate(self, window: Sequence[Obs], *, now: float, ctx: RunContext) -> list[Signal]:
-        span = self.cfg.low_util_window_s
-        start = now - span
-        gpu = [
-            (o.time, u)
-            for o in of_type(window, "system")
-            if o.time >= start and (u := number(o.data, "gpu_util")) is not None
+        start = now - self.cfg.low_util_window_s
+        nodes = by_node(o for o in of_type(window, "system") if o.time >= start)
+        metrics = [o for o in of_type(window, "metrics") if o.time >= start]
+        if len(nodes) == 1:
+            return self._node(nodes[0], metrics, ctx)
+        # A multi-node run: one slow node's loader idles every node's GPUs, so each node
+        # is judged on its own figures (a node after the first sends its data wait with
+        # its system samples), and the alert says which node.
+        return [
+            on_node(signal, node)
+            for node, system in nodes.items()
+            for signal in self._node(system, metrics if node == 0 else system, ctx)
         ]
+
+    def _node(self, system: Sequence[Obs], metrics: Sequence[Obs], ctx: RunContext) -> list[Signal]:
+        """The verdict on one node's samples: GPU utilisation from ``system``, data wait
+        from ``metrics``."""
+        gpu = [(o.time, u) for o in system if (u := number(o.data, "gpu_util")) is not None]
         waits = [
             (o.time, min(max(w, 0.0), 1.0))
-            for o in of_type(window, "metrics")
-            if o.time >= start and (w := number(o.data, "data_wait_fraction")) is not None
+            for o in metrics
+            if (w := number(o.data, "data_wait_fraction")) is not None
         ]
         wait = statistics.fmean(w for _, w in waits) if waits else None
         if gpu:

@@ -160,6 +160,9 @@ def _preempted_all_the_same(deps: Deps, attempt_id: str) -> str | None:
         return None
     if status.state == InstanceState.PREEMPTED:
         return f"its instance was preempted ({status.reason}), so it resumes"
+    if status.state == InstanceState.LOST:
+        # A rank's failure when another node died under it (a collective's peer is gone).
+        return f"a node of its gang was lost ({status.reason}), so it resumes"
     return None
 
 

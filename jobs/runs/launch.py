@@ -105,6 +105,10 @@ def runner_env(deps: Deps, run: Run, attempt: Attempt, spec: JobSpec) -> dict[st
     if run.checkpoint_interval_s:
         env["TRAINBOT_CHECKPOINT_INTERVAL_S"] = f"{run.checkpoint_interval_s:.3f}"
     env.update(measured_write_env(run))
+    if spec.resources.under_torchrun:
+        # The node's rank and node 0's address come with each node's launch (gang.py).
+        env["TRAINBOT_TORCHRUN"] = "1"
+        env["TRAINBOT_NPROC_PER_NODE"] = str(spec.resources.nproc_per_node)
     if spec.checkpoint.every_steps:
         env["TRAINBOT_CHECKPOINT_EVERY_STEPS"] = str(spec.checkpoint.every_steps)
     if spec.checkpoint.train_through_notice:
@@ -268,6 +272,7 @@ def provision(deps: Deps, attempt_id: str, *, why: str = "") -> Attempt | None:
             scratch_bytes=int(spec.resources.disk_gb * 1e9),
             idempotency_key=attempt.id,
             spot=attempt.spot,
+            nodes=attempt.instances,
         )
     now = deps.clock()
     try:

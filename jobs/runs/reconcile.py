@@ -162,6 +162,8 @@ _ENDED_BY_PROVIDER = {
     InstanceState.SUCCEEDED: AttemptState.SUCCEEDED,
     InstanceState.FAILED: AttemptState.FAILED,
     InstanceState.TERMINATED: AttemptState.TERMINATED,
+    # A node of a gang ended without notice: resumed from the last commit, as a preemption.
+    InstanceState.LOST: AttemptState.LOST,
 }
 
 

@@ -6,7 +6,7 @@ command; unknown keys are errors. Why it is read and checked as it is: docs/arch
 """
 
 from jobs.spec.env import RESERVED_ENV_PREFIX, TUNABLE_ENV
-from jobs.spec.load import InstancesRefused, list_specs, load_spec, parse_spec, stored_section
+from jobs.spec.load import list_specs, load_spec, parse_spec, stored_section
 from jobs.spec.model import JobSpec
 from jobs.spec.overrides import apply_overrides
 from jobs.spec.sections import (
@@ -43,7 +43,6 @@ __all__ = [
     "BudgetPolicy",
     "CheckpointPolicy",
     "DryRun",
-    "InstancesRefused",
     "JobSpec",
     "KeepBest",
     "Notify",

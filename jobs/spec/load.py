@@ -17,7 +17,7 @@ from jobs.spec.env import FROM_PEOPLE
 from jobs.spec.model import JobSpec
 from jobs.spec.overrides import apply_overrides
 from jobs.spec.problems import describe_problem, dotted
-from jobs.spec.sections import Resources, Section
+from jobs.spec.sections import Section
 from jobs.spec.strict_yaml import MAX_SPEC_FILE_CHARS, MAX_SPEC_FILE_NODES, load_yaml
 
 log = logging.getLogger(__name__)
@@ -87,40 +87,6 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
-class InstancesRefused(SpecError):
-    """A spec refused (among other things, maybe) for asking for ``instances`` > 1, with
-    the shape it asked for, so that the caller, which has the provider, can say in the
-    same message whether one larger instance holds it all. ``resources`` is the section
-    as it validates with one instance."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        problems: list[tuple[str, str]],
-        resources: Resources,
-        instances: int,
-    ) -> None:
-        super().__init__(message, problems=problems)
-        self.resources = resources
-        self.instances = instances
-
-
-def _asked_shape(merged: Mapping[str, Any]) -> tuple[Resources, int] | None:
-    """The resources section of a spec refused for ``instances``, as it would validate
-    with one instance, and the instances asked for; None when it would not validate."""
-    section = merged.get("resources")
-    if not isinstance(section, Mapping):
-        return None
-    asked = section.get("instances")
-    if isinstance(asked, bool) or not isinstance(asked, int) or asked < 2:
-        return None
-    try:
-        return Resources.model_validate({**section, "instances": 1}), asked
-    except ValidationError:
-        return None
-
-
 def parse_spec(
     data: Mapping[str, Any],
     *,
@@ -159,11 +125,6 @@ def parse_spec(
             if len(lines) > _MAX_LISTED:
                 listing += f"\n  - and {len(lines) - _MAX_LISTED} more"
             message = f"spec {clip(name)}{where} has {len(lines)} problems:\n{listing}"
-        shape = _asked_shape(merged) if "resources.instances" in dict(problems) else None
-        if shape is not None:
-            raise InstancesRefused(
-                message, problems=problems, resources=shape[0], instances=shape[1]
-            ) from None
         raise SpecError(message, problems=problems) from None
 
 

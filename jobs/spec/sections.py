@@ -72,9 +72,12 @@ class Resources(Section):
     accelerator: Annotated[Accelerator | None, BeforeValidator(_parse_accelerator)] = None
     #: Exact instance type; ``None`` lets the provider pick the cheapest that fits.
     instance_type: str | None = None
-    #: Instances launched together; spend is per instance. Only 1 until multi-node
-    #: launches exist: more would be charged N times for the one instance launched.
-    instances: int = Field(default=1, ge=1)
+    #: Instances launched together as one gang (nodes of one torchrun job, placed close
+    #: together by the provider); spend and quota count each.
+    instances: int = Field(default=1, ge=1, le=64)
+    #: Processes torchrun starts on each node; None: one per accelerator (one on a CPU
+    #: instance) for a multi-node run, and the command as it is on one instance.
+    processes_per_node: int | None = Field(default=None, ge=1, le=64)
     #: Scratch disk of each instance, in GB (logs and local checkpoints fill it).
     disk_gb: float = Field(default=100.0, gt=0)
     #: Spot/preemptible capacity (the point of trainbot); ``False`` pays on-demand prices.
@@ -107,17 +110,15 @@ class Resources(Section):
             return {**data, "region": regions[0]}
         return data
 
-    @field_validator("instances")
-    @classmethod
-    def _one_instance(cls, value: int) -> int:
-        if value > 1:
-            raise ValueError(
-                "multi-node runs are not supported yet: set resources.instances to 1 (one "
-                "larger instance is usually better: more accelerators per instance, such as "
-                f"A100:8, or a bigger instance_type; {value} would be charged {value} times "
-                "for the one instance launched)"
-            )
-        return value
+    @property
+    def under_torchrun(self) -> bool:
+        """The command runs under torchrun: on several nodes, or with processes_per_node."""
+        return self.instances > 1 or self.processes_per_node is not None
+
+    @property
+    def nproc_per_node(self) -> int:
+        """Processes torchrun starts on each node: as set, else one per accelerator."""
+        return self.processes_per_node or (self.accelerator.count if self.accelerator else 1)
 
     @model_validator(mode="after")
     def _zones_in_region(self) -> Resources:

@@ -19,6 +19,7 @@ Everything the single-process :class:`~runner.session.Session` does stays; what 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -67,8 +68,10 @@ class DistributedSession(Session):
         **kwargs: Any,
     ) -> None:
         self.gang = gang if gang is not None else Gang.current()
-        if self.gang.rank and config.events_file and "sink" not in kwargs:
-            # Rank 0 writes the events file the supervisor tails; the others their own.
+        # The first rank of each node writes the events file its node's supervisor tails
+        # (so each node reports its own data wait and exit); the others their own files.
+        local_rank = int(os.environ.get("LOCAL_RANK", self.gang.rank))
+        if local_rank and config.events_file and "sink" not in kwargs:
             kwargs["sink"] = FileSink(f"{config.events_file}.rank-{self.gang.rank}")
         # The prefetch reads on its own thread, unagreed: the ranks restore together.
         kwargs["prefetch"] = False

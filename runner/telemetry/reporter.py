@@ -22,7 +22,7 @@ from typing import Any
 from runner.errors import WireError
 from runner.telemetry.sink import EventSink
 from runner.telemetry.spool import Batch, Spool
-from runner.wire import Event, encode_batch
+from runner.wire import NODE_SEQ_SPAN, Event, encode_batch
 from runner.wire import validate_payload as _validate
 
 log = logging.getLogger(__name__)
@@ -78,6 +78,7 @@ class Reporter(EventSink):
         attempt: str,
         run: str,
         spool_dir: Path,
+        node: int = 0,
         batch_max: int = 500,
         flush_interval_s: float = 1.0,
         timeout_s: float = 5.0,
@@ -91,7 +92,11 @@ class Reporter(EventSink):
         self._flush_interval_s = flush_interval_s
         self._timeout_s = timeout_s
         self._max_backoff_s = max_backoff_s
-        self._spool = Spool(Path(spool_dir), attempt=attempt, run=run)
+        #: This runner's node of a multi-node attempt: its seqs start at node × NODE_SEQ_SPAN.
+        self._node = node
+        self._spool = Spool(
+            Path(spool_dir), attempt=attempt, run=run, first_seq=node * NODE_SEQ_SPAN
+        )
         self._opener = urllib.request.build_opener()
         self._cond = threading.Condition()
         self._flush_wanted = False
@@ -186,7 +191,7 @@ class Reporter(EventSink):
                 self._commit(batch)
                 continue
             try:
-                body = encode_batch(batch.events)
+                body = encode_batch(batch.events, node=self._node)
             except WireError as exc:  # cannot happen for events that passed emit; never block
                 log.error(
                     "dropped unencodable telemetry events of attempt %s: %s",

@@ -51,7 +51,8 @@ class Spool:
     from the head segment at a byte offset and commits after an acknowledgement.
     """
 
-    def __init__(self, directory: Path, *, attempt: str, run: str) -> None:
+    def __init__(self, directory: Path, *, attempt: str, run: str, first_seq: int = 0) -> None:
+        """``first_seq``: where a new spool's seqs start (a gang's node k: k × NODE_SEQ_SPAN)."""
         self.directory = directory
         self.attempt = attempt
         self.run = run
@@ -69,7 +70,7 @@ class Spool:
                 f"cannot use telemetry spool {directory}: {exc}; give the runner a writable "
                 "spool directory"
             ) from exc
-        self._next_seq = max(self._next_seq, last_seq + 1)
+        self._next_seq = max(self._next_seq, last_seq + 1, first_seq)
         self._appended = appended
         self._consumed = 0
         self._write_state()

@@ -123,8 +123,11 @@ class SystemSampler:
         interval_s: float = 15.0,
         declared_total: int | None = None,
         current_step: Callable[[], int | None] | None = None,
+        extra: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
+        """``extra``: more fields of each "system" payload (a gang node's own figures)."""
         self._sink = sink
+        self._extra = extra or dict
         self._disk_path = disk_path
         self._interval_s = interval_s
         self._declared_total = declared_total
@@ -144,9 +147,8 @@ class SystemSampler:
     def _run(self) -> None:
         while True:
             try:
-                self._sink.emit(
-                    "system", sample_system(self._disk_path, declared_total=self._declared_total)
-                )
+                sample = sample_system(self._disk_path, declared_total=self._declared_total)
+                self._sink.emit("system", {**sample, **self._extra()})
                 self._sink.emit("heartbeat", {"step": self._current_step()})
             except Exception as exc:  # a sampler must not kill the run
                 log.warning("system sampling could not emit: %s", exc)

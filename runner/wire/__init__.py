@@ -1,7 +1,8 @@
 """The telemetry wire format, shared by the runner and the control plane.
 
 A batch is the body of one ``POST`` to the ingest API: ``{"v": 1, "attempt", "run",
-"events": [{"seq", "type", "time", "data"}, …]}``, its events' payloads described once, by
+"events": [{"seq", "type", "time", "data"}, …], "node"}`` (``node`` only from the
+nodes after the first of a multi-node attempt), its events' payloads described once, by
 the msgspec structs of :mod:`runner.wire.schema`. It lives in ``runner/`` because the
 runner never imports ``jobs/``. The design: ``docs/architecture.md``, "The wire format".
 """
@@ -18,6 +19,7 @@ from runner.wire.schema import (
     EVENT_TYPES,
     EXIT_REASONS,
     MAX_UNIX_TIME,
+    NODE_SEQ_SPAN,
     PAYLOADS,
     WIRE_VERSION,
     Event,
@@ -30,6 +32,7 @@ __all__ = [
     "EVENT_TYPES",
     "EXIT_REASONS",
     "MAX_UNIX_TIME",
+    "NODE_SEQ_SPAN",
     "PAYLOADS",
     "WIRE_VERSION",
     "Batch",

@@ -264,8 +264,9 @@ def _identifier(value: Any, where: str) -> str:
     return value
 
 
-def encode_batch(events: Sequence[Event]) -> bytes:
-    """The body of one POST to the ingest API. All events must share attempt and run."""
+def encode_batch(events: Sequence[Event], *, node: int = 0) -> bytes:
+    """The body of one POST to the ingest API. All events must share attempt and run;
+    ``node``: the node of a multi-node attempt that sends them."""
     if not events:
         raise WireError("events: the batch is empty; send at least one event")
     first = events[0]
@@ -287,7 +288,10 @@ def encode_batch(events: Sequence[Event]) -> bytes:
             wire_events.append(_event_to_wire(event))
         except Invalid as exc:
             raise exc.at(f"events[{index}]") from None
-    body = {"v": WIRE_VERSION, "attempt": attempt, "run": run, "events": wire_events}
+    body: dict[str, Any] = {"v": WIRE_VERSION, "attempt": attempt, "run": run}
+    body["events"] = wire_events
+    if node:
+        body["node"] = node
     try:
         text = json.dumps(body, allow_nan=False, separators=(",", ":"))
     except (TypeError, ValueError) as exc:

@@ -55,6 +55,8 @@ class Batch:
     times: list[float]
     data: list[dict[str, Any]]
     given_texts: list[str] | None
+    #: The node of a multi-node attempt that sent it (:attr:`runner.wire.schema.Body.node`).
+    node: int = 0
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -96,6 +98,7 @@ class Batch:
             [self.times[i] for i in positions],
             [self.data[i] for i in positions],
             None if self.given_texts is None else [self.given_texts[i] for i in positions],
+            self.node,
         )
 
     def events(self) -> list[Event]:
@@ -164,6 +167,7 @@ def _decode_typed(body: bytes, max_events: int) -> Batch | None:
         list(map(_TIME_OF, events)),
         data,
         texts,
+        decoded.node,
     )
 
 
@@ -210,10 +214,13 @@ def _where_number(body: bytes) -> str:
 
 
 _HEAD = {f.name: f.type for f in msgspec.structs.fields(Body[Any])}
+_OPTIONAL = {f.name for f in msgspec.structs.fields(Body[Any]) if not f.required}
+_REQUIRED = ", ".join(name for name in _HEAD if name not in _OPTIONAL)
 
 
-def _head(obj: Any) -> tuple[str, str, list[Any]]:
-    """attempt, run and the events list of a parsed body; WireError if any is wrong."""
+def _head(obj: Any) -> tuple[str, str, list[Any], int]:
+    """attempt, run, the events list and the node of a parsed body; WireError if any is
+    wrong."""
     if not isinstance(obj, dict):
         raise WireError(f"body: expected a JSON object, got {type(obj).__name__}")
     if "v" not in obj:
@@ -225,22 +232,24 @@ def _head(obj: Any) -> tuple[str, str, list[Any]]:
             f"{WIRE_VERSION}: install matching runner and control plane versions"
         )
     for name, field_type in _HEAD.items():
+        if name not in obj and name in _OPTIONAL:
+            continue
         if name not in obj:
-            raise WireError(f"{name}: missing (a batch needs {', '.join(_HEAD)})")
+            raise WireError(f"{name}: missing (a batch needs {_REQUIRED})")
         if name != "v":
             try:
                 msgspec.convert(obj[name], field_type)
             except msgspec.ValidationError:
                 info = msgspec.inspect.type_info(field_type)
                 raise WireError(f"{name}: {expected(info, obj[name])}") from None
-    return obj["attempt"], obj["run"], obj["events"]
+    return obj["attempt"], obj["run"], obj["events"], obj.get("node", 0)
 
 
 def _decode_general(body: bytes, max_events: int) -> Batch:
     """Any batch: parsed into plain values, then each event checked against the schema,
     field by field where it does not convert at once; extra payload fields pass through,
     and a WireError names the first bad field and its index."""
-    attempt, run, items = _head(_parse(body))
+    attempt, run, items, node = _head(_parse(body))
     _size(items, max_events)
     seqs: list[int] = []
     types: list[str] = []
@@ -272,7 +281,7 @@ def _decode_general(body: bytes, max_events: int) -> Batch:
         if len(data) > len(sent):  # with the defaults of fields added later, as stored
             sent = {**sent, **{k: json_safe(v) for k, v in data.items() if k not in sent}}
         texts.append(_text(sent))
-    return Batch(attempt, run, seqs, types, times, datas, texts)
+    return Batch(attempt, run, seqs, types, times, datas, texts, node)
 
 
 def decode_batch_columns(body: bytes, *, max_events: int = 10_000) -> Batch:

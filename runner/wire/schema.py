@@ -57,6 +57,11 @@ class SystemData(Payload):
     disk_used: Count
     disk_total: Count
     disk_path: str
+    #: The node of a multi-node attempt it was sampled on (0: the first, or the only one).
+    node: Count = 0
+    #: From a node after the first: the mean data-wait fraction its first rank reported
+    #: since the last sample (that node's own metrics are not sent); None: none reported.
+    data_wait_fraction: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
 
 
 class CheckpointCommittedData(Payload):
@@ -159,6 +164,14 @@ class Body(msgspec.Struct, Generic[_E], gc=False):
     attempt: Annotated[str, msgspec.Meta(min_length=1)]
     run: Annotated[str, msgspec.Meta(min_length=1)]
     events: list[_E]
+    #: The node of a multi-node attempt that sent it (0 for a one-node attempt, and from
+    #: a runner older than multi-node runs). Its events' seqs start at node × NODE_SEQ_SPAN.
+    node: Annotated[int, msgspec.Meta(ge=0, le=1023)] = 0
+
+
+#: Each node of a gang numbers its events from node × NODE_SEQ_SPAN: the nodes share their
+#: attempt (and its token), and the ingest API keeps one event per (attempt, seq).
+NODE_SEQ_SPAN = 2**40
 
 
 # --- what the schema says, for the error messages and the non-finite strings ---------------

@@ -46,7 +46,6 @@ from jobs.preflight import (
     resource_request,
     run_preflight,
     target_steps,
-    with_one_instance_advice,
 )
 from jobs.providers.base import (
     BucketLocation,
@@ -64,7 +63,7 @@ from jobs.providers.base import (
 )
 from jobs.providers.local import LocalProvider
 from jobs.settings import Settings
-from jobs.spec import InstancesRefused, JobSpec, parse_spec
+from jobs.spec import JobSpec, parse_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_COMMAND = "python -m runner.examples.tiny --dim 32 --batch 8 --steps 100"
@@ -935,14 +934,24 @@ def test_full_preflight_with_the_real_dry_run(tmp_path: Path) -> None:
 
 
 def multi_node(job: JobSpec, instances: int) -> JobSpec:
-    """``job`` with N instances, as a spec will validate once multi-node runs exist
-    (today validation refuses N > 1: see the refusal's advice below)."""
+    """``job`` with N instances."""
     resources = job.resources.model_copy(update={"instances": instances})
     return job.model_copy(update={"resources": resources})
 
 
+def gangs(**kw: Any) -> CloudAnswers:
+    """A cloud that launches multi-node gangs in a placement group."""
+    caps = Capabilities(
+        runs_on_this_machine=False,
+        termination_window_s=120.0,
+        preemption_source="aws",
+        gang_placement="cluster placement group",
+    )
+    return CloudAnswers(capabilities=caps, **kw)
+
+
 def test_n_small_instances_that_one_type_holds_warn_with_both_prices(tmp_path: Path) -> None:
-    provider = CloudAnswers(offers={2: "a2-highgpu-2g", 8: "a2-highgpu-8g"}, spot_usd=3.5)
+    provider = gangs(offers={2: "a2-highgpu-2g", 8: "a2-highgpu-8g"}, spot_usd=3.5)
     job = multi_node(spec(resources={"accelerator": "A100:2"}), 4)
     got = InstanceShapeCheck().run(context(tmp_path, job, provider), prior={})
     assert got.status is Status.WARN
@@ -950,21 +959,29 @@ def test_n_small_instances_that_one_type_holds_warn_with_both_prices(tmp_path: P
         "4 instances of 2 × A100 (a2-highgpu-2g) cost $14.00/h spot; one a2-highgpu-8g "
         "holds all 8 for $3.50/h"
     )
-    assert "resources.accelerator=A100:8 and resources.instances=1" in got.remedy
-    assert "interconnect" in got.remedy and "restart after a preemption" in got.remedy
-    assert got.data["large_type"] == "a2-highgpu-8g"
-    # No single type holds 3 × 2: nothing to advise; one instance: nothing to combine.
+    assert got.remedy.startswith(
+        "prefer one a2-highgpu-8g: set resources.accelerator=A100:8 and resources.instances=1"
+    )
     three = InstanceShapeCheck().run(context(tmp_path, multi_node(job, 3), provider), prior={})
     assert three.status is Status.PASS and "no single instance type" in three.detail
+    assert "3 instances in one cluster placement group" in three.detail
     one = InstanceShapeCheck().run(context(tmp_path, spec(), provider), prior={})
     assert one.status is Status.PASS and one.detail == "one instance"
 
 
-def test_the_refusal_of_several_instances_carries_the_larger_instance(
+def test_several_instances_fail_on_a_provider_that_launches_one(tmp_path: Path) -> None:
+    job = multi_node(spec(resources={"accelerator": "A100:2"}), 2)
+    got = InstanceShapeCheck().run(context(tmp_path, job, CloudAnswers()), prior={})
+    assert got.status is Status.FAIL
+    assert "launches one instance per attempt" in got.detail
+    assert "resources.instances=1" in got.remedy
+
+
+def test_several_instances_are_submitted_and_checked_with_the_larger_instance(
     tmp_path: Path, settings: Settings, db_engine: Engine
 ) -> None:
-    """Through submit, as a chat command reaches it: the advice and the refusal in one
-    message, from the local provider's catalogue (this machine, 8 A100s, $1/h)."""
+    """Through submit, as a chat command reaches it: N instances validate, and preflight
+    says that one larger instance of this machine's catalogue (8 A100s, $1/h) holds it."""
     from jobs.actor import Actor
     from jobs.service import submit
 
@@ -978,31 +995,13 @@ def test_the_refusal_of_several_instances_carries_the_larger_instance(
             notifier=ConsoleNotifier(io.StringIO()),
         )
         ada = Actor(user="ada", channel="#ml")
-        with pytest.raises(SpecError) as refused:
-            submit(deps, spec_name="tiny", actor=ada,
-                   overrides=["resources.instances=4", "resources.accelerator=A100:2"])  # fmt: skip
-        text = str(refused.value)
-        assert "multi-node runs are not supported yet" in text
-        assert (
-            "One larger instance instead: 4 instances of 2 × A100 (local) cost $4.00/h spot; "
-            "one local holds all 8 for $1.00/h; prefer one local: set "
-            "resources.accelerator=A100:8 and resources.instances=1" in text
+        run = submit(deps, spec_name="tiny", actor=ada, launch=False,
+                     overrides=["resources.instances=4", "resources.accelerator=A100:2"])  # fmt: skip
+        job = JobSpec.model_validate(run.spec)
+        assert job.resources.instances == 4
+        got = InstanceShapeCheck().run(context(tmp_path, job, provider), prior={})
+        assert got.status is Status.WARN
+        assert got.detail == (
+            "4 instances of 2 × A100 (local) cost $4.00/h spot; one local holds all 8 for $1.00/h"
         )
-        assert refused.value.key_paths == ["resources.instances"]
-        # 4 × 4 is more than this machine holds: the refusal alone.
-        with pytest.raises(SpecError) as plain:
-            submit(deps, spec_name="tiny", actor=ada,
-                   overrides=["resources.instances=4", "resources.accelerator=A100:4"])  # fmt: skip
-        assert "multi-node" in str(plain.value) and "instead" not in str(plain.value)
         deps.close()
-
-
-def test_a_refused_spec_keeps_its_shape_only_when_the_rest_validates() -> None:
-    with pytest.raises(InstancesRefused) as refused:
-        spec(resources={"accelerator": "T4:1", "instances": 3, "spot": False})
-    assert refused.value.instances == 3 and refused.value.resources.instances == 1
-    assert str(refused.value.resources.accelerator) == "T4:1"
-    with pytest.raises(SpecError) as other:
-        spec(resources={"accelerator": "T4:99", "instances": 3})
-    assert not isinstance(other.value, InstancesRefused)
-    assert with_one_instance_advice(refused.value, CloudAnswers()) is refused.value

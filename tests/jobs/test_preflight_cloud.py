@@ -563,18 +563,19 @@ def test_on_aws_with_the_first_region_full_capacity_passes_in_the_second(
 # -- one larger instance, from each cloud's catalogue -------------------------------------
 
 
-def refused(*overrides: str) -> Any:
-    """The refusal of a spec asking for several instances (the shape it asked for kept)."""
-    from jobs.spec import InstancesRefused
+def advice(provider: Any, *overrides: str) -> str | None:
+    """What preflight's instance-shape check says of a spec asking for several instances:
+    the one larger instance that holds them all, with both prices; None when there is none."""
+    from jobs.preflight import one_larger_instance
+    from jobs.preflight.interval import resource_request
 
-    with pytest.raises(InstancesRefused) as caught:
-        parse_spec({"command": "python train.py"}, name="big", overrides=list(overrides))
-    return caught.value
+    job = parse_spec({"command": "python train.py"}, name="big", overrides=list(overrides))
+    found = one_larger_instance(provider, resource_request(job), job.resources.instances)
+    return None if found is None else f"{found.detail()}; {found.remedy()}"
 
 
 def test_on_gcp_four_a100_pairs_are_one_a2_highgpu_8g(gce: FakeComputeApi) -> None:
     from jobs.format import usd
-    from jobs.preflight import with_one_instance_advice
     from jobs.providers.base import ResourceRequest
 
     gcp = GcpProvider(
@@ -583,8 +584,9 @@ def test_on_gcp_four_a100_pairs_are_one_a2_highgpu_8g(gce: FakeComputeApi) -> No
         api_endpoint=gce.url,
         credentials=AnonymousCredentials(),
     )
-    error = refused("resources.cloud=gcp", "resources.accelerator=A100:2", "resources.instances=4")
-    text = str(with_one_instance_advice(error, gcp))
+    text = advice(gcp, "resources.cloud=gcp", "resources.accelerator=A100:2",
+                  "resources.instances=4")  # fmt: skip
+    assert text is not None
 
     def spot(count: int) -> float:
         req = ResourceRequest(cloud="gcp", region=GCP_REGION, accelerator_type="A100",
@@ -598,18 +600,18 @@ def test_on_gcp_four_a100_pairs_are_one_a2_highgpu_8g(gce: FakeComputeApi) -> No
     )
     assert "resources.accelerator=A100:8 and resources.instances=1" in text
     # No machine type holds 3 × 4 A100s.
-    three = refused("resources.cloud=gcp", "resources.accelerator=A100:4", "resources.instances=3")
-    assert with_one_instance_advice(three, gcp) is three
+    assert advice(gcp, "resources.cloud=gcp", "resources.accelerator=A100:4",
+                  "resources.instances=3") is None  # fmt: skip
 
 
 def test_on_aws_four_t4_instances_are_one_g4dn_12xlarge_on_demand(aws: AwsProvider) -> None:
-    from jobs.preflight import with_one_instance_advice
+    from jobs.preflight.interval import resource_request
 
-    error = refused(
-        "resources.cloud=aws", "resources.accelerator=T4:1", "resources.instances=4",
+    text = advice(
+        aws, "resources.cloud=aws", "resources.accelerator=T4:1", "resources.instances=4",
         "resources.spot=false",
     )  # fmt: skip
-    text = str(with_one_instance_advice(error, aws))
+    assert text is not None
     # The shipped on-demand table: g4dn.xlarge $0.526/h, g4dn.12xlarge $3.912/h.
     assert (
         "4 instances of 1 × T4 (g4dn.xlarge) cost $2.10/h on-demand; one g4dn.12xlarge "
@@ -617,21 +619,14 @@ def test_on_aws_four_t4_instances_are_one_g4dn_12xlarge_on_demand(aws: AwsProvid
     )
     # EC2 has no instance of two A100s: each of the four would be a p4d.24xlarge, eight
     # A100s paid for two used; the one p4d.24xlarge holds all eight.
-    pairs = refused(
-        "resources.cloud=aws", "resources.accelerator=A100:2", "resources.instances=4",
-        "resources.spot=false",
-    )  # fmt: skip
-    assert aws.instance_type_for(resource_request_of(pairs)) is None
+    pairs = ("resources.cloud=aws", "resources.accelerator=A100:2", "resources.instances=4",
+             "resources.spot=false")  # fmt: skip
+    pair = parse_spec({"command": "python train.py"}, name="big", overrides=list(pairs))
+    assert aws.instance_type_for(resource_request(pair)) is None
     assert (
         "4 instances of 2 × A100 cost $131.09/h on-demand; one p4d.24xlarge holds all 8 for "
-        "$32.77/h" in str(with_one_instance_advice(pairs, aws))
+        "$32.77/h" in (advice(aws, *pairs) or "")
     )
     # No EC2 type holds 16 A100s.
-    many = refused("resources.cloud=aws", "resources.accelerator=A100:8", "resources.instances=2")
-    assert with_one_instance_advice(many, aws) is many
-
-
-def resource_request_of(error: Any) -> Any:
-    from jobs.preflight.interval import resources_request
-
-    return resources_request(error.resources)
+    assert advice(aws, "resources.cloud=aws", "resources.accelerator=A100:8",
+                  "resources.instances=2") is None  # fmt: skip

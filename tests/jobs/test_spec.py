@@ -4,7 +4,6 @@ import json
 from pathlib import Path
 
 import pytest
-from pydantic import ValidationError
 
 from jobs.errors import SpecError, TrainbotError
 from jobs.settings import SHIPPED_SPECS_DIR
@@ -178,32 +177,30 @@ def test_durations_in_a_spec_are_seconds() -> None:
     assert spec.alerts.heartbeat_deadline_s == 600.0
 
 
-# --- one instance per run, until multi-node launches exist ----------------------------
+# --- several instances: a multi-node gang -------------------------------------------
 
 
-def test_more_than_one_instance_is_refused_in_an_override(specs_dir: Path) -> None:
-    with pytest.raises(SpecError) as caught:
-        load_spec("gpt-small", specs_dir=specs_dir, overrides=["resources.instances=4"])
-    assert caught.value.key_paths == ["resources.instances"]
-    text = str(caught.value)
-    assert "resources.instances: multi-node runs are not supported yet" in text
-    assert "set resources.instances to 1" in text and "one larger instance" in text
-    assert "4 would be charged 4 times" in text
-    assert "(from override 'resources.instances=4')" in text
+def test_several_instances_validate_in_an_override_and_a_file(specs_dir: Path) -> None:
+    spec = load_spec("gpt-small", specs_dir=specs_dir, overrides=["resources.instances=4"])
+    assert spec.resources.instances == 4 and spec.resources.processes_per_node is None
+    write_spec(specs_dir, "pair", "command: python t.py\nresources:\n  instances: 2\n"
+               "  processes_per_node: 2\n")  # fmt: skip
+    pair = load_spec("pair", specs_dir=specs_dir)
+    assert pair.resources.instances == 2 and pair.resources.processes_per_node == 2
+    stored = pair.model_dump(mode="json")
+    assert JobSpec.model_validate(stored).resources.instances == 2
 
 
-def test_more_than_one_instance_is_refused_in_a_spec_file(specs_dir: Path) -> None:
-    write_spec(specs_dir, "pair", "command: python t.py\nresources:\n  instances: 2\n")
-    message = spec_error(specs_dir, "pair")
-    assert "resources.instances: multi-node runs are not supported yet" in message
-    assert "set resources.instances to 1" in message
-
-
-def test_a_stored_spec_with_several_instances_no_longer_validates() -> None:
-    stored = parse_spec({"command": "python t.py"}, name="t").model_dump(mode="json")
-    stored["resources"]["instances"] = 2
-    with pytest.raises(ValidationError, match="multi-node runs are not supported yet"):
-        JobSpec.model_validate(stored)
+def test_an_impossible_gang_is_refused_with_its_key(specs_dir: Path) -> None:
+    for override, key in (
+        ("resources.instances=0", "resources.instances"),
+        ("resources.instances=65", "resources.instances"),
+        ("resources.processes_per_node=0", "resources.processes_per_node"),
+    ):
+        with pytest.raises(SpecError) as caught:
+            load_spec("gpt-small", specs_dir=specs_dir, overrides=[override])
+        assert caught.value.key_paths == [key], override
+        assert f"(from override {override!r})" in str(caught.value)
 
 
 def test_one_instance_is_the_default_and_still_allowed(specs_dir: Path) -> None:

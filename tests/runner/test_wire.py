@@ -39,6 +39,8 @@ PAYLOADS: dict[str, dict[str, Any]] = {
         "disk_used": 10**12,
         "disk_total": 2 * 10**12,
         "disk_path": "/scratch",
+        "node": 0,
+        "data_wait_fraction": None,
     },
     "checkpoint_committed": {
         "step": 100,

@@ -46,10 +46,11 @@ class Machine:
         """Cores and GPUs, less what the ``live`` instances asked for."""
         cores = self.cores
         used_cpus = sum(r.cpus for r in live)
+        n = max(req.instances, 1)  # a gang's nodes all run here
         cpu = _quota(
             limit=cores,
             used=used_cpus,
-            needed=req.cpus or 1,
+            needed=(req.cpus or 1) * n,
             unit="cores",
             detail=f"{cores} cores for local instances",
             remedy=f"ask for at most {max(cores - used_cpus, 0)} cpus, or stop a local run",
@@ -62,7 +63,7 @@ class Machine:
         return _quota(
             limit=len(gpus),
             used=used_gpus,
-            needed=req.accelerator_count,
+            needed=req.accelerator_count * n,
             unit="GPUs",
             detail=f"{len(gpus)} {kind} GPU(s) on this machine (nvidia-smi -L)",
             remedy=f"ask for at most {max(len(gpus) - used_gpus, 0)} {kind} GPU(s) here,"

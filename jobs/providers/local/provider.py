@@ -9,14 +9,18 @@ it: machine (quota, capacity, prices), records (the state directory), processes
 from __future__ import annotations
 
 import os
+import socket
+import sys
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
+from jobs.providers import gang
 from jobs.providers.base import (
     BucketLocation,
     Capabilities,
@@ -52,6 +56,9 @@ if TYPE_CHECKING:
     from jobs.settings import Settings
 
 __all__ = ["LocalProvider", "from_settings", "make"]
+
+#: On node 0 of a local gang: the port its rendezvous listens on, for a retried launch.
+MASTER_PORT_TAG = "trainbot-master-port"
 
 
 class LocalProvider:
@@ -141,6 +148,7 @@ class LocalProvider:
             default_region="local",
             mean_time_between_preemptions_s=self.mean_time_between_preemptions_s,
             instance_logs=True,
+            gang_placement="this machine",
         )
 
     # -- Provider: questions --------------------------------------------------------------
@@ -206,7 +214,34 @@ class LocalProvider:
     # -- Provider: instances --------------------------------------------------------------
 
     def launch(self, req: LaunchRequest) -> InstanceInfo:
-        """Start the command as a new process group; the same key returns the same instance."""
+        """Start the command as a new process group; the same key returns the same instance.
+        A gang's nodes are process groups of this machine that reach node 0 through the
+        loopback, on a port free when node 0 was launched."""
+        if req.nodes > 1:
+            # gloo's peers on one machine talk over the loopback, whatever the hostname
+            # resolves to (Linux names it lo).
+            env = {"GLOO_SOCKET_IFNAME": "lo", **req.env} if sys.platform == "linux" else req.env
+            return gang.launch(
+                self._launch_one,
+                replace(req, env=env),
+                terminate_one=self._terminate_one,
+                master_port=self._gang_port(req),
+                loopback=True,
+            )
+        return self._launch_one(req)
+
+    def _gang_port(self, req: LaunchRequest) -> int:
+        """Node 0's rendezvous port: the one it was launched with, when it was (a launch
+        retried after a crash), else a port free now."""
+        key = req.idempotency_key or req.attempt_id
+        for record in self._instances.records():
+            if record.idempotency_key == key and MASTER_PORT_TAG in record.tags:
+                return int(record.tags[MASTER_PORT_TAG])
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return int(sock.getsockname()[1])
+
+    def _launch_one(self, req: LaunchRequest) -> InstanceInfo:
         if not req.command:
             raise ProviderError(
                 f"run {req.run_id} attempt {req.attempt_id}: the launch command is empty;"
@@ -224,7 +259,9 @@ class LocalProvider:
         with self._lock, instances.launch_lock():
             record = next((r for r in instances.records() if r.idempotency_key == key), None)
             if record is None:
-                record = instances.create(req, key)
+                port = req.env.get("TRAINBOT_MASTER_PORT")
+                rendezvous = {MASTER_PORT_TAG: port} if port and req.node_rank == 0 else {}
+                record = instances.create(req, key, extra_tags=rendezvous)
             elif any(instances.has(record.instance_id, f) for f in (PROCESS, EXIT, TERMINATED)):
                 return status.info(instances, record)
             # New, or recorded by a control plane that died before starting it: start it.
@@ -236,10 +273,17 @@ class LocalProvider:
 
     def status(self, instance_id: str) -> InstanceStatus:
         """Read from the instance's files, so it works for instances of earlier processes."""
+        return gang.status(self._status_one, instance_id)
+
+    def _status_one(self, instance_id: str) -> InstanceStatus:
         return status.state_of(self._instances, self._instances.load(instance_id))
 
     def terminate(self, instance_id: str) -> None:
-        """SIGTERM to the group, SIGKILL after the grace; returns once it is gone."""
+        """SIGTERM to the group, SIGKILL after the grace; returns once it is gone (every
+        node of a gang, at once)."""
+        gang.terminate(self._terminate_one, instance_id)
+
+    def _terminate_one(self, instance_id: str) -> None:
         record = self._instances.load(instance_id)
         with self._lock:
             if not self._instances.has(instance_id, TERMINATED):
@@ -250,7 +294,7 @@ class LocalProvider:
 
     def list_instances(self) -> list[InstanceInfo]:
         """Every instance in the state directory, oldest first, whatever its state."""
-        return [status.info(self._instances, r) for r in self._instances.records()]
+        return gang.group(status.info(self._instances, r) for r in self._instances.records())
 
     # -- spot behaviour -------------------------------------------------------------------
 
@@ -259,8 +303,10 @@ class LocalProvider:
 
         Returns at once; a timer sends the SIGKILL. ``now`` is the preemption time
         reported by ``status``. Preempting an instance that is not running does nothing.
+        A gang's id preempts every node; a node's id that node alone.
         """
-        self._preemptions.preempt(instance_id, now=now)
+        for node in gang.node_ids(instance_id):
+            self._preemptions.preempt(node, now=now)
 
     def schedule_preemption(
         self, instance_id: str, *, at: datetime | None = None, after_s: float | None = None
@@ -279,12 +325,28 @@ class LocalProvider:
     # -- for the console and tests --------------------------------------------------------
 
     def log_path(self, instance_id: str) -> Path:
-        """The file holding the command's stdout and stderr (``/train logs``)."""
+        """The file holding the command's stdout and stderr (``/train logs``); node 0's
+        of a gang."""
+        instance_id = gang.node_ids(instance_id)[0]
         self._instances.load(instance_id)
         return self._instances.dir(instance_id) / LOG
 
     def instance_log(self, instance_id: str, *, lines: int) -> str:
-        """The last ``lines`` lines of the command's stdout and stderr (``/train logs``)."""
+        """The last ``lines`` lines of the command's stdout and stderr (``/train logs``);
+        of each node of a gang, under a line naming it."""
+        nodes = gang.node_ids(instance_id)
+        if len(nodes) == 1:
+            return self._log_tail(instance_id, lines)
+        parts = []
+        for rank, node in enumerate(nodes):
+            try:
+                tail = self._log_tail(node, lines)
+            except InstanceNotFound as exc:
+                tail = str(exc)
+            parts.append(f"== node {rank} ({node}) ==\n{tail}")
+        return "\n".join(parts)
+
+    def _log_tail(self, instance_id: str, lines: int) -> str:
         try:
             text = self.log_path(instance_id).read_text(errors="replace")
         except FileNotFoundError:
@@ -303,7 +365,8 @@ class LocalProvider:
         """Anyone who can run the control plane can start processes here."""
 
     def scratch_dir(self, instance_id: str) -> Path:
-        """The instance's scratch volume (gone once it is terminated)."""
+        """The instance's scratch volume (gone once it is terminated); node 0's of a gang."""
+        instance_id = gang.node_ids(instance_id)[0]
         self._instances.load(instance_id)
         return self._instances.dir(instance_id) / SCRATCH
 

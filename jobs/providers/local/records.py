@@ -22,11 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from jobs.providers.base import (
-    TAG_ATTEMPT_ID,
-    TAG_IDEMPOTENCY_KEY,
-    TAG_MANAGED,
-    TAG_OWNER,
-    TAG_RUN_ID,
     InstanceNotFound,
     LaunchRequest,
     ProviderError,
@@ -180,8 +175,11 @@ class Instances:
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
-    def create(self, req: LaunchRequest, key: str) -> Record:
+    def create(
+        self, req: LaunchRequest, key: str, *, extra_tags: Mapping[str, str] | None = None
+    ) -> Record:
         """A new instance directory with its scratch volume and its instance.json."""
+        extra_tags = extra_tags or {}
         instance_id = f"local-{uuid.uuid4().hex[:12]}"
         directory = self.dir(instance_id)
         (directory / SCRATCH).mkdir(parents=True)
@@ -198,13 +196,7 @@ class Instances:
             scratch_bytes=req.scratch_bytes,
             cpus=req.request.cpus or 1,
             accelerator_count=max(req.request.accelerator_count, 0),
-            tags={
-                TAG_MANAGED: "true",
-                TAG_RUN_ID: req.run_id,
-                TAG_ATTEMPT_ID: req.attempt_id,
-                TAG_OWNER: req.owner,
-                TAG_IDEMPOTENCY_KEY: key,
-            },
+            tags={**req.tags(key), **extra_tags},
         )
         write_json(directory / INSTANCE, asdict(record))
         return record
