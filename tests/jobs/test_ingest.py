@@ -25,8 +25,8 @@ from jobs.ingest.writers import time_texts
 from jobs.lifecycle import AttemptState
 from jobs.models import Attempt, Checkpoint, EventRow, MetricBlock, Run, hash_token
 from jobs.rules import DivergentLoss, Rule, Signal
+from runner.wire import NODE_SEQ_SPAN, encode_batch
 from runner.wire import Event as WireEvent
-from runner.wire import encode_batch
 
 NOW = datetime(2026, 3, 1, 12, 0, tzinfo=timezone.utc)
 EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
@@ -928,3 +928,72 @@ def test_a_profile_window_in_minutes_ends_by_the_events_time(db_engine: Engine) 
     assert due == []
     svc.handle(bearer, body([metrics(1)], first_seq=1, times=[T0 + 121]))
     assert due == ["a-1"]
+
+
+# --- the nodes of a multi-node attempt ------------------------------------------------------
+
+
+def node_body(node: int, items: Sequence[tuple[str, dict[str, Any]]], *, first: int = 0) -> bytes:
+    """A batch from node ``node`` of the attempt, numbered in its own seq range."""
+    seq0 = node * NODE_SEQ_SPAN + first
+    events = [
+        WireEvent("a-1", seq0 + i, kind, T0 + first + i, "r-1", data)
+        for i, (kind, data) in enumerate(items)
+    ]
+    return encode_batch(events, node=node)
+
+
+def disk_sample(node: int, used: int) -> tuple[str, dict[str, Any]]:
+    kind, data = system(None)
+    return kind, {**data, "disk_used": used, "disk_total": 100, "node": node}
+
+
+def test_a_second_nodes_events_are_stored_once_and_leave_the_runs_progress_to_node_0(
+    db_engine: Engine,
+) -> None:
+    add_run(db_engine, state=AttemptState.RUNNING)
+    recorder = Recorder()
+    svc = service(db_engine, recorder)
+    assert svc.handle(AUTH, body([metrics(1), metrics(2)])).status == 200
+    node1 = [
+        ("started", {"pid": 7, "host": "node-1"}),
+        disk_sample(1, 10),
+        ("preemption_notice", {"source": "aws", "time_left_s": 110.0}),
+        ("exit", {"code": 75, "reason": "preempted"}),
+    ]
+    first = svc.handle(AUTH, node_body(1, node1))
+    again = svc.handle(AUTH, node_body(1, node1))
+    assert first.body == {"accepted": 4, "duplicates": 0}
+    assert again.body == {"accepted": 0, "duplicates": 4}
+    # Node 0's next batch is still taken as new: the high-water mark is node 0's.
+    assert svc.handle(AUTH, body([metrics(3)], first_seq=2)).body["accepted"] == 1
+    attempt = attempt_row(db_engine)
+    assert attempt.last_seq == 2 and attempt.last_step == 3
+    # A node's notice is the attempt's: the gang is being preempted.
+    assert attempt.preemption_notice_at is not None
+    # Only the notice is the service layer's: a node's exit does not end the attempt
+    # (the gang's state does, through the provider), nor does its start move the run.
+    assert [t for _, t, _ in recorder.attempt_events] == ["preemption_notice"]
+    assert count_events(db_engine) == 7
+
+
+def test_a_nodes_seqs_must_be_in_its_own_range(db_engine: Engine) -> None:
+    add_run(db_engine)
+    svc = service(db_engine)
+    wrong = [WireEvent("a-1", 5, "heartbeat", T0, "r-1", {"step": None})]
+    got = svc.handle(AUTH, encode_batch(wrong, node=2))
+    assert got.status == 400
+    assert f"node 2's events must have seqs from {2 * NODE_SEQ_SPAN}" in got.body["error"]
+    assert count_events(db_engine) == 0
+
+
+def test_a_full_disk_on_one_node_is_an_alert_that_names_it(db_engine: Engine) -> None:
+    add_run(db_engine, state=AttemptState.RUNNING)
+    recorder = Recorder()
+    svc = service(db_engine, recorder)
+    svc.handle(AUTH, body([system(None)]))  # node 0: 1 % full
+    svc.handle(AUTH, node_body(1, [disk_sample(1, 97)]))
+    (full,) = recorder.fired("disk", "threshold:node-1")
+    assert full.title.endswith("(node 1)") and full.data["node"] == 1
+    assert "97%" in full.title
+    assert not recorder.fired("disk", "threshold")  # node 0 is fine

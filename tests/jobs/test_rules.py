@@ -221,6 +221,24 @@ def gpu_window(
     return window
 
 
+def test_one_slow_nodes_loader_is_named_in_a_multi_node_run() -> None:
+    """Node 0 keeps its GPUs busy; node 1's idle, and its own data wait (sent with its
+    system samples) says why: the alert is node 1's, and says so."""
+    window = gpu_window(93.0, wait=0.02)
+    t = NOW - 300
+    while t <= NOW:
+        obs = system(t, gpu=18.0)
+        window.append(obs._replace(data={**obs.data, "node": 1, "data_wait_fraction": 0.7}))
+        t += 30
+    signals = LowUtilisation().evaluate(window, now=NOW, ctx=ctx())
+    (slow,) = active(signals)
+    assert slow.key == "gpu:node-1" and slow.data["node"] == 1
+    assert slow.title.endswith("(node 1)") and "18%" in slow.title
+    assert "data-wait 70% of step time" in slow.hint
+    (fine,) = [s for s in signals if s.key == "gpu"]
+    assert fine.resolved and fine.title.endswith("(node 0)")
+
+
 def test_low_gpu_util_names_the_data_wait() -> None:
     signals = LowUtilisation().evaluate(gpu_window(22.0, wait=0.62), now=NOW, ctx=ctx())
     (signal,) = active(signals)
