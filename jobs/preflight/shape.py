@@ -132,7 +132,7 @@ class InstanceShapeCheck:
             return CheckResult(
                 self.name,
                 Status.PASS,
-                f"{n} instances in one {placement}: {what}",
+                f"{n} instances launched together ({placement}): {what}",
                 data={"instances": n},
             )
         return CheckResult(

@@ -332,9 +332,15 @@ def provision(deps: Deps, attempt_id: str, *, why: str = "") -> Attempt | None:
         )
         where = attempt.zone or attempt.region
         if attempt.spot:
+            on = (
+                f"{attempt.instances} spot instances {info.instance_id}"
+                if attempt.instances > 1
+                else f"spot instance {info.instance_id}"
+            )
             text = (
-                f"Attempt {attempt.number} launched on spot instance {info.instance_id} "
-                f"in {where} at ${attempt.price_per_hour:.2f}/h{resume}."
+                f"Attempt {attempt.number} launched on {on} in {where} at "
+                f"${attempt.price_per_hour:.2f}/h{' each' if attempt.instances > 1 else ''}"
+                f"{resume}."
             )
             if why:
                 text += f" It runs in {attempt.region}: {why}."

@@ -964,7 +964,7 @@ def test_n_small_instances_that_one_type_holds_warn_with_both_prices(tmp_path: P
     )
     three = InstanceShapeCheck().run(context(tmp_path, multi_node(job, 3), provider), prior={})
     assert three.status is Status.PASS and "no single instance type" in three.detail
-    assert "3 instances in one cluster placement group" in three.detail
+    assert "3 instances launched together (cluster placement group)" in three.detail
     one = InstanceShapeCheck().run(context(tmp_path, spec(), provider), prior={})
     assert one.status is Status.PASS and one.detail == "one instance"
 
