@@ -14,12 +14,18 @@ operations, error bodies) for the calls trainbot makes:
   validation of names, labels and scheduling; quota), ``get``, ``delete``, ``list``,
   ``aggregatedList`` (``filter`` on labels), ``getGuestAttributes``
 - ``zoneOperations.list`` (``filter`` on ``operationType``), ``get``, ``wait``
+- ``resourcePolicies.insert``, ``get``, ``delete`` (regional compact placement policies:
+  ``alreadyExists`` on a taken name, ``resourceInUseByAnotherResource`` while an instance
+  lists the policy) and ``regionOperations.get``, ``wait``; instances list their
+  ``resourcePolicies`` (at most ``vmCount`` of them per policy, in its region) and each
+  gets a distinct private ``networkIP``
 - Cloud Storage ``buckets.get`` (a bucket's location)
 
 Test hooks play the parts of the cloud and the guest: :meth:`preempt` (status
 TERMINATED, a ``compute.instances.preempted`` operation, and deletion when the instance
 asked for ``instanceTerminationAction=DELETE``), :meth:`exhaust` (inserts end in
-``ZONE_RESOURCE_POOL_EXHAUSTED``), :meth:`deny` / :meth:`allow_only` (403 with the real
+``ZONE_RESOURCE_POOL_EXHAUSTED``, optionally after a number of inserts that still
+succeed), :meth:`deny` / :meth:`allow_only` (403 with the real
 error body naming the permission), :meth:`guest_exit` (what the startup script does
 when the runner ends), and :meth:`metadata_server` (an instance's metadata server, for
 running the real startup script).
@@ -69,6 +75,11 @@ GCE_PERMISSIONS = frozenset(
         "compute.instances.list",
         "compute.zoneOperations.get",
         "compute.zoneOperations.list",
+        "compute.resourcePolicies.create",
+        "compute.resourcePolicies.get",
+        "compute.resourcePolicies.delete",
+        "compute.resourcePolicies.use",
+        "compute.regionOperations.get",
         "storage.buckets.get",
     }
 )
@@ -180,7 +191,11 @@ class FakeComputeApi:
         self._operations: dict[tuple[str, str], dict[str, Any]] = {}
         self._request_ids: dict[str, tuple[str, str]] = {}
         self._deleting: dict[tuple[str, str], int] = {}
-        self._exhausted: set[str] = set()
+        # Zone → inserts that still succeed there before it runs out.
+        self._exhausted: dict[str, int] = {}
+        self._policies: dict[tuple[str, str], dict[str, Any]] = {}
+        self._region_operations: dict[tuple[str, str], dict[str, Any]] = {}
+        self._addresses = itertools.count(2)
         self._denied: set[str] = set()
         self._allowed: set[str] | None = None
         self._ids = itertools.count(4_000_000_000_000_000_001)
@@ -212,10 +227,19 @@ class FakeComputeApi:
 
     # -- test hooks -------------------------------------------------------------------------
 
-    def exhaust(self, zone: str, *, exhausted: bool = True) -> None:
-        """Make inserts in ``zone`` end in ZONE_RESOURCE_POOL_EXHAUSTED (or stop doing so)."""
+    def exhaust(self, zone: str, *, exhausted: bool = True, after: int = 0) -> None:
+        """Make inserts in ``zone`` end in ZONE_RESOURCE_POOL_EXHAUSTED (or stop doing so);
+        ``after``: that many more inserts succeed first (the zone had room for so many)."""
         with self._lock:
-            (self._exhausted.add if exhausted else self._exhausted.discard)(zone)
+            if exhausted:
+                self._exhausted[zone] = after
+            else:
+                self._exhausted.pop(zone, None)
+
+    def resource_policies(self) -> list[dict[str, Any]]:
+        """Every resource policy that exists now (deep copies)."""
+        with self._lock:
+            return [copy.deepcopy(p) for p in self._policies.values()]
 
     def deny(self, *permissions: str) -> None:
         """Answer 403 to any request that needs one of these permissions."""
@@ -353,6 +377,8 @@ class FakeComputeApi:
         if m := re.fullmatch(r"/regions/([^/]+)", rest):
             self._check(["compute.regions.get"], f"{p}/regions/{m.group(1)}")
             return 200, self._region(m.group(1))
+        if m := re.fullmatch(r"/regions/([^/]+)(/.+)", rest):
+            return self._regional(method, m.group(1), m.group(2), body)
         if rest == "/aggregated/acceleratorTypes":
             self._check(["compute.acceleratorTypes.list"], p)
             return 200, self._aggregated("acceleratorTypes", self._accelerator_types, query)
@@ -558,6 +584,8 @@ class FakeComputeApi:
         if accounts:
             needed.append("compute.instances.setServiceAccount")
         self._check(needed, resource)
+        for url in body.get("resourcePolicies") or []:
+            self._check(["compute.resourcePolicies.use"], _partial(url))
         for account in accounts:
             self._check(
                 ["iam.serviceAccounts.actAs"], f"projects/-/serviceAccounts/{account.get('email')}"
@@ -577,6 +605,7 @@ class FakeComputeApi:
         self._validate(zone, body)
         if (zone, name) in self._instances:
             raise ApiError(409, "alreadyExists", f"The resource '{resource}' already exists")
+        self._validate_policies(zone, body)
         now = datetime.now(timezone.utc)
         error = self._insert_error(zone, body)
         inst: dict[str, Any] = {}
@@ -663,7 +692,9 @@ class FakeComputeApi:
             raise ApiError(400, "invalid", "Metadata exceeds the 512 KB limit.")
 
     def _insert_error(self, zone: str, body: dict[str, Any]) -> dict[str, Any] | None:
-        if zone in self._exhausted:
+        if zone in self._exhausted and self._exhausted[zone] > 0:
+            self._exhausted[zone] -= 1
+        elif zone in self._exhausted:
             return {
                 "code": "ZONE_RESOURCE_POOL_EXHAUSTED",
                 "message": f"The zone 'projects/{self.project}/zones/{zone}' does not have enough "
@@ -716,7 +747,13 @@ class FakeComputeApi:
                 source=f"{zone_url}/disks/{name}",
             )
         for i, nic in enumerate(inst.get("networkInterfaces", [])):
-            nic.update(name=f"nic{i}", networkIP=f"10.128.0.{len(self._instances) + 2}")
+            n = next(self._addresses)  # one address per instance, never handed out twice
+            nic.update(name=f"nic{i}", networkIP=f"10.128.{n // 256}.{n % 256}")
+        inst["resourcePolicies"] = [
+            f"{_BASE}{_partial(url)}" for url in inst.get("resourcePolicies") or []
+        ]
+        if not inst["resourcePolicies"]:
+            del inst["resourcePolicies"]
         self._instances[(zone, name)] = inst
         return inst
 
@@ -791,6 +828,167 @@ class FakeComputeApi:
                 ]
             },
         }
+
+    # -- resource policies (regional) -------------------------------------------------------
+
+    def _regional(self, method: str, region: str, sub: str, body: bytes) -> tuple[int, Any]:
+        p = f"projects/{self.project}"
+        if region not in self.regions:
+            raise ApiError(404, "notFound", f"The resource '{p}/regions/{region}' was not found")
+        rp = f"{p}/regions/{region}"
+        if sub == "/resourcePolicies" and method == "POST":
+            self._check(["compute.resourcePolicies.create"], f"{rp}/resourcePolicies")
+            return 200, self._insert_policy(region, json.loads(body or b"{}"))
+        if m := re.fullmatch(r"/resourcePolicies/([^/]+)", sub):
+            name = m.group(1)
+            if method == "GET":
+                self._check(["compute.resourcePolicies.get"], f"{rp}/resourcePolicies/{name}")
+                return 200, copy.deepcopy(self._policy(region, name))
+            if method == "DELETE":
+                self._check(["compute.resourcePolicies.delete"], f"{rp}/resourcePolicies/{name}")
+                return 200, self._delete_policy(region, name)
+        if m := re.fullmatch(r"/operations/([^/]+)(/wait)?", sub):
+            self._check(["compute.regionOperations.get"], f"{rp}/operations/{m.group(1)}")
+            op = self._region_operations.get((region, m.group(1)))
+            if op is None:
+                raise ApiError(
+                    404, "notFound", f"The resource '{rp}/operations/{m.group(1)}' was not found"
+                )
+            return 200, copy.deepcopy(op)
+        raise ApiError(404, "notFound", f"The requested URL /compute/v1/{rp}{sub} was not found.")
+
+    def _policy(self, region: str, name: str) -> dict[str, Any]:
+        policy = self._policies.get((region, name))
+        if policy is None:
+            raise ApiError(
+                404,
+                "notFound",
+                f"The resource 'projects/{self.project}/regions/{region}/resourcePolicies/"
+                f"{name}' was not found",
+            )
+        return policy
+
+    def _insert_policy(self, region: str, body: dict[str, Any]) -> dict[str, Any]:
+        name = str(body.get("name", ""))
+        if not _NAME.fullmatch(name):
+            raise ApiError(
+                400,
+                "invalid",
+                f"Invalid value for field 'resource.name': '{name}'. Must be a match of regex "
+                "'[a-z](?:[-a-z0-9]{0,61}[a-z0-9])?'",
+            )
+        group = body.get("groupPlacementPolicy") or {}
+        collocation = group.get("collocation", "UNSPECIFIED_COLLOCATION")
+        if collocation not in ("COLLOCATED", "UNSPECIFIED_COLLOCATION"):
+            raise ApiError(
+                400,
+                "invalid",
+                "Invalid value for field 'resource.groupPlacementPolicy.collocation': "
+                f"'{collocation}'.",
+            )
+        count = group.get("vmCount")
+        if count is not None and not 2 <= int(count) <= 1500:
+            raise ApiError(
+                400,
+                "invalid",
+                f"Invalid value for field 'resource.groupPlacementPolicy.vmCount': '{count}'. "
+                "Must be between 2 and 1500.",
+            )
+        url = f"{_BASE}projects/{self.project}/regions/{region}/resourcePolicies/{name}"
+        if (region, name) in self._policies:
+            raise ApiError(409, "alreadyExists", f"The resource '{_partial(url)}' already exists")
+        now = datetime.now(timezone.utc)
+        policy = copy.deepcopy(body)
+        policy.update(
+            kind="compute#resourcePolicy",
+            id=str(next(self._ids)),
+            creationTimestamp=_stamp(now),
+            region=f"{_BASE}projects/{self.project}/regions/{region}",
+            selfLink=url,
+            status="READY",
+        )
+        self._policies[(region, name)] = policy
+        op = self._region_operation(region, url, "insert", when=now)
+        answer = copy.deepcopy(op)
+        answer.update(status="RUNNING", progress=0)  # the first answer is still in flight
+        answer.pop("endTime", None)
+        return answer
+
+    def _delete_policy(self, region: str, name: str) -> dict[str, Any]:
+        policy = self._policy(region, name)
+        url = policy["selfLink"]
+        users = sorted(
+            f"projects/{self.project}/zones/{z}/instances/{n}"
+            for (z, n), inst in self._instances.items()
+            if url in inst.get("resourcePolicies", [])
+        )
+        if users:
+            # As Compute Engine: refused at once, while any instance (even one being
+            # deleted) still lists the policy.
+            raise ApiError(
+                400,
+                "resourceInUseByAnotherResource",
+                f"The resource_policy resource '{_partial(url)}' is already being used by "
+                f"'{users[0]}'",
+            )
+        del self._policies[(region, name)]
+        return copy.deepcopy(
+            self._region_operation(region, url, "delete", when=datetime.now(timezone.utc))
+        )
+
+    def _validate_policies(self, zone: str, body: Mapping[str, Any]) -> None:
+        """An instance may list existing policies of its own region only, and a compact
+        placement policy no more instances than its vmCount."""
+        region = self._region_of(zone)
+        for i, url in enumerate(body.get("resourcePolicies") or []):
+            parts = re.search(r"regions/([^/]+)/resourcePolicies/([^/]+)$", url)
+            where = f"Invalid value for field 'resource.resourcePolicies[{i}]': '{url}'."
+            if parts is None:
+                raise ApiError(400, "invalid", f"{where} Not a resource policy URL.")
+            if parts.group(1) != region:
+                raise ApiError(
+                    400,
+                    "invalid",
+                    f"{where} Resource policy must be in the same region as the instance.",
+                )
+            try:
+                policy = self._policy(region, parts.group(2))
+            except ApiError as e:
+                raise ApiError(400, "invalid", f"{where} {e.message}") from None
+            count = (policy.get("groupPlacementPolicy") or {}).get("vmCount")
+            users = sum(
+                policy["selfLink"] in inst.get("resourcePolicies", [])
+                for inst in self._instances.values()
+            )
+            if count is not None and users >= int(count):
+                raise ApiError(
+                    400,
+                    "invalid",
+                    f"{where} The placement policy already holds its vmCount of {count} instances.",
+                )
+
+    def _region_operation(
+        self, region: str, target: str, kind: str, *, when: datetime
+    ) -> dict[str, Any]:
+        region_url = f"{_BASE}projects/{self.project}/regions/{region}"
+        name = f"operation-{int(when.timestamp() * 1000)}-{next(self._ids):x}"
+        op: dict[str, Any] = {
+            "kind": "compute#operation",
+            "id": str(next(self._ids)),
+            "name": name,
+            "region": region_url,
+            "operationType": kind,
+            "targetLink": target,
+            "status": "DONE",
+            "user": "trainbot-cp@trainbot-test.iam.gserviceaccount.com",
+            "progress": 100,
+            "insertTime": _stamp(when),
+            "startTime": _stamp(when),
+            "endTime": _stamp(when),
+            "selfLink": f"{region_url}/operations/{name}",
+        }
+        self._region_operations[(region, name)] = op
+        return op
 
     # -- operations and quota ---------------------------------------------------------------
 
@@ -909,6 +1107,12 @@ class FakeComputeApi:
 
 def _metadata(inst: Mapping[str, Any]) -> dict[str, str]:
     return {i["key"]: i.get("value", "") for i in (inst.get("metadata") or {}).get("items", [])}
+
+
+def _partial(url: str) -> str:
+    """A resource URL without the API's base (``projects/…/regions/…/resourcePolicies/…``)."""
+    found = url.find("projects/")
+    return url[found:] if found >= 0 else url
 
 
 def _gpu_count(inst: Mapping[str, Any]) -> int:

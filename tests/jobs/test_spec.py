@@ -212,9 +212,15 @@ def test_one_instance_is_the_default_and_still_allowed(specs_dir: Path) -> None:
     )
 
 
-def test_no_shipped_spec_asks_for_several_instances() -> None:
-    for name in list_specs(SHIPPED_SPECS_DIR):
-        assert load_spec(name, specs_dir=SHIPPED_SPECS_DIR).resources.instances == 1
+def test_the_shipped_multi_node_spec_is_a_two_node_gang_of_the_ddp_example() -> None:
+    sizes = {
+        name: load_spec(name, specs_dir=SHIPPED_SPECS_DIR).resources.instances
+        for name in list_specs(SHIPPED_SPECS_DIR)
+    }
+    assert sizes.pop("tiny-ddp") == 2 and set(sizes.values()) == {1}
+    ddp = load_spec("tiny-ddp", specs_dir=SHIPPED_SPECS_DIR)
+    assert ddp.command[:3] == ["python", "-m", "runner.examples.tiny_ddp"]
+    assert ddp.resources.under_torchrun and ddp.resources.nproc_per_node == 1
 
 
 # --- errors ---------------------------------------------------------------------------

@@ -29,6 +29,8 @@ _FACTORIES: dict[str, Any] = {
     "accelerator_types": compute_v1.AcceleratorTypesClient,
     "instances": compute_v1.InstancesClient,
     "zone_operations": compute_v1.ZoneOperationsClient,
+    "resource_policies": compute_v1.ResourcePoliciesClient,
+    "region_operations": compute_v1.RegionOperationsClient,
 }
 
 
@@ -79,6 +81,19 @@ class ComputeApi:
 
     def wait(self, zone: str, op: Any, *, what: str, timeout_s: float) -> Any:
         """Wait for a zone operation (zoneOperations.wait returns at DONE or after ~2 min)."""
+        return self._wait(
+            op, "zone_operations", "zoneOperations.wait", {"zone": zone}, what, timeout_s
+        )
+
+    def wait_region(self, region: str, op: Any, *, what: str, timeout_s: float) -> Any:
+        """Wait for a region operation (a resource policy's insert), as :meth:`wait`."""
+        return self._wait(
+            op, "region_operations", "regionOperations.wait", {"region": region}, what, timeout_s
+        )
+
+    def _wait(
+        self, op: Any, kind: str, call: str, scope: dict[str, str], what: str, timeout_s: float
+    ) -> Any:
         deadline = time.monotonic() + timeout_s
         while op.status != compute_v1.Operation.Status.DONE:
             left = deadline - time.monotonic()
@@ -87,13 +102,13 @@ class ComputeApi:
                 return op
             op = self.call(
                 what,
-                "zoneOperations.wait",
+                call,
                 functools.partial(
-                    self.client("zone_operations").wait,
+                    self.client(kind).wait,
                     project=self.project,
-                    zone=zone,
                     operation=op.name,
                     timeout=min(left, 130.0),
+                    **scope,
                 ),
             )
         return op

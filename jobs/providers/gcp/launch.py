@@ -12,6 +12,7 @@ import json
 import logging
 import re
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -118,13 +119,15 @@ def instance_body(
     key: str,
     catalog: Catalog,
     template: InstanceTemplate,
+    resource_policies: Sequence[str] = (),
 ) -> Any:
-    """The ``instances.insert`` body of the attempt's instance in ``zone``."""
+    """The ``instances.insert`` body of the attempt's instance (node ``req.node_rank``
+    of its gang) in ``zone``; ``resource_policies``: the gang's compact placement policy."""
     _check_runner_inputs(req)
     res = req.request
     accel = accelerator(res)
     machine = catalog.machine_type(res)
-    name = instance_name(req.run_id, req.attempt_id)
+    name = instance_name(req.run_id, req.attempt_id, node=req.node_rank)
     try:
         script = template.startup_script.read_text(encoding="utf-8")
     except OSError as e:
@@ -182,6 +185,8 @@ def instance_body(
         ],
         network_interfaces=[nic],
     )
+    if resource_policies:
+        body.resource_policies = list(resource_policies)
     if accel is not None:
         body.guest_accelerators = [
             compute_v1.AcceleratorConfig(

@@ -12,7 +12,18 @@ from datetime import datetime, timezone
 
 from jobs.providers.base import InstanceNotFound
 
-__all__ = ["instance_name", "label_value", "last", "region_of_zone", "split_id", "utc"]
+__all__ = [
+    "instance_name",
+    "label_value",
+    "last",
+    "policy_name",
+    "region_of_zone",
+    "split_id",
+    "utc",
+]
+
+#: What Compute Engine accepts as a resource name (instances, resource policies).
+_NAME = re.compile(r"[a-z](?:[-a-z0-9]{0,61}[a-z0-9])?")
 
 
 def label_value(text: str) -> str:
@@ -20,14 +31,34 @@ def label_value(text: str) -> str:
     return re.sub(r"[^a-z0-9_-]", "-", text.lower())[:63]
 
 
-def instance_name(run_id: str, attempt_id: str) -> str:
-    """The instance's name, a pure function of the run and attempt: one attempt, one name.
+def instance_name(run_id: str, attempt_id: str, *, node: int = 0) -> str:
+    """The instance's name, a pure function of the run, attempt and node rank: one node of
+    one attempt, one name. Node 0 (and a one-node attempt) has the name attempts always had,
+    so an instance launched before gangs existed is still adopted by it.
 
-    The hash keeps names distinct when sanitising or truncating would make two ids equal.
+    The hash keeps names distinct when sanitising or truncating would make two ids equal;
+    the node's ``-nK`` shortens the slug, so the name stays within 63 characters.
     """
-    digest = hashlib.sha256(f"{run_id}/{attempt_id}".encode()).hexdigest()[:10]
-    slug = re.sub(r"[^a-z0-9]+", "-", attempt_id.lower()).strip("-")[:40].strip("-")
-    return f"trainbot-{slug}-{digest}" if slug else f"trainbot-{digest}"
+    seed = f"{run_id}/{attempt_id}" + (f"/n{node}" if node else "")
+    digest = hashlib.sha256(seed.encode()).hexdigest()[:10]
+    suffix = f"n{node}" if node else ""
+    slug = re.sub(r"[^a-z0-9]+", "-", attempt_id.lower()).strip("-")
+    slug = slug[: 40 - len(suffix) - 1 if suffix else 40].strip("-")
+    middle = "-".join(part for part in (slug, suffix) if part)
+    return f"trainbot-{middle}-{digest}" if middle else f"trainbot-{digest}"
+
+
+def policy_name(placement_group: str) -> str:
+    """The compact placement policy's name for a gang's ``placement_group``: the name
+    itself when Compute Engine accepts it, else a sanitised one with a hash of it (so two
+    groups never share a policy)."""
+    if _NAME.fullmatch(placement_group):
+        return placement_group
+    digest = hashlib.sha256(placement_group.encode()).hexdigest()[:10]
+    slug = re.sub(r"[^a-z0-9]+", "-", placement_group.lower()).strip("-")[:40].strip("-")
+    if slug and not slug[0].isalpha():
+        slug = f"p-{slug}"[:40].strip("-")
+    return f"{slug}-{digest}" if slug else f"trainbot-{digest}"
 
 
 def split_id(instance_id: str) -> tuple[str, str]:

@@ -24,6 +24,8 @@ PERMISSIONS: Mapping[str, tuple[str, ...]] = {
         "compute.subnetworks.useExternalIp",
         "compute.instances.setServiceAccount",
         "iam.serviceAccounts.actAs",
+        # a gang's nodes list their compact placement policy
+        "compute.resourcePolicies.use",
     ),
     "instances.get": ("compute.instances.get",),
     "instances.getGuestAttributes": ("compute.instances.getGuestAttributes",),
@@ -31,6 +33,9 @@ PERMISSIONS: Mapping[str, tuple[str, ...]] = {
     "instances.aggregatedList": ("compute.instances.list",),
     "zoneOperations.wait": ("compute.zoneOperations.get",),
     "zoneOperations.list": ("compute.zoneOperations.list",),
+    "resourcePolicies.insert": ("compute.resourcePolicies.create",),
+    "resourcePolicies.delete": ("compute.resourcePolicies.delete",),
+    "regionOperations.wait": ("compute.regionOperations.get",),
     "storage.buckets.get": ("storage.buckets.get",),
 }
 REQUIRED_PERMISSIONS = frozenset(p for perms in PERMISSIONS.values() for p in perms)

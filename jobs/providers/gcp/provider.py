@@ -6,11 +6,14 @@ it: catalog (machine types, prices), quota (quota, capacity), launch, status, bu
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from jobs.providers import gang
 from jobs.providers.base import (
     BucketLocation,
     Capabilities,
@@ -35,7 +38,8 @@ from jobs.providers.gcp.launch import (
     insert,
     instance_body,
 )
-from jobs.providers.gcp.names import instance_name, region_of_zone
+from jobs.providers.gcp.names import instance_name, last, policy_name, region_of_zone
+from jobs.providers.gcp.policies import CompactPolicies
 from jobs.providers.gcp.quota import Placement
 from jobs.providers.gcp.status import Instances
 from runner.preemption import WINDOWS_S
@@ -44,6 +48,8 @@ if TYPE_CHECKING:
     from jobs.settings import Settings
 
 __all__ = ["GcpProvider", "from_settings", "make"]
+
+log = logging.getLogger(__name__)
 
 
 class GcpProvider:
@@ -79,6 +85,7 @@ class GcpProvider:
         launch_timeout_s: float = 300.0,
         call_timeout_s: float = 60.0,
         stockout_cooldown_s: float = 900.0,
+        policy_retry_s: float = 30.0,
     ) -> None:
         """``machine_type_for`` maps ``TYPE:COUNT`` or ``TYPE`` (``A100:8``,
         ``nvidia-l4``; ``cpu`` for CPU-only runs) to a machine type, over the built-in
@@ -87,7 +94,8 @@ class GcpProvider:
         zones of several regions; a request in a region none of them is in may use any zone
         of it. ``regions``: the other regions runs may fail over to (the specs'
         ``resources.regions``); a multi- or dual-region bucket that covers one of them, and
-        not ``region``, is placed there."""
+        not ``region``, is placed there. The deletion of a gang's placement policy, refused
+        while its nodes are still going, is tried again at most every ``policy_retry_s``."""
         if not project or not region:
             raise ProviderError("the GCP provider needs a project and a region (us-central1)")
         self.project = project
@@ -122,18 +130,21 @@ class GcpProvider:
         )
         self._placement = Placement(self._api, self._catalog)
         self._instances = Instances(self._api)
+        self._policies = CompactPolicies(self._api, retry_s=policy_retry_s)
 
     # -- Provider: questions --------------------------------------------------------------
 
     @property
     def capabilities(self) -> Capabilities:
         """A cloud: commands never run on the control plane. Thirty seconds' notice
-        through the metadata server; no cloud budgets or permission probe yet."""
+        through the metadata server; gangs under a compact placement policy; no cloud
+        budgets or permission probe yet."""
         return Capabilities(
             runs_on_this_machine=False,
             termination_window_s=WINDOWS_S["gcp"],
             preemption_source="gcp",
             default_region=self.region,
+            gang_placement="compact placement policy",
         )
 
     def create_budget(self, *, run_id: str, usd: float, thresholds: Sequence[int]) -> str:
@@ -192,7 +203,9 @@ class GcpProvider:
     # -- Provider: instances --------------------------------------------------------------
 
     def launch(self, req: LaunchRequest) -> InstanceInfo:
-        """Insert the attempt's instance and wait for the insert to finish.
+        """Insert the attempt's instance and wait for the insert to finish; for a gang
+        (``req.nodes`` above 1), its nodes, all in one zone under one compact placement
+        policy, all or none (:mod:`jobs.providers.gang`).
 
         A stockout raises CapacityError naming the zone (and ranks it unavailable for
         a while); a quota refusal raises QuotaExceeded; a name already taken adopts it.
@@ -212,12 +225,41 @@ class GcpProvider:
             raise ProviderError(
                 f"zone {zone} is not in region {res.region}: fix resources.zones or the region"
             )
-        name = instance_name(req.run_id, req.attempt_id)
+        # Chosen once: every node of a gang goes to this zone, whatever capacity says later.
+        req = replace(req, zone=zone)
+        if req.nodes < 2:
+            return self._launch_one(req)
+        policy = (region, policy_name(req.placement_group))
+        path = self._policies.ensure(*policy, nodes=req.nodes, timeout_s=self.launch_timeout_s)
+        try:
+            info = gang.launch(
+                functools.partial(self._launch_one, resource_policies=(path,)),
+                req,
+                terminate_one=self._instances.terminate,
+            )
+        except ProviderError:
+            # gang.launch has deleted the nodes it started; the policy goes after them.
+            self._policies.release((), [policy])
+            raise
+        self._policies.remember(gang.node_ids(info.instance_id), policy)
+        return info
+
+    def _launch_one(
+        self, req: LaunchRequest, *, resource_policies: Sequence[str] = ()
+    ) -> InstanceInfo:
+        """Insert one instance (one node of a gang) in ``req.zone`` and read it back."""
+        zone = req.zone
+        name = instance_name(req.run_id, req.attempt_id, node=req.node_rank)
         key = req.idempotency_key or f"{req.run_id}/{req.attempt_id}"
         body = instance_body(
-            req, zone=zone, key=key, catalog=self._catalog, template=self._template()
+            req,
+            zone=zone,
+            key=key,
+            catalog=self._catalog,
+            template=self._template(),
+            resource_policies=resource_policies,
         )
-        kind = self._catalog.kind(res)
+        kind = self._catalog.kind(req.request)
         try:
             created = insert(
                 self._api,
@@ -238,18 +280,40 @@ class GcpProvider:
         )
 
     def status(self, instance_id: str) -> InstanceStatus:
-        """Instance status, plus the zone's preemption operations and the runner's exit code."""
-        return self._instances.status(instance_id)
+        """Instance status, plus the zone's preemption operations and the runner's exit
+        code; a gang's (``+``-joined node ids) is its nodes' combined."""
+        try:
+            return gang.status(self._instances.status, instance_id)
+        finally:
+            self._policies.sweep()  # policies of gangs whose nodes were still going
 
     def terminate(self, instance_id: str) -> None:
-        """Delete the instance; an instance already deleted or preempted away is done."""
-        self._instances.terminate(instance_id)
+        """Delete the instance, or every node of a gang and then its placement policy; an
+        instance already deleted or preempted away is done."""
+        nodes = gang.node_ids(instance_id)
+        policies = self._policies.known(nodes)
+        if len(nodes) > 1 and not policies:
+            # Not launched or listed by this process: the nodes that remain name it.
+            try:
+                policies = self._policies.listed_by(self._instances.existing(nodes))
+            except ProviderError as e:  # the nodes go all the same; only the policy stays
+                log.warning("could not read the nodes of %s for their policy: %s", instance_id, e)
+        try:
+            gang.terminate(self._instances.terminate, instance_id)
+        finally:
+            self._policies.release(nodes, policies)
 
     def list_instances(self) -> list[InstanceInfo]:
-        """Every instance labelled trainbot-managed=true, in every zone of the project:
-        one aggregated list covers every region, so a restarted control plane finds the
-        instances of a run that failed over (``regions`` or any other)."""
-        return self._instances.managed()
+        """Every instance labelled trainbot-managed=true, in every zone of the project, a
+        gang's nodes as one: one aggregated list covers every region, so a restarted
+        control plane finds the instances of a run that failed over (``regions`` or any
+        other)."""
+        found = self._instances.managed()
+        for inst in found:
+            for policy in self._policies.listed_by([inst]):
+                self._policies.remember([f"{last(inst.zone)}/{inst.name}"], policy)
+        self._policies.sweep()
+        return gang.group(self._instances.info(i) for i in found)
 
     # -- helpers --------------------------------------------------------------------------
 

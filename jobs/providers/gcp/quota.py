@@ -40,7 +40,8 @@ class Placement:
 
     def quota(self, req: ResourceRequest, *, region: str) -> QuotaInfo:
         """The regional metric for the type (preemptible for spot, when the project has
-        any), and GPUS_ALL_REGIONS; the tighter of the two binds."""
+        any), and GPUS_ALL_REGIONS; the tighter of the two binds. Both count every
+        instance of the request (``req.instances``)."""
         accel = accelerator(req)
         regional = self._regional_quota(req, region=region, accel=accel)
         if accel is None:
@@ -67,8 +68,13 @@ class Placement:
         limit, used = (quota.limit, quota.usage) if quota is not None else (0.0, 0.0)
         if quota is None:
             note += f"; region {region} lists no {metric} quota"
-        needed = float(req.accelerator_count if accel else self._catalog.vcpus(req))
+        # Per instance, times the instances the run holds at once (a gang's nodes).
+        per_instance = float(req.accelerator_count if accel else self._catalog.vcpus(req))
+        instances = max(1, req.instances)
+        needed = per_instance * instances
         unit = "GPUs" if accel else "vCPUs"
+        if instances > 1:
+            note += f"; {instances} instances of {per_instance:g} {unit} each"
         ok = used + needed <= limit
         remedy = ""
         if not ok:

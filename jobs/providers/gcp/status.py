@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
@@ -139,8 +140,9 @@ class Instances:
             self._deleted.add(instance_id)
         log.info("deleting GCP instance %s", instance_id)
 
-    def managed(self) -> list[InstanceInfo]:
-        """Every instance labelled trainbot-managed=true, in every zone of the project."""
+    def managed(self) -> list[Any]:
+        """Every instance labelled trainbot-managed=true, in every zone of the project, as
+        the API describes it (:meth:`info` makes InstanceInfos of them)."""
         api = self._api
         request = compute_v1.AggregatedListInstancesRequest(
             project=api.project,
@@ -154,7 +156,18 @@ class Instances:
             return [i for _, scoped in pager for i in scoped.instances]
 
         found = api.call("list trainbot's instances", "instances.aggregatedList", collect)
-        return [self.info(i) for i in found if i.labels.get(TAG_MANAGED) == "true"]
+        return [i for i in found if i.labels.get(TAG_MANAGED) == "true"]
+
+    def existing(self, instance_ids: Sequence[str]) -> list[Any]:
+        """The instances of these ids that exist now (those gone are left out)."""
+        found = []
+        for instance_id in instance_ids:
+            try:
+                zone, name = split_id(instance_id)
+                found.append(self.get(zone, name, what=f"read instance {instance_id}"))
+            except InstanceNotFound:
+                continue
+        return found
 
     def get(self, zone: str, name: str, *, what: str) -> Any:
         """instances.get; InstanceNotFound when there is no such instance."""
@@ -208,6 +221,8 @@ class Instances:
             state=state,
             launched_at=utc(inst.creation_timestamp),
             tags=tags,
+            # Where the other nodes of a gang reach it (gang.launch hands node 0's on).
+            address=inst.network_interfaces[0].network_i_p if inst.network_interfaces else "",
         )
 
     def _history(
