@@ -31,6 +31,7 @@ from jobs.deps import Deps
 from jobs.lifecycle import RunState
 from jobs.models import Alert, Attempt, Run
 from jobs.notify import FanoutJournal, JsonlJournal
+from jobs.providers import gang
 from jobs.runs import active_attempt
 from jobs.service import wait_for
 from jobs.settings import load_settings
@@ -142,7 +143,7 @@ def run_demo(
     if jsonl is not None:
         journals.append(jsonl)
     notifier = ConsoleNotifier(out, channel="#ml-training")
-    progress = Progress(12, out)
+    progress = Progress(13, out)
     try:
         with ControlPlane(
             _settings(root),
@@ -208,6 +209,9 @@ def _story(
     if resumed["step"] != resub["resume_from_step"]:
         raise DemoError(f"resumed at step {resumed['step']}, expected {resub['resume_from_step']}")
 
+    progress.step("A two-node run: preempting one node stops both; the gang resumes")
+    run4 = _two_nodes(deps, shell, story, of, out, t)
+
     progress.step("A second run diverges; nobody acknowledges it, so trainbot stops it")
     # stop_after is 30 min by default; the demo cannot wait that long.
     reply = shell.run_line(f"/train launch diverge alerts.stop_after={DIVERGE_STOP_AFTER}")
@@ -250,7 +254,7 @@ def _story(
     # after that, so they see the checkpoint.
     _wait_until_ended(deps, run3, t)
 
-    for run in (run1, run2):
+    for run in (run1, run2, run4):
         story.wait(f"{run} to finish", of(run, "run_finished"), t)
 
     progress.step("Cleanup prunes old checkpoints by retention")
@@ -269,7 +273,7 @@ def _story(
     story.wait("the digest", lambda r: r["type"] == "digest", 5)
 
     progress.step("Final summary")
-    for run in (run1, run2, run3):
+    for run in (run1, run2, run3, run4):
         summary = tasks.run_summary(deps, run)
         with session_scope(deps.engine) as session:
             row = session.get(Run, run)
@@ -299,6 +303,41 @@ def _story(
         file=out,
         flush=True,
     )
+
+
+def _two_nodes(
+    deps: Deps,
+    shell: Shell,
+    story: Story,
+    of: Callable[..., Callable[[dict[str, Any]], bool]],
+    out: TextIO,
+    t: float,
+) -> str:
+    """``tiny-ddp`` on two local nodes: node 1 is preempted, both stop at one step, and
+    the gang is resubmitted and resumes there. Returns the run's id."""
+    reply = shell.run_line("/train launch tiny-ddp")
+    assert reply is not None and reply.run_id is not None
+    run = reply.run_id
+    story.wait("the gang's launch", of(run, "launched"), t)
+    story.wait("the gang's first checkpoint", of(run, "checkpoint_committed"), t)
+    with session_scope(deps.engine) as session:
+        attempt = active_attempt(session, run)
+        assert attempt is not None and attempt.instance_id is not None
+        nodes = gang.node_ids(attempt.instance_id)
+    deps.provider.preempt(nodes[-1])  # type: ignore[attr-defined]
+    preempted = story.wait("the gang's preemption", of(run, "preempted"), t)
+    resub = story.wait("the gang's resubmit", of(run, "resubmitted"), t)
+    resumed = story.wait("the gang's resume", of(run, "resumed"), t)
+    if resumed["step"] != resub["resume_from_step"]:
+        raise DemoError(
+            f"the gang resumed at step {resumed['step']}, expected {resub['resume_from_step']}"
+        )
+    print(
+        f"   node {len(nodes) - 1} of {len(nodes)} preempted: both stopped at step "
+        f"{preempted['committed_step']}; the new gang resumed there",
+        file=out,
+    )
+    return run
 
 
 def _wait_until_ended(deps: Deps, run_id: str, timeout: float) -> None:

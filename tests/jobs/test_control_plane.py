@@ -813,7 +813,13 @@ def test_the_demo_tells_the_whole_story(tmp_path: Path) -> None:
     # run's last flush included.
     kept = {e["run"]: e["kept"] for e in lines if e["type"] == "cleanup"}
     summaries = {e["run"]: e for e in lines if e["type"] == "summary"}
-    assert len(summaries) == 3
+    assert len(summaries) == 4
+    # The two-node run: one gang of two nodes, preempted through one node, resumed whole.
+    gangs = [e for e in lines if e["type"] == "launched" and "+" in str(e.get("instance"))]
+    assert gangs and {len(e["instance"].split("+")) for e in gangs} == {2}
+    (ddp,) = {e["run"] for e in gangs}
+    assert summaries[ddp]["attempts"] >= 2 and summaries[ddp]["state"] == "SUCCEEDED"
+    assert "node 1 of 2 preempted: both stopped at step" in proc.stdout
     assert kept, "cleanup pruned something"
     for run, summary in summaries.items():
         # The badput split, from what the real runners reported (restore_s, stall_s).
