@@ -17,6 +17,12 @@ A spot interruption cannot be asked of moto through any API: its instances only 
 shares it), to do what EC2 does on an interruption: moto's ``Instance.terminate()``, then
 the state reason ``Server.SpotInstanceTermination`` and a ``Service initiated (…)``
 transition reason. Everything the provider reads still crosses HTTP as EC2's XML.
+
+Placement groups, which moto lacks, the server answers itself
+(``tests/fakes/moto_server.py``); :func:`limit_placement_group` leaves a cluster group
+room for fewer instances than a gang needs, the way a real cluster launch fails, and
+:func:`begin_shutdown`/:func:`finish_shutdown` hold an instance in ``shutting-down``, the
+state in which EC2 still refuses to delete its group.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from typing import Any
 
 import boto3
 from botocore.exceptions import ClientError
+
+from tests.fakes.moto_server import PLACEMENT_GROUPS
 
 #: The account moto answers as when given test credentials.
 MOTO_ACCOUNT = "123456789012"
@@ -131,6 +139,25 @@ def shut_down_from_inside(instance_id: str, *, region: str = "us-east-1") -> Non
         "Client.InstanceInitiatedShutdown: Instance initiated shutdown",
         "Client.InstanceInitiatedShutdown",
     )
+
+
+def begin_shutdown(instance_id: str, *, region: str = "us-east-1") -> None:
+    """The instance is shutting down (its termination has begun but not finished)."""
+    from moto.ec2.models.instances import InstanceState
+
+    _moto_instance(instance_id, region)._state = InstanceState("shutting-down", 32)
+
+
+def finish_shutdown(instance_id: str, *, region: str = "us-east-1") -> None:
+    """A shutting-down instance is terminated at last."""
+    _moto_instance(instance_id, region).terminate()
+
+
+def limit_placement_group(name: str, *, instances: int, region: str = "us-east-1") -> None:
+    """EC2 has room for only ``instances`` instances in the cluster placement group of that
+    name (created now or later): the next launch into it is refused with
+    ``InsufficientInstanceCapacity``."""
+    PLACEMENT_GROUPS.limit(name, instances=instances, region=region)
 
 
 # -- Stubber responses, shaped as the real APIs answer ----------------------------------------

@@ -1,9 +1,10 @@
 """AWS: spot GPUs on EC2, behind the Provider protocol.
 
 ``provider`` holds :class:`AwsProvider` and the registry's factories; ``catalog``,
-``capacity``, ``launch``, ``status``, ``budgets`` and ``errors`` one concern each;
-``refresh`` the price-refresh tool; ``credentials`` the runners' storage credential
-broker. boto3 is imported in this package and nowhere else in ``jobs/``. The design:
+``capacity``, ``launch``, ``status``, ``placement`` (a multi-node attempt's cluster
+placement group), ``budgets`` and ``errors`` one concern each; ``refresh`` the
+price-refresh tool; ``credentials`` the runners' storage credential broker. boto3 is
+imported in this package and nowhere else in ``jobs/``. The design:
 docs/architecture.md, "Providers: AWS".
 """
 

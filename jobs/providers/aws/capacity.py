@@ -109,7 +109,8 @@ def quota_codes(instance_type: str) -> tuple[tuple[str, str], tuple[str, str]]:
 
 
 def quota(clients: Clients, req: ResourceRequest, itype: str) -> QuotaInfo:
-    """The family's vCPU quota (spot or on-demand, as asked) against what the run needs.
+    """The family's vCPU quota (spot or on-demand, as asked) against what the run needs:
+    every one of its ``req.instances`` instances (a multi-node run's nodes) at once.
 
     Used vCPUs are counted from running and pending instances of the family in the
     same market, as EC2 counts them; the other market's quota is named in the detail.
@@ -117,10 +118,12 @@ def quota(clients: Clients, req: ResourceRequest, itype: str) -> QuotaInfo:
     region = req.region or clients.region
     (spot_code, spot_name), (od_code, od_name) = quota_codes(itype)
     info = type_info(clients, [itype], region)[itype]
-    instances = 1
+    per_node = 1
     if req.accelerator_count and info.gpus:
-        instances = math.ceil(req.accelerator_count / info.gpus)
-    needed = float(max(info.vcpus * instances, req.cpus or 0))
+        per_node = math.ceil(req.accelerator_count / info.gpus)
+    nodes = max(req.instances, 1)
+    needed = float(max(info.vcpus * per_node, req.cpus or 0) * nodes)
+    asking = f"{nodes} × {itype} need" if nodes > 1 else f"{itype} needs"
     code, name = (spot_code, spot_name) if req.spot else (od_code, od_name)
     limit = _quota_value(clients, code, region)
     other_code = od_code if req.spot else spot_code
@@ -139,7 +142,7 @@ def quota(clients: Clients, req: ResourceRequest, itype: str) -> QuotaInfo:
     )
     detail = (
         f"AWS {market} quota {code} ({name}) in {region}: limit {limit:g} vCPUs, "
-        f"{used:g} in use; {itype} needs {needed:g}{other_text}"
+        f"{used:g} in use; {asking} {needed:g}{other_text}"
     )
     remedy = ""
     if not ok:

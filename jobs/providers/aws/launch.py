@@ -247,6 +247,10 @@ def _launch_params(
         params["SubnetId"] = subnet
     elif req.zone:
         params["Placement"] = {"AvailabilityZone": req.zone}
+    if req.nodes > 1:
+        # The attempt's cluster placement group (the provider creates it before node 0):
+        # every node in one zone, on the network the collectives need.
+        params.setdefault("Placement", {})["GroupName"] = req.placement_group
     if config.security_group_ids:
         params["SecurityGroupIds"] = list(config.security_group_ids)
     return params

@@ -1,7 +1,8 @@
 """``AwsProvider``, the Provider Protocol on EC2, and the registry's factories.
 
 The class holds the provider's settings and its clients; each answer comes from the
-module of its concern (catalog, capacity, launch, status, budgets).
+module of its concern (catalog, capacity, launch, status, placement, budgets). A
+multi-node attempt is a gang (:mod:`jobs.providers.gang`) in one cluster placement group.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import boto3
 
-from jobs.providers.aws import budgets, capacity, catalog, launch, status
+from jobs.providers import gang
+from jobs.providers.aws import budgets, capacity, catalog, launch, placement, status
 from jobs.providers.aws.clients import Clients, utcnow
 from jobs.providers.aws.launch import LaunchConfig
 from jobs.providers.base import (
@@ -99,11 +101,14 @@ class AwsProvider:
         self._template_path = Path(user_data_template or launch.USER_DATA_TEMPLATE)
         self._prices_path = Path(prices_path or catalog.PRICES_PATH)
         self._clock = clock
+        #: Regions where listing placement groups was denied, so the warning is logged once.
+        self._sweep_denied: set[str] = set()
 
     @property
     def capabilities(self) -> Capabilities:
         """A cloud: commands never run on the control plane. Two minutes' notice from
-        IMDSv2; AWS Budgets and EC2's DryRun permission probe are there."""
+        IMDSv2; AWS Budgets, EC2's DryRun permission probe and cluster placement groups
+        for multi-node attempts are there."""
         return Capabilities(
             runs_on_this_machine=False,
             termination_window_s=status.TERMINATION_WINDOW_S,
@@ -111,6 +116,7 @@ class AwsProvider:
             default_region=self.region,
             cloud_budgets=True,
             permission_probe=True,
+            gang_placement="cluster placement group",
         )
 
     def client(self, service: str, *, region: str | None = None, advisory: bool = False) -> Any:
@@ -211,14 +217,34 @@ class AwsProvider:
         """Ask EC2 whether a launch would be allowed (``DryRun``), creating nothing.
 
         Raises AwsCredentialsError without credentials, ProviderPermissionError naming
-        the missing permission (``ec2:RunInstances``, ``iam:PassRole`` …) otherwise.
+        the missing permission (``ec2:RunInstances``, ``iam:PassRole`` …) otherwise; for
+        a multi-node request, also ``ec2:CreatePlacementGroup``.
         """
-        launch.check_launch_permissions(self._in(req.region), req, self._launch_config(), zone=zone)
+        clients = self._in(req.region)
+        launch.check_launch_permissions(clients, req, self._launch_config(), zone=zone)
+        if req.instances > 1:
+            placement.check_permission(clients, now=self._clock())
 
     def launch(self, req: LaunchRequest) -> InstanceInfo:
-        """Start the attempt's instance, or return the one this key already started."""
+        """Start the attempt's instance, or return the one this key already started.
+
+        A multi-node attempt's nodes go into its cluster placement group, all or none
+        (:func:`gang.launch`); its id is theirs joined by ``+``. A failed gang's group is
+        deleted again (or later, by the sweep) and its error raised as it was."""
         clients = self._in(req.request.region)
-        found = launch.launch(clients, req, self._launch_config(), clock=self._clock)
+        config = self._launch_config()
+
+        def one(node: LaunchRequest) -> InstanceInfo:
+            return launch.launch(clients, node, config, clock=self._clock)
+
+        if req.nodes > 1:
+            placement.ensure(clients, req, now=self._clock())
+        try:
+            found = gang.launch(one, req, terminate_one=self._terminator(clients))
+        except ProviderError:
+            if req.nodes > 1:
+                placement.delete(clients, req.placement_group)
+            raise
         return self._qualified(clients.region, found)
 
     def render_user_data(self, req: LaunchRequest) -> str:
@@ -238,27 +264,38 @@ class AwsProvider:
         )
 
     def status(self, instance_id: str) -> InstanceStatus:
+        """One instance's state, or a gang's: its nodes' combined (:func:`gang.combine`)."""
         region, raw = self._split_id(instance_id)
-        found = status.status(self._in(region), raw, clock=self._clock)
+        clients = self._in(region)
+        found = gang.status(lambda node: status.status(clients, node, clock=self._clock), raw)
         return replace(found, instance_id=instance_id)
 
     def terminate(self, instance_id: str) -> None:
+        """End the instance, or every node of a gang and then its placement group."""
         region, raw = self._split_id(instance_id)
-        status.terminate(self._in(region), raw)
+        clients = self._in(region)
+        gang.terminate(self._terminator(clients), raw)
+        nodes = gang.node_ids(raw)
+        if len(nodes) > 1:
+            placement.release(clients, nodes)
 
     def list_instances(self) -> list[InstanceInfo]:
         """Every trainbot instance in the home region, the ``regions`` given, and any
-        region this provider has launched in or been asked about."""
+        region this provider has launched in or been asked about; a gang once, by its
+        joined id. Deletes the placement groups of gangs that have ended, as it goes."""
         for region in self.regions:
             self._in(region)
         found: list[InstanceInfo] = []
         for region in self._clients.regions():
             clients = self._in(region)
-            found.extend(
-                self._qualified(region, i)
-                for i in status.list_instances(clients, clock=self._clock)
-            )
+            listed = status.list_instances(clients, clock=self._clock)
+            placement.sweep(clients, listed, now=self._clock(), warned=self._sweep_denied)
+            found.extend(self._qualified(region, i) for i in gang.group(listed))
         return found
+
+    @staticmethod
+    def _terminator(clients: Clients) -> Callable[[str], None]:
+        return lambda node: status.terminate(clients, node)
 
     # -- regions ---------------------------------------------------------------------------
 

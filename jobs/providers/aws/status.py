@@ -248,6 +248,8 @@ def info(inst: Mapping[str, Any], *, clock: Clock) -> InstanceInfo:
         state=_classify(inst, clock=clock).state,
         launched_at=utc(inst["LaunchTime"]),
         tags=tags,
+        # RunInstances gives it at once, so a gang's node 0 can be named to the others.
+        address=str(inst.get("PrivateIpAddress") or ""),
     )
 
 

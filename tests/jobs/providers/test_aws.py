@@ -1056,7 +1056,10 @@ def test_control_plane_policy_is_least_privilege() -> None:
         assert on_instances[0]["Condition"]["Null"][f"aws:RequestTag/{tag}"] == "false"
     for tagging in granting("ec2:CreateTags"):
         condition = tagging["Condition"]
-        assert condition.get("StringEquals", {}).get("ec2:CreateAction") == "RunInstances" or (
+        assert condition.get("StringEquals", {}).get("ec2:CreateAction") in (
+            "RunInstances",
+            "CreatePlacementGroup",
+        ) or (
             condition["StringEquals"][f"aws:ResourceTag/{base.TAG_MANAGED}"] == "true"
             and condition["ForAllValues:StringEquals"]["aws:TagKeys"] == ["trainbot-terminated-by"]
         )
