@@ -220,7 +220,7 @@ def capacity(
     scores: dict[str, float] = {}
     scores_note = ""
     if req.spot and offered:
-        scores, scores_note = _placement_scores(clients, itype, region)
+        scores, scores_note = _placement_scores(clients, itype, region, req.instances)
     by_id = {zid: name for name, zid in zone_ids.items()}
     zone_scores = {by_id[zid]: s for zid, s in scores.items() if zid in by_id}
     out: list[ZoneCapacity] = []
@@ -254,13 +254,16 @@ def capacity(
     return out
 
 
-def _placement_scores(clients: Clients, itype: str, region: str) -> tuple[dict[str, float], str]:
-    """Zone id → score, or an empty map and why: scores only rank, never block."""
+def _placement_scores(
+    clients: Clients, itype: str, region: str, instances: int = 1
+) -> tuple[dict[str, float], str]:
+    """Zone id → score for ``instances`` of the type in one zone (a gang's nodes share
+    theirs), or an empty map and why: scores only rank, never block."""
     scores_client = clients.client("ec2", region=region, advisory=True)
     try:
         answer = scores_client.get_spot_placement_scores(
             InstanceTypes=[itype],
-            TargetCapacity=1,
+            TargetCapacity=max(instances, 1),
             TargetCapacityUnitType="units",
             SingleAvailabilityZone=True,
             RegionNames=[region],
