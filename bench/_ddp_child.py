@@ -25,16 +25,20 @@ from runner.store import run_store
 
 def main() -> None:
     steps, saves, ckpt = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    dim = int(sys.argv[4]) if len(sys.argv) > 4 else 64
+    voting = (sys.argv[5] if len(sys.argv) > 5 else "vote") == "vote"
     dist.init_process_group("gloo")
     gang = Gang.current()
     torch.manual_seed(0)
-    model = TinyTransformer(dim=64)
+    model = TinyTransformer(dim=dim)
     ddp = DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     data = Batches(make_corpus(0), batch=8, seed=gang.rank)
     loss_fn = nn.CrossEntropyLoss()
     step_s: list[float] = []
     vote_s: list[float] = []
+    total_s: list[float] = []
+    last = time.perf_counter()
     for i in range(steps + 5):
         t0 = time.perf_counter()
         x, y = next(data)
@@ -43,11 +47,14 @@ def main() -> None:
         loss.backward()
         opt.step()
         t1 = time.perf_counter()
-        gang.agree(Vote())  # what the session adds after every step
+        if voting:
+            gang.agree(Vote())  # what the session adds after every step
         t2 = time.perf_counter()
         if i >= 5:  # warm-up steps are not counted
             step_s.append(t1 - t0)
             vote_s.append(t2 - t1)
+            total_s.append(t2 - last)  # one whole iteration, the next one's wait included
+        last = t2
     writer = RankWriter(
         run_store(ckpt, "bench"),
         rank=gang.rank,
@@ -76,11 +83,17 @@ def main() -> None:
             "world_size": gang.world_size,
             "step_s": statistics.median(step_s),
             "vote_s": statistics.median(vote_s),
+            "total_s": statistics.median(total_s),
+            "voting": voting,
             "stall_s": max(stalls),
         }
         print(json.dumps(doc), flush=True)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        # Once main's objects are gone: DDP's reducer, freed after its process group was
+        # destroyed, can wait for gloo for good at exit.
+        dist.destroy_process_group()
