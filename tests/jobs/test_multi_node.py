@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from jobs.providers.base import (
     InstanceState,
     InstanceStatus,
     LaunchRequest,
+    ProviderError,
     ResourceRequest,
 )
 from jobs.providers.local import LocalProvider
@@ -126,7 +128,7 @@ def test_a_local_gang_launches_all_its_nodes_and_ends_them_together(
     wait_until(lambda: "127.0.0.1" in local.instance_log(info.instance_id, lines=5), what="logs")
 
     def said(rank: int) -> list[str]:
-        text = local._log_tail(nodes[rank], 5)  # each node's own line
+        text = local.instance_log(nodes[rank], lines=5)  # each node's own line
         return text.split()
 
     wait_until(lambda: all(len(said(r)) == 3 for r in range(3)), what="every node's line")
@@ -150,20 +152,16 @@ def test_a_gang_that_cannot_launch_every_node_launches_none(local: LocalProvider
     req = _sleepers(2)
     # Node 1 cannot launch: the local provider refuses a command that is empty.
     broken = {"calls": 0}
-    launch_one = local._launch_one
 
     def one(node: LaunchRequest) -> object:
         broken["calls"] += 1
+        # The provider's own launch of one node (what its launch hands gang.launch).
         if node.node_rank == 1:
-            from dataclasses import replace
-
-            return launch_one(replace(node, command=[]))
-        return launch_one(node)
-
-    from jobs.providers.base import ProviderError
+            return local._launch_one(replace(node, command=[]))
+        return local._launch_one(node)
 
     with pytest.raises(ProviderError, match="the launch command is empty"):
-        gang.launch(one, req, terminate_one=local._terminate_one, loopback=True)  # type: ignore[arg-type]
+        gang.launch(one, req, terminate_one=local.terminate, loopback=True)  # type: ignore[arg-type]
     assert broken["calls"] == 2
     [node0] = [i for i in local.list_instances() if i.attempt_id == "a-gang"]
     assert node0.state is InstanceState.TERMINATED
