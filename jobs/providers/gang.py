@@ -23,6 +23,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from datetime import datetime, timezone
 
 from jobs.providers.base import (
     TAG_NODE,
@@ -140,8 +141,11 @@ def _as_one(nodes: Sequence[InstanceInfo]) -> InstanceInfo:
     return replace(first, instance_id=combined.instance_id, state=combined.state)
 
 
-def status(one: Callable[[str], InstanceStatus], instance_id: str) -> InstanceStatus:
-    """``one`` for a plain instance; the combined state of a gang's nodes for a gang."""
+def status(
+    one: Callable[[str], InstanceStatus], instance_id: str, *, window_s: float = 0.0
+) -> InstanceStatus:
+    """``one`` for a plain instance; the combined state of a gang's nodes for a gang.
+    ``window_s``: the provider's termination window (see :func:`combine`)."""
     ids = node_ids(instance_id)
     if len(ids) == 1:
         return one(instance_id)
@@ -155,7 +159,7 @@ def status(one: Callable[[str], InstanceStatus], instance_id: str) -> InstanceSt
             nodes.append(InstanceStatus(nid, InstanceState.TERMINATED, "the instance is gone"))
     if missing == len(ids):
         raise InstanceNotFound(f"no node of {instance_id} exists", instance_id=instance_id)
-    return combine(instance_id, nodes)
+    return combine(instance_id, nodes, window_s=window_s)
 
 
 def _lost(node: InstanceStatus) -> bool:
@@ -166,7 +170,13 @@ def _lost(node: InstanceStatus) -> bool:
     return node.state is InstanceState.FAILED and node.exit_code in (None, -9, 137)
 
 
-def combine(instance_id: str, nodes: Sequence[InstanceStatus]) -> InstanceStatus:
+def combine(
+    instance_id: str,
+    nodes: Sequence[InstanceStatus],
+    *,
+    window_s: float = 0.0,
+    now: datetime | None = None,
+) -> InstanceStatus:
     """A gang's state from its nodes' (node rank order).
 
     While no node has ended, the gang runs (or is pending). Once one has ended other than
@@ -175,9 +185,25 @@ def combine(instance_id: str, nodes: Sequence[InstanceStatus]) -> InstanceStatus
     (killed from outside, terminated while the others ran) LOST, which resumes like a
     preemption; every node terminated TERMINATED; else FAILED, with the failed node's
     exit code. A gang has SUCCEEDED once every node has.
+
+    A node preempted with a clean exit (75: its part of the last step is written) leaves
+    the others running for up to ``window_s`` after its notice: they heard it through
+    the ranks' stop vote and are flushing their parts, and node 0 commits the step once
+    every part is in. Ending the gang at once would terminate node 0 before that commit.
+    Node 0's own exit ends the attempt as soon as it has committed.
     """
     ended = [(r, n) for r, n in enumerate(nodes) if n.state.is_terminal()]
     bad = [(r, n) for r, n in ended if n.state is not InstanceState.SUCCEEDED]
+    running = len(ended) < len(nodes)
+    if running and bad and all(_flushed(n, window_s, now) for _, n in bad):
+        rank, node = bad[0]
+        return InstanceStatus(
+            instance_id,
+            InstanceState.RUNNING,
+            f"node {rank} ({node.instance_id}) was preempted and flushed its part; the "
+            "other nodes are flushing theirs",
+            preempted_at=node.preempted_at,
+        )
     if not bad:
         if len(ended) == len(nodes):
             return InstanceStatus(
@@ -216,6 +242,16 @@ def combine(instance_id: str, nodes: Sequence[InstanceStatus]) -> InstanceStatus
             return replace(said(rank, node, InstanceState.LOST, why), exit_code=EXIT_PREEMPTED)
     rank, node = bad[0]
     return said(rank, node, InstanceState.FAILED)
+
+
+def _flushed(node: InstanceStatus, window_s: float, now: datetime | None) -> bool:
+    """A node preempted that exited 75 less than ``window_s`` after its notice."""
+    if node.state is not InstanceState.PREEMPTED or node.exit_code != EXIT_PREEMPTED:
+        return False
+    if node.preempted_at is None or window_s <= 0:
+        return False
+    now = now or datetime.now(timezone.utc)
+    return (now - node.preempted_at).total_seconds() < window_s
 
 
 def terminate(terminate_one: Callable[[str], None], instance_id: str) -> None:

@@ -11,6 +11,7 @@ import signal
 import sys
 from collections.abc import Iterator
 from dataclasses import replace
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,15 @@ def test_a_gangs_state_is_its_nodes_combined() -> None:
     assert of(status(R), status(T)).state is InstanceState.LOST
     # Every node terminated (the control plane ended it): terminated.
     assert of(status(T), status(T)).state is T
+    # A node preempted that flushed its part (exit 75) leaves the others the window to
+    # flush theirs and node 0 to commit the step; after the window the gang is preempted.
+    now = datetime(2026, 12, 5, 12, 0, tzinfo=timezone.utc)
+    flushed = InstanceStatus("b", P, "preempted", exit_code=75, preempted_at=now)
+    soon = gang.combine("a+b", [status(R), flushed], window_s=5.0, now=now + timedelta(seconds=2))
+    assert soon.state is R and "flushing" in soon.reason
+    late = gang.combine("a+b", [status(R), flushed], window_s=5.0, now=now + timedelta(seconds=6))
+    assert late.state is P
+    assert gang.combine("a+b", [status(P, 75), flushed], window_s=5.0, now=now).state is P
     # A node's own failure fails the gang, with its exit code.
     failed = of(status(F, 2, "a"), status(R))
     assert failed.state is F and failed.exit_code == 2

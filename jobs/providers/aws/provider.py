@@ -267,7 +267,11 @@ class AwsProvider:
         """One instance's state, or a gang's: its nodes' combined (:func:`gang.combine`)."""
         region, raw = self._split_id(instance_id)
         clients = self._in(region)
-        found = gang.status(lambda node: status.status(clients, node, clock=self._clock), raw)
+        found = gang.status(
+            lambda node: status.status(clients, node, clock=self._clock),
+            raw,
+            window_s=self.capabilities.termination_window_s,
+        )
         return replace(found, instance_id=instance_id)
 
     def terminate(self, instance_id: str) -> None:

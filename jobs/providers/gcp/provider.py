@@ -283,7 +283,11 @@ class GcpProvider:
         """Instance status, plus the zone's preemption operations and the runner's exit
         code; a gang's (``+``-joined node ids) is its nodes' combined."""
         try:
-            return gang.status(self._instances.status, instance_id)
+            return gang.status(
+                self._instances.status,
+                instance_id,
+                window_s=self.capabilities.termination_window_s,
+            )
         finally:
             self._policies.sweep()  # policies of gangs whose nodes were still going
 

@@ -273,7 +273,7 @@ class LocalProvider:
 
     def status(self, instance_id: str) -> InstanceStatus:
         """Read from the instance's files, so it works for instances of earlier processes."""
-        return gang.status(self._status_one, instance_id)
+        return gang.status(self._status_one, instance_id, window_s=self.termination_window_s)
 
     def _status_one(self, instance_id: str) -> InstanceStatus:
         return status.state_of(self._instances, self._instances.load(instance_id))
