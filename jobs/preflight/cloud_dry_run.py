@@ -80,7 +80,9 @@ class CloudDryRun:
         """Launch, wait for the report or the end, terminate; ``judge`` reads the report."""
         settings = ctx.spec.dry_run
         try:
-            req = ctx.provider.dry_run_request(ctx.request, instance_type=settings.instance_type)
+            # One instance, whatever the run's node count: the dry run is one process.
+            one = dataclasses.replace(ctx.request, instances=1)
+            req = ctx.provider.dry_run_request(one, instance_type=settings.instance_type)
             zone = _first_zone(ctx.provider, req)
             quote = ctx.provider.price(req, zone=zone)
         except ProviderError as exc:
