@@ -14,9 +14,9 @@ operations, error bodies) for the calls trainbot makes:
   validation of names, labels and scheduling; quota), ``get``, ``delete``, ``list``,
   ``aggregatedList`` (``filter`` on labels), ``getGuestAttributes``
 - ``zoneOperations.list`` (``filter`` on ``operationType``), ``get``, ``wait``
-- ``resourcePolicies.insert``, ``get``, ``delete`` (regional compact placement policies:
-  ``alreadyExists`` on a taken name, ``resourceInUseByAnotherResource`` while an instance
-  lists the policy) and ``regionOperations.get``, ``wait``; instances list their
+- ``resourcePolicies.insert``, ``get``, ``delete``, ``list`` (regional compact placement
+  policies: ``alreadyExists`` on a taken name, ``resourceInUseByAnotherResource`` while an
+  instance lists the policy; ``filter`` as for other lists) and ``regionOperations.get``, ``wait``; instances list their
   ``resourcePolicies`` (at most ``vmCount`` of them per policy, in its region) and each
   gets a distinct private ``networkIP``
 - Cloud Storage ``buckets.get`` (a bucket's location)
@@ -26,7 +26,8 @@ TERMINATED, a ``compute.instances.preempted`` operation, and deletion when the i
 asked for ``instanceTerminationAction=DELETE``), :meth:`exhaust` (inserts end in
 ``ZONE_RESOURCE_POOL_EXHAUSTED``, optionally after a number of inserts that still
 succeed), :meth:`deny` / :meth:`allow_only` (403 with the real
-error body naming the permission), :meth:`guest_exit` (what the startup script does
+error body naming the permission), :meth:`age_policy` (a resource policy's
+``creationTimestamp`` moved back), :meth:`guest_exit` (what the startup script does
 when the runner ends), and :meth:`metadata_server` (an instance's metadata server, for
 running the real startup script).
 """
@@ -78,6 +79,7 @@ GCE_PERMISSIONS = frozenset(
         "compute.resourcePolicies.create",
         "compute.resourcePolicies.get",
         "compute.resourcePolicies.delete",
+        "compute.resourcePolicies.list",
         "compute.resourcePolicies.use",
         "compute.regionOperations.get",
         "storage.buckets.get",
@@ -241,6 +243,14 @@ class FakeComputeApi:
         with self._lock:
             return [copy.deepcopy(p) for p in self._policies.values()]
 
+    def age_policy(self, region: str, name: str, by: timedelta) -> None:
+        """Move a resource policy's ``creationTimestamp`` back by ``by``, as if it had been
+        created that long before."""
+        with self._lock:
+            policy = self._policy(region, name)
+            created = datetime.fromisoformat(policy["creationTimestamp"])
+            policy["creationTimestamp"] = _stamp(created - by)
+
     def deny(self, *permissions: str) -> None:
         """Answer 403 to any request that needs one of these permissions."""
         with self._lock:
@@ -378,7 +388,7 @@ class FakeComputeApi:
             self._check(["compute.regions.get"], f"{p}/regions/{m.group(1)}")
             return 200, self._region(m.group(1))
         if m := re.fullmatch(r"/regions/([^/]+)(/.+)", rest):
-            return self._regional(method, m.group(1), m.group(2), body)
+            return self._regional(method, m.group(1), m.group(2), query, body)
         if rest == "/aggregated/acceleratorTypes":
             self._check(["compute.acceleratorTypes.list"], p)
             return 200, self._aggregated("acceleratorTypes", self._accelerator_types, query)
@@ -831,7 +841,9 @@ class FakeComputeApi:
 
     # -- resource policies (regional) -------------------------------------------------------
 
-    def _regional(self, method: str, region: str, sub: str, body: bytes) -> tuple[int, Any]:
+    def _regional(
+        self, method: str, region: str, sub: str, query: Mapping[str, str], body: bytes
+    ) -> tuple[int, Any]:
         p = f"projects/{self.project}"
         if region not in self.regions:
             raise ApiError(404, "notFound", f"The resource '{p}/regions/{region}' was not found")
@@ -839,6 +851,10 @@ class FakeComputeApi:
         if sub == "/resourcePolicies" and method == "POST":
             self._check(["compute.resourcePolicies.create"], f"{rp}/resourcePolicies")
             return 200, self._insert_policy(region, json.loads(body or b"{}"))
+        if sub == "/resourcePolicies" and method == "GET":
+            self._check(["compute.resourcePolicies.list"], f"{rp}/resourcePolicies")
+            here = [p for (r, _), p in sorted(self._policies.items()) if r == region]
+            return 200, self._list("compute#resourcePolicyList", here, query)
         if m := re.fullmatch(r"/resourcePolicies/([^/]+)", sub):
             name = m.group(1)
             if method == "GET":
@@ -1146,7 +1162,8 @@ _COMPARISON = re.compile(r'\s*([\w.-]+)\s*(=|!=|eq|ne)\s*"?([^"]*?)"?\s*')
 
 
 def _matches(item: Mapping[str, Any], expression: str) -> bool:
-    """Compute Engine list filters: ``(a = "x") AND (b != "y")``, with OR between groups."""
+    """Compute Engine list filters: ``(a = "x") AND (b != "y")``, with OR between groups;
+    ``eq`` and ``ne`` take a regular expression that must match the whole value."""
     expression = expression.strip()
     if not expression:
         return True
@@ -1166,7 +1183,12 @@ def _matches(item: Mapping[str, Any], expression: str) -> bool:
         actual: Any = item
         for part in field.split("."):
             actual = actual.get(part) if isinstance(actual, Mapping) else None
-        equal = str(actual).lower() == value.lower() if actual is not None else False
+        if actual is None:
+            equal = False
+        elif op in ("eq", "ne"):
+            equal = re.fullmatch(value, str(actual)) is not None
+        else:
+            equal = str(actual).lower() == value.lower()
         if equal != (op in ("=", "eq")):
             return False
     return True

@@ -35,6 +35,7 @@ PERMISSIONS: Mapping[str, tuple[str, ...]] = {
     "zoneOperations.list": ("compute.zoneOperations.list",),
     "resourcePolicies.insert": ("compute.resourcePolicies.create",),
     "resourcePolicies.delete": ("compute.resourcePolicies.delete",),
+    "resourcePolicies.list": ("compute.resourcePolicies.list",),
     "regionOperations.wait": ("compute.regionOperations.get",),
     "storage.buckets.get": ("storage.buckets.get",),
 }

@@ -10,6 +10,7 @@ import functools
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -86,6 +87,7 @@ class GcpProvider:
         call_timeout_s: float = 60.0,
         stockout_cooldown_s: float = 900.0,
         policy_retry_s: float = 30.0,
+        policy_sweep_s: float = 300.0,
     ) -> None:
         """``machine_type_for`` maps ``TYPE:COUNT`` or ``TYPE`` (``A100:8``,
         ``nvidia-l4``; ``cpu`` for CPU-only runs) to a machine type, over the built-in
@@ -95,7 +97,10 @@ class GcpProvider:
         of it. ``regions``: the other regions runs may fail over to (the specs'
         ``resources.regions``); a multi- or dual-region bucket that covers one of them, and
         not ``region``, is placed there. The deletion of a gang's placement policy, refused
-        while its nodes are still going, is tried again at most every ``policy_retry_s``."""
+        while its nodes are still going, is tried again at most every ``policy_retry_s``;
+        the policies of these regions that gangs left behind (the control plane restarted
+        between their nodes' going and the policy's deletion) are looked for at most every
+        ``policy_sweep_s``."""
         if not project or not region:
             raise ProviderError("the GCP provider needs a project and a region (us-central1)")
         self.project = project
@@ -130,7 +135,7 @@ class GcpProvider:
         )
         self._placement = Placement(self._api, self._catalog)
         self._instances = Instances(self._api)
-        self._policies = CompactPolicies(self._api, retry_s=policy_retry_s)
+        self._policies = CompactPolicies(self._api, retry_s=policy_retry_s, sweep_s=policy_sweep_s)
 
     # -- Provider: questions --------------------------------------------------------------
 
@@ -311,12 +316,17 @@ class GcpProvider:
         """Every instance labelled trainbot-managed=true, in every zone of the project, a
         gang's nodes as one: one aggregated list covers every region, so a restarted
         control plane finds the instances of a run that failed over (``regions`` or any
-        other)."""
+        other). Placement policies that gangs left behind in the provider's regions go
+        here too (at most every ``policy_sweep_s``), since reconcile calls this often."""
         found = self._instances.managed()
         for inst in found:
             for policy in self._policies.listed_by([inst]):
                 self._policies.remember([f"{last(inst.zone)}/{inst.name}"], policy)
         self._policies.sweep()
+        regions = (self.region, *self.regions, *(region_of_zone(z) for z in self.zones))
+        self._policies.sweep_left_behind(
+            regions, self._policies.listed_by(found), now=datetime.now(timezone.utc)
+        )
         return gang.group(self._instances.info(i) for i in found)
 
     # -- helpers --------------------------------------------------------------------------

@@ -913,13 +913,14 @@ def test_every_permission_in_the_role_is_needed(
     except ProviderPermissionError as denied:
         assert denied.permission == permission
     else:
-        # Only the best-effort cleanup of a gang's placement policy goes on without its
-        # permission: the nodes are gone, so it logs what to do and leaves the policy.
-        assert permission == "compute.resourcePolicies.delete"
-        assert permission in caplog.text and "gcloud compute resource-policies delete" in (
-            caplog.text
-        )
-        assert len(fake.resource_policies()) == 1 and fake.instances() == []
+        # Only the best-effort cleanups of gangs' placement policies go on without their
+        # permissions, and log what to grant. Without delete, the nodes are gone and the
+        # policy stays; without list, policies left behind are not looked for.
+        assert permission in ("compute.resourcePolicies.delete", "compute.resourcePolicies.list")
+        assert permission in caplog.text
+        if permission == "compute.resourcePolicies.delete":
+            assert "gcloud compute resource-policies delete" in caplog.text
+            assert len(fake.resource_policies()) == 1 and fake.instances() == []
 
 
 # -- the startup script ------------------------------------------------------------------

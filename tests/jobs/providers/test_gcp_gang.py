@@ -11,6 +11,7 @@ import json
 import logging
 import re
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -41,6 +42,7 @@ def fake() -> Iterator[FakeComputeApi]:
 def make_gcp(fake: FakeComputeApi) -> Callable[..., GcpProvider]:
     def build(**options: Any) -> GcpProvider:
         options.setdefault("policy_retry_s", 0.0)  # a policy in use: retried at every call
+        options.setdefault("policy_sweep_s", 0.0)  # left-behind policies: at every listing
         return GcpProvider(
             project=fake.project,
             region=REGION,
@@ -239,6 +241,102 @@ def test_launching_a_gang_again_adopts_it_and_creates_nothing(
     inserts = fake.calls("POST", rf"/zones/{ZONE_A}/instances$")
     assert len({s.query["requestId"] for s in inserts}) == 2 and len(inserts) == 6
     assert [s.status for s in fake.calls("POST", r"/resourcePolicies$")] == [200, 409, 409]
+
+
+# -- policies left behind ----------------------------------------------------------------
+
+
+def operator_client(fake: FakeComputeApi, kind: type[Any]) -> Any:
+    """A client of someone else's (the console, gcloud), not the provider's."""
+    return kind(
+        credentials=AnonymousCredentials(), client_options=ClientOptions(api_endpoint=fake.url)
+    )
+
+
+def policy_deletes(fake: FakeComputeApi, name: str) -> list[int]:
+    return [s.status for s in fake.calls("DELETE", rf"/resourcePolicies/{name}$")]
+
+
+def test_a_policy_left_behind_by_a_restart_is_deleted_by_listing_once_it_is_old(
+    gcp: GcpProvider, make_gcp: Callable[..., GcpProvider], fake: FakeComputeApi
+) -> None:
+    launch(gcp, nodes=2)
+    # Both nodes go from outside while no control plane is there to delete the policy.
+    operator = operator_client(fake, compute_v1.InstancesClient)
+    for name in (NODE_0, NODE_1):
+        operator.delete(project=fake.project, zone=ZONE_A, instance=name)
+    restarted = make_gcp()  # never saw the launch, and no node names the policy now
+    for _ in range(10):
+        if restarted.list_instances() == [] and not fake.instances():
+            break
+    assert fake.instances() == []
+    restarted.list_instances()
+    # Young: it could be a launch's whose nodes are not inserted yet.
+    assert [p["name"] for p in fake.resource_policies()] == [POLICY]
+    assert policy_deletes(fake, POLICY) == []
+    listed = fake.calls("GET", rf"/regions/{REGION}/resourcePolicies$")
+    assert listed and listed[-1].query["filter"] == 'name eq "trainbot-.*"'
+
+    fake.age_policy(REGION, POLICY, timedelta(hours=2))
+    assert restarted.list_instances() == []
+    assert fake.resource_policies() == [] and policy_deletes(fake, POLICY) == [200]
+
+
+def test_an_old_policy_that_a_live_gang_lists_is_kept(
+    gcp: GcpProvider, make_gcp: Callable[..., GcpProvider], fake: FakeComputeApi
+) -> None:
+    info = launch(gcp, nodes=2)
+    fake.age_policy(REGION, POLICY, timedelta(days=3))
+    for provider in (gcp, make_gcp()):
+        assert [i.instance_id for i in provider.list_instances()] == [info.instance_id]
+    assert len(fake.resource_policies()) == 1 and policy_deletes(fake, POLICY) == []
+
+
+def test_policies_not_named_trainbot_are_never_touched(
+    gcp: GcpProvider, fake: FakeComputeApi
+) -> None:
+    policies = operator_client(fake, compute_v1.ResourcePoliciesClient)
+    for name in ("nightly-batch", "xtrainbot-a-1"):
+        policies.insert_unary(
+            project=fake.project,
+            region=REGION,
+            resource_policy_resource=compute_v1.ResourcePolicy(
+                name=name,
+                group_placement_policy=compute_v1.ResourcePolicyGroupPlacementPolicy(
+                    collocation="COLLOCATED", vm_count=2
+                ),
+            ),
+        )
+        fake.age_policy(REGION, name, timedelta(days=30))
+    gcp.list_instances()
+    assert fake.calls("GET", rf"/regions/{REGION}/resourcePolicies$")
+    assert len(fake.resource_policies()) == 2 and not fake.calls("DELETE", r"/resourcePolicies/")
+
+
+def test_the_regions_policies_are_listed_at_most_every_policy_sweep_s(
+    make_gcp: Callable[..., GcpProvider], fake: FakeComputeApi
+) -> None:
+    gcp = make_gcp(policy_sweep_s=600.0, regions=["europe-west4"])
+    for _ in range(3):
+        gcp.list_instances()
+    listed = [s.path for s in fake.calls("GET", r"/resourcePolicies$")]
+    assert sorted(listed) == [
+        f"/compute/v1/projects/{fake.project}/regions/{r}/resourcePolicies"
+        for r in ("europe-west4", REGION)
+    ]
+
+
+def test_a_missing_list_permission_warns_once_and_listing_goes_on(
+    gcp: GcpProvider, fake: FakeComputeApi, caplog: pytest.LogCaptureFixture
+) -> None:
+    info = launch(gcp, nodes=2)
+    fake.deny("compute.resourcePolicies.list")
+    caplog.set_level(logging.WARNING)
+    for _ in range(3):
+        assert [i.instance_id for i in gcp.list_instances()] == [info.instance_id]
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "compute.resourcePolicies.list" in warning and "trainbotControlPlane" in warning
+    assert REGION in warning
 
 
 def test_node_names_stay_valid_and_distinct() -> None:
