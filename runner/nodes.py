@@ -18,7 +18,14 @@ from dataclasses import dataclass
 
 from runner.errors import RunnerError
 
-__all__ = ["Node"]
+__all__ = ["Node", "free_port"]
+
+
+def free_port() -> int:
+    """A TCP port of the loopback that is free now, for a rendezvous on this machine."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def _int(env: Mapping[str, str], name: str, default: int, *, low: int) -> int:
@@ -58,22 +65,20 @@ class Node:
                 f"TRAINBOT_NODE_RANK={rank} with TRAINBOT_NNODES={nnodes}: a node's rank is "
                 f"0 to {nnodes - 1}"
             )
-        addr = env.get("TRAINBOT_MASTER_ADDR", "").strip() or "127.0.0.1"
-        if nnodes > 1 and rank > 0 and not env.get("TRAINBOT_MASTER_ADDR", "").strip():
+        given = env.get("TRAINBOT_MASTER_ADDR", "").strip()
+        if rank > 0 and not given:
             raise RunnerError(
                 "TRAINBOT_MASTER_ADDR is not set: node "
                 f"{rank} of {nnodes} needs node 0's address to join its rendezvous"
             )
         port = _int(env, "TRAINBOT_MASTER_PORT", 29500, low=1)
+        addr = given or "127.0.0.1"
         return cls(nnodes=nnodes, rank=rank, nproc=nproc, master_addr=addr, master_port=port)
 
     @classmethod
     def alone(cls) -> Node:
         """One process on one node, on a port free now: a distributed script's dry run."""
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = int(sock.getsockname()[1])
-        return cls(nnodes=1, rank=0, nproc=1, master_addr="127.0.0.1", master_port=port)
+        return cls(nnodes=1, rank=0, nproc=1, master_addr="127.0.0.1", master_port=free_port())
 
     def command(self, command: Sequence[str]) -> list[str]:
         """``command`` (``python train.py …``, ``python -m pkg …`` or a program) under

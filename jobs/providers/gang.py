@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -27,7 +28,6 @@ from datetime import datetime, timezone
 
 from jobs.providers.base import (
     TAG_NODE,
-    TAG_NODES,
     InstanceInfo,
     InstanceNotFound,
     InstanceState,
@@ -167,7 +167,8 @@ def _lost(node: InstanceStatus) -> bool:
     (SIGKILL, a vanished process) or terminated by someone other than the gang's end."""
     if node.state is InstanceState.TERMINATED:
         return True
-    return node.state is InstanceState.FAILED and node.exit_code in (None, -9, 137)
+    killed = (None, -signal.SIGKILL, 128 + signal.SIGKILL)  # unrecorded, or SIGKILL
+    return node.state is InstanceState.FAILED and node.exit_code in killed
 
 
 def combine(
@@ -303,11 +304,3 @@ def group(instances: Iterable[InstanceInfo]) -> list[InstanceInfo]:
     return [
         item if isinstance(item, InstanceInfo) else _as_one(sorted(item, key=rank)) for item in out
     ]
-
-
-def nodes_of(info: InstanceInfo) -> int:
-    """How many nodes the instance's gang has (1: a plain instance)."""
-    try:
-        return max(1, int(info.tags.get(TAG_NODES, "1")))
-    except ValueError:
-        return 1

@@ -42,10 +42,6 @@ from tests.jobs.test_control_plane import (
     wait_until,
 )
 
-pytestmark = pytest.mark.skipif(
-    not Path("/proc/self/environ").exists(), reason="needs /proc to find a node's processes"
-)
-
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -199,6 +195,9 @@ def _result(cp: ControlPlane, instance_id: str) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+@pytest.mark.skipif(
+    not Path("/proc/self/environ").exists(), reason="needs /proc to find a node's processes"
+)
 def test_a_two_node_run_is_preempted_and_lost_and_resumes_as_a_gang(tmp_path: Path) -> None:
     """Preempting one node stops both at the same step; the run is resubmitted as a gang
     and resumes; a node killed with SIGKILL ends the attempt the same way; nothing of any

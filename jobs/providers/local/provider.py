@@ -9,7 +9,6 @@ it: machine (quota, capacity, prices), records (the state directory), processes
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import threading
 import time
@@ -51,6 +50,7 @@ from jobs.providers.local.records import (
     ZONE,
     Instances,
 )
+from runner.nodes import free_port
 
 if TYPE_CHECKING:
     from jobs.settings import Settings
@@ -237,9 +237,7 @@ class LocalProvider:
         for record in self._instances.records():
             if record.idempotency_key == key and MASTER_PORT_TAG in record.tags:
                 return int(record.tags[MASTER_PORT_TAG])
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            return int(sock.getsockname()[1])
+        return free_port()
 
     def _launch_one(self, req: LaunchRequest) -> InstanceInfo:
         if not req.command:
