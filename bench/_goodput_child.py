@@ -16,6 +16,7 @@ time and the stall of every save, which the benchmark's accounting reads.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
@@ -158,14 +159,33 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--step-s", type=float, required=True, help="seconds of work per step")
     p.add_argument("--state-mb", type=float, required=True, help="MiB of state to checkpoint")
     p.add_argument("--store-mbps", type=float, required=True, help="store bandwidth, MiB/s")
+    p.add_argument(
+        "--up-dir",
+        type=Path,
+        help="write the Unix time at which this process had imported what it runs to "
+        "DIR/<TRAINBOT_ATTEMPT_ID> (the benchmark's clock for the attempt starts there)",
+    )
     args = p.parse_args(argv)
     if args.steps < 1 or args.step_s <= 0 or args.state_mb <= 0 or args.store_mbps <= 0:
         p.error("--steps, --step-s, --state-mb and --store-mbps must be positive")
     return args
 
 
+def mark_up(up_dir: Path, at: float) -> None:
+    """Say when this process was up: its interpreter started and torch and the runner
+    imported. Written whole (a rename), as the benchmark polls for it."""
+    attempt = os.environ.get("TRAINBOT_ATTEMPT_ID", "local")
+    up_dir.mkdir(parents=True, exist_ok=True)
+    tmp = up_dir / f".{attempt}.tmp"
+    tmp.write_text(repr(at))
+    tmp.replace(up_dir / attempt)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    up_at = time.time()  # this module's imports (torch, the runner) are done
     args = parse_args(argv)
+    if args.up_dir is not None:
+        mark_up(args.up_dir, up_at)
     weights = Weights(int(args.state_mb * MiB))
     try:
         config = SessionConfig.from_env()

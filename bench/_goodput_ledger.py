@@ -4,16 +4,18 @@ Paid time is what the attempt rows say (``ended_at − started_at``, summed, as
 ``jobs.tasks.run_summary`` sums it). Each attempt's span is cut at the times its
 runner's events give (one clock: the control plane and the runner share the machine):
 
-    launched ─ startup ─ started ─ set-up ─ first step … last step ─ tail ─ ┐
-        (process start)   (restore)   steps and the time       (waiting for a   │
-                                      between them             save, the flush) │
+    launched ─ startup ─ up ─ set-up ─ first step … last step ─ tail ──────── ┐
+      (processes start,  (restore,  steps and the time      (waiting for a       │
+       imports)           the model) between them            save, the flush)    │
     ┌───────────────────────────────────────────────────────────────────────────┘
     └ shutdown ─ process end ─ lag ─ ended_at
       (teardown after the      (the control plane noticing)
        last commit)
 
-Start-up, shutdown and lag are real process and control-plane costs that a time
-compression cannot shrink; so is the loop's fixed work between two steps (reporting the
+``up`` is when the training process has imported what it runs (its own mark, an ``up``
+event; without one, the supervisor's ``started``, when it spawned the process). Start-up,
+shutdown and lag are real process and control-plane costs that a time compression cannot
+shrink; so is the loop's fixed work between two steps (reporting the
 step's metrics, looking at the flag: the same microseconds after a 100 ms step as after
 a 3 s one), measured as the median gap between consecutive steps of an attempt, times
 the gaps (a gap with a save in it is an outlier the median leaves out; the save's stall
@@ -88,7 +90,8 @@ def split_attempt(
     launched = attempt.launched
     assert launched is not None
     metrics = [e for e in events if e.type == "metrics"]
-    started = next((e.time for e in events if e.type == "started"), None)
+    up = next((e.time for e in events if e.type == "up"), None)
+    started = up if up is not None else next((e.time for e in events if e.type == "started"), None)
     exit_event = next((e.time for e in events if e.type == "exit"), None)
     commits = [e.time for e in events if e.type == "checkpoint_committed"]
     exited = exit_event is not None

@@ -20,10 +20,11 @@ store), the termination window. What is not simulated cannot be compressed: star
 the runner's processes (two interpreters importing torch, seconds each), their teardown,
 and the control plane noticing an end. They are measured per attempt and ``goodput``
 counts them at their wall length (a second of them is a second at scale, every other
-wall second is k); ``goodput_wall`` counts every wall second as it fell. Preemption gaps
-run from the moment the training process is up (its ``started`` event), so that the
-uncompressed start does not eat the compressed time between preemptions. The accounting
-is ``bench/_goodput_ledger.py``.
+wall second is k); ``goodput_wall`` counts every wall second as it fell. The training
+process's own start (the interpreter, importing torch and the runner) is part of that
+start-up: the child marks when it is up (``--up-dir``). Preemption gaps run from that
+mark, so that the uncompressed start does not eat the compressed time between
+preemptions. The accounting is ``bench/_goodput_ledger.py``.
 
 Two regimes, each its own control plane, one after the other:
 
@@ -47,8 +48,8 @@ Two scenarios: ``base`` (the options; M = 10 minutes by default, both regimes) a
 The ceiling (issue 12, item 8). Goodput is judged against the best any checkpointing
 design could do with the costs measured in the same run, in seconds at scale:
 
-    S = S0 + S1  start-up: launch to ``started`` (S0, 1x) plus ``started`` to the first
-                 step less the restore (S1); medians over attempts
+    S = S0 + S1  start-up: launch to the training process up (S0, 1x) plus up to the
+                 first step less the restore (S1); medians over attempts
     R            restore: ``restored.restore_s`` of the resumed attempts, median
     W            write: ``checkpoint_committed.write_s``, median
     C            stall: ``stall_s`` of the periodic saves, median
@@ -80,7 +81,7 @@ not lower its bar); a cost no run measured is the store's configured transfer ti
   (the n-th attempt of every run draws the same one) with train-through, and N is what it
   met; it needs no more attempts than any real design, so a lucky draw lifts the ceiling
   as much as the goodput. ``ceiling_expected`` puts E[N] instead: the notices are a
-  Poisson process on each attempt's clock since ``started``, which runs for S1, R, the
+  Poisson process on each attempt's clock since it is up, which runs for S1, R, the
   training and L, less the window trained through (Wald):
   E[N] = (P·(1 + c) + S1 + W) / (M + w' − S1 − R − L), w' = w when the flush fits, else 0.
 - Not counted: process teardown, the control plane noticing an end, redone steps with a
@@ -102,6 +103,7 @@ import logging
 import math
 import os
 import random
+import shlex
 import statistics
 import sys
 import tempfile
@@ -440,6 +442,18 @@ class ControlPlaneLog(logging.Handler):
         log(f"  [{record.levelname.lower()}] {line}")
 
 
+def _up_dir(root: Path) -> Path:
+    return root / "up"
+
+
+def up_time(up_dir: Path, attempt_id: str) -> float | None:
+    """When the attempt's training process was up (``_goodput_child --up-dir``), if yet."""
+    try:
+        return float((up_dir / attempt_id).read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
 class Preemptor:
     """Preempts every attempt of the given runs after an exponential gap from its start.
 
@@ -447,7 +461,7 @@ class Preemptor:
     run waits the same time: the contenders face the same preemptions.
     """
 
-    def __init__(self, cp: ControlPlane, *, mtbp_s: float, seed: int) -> None:
+    def __init__(self, cp: ControlPlane, *, mtbp_s: float, seed: int, up_dir: Path) -> None:
         provider = cp.deps.provider
         if not isinstance(provider, LocalProvider):
             raise BenchError("the goodput benchmark needs the local provider")
@@ -455,6 +469,7 @@ class Preemptor:
         self.provider = provider
         self.mtbp_s = mtbp_s
         self.seed = seed
+        self.up_dir = up_dir
         self._gaps: dict[str, Iterator[float]] = {}
         #: attempt id -> (run id, when the preemption is due, epoch seconds)
         self.due: dict[str, tuple[str, float]] = {}
@@ -490,11 +505,14 @@ class Preemptor:
                 .where(EventRow.type == "started", col(EventRow.run_id).in_(runs))
                 .order_by(col(Attempt.number))
             ).all()
-        for attempt_id, run_id, started, instance_id in rows:
+        for attempt_id, run_id, _started, instance_id in rows:
             if attempt_id in self.due or instance_id is None:
                 continue
+            up = up_time(self.up_dir, attempt_id)
+            if up is None:  # its process is still importing: the clock has not started
+                continue
             gap = next(self._gaps[run_id])
-            at = started.timestamp() + gap
+            at = up + gap
             self.due[attempt_id] = (run_id, max(at, time.time()))
             self.provider.schedule_preemption(
                 instance_id, at=datetime.fromtimestamp(at, tz=timezone.utc)
@@ -545,6 +563,7 @@ def _write_spec(root: Path, scenario: Scenario) -> None:
         f"python -m bench._goodput_child --steps {scenario.steps}"
         f" --step-s {scenario.wall(scenario.step_s):.6f}"
         f" --state-mb {scenario.state_mb:g} --store-mbps {scenario.store_mbps:.3f}"
+        f" --up-dir {shlex.quote(str(_up_dir(root)))}"
     )
     spec = {
         "description": "bench_goodput: a long run under random preemptions, time-compressed",
@@ -587,7 +606,7 @@ def run_regime(
         scheduler_intervals={"reconcile": 0.5, "spend": 10, "escalation": 3600, "cleanup": 2},
     ) as cp:
         try:
-            with Preemptor(cp, mtbp_s=mtbp, seed=scenario.seed) as preemptor:
+            with Preemptor(cp, mtbp_s=mtbp, seed=scenario.seed, up_dir=_up_dir(root)) as preemptor:
                 runs, intervals, rule = _launch(
                     cp, preemptor, contenders, mtbp=mtbp, stall_s=stall_s
                 )
@@ -612,6 +631,7 @@ def run_regime(
                     interval=intervals[name],
                     due=due,
                     launched=launched,
+                    up_dir=_up_dir(root),
                 )
                 for name, run_id in runs.items()
             }
@@ -758,8 +778,10 @@ def _figures(
     interval: float,
     due: dict[str, tuple[str, float]],
     launched: dict[str, float | None],
+    up_dir: Path,
 ) -> dict[str, Any]:
-    """One run's figures, from its attempt rows and its runner's events."""
+    """One run's figures, from its attempt rows, its runner's events and when each
+    attempt's training process was up."""
     with session_scope(deps.engine) as session:
         run = session.get(Run, run_id)
         assert run is not None
@@ -781,6 +803,9 @@ def _figures(
             RunEvent(p.attempt_id, "metrics", p.time, p.data)
             for p in run_metrics(session.connection(), run_id)
         ]
+    events += [
+        RunEvent(a.id, "up", up, {}) for a in attempts if (up := up_time(up_dir, a.id)) is not None
+    ]
     summary = tasks.run_summary(deps, run_id)
     finished = state == RunState.SUCCEEDED
     killed_at = {a: at + regime.window_wall_s for a, (_, at) in due.items()}

@@ -7,8 +7,14 @@ Each command's help text is its class docstring: the first line is the summary s
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
+
+if sys.version_info >= (3, 11):
+    from typing import dataclass_transform
+else:  # the server extra's pydantic brings it
+    from typing_extensions import dataclass_transform
 
 
 class BotError(Exception):
@@ -19,24 +25,46 @@ class CommandError(BotError):
     """The ``/train`` text does not follow the grammar; the message shows how to fix it."""
 
 
+@dataclass_transform(frozen_default=True)
 @dataclass(frozen=True)
 class Command:
-    """Base of every parsed command; ``verb`` and ``usage`` describe its grammar."""
+    """Base of every parsed command; ``verb`` and ``usage`` describe its grammar.
+
+    A subclass is a frozen dataclass that gives its usage line, whose word after
+    ``/train`` is its verb: ``class Stop(RunCommand, usage="/train stop <run>")``.
+    """
 
     verb: ClassVar[str] = ""
     usage: ClassVar[str] = ""
 
+    def __init_subclass__(cls, *, usage: str = "", **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if usage:
+            cls.usage = usage
+            cls.verb = usage.split()[1]
+        dataclass(frozen=True)(cls)
 
-@dataclass(frozen=True)
-class Launch(Command):
+
+class RunCommand(Command):
+    """A command about one run."""
+
+    #: Run id.
+    run: str
+
+
+class AlertCommand(Command):
+    """A command about one alert."""
+
+    #: Alert id.
+    alert: str
+
+
+class Launch(Command, usage="/train launch [<spec> [key.path=value …]]"):
     """Start a run from a spec; preflight checks run first and ask you to confirm.
 
     Overrides change the spec for this run only. Without a spec, opens the launch form.
     Example: /train launch gpt-small budget.usd=800 resources.zone=us-east-1b
     """
-
-    verb: ClassVar[str] = "launch"
-    usage: ClassVar[str] = "/train launch [<spec> [key.path=value …]]"
 
     #: Spec name, or None to open the launch form.
     spec: str | None
@@ -44,15 +72,11 @@ class Launch(Command):
     overrides: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True)
-class Preflight(Command):
+class Preflight(Command, usage="/train preflight <spec> [key.path=value …]"):
     """Run the preflight checks (quota, capacity, data locality, dry run) without launching.
 
     Example: /train preflight gpt-small accelerator.count=8
     """
-
-    verb: ClassVar[str] = "preflight"
-    usage: ClassVar[str] = "/train preflight <spec> [key.path=value …]"
 
     #: Spec name.
     spec: str
@@ -60,51 +84,42 @@ class Preflight(Command):
     overrides: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True)
-class StatusCommand(Command):
+class StatusCommand(Command, usage="/train status [<run>]"):
     """Show a run's state, step, spend and alerts; without a run, a summary of yours.
 
     Example: /train status r-7f3a2c
     """
 
-    verb: ClassVar[str] = "status"
-    usage: ClassVar[str] = "/train status [<run>]"
-
     #: Run id, or None for a summary.
     run: str | None = None
 
 
-@dataclass(frozen=True)
-class ListRuns(Command):
+class ListRuns(Command, usage="/train list [mine|active|all]"):
     """List runs: yours, the active ones (default) or all of them.
 
     Example: /train list mine
     """
 
-    verb: ClassVar[str] = "list"
-    usage: ClassVar[str] = "/train list [mine|active|all]"
     scopes: ClassVar[tuple[str, ...]] = ("mine", "active", "all")
 
     #: One of ``scopes``.
     scope: str = "active"
 
 
-@dataclass(frozen=True)
-class Stop(Command):
+class Stop(RunCommand, usage="/train stop <run>"):
     """Stop a run: checkpoint, terminate its instance, stop billing.
 
     Example: /train stop r-7f3a2c
     """
 
-    verb: ClassVar[str] = "stop"
-    usage: ClassVar[str] = "/train stop <run>"
 
-    #: Run id.
-    run: str
-
-
-@dataclass(frozen=True)
-class Resubmit(Command):
+class Resubmit(
+    RunCommand,
+    usage=(
+        "/train resubmit <run> [from=<step>] [budget.usd=<dollars>] [key.path=value …] "
+        "[--max-price <dollars>]"
+    ),
+):
     """Start a new attempt of a run from its last committed checkpoint, or with from=N
     from the newest checkpoint at or before step N (after a divergence), optionally with
     changes.
@@ -118,14 +133,6 @@ class Resubmit(Command):
     Example: /train resubmit r-7f3a2c env.LR=3e-4 --max-price 1.20
     """
 
-    verb: ClassVar[str] = "resubmit"
-    usage: ClassVar[str] = (
-        "/train resubmit <run> [from=<step>] [budget.usd=<dollars>] [key.path=value …] "
-        "[--max-price <dollars>]"
-    )
-
-    #: Run id.
-    run: str
     #: The new budget in USD (``budget.usd=N``), or None to keep the run's.
     budget_usd: float | None = None
     #: Resume from the newest checkpoint at or before this step (``from=N``); None: the newest.
@@ -136,74 +143,47 @@ class Resubmit(Command):
     max_price: float | None = None
 
 
-@dataclass(frozen=True)
-class Logs(Command):
+class Logs(RunCommand, usage="/train logs <run>"):
     """Show the latest log lines and events of a run.
 
     Example: /train logs r-7f3a2c
     """
 
-    verb: ClassVar[str] = "logs"
-    usage: ClassVar[str] = "/train logs <run>"
 
-    #: Run id.
-    run: str
-
-
-@dataclass(frozen=True)
-class Ack(Command):
+class Ack(AlertCommand, usage="/train ack <alert>"):
     """Acknowledge an alert: it stops notifying and will not escalate.
 
     Example: /train ack al-91b2
     """
 
-    verb: ClassVar[str] = "ack"
-    usage: ClassVar[str] = "/train ack <alert>"
 
-    #: Alert id.
-    alert: str
-
-
-@dataclass(frozen=True)
-class Snooze(Command):
+class Snooze(AlertCommand, usage="/train snooze <alert> <duration>"):
     """Silence an alert for a while (s, m, h or d; at most 7 days).
 
     Example: /train snooze al-91b2 2h
     """
 
-    verb: ClassVar[str] = "snooze"
-    usage: ClassVar[str] = "/train snooze <alert> <duration>"
-
-    #: Alert id.
-    alert: str
     #: How long to stay silent, in seconds (1 … MAX_SNOOZE_S).
     seconds: int
 
 
-@dataclass(frozen=True)
-class Spend(Command):
+class Spend(Command, usage="/train spend [day|week|month]"):
     """Show spend per run and per user for the last day (default), week or month.
 
     Example: /train spend week
     """
 
-    verb: ClassVar[str] = "spend"
-    usage: ClassVar[str] = "/train spend [day|week|month]"
     periods: ClassVar[tuple[str, ...]] = ("day", "week", "month")
 
     #: One of ``periods``.
     period: str = "day"
 
 
-@dataclass(frozen=True)
-class BudgetCommand(Command):
+class BudgetCommand(Command, usage="/train budget"):
     """Show run and team budgets, what is spent, and the alert thresholds.
 
     Example: /train budget
     """
-
-    verb: ClassVar[str] = "budget"
-    usage: ClassVar[str] = "/train budget"
 
 
 @dataclass(frozen=True)
@@ -216,46 +196,32 @@ class UserRef:
     name: str | None
 
 
-@dataclass(frozen=True)
-class Oncall(Command):
+class Oncall(Command, usage="/train oncall [@user]"):
     """Show who is on call, or hand on-call over to someone.
 
     Example: /train oncall @dana
     """
 
-    verb: ClassVar[str] = "oncall"
-    usage: ClassVar[str] = "/train oncall [@user]"
-
     #: The new on-call engineer, or None to show the current one.
     user: UserRef | None = None
 
 
-@dataclass(frozen=True)
-class Cleanup(Command):
+class Cleanup(RunCommand, usage="/train cleanup <run> [--dry-run]"):
     """Delete a run's old checkpoints by its retention policy; the newest is always kept.
 
     With --dry-run, lists what would be deleted and deletes nothing.
     Example: /train cleanup r-7f3a2c --dry-run
     """
 
-    verb: ClassVar[str] = "cleanup"
-    usage: ClassVar[str] = "/train cleanup <run> [--dry-run]"
-
-    #: Run id.
-    run: str
     #: Report only; delete nothing.
     dry_run: bool = False
 
 
-@dataclass(frozen=True)
-class Help(Command):
+class Help(Command, usage="/train help [<command>]"):
     """Show the commands, or the details of one.
 
     Example: /train help snooze
     """
-
-    verb: ClassVar[str] = "help"
-    usage: ClassVar[str] = "/train help [<command>]"
 
     #: A verb, or None for the list of commands.
     command: str | None = None

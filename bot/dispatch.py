@@ -12,31 +12,12 @@ an on-call person by id. The console gets the plain text.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from bot import messages
-from bot.commands import (
-    Ack,
-    BudgetCommand,
-    Cleanup,
-    Command,
-    CommandError,
-    Help,
-    Launch,
-    ListRuns,
-    Logs,
-    Oncall,
-    Preflight,
-    Resubmit,
-    Snooze,
-    Spend,
-    StatusCommand,
-    Stop,
-    help_text,
-    parse,
-)
+from bot import commands, messages
 from bot.mentions import escape, mention
 from jobs import service
 from jobs.deps import Deps
@@ -62,31 +43,21 @@ class Reply:
 Markup = Literal["slack", "plain"]
 
 
-def handle_text(
-    deps: Deps,
-    text: str,
-    actor: Actor,
-    *,
-    key: str | None = None,
-    markup: Markup = "plain",
-) -> Reply:
-    """Parse and run one `/train …` command."""
-    try:
-        command = parse(text)
-    except CommandError as exc:
-        return _finish(Reply(text=str(exc), ephemeral=True), markup)
-    return dispatch(deps, command, actor, key=key, markup=markup)
-
-
 def dispatch(
     deps: Deps,
-    command: Command,
+    command: commands.Command | str,
     actor: Actor,
     *,
     key: str | None = None,
     markup: Markup = "slack",
 ) -> Reply:
-    what = "runs" if isinstance(command, ListRuns | StatusCommand) else "lines"
+    """Run one command, parsed or as its `/train …` text."""
+    if isinstance(command, str):
+        try:
+            command = commands.parse(command)
+        except commands.CommandError as exc:
+            return _finish(Reply(text=str(exc), ephemeral=True), markup)
+    what = "runs" if isinstance(command, commands.ListRuns | commands.StatusCommand) else "lines"
     try:
         reply = _dispatch(deps, command, actor, key=key)
     except TrainbotError as exc:
@@ -95,6 +66,10 @@ def dispatch(
         log.exception("command %r failed", command)
         reply = Reply(text=messages.unexpected(), ephemeral=True)
     return _finish(reply, markup, what=what)
+
+
+#: Parse and run one `/train …` command, for the console: its reply is plain text.
+handle_text = functools.partial(dispatch, markup="plain")
 
 
 #: Reply.data key: the on-call name the text holds, to be shown as a mention in Slack.
@@ -112,17 +87,17 @@ def _finish(reply: Reply, markup: Markup, *, what: str = "lines") -> Reply:
     return replace(reply, text=messages.fit_lines(text, what=what))
 
 
-def _dispatch(deps: Deps, command: Command, actor: Actor, *, key: str | None) -> Reply:
-    if isinstance(command, Help):
-        return Reply(text=help_text(command.command), ephemeral=True)
-    if isinstance(command, Launch | Preflight):
+def _dispatch(deps: Deps, command: commands.Command, actor: Actor, *, key: str | None) -> Reply:
+    if isinstance(command, commands.Help):
+        return Reply(text=commands.help_text(command.command), ephemeral=True)
+    if isinstance(command, commands.Launch | commands.Preflight):
         if command.spec is None:
             names = ", ".join(service.specs(deps)) or "none"
             return Reply(
                 text=f"Which spec? /train launch <spec> [key=value …]. Specs: {names}",
                 ephemeral=True,
             )
-        launch = isinstance(command, Launch)
+        launch = isinstance(command, commands.Launch)
         run = service.submit(
             deps,
             spec_name=command.spec,
@@ -133,16 +108,16 @@ def _dispatch(deps: Deps, command: Command, actor: Actor, *, key: str | None) ->
         )
         say = messages.submitted if launch else messages.preflight_only
         return Reply(text=say(run.id, run.spec_name), run_id=run.id)
-    if isinstance(command, StatusCommand):
+    if isinstance(command, commands.StatusCommand):
         cards = service.status(deps, command.run, actor)
         return Reply(text=messages.run_list(cards, "active"), run_id=command.run)
-    if isinstance(command, ListRuns):
+    if isinstance(command, commands.ListRuns):
         cards = service.list_runs(deps, command.scope, actor)
         return Reply(text=messages.run_list(cards, command.scope))
-    if isinstance(command, Stop):
+    if isinstance(command, commands.Stop):
         run = service.stop(deps, command.run, actor)
         return Reply(text=messages.stopped(run.id), run_id=run.id)
-    if isinstance(command, Resubmit):
+    if isinstance(command, commands.Resubmit):
         run = service.resubmit(
             deps,
             command.run,
@@ -159,20 +134,20 @@ def _dispatch(deps: Deps, command: Command, actor: Actor, *, key: str | None) ->
         else:
             text = messages.resubmitted(command.run, run.id)
         return Reply(text=text, run_id=run.id)
-    if isinstance(command, Logs):
+    if isinstance(command, commands.Logs):
         return Reply(text=service.logs(deps, command.run, actor), ephemeral=True)
-    if isinstance(command, Ack):
+    if isinstance(command, commands.Ack):
         alert = service.acknowledge(deps, command.alert, actor)
         return Reply(text=messages.acked(alert.id, alert.acked_by or actor.user), alert_id=alert.id)
-    if isinstance(command, Snooze):
+    if isinstance(command, commands.Snooze):
         alert = service.snooze(deps, command.alert, command.seconds, actor)
         return Reply(text=messages.snoozed(alert.id, alert.snoozed_until), alert_id=alert.id)
-    if isinstance(command, Spend):
+    if isinstance(command, commands.Spend):
         report = service.spend_report(deps, command.period, actor)
         return Reply(text=messages.spend_report(report), data=report)
-    if isinstance(command, BudgetCommand):
+    if isinstance(command, commands.BudgetCommand):
         return Reply(text=messages.budget_table(service.budgets(deps, actor)))
-    if isinstance(command, Oncall):
+    if isinstance(command, commands.Oncall):
         user = None
         if command.user is not None:
             ref = command.user
@@ -182,7 +157,7 @@ def _dispatch(deps: Deps, command: Command, actor: Actor, *, key: str | None) ->
             text=messages.oncall(current, changed=user is not None),
             data={_ONCALL: current} if current else {},
         )
-    if isinstance(command, Cleanup):
+    if isinstance(command, commands.Cleanup):
         summary = service.cleanup(deps, command.run, actor, dry_run=command.dry_run)
         return Reply(text=messages.cleanup(summary), run_id=command.run, data=summary)
-    raise CommandError(f"{type(command).__name__} is not handled yet")
+    raise commands.CommandError(f"{type(command).__name__} is not handled yet")

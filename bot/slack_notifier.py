@@ -73,6 +73,7 @@ from bot.mentions import MentionResolver
 from bot.plots import SPEND_CHART_FILENAME
 from bot.slack_outbox import Outbox, OutboxLink
 from bot.slack_queue import DROPPED, HANDLE_PREFIX, Attachment, ChannelQueues, Op
+from jobs.backoff import Backoff
 from jobs.notify import AlertMessage, DigestMessage, Message, MessageRef
 
 log = logging.getLogger(__name__)
@@ -143,8 +144,7 @@ class SlackNotifier:
         self.attachments = attachments
         self.min_interval_s = min_interval_s
         self.max_retries = max_retries
-        self.backoff_s = backoff_s
-        self.max_backoff_s = max_backoff_s
+        self.backoff = Backoff(backoff_s, max_backoff_s)
         self.on_resolved = on_resolved
         self.clock = clock
         # A handle names its process, so one stored by an earlier process is never
@@ -512,7 +512,7 @@ class SlackNotifier:
             never_drop = isinstance(op.msg, AlertMessage)
             if op.attempts <= self.max_retries or never_drop:
                 self._metrics["retried"] += 1
-                delay = min(self.backoff_s * 2 ** (op.attempts - 1), self.max_backoff_s)
+                delay = self.backoff.delay(op.attempts)
                 self._q.ready_at[channel] = now + max(delay, self.min_interval_s)
                 log.warning(
                     "Slack: %s in %s failed (%s); retry %d in %.1f s",

@@ -36,6 +36,7 @@ from typing import Any
 from sqlalchemy import Engine
 from sqlmodel import Session
 
+from jobs.backoff import Backoff
 from jobs.errors import TrainbotError
 from jobs.models import Alert, Severity
 
@@ -162,8 +163,7 @@ class PagerDutyBridge:
         self._engine = engine
         self._source = source
         self._max_attempts = max_attempts
-        self._backoff = backoff_s
-        self._max_backoff = max_backoff_s
+        self._backoff = Backoff(backoff_s, max_backoff_s)
         self._stop = threading.Event()
         self._sleep = sleep or self._stop.wait
         self._cond = threading.Condition()
@@ -241,9 +241,7 @@ class PagerDutyBridge:
                 if attempt == self._max_attempts or self._stop.is_set():
                     log.error("PagerDuty: %s; gave up after %d tries", exc, attempt)
                     return
-                delay = min(self._max_backoff, self._backoff * 2 ** (attempt - 1))
-                if exc.retry_after_s is not None:
-                    delay = min(self._max_backoff, max(delay, exc.retry_after_s))
+                delay = self._backoff.delay(attempt, retry_after_s=exc.retry_after_s)
                 log.warning("PagerDuty: %s; retrying in %.1f s", exc, delay)
                 self._sleep(delay)
 

@@ -18,11 +18,11 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import KW_ONLY, asdict, dataclass, field
 
 from runner.errors import RunnerError
 from runner.preemption import WINDOWS_S
-from runner.store.broker import route_url
+from runner.store.broker import post_request, route_url
 from runner.wire.dry_run import DRY_RUN_ROUTE, encode_dry_run_post
 
 __all__ = ["DRY_RUN_ID_ENV", "DryRunReport", "DryRunReports"]
@@ -85,25 +85,18 @@ class DryRunReport:
         return out
 
 
+@dataclass(frozen=True)
 class DryRunReports:
     """Posts one dry run's phases and report to the control plane."""
 
-    def __init__(
-        self,
-        ingest_url: str,
-        token: str,
-        dry_run_id: str,
-        *,
-        tries: int = 6,
-        backoff_s: float = 1.0,
-        timeout_s: float = 10.0,
-    ) -> None:
-        self.url = route_url(ingest_url, DRY_RUN_ROUTE)
-        self._token = token
-        self.dry_run_id = dry_run_id
-        self.tries = tries
-        self.backoff_s = backoff_s
-        self.timeout_s = timeout_s
+    #: The control plane's dry-run route (:data:`DRY_RUN_ROUTE` beside the ingest URL).
+    url: str
+    token: str = field(repr=False)
+    dry_run_id: str
+    _: KW_ONLY
+    tries: int = 6
+    backoff_s: float = 1.0
+    timeout_s: float = 10.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> DryRunReports | None:
@@ -117,7 +110,7 @@ class DryRunReports:
                 f"{DRY_RUN_ID_ENV} is set, but TRAINBOT_INGEST_URL or TRAINBOT_TOKEN is not: "
                 "the control plane sets all three on a dry run's instance"
             )
-        return cls(url, token, dry_run_id)
+        return cls(route_url(url, DRY_RUN_ROUTE), token, dry_run_id)
 
     def progress(self, phase: str) -> None:
         """Say where the dry run stands; a failure is logged, not raised."""
@@ -132,15 +125,7 @@ class DryRunReports:
 
     def _post(self, phase: str, report: dict[str, object] | None, *, tries: int) -> None:
         body = encode_dry_run_post(self.dry_run_id, phase, report)
-        request = urllib.request.Request(
-            self.url,
-            data=body,
-            method="POST",
-            headers={
-                "Authorization": f"Bearer {self._token}",
-                "Content-Type": "application/json",
-            },
-        )
+        request = post_request(self.url, self.token, body)
         for attempt in range(1, tries + 1):
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:

@@ -14,46 +14,38 @@ from bot.views.digest import digest
 from bot.views.preflight import preflight_report
 from bot.views.projection import projection
 from bot.views.text import clip_middle
-from jobs.notify import (
-    AlertMessage,
-    DigestMessage,
-    Message,
-    PreflightMessage,
-    ProjectionMessage,
-    RunCard,
-    TextMessage,
-)
+from jobs import notify
 
-_RENDERERS: dict[type[Message], Callable[[Any], list[Block]]] = {
-    RunCard: run_card,
-    PreflightMessage: preflight_report,
-    ProjectionMessage: projection,
-    AlertMessage: alert,
-    DigestMessage: digest,
-    TextMessage: text_line,
+_RENDERERS: dict[type[notify.Message], Callable[[Any], list[Block]]] = {
+    notify.RunCard: run_card,
+    notify.PreflightMessage: preflight_report,
+    notify.ProjectionMessage: projection,
+    notify.AlertMessage: alert,
+    notify.DigestMessage: digest,
+    notify.TextMessage: text_line,
 }
 
 
-def render(msg: Message) -> list[Block]:
+def render(msg: notify.Message) -> list[Block]:
     """Any message as blocks."""
     return messages.by_type(
         msg, _RENDERERS, lambda other: [section(escape(messages.render(other)))]
     )
 
 
-def fallback_text(msg: Message) -> str:
+def fallback_text(msg: notify.Message) -> str:
     """The ``text`` of a message with blocks: what notifications and screen readers show.
 
     An escalation starts with the group's mention, so the page reaches the on-call
     people even where blocks are not rendered.
     """
     text = escape(messages.render(msg))
-    if isinstance(msg, AlertMessage) and msg.escalate_to:
+    if isinstance(msg, notify.AlertMessage) and msg.escalate_to:
         text = f"{mention(msg.escalate_to)} {text}"
     return clip_middle(text, MAX_FALLBACK_TEXT)
 
 
-def compact(msg: Message) -> list[Block]:
+def compact(msg: notify.Message) -> list[Block]:
     """The message in a few small blocks, for when Slack refuses the full ones
     (``msg_blocks_too_long``, ``invalid_blocks``): its text with the start and the end
     kept (the verdict, the command to run), and its buttons."""

@@ -42,16 +42,13 @@ class Status(str, enum.Enum):
 
 
 @dataclass(frozen=True)
-class CheckResult:
-    """One check's answer, written for the person deciding whether to launch."""
+class CheckResult(CheckLine):
+    """One check's answer: the line people read (``name`` "quota", "capacity", "data",
+    "dry_run", "budget"; ``detail`` what was found, with figures; ``remedy`` what to do,
+    always set on WARN and FAIL), with its verdict as a :class:`Status` and the figures
+    later checks and the report read."""
 
-    #: "quota", "capacity", "data", "dry_run", "budget".
-    name: str
     status: Status
-    #: What was found, with figures.
-    detail: str
-    #: What to do; always set when the status is WARN or FAIL.
-    remedy: str = ""
     #: Figures for later checks and the report; JSON-able.
     data: Mapping[str, Any] = field(default_factory=dict)
 
@@ -155,8 +152,7 @@ class PreflightReport:
             thread_ts=thread_ts,
             run_id=run_id,
             checks=tuple(
-                CheckLine(name=r.name, status=r.status.value, detail=r.detail, remedy=r.remedy)
-                for r in self.results
+                CheckLine(r.name, r.status.value, r.detail, r.remedy) for r in self.results
             ),
             ok=self.ok,
             needs_confirmation=self.needs_confirmation,

@@ -208,6 +208,15 @@ class QuotaInfo:
     # What to do when not ok (the console page or command to raise it); "" when ok.
     remedy: str = ""
 
+    @classmethod
+    def check(
+        cls, limit: float, used: float, needed: float, unit: str, *, detail: str, remedy: str
+    ) -> QuotaInfo:
+        """The quota of these figures: ok when ``used + needed`` is within ``limit``, and
+        then without the ``remedy``."""
+        ok = used + needed <= limit
+        return cls(limit, used, needed, unit, ok, detail, "" if ok else remedy)
+
 
 @dataclass(frozen=True)
 class ZoneCapacity:
@@ -221,6 +230,11 @@ class ZoneCapacity:
     score: float | None = None
     # Why it is or is not available, for the preflight report.
     detail: str = ""
+
+    @classmethod
+    def unavailable(cls, zone: str, detail: str) -> ZoneCapacity:
+        """A zone that cannot take the request, and why."""
+        return cls(zone, False, None, detail)
 
 
 @dataclass(frozen=True)
@@ -301,6 +315,12 @@ class LaunchRequest:
         """The name of the gang's placement (an AWS cluster placement group, a GCP compact
         placement policy): one per attempt, so a resubmitted gang gets a new one."""
         return f"trainbot-{self.attempt_id}".lower()
+
+    @property
+    def key(self) -> str:
+        """The key the provider launches with: ``idempotency_key``, else the run's and the
+        attempt's ids."""
+        return self.idempotency_key or f"{self.run_id}/{self.attempt_id}"
 
     def tags(self, idempotency_key: str) -> dict[str, str]:
         """The tags (AWS) or labels (GCP) of its instance, before each cloud's limits on

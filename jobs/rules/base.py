@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import chain
 from operator import attrgetter
@@ -25,6 +25,7 @@ __all__ = [
     "RunContext",
     "Severity",
     "Signal",
+    "Thresholded",
     "TypedWindow",
     "Verdict",
     "attempt_of",
@@ -34,6 +35,7 @@ __all__ = [
     "number",
     "of_type",
     "on_node",
+    "per_node",
     "slope",
 ]
 
@@ -187,6 +189,13 @@ class Rule(Protocol):
     def evaluate(self, window: Sequence[Obs], *, now: float, ctx: RunContext) -> list[Signal]: ...
 
 
+class Thresholded:
+    """What a rule is built from: the run's alert thresholds (the spec's ``alerts``)."""
+
+    def __init__(self, cfg: AlertThresholds = AlertThresholds()) -> None:
+        self.cfg = cfg
+
+
 def by_node(observations: Iterable[Obs]) -> dict[int, list[Obs]]:
     """Observations per node of a multi-node run (their ``node`` field; none: node 0),
     node 0 first, each in the given order."""
@@ -195,6 +204,18 @@ def by_node(observations: Iterable[Obs]) -> dict[int, list[Obs]]:
         node = obs.data.get("node", 0)
         nodes.setdefault(node if type(node) is int and node >= 0 else 0, []).append(obs)
     return dict(sorted(nodes.items()))
+
+
+def per_node(
+    observations: Iterable[Obs], judge: Callable[[int, list[Obs]], list[Signal]]
+) -> list[Signal]:
+    """A rule's signals judged node by node (``judge(node, its observations)``). A run on
+    one node gets them as they are; each node of a multi-node run is judged on its own
+    figures, and its signals say which node (:func:`on_node`)."""
+    nodes = by_node(observations)
+    if len(nodes) == 1:
+        return judge(0, nodes[0])
+    return [on_node(signal, node) for node, obs in nodes.items() for signal in judge(node, obs)]
 
 
 def on_node(signal: Signal, node: int) -> Signal:

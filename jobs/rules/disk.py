@@ -6,19 +6,7 @@ import math
 from collections.abc import Sequence
 
 from jobs import format as fmt
-from jobs.rules.base import (
-    AlertThresholds,
-    Obs,
-    RunContext,
-    Severity,
-    Signal,
-    Verdict,
-    by_node,
-    number,
-    of_type,
-    on_node,
-    slope,
-)
+from jobs.rules import base
 
 __all__ = ["Disk"]
 
@@ -28,7 +16,7 @@ _DISK_CRITICAL = 97.0
 _DISK_FIT_MIN_POINTS = 3
 
 
-class Disk:
+class Disk(base.Thresholded):
     """The scratch disk is nearly full, or filling fast enough to be full soon.
 
     A full disk fails the next checkpoint, which is the one thing a spot run cannot lose.
@@ -36,21 +24,17 @@ class Disk:
 
     name = "disk"
 
-    def __init__(self, cfg: AlertThresholds = AlertThresholds()) -> None:
-        self.cfg = cfg
-
-    def evaluate(self, window: Sequence[Obs], *, now: float, ctx: RunContext) -> list[Signal]:
-        nodes = by_node(of_type(window, "system"))
-        if len(nodes) == 1:
-            return self._node(nodes[0], now=now, ctx=ctx)
+    def evaluate(
+        self, window: Sequence[base.Obs], *, now: float, ctx: base.RunContext
+    ) -> list[base.Signal]:
         # Each node of a multi-node run has its own scratch disk; the alert names it.
-        return [
-            on_node(signal, node)
-            for node, system in nodes.items()
-            for signal in self._node(system, now=now, ctx=ctx)
-        ]
+        return base.per_node(
+            base.of_type(window, "system"), lambda _, system: self._node(system, now=now, ctx=ctx)
+        )
 
-    def _node(self, system: Sequence[Obs], *, now: float, ctx: RunContext) -> list[Signal]:
+    def _node(
+        self, system: Sequence[base.Obs], *, now: float, ctx: base.RunContext
+    ) -> list[base.Signal]:
         samples: list[tuple[float, float, float]] = []
         for obs in system:
             data = obs.data
@@ -58,7 +42,7 @@ class Disk:
             if type(used) is int and type(total) is int:  # nearly always: _num, inlined
                 used, total = float(used), float(total)
             else:
-                used, total = number(data, "disk_used"), number(data, "disk_total")
+                used, total = base.number(data, "disk_used"), base.number(data, "disk_total")
             if used is not None and total is not None and total > 0 and math.isfinite(used):
                 samples.append((obs.time, used, total))
         if not samples:
@@ -75,12 +59,12 @@ class Disk:
             "with a bigger disk; a full disk fails the next checkpoint."
         )
 
-    def _threshold(self, latest: tuple[float, float, float], ctx: RunContext) -> Signal:
+    def _threshold(self, latest: tuple[float, float, float], ctx: base.RunContext) -> base.Signal:
         _, used, total = latest
         pct = 100.0 * used / total
         figures = f"disk {pct:.1f}% used ({fmt.size(used)} of {fmt.size(total)})"
         data = {"percent": pct, "used": used, "total": total}
-        verdict = Verdict(self.name, "threshold", Severity.WARNING, data)
+        verdict = base.Verdict(self.name, "threshold", base.Severity.WARNING, data)
         if pct <= self.cfg.disk_percent:
             return verdict.cleared(f"Disk of run {ctx.run_id} is back to {pct:.0f}% used", figures)
         critical = pct >= _DISK_CRITICAL
@@ -88,30 +72,30 @@ class Disk:
             f"Disk {pct:.0f}% full on run {ctx.run_id}",
             f"{figures}; alert above {self.cfg.disk_percent:g}%",
             hint=self._hint(),
-            severity=Severity.CRITICAL if critical else Severity.WARNING,
+            severity=base.Severity.CRITICAL if critical else base.Severity.WARNING,
         )
 
     def _full_in(
-        self, samples: list[tuple[float, float, float]], *, now: float, ctx: RunContext
-    ) -> Signal | None:
+        self, samples: list[tuple[float, float, float]], *, now: float, ctx: base.RunContext
+    ) -> base.Signal | None:
         if len(samples) < _DISK_FIT_MIN_POINTS:
             return None
         times = [t for t, _, _ in samples]
         if times[-1] == times[0]:
             return None
-        rate = slope(times, [u for _, u, _ in samples])  # bytes per second
+        rate = base.slope(times, [u for _, u, _ in samples])  # bytes per second
         _, used, total = samples[-1]
         horizon = self.cfg.disk_horizon_s
         eta = (total - used) / rate if rate > 0 else math.inf
         if eta > horizon:
-            return Verdict(
-                self.name, "full-in", Severity.WARNING, {"rate_bytes_per_s": rate}
+            return base.Verdict(
+                self.name, "full-in", base.Severity.WARNING, {"rate_bytes_per_s": rate}
             ).cleared(
                 f"Disk of run {ctx.run_id} is no longer filling fast",
                 f"disk {100 * used / total:.1f}% used, growing {fmt.size(rate * 60)}/min",
             )
         eta = max(eta, 0.0)
-        return Verdict(self.name, "full-in", Severity.WARNING).firing(
+        return base.Verdict(self.name, "full-in", base.Severity.WARNING).firing(
             f"Disk of run {ctx.run_id} will be full in ~{fmt.duration(eta)}",
             (
                 f"disk {100 * used / total:.1f}% used ({fmt.size(used)} of {fmt.size(total)}), "

@@ -5,18 +5,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from jobs import format as fmt
-from jobs.rules.base import AlertThresholds, Obs, RunContext, Severity, Signal, Verdict
+from jobs.rules.base import Obs, RunContext, Severity, Signal, Thresholded, Verdict
 
 __all__ = ["LostHeartbeat"]
 
 
-class LostHeartbeat:
+class LostHeartbeat(Thresholded):
     """The runner has gone quiet: the instance may be gone, hung, or still billing."""
 
     name = "lost_heartbeat"
-
-    def __init__(self, cfg: AlertThresholds = AlertThresholds()) -> None:
-        self.cfg = cfg
 
     def evaluate(self, window: Sequence[Obs], *, now: float, ctx: RunContext) -> list[Signal]:
         if ctx.last_heartbeat is None:

@@ -8,11 +8,11 @@ from collections.abc import Sequence
 
 from jobs import format as fmt
 from jobs.rules.base import (
-    AlertThresholds,
     Obs,
     RunContext,
     Severity,
     Signal,
+    Thresholded,
     Verdict,
     integer,
     number,
@@ -28,7 +28,7 @@ _TREND_RATIO = 1.5
 INCIDENT = "divergence"
 
 
-class DivergentLoss:
+class DivergentLoss(Thresholded):
     """The loss went NaN/Inf, spiked for several points, or keeps rising.
 
     A diverging run burns its budget producing nothing, so NaN alerts at once (and, by
@@ -38,9 +38,6 @@ class DivergentLoss:
     """
 
     name = "divergent_loss"
-
-    def __init__(self, cfg: AlertThresholds = AlertThresholds()) -> None:
-        self.cfg = cfg
 
     def evaluate(self, window: Sequence[Obs], *, now: float, ctx: RunContext) -> list[Signal]:
         points: list[tuple[int | None, float]] = []

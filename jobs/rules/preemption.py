@@ -9,11 +9,11 @@ from typing import Any
 from jobs import format as fmt
 from jobs.rules.base import (
     TIME,
-    AlertThresholds,
     Obs,
     RunContext,
     Severity,
     Signal,
+    Thresholded,
     attempt_of,
     integer,
     number,
@@ -35,7 +35,7 @@ def _is_preemption(obs: Obs) -> bool:
     return integer(obs.data, "code") == EXIT_PREEMPTED
 
 
-class Preemption:
+class Preemption(Thresholded):
     """An attempt is being, or was, preempted; trainbot resubmits it on its own.
 
     The alert is a warning, not a page: it tells people why the run paused and how much
@@ -43,9 +43,6 @@ class Preemption:
     """
 
     name = "preemption"
-
-    def __init__(self, cfg: AlertThresholds = AlertThresholds()) -> None:
-        self.cfg = cfg
 
     def evaluate(self, window: Sequence[Obs], *, now: float, ctx: RunContext) -> list[Signal]:
         by_attempt: dict[int, list[Obs]] = {}
@@ -93,13 +90,10 @@ class Preemption:
         )
 
 
-class AutoResubmit:
+class AutoResubmit(Thresholded):
     """trainbot resubmitted a preempted run; says how much work the preemption cost."""
 
     name = "auto_resubmit"
-
-    def __init__(self, cfg: AlertThresholds = AlertThresholds()) -> None:
-        self.cfg = cfg
 
     def evaluate(self, window: Sequence[Obs], *, now: float, ctx: RunContext) -> list[Signal]:
         signals = []
@@ -135,7 +129,7 @@ class AutoResubmit:
         return signals
 
 
-class RepeatedPreemptions:
+class RepeatedPreemptions(Thresholded):
     """Preempted again and again: the zone has no spare capacity and the run makes no progress.
 
     Counts ``ctx.preemption_times`` (one per preempted attempt, from the database), not
@@ -143,9 +137,6 @@ class RepeatedPreemptions:
     """
 
     name = "repeated_preemptions"
-
-    def __init__(self, cfg: AlertThresholds = AlertThresholds()) -> None:
-        self.cfg = cfg
 
     def evaluate(self, window: Sequence[Obs], *, now: float, ctx: RunContext) -> list[Signal]:
         span = self.cfg.repeated_window_s

@@ -7,18 +7,7 @@ import statistics
 from collections.abc import Sequence
 
 from jobs import format as fmt
-from jobs.rules.base import (
-    AlertThresholds,
-    Obs,
-    RunContext,
-    Severity,
-    Signal,
-    Verdict,
-    by_node,
-    number,
-    of_type,
-    on_node,
-)
+from jobs.rules import base
 
 __all__ = ["LowUtilisation"]
 
@@ -29,7 +18,7 @@ _COVERAGE = 0.8
 _INPUT_BOUND = 0.25
 
 
-class LowUtilisation:
+class LowUtilisation(base.Thresholded):
     """The accelerator idles, and the data-wait fraction says whether the input is why.
 
     Low utilisation almost always means the input pipeline, and the fix (loader workers,
@@ -39,32 +28,29 @@ class LowUtilisation:
 
     name = "low_utilisation"
 
-    def __init__(self, cfg: AlertThresholds = AlertThresholds()) -> None:
-        self.cfg = cfg
-
-    def evaluate(self, window: Sequence[Obs], *, now: float, ctx: RunContext) -> list[Signal]:
+    def evaluate(
+        self, window: Sequence[base.Obs], *, now: float, ctx: base.RunContext
+    ) -> list[base.Signal]:
         start = now - self.cfg.low_util_window_s
-        nodes = by_node(o for o in of_type(window, "system") if o.time >= start)
-        metrics = [o for o in of_type(window, "metrics") if o.time >= start]
-        if len(nodes) == 1:
-            return self._node(nodes[0], metrics, ctx)
+        metrics = [o for o in base.of_type(window, "metrics") if o.time >= start]
         # A multi-node run: one slow node's loader idles every node's GPUs, so each node
         # is judged on its own figures (a node after the first sends its data wait with
         # its system samples), and the alert says which node.
-        return [
-            on_node(signal, node)
-            for node, system in nodes.items()
-            for signal in self._node(system, metrics if node == 0 else system, ctx)
-        ]
+        return base.per_node(
+            (o for o in base.of_type(window, "system") if o.time >= start),
+            lambda node, system: self._node(system, metrics if node == 0 else system, ctx),
+        )
 
-    def _node(self, system: Sequence[Obs], metrics: Sequence[Obs], ctx: RunContext) -> list[Signal]:
+    def _node(
+        self, system: Sequence[base.Obs], metrics: Sequence[base.Obs], ctx: base.RunContext
+    ) -> list[base.Signal]:
         """The verdict on one node's samples: GPU utilisation from ``system``, data wait
         from ``metrics``."""
-        gpu = [(o.time, u) for o in system if (u := number(o.data, "gpu_util")) is not None]
+        gpu = [(o.time, u) for o in system if (u := base.number(o.data, "gpu_util")) is not None]
         waits = [
             (o.time, min(max(w, 0.0), 1.0))
             for o in metrics
-            if (w := number(o.data, "data_wait_fraction")) is not None
+            if (w := base.number(o.data, "data_wait_fraction")) is not None
         ]
         wait = statistics.fmean(w for _, w in waits) if waits else None
         if gpu:
@@ -75,15 +61,15 @@ class LowUtilisation:
         return len(times) >= 2 and times[-1] - times[0] >= _COVERAGE * self.cfg.low_util_window_s
 
     def _gpu(
-        self, gpu: list[tuple[float, float]], wait: float | None, ctx: RunContext
-    ) -> list[Signal]:
+        self, gpu: list[tuple[float, float]], wait: float | None, ctx: base.RunContext
+    ) -> list[base.Signal]:
         if not self._covered([t for t, _ in gpu]):
             return []
         mean = statistics.fmean(u for _, u in gpu)
         threshold = self.cfg.low_util_percent
         span = fmt.duration(self.cfg.low_util_window_s)
-        verdict = Verdict(
-            self.name, "gpu", Severity.WARNING, {"gpu_util": mean, "data_wait_fraction": wait}
+        verdict = base.Verdict(
+            self.name, "gpu", base.Severity.WARNING, {"gpu_util": mean, "data_wait_fraction": wait}
         )
         if mean >= threshold:
             return [
@@ -117,14 +103,17 @@ class LowUtilisation:
         ]
 
     def _cpu(
-        self, waits: list[tuple[float, float]], wait: float | None, ctx: RunContext
-    ) -> list[Signal]:
+        self, waits: list[tuple[float, float]], wait: float | None, ctx: base.RunContext
+    ) -> list[base.Signal]:
         if wait is None or not self._covered([t for t, _ in waits]):
             return []
         threshold = self.cfg.data_wait_fraction
         span = fmt.duration(self.cfg.low_util_window_s)
-        verdict = Verdict(
-            self.name, "data-wait", Severity.WARNING, {"gpu_util": None, "data_wait_fraction": wait}
+        verdict = base.Verdict(
+            self.name,
+            "data-wait",
+            base.Severity.WARNING,
+            {"gpu_util": None, "data_wait_fraction": wait},
         )
         if wait <= threshold:
             return [

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import os
 import re
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, BinaryIO, ClassVar, Protocol
 
 from runner.errors import BadURIError, StoreError
@@ -30,28 +31,74 @@ def credential_source(credentials: str | None, *, broker: str, default: str) -> 
     return source
 
 
+#: Per scheme: the service's name in messages, the bucket names it accepts (checked early,
+#: so a typo is a BadURIError) and the characters that pattern allows, in words.
+_BUCKET_NAMES: dict[str, tuple[str, re.Pattern[str], str]] = {
+    # botocore's own (loose) rule.
+    "s3": ("S3", re.compile(r"^[a-zA-Z0-9.\-_]{1,255}$"), "letters, digits, '.', '-' or '_'"),
+    # Starts and ends with a letter or digit.
+    "gs": (
+        "Cloud Storage",
+        re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$"),
+        "lowercase letters, digits, '-', '_' or '.'",
+    ),
+}
+
+
+@dataclass(eq=False, repr=False)
 class BucketStore:
-    """A store rooted at ``scheme://bucket/prefix``; key ``k`` lives at ``prefix/k``."""
+    """A store rooted at ``scheme://bucket/prefix``; key ``k`` lives at ``prefix/k``.
+
+    The constructor's arguments are its fields, a subclass's own ones keyword-only after
+    these. Constructing checks the bucket, the subclass's options (``_check_options``) and
+    the choice of credentials, then connects (``_connect``).
+    """
 
     #: The URI scheme (``s3``, ``gs``).
     scheme: ClassVar[str]
-    #: The service's name in messages.
-    service: ClassVar[str]
-    #: The bucket names the service accepts, checked early so a typo is a BadURIError.
-    bucket_pattern: ClassVar[re.Pattern[str]]
-    #: The characters that pattern allows, in words.
-    bucket_chars: ClassVar[str]
+    #: What the broker's and the default credentials are, in words, for the message when
+    #: the choice is neither.
+    broker_signs: ClassVar[str]
+    default_signs: ClassVar[str]
 
-    def __init__(self, bucket: str, prefix: str) -> None:
-        if not self.bucket_pattern.match(bucket):
+    bucket: str
+    prefix: str = ""
+    _: KW_ONLY
+    #: Tries of a call before its error is raised.
+    max_attempts: int = 5
+    connect_timeout: float = 10.0
+    read_timeout: float = 60.0
+    #: ``"default"`` (the instance's own credentials) or ``"broker"`` (the control plane's,
+    #: for this run's prefix); unset means ``TRAINBOT_STORE_CREDENTIALS``, else the default.
+    credentials: str | None = None
+    #: ``scheme://bucket/prefix``.
+    uri: str = field(init=False)
+    #: Whether the store signs with the broker's credentials for this prefix alone.
+    brokered: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        service, pattern, chars = _BUCKET_NAMES[self.scheme]
+        if not pattern.match(self.bucket):
             raise BadURIError(
-                f"{bucket!r} is not a valid {self.service} bucket name: write "
-                f"{self.scheme}://BUCKET/PREFIX with {self.bucket_chars} in the bucket name"
+                f"{self.bucket!r} is not a valid {service} bucket name: write "
+                f"{self.scheme}://BUCKET/PREFIX with {chars} in the bucket name"
             )
-        self.bucket = bucket
-        self.prefix = "/".join(p for p in prefix.split("/") if p)
-        root = f"{self.scheme}://{bucket}"
+        self.prefix = "/".join(p for p in self.prefix.split("/") if p)
+        root = f"{self.scheme}://{self.bucket}"
         self.uri = f"{root}/{self.prefix}" if self.prefix else root
+        self._check_options()
+        source = credential_source(
+            self.credentials, broker=self.broker_signs, default=self.default_signs
+        )
+        self.brokered = source == "broker"
+        self._connect()
+
+    def _check_options(self) -> None:
+        """Raise ValueError for an option the store cannot work with."""
+
+    def _connect(self) -> None:
+        """Build the client every call goes through."""
+        raise NotImplementedError
 
     def _full(self, key: str) -> str:
         key = check_key(key)

@@ -53,6 +53,15 @@ def route_url(ingest_url: str, route: str) -> str:
     return base + route
 
 
+def post_request(url: str, token: str, body: bytes = b"") -> urllib.request.Request:
+    """A ``POST`` to the control plane with the attempt's (or dry run's) token; a body, where
+    there is one, is JSON."""
+    headers = {"Authorization": f"Bearer {token}"}
+    if body:
+        headers["Content-Type"] = "application/json"
+    return urllib.request.Request(url, data=body, method="POST", headers=headers)
+
+
 def credentials_url(ingest_url: str) -> str:
     """The broker's URL from ``TRAINBOT_INGEST_URL``."""
     return route_url(ingest_url, CREDENTIALS_ROUTE)
@@ -82,9 +91,7 @@ def fetch_broker_credentials(
             "(the control plane sets them on its instances)"
         )
     url = credentials_url(ingest_url)
-    request = urllib.request.Request(
-        url, data=b"", method="POST", headers={"Authorization": f"Bearer {token}"}
-    )
+    request = post_request(url, token)
     for attempt in range(1, tries + 1):
         try:
             with urllib.request.urlopen(request, timeout=timeout_s) as reply:

@@ -44,9 +44,9 @@ from __future__ import annotations
 import io
 import logging
 import os
-import re
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import BinaryIO, TypeVar, cast
 from urllib.parse import quote
 
@@ -58,7 +58,7 @@ from google.cloud.storage import Client as StorageClient
 from requests.adapters import HTTPAdapter
 
 from runner.errors import StoreError
-from runner.store._common import BucketStore, credential_source
+from runner.store._common import BucketStore
 from runner.store.base import ObjectInfo, WriteStream
 from runner.store.gcs_batch import BATCH_LIMIT, delete_batch
 from runner.store.gcs_credentials import EMULATOR_ENV, broker_credentials, store_credentials
@@ -97,50 +97,34 @@ _PERMISSION = {
 }
 
 
+@dataclass(eq=False, repr=False, kw_only=True)
 class GCSStore(BucketStore):
     """Objects under ``gs://bucket/prefix``; key ``k`` lives at ``prefix/k``.
 
-    ``emulator_host``: an emulator's address; unset means ``STORAGE_EMULATOR_HOST``, and
-    with neither the store talks to Cloud Storage with application-default credentials.
-    ``credentials``: ``"default"`` (application-default, or anonymous for an emulator) or
-    ``"broker"`` (a token for this run's prefix, also sent to an emulator); unset means
-    ``TRAINBOT_STORE_CREDENTIALS``, else the default.
+    ``credentials``: the default is application-default credentials, or anonymous ones
+    for an emulator; the broker's token is sent to an emulator too.
     """
 
     scheme = "gs"
-    service = "Cloud Storage"
-    # Starts and ends with a letter or digit.
-    bucket_pattern = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
-    bucket_chars = "lowercase letters, digits, '-', '_' or '.'"
+    broker_signs = "a token from the control plane for this run's prefix"
+    default_signs = "the instance's service account"
 
-    def __init__(
-        self,
-        bucket: str,
-        prefix: str = "",
-        *,
-        emulator_host: str | None = None,
-        chunk_size: int = DEFAULT_CHUNK_SIZE,
-        max_attempts: int = 5,
-        connect_timeout: float = 10.0,
-        read_timeout: float = 60.0,
-        credentials: str | None = None,
-    ) -> None:
-        super().__init__(bucket, prefix)
-        if chunk_size < CHUNK_ALIGN or chunk_size % CHUNK_ALIGN:
-            raise ValueError(f"chunk_size must be a multiple of 256 KiB, not {chunk_size}")
-        if max_attempts < 1:
+    #: An emulator's address; unset means ``STORAGE_EMULATOR_HOST``, and with neither the
+    #: store talks to Cloud Storage with application-default credentials.
+    emulator_host: str | None = None
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+
+    def _check_options(self) -> None:
+        if self.chunk_size < CHUNK_ALIGN or self.chunk_size % CHUNK_ALIGN:
+            raise ValueError(f"chunk_size must be a multiple of 256 KiB, not {self.chunk_size}")
+        if self.max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
-        source = credential_source(
-            credentials,
-            broker="a token from the control plane for this run's prefix",
-            default="the instance's service account",
-        )
-        #: Whether the session sends the broker's token for this prefix alone.
-        self.brokered = source == "broker"
-        self.chunk_size = chunk_size
-        self.max_attempts = max_attempts
-        self.timeout = (connect_timeout, read_timeout)
-        host = emulator_host if emulator_host is not None else os.environ.get(EMULATOR_ENV)
+
+    def _connect(self) -> None:
+        self.timeout = (self.connect_timeout, self.read_timeout)
+        host = self.emulator_host
+        if host is None:
+            host = os.environ.get(EMULATOR_ENV)
         options: dict[str, str] | None = None
         if host:
             options = {"api_endpoint": host if "://" in host else f"http://{host}"}
@@ -156,7 +140,7 @@ class GCSStore(BucketStore):
         )
         #: The JSON API's base URL (``https://storage.googleapis.com`` or the emulator).
         self.endpoint = str(self.client.api_endpoint).rstrip("/")
-        self._bucket = self.client.bucket(bucket)
+        self._bucket = self.client.bucket(self.bucket)
 
     # -- keys, retries and errors ----------------------------------------------------
 

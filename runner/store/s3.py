@@ -26,10 +26,10 @@ from __future__ import annotations
 import io
 import logging
 import os
-import re
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, BinaryIO, cast
 
 import boto3
@@ -46,7 +46,7 @@ from botocore.exceptions import (
 )
 
 from runner.errors import StoreError
-from runner.store._common import BucketStore, PartWrite, RawDownload, credential_source
+from runner.store._common import BucketStore, PartWrite, RawDownload
 from runner.store.base import DELETE_BATCH, ObjectInfo, WriteStream
 from runner.store.broker import fetch_broker_credentials
 
@@ -110,59 +110,41 @@ def broker_session(
     return boto3.session.Session(botocore_session=core)
 
 
+@dataclass(eq=False, repr=False, kw_only=True)
 class S3Store(BucketStore):
     """Objects under ``s3://bucket/prefix``; key ``k`` lives at ``prefix/k``.
 
-    ``credentials``: ``"default"`` (boto3's chain) or ``"broker"``; unset means
-    ``TRAINBOT_STORE_CREDENTIALS``, else the default.
+    ``credentials``: the default is boto3's chain.
     """
 
     scheme = "s3"
-    service = "S3"
-    # botocore's own (loose) rule.
-    bucket_pattern = re.compile(r"^[a-zA-Z0-9.\-_]{1,255}$")
-    bucket_chars = "letters, digits, '.', '-' or '_'"
+    broker_signs = "credentials from the control plane for this run's prefix"
+    default_signs = "the instance's own credentials"
 
-    def __init__(
-        self,
-        bucket: str,
-        prefix: str = "",
-        *,
-        endpoint_url: str | None = None,
-        part_size: int = DEFAULT_PART_SIZE,
-        upload_threads: int = 2,
-        max_attempts: int = 5,
-        connect_timeout: float = 10.0,
-        read_timeout: float = 60.0,
-        credentials: str | None = None,
-    ) -> None:
-        super().__init__(bucket, prefix)
-        if not MIN_PART_SIZE <= part_size <= MAX_PART_SIZE:
-            raise ValueError(f"part_size must be between 5 MiB and 5 GiB, not {part_size}")
-        if upload_threads < 1:
+    endpoint_url: str | None = None
+    part_size: int = DEFAULT_PART_SIZE
+    upload_threads: int = 2
+
+    def _check_options(self) -> None:
+        if not MIN_PART_SIZE <= self.part_size <= MAX_PART_SIZE:
+            raise ValueError(f"part_size must be between 5 MiB and 5 GiB, not {self.part_size}")
+        if self.upload_threads < 1:
             raise ValueError("upload_threads must be at least 1")
-        self.part_size = part_size
-        self.upload_threads = upload_threads
-        source = credential_source(
-            credentials,
-            broker="credentials from the control plane for this run's prefix",
-            default="the instance's own credentials",
-        )
-        #: Whether the client signs with the broker's credentials for this prefix alone.
-        self.brokered = source == "broker"
+
+    def _connect(self) -> None:
         session = broker_session() if self.brokered else boto3.session.Session()
         region = os.environ.get("AWS_REGION") or session.region_name or "us-east-1"
         config = Config(
-            retries={"mode": "standard", "max_attempts": max_attempts},
-            connect_timeout=connect_timeout,
-            read_timeout=read_timeout,
+            retries={"mode": "standard", "max_attempts": self.max_attempts},
+            connect_timeout=self.connect_timeout,
+            read_timeout=self.read_timeout,
             # Most S3-compatible services (MinIO, Ceph) serve buckets by path only.
-            s3={"addressing_style": "path"} if endpoint_url else None,
-            max_pool_connections=max(10, upload_threads + 2),
+            s3={"addressing_style": "path"} if self.endpoint_url else None,
+            max_pool_connections=max(10, self.upload_threads + 2),
         )
         #: The botocore client, for callers that need an operation the Store lacks.
         self.client: Any = session.client(
-            "s3", region_name=region, endpoint_url=endpoint_url, config=config
+            "s3", region_name=region, endpoint_url=self.endpoint_url, config=config
         )
 
     # -- errors ----------------------------------------------------------------------

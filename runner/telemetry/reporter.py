@@ -20,6 +20,7 @@ from time import time as unix_now
 from typing import Any
 
 from runner.errors import WireError
+from runner.store.broker import post_request
 from runner.telemetry.sink import EventSink
 from runner.telemetry.spool import Batch, Spool
 from runner.wire import NODE_SEQ_SPAN, Event, encode_batch
@@ -54,6 +55,25 @@ def _parse_retry_after(value: str | None) -> float | None:
         return None
 
 
+@dataclass(frozen=True)
+class _Pacing:
+    """How the sender batches, waits and backs off: the Reporter's settings, checked."""
+
+    batch_max: int
+    flush_interval_s: float
+    timeout_s: float
+    max_backoff_s: float
+
+    def __post_init__(self) -> None:
+        if (
+            self.batch_max < 1
+            or self.flush_interval_s <= 0
+            or self.timeout_s <= 0
+            or self.max_backoff_s <= 0
+        ):
+            raise ValueError("batch_max, flush_interval_s, timeout_s, max_backoff_s must be > 0")
+
+
 @dataclass
 class _SendState:
     failures: int = 0
@@ -84,14 +104,9 @@ class Reporter(EventSink):
         timeout_s: float = 5.0,
         max_backoff_s: float = 30.0,
     ) -> None:
-        if batch_max < 1 or flush_interval_s <= 0 or timeout_s <= 0 or max_backoff_s <= 0:
-            raise ValueError("batch_max, flush_interval_s, timeout_s, max_backoff_s must be > 0")
+        self._pacing = _Pacing(batch_max, flush_interval_s, timeout_s, max_backoff_s)
         self.url = url
         self._token = token
-        self._batch_max = batch_max
-        self._flush_interval_s = flush_interval_s
-        self._timeout_s = timeout_s
-        self._max_backoff_s = max_backoff_s
         #: This runner's node of a multi-node attempt: its seqs start at node × NODE_SEQ_SPAN.
         self._node = node
         self._spool = Spool(
@@ -122,7 +137,7 @@ class Reporter(EventSink):
         """Validate, number and spool one event; the sender thread ships it later."""
         payload = _validate(type, data)
         event = self._spool.append(type, unix_now() if time is None else time, payload)
-        if self._spool.pending >= self._batch_max:
+        if self._spool.pending >= self._pacing.batch_max:
             with self._cond:
                 self._cond.notify_all()
         return event
@@ -161,16 +176,16 @@ class Reporter(EventSink):
     # The sender thread.
 
     def _run(self) -> None:
-        state = _SendState(limit=self._batch_max)
+        state = _SendState(limit=self._pacing.batch_max)
         while True:
             with self._cond:
                 self._cond.wait_for(
                     lambda: (
                         self._stopping
                         or self._flush_wanted
-                        or self._spool.pending >= self._batch_max
+                        or self._spool.pending >= self._pacing.batch_max
                     ),
-                    timeout=self._flush_interval_s,
+                    timeout=self._pacing.flush_interval_s,
                 )
                 self._flush_wanted = False
                 if self._stopping:
@@ -178,8 +193,10 @@ class Reporter(EventSink):
             try:
                 self._drain(state)
             except Exception:  # never let the sender die silently; the spool keeps the events
-                log.exception("telemetry sender failed; retrying after %.0f s", self._max_backoff_s)
-                self._sleep(self._max_backoff_s)
+                log.exception(
+                    "telemetry sender failed; retrying after %.0f s", self._pacing.max_backoff_s
+                )
+                self._sleep(self._pacing.max_backoff_s)
 
     def _drain(self, state: _SendState) -> None:
         """Send until the spool is empty, the token is revoked or we are stopping."""
@@ -205,7 +222,7 @@ class Reporter(EventSink):
             if status is not None and 200 <= status < 300:
                 if state.failures:
                     log.info("telemetry delivered again after %d failed tries", state.failures)
-                state.failures, state.limit = 0, self._batch_max
+                state.failures, state.limit = 0, self._pacing.batch_max
                 self._commit(batch)
             elif status in (401, 403):
                 log.warning(
@@ -232,7 +249,7 @@ class Reporter(EventSink):
                     status,
                     response.detail,
                 )
-                state.failures, state.limit = 0, self._batch_max
+                state.failures, state.limit = 0, self._pacing.batch_max
                 self._commit(batch)
             else:
                 state.failures += 1
@@ -248,9 +265,11 @@ class Reporter(EventSink):
         if response.detail:
             problem += f": {response.detail}"
         if response.retry_after is not None:
-            delay = min(response.retry_after, self._max_backoff_s)
+            delay = min(response.retry_after, self._pacing.max_backoff_s)
         else:
-            ceiling = min(self._max_backoff_s, _BASE_BACKOFF_S * 2 ** min(state.failures - 1, 30))
+            ceiling = min(
+                self._pacing.max_backoff_s, _BASE_BACKOFF_S * 2 ** min(state.failures - 1, 30)
+            )
             delay = random.uniform(ceiling / 2, ceiling)
         if state.failures == 1:
             log.warning(
@@ -271,17 +290,9 @@ class Reporter(EventSink):
             self._cond.wait_for(lambda: self._stopping, timeout=seconds)
 
     def _post(self, body: bytes) -> _Response:
-        request = urllib.request.Request(
-            self.url,
-            data=body,
-            method="POST",
-            headers={
-                "Authorization": f"Bearer {self._token}",
-                "Content-Type": "application/json",
-            },
-        )
+        request = post_request(self.url, self._token, body)
         try:
-            with self._opener.open(request, timeout=self._timeout_s) as reply:
+            with self._opener.open(request, timeout=self._pacing.timeout_s) as reply:
                 reply.read()
                 return _Response(reply.status)
         except urllib.error.HTTPError as exc:

@@ -10,7 +10,7 @@ as JSON numbers or, when not finite, as the strings ``"NaN"``, ``"Infinity"``,
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Generic, Literal, TypeVar, Union, get_args
 
@@ -266,17 +266,9 @@ def restore_floats(value: Any) -> Any:
         return NONFINITE.get(value, value)
     if kind is float or kind is int or value is None:
         return value
-    if kind is dict:
-        return {k: restore_floats(v) for k, v in value.items()}
-    if kind is list:
-        return [restore_floats(v) for v in value]
     if isinstance(value, str):
         return NONFINITE.get(value, value)
-    if isinstance(value, Mapping):
-        return {k: restore_floats(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [restore_floats(v) for v in value]
-    return value
+    return _map_items(value, restore_floats)
 
 
 def json_safe(value: Any) -> Any:
@@ -288,14 +280,21 @@ def json_safe(value: Any) -> Any:
         return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
     if kind is str or kind is int or value is None:
         return value
-    if kind is dict:
-        return {k: json_safe(v) for k, v in value.items()}
-    if kind is list:
-        return [json_safe(v) for v in value]
     if isinstance(value, float) and not math.isfinite(value):
         return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    return _map_items(value, json_safe)
+
+
+def _map_items(value: Any, convert: Callable[[Any], Any]) -> Any:
+    """A dict (any Mapping) or list (or tuple) with ``convert`` applied to each item, as a
+    dict or list; any other value as it is. Plain dicts and lists are checked first: fast."""
+    kind = type(value)
+    if kind is dict:
+        return {k: convert(v) for k, v in value.items()}
+    if kind is list:
+        return [convert(v) for v in value]
     if isinstance(value, Mapping):
-        return {k: json_safe(v) for k, v in value.items()}
+        return {k: convert(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [json_safe(v) for v in value]
+        return [convert(v) for v in value]
     return value

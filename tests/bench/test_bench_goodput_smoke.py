@@ -166,6 +166,30 @@ def test_ledger_splits_paid_time_and_keeps_the_last_run_of_each_step() -> None:
     assert fig["write_s_median"] == 0.5
 
 
+def test_ledger_counts_the_training_process_start_as_start_up() -> None:
+    """The supervisor's ``started`` comes when it spawns the training process; the
+    process's own ``up`` mark comes once its imports are done. The start of a process
+    is not simulated work: start-up (1x) runs to ``up``, the set-up (at scale) from it."""
+    a1 = AttemptRow("a1", 1, launched=100.0, ended=110.0, state="SUCCEEDED")
+    events = [
+        *_events("a1", ("started", 101.0, {}), ("up", 103.5, {})),
+        *_steps("a1", range(1, 6), first_end=105.0),
+        *_events("a1", ("checkpoint_committed", 109.5, {"step": 5, "write_s": 0.5})),
+        *_events("a1", ("exit", 110.0, {})),
+    ]
+    common = {"compression": 10.0, "killed_at": {}, "now": 1000.0, "default_step_s": 1.0}
+
+    with_up = account([a1], events, kept_steps=5, **common)  # type: ignore[arg-type]
+    without = account([a1], [e for e in events if e.type != "up"], kept_steps=5, **common)  # type: ignore[arg-type]
+
+    assert with_up["breakdown_s"]["startup"] == 3.5  # launch to up
+    assert with_up["breakdown_s"]["setup_restore"] == 0.5  # up to the first step's start
+    assert without["breakdown_s"]["startup"] == 1.0  # launch to started
+    assert without["breakdown_s"]["setup_restore"] == 3.0
+    assert with_up["paid_s"] == without["paid_s"] == 10.0
+    assert with_up["goodput"] > without["goodput"]  # 2.5 s more counted once, not 10 times
+
+
 def test_ledger_counts_the_fixed_work_between_steps_at_its_wall_length() -> None:
     """Reporting a step takes the same wall time after a compressed step as after a real
     one: the median gap between steps, times the gaps, counts at 1x. A save's stall (the

@@ -16,16 +16,10 @@ from urllib.parse import urlparse
 from botocore.exceptions import BotoCoreError, ClientError
 from botocore.parsers import ResponseParserError
 
+from jobs.providers import base
 from jobs.providers.aws.catalog import type_info, zones
 from jobs.providers.aws.clients import Clients
 from jobs.providers.aws.errors import DENIED, error_code
-from jobs.providers.base import (
-    ProviderError,
-    ProviderPermissionError,
-    QuotaInfo,
-    ResourceRequest,
-    ZoneCapacity,
-)
 
 __all__ = ["bucket_region", "capacity", "quota", "quota_codes"]
 
@@ -98,7 +92,7 @@ def quota_codes(instance_type: str) -> tuple[tuple[str, str], tuple[str, str]]:
     """((spot code, name), (on-demand code, name)) of the quotas that count this type."""
     group = _family_group(instance_type)
     if group is None:
-        raise ProviderError(
+        raise base.ProviderError(
             f"trainbot knows no EC2 Service Quotas code for {instance_type}'s family; check "
             "its vCPU quota in the Service Quotas console, or choose a G, P, or standard type"
         )
@@ -108,7 +102,7 @@ def quota_codes(instance_type: str) -> tuple[tuple[str, str], tuple[str, str]]:
 # -- quota -------------------------------------------------------------------------------
 
 
-def quota(clients: Clients, req: ResourceRequest, itype: str) -> QuotaInfo:
+def quota(clients: Clients, req: base.ResourceRequest, itype: str) -> base.QuotaInfo:
     """The family's vCPU quota (spot or on-demand, as asked) against what the run needs:
     every one of its ``req.instances`` instances (a multi-node run's nodes) at once.
 
@@ -129,11 +123,10 @@ def quota(clients: Clients, req: ResourceRequest, itype: str) -> QuotaInfo:
     other_code = od_code if req.spot else spot_code
     try:
         other: float | None = _quota_value(clients, other_code, region)
-    except ProviderError as exc:
+    except base.ProviderError as exc:
         log.info("could not read quota %s in %s: %s", other_code, region, exc)
         other = None
     used = float(_vcpus_in_use(clients, region, itype, spot=req.spot))
-    ok = used + needed <= limit
     market = "spot" if req.spot else "on-demand"
     other_text = (
         f"; the {'on-demand' if req.spot else 'spot'} quota {other_code} is {other:g} vCPUs"
@@ -144,27 +137,17 @@ def quota(clients: Clients, req: ResourceRequest, itype: str) -> QuotaInfo:
         f"AWS {market} quota {code} ({name}) in {region}: limit {limit:g} vCPUs, "
         f"{used:g} in use; {asking} {needed:g}{other_text}"
     )
-    remedy = ""
-    if not ok:
-        desired = math.ceil(used + needed)
-        remedy = (
-            f"request an increase of {code} ({name}) in {region} to at least {desired} "
-            f"vCPUs: aws service-quotas request-service-quota-increase --service-code ec2 "
-            f"--quota-code {code} --desired-value {desired} --region {region} (or "
-            f"https://{region}.console.aws.amazon.com/servicequotas/home/services/ec2/"
-            f"quotas/{code}); new accounts start at 0 and GPU increases can take days"
-        )
-        if req.spot and other is not None and other >= needed:
-            remedy += f", or set resources.spot=false to use the on-demand quota {od_code}"
-    return QuotaInfo(
-        limit=float(limit),
-        used=used,
-        needed=needed,
-        unit="vCPUs",
-        ok=ok,
-        detail=detail,
-        remedy=remedy,
+    desired = math.ceil(used + needed)
+    remedy = (
+        f"request an increase of {code} ({name}) in {region} to at least {desired} "
+        f"vCPUs: aws service-quotas request-service-quota-increase --service-code ec2 "
+        f"--quota-code {code} --desired-value {desired} --region {region} (or "
+        f"https://{region}.console.aws.amazon.com/servicequotas/home/services/ec2/"
+        f"quotas/{code}); new accounts start at 0 and GPU increases can take days"
     )
+    if req.spot and other is not None and other >= needed:
+        remedy += f", or set resources.spot=false to use the on-demand quota {od_code}"
+    return base.QuotaInfo.check(float(limit), used, needed, "vCPUs", detail=detail, remedy=remedy)
 
 
 def _quota_value(clients: Clients, code: str, region: str) -> float:
@@ -202,8 +185,8 @@ def _vcpus_in_use(clients: Clients, region: str, itype: str, *, spot: bool) -> i
 
 
 def capacity(
-    clients: Clients, req: ResourceRequest, itype: str, *, subnet_ids: Mapping[str, str]
-) -> list[ZoneCapacity]:
+    clients: Clients, req: base.ResourceRequest, itype: str, *, subnet_ids: Mapping[str, str]
+) -> list[base.ZoneCapacity]:
     """Zones that offer the type, ranked by spot placement score where AWS gives one."""
     region = req.region or clients.region
     zone_ids = zones(clients, region)
@@ -223,15 +206,17 @@ def capacity(
         scores, scores_note = _placement_scores(clients, itype, region, req.instances)
     by_id = {zid: name for name, zid in zone_ids.items()}
     zone_scores = {by_id[zid]: s for zid, s in scores.items() if zid in by_id}
-    out: list[ZoneCapacity] = []
+    out: list[base.ZoneCapacity] = []
     for zone in dict.fromkeys(candidates):
         if zone not in zone_ids:
-            out.append(ZoneCapacity(zone, False, None, f"{zone} is not a zone of {region}"))
+            out.append(base.ZoneCapacity.unavailable(zone, f"{zone} is not a zone of {region}"))
         elif zone not in offered:
-            out.append(ZoneCapacity(zone, False, None, f"{itype} is not offered in {zone}"))
+            out.append(base.ZoneCapacity.unavailable(zone, f"{itype} is not offered in {zone}"))
         elif subnet_ids and zone not in subnet_ids:
             out.append(
-                ZoneCapacity(zone, False, None, f"no subnet is configured for {zone} (subnet_ids)")
+                base.ZoneCapacity.unavailable(
+                    zone, f"no subnet is configured for {zone} (subnet_ids)"
+                )
             )
         else:
             score = zone_scores.get(zone)
@@ -241,7 +226,7 @@ def capacity(
                 detail = f"{itype} offered; {scores_note or 'no spot placement score'}"
             else:
                 detail = f"{itype} offered (on demand)"
-            out.append(ZoneCapacity(zone, True, score, detail))
+            out.append(base.ZoneCapacity(zone, True, score, detail))
     order = {z: i for i, z in enumerate(candidates)}
     out.sort(
         key=lambda z: (
@@ -306,7 +291,7 @@ def bucket_region(clients: Clients, uri: str) -> str | None:
         return None
     bucket = parsed.netloc
     if not bucket:
-        raise ProviderError(f"{uri!r} names no bucket: write s3://BUCKET/PREFIX")
+        raise base.ProviderError(f"{uri!r} names no bucket: write s3://BUCKET/PREFIX")
     if bucket.endswith(".mrap"):
         # A Multi-Region Access Point's alias: its buckets are in several regions, each
         # request routed to the nearest; no one region to compare.
@@ -319,11 +304,11 @@ def bucket_region(clients: Clients, uri: str) -> str | None:
                 answer = s3.get_bucket_location(Bucket=bucket)
             except ClientError as exc:
                 if error_code(exc) == "NoSuchBucket":
-                    raise ProviderError(
+                    raise base.ProviderError(
                         f"the bucket s3://{bucket} does not exist: fix data_uri or checkpoint_uri"
                     ) from None
                 raise
-    except ProviderPermissionError as exc:
+    except base.ProviderPermissionError as exc:
         region = _region_from_head(clients, bucket)
         if region is None:
             log.warning("cannot tell the region of s3://%s: %s", bucket, exc)

@@ -145,7 +145,7 @@ def launch(
             f" do not fit one instance ({itype} holds {holds}); ask for at most {holds} per "
             "instance and more instances"
         )
-    token = _client_token(req.idempotency_key or f"{req.run_id}/{req.attempt_id}")
+    token = _client_token(req.key)
     user_data = render_user_data(
         req, runner_package=config.runner_package, template_path=config.template_path
     )

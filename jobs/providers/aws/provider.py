@@ -16,24 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 import boto3
 
-from jobs.providers import gang
+from jobs.providers import base, gang
 from jobs.providers.aws import budgets, capacity, catalog, launch, placement, status
 from jobs.providers.aws.clients import Clients, utcnow
 from jobs.providers.aws.launch import LaunchConfig
-from jobs.providers.base import (
-    CPU_INSTANCE,
-    BucketLocation,
-    Capabilities,
-    InstanceInfo,
-    InstanceStatus,
-    LaunchRequest,
-    PriceQuote,
-    ProviderError,
-    QuotaInfo,
-    ResourceRequest,
-    Unsupported,
-    ZoneCapacity,
-)
+from jobs.providers.options import by_name
 
 if TYPE_CHECKING:
     from jobs.settings import Settings
@@ -83,7 +70,7 @@ class AwsProvider:
         regions whose trainbot instances ``list_instances`` reports from the start (the
         specs' failover regions), so reconcile finds orphans there after a restart."""
         if not region:
-            raise ProviderError("the AWS provider needs a region: set TRAINBOT_AWS_REGION")
+            raise base.ProviderError("the AWS provider needs a region: set TRAINBOT_AWS_REGION")
         self.region = region
         self.instance_profile = instance_profile or None
         self.subnet_ids = dict(subnet_ids or {})
@@ -98,18 +85,18 @@ class AwsProvider:
             session=session or boto3.session.Session(),
             endpoint_url=endpoint_url or None,
         )
-        self._template_path = Path(user_data_template or launch.USER_DATA_TEMPLATE)
+        self.template_path = Path(user_data_template or launch.USER_DATA_TEMPLATE)
         self._prices_path = Path(prices_path or catalog.PRICES_PATH)
         self._clock = clock
         #: Regions where listing placement groups was denied, so the warning is logged once.
         self._sweep_denied: set[str] = set()
 
     @property
-    def capabilities(self) -> Capabilities:
+    def capabilities(self) -> base.Capabilities:
         """A cloud: commands never run on the control plane. Two minutes' notice from
         IMDSv2; AWS Budgets, EC2's DryRun permission probe and cluster placement groups
         for multi-node attempts are there."""
-        return Capabilities(
+        return base.Capabilities(
             runs_on_this_machine=False,
             termination_window_s=status.TERMINATION_WINDOW_S,
             preemption_source="aws",
@@ -129,24 +116,24 @@ class AwsProvider:
 
     # -- questions -------------------------------------------------------------------------
 
-    def instance_type(self, req: ResourceRequest) -> str:
+    def instance_type(self, req: base.ResourceRequest) -> str:
         """The EC2 type for a request: its own, or the smallest that holds its accelerators."""
         return catalog.accelerator_type(req)[0]
 
-    def instance_type_for(self, req: ResourceRequest) -> str | None:
+    def instance_type_for(self, req: base.ResourceRequest) -> str | None:
         return catalog.exact_type(req)
 
     def dry_run_request(
-        self, req: ResourceRequest, *, instance_type: str | None = None
-    ) -> ResourceRequest:
+        self, req: base.ResourceRequest, *, instance_type: str | None = None
+    ) -> base.ResourceRequest:
         """One instance of the cheapest type for the dry run (:func:`catalog.dry_run_type`),
         or of ``instance_type``; ``"cpu"`` asks for the cheapest CPU type."""
         region = req.region or self.region
-        if instance_type and instance_type != CPU_INSTANCE:
+        if instance_type and instance_type != base.CPU_INSTANCE:
             itype = instance_type
         else:
             source = req
-            if instance_type == CPU_INSTANCE:
+            if instance_type == base.CPU_INSTANCE:
                 source = replace(
                     req, accelerator_type=None, accelerator_count=0, instance_type=None
                 )
@@ -162,15 +149,15 @@ class AwsProvider:
             cpus=None,
         )
 
-    def quota(self, req: ResourceRequest) -> QuotaInfo:
+    def quota(self, req: base.ResourceRequest) -> base.QuotaInfo:
         return capacity.quota(self._in(req.region), req, self.instance_type(req))
 
-    def capacity(self, req: ResourceRequest) -> list[ZoneCapacity]:
+    def capacity(self, req: base.ResourceRequest) -> list[base.ZoneCapacity]:
         return capacity.capacity(
             self._in(req.region), req, self.instance_type(req), subnet_ids=self.subnet_ids
         )
 
-    def price(self, req: ResourceRequest, *, zone: str | None = None) -> PriceQuote:
+    def price(self, req: base.ResourceRequest, *, zone: str | None = None) -> base.PriceQuote:
         return catalog.price(
             self._in(req.region),
             req,
@@ -180,10 +167,10 @@ class AwsProvider:
             clock=self._clock,
         )
 
-    def bucket_location(self, uri: str) -> BucketLocation | None:
+    def bucket_location(self, uri: str) -> base.BucketLocation | None:
         """An S3 bucket is in one region (see :func:`capacity.bucket_region`)."""
         region = capacity.bucket_region(self._clients, uri)
-        return None if region is None else BucketLocation.region(region)
+        return None if region is None else base.BucketLocation.region(region)
 
     # -- budgets ---------------------------------------------------------------------------
 
@@ -213,7 +200,9 @@ class AwsProvider:
 
     # -- instances -------------------------------------------------------------------------
 
-    def check_launch_permissions(self, req: ResourceRequest, *, zone: str | None = None) -> None:
+    def check_launch_permissions(
+        self, req: base.ResourceRequest, *, zone: str | None = None
+    ) -> None:
         """Ask EC2 whether a launch would be allowed (``DryRun``), creating nothing.
 
         Raises AwsCredentialsError without credentials, ProviderPermissionError naming
@@ -225,7 +214,7 @@ class AwsProvider:
         if req.instances > 1:
             placement.check_permission(clients, now=self._clock())
 
-    def launch(self, req: LaunchRequest) -> InstanceInfo:
+    def launch(self, req: base.LaunchRequest) -> base.InstanceInfo:
         """Start the attempt's instance, or return the one this key already started.
 
         A multi-node attempt's nodes go into its cluster placement group, all or none
@@ -234,36 +223,30 @@ class AwsProvider:
         clients = self._in(req.request.region)
         config = self._launch_config()
 
-        def one(node: LaunchRequest) -> InstanceInfo:
+        def one(node: base.LaunchRequest) -> base.InstanceInfo:
             return launch.launch(clients, node, config, clock=self._clock)
 
         if req.nodes > 1:
             placement.ensure(clients, req, now=self._clock())
         try:
             found = gang.launch(one, req, terminate_one=self._terminator(clients))
-        except ProviderError:
+        except base.ProviderError:
             if req.nodes > 1:
                 placement.delete(clients, req.placement_group)
             raise
         return self._qualified(clients.region, found)
 
-    def render_user_data(self, req: LaunchRequest) -> str:
+    def render_user_data(self, req: base.LaunchRequest) -> str:
         """The instance's boot script (see :func:`launch.render_user_data`)."""
         return launch.render_user_data(
-            req, runner_package=self.runner_package, template_path=self._template_path
+            req, runner_package=self.runner_package, template_path=self.template_path
         )
 
     def _launch_config(self) -> LaunchConfig:
-        return LaunchConfig(
-            image_id=self.image_id,
-            instance_profile=self.instance_profile,
-            subnet_ids=self.subnet_ids,
-            security_group_ids=self.security_group_ids,
-            runner_package=self.runner_package,
-            template_path=self._template_path,
-        )
+        """The launch settings as they are now (a caller may have changed one)."""
+        return by_name(LaunchConfig, vars(self))
 
-    def status(self, instance_id: str) -> InstanceStatus:
+    def status(self, instance_id: str) -> base.InstanceStatus:
         """One instance's state, or a gang's: its nodes' combined (:func:`gang.combine`)."""
         region, raw = self._split_id(instance_id)
         clients = self._in(region)
@@ -283,13 +266,13 @@ class AwsProvider:
         if len(nodes) > 1:
             placement.release(clients, nodes)
 
-    def list_instances(self) -> list[InstanceInfo]:
+    def list_instances(self) -> list[base.InstanceInfo]:
         """Every trainbot instance in the home region, the ``regions`` given, and any
         region this provider has launched in or been asked about; a gang once, by its
         joined id. Deletes the placement groups of gangs that have ended, as it goes."""
         for region in self.regions:
             self._in(region)
-        found: list[InstanceInfo] = []
+        found: list[base.InstanceInfo] = []
         for region in self._clients.regions():
             clients = self._in(region)
             listed = status.list_instances(clients, clock=self._clock)
@@ -306,7 +289,7 @@ class AwsProvider:
     def _in(self, region: str | None) -> Clients:
         return self._clients.in_region(region or self.region)
 
-    def _qualified(self, region: str, found: InstanceInfo) -> InstanceInfo:
+    def _qualified(self, region: str, found: base.InstanceInfo) -> base.InstanceInfo:
         if region == self.region:
             return found
         return replace(found, instance_id=f"{region}{_REGION_SEP}{found.instance_id}")
@@ -316,7 +299,7 @@ class AwsProvider:
         return (region, raw) if sep else (self.region, instance_id)
 
     def instance_log(self, instance_id: str, *, lines: int) -> str:
-        raise Unsupported("the aws provider keeps logs on the instance")
+        raise base.Unsupported("the aws provider keeps logs on the instance")
 
 
 # -- factories ---------------------------------------------------------------------------
@@ -338,7 +321,9 @@ def make(**options: Any) -> AwsProvider:
         pairs = [item.partition("=") for item in _split(subnets)]
         bad = [z for z, eq, s in pairs if not eq or not z.strip() or not s.strip()]
         if bad:
-            raise ProviderError(f"subnet_ids: write zone=subnet pairs separated by commas ({bad})")
+            raise base.ProviderError(
+                f"subnet_ids: write zone=subnet pairs separated by commas ({bad})"
+            )
         subnets = {z.strip(): s.strip() for z, _, s in pairs}
     groups = _split(options.pop("security_group_ids", None))
     region = options.pop("region", None)

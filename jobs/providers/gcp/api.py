@@ -10,8 +10,10 @@ import functools
 import logging
 import threading
 import time
+from dataclasses import InitVar, dataclass
 from typing import Any
 
+from google.api_core import exceptions as api_exceptions
 from google.api_core.client_options import ClientOptions
 from google.auth import exceptions as auth_exceptions
 from google.cloud import compute_v1
@@ -34,20 +36,17 @@ _FACTORIES: dict[str, Any] = {
 }
 
 
+@dataclass(eq=False, kw_only=True)
 class ComputeApi:
     """One project's clients, its call timeout and the calls that translate errors."""
 
-    def __init__(
-        self,
-        *,
-        project: str,
-        api_endpoint: str | None,
-        credentials: Any,
-        call_timeout_s: float,
-    ) -> None:
-        self.project = project
-        self.api_endpoint = api_endpoint
-        self.call_timeout_s = call_timeout_s
+    project: str
+    api_endpoint: str | None
+    call_timeout_s: float
+    #: None: the application-default credentials, looked up on first use.
+    credentials: InitVar[Any]
+
+    def __post_init__(self, credentials: Any) -> None:
         self._credentials = credentials
         _quiet_payload_logging()
         self._lock = threading.Lock()
@@ -78,6 +77,40 @@ class ComputeApi:
 
     #: :func:`errors.call`: one API call, Google's errors as ProviderErrors.
     call = staticmethod(errors.call)
+
+    def send(
+        self,
+        what: str,
+        call: str,
+        request: Any,
+        *,
+        client: str,
+        method: str,
+        not_found: str | None = "",
+        conflict: bool = False,
+    ) -> Any:
+        """:meth:`call` of ``method`` of the ``client`` client (a key of ``_FACTORIES``)
+        with ``request``, within the call timeout; ``not_found`` and ``conflict`` as
+        :func:`errors.call` takes them."""
+        return self.call(
+            what,
+            call,
+            lambda: getattr(self.client(client), method)(
+                request=request, timeout=self.call_timeout_s
+            ),
+            not_found=not_found,
+            conflict=conflict,
+        )
+
+    def insert(self, what: str, call: str, request: Any, *, client: str) -> Any | None:
+        """:meth:`send` of ``insert_unary``: its operation, or None when the resource exists
+        already (a 409: a retried insert, or a name that is taken)."""
+        try:
+            return self.send(
+                what, call, request, client=client, method="insert_unary", conflict=True
+            )
+        except api_exceptions.Conflict:
+            return None
 
     def wait(self, zone: str, op: Any, *, what: str, timeout_s: float) -> Any:
         """Wait for a zone operation (zoneOperations.wait returns at DONE or after ~2 min)."""

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from google.api_core import exceptions as api_exceptions
 from google.cloud import compute_v1
 
 from jobs.providers.base import (
@@ -115,15 +114,15 @@ def _check_runner_inputs(req: LaunchRequest) -> None:
 def instance_body(
     req: LaunchRequest,
     *,
-    zone: str,
-    key: str,
     catalog: Catalog,
     template: InstanceTemplate,
     resource_policies: Sequence[str] = (),
 ) -> Any:
     """The ``instances.insert`` body of the attempt's instance (node ``req.node_rank``
-    of its gang) in ``zone``; ``resource_policies``: the gang's compact placement policy."""
+    of its gang) in ``req.zone``; ``resource_policies``: the gang's compact placement
+    policy."""
     _check_runner_inputs(req)
+    zone = req.zone
     res = req.request
     accel = accelerator(res)
     machine = catalog.machine_type(res)
@@ -135,7 +134,7 @@ def instance_body(
             f"the GCP startup script {template.startup_script} is unreadable ({e}): reinstall"
             " trainbot from its repository, or pass startup_script= to the gcp provider"
         ) from None
-    labels = {k: label_value(v) for k, v in req.tags(key).items()}
+    labels = {k: label_value(v) for k, v in req.tags(req.key).items()}
     metadata = {
         "startup-script": script,
         "enable-guest-attributes": "TRUE",
@@ -201,41 +200,22 @@ def instance_body(
     return body
 
 
-def insert(
-    api: ComputeApi,
-    req: LaunchRequest,
-    *,
-    zone: str,
-    key: str,
-    body: Any,
-    kind: str,
-    timeout_s: float,
-) -> bool:
-    """Insert ``body`` in ``zone`` and wait up to ``timeout_s`` for the insert to finish.
+def insert(api: ComputeApi, req: LaunchRequest, *, body: Any, kind: str, timeout_s: float) -> bool:
+    """Insert ``body`` in ``req.zone`` and wait up to ``timeout_s`` for the insert to finish.
 
     True when it made the instance; False when the name was already taken (the caller
     adopts it). A stockout of ``kind`` raises CapacityError naming the zone; a quota
     refusal raises QuotaExceeded.
     """
     name = body.name
-    request_id = str(uuid.uuid5(NAMESPACE, f"insert {api.project}/{zone}/{key}"))
+    zone = req.zone
+    request_id = str(uuid.uuid5(NAMESPACE, f"insert {api.project}/{zone}/{req.key}"))
     what = f"start instance {name} in {zone} for run {req.run_id}"
-    try:
-        op = api.call(
-            what,
-            "instances.insert",
-            lambda: api.client("instances").insert_unary(
-                request=compute_v1.InsertInstanceRequest(
-                    project=api.project,
-                    zone=zone,
-                    instance_resource=body,
-                    request_id=request_id,
-                ),
-                timeout=api.call_timeout_s,
-            ),
-            conflict=True,
-        )
-    except api_exceptions.Conflict:
+    request = compute_v1.InsertInstanceRequest(
+        project=api.project, zone=zone, instance_resource=body, request_id=request_id
+    )
+    op = api.insert(what, "instances.insert", request, client="instances")
+    if op is None:
         log.info("instance %s/%s already exists: adopting it", zone, name)
         return False
     op = api.wait(zone, op, what=what, timeout_s=timeout_s)

@@ -99,21 +99,11 @@ class CompactPolicies:
         # No request id: a policy deleted after a failed launch and wanted again (the
         # attempt launched anew) would get the old insert's answer back and not exist. The
         # name is the idempotency: a second insert is refused as a conflict (409).
-        try:
-            op = api.call(
-                what,
-                "resourcePolicies.insert",
-                lambda: api.client("resource_policies").insert_unary(
-                    request=compute_v1.InsertResourcePolicyRequest(
-                        project=api.project,
-                        region=region,
-                        resource_policy_resource=body,
-                    ),
-                    timeout=api.call_timeout_s,
-                ),
-                conflict=True,
-            )
-        except api_exceptions.Conflict:
+        request = compute_v1.InsertResourcePolicyRequest(
+            project=api.project, region=region, resource_policy_resource=body
+        )
+        op = api.insert(what, "resourcePolicies.insert", request, client="resource_policies")
+        if op is None:
             log.info("compact placement policy %s/%s exists already: using it", region, name)
             return self.path(region, name)
         op = api.wait_region(region, op, what=what, timeout_s=timeout_s)

@@ -14,21 +14,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from jobs.providers import gang
-from jobs.providers.base import (
-    BucketLocation,
-    Capabilities,
-    CapacityError,
-    InstanceInfo,
-    InstanceStatus,
-    LaunchRequest,
-    PriceQuote,
-    ProviderError,
-    QuotaInfo,
-    ResourceRequest,
-    Unsupported,
-    ZoneCapacity,
-)
+from jobs.providers import base, gang
 from jobs.providers.gcp.api import ComputeApi
 from jobs.providers.gcp.buckets import bucket_location
 from jobs.providers.gcp.catalog import PRICES_PATH, Catalog
@@ -43,6 +29,7 @@ from jobs.providers.gcp.names import instance_name, last, policy_name, region_of
 from jobs.providers.gcp.policies import CompactPolicies
 from jobs.providers.gcp.quota import Placement
 from jobs.providers.gcp.status import Instances
+from jobs.providers.options import by_name
 from runner.preemption import WINDOWS_S
 
 if TYPE_CHECKING:
@@ -51,6 +38,9 @@ if TYPE_CHECKING:
 __all__ = ["GcpProvider", "from_settings", "make"]
 
 log = logging.getLogger(__name__)
+
+#: Why ``create_budget`` and ``delete_budget`` are refused (``Capabilities.cloud_budgets``).
+_NO_BUDGETS = "the gcp provider does not create Cloud Billing budgets yet"
 
 
 class GcpProvider:
@@ -100,30 +90,26 @@ class GcpProvider:
         while its nodes are still going, is tried again at most every ``policy_retry_s``;
         the policies of these regions that gangs left behind (the control plane restarted
         between their nodes' going and the policy's deletion) are looked for at most every
-        ``policy_sweep_s``."""
+        ``policy_sweep_s``. The launch options (``image`` to ``startup_script``, the fields
+        of :class:`InstanceTemplate`) are kept as ``template``, read at each launch."""
         if not project or not region:
-            raise ProviderError("the GCP provider needs a project and a region (us-central1)")
+            raise base.ProviderError("the GCP provider needs a project and a region (us-central1)")
+        startup_script = Path(startup_script) if startup_script else STARTUP_SCRIPT_PATH
+        #: The launch options; a caller may replace it (``dataclasses.replace``) between
+        #: launches.
+        self.template = by_name(InstanceTemplate, locals())
         self.project = project
         self.region = region
         self.zones = tuple(zones or ())
         self.regions = tuple(r for r in dict.fromkeys(regions) if r and r != region)
         self.machine_type_for = {k.lower(): v for k, v in (machine_type_for or {}).items()}
-        self.image = image
-        self.service_account = service_account
         self.api_endpoint = api_endpoint
-        self.network = network
-        self.subnetwork = subnetwork
-        self.external_ip = external_ip
-        self.runner_package = runner_package
-        self.boot_disk_gb = boot_disk_gb
-        self.startup_script = Path(startup_script) if startup_script else STARTUP_SCRIPT_PATH
         self.prices_path = Path(prices) if prices else PRICES_PATH
         self.storage_endpoint = storage_endpoint or api_endpoint or "https://storage.googleapis.com"
         self.launch_timeout_s = launch_timeout_s
         self.call_timeout_s = call_timeout_s
         self.stockout_cooldown_s = stockout_cooldown_s
-        # The project, endpoint, timeouts, prices and machine types are fixed from here on;
-        # the launch options are read at each launch (_template).
+        # The project, endpoint, timeouts, prices and machine types are fixed from here on.
         self._api = ComputeApi(
             project=project,
             api_endpoint=api_endpoint,
@@ -137,14 +123,28 @@ class GcpProvider:
         self._instances = Instances(self._api)
         self._policies = CompactPolicies(self._api, retry_s=policy_retry_s, sweep_s=policy_sweep_s)
 
+    @property
+    def runner_package(self) -> str:
+        """What the startup script pip-installs (the template's); a caller may change it."""
+        return self.template.runner_package
+
+    @runner_package.setter
+    def runner_package(self, package: str) -> None:
+        self.template = replace(self.template, runner_package=package)
+
+    @property
+    def startup_script(self) -> Path:
+        """The startup script every instance runs (the template's)."""
+        return self.template.startup_script
+
     # -- Provider: questions --------------------------------------------------------------
 
     @property
-    def capabilities(self) -> Capabilities:
+    def capabilities(self) -> base.Capabilities:
         """A cloud: commands never run on the control plane. Thirty seconds' notice
         through the metadata server; gangs under a compact placement policy; no cloud
         budgets or permission probe yet."""
-        return Capabilities(
+        return base.Capabilities(
             runs_on_this_machine=False,
             termination_window_s=WINDOWS_S["gcp"],
             preemption_source="gcp",
@@ -153,26 +153,28 @@ class GcpProvider:
         )
 
     def create_budget(self, *, run_id: str, usd: float, thresholds: Sequence[int]) -> str:
-        raise Unsupported("the gcp provider does not create Cloud Billing budgets yet")
+        raise base.Unsupported(_NO_BUDGETS)
 
     def delete_budget(self, *, run_id: str) -> None:
-        raise Unsupported("the gcp provider does not create Cloud Billing budgets yet")
+        raise base.Unsupported(_NO_BUDGETS)
 
-    def check_launch_permissions(self, req: ResourceRequest, *, zone: str | None = None) -> None:
-        raise Unsupported("the gcp provider has no permission probe")
+    def check_launch_permissions(
+        self, req: base.ResourceRequest, *, zone: str | None = None
+    ) -> None:
+        raise base.Unsupported("the gcp provider has no permission probe")
 
     def instance_log(self, instance_id: str, *, lines: int) -> str:
-        raise Unsupported("the gcp provider keeps logs on the instance")
+        raise base.Unsupported("the gcp provider keeps logs on the instance")
 
     def close(self) -> None:
         """Nothing to release: the Compute clients close with the process."""
 
-    def quota(self, req: ResourceRequest) -> QuotaInfo:
+    def quota(self, req: base.ResourceRequest) -> base.QuotaInfo:
         """The regional metric for the type (preemptible for spot, when the project has
         any), and GPUS_ALL_REGIONS; the tighter of the two binds."""
         return self._placement.quota(req, region=self._region(req))
 
-    def capacity(self, req: ResourceRequest) -> list[ZoneCapacity]:
+    def capacity(self, req: base.ResourceRequest) -> list[base.ZoneCapacity]:
         """Zones of the request's region that offer the type (acceleratorTypes), available
         first; a zone that ran out of the type lately is ranked unavailable."""
         region = self._region(req)
@@ -183,31 +185,31 @@ class GcpProvider:
             cooldown_s=self.stockout_cooldown_s,
         )
 
-    def instance_type_for(self, req: ResourceRequest) -> str | None:
+    def instance_type_for(self, req: base.ResourceRequest) -> str | None:
         """The machine type that carries exactly the request's GPUs, if one does."""
         return self._catalog.exact_machine_type(req)
 
     def dry_run_request(
-        self, req: ResourceRequest, *, instance_type: str | None = None
-    ) -> ResourceRequest:
+        self, req: base.ResourceRequest, *, instance_type: str | None = None
+    ) -> base.ResourceRequest:
         """One instance of the cheapest machine for the dry run (see the catalog's)."""
         return self._catalog.dry_run_request(
             replace(req, region=self._region(req)), instance_type=instance_type
         )
 
-    def price(self, req: ResourceRequest, *, zone: str | None = None) -> PriceQuote:
+    def price(self, req: base.ResourceRequest, *, zone: str | None = None) -> base.PriceQuote:
         """From the shipped table: machine vCPUs and memory plus GPUs, per region."""
         region = region_of_zone(zone) if zone else self._region(req)
         return self._catalog.price(req, region=region)
 
-    def bucket_location(self, uri: str) -> BucketLocation | None:
+    def bucket_location(self, uri: str) -> base.BucketLocation | None:
         """Where a ``gs://`` bucket is, a multi- or dual-region with every region it
         covers; other URIs are None."""
         return bucket_location(self._api, uri, endpoint=self.storage_endpoint)
 
     # -- Provider: instances --------------------------------------------------------------
 
-    def launch(self, req: LaunchRequest) -> InstanceInfo:
+    def launch(self, req: base.LaunchRequest) -> base.InstanceInfo:
         """Insert the attempt's instance and wait for the insert to finish; for a gang
         (``req.nodes`` above 1), its nodes, all in one zone under one compact placement
         policy, all or none (:mod:`jobs.providers.gang`).
@@ -216,7 +218,7 @@ class GcpProvider:
         a while); a quota refusal raises QuotaExceeded; a name already taken adopts it.
         """
         if not req.command:
-            raise ProviderError(
+            raise base.ProviderError(
                 f"run {req.run_id} attempt {req.attempt_id}: the launch command is empty;"
                 " the spec needs a command to run"
             )
@@ -227,7 +229,7 @@ class GcpProvider:
         )
         region = region_of_zone(zone)
         if res.region not in ("", "local") and res.region != region:
-            raise ProviderError(
+            raise base.ProviderError(
                 f"zone {zone} is not in region {res.region}: fix resources.zones or the region"
             )
         # Chosen once: every node of a gang goes to this zone, whatever capacity says later.
@@ -242,7 +244,7 @@ class GcpProvider:
                 req,
                 terminate_one=self._instances.terminate,
             )
-        except ProviderError:
+        except base.ProviderError:
             # gang.launch has deleted the nodes it started; the policy goes after them.
             self._policies.release((), [policy])
             raise
@@ -250,32 +252,18 @@ class GcpProvider:
         return info
 
     def _launch_one(
-        self, req: LaunchRequest, *, resource_policies: Sequence[str] = ()
-    ) -> InstanceInfo:
+        self, req: base.LaunchRequest, *, resource_policies: Sequence[str] = ()
+    ) -> base.InstanceInfo:
         """Insert one instance (one node of a gang) in ``req.zone`` and read it back."""
         zone = req.zone
         name = instance_name(req.run_id, req.attempt_id, node=req.node_rank)
-        key = req.idempotency_key or f"{req.run_id}/{req.attempt_id}"
         body = instance_body(
-            req,
-            zone=zone,
-            key=key,
-            catalog=self._catalog,
-            template=self._template(),
-            resource_policies=resource_policies,
+            req, catalog=self._catalog, template=self.template, resource_policies=resource_policies
         )
         kind = self._catalog.kind(req.request)
         try:
-            created = insert(
-                self._api,
-                req,
-                zone=zone,
-                key=key,
-                body=body,
-                kind=kind,
-                timeout_s=self.launch_timeout_s,
-            )
-        except CapacityError:
+            created = insert(self._api, req, body=body, kind=kind, timeout_s=self.launch_timeout_s)
+        except base.CapacityError:
             self._placement.ran_out(zone, kind)
             raise
         if not created:
@@ -284,7 +272,7 @@ class GcpProvider:
             self._instances.get(zone, name, what=f"read instance {name} in {zone}")
         )
 
-    def status(self, instance_id: str) -> InstanceStatus:
+    def status(self, instance_id: str) -> base.InstanceStatus:
         """Instance status, plus the zone's preemption operations and the runner's exit
         code; a gang's (``+``-joined node ids) is its nodes' combined."""
         try:
@@ -305,14 +293,14 @@ class GcpProvider:
             # Not launched or listed by this process: the nodes that remain name it.
             try:
                 policies = self._policies.listed_by(self._instances.existing(nodes))
-            except ProviderError as e:  # the nodes go all the same; only the policy stays
+            except base.ProviderError as e:  # the nodes go all the same; only the policy stays
                 log.warning("could not read the nodes of %s for their policy: %s", instance_id, e)
         try:
             gang.terminate(self._instances.terminate, instance_id)
         finally:
             self._policies.release(nodes, policies)
 
-    def list_instances(self) -> list[InstanceInfo]:
+    def list_instances(self) -> list[base.InstanceInfo]:
         """Every instance labelled trainbot-managed=true, in every zone of the project, a
         gang's nodes as one: one aggregated list covers every region, so a restarted
         control plane finds the instances of a run that failed over (``regions`` or any
@@ -331,25 +319,12 @@ class GcpProvider:
 
     # -- helpers --------------------------------------------------------------------------
 
-    def _region(self, req: ResourceRequest) -> str:
+    def _region(self, req: base.ResourceRequest) -> str:
         return req.region if req.region not in ("", "local") else self.region
 
     def _zones_in(self, region: str) -> tuple[str, ...]:
         """The configured zones of ``region``; none means any zone of it."""
         return tuple(z for z in self.zones if region_of_zone(z) == region)
-
-    def _template(self) -> InstanceTemplate:
-        """The launch options as they are now (a caller may have changed one)."""
-        return InstanceTemplate(
-            image=self.image,
-            service_account=self.service_account,
-            network=self.network,
-            subnetwork=self.subnetwork,
-            external_ip=self.external_ip,
-            runner_package=self.runner_package,
-            boot_disk_gb=self.boot_disk_gb,
-            startup_script=self.startup_script,
-        )
 
 
 def make(**options: Any) -> GcpProvider:
@@ -358,7 +333,7 @@ def make(**options: Any) -> GcpProvider:
     The region defaults to preflight's default (us-central1); the project has no default.
     """
     if not options.get("project"):
-        raise ProviderError(
+        raise base.ProviderError(
             "the gcp provider needs a project: set TRAINBOT_GCP_PROJECT to the project id"
         )
     options.setdefault("region", "us-central1")

@@ -75,21 +75,15 @@ class Placement:
         unit = "GPUs" if accel else "vCPUs"
         if instances > 1:
             note += f"; {instances} instances of {per_instance:g} {unit} each"
-        ok = used + needed <= limit
-        remedy = ""
-        if not ok:
-            remedy = self._remedy(
-                preemptible if req.spot else standard, used + needed, region=region
-            )
-            if req.spot and metric == standard:
-                remedy += f" (or raise {standard}: spot VMs use it while {preemptible} is 0)"
+        remedy = self._remedy(preemptible if req.spot else standard, used + needed, region=region)
+        if req.spot and metric == standard:
+            remedy += f" (or raise {standard}: spot VMs use it while {preemptible} is 0)"
         what = f"{accel.name} {unit}" if accel else unit
-        return QuotaInfo(
-            limit=limit,
-            used=used,
-            needed=needed,
-            unit=unit,
-            ok=ok,
+        return QuotaInfo.check(
+            limit,
+            used,
+            needed,
+            unit,
             detail=f"{metric} in {region}: {used:g} of {limit:g} {what} in use{note}",
             remedy=remedy,
         )
@@ -106,18 +100,14 @@ class Placement:
         total = next((q for q in found.quotas if q.metric == "GPUS_ALL_REGIONS"), None)
         if total is None:
             return None
-        ok = total.usage + needed <= total.limit
-        return QuotaInfo(
-            limit=total.limit,
-            used=total.usage,
-            needed=needed,
-            unit="GPUs",
-            ok=ok,
+        return QuotaInfo.check(
+            total.limit,
+            total.usage,
+            needed,
+            "GPUs",
             detail=f"GPUS_ALL_REGIONS in project {api.project}: {total.usage:g} of"
             f" {total.limit:g} GPUs in use",
-            remedy=""
-            if ok
-            else self._remedy("GPUS_ALL_REGIONS", total.usage + needed, region=None),
+            remedy=self._remedy("GPUS_ALL_REGIONS", total.usage + needed, region=None),
         )
 
     def _remedy(self, metric: str, wanted: float, *, region: str | None) -> str:
@@ -161,26 +151,22 @@ class Placement:
         for zone in candidates:
             since = self._stockouts.get((zone, kind))
             if zone not in in_region:
-                found.append(ZoneCapacity(zone, False, detail=f"not a zone of {region}"))
+                found.append(ZoneCapacity.unavailable(zone, f"not a zone of {region}"))
             elif since is not None and now - since < cooldown_s:
                 ago = int(now - since)
                 found.append(
-                    ZoneCapacity(
-                        zone,
-                        False,
-                        detail=f"ran out of {kind} {ago} s ago (ZONE_RESOURCE_POOL_EXHAUSTED)",
+                    ZoneCapacity.unavailable(
+                        zone, f"ran out of {kind} {ago} s ago (ZONE_RESOURCE_POOL_EXHAUSTED)"
                     )
                 )
             elif accel is None:
                 found.append(ZoneCapacity(zone, True, detail="CPU machine types"))
             elif zone not in offered:
-                found.append(ZoneCapacity(zone, False, detail=f"does not offer {accel.name}"))
+                found.append(ZoneCapacity.unavailable(zone, f"does not offer {accel.name}"))
             elif req.accelerator_count > offered[zone]:
                 found.append(
-                    ZoneCapacity(
-                        zone,
-                        False,
-                        detail=f"offers at most {offered[zone]} {accel.name} per instance",
+                    ZoneCapacity.unavailable(
+                        zone, f"offers at most {offered[zone]} {accel.name} per instance"
                     )
                 )
             else:

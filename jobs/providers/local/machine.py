@@ -75,7 +75,7 @@ def capacity(req: ResourceRequest, quota: QuotaInfo) -> list[ZoneCapacity]:
     """One zone, available when this machine's quota covers the request."""
     zones = [ZoneCapacity(zone=ZONE, available=quota.ok, score=None, detail=quota.detail)]
     zones += [
-        ZoneCapacity(zone=z, available=False, detail=f"the local provider has one zone, {ZONE}")
+        ZoneCapacity.unavailable(z, f"the local provider has one zone, {ZONE}")
         for z in dict.fromkeys(req.zones)
         if z != ZONE
     ]
@@ -93,16 +93,8 @@ def price(*, spot_usd_per_hour: float, on_demand_usd_per_hour: float) -> PriceQu
 
 
 def _quota(*, limit: int, used: int, needed: int, unit: str, detail: str, remedy: str) -> QuotaInfo:
-    ok = used + needed <= limit
-    return QuotaInfo(
-        limit=limit,
-        used=used,
-        needed=needed,
-        unit=unit,
-        ok=ok,
-        detail=f"{detail}: {used} taken by running local instances, {needed} needed",
-        remedy="" if ok else remedy,
-    )
+    taken = f"{detail}: {used} taken by running local instances, {needed} needed"
+    return QuotaInfo.check(limit, used, needed, unit, detail=taken, remedy=remedy)
 
 
 def gpu_matches(name: str, accelerator_type: str | None) -> bool:

@@ -19,23 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
-from jobs.providers import gang
-from jobs.providers.base import (
-    BucketLocation,
-    Capabilities,
-    CapacityError,
-    InstanceInfo,
-    InstanceNotFound,
-    InstanceState,
-    InstanceStatus,
-    LaunchRequest,
-    PriceQuote,
-    ProviderError,
-    QuotaInfo,
-    ResourceRequest,
-    Unsupported,
-    ZoneCapacity,
-)
+from jobs.providers import base, gang
 from jobs.providers.local import machine, status
 from jobs.providers.local.machine import Machine
 from jobs.providers.local.preemption import Preemptions
@@ -100,24 +84,31 @@ class LocalProvider:
             ("on_demand_usd_per_hour", on_demand_usd_per_hour),
         ):
             if value < 0:
-                raise ProviderError(f"local provider: {label} is {value}; use 0 or more")
+                raise base.ProviderError(f"local provider: {label} is {value}; use 0 or more")
         if not 0 <= nice <= 19:
-            raise ProviderError(
+            raise base.ProviderError(
                 f"local provider: nice is {nice}; use 0 (the control plane's own priority)"
                 " to 19 (the lowest)"
             )
         if mean_time_between_preemptions_s is not None and mean_time_between_preemptions_s <= 0:
-            raise ProviderError(
+            raise base.ProviderError(
                 "local provider: mean_time_between_preemptions_s must be more than 0"
                 " (or None for no random preemptions)"
             )
         self.state_dir = Path(state_dir)
-        self.termination_window_s = termination_window_s
         self.terminate_grace_s = terminate_grace_s
         self.spot_usd_per_hour = spot_usd_per_hour
         self.on_demand_usd_per_hour = on_demand_usd_per_hour
-        self.mean_time_between_preemptions_s = mean_time_between_preemptions_s
         self.nice = nice
+        self._capabilities = base.Capabilities(
+            runs_on_this_machine=True,
+            termination_window_s=termination_window_s,
+            preemption_source="signal",
+            default_region="local",
+            mean_time_between_preemptions_s=mean_time_between_preemptions_s,
+            instance_logs=True,
+            gang_placement="this machine",
+        )
         self._workdir = str(workdir) if workdir is not None else None
         self._machine = Machine(
             cores=cores if cores is not None else (os.cpu_count() or 1), gpu_names=gpu_names
@@ -138,46 +129,38 @@ class LocalProvider:
         return self._machine.cores
 
     @property
-    def capabilities(self) -> Capabilities:
+    def capabilities(self) -> base.Capabilities:
         """Instances are processes of this machine, so a dry run may run here too; the
         window and the mean time between preemptions are this provider's own settings."""
-        return Capabilities(
-            runs_on_this_machine=True,
-            termination_window_s=self.termination_window_s,
-            preemption_source="signal",
-            default_region="local",
-            mean_time_between_preemptions_s=self.mean_time_between_preemptions_s,
-            instance_logs=True,
-            gang_placement="this machine",
-        )
+        return self._capabilities
 
     # -- Provider: questions --------------------------------------------------------------
 
-    def quota(self, req: ResourceRequest) -> QuotaInfo:
+    def quota(self, req: base.ResourceRequest) -> base.QuotaInfo:
         """Cores and GPUs of this machine, less what running local instances asked for."""
         live = [
             r
             for r in self._instances.records()
-            if status.state_of(self._instances, r).state is InstanceState.RUNNING
+            if status.state_of(self._instances, r).state is base.InstanceState.RUNNING
         ]
         return self._machine.quota(req, live)
 
-    def capacity(self, req: ResourceRequest) -> list[ZoneCapacity]:
+    def capacity(self, req: base.ResourceRequest) -> list[base.ZoneCapacity]:
         """One zone, available when this machine's quota covers the request."""
         return machine.capacity(req, self.quota(req))
 
-    def instance_type_for(self, req: ResourceRequest) -> str | None:
+    def instance_type_for(self, req: base.ResourceRequest) -> str | None:
         """``local``, this machine, when it has as many GPUs of the type as asked for."""
         return self._machine.instance_type_for(req)
 
     def dry_run_request(
-        self, req: ResourceRequest, *, instance_type: str | None = None
-    ) -> ResourceRequest:
+        self, req: base.ResourceRequest, *, instance_type: str | None = None
+    ) -> base.ResourceRequest:
         """The request itself: a local dry run is a process on this machine, not an
         instance (``capabilities.runs_on_this_machine``)."""
         return req
 
-    def price(self, req: ResourceRequest, *, zone: str | None = None) -> PriceQuote:
+    def price(self, req: base.ResourceRequest, *, zone: str | None = None) -> base.PriceQuote:
         """The configured prices (see :meth:`set_prices`), so local spend is the same
         arithmetic as a cloud's."""
         with self._lock:
@@ -199,21 +182,21 @@ class LocalProvider:
             ("on_demand_usd_per_hour", on_demand_usd_per_hour),
         ):
             if value is not None and not 0 <= value < float("inf"):
-                raise ProviderError(f"local provider: {label} is {value}; use 0 or more")
+                raise base.ProviderError(f"local provider: {label} is {value}; use 0 or more")
         with self._lock:
             if spot_usd_per_hour is not None:
                 self.spot_usd_per_hour = spot_usd_per_hour
             if on_demand_usd_per_hour is not None:
                 self.on_demand_usd_per_hour = on_demand_usd_per_hour
 
-    def bucket_location(self, uri: str) -> BucketLocation | None:
+    def bucket_location(self, uri: str) -> base.BucketLocation | None:
         """Local paths and file URIs are in this machine's region; anything else is unknown."""
         scheme = urlparse(uri).scheme
-        return BucketLocation.region(REGION) if scheme in ("", "file") else None
+        return base.BucketLocation.region(REGION) if scheme in ("", "file") else None
 
     # -- Provider: instances --------------------------------------------------------------
 
-    def launch(self, req: LaunchRequest) -> InstanceInfo:
+    def launch(self, req: base.LaunchRequest) -> base.InstanceInfo:
         """Start the command as a new process group; the same key returns the same instance.
         A gang's nodes are process groups of this machine that reach node 0 through the
         loopback, on a port free when node 0 was launched."""
@@ -230,7 +213,7 @@ class LocalProvider:
             )
         return self._launch_one(req)
 
-    def _gang_port(self, req: LaunchRequest) -> int:
+    def _gang_port(self, req: base.LaunchRequest) -> int:
         """Node 0's rendezvous port: the one it was launched with, when it was (a launch
         retried after a crash), else a port free now."""
         key = req.idempotency_key or req.attempt_id
@@ -239,20 +222,20 @@ class LocalProvider:
                 return int(record.tags[MASTER_PORT_TAG])
         return free_port()
 
-    def _launch_one(self, req: LaunchRequest) -> InstanceInfo:
+    def _launch_one(self, req: base.LaunchRequest) -> base.InstanceInfo:
         if not req.command:
-            raise ProviderError(
+            raise base.ProviderError(
                 f"run {req.run_id} attempt {req.attempt_id}: the launch command is empty;"
                 " the spec needs a command to run"
             )
         if req.zone not in (None, "", ZONE):
-            raise CapacityError(
+            raise base.CapacityError(
                 f"the local provider has one zone, {ZONE}; it cannot launch in {req.zone!r}",
                 zone=req.zone,
             )
         if self._preemptions.closed:
-            raise ProviderError("this local provider is closed; make a new one to launch")
-        key = req.idempotency_key or f"{req.run_id}/{req.attempt_id}"
+            raise base.ProviderError("this local provider is closed; make a new one to launch")
+        key = req.key
         instances = self._instances
         with self._lock, instances.launch_lock():
             record = next((r for r in instances.records() if r.idempotency_key == key), None)
@@ -269,11 +252,13 @@ class LocalProvider:
             self.schedule_preemption(record.instance_id, after_s=delay)
         return status.info(instances, record)
 
-    def status(self, instance_id: str) -> InstanceStatus:
+    def status(self, instance_id: str) -> base.InstanceStatus:
         """Read from the instance's files, so it works for instances of earlier processes."""
-        return gang.status(self._status_one, instance_id, window_s=self.termination_window_s)
+        return gang.status(
+            self._status_one, instance_id, window_s=self.capabilities.termination_window_s
+        )
 
-    def _status_one(self, instance_id: str) -> InstanceStatus:
+    def _status_one(self, instance_id: str) -> base.InstanceStatus:
         return status.state_of(self._instances, self._instances.load(instance_id))
 
     def terminate(self, instance_id: str) -> None:
@@ -290,7 +275,7 @@ class LocalProvider:
             self._preemptions.cancel(instance_id)
         status.end(self._instances, record, grace_s=self.terminate_grace_s)
 
-    def list_instances(self) -> list[InstanceInfo]:
+    def list_instances(self) -> list[base.InstanceInfo]:
         """Every instance in the state directory, oldest first, whatever its state."""
         return gang.group(status.info(self._instances, r) for r in self._instances.records())
 
@@ -311,7 +296,7 @@ class LocalProvider:
     ) -> None:
         """Preempt the instance at a time, or after some seconds (replacing any earlier)."""
         if (at is None) == (after_s is None):
-            raise ProviderError("schedule_preemption takes exactly one of at= and after_s=")
+            raise base.ProviderError("schedule_preemption takes exactly one of at= and after_s=")
         self._instances.load(instance_id)
         when = at.timestamp() if at is not None else time.time() + (after_s or 0.0)
         self._preemptions.schedule(instance_id, when)
@@ -339,7 +324,7 @@ class LocalProvider:
         for rank, node in enumerate(nodes):
             try:
                 tail = self._log_tail(node, lines)
-            except InstanceNotFound as exc:
+            except base.InstanceNotFound as exc:
                 tail = str(exc)
             parts.append(f"== node {rank} ({node}) ==\n{tail}")
         return "\n".join(parts)
@@ -348,18 +333,20 @@ class LocalProvider:
         try:
             text = self.log_path(instance_id).read_text(errors="replace")
         except FileNotFoundError:
-            raise InstanceNotFound(
+            raise base.InstanceNotFound(
                 f"no log for instance {instance_id} yet", instance_id=instance_id
             ) from None
         return "\n".join(text.splitlines()[-lines:])
 
     def create_budget(self, *, run_id: str, usd: float, thresholds: Sequence[int]) -> str:
-        raise Unsupported("the local provider has no cloud billing")
+        raise base.Unsupported("the local provider has no cloud billing")
 
     def delete_budget(self, *, run_id: str) -> None:
-        raise Unsupported("the local provider has no cloud billing")
+        raise base.Unsupported("the local provider has no cloud billing")
 
-    def check_launch_permissions(self, req: ResourceRequest, *, zone: str | None = None) -> None:
+    def check_launch_permissions(
+        self, req: base.ResourceRequest, *, zone: str | None = None
+    ) -> None:
         """Anyone who can run the control plane can start processes here."""
 
     def scratch_dir(self, instance_id: str) -> Path:
