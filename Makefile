@@ -16,12 +16,14 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(VENV)/bin/trainbot demo $(ARGS)
 
-## test: lint, type-check and the whole test suite
+## test: lint, type-check and the whole test suite, on two workers (most of its time is
+## spent waiting on processes, servers and timers; PYTEST_WORKERS=0 runs it in one process)
+PYTEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 ## image-test: build the deploy/ images with podman, serve /healthz, compose up two replicas
 image-test: $(STAMP)

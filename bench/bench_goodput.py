@@ -765,6 +765,21 @@ def _terminate_leftovers(cp: ControlPlane) -> None:
 # ----------------------------------------------------------------------------- figures
 
 
+def attempt_interval(
+    launched_with: float, *, start: float, end: float, commits: Sequence[tuple[float, float]]
+) -> float:
+    """The checkpoint interval of one attempt, weighted by time: the one it was launched
+    with until a commit says another is in effect (``commits``: time, interval)."""
+    if end <= start:
+        return launched_with
+    t, current, total = start, launched_with, 0.0
+    for at, interval in sorted(commits):
+        at = min(max(at, t), end)
+        total += current * (at - t)
+        t, current = at, interval
+    return (total + current * (end - t)) / (end - start)
+
+
 def _ts(value: datetime | None) -> float | None:
     return None if value is None else value.timestamp()
 
@@ -823,8 +838,24 @@ def _figures(
         attempts, events, compression=scenario.compression, killed_at=killed_at, now=now
     )
     # Each attempt's interval, weighted by its paid time: what the run checkpointed at.
+    # An "auto" interval moves within an attempt too, once the session has measured its
+    # saves (their commits carry the interval in effect from then on).
     spans = [
-        (launched.get(a.id) or interval, (a.ended or time.time()) - a.launched)
+        (
+            attempt_interval(
+                launched.get(a.id) or interval,
+                start=a.launched,
+                end=a.ended or time.time(),
+                commits=[
+                    (e.time, float(e.data["interval_s"]))
+                    for e in events
+                    if e.attempt_id == a.id
+                    and e.type == "checkpoint_committed"
+                    and e.data.get("interval_s")
+                ],
+            ),
+            (a.ended or time.time()) - a.launched,
+        )
         for a in sorted(attempts, key=lambda a: a.number)
         if a.launched is not None
     ]

@@ -1,7 +1,9 @@
 """The checkpoint interval of a resubmitted attempt, from the save cost the run measured.
 
 Preflight chose an ``"auto"`` interval from a dry run; before each resubmit the
-interval follows what the run's own saves cost on its own hardware.
+interval follows what the run's own saves cost on its own hardware. Within an attempt the
+session does the same (``runner.session.MeasuredInterval``), given the rule's M
+(:func:`auto_interval_mtbp`).
 """
 
 from __future__ import annotations
@@ -14,12 +16,22 @@ from sqlmodel import Session, col, select
 from jobs.deps import Deps
 from jobs.models import Attempt, EventRow, Run
 from jobs.runs.rows import dry_run_data
-from runner.preemption import choose_interval
+from jobs.spec import JobSpec
+from runner.preemption import MEASURED_SAVES_MIN, choose_interval
 
-#: Periodic saves a run must have reported before its interval follows their stall.
-MEASURED_SAVES_MIN = 3
 #: Newest commits of the run the measured cost is taken from.
 MEASURED_SAVES_MAX = 200
+
+
+def auto_interval_mtbp(run: Run, spec: JobSpec) -> float | None:
+    """The M of an ``"auto"`` interval (preflight's rule: the mean time between the
+    preemptions that lose work); None for an interval the spec gives, or without one."""
+    return None if spec.checkpoint.interval_s is not None else _lossy_mtbp(run)
+
+
+def _lossy_mtbp(run: Run) -> float | None:
+    mtbp = dry_run_data(run).get("interval_mtbp_s")
+    return float(mtbp) if isinstance(mtbp, int | float) and mtbp > 0 else None
 
 
 def measured_interval(session: Session, run: Run) -> float | None:
@@ -32,8 +44,8 @@ def measured_interval(session: Session, run: Run) -> float | None:
     a final or emergency save copies nothing) and the median write time. None until
     enough periodic saves are known, or without preflight's M.
     """
-    lossy_mtbp = dry_run_data(run).get("interval_mtbp_s")
-    if not isinstance(lossy_mtbp, int | float) or not lossy_mtbp > 0:
+    lossy_mtbp = _lossy_mtbp(run)
+    if lossy_mtbp is None:
         return None
     last_steps = dict(
         session.exec(select(Attempt.id, Attempt.last_step).where(Attempt.run_id == run.id)).all()
@@ -59,7 +71,7 @@ def measured_interval(session: Session, run: Run) -> float | None:
     return choose_interval(
         write_s=statistics.median(writes),
         stall_s=statistics.median(stalls),
-        mtbp_s=float(lossy_mtbp),
+        mtbp_s=lossy_mtbp,
         flush_fits_window=False,  # M above already counts only the preemptions losing work
     ).interval_s
 

@@ -29,7 +29,7 @@ from jobs.preflight import resource_request
 from jobs.providers.base import CapacityError, LaunchRequest, ProviderError
 from jobs.runs import price
 from jobs.runs.cards import refresh_card, say
-from jobs.runs.interval import follow_measured_cost
+from jobs.runs.interval import auto_interval_mtbp, follow_measured_cost
 from jobs.runs.placement import NO_CAPACITY, NoPlacement, choose_placement, request_in
 from jobs.runs.profile import window
 from jobs.runs.rows import (
@@ -104,6 +104,9 @@ def runner_env(deps: Deps, run: Run, attempt: Attempt, spec: JobSpec) -> dict[st
         env["TRAINBOT_STORE_CREDENTIALS"] = "broker"  # the store asks /v1/credentials
     if run.checkpoint_interval_s:
         env["TRAINBOT_CHECKPOINT_INTERVAL_S"] = f"{run.checkpoint_interval_s:.3f}"
+        if (mtbp_s := auto_interval_mtbp(run, spec)) is not None:
+            # "auto": the session moves the interval to the save cost it measures.
+            env["TRAINBOT_CHECKPOINT_AUTO_MTBP_S"] = f"{mtbp_s:.3f}"
     env.update(measured_write_env(run))
     if spec.resources.under_torchrun:
         # The node's rank and node 0's address come with each node's launch (gang.py).

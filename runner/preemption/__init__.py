@@ -19,6 +19,7 @@ from runner.preemption.flag import (
 )
 from runner.preemption.flush import (
     ASSUMED_BANDWIDTH_BPS,
+    MEASURED_SAVES_MIN,
     UNANNOUNCED_SHARE,
     WINDOWS_S,
     IntervalChoice,
@@ -37,6 +38,7 @@ from runner.preemption.signals import SignalHandlers
 __all__ = [
     "ASSUMED_BANDWIDTH_BPS",
     "AWS_TOKEN_TTL_S",
+    "MEASURED_SAVES_MIN",
     "SOURCES",
     "UNANNOUNCED_SHARE",
     "WINDOWS_S",

@@ -22,6 +22,9 @@ ASSUMED_BANDWIDTH_BPS = 25e6
 #: still assumed to come without a usable notice (a lost host, a notice that never
 #: arrives, a kill before the flush ends). Only those need periodic checkpoints.
 UNANNOUNCED_SHARE = 0.1
+#: Periodic saves a run must have measured before its ``"auto"`` interval follows their
+#: cost (the session within an attempt, the control plane before a resubmit).
+MEASURED_SAVES_MIN = 3
 
 
 def flush_fits(

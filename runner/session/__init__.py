@@ -10,13 +10,14 @@ from __future__ import annotations
 from runner.session.config import SessionConfig
 from runner.session.core import Session, Stateful
 from runner.session.phases import DRY_RUN_SAVES
-from runner.session.policy import AnyOf, EverySeconds, EverySteps, SaveDecision
+from runner.session.policy import AnyOf, EverySeconds, EverySteps, MeasuredInterval, SaveDecision
 
 __all__ = [
     "DRY_RUN_SAVES",
     "AnyOf",
     "EverySeconds",
     "EverySteps",
+    "MeasuredInterval",
     "SaveDecision",
     "Session",
     "SessionConfig",

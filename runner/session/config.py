@@ -13,7 +13,13 @@ from typing import TypeVar
 
 from runner.errors import RunnerError
 from runner.preemption import WINDOWS_S
-from runner.session.policy import AnyOf, EverySeconds, EverySteps, SaveDecision
+from runner.session.policy import (
+    AnyOf,
+    EverySeconds,
+    EverySteps,
+    MeasuredInterval,
+    SaveDecision,
+)
 from runner.telemetry import EventSink, FileSink, NullSink, Reporter
 
 #: The SIGTERM-to-SIGKILL window assumed when none is given: the shortest provider's.
@@ -104,6 +110,9 @@ class SessionConfig:
     #: for the emergency-flush margin until this process has a write of its own.
     measured_write_bps: float | None = None
     measured_stall_s: float | None = None
+    #: With ``every_s``: the interval is ``"auto"``, and follows this process's measured
+    #: save cost with this M (:class:`~runner.session.policy.MeasuredInterval`).
+    auto_mtbp_s: float | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> SessionConfig:
@@ -133,13 +142,24 @@ class SessionConfig:
             notice_file=e.get("TRAINBOT_NOTICE_FILE") or None,
             measured_write_bps=_env_number(e, "TRAINBOT_MEASURED_WRITE_BPS", float),
             measured_stall_s=_env_number(e, "TRAINBOT_MEASURED_STALL_S", float),
+            auto_mtbp_s=_env_number(e, "TRAINBOT_CHECKPOINT_AUTO_MTBP_S", float),
         )
 
-    def decision(self) -> SaveDecision | None:
+    def measured_interval(self) -> MeasuredInterval | None:
+        """The ``"auto"`` interval that follows the measured save cost, if this is one."""
+        if self.every_s and self.auto_mtbp_s:
+            return MeasuredInterval(self.every_s, mtbp_s=self.auto_mtbp_s)
+        return None
+
+    def decision(self, measured: MeasuredInterval | None = None) -> SaveDecision | None:
+        """The save policy: every N steps, every T seconds (``measured``: T follows the
+        save cost), or whichever comes first."""
         policies: list[SaveDecision] = []
         if self.every_steps:
             policies.append(EverySteps(self.every_steps))
-        if self.every_s:
+        if measured is not None:
+            policies.append(measured)
+        elif self.every_s:
             policies.append(EverySeconds(self.every_s))
         if not policies:
             return None

@@ -73,6 +73,9 @@ class CheckpointCommittedData(Payload):
     #: write runs beside the next steps). None: not measured (an older runner, or a
     #: script that writes its own checkpoint files).
     stall_s: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
+    #: The periodic interval in effect from this save on, when it is ``"auto"`` and
+    #: follows the save cost the session measures (seconds); None otherwise.
+    interval_s: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
 
 
 class CheckpointFailedData(Payload):

@@ -166,6 +166,16 @@ def test_ledger_splits_paid_time_and_keeps_the_last_run_of_each_step() -> None:
     assert fig["write_s_median"] == 0.5
 
 
+def test_an_attempts_interval_is_weighted_by_the_time_each_was_in_effect() -> None:
+    from bench.bench_goodput import attempt_interval
+
+    # Launched at 2 s; from t = 40 (of 100-200) a commit says 4 s: 2·(30/100) + 4·(70/100).
+    assert attempt_interval(2.0, start=10.0, end=110.0, commits=[(40.0, 4.0)]) == 3.4
+    assert attempt_interval(2.0, start=10.0, end=110.0, commits=[]) == 2.0
+    # The same interval again, or a commit after the end, changes nothing.
+    assert attempt_interval(2.0, start=0.0, end=10.0, commits=[(5.0, 2.0), (20.0, 9.0)]) == 2.0
+
+
 def test_ledger_counts_the_training_process_start_as_start_up() -> None:
     """The supervisor's ``started`` comes when it spawns the training process; the
     process's own ``up`` mark comes once its imports are done. The start of a process

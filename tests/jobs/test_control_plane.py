@@ -343,7 +343,8 @@ def dry_run_processes(state: Path) -> list[int]:
 def test_the_first_attempt_gets_the_write_its_dry_run_measured(plane, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """Preflight's dry run writes a checkpoint to the run's store and measures it; the
     first attempt's runner is handed that bandwidth, so a notice before its first save
-    is judged by a measurement, not by the cautious guess."""
+    is judged by a measurement, not by the cautious guess; and the M of the "auto"
+    interval's rule."""
     cp, _ = plane
     run = service.submit(
         cp.deps, spec_name="tiny", overrides=["checkpoint.every_steps=1000"], actor=ADA
@@ -360,6 +361,11 @@ def test_the_first_attempt_gets_the_write_its_dry_run_measured(plane, tmp_path: 
     assert envs, "the first attempt's process"
     expected = f"{data['checkpoint_bytes'] / data['write_s']:.0f}"
     assert {e.get("TRAINBOT_MEASURED_WRITE_BPS") for e in envs} == {expected}
+    # The interval is "auto": the runner is told the rule's M, so its session moves the
+    # interval to the save cost it measures itself.
+    assert {e.get("TRAINBOT_CHECKPOINT_AUTO_MTBP_S") for e in envs} == {
+        f"{data['interval_mtbp_s']:.3f}"
+    }
     service.stop(cp.deps, run.id, ADA)
 
 

@@ -16,7 +16,7 @@ from runner import EXIT_PREEMPTED
 from runner.checkpoint import list_committed
 from runner.errors import RunnerError
 from runner.preemption import Notice, PreemptionFlag, write_notice
-from runner.session import EverySteps, Session, SessionConfig
+from runner.session import EverySeconds, EverySteps, Session, SessionConfig
 from runner.store import LocalStore
 
 #: Large enough that writing it takes clearly longer than a step that does nothing.
@@ -382,3 +382,73 @@ def test_the_environment_switches_training_on_through_the_window() -> None:
     assert not SessionConfig.from_env({"TRAINBOT_TRAIN_THROUGH_NOTICE": "off"}).train_through_notice
     with pytest.raises(RunnerError, match="TRAINBOT_TRAIN_THROUGH_NOTICE='maybe'"):
         SessionConfig.from_env({"TRAINBOT_TRAIN_THROUGH_NOTICE": "maybe"})
+
+
+def test_an_auto_interval_follows_the_save_cost_this_process_measures(tmp_path: Path) -> None:
+    """The control plane's "auto" interval came from a dry run on another machine; once
+    this process has measured three periodic saves, the interval is the same rule for
+    their median stall and write, and the session says so."""
+    from runner.preemption import MEASURED_SAVES_MIN, choose_interval
+
+    sink = Recorder()
+    # A tiny starting interval: saves come every step until the rule moves it.
+    config = SessionConfig(
+        run_id="r-flush", checkpoint_uri=str(tmp_path), every_s=1e-6, auto_mtbp_s=3600.0
+    )
+    session = Session(
+        config,
+        sink=sink,
+        store=LocalStore(tmp_path / "r-flush"),
+        flag=PreemptionFlag(),
+        install_signals=False,
+    )
+    weights = Weights(1 << 16)
+    with session as s:
+        s.track(weights=weights)
+        for step in s.steps(400):
+            weights.t[step] += 1.0
+            time.sleep(0.01)
+            if s.decision.seconds > 1.0:  # type: ignore[attr-defined]
+                break
+    commits = sink.of("checkpoint_committed")
+    periodic = commits[:MEASURED_SAVES_MIN]  # steps 1, 2, 3: each a periodic save
+    assert [c["step"] for c in periodic] == [1, 2, 3]
+    expected = choose_interval(
+        write_s=sorted(c["write_s"] for c in periodic)[1],
+        stall_s=sorted(c["stall_s"] for c in periodic)[1],
+        mtbp_s=3600.0,
+        flush_fits_window=False,
+    ).interval_s
+    assert expected > 1.0  # Daly for a few ms of stall and an hour: seconds, not 1 us
+    # Each commit says the interval in effect from it on: the given one, then the rule's
+    # (a save started before the third commit came may move it again, by its own cost).
+    assert [c["interval_s"] for c in periodic] == [1e-6, 1e-6, pytest.approx(expected)]
+    assert s.decision.seconds > 1.0  # type: ignore[attr-defined]
+    moved = [e for e in sink.of("log") if "checkpoint interval" in e["message"]]
+    assert "was 1e-06 s" in moved[0]["message"]
+
+
+def test_a_given_interval_stays_what_the_spec_says(tmp_path: Path) -> None:
+    """Without the rule's M (an interval the spec gives), the measured cost moves nothing."""
+    config = SessionConfig(run_id="r", checkpoint_uri=str(tmp_path), every_s=30.0)
+    assert config.measured_interval() is None
+    assert config.decision() == EverySeconds(30.0)
+    env = {"TRAINBOT_CHECKPOINT_INTERVAL_S": "30", "TRAINBOT_CHECKPOINT_AUTO_MTBP_S": "6000"}
+    auto = SessionConfig.from_env(env)
+    assert auto.auto_mtbp_s == 6000.0
+    measured = auto.measured_interval()
+    assert measured is not None and measured.seconds == 30.0 and measured.mtbp_s == 6000.0
+
+
+def test_the_measured_interval_moves_only_on_enough_saves_and_a_real_change() -> None:
+    from runner.session import MeasuredInterval
+
+    policy = MeasuredInterval(50.0, mtbp_s=5000.0)
+    assert policy.observe(write_s=2.0, stall_s=1.0) is None
+    assert policy.observe(write_s=2.0, stall_s=0.0) is None  # no stall measured: not counted
+    assert policy.observe(write_s=2.0, stall_s=1.0) is None  # two of three
+    assert policy.observe(write_s=2.0, stall_s=1.0) == pytest.approx(99.0)  # √(2·1·5000) − 1
+    assert policy.seconds == pytest.approx(99.0)
+    assert policy.observe(write_s=2.0, stall_s=1.02) is None  # within 2 %: left alone
+    assert policy.should_save(step=5, now=99.5, last_step=4, last_time=0.0)
+    assert not policy.should_save(step=5, now=98.5, last_step=4, last_time=0.0)

@@ -48,6 +48,7 @@ PAYLOADS: dict[str, dict[str, Any]] = {
         "write_s": 4.2,
         "uri": "s3://bucket/run-1/step-0000000100",
         "stall_s": 0.05,
+        "interval_s": None,
     },
     "checkpoint_failed": {"step": 100, "error": "S3 SlowDown"},
     "restored": {"step": 100, "fallback_from": 200, "restore_s": 3.0},
@@ -569,6 +570,13 @@ def test_a_field_added_later_may_be_missing_on_either_path() -> None:
     assert measured[0].data["stall_s"] == 0.25
     with pytest.raises(WireError, match=r"events\[0\]\.data\.stall_s"):
         decode_batch(body([wire_event(0, "checkpoint_committed", stall_s=-1.0)]))
+    # So is the "auto" interval in effect (newer still): missing is None, zero is refused.
+    del older["data"]["interval_s"]
+    assert decode_batch(body([older]))[0].data["interval_s"] is None
+    moved = decode_batch(body([wire_event(0, "checkpoint_committed", interval_s=2.5)]))
+    assert moved[0].data["interval_s"] == 2.5
+    with pytest.raises(WireError, match=r"events\[0\]\.data\.interval_s"):
+        decode_batch(body([wire_event(0, "checkpoint_committed", interval_s=0.0)]))
     # A field every runner sends is still required.
     with pytest.raises(
         WireError,
