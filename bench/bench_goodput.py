@@ -136,6 +136,7 @@ from jobs.lifecycle import RunState
 from jobs.metrics import run_metrics
 from jobs.models import Attempt, EventRow, Run
 from jobs.notify import CallbackJournal, Message, MessageRef
+from jobs.providers import local
 from jobs.providers.base import ProviderError
 from jobs.providers.local import LocalProvider
 from jobs.service import Actor, confirm, stop, submit, wait_for
@@ -461,10 +462,16 @@ class Preemptor:
     run waits the same time: the contenders face the same preemptions.
     """
 
-    def __init__(self, cp: ControlPlane, *, mtbp_s: float, seed: int, up_dir: Path) -> None:
-        provider = cp.deps.provider
-        if not isinstance(provider, LocalProvider):
-            raise BenchError("the goodput benchmark needs the local provider")
+    def __init__(
+        self,
+        cp: ControlPlane,
+        provider: LocalProvider,
+        *,
+        mtbp_s: float,
+        seed: int,
+        up_dir: Path,
+    ) -> None:
+        """``provider``: the control plane's, whose instances it preempts."""
         self.cp = cp
         self.provider = provider
         self.mtbp_s = mtbp_s
@@ -599,14 +606,18 @@ def run_regime(
         if type_ == "launched":
             launched[str(data["attempt_id"])] = data.get("checkpoint_interval_s")
 
+    provider = local.from_settings(settings)
     with ControlPlane(
         settings,
+        provider=provider,
         notifier=QuietNotifier(),
         journal=CallbackJournal(note),
         scheduler_intervals={"reconcile": 0.5, "spend": 10, "escalation": 3600, "cleanup": 2},
     ) as cp:
         try:
-            with Preemptor(cp, mtbp_s=mtbp, seed=scenario.seed, up_dir=_up_dir(root)) as preemptor:
+            with Preemptor(
+                cp, provider, mtbp_s=mtbp, seed=scenario.seed, up_dir=_up_dir(root)
+            ) as preemptor:
                 runs, intervals, rule = _launch(
                     cp, preemptor, contenders, mtbp=mtbp, stall_s=stall_s
                 )
