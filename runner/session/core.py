@@ -84,7 +84,8 @@ class Session:
         #: The ``"auto"`` interval, following this process's save cost; None otherwise.
         self._measured = None if decision is not None else config.measured_interval()
         self.decision = decision or config.decision(self._measured) or EverySteps(100)
-        #: Steps of the periodic saves not committed yet (their cost is Daly's C).
+        #: Steps of the periodic saves not committed yet, while ``_measured`` follows
+        #: their cost (Daly's C).
         self._periodic: set[int] = set()
         self.writer = CheckpointWriter(
             self.store, on_commit=self._committed, on_error=self._save_failed
@@ -290,7 +291,8 @@ class Session:
     def _maybe_save(self) -> None:
         """The periodic save after a step, when the policy says so (not after a notice)."""
         if self._save_due():
-            self._periodic.add(self.step)
+            if self._measured is not None:
+                self._periodic.add(self.step)
             self._save()
 
     def _save_due(self) -> bool:
@@ -434,10 +436,13 @@ class Session:
         self.committed_step = max(self.committed_step or 0, info.step)
         if info.write_s > 0:
             self._writes.append((info.bytes / info.write_s, info.stall_s))
+        # An "auto" interval follows what this process's periodic saves cost.
         moved_from = None
-        if info.step in self._periodic:
+        if self._measured is not None and info.step in self._periodic:
             self._periodic.discard(info.step)
-            moved_from = self._follow_cost(info)
+            before = self._measured.seconds
+            if self._measured.observe(write_s=info.write_s, stall_s=info.stall_s) is not None:
+                moved_from = before
         # stall_s is how long the loop was blocked (Daly's C for an asynchronous save);
         # write_s ran beside the next steps.
         data: dict[str, Any] = {
@@ -450,24 +455,15 @@ class Session:
         if self._measured is not None:
             data["interval_s"] = self._measured.seconds
         self.sink.emit("checkpoint_committed", data)
-        if moved_from is not None and self._measured is not None:
+        if moved_from is not None:
             self.sink.emit(
                 "log",
                 {
                     "level": "info",
-                    "message": f"checkpoint interval {self._measured.seconds:.3g} s (was "
+                    "message": f"checkpoint interval {data['interval_s']:.3g} s (was "
                     f"{moved_from:.3g} s), for the save cost measured here",
                 },
             )
-
-    def _follow_cost(self, info: CommitInfo) -> float | None:
-        """Move an ``"auto"`` interval to what this process's periodic saves cost; the
-        interval before, when it moved."""
-        if self._measured is None:
-            return None
-        before = self._measured.seconds
-        moved = self._measured.observe(write_s=info.write_s, stall_s=info.stall_s)
-        return before if moved is not None else None
 
     def _save_failed(self, step: int, exc: Exception) -> None:
         self.sink.emit("checkpoint_failed", {"step": step, "error": str(exc)})

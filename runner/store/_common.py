@@ -6,6 +6,7 @@ No cloud SDK is imported here; each store module keeps its own.
 
 from __future__ import annotations
 
+import abc
 import io
 import os
 import re
@@ -46,7 +47,7 @@ _BUCKET_NAMES: dict[str, tuple[str, re.Pattern[str], str]] = {
 
 
 @dataclass(eq=False, repr=False)
-class BucketStore:
+class BucketStore(abc.ABC):
     """A store rooted at ``scheme://bucket/prefix``; key ``k`` lives at ``prefix/k``.
 
     The constructor's arguments are its fields, a subclass's own ones keyword-only after
@@ -93,12 +94,13 @@ class BucketStore:
         self.brokered = source == "broker"
         self._connect()
 
+    @abc.abstractmethod
     def _check_options(self) -> None:
         """Raise ValueError for an option the store cannot work with."""
 
+    @abc.abstractmethod
     def _connect(self) -> None:
         """Build the client every call goes through."""
-        raise NotImplementedError
 
     def _full(self, key: str) -> str:
         key = check_key(key)
