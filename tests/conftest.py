@@ -26,3 +26,19 @@ def moto_server() -> Iterator[str]:
         yield server.start()
     finally:
         server.stop()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A retry is for a test that says why it needs one: ``flaky`` (pytest-rerunfailures)
+    without a ``reason`` is a collection error, so no test is retried blindly."""
+    unexplained = [
+        item.nodeid
+        for item in items
+        for mark in item.iter_markers("flaky")
+        if not str(mark.kwargs.get("reason", "")).strip()
+    ]
+    if unexplained:
+        raise pytest.UsageError(
+            "these tests are marked flaky with no reason; say why a retry is honest "
+            "(flaky(reruns=1, reason=…)) or fix the test: " + ", ".join(unexplained)
+        )
