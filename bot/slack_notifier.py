@@ -16,7 +16,14 @@ everything, from one queue per channel:
 - **Coalescing.** An update of a message whose post, or previous update, is still
   queued replaces that queued content: only the newest is sent, so ten quick updates
   of a run card cost one ``chat.update`` (or none, when the post had not gone yet).
-  Posts are never merged or skipped: every alert goes out.
+  Posts are never skipped, and alerts never merged: every alert goes out.
+- **Folding.** Text lines that share a ``fold`` key (a run's runner warnings) become
+  one message, edited: the newest line with how many there were. A run with
+  ``max_run_backlog`` posts already queued in a channel has its further lines folded
+  the same way, into one message that says so. One run queues a bounded number of
+  posts, and nothing is dropped: the count says what was folded.
+- **Severity.** A channel's queue sends critical alerts first, then other alerts, then
+  the rest (:func:`bot.slack_queue.rank`): another run's backlog never holds a page back.
 - **Errors.** 5xx answers, Slack's ``internal_error``-like errors and broken
   connections are retried with exponential backoff, ``max_retries`` times (alerts
   without end). Blocks Slack refuses (``msg_blocks_too_long``, ``invalid_blocks`` …)
@@ -71,10 +78,11 @@ from slack_sdk.errors import SlackApiError, SlackClientError
 from bot import views
 from bot.mentions import MentionResolver
 from bot.plots import SPEND_CHART_FILENAME
+from bot.slack_fold import Folder
 from bot.slack_outbox import Outbox, OutboxLink
 from bot.slack_queue import DROPPED, HANDLE_PREFIX, Attachment, ChannelQueues, Op
 from jobs.backoff import Backoff
-from jobs.notify import AlertMessage, DigestMessage, Message, MessageRef
+from jobs.notify import AlertMessage, DigestMessage, Message, MessageRef, TextMessage
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +146,13 @@ class SlackNotifier:
         clock: Callable[[], float] = time.monotonic,
         mentions: MentionResolver | None = None,
         outbox: Outbox | None = None,
+        max_run_backlog: int = 10,
+        fold_window_s: float = 600.0,
     ) -> None:
+        """``max_run_backlog``: posts about one run that may wait in a channel before its
+        further lines fold into one message; ``fold_window_s``: how long a folded message
+        takes more lines (after that, the next line starts a new one, where people see it).
+        """
         self.client = client
         self.mentions = mentions if mentions is not None else MentionResolver(client)
         self.attachments = attachments
@@ -154,6 +168,15 @@ class SlackNotifier:
         self._cond = threading.Condition()
         self._q = ChannelQueues(notify=self._cond.notify_all)
         self._closing = False
+        self._folder = Folder(
+            post=self._post,
+            update=self.update,
+            run_backlog=self._run_backlog,
+            refused=self._refused,
+            clock=clock,
+            max_run_backlog=max_run_backlog,
+            window_s=fold_window_s,
+        )
         self._metrics = {
             "posted": 0,
             "sent": 0,
@@ -185,7 +208,17 @@ class SlackNotifier:
         return self._link.outbox if self._link is not None else None
 
     def post(self, msg: Message) -> MessageRef:
-        """Queue ``msg``; its ref (with a local handle for ``ts``) comes back at once."""
+        """Queue ``msg``; its ref (with a local handle for ``ts``) comes back at once.
+
+        A text line may be folded into an earlier message (see the module's Folding):
+        the ref is then that message's."""
+        if isinstance(msg, TextMessage):
+            folded = self._folder.fold(msg)
+            if folded is not None:
+                return folded
+        return self._post(msg)
+
+    def _post(self, msg: Message) -> MessageRef:
         handle = f"{HANDLE_PREFIX}{self._session}-{next(self._ids)}"
         op = Op("post", msg.channel, handle, msg=msg, thread=msg.thread_ts, first=msg)
         if self._link is not None and not self._closing:
@@ -234,6 +267,14 @@ class SlackNotifier:
         if self._link is not None:
             self._link.coalesced(msg, refill=refill, superseded=superseded)
 
+    def _run_backlog(self, channel: str, run_id: str) -> int:
+        with self._cond:
+            return self._q.run_backlog(channel, run_id)
+
+    def _refused(self, handle: str) -> bool:
+        with self._cond:
+            return self._q.follow(handle) == DROPPED
+
     # ------------------------------------------------------------------ control
 
     def resolve(self, ref: MessageRef, *, timeout: float = 0.0) -> MessageRef | None:
@@ -273,9 +314,10 @@ class SlackNotifier:
     @property
     def metrics(self) -> dict[str, int]:
         """Counters: sent (every successful call), posted, updated, uploaded,
-        retried_429, retried (other transient errors), coalesced, dropped."""
+        retried_429, retried (other transient errors), coalesced, folded (text lines
+        shown in an earlier message's count), dropped."""
         with self._cond:
-            return dict(self._metrics)
+            return {**self._metrics, "folded": self._folder.folded}
 
     def queue_depths(self) -> dict[str, int]:
         """Messages waiting per channel, the one in flight included (a

@@ -21,13 +21,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from jobs.notify import Message
+from jobs.notify import AlertMessage, Message
 
 HANDLE_PREFIX = "pending-"
 #: The resolved value of a handle whose post Slack refused for good.
 DROPPED = ""
 
 Attachment = tuple[str, bytes]
+
+#: The ranks of :func:`rank`, most urgent first.
+CRITICAL_RANK, ALERT_RANK, OTHER_RANK = 0, 1, 2
 
 
 @dataclass(eq=False)
@@ -54,6 +57,14 @@ class Op:
     as_post: bool = False
     #: Its row in the durable outbox (``bot.slack_outbox``), when there is one.
     row: int | None = None
+
+
+def rank(op: Op) -> int:
+    """How soon ``op`` goes out in its channel: a critical alert (new, or its change of
+    state) before other alerts, alerts before run cards, thread lines and files."""
+    if isinstance(op.msg, AlertMessage):
+        return CRITICAL_RANK if op.msg.severity.upper() == "CRITICAL" else ALERT_RANK
+    return OTHER_RANK
 
 
 class ChannelQueues:
@@ -97,12 +108,42 @@ class ChannelQueues:
         return None
 
     def enqueue(self, op: Op, *, front: bool = False) -> None:
+        """Queue ``op`` after the ops of its rank or a more urgent one (``front``: ahead
+        of those of its own rank: a retry, a message's file), and never ahead of the post
+        of the root or message it needs."""
         queue = self.queues.setdefault(op.channel, deque())
-        if front:
-            queue.appendleft(op)
-        else:
-            queue.append(op)
+        mine = rank(op)
+        at = len(queue)
+        for index, queued in enumerate(queue):
+            theirs = rank(queued)
+            if theirs > mine or (front and theirs == mine):
+                at = index
+                break
+        if op.kind == "post":  # a retried root: never behind the replies that wait for it
+            for index, queued in enumerate(queue):
+                if index >= at:
+                    break
+                if op.target in (queued.thread, queued.target):
+                    at = index
+                    break
+        needs = {op.thread, op.target if op.kind != "post" else None} - {None}
+        for index in range(len(queue) - 1, at - 1, -1):
+            queued = queue[index]
+            if queued.kind == "post" and queued.target in needs:
+                at = index + 1
+                break
+        queue.insert(at, op)
         self._notify()
+
+    def run_backlog(self, channel: str, run_id: str) -> int:
+        """Posts about run ``run_id`` queued in ``channel`` (alerts not counted)."""
+        return sum(
+            1
+            for op in self.queues.get(channel, ())
+            if op.kind == "post"
+            and not isinstance(op.msg, AlertMessage)
+            and getattr(op.msg, "run_id", None) == run_id
+        )
 
     def requeue(self, op: Op) -> bool:
         """Back to the head of its channel's queue; False when newer content supersedes it."""

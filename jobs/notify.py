@@ -41,6 +41,9 @@ class Message:
     #: Posted once per key where the notifier keeps a durable outbox (a day's digest of
     #: a channel, which a new leader may make again); None: no such promise.
     key: str | None = None
+    #: Messages that share a fold key may be shown as one message, edited: the newest,
+    #: with how many there were (a run's runner warnings). None: each is its own.
+    fold: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

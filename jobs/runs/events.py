@@ -12,9 +12,10 @@ from jobs.db import session_scope
 from jobs.deps import Deps
 from jobs.lifecycle import AttemptState, RunState
 from jobs.models import Attempt, Run
+from jobs.notify import TextMessage
 from jobs.runs.cards import refresh_card, say
 from jobs.runs.end import end_attempt
-from jobs.runs.rows import move_run
+from jobs.runs.rows import channel_of, move_run
 
 #: The runner events the journal keeps as they are, with the fields of theirs it keeps.
 _JOURNALED: dict[str, tuple[str, ...]] = {
@@ -79,7 +80,18 @@ def on_attempt_event(deps: Deps, attempt_id: str, type_: str, data: dict[str, An
             if len(message) > 1500:
                 message = message[:1500] + f"… ({len(message)} characters)"
             deps.journal.record("runner_warning", run.id, attempt=attempt.number)
-            say(deps, run, "warning", f"Attempt {attempt.number}: {message}")
+            # One message per run, edited with a count: a batch of 300 warnings is one
+            # line in the thread, not five minutes of the channel's Slack queue.
+            deps.notifier.post(
+                TextMessage(
+                    channel=channel_of(run),
+                    thread_ts=run.thread_ts,
+                    kind="warning",
+                    text=f"Attempt {attempt.number}: {message}",
+                    run_id=run.id,
+                    fold=f"runner-warnings:{run.id}",
+                )
+            )
         elif type_ == "exit":
             code = int(data.get("code", 1))
             reason = str(data.get("reason", "failed"))
