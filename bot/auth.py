@@ -16,6 +16,16 @@ signed with the app's secret cannot be forged, so every decision here starts fro
   (``TRAINBOT_ADMINS``: user ids, user group ids ``S…`` or group handles ``@ml-leads``).
 - What may this person see? The runs and alerts of the channel they are in; in the App
   Home, of the channels they are a member of (``users.conversations``); admins see all.
+- Is the person in the channel? A button in a message acts for the channel it was
+  pressed in, so only that channel's members may press it (anyone in the workspace can
+  open a public channel's messages); a run reports to a private channel of its
+  ``notify.channel`` only when its launcher is a member of it.
+
+Every front end (Slack commands, buttons, the App Home, the console) describes what a
+request would do as an :class:`Ask` and gets its answer from :meth:`Authorizer.authorize`,
+the one place these rules are applied, at the moment the request acts: the launcher list
+is the one the process runs with now, so a person removed from ``TRAINBOT_LAUNCHERS`` can
+start nothing more, whether by a command, a button on an old message or the console.
 
 User groups, channel names and memberships are resolved through the Web API and cached
 for a few minutes; a failure to resolve counts as "no", so an outage fails closed. Every
@@ -41,14 +51,25 @@ from jobs.service import Actor
 from jobs.settings import Settings
 
 __all__ = [
+    "CHANNEL_DENIED",
+    "EXTERNAL_DENIED",
     "GROUP_TTL_S",
+    "LAUNCH_DENIED",
+    "NOT_A_MEMBER",
+    "NOT_IN_CHANNEL",
+    "ONCALL_DENIED",
+    "PRIVATE_CHANNEL_DENIED",
+    "Ask",
     "Authorizer",
     "Caller",
+    "Denial",
+    "LocalAuthorizer",
     "Policy",
     "caller_from_action",
     "caller_from_command",
     "caller_from_event",
     "caller_from_view",
+    "not_yours",
     "redact_command",
 ]
 
@@ -56,6 +77,43 @@ log = logging.getLogger(__name__)
 
 #: Seconds a user group's members are trusted before they are fetched again.
 GROUP_TTL_S = 300.0
+
+CHANNEL_DENIED = (
+    "trainbot does not take commands in this channel. Ask an admin to add it to "
+    "TRAINBOT_ALLOWED_CHANNELS, or use one of the team's training channels."
+)
+EXTERNAL_DENIED = (
+    "trainbot takes commands only from members of this team's workspace. People from "
+    "other organisations in a shared channel can read along; ask a team member to act, "
+    "or an admin to set TRAINBOT_ALLOW_EXTERNAL_USERS."
+)
+NOT_IN_CHANNEL = (
+    "{target} reports to a channel you are not in, so it cannot be changed from here. "
+    "Ask in its channel."
+)
+NOT_A_MEMBER = (
+    "Only members of this channel can use its buttons, and you are not one. Join the "
+    "channel, or ask someone in it."
+)
+PRIVATE_CHANNEL_DENIED = (
+    "notify.channel names a private channel you are not a member of, so the run cannot "
+    "report there. Ask to be added to it, or leave notify.channel out to report here."
+)
+ONCALL_DENIED = (
+    "Only admins choose who is on call (TRAINBOT_ADMINS). Ask one of them, or ask an "
+    "admin to add you."
+)
+LAUNCH_DENIED = (
+    "You are not on the list of people who may launch runs. Ask an admin to add you "
+    "(TRAINBOT_LAUNCHERS), or ask a teammate who is."
+)
+
+
+def not_yours(run_id: str, owner: str) -> str:
+    return (
+        f"{run_id} belongs to <@{owner}>; only they or an admin can change it. "
+        "Ask them, or the on-call admin."
+    )
 
 
 @dataclass(frozen=True)
@@ -149,6 +207,44 @@ class Policy:
         return bool(self.allowed_channels or self.channel_names)
 
 
+@dataclass(frozen=True)
+class Ask:
+    """What a request would do, as far as permission goes. Each front end describes its
+    command or button as one of these; :meth:`Authorizer.authorize` answers it."""
+
+    #: The verb or button, for the audit (never the command's values).
+    action: str
+    #: Whether it starts compute (a launch, a preflight's dry run, a resubmit, Launch
+    #: anyway, Continue): only for people on ``TRAINBOT_LAUNCHERS`` as it stands now.
+    starts_compute: bool = False
+    #: The run or alert a button acts on, as its messages name it: the caller must see
+    #: the channel it reports to (``target_channel``). Commands leave it out: the service
+    #: answers a run of another channel as one that does not exist.
+    target: str | None = None
+    #: The run it changes (or whose alert it acts on), and that run's requester: when
+    #: ``owner`` is given, only they or an admin may.
+    run: str | None = None
+    owner: str | None = None
+    #: Whether it sets who is on call (admins only).
+    sets_oncall: bool = False
+    #: The channel ``target`` reports to; in the App Home (which has no channel of its
+    #: own) the request is allowed or not as that channel is.
+    target_channel: str | None = None
+    #: A button pressed in a message: only members of the message's channel may.
+    in_message: bool = False
+    #: The channel a new run would report to (``notify.channel``), when not this one.
+    reports_to: str | None = None
+
+
+@dataclass(frozen=True)
+class Denial:
+    """Why a request is refused: ``reason`` is audited, ``text`` shown to the caller."""
+
+    reason: str
+    text: str
+    run_id: str | None = None
+
+
 #: A Slack conversation id: upper-case letters and digits, ``C…`` or ``G…`` (or ``D…``).
 _CHANNEL_ID = re.compile(r"[CGD][A-Z0-9]{2,}")
 
@@ -188,12 +284,52 @@ class Authorizer:
         self._lock = threading.Lock()
         #: (fetched at, members by group id, group id by handle)
         self._groups: tuple[float, dict[str, frozenset[str]], dict[str, str]] | None = None
-        #: channel id -> (fetched at, its name as Slack says it)
-        self._names: dict[str, tuple[float, str | None]] = {}
+        #: channel id -> (fetched at, its name as Slack says it, whether it is private)
+        self._names: dict[str, tuple[float, str | None, bool | None]] = {}
         #: user id -> (fetched at, the allowed channels they are in)
         self._memberships: dict[str, tuple[float, frozenset[str]]] = {}
         #: our workspace ids, once asked of ``auth.test``
         self._teams: frozenset[str] | None = None
+
+    # --- the decision -------------------------------------------------------------------
+
+    def authorize(self, caller: Caller, ask: Ask, *, audit: bool = True) -> Denial | None:
+        """Whether ``caller`` may do what ``ask`` describes: None when they may, else
+        why not (audited unless ``audit`` is False, for a repeated delivery)."""
+        denial = self.decide(caller, ask)
+        if denial is not None and audit:
+            self.deny(caller, action=ask.action, reason=denial.reason, run_id=denial.run_id)
+        return denial
+
+    def decide(self, caller: Caller, ask: Ask) -> Denial | None:
+        """The rules, in order: who (workspace), where (channel, membership), then what
+        (on-call, someone else's run, starting compute, where a run reports)."""
+        run_id = ask.run
+        if self.is_external(caller):
+            return Denial("external user", EXTERNAL_DENIED, run_id)
+        where = caller.channel if caller.channel else ask.target_channel
+        if not self.channel_allowed_id(where):
+            return Denial("channel not allowed", CHANNEL_DENIED, run_id)
+        if ask.in_message and caller.channel and not self.is_member(caller.user, caller.channel):
+            return Denial(f"not a member of {caller.channel}", NOT_A_MEMBER, run_id)
+        if ask.target is not None and not self.actor(caller).sees(ask.target_channel):
+            target = ask.target or run_id or "It"
+            return Denial(
+                f"{target} is not in the caller's channels",
+                NOT_IN_CHANNEL.format(target=target),
+                run_id,
+            )
+        if ask.sets_oncall and not self.may_set_oncall(caller):
+            return Denial("may not set the on-call", ONCALL_DENIED)
+        owner = ask.owner
+        if run_id is not None and owner is not None and not self.may_change(caller, owner=owner):
+            return Denial(f"{run_id} belongs to {owner}", not_yours(run_id, owner), run_id)
+        if ask.starts_compute and not self.may_launch(caller):
+            return Denial("may not launch", LAUNCH_DENIED, run_id)
+        private = ask.reports_to
+        if private and private != caller.channel and not self.may_report_to(caller, private):
+            return Denial(f"not a member of the private channel {private}", PRIVATE_CHANNEL_DENIED)
+        return None
 
     # --- the questions ------------------------------------------------------------------
 
@@ -232,6 +368,20 @@ class Authorizer:
 
     def may_launch(self, caller: Caller) -> bool:
         return not self.policy.launchers or self._member(caller.user, self.policy.launchers)
+
+    def is_member(self, user: str, channel: str) -> bool:
+        """Whether ``user`` is in ``channel`` (an allowed one), as the App Home asks it:
+        ``users.conversations``, cached; "no" when Slack cannot say."""
+        return channel in self.member_channels(user)
+
+    def may_report_to(self, caller: Caller, channel: str) -> bool:
+        """Whether a run of ``caller``'s may report to ``channel`` (``notify.channel``):
+        a private channel only when they are a member of it; a public one, which anyone
+        in the workspace can read, whichever allowed channel it is. A channel Slack
+        cannot describe counts as private."""
+        if self._is_private(channel) is False:
+            return True
+        return self.is_member(caller.user, channel)
 
     def is_admin(self, caller: Caller) -> bool:
         return bool(self.policy.admins) and self._member(caller.user, self.policy.admins)
@@ -278,8 +428,13 @@ class Authorizer:
                         found.add(str(channel.get("id")))
                         name = channel.get("name")
                         if name:
+                            private = channel.get("is_private")
                             with self._lock:
-                                self._names[str(channel.get("id"))] = (now, str(name).lower())
+                                self._names[str(channel.get("id"))] = (
+                                    now,
+                                    str(name).lower(),
+                                    None if private is None else bool(private),
+                                )
                     cursor = (response.get("response_metadata") or {}).get("next_cursor")
                     if not cursor:
                         break
@@ -334,25 +489,35 @@ class Authorizer:
     def _channel_name(self, channel: str) -> str | None:
         """Slack's name for a channel id (``conversations.info``), cached; None when
         Slack cannot say."""
+        return self._channel_info(channel, privacy=False)[0]
+
+    def _is_private(self, channel: str) -> bool | None:
+        """Whether Slack says the channel is private; None when it cannot say."""
+        return self._channel_info(channel, privacy=True)[1]
+
+    def _channel_info(self, channel: str, *, privacy: bool) -> tuple[str | None, bool | None]:
         now = self._clock()
         with self._lock:
             cached = self._names.get(channel)
-            if cached is not None and now - cached[0] < self._ttl:
-                return cached[1]
+            fresh = cached is not None and now - cached[0] < self._ttl
+            if cached is not None and fresh and (not privacy or cached[2] is not None):
+                return cached[1], cached[2]
         if self._client is None:
-            return None
+            return None, None
         try:
             response = self._client.conversations_info(channel=channel)
         except (SlackApiError, SlackRequestError, OSError) as exc:
             log.warning(
                 "could not look up channel %s (%s); treating it as not allowed", channel, exc
             )
-            return None
-        raw = (response.get("channel") or {}).get("name")
+            return None, None
+        info = response.get("channel") or {}
+        raw = info.get("name")
         name = str(raw).lower() if raw else None
+        private = None if info.get("is_private") is None else bool(info.get("is_private"))
         with self._lock:
-            self._names[channel] = (now, name)
-        return name
+            self._names[channel] = (now, name, private)
+        return name, private
 
     # --- user groups --------------------------------------------------------------------
 
@@ -396,6 +561,31 @@ class Authorizer:
         with self._lock:
             self._groups = (now, members, handles)
         return members, handles
+
+
+class LocalAuthorizer(Authorizer):
+    """The console's rules: the same decision as Slack's, for the person at the terminal.
+
+    They are one of the team (no other workspace can reach a terminal) and the console
+    is its own one channel, which they are in; who may launch and who is an admin are
+    ``TRAINBOT_LAUNCHERS`` and ``TRAINBOT_ADMINS``, matched against their login name. User
+    groups cannot be resolved without Slack, so a group entry admits nobody here.
+    """
+
+    def __init__(self, policy: Policy, *, journal: Journal) -> None:
+        super().__init__(policy, client=None, journal=journal)
+
+    def is_external(self, caller: Caller) -> bool:
+        return False
+
+    def channel_allowed_id(self, channel: str | None) -> bool:
+        return True
+
+    def member_channels(self, user: str) -> frozenset[str]:
+        return frozenset()
+
+    def may_report_to(self, caller: Caller, channel: str) -> bool:
+        return True  # the console prints every run's messages to the one terminal
 
 
 def _is_group(entry: str) -> bool:

@@ -4,6 +4,10 @@
 same messages Slack would show, and prints alerts as they fire. Messages in a run's
 thread are indented under the run; updates in place are printed as a new line only
 when something a person cares about changed (state, alert status, count).
+
+The person at the terminal is authorised as in Slack, by the same decision
+(:class:`bot.auth.LocalAuthorizer`): their login name must be on ``TRAINBOT_LAUNCHERS``
+(when it is set) to start compute, and only ``TRAINBOT_ADMINS`` change others' runs.
 """
 
 from __future__ import annotations
@@ -16,10 +20,10 @@ from collections.abc import Callable
 from typing import TextIO
 
 from bot import messages
+from bot.auth import Caller, LocalAuthorizer, Policy
 from bot.dispatch import Reply, handle_text
 from jobs.deps import Deps
 from jobs.notify import AlertMessage, Message, MessageRef, RunCard
-from jobs.service import Actor
 
 
 class ConsoleNotifier:
@@ -92,7 +96,10 @@ class Shell:
         out: TextIO | None = None,
     ) -> None:
         self.deps = deps
-        self.actor = Actor(user=user, channel=channel, is_admin=True)
+        #: The person at the terminal, in the console's one channel, of this team.
+        self.caller = Caller(team=None, user=user, channel=channel)
+        #: The rules as the settings say them now, decided as for Slack.
+        self.auth = LocalAuthorizer(Policy.from_settings(deps.settings), journal=deps.journal)
         self.stdin = stdin or sys.stdin
         self.out = out or sys.stdout
 
@@ -102,7 +109,7 @@ class Shell:
             return None
         if text in ("quit", "exit", "/quit", "/exit"):
             raise EOFError
-        reply = handle_text(self.deps, text, self.actor)
+        reply = handle_text(self.deps, text, self.caller, auth=self.auth)
         print(reply.text, file=self.out, flush=True)
         return reply
 

@@ -8,6 +8,12 @@ Every reply is clipped to :data:`bot.messages.MAX_REPLY_TEXT` with an honest "N 
 For Slack (``markup="slack"``, what the Slack listeners get) it is also escaped, so a
 spec named ``<!channel>`` pings nobody; the only markup a reply keeps is the mention of
 an on-call person by id. The console gets the plain text.
+
+Authorisation runs here too, for every front end: a front end passes the signed
+:class:`~bot.auth.Caller` and its :class:`~bot.auth.Authorizer`, and the command is
+described as an :class:`~bot.auth.Ask` (:func:`ask_for`) and decided before anything
+runs. Only in-process callers that already decided (the service's own tests) pass an
+:class:`~jobs.service.Actor` instead.
 """
 
 from __future__ import annotations
@@ -17,12 +23,18 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from sqlmodel import select
+
 from bot import commands, messages
+from bot.auth import Ask, Authorizer, Caller
 from bot.mentions import escape, mention
 from jobs import service
+from jobs.db import session_scope
 from jobs.deps import Deps
 from jobs.errors import TrainbotError
+from jobs.models import Run
 from jobs.service import Actor
+from jobs.spec import load_spec
 
 log = logging.getLogger(__name__)
 
@@ -46,17 +58,29 @@ Markup = Literal["slack", "plain"]
 def dispatch(
     deps: Deps,
     command: commands.Command | str,
-    actor: Actor,
+    actor: Actor | Caller,
     *,
+    auth: Authorizer | None = None,
     key: str | None = None,
     markup: Markup = "slack",
+    audit: bool = True,
 ) -> Reply:
-    """Run one command, parsed or as its `/train …` text."""
+    """Run one command, parsed or as its `/train …` text, for ``actor``: a front end's
+    :class:`Caller`, whom ``auth`` authorises first (a refusal is audited unless
+    ``audit`` is False, for a repeated delivery), or an already trusted :class:`Actor`."""
     if isinstance(command, str):
         try:
             command = commands.parse(command)
         except commands.CommandError as exc:
             return _finish(Reply(text=str(exc), ephemeral=True), markup)
+    if isinstance(actor, Caller):
+        if auth is None:
+            raise TypeError("a Caller is authorised: pass the front end's Authorizer")
+        denial = auth.authorize(actor, ask_for(deps, command), audit=audit)
+        if denial is not None:  # our own sentence, whose only markup is the owner's mention
+            refused = Reply(text=denial.text, ephemeral=True, run_id=denial.run_id)
+            return _finish(refused, "plain")
+        actor = auth.actor(actor)
     what = "runs" if isinstance(command, commands.ListRuns | commands.StatusCommand) else "lines"
     try:
         reply = _dispatch(deps, command, actor, key=key)
@@ -70,6 +94,55 @@ def dispatch(
 
 #: Parse and run one `/train …` command, for the console: its reply is plain text.
 handle_text = functools.partial(dispatch, markup="plain")
+
+
+def ask_for(deps: Deps, command: commands.Command) -> Ask:
+    """What a command would do, for the authoriser: whether it starts compute (launch,
+    preflight with its dry run, resubmit in every form), the run it changes and whose
+    that is, whether it sets the on-call, and where a new run would report."""
+    verb = command.verb
+    if isinstance(command, commands.Oncall):
+        return Ask(action=verb, sets_oncall=command.user is not None)
+    if isinstance(command, commands.Launch | commands.Preflight):
+        return Ask(action=verb, starts_compute=True, reports_to=_notify_channel(deps, command))
+    run_id = _changed_run(command)
+    if run_id is None:
+        return Ask(action=verb)
+    owner = _owner(deps, run_id)  # None: no such run, and the service says so
+    return Ask(
+        action=verb,
+        starts_compute=isinstance(command, commands.Resubmit),
+        run=run_id,
+        owner=owner,
+    )
+
+
+def _changed_run(command: commands.Command) -> str | None:
+    """The run a command changes, when only its owner or an admin may do that."""
+    if isinstance(command, commands.Stop | commands.Resubmit):
+        return command.run
+    if isinstance(command, commands.Cleanup) and not command.dry_run:
+        return command.run
+    return None
+
+
+def _owner(deps: Deps, run_id: str) -> str | None:
+    with session_scope(deps.engine) as session:
+        return session.exec(select(Run.requester).where(Run.id == run_id)).first()
+
+
+def _notify_channel(deps: Deps, command: commands.Launch | commands.Preflight) -> str | None:
+    """The channel the spec (with its overrides) names in ``notify.channel``; None when
+    it names none or cannot be read (then the service refuses it in its own words)."""
+    if command.spec is None:
+        return None
+    try:
+        spec = load_spec(
+            command.spec, specs_dir=deps.settings.specs_dir, overrides=command.overrides
+        )
+    except TrainbotError:
+        return None
+    return spec.notify.channel or None
 
 
 #: Reply.data key: the on-call name the text holds, to be shown as a mention in Slack.

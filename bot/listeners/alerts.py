@@ -23,10 +23,9 @@ from slack_bolt import Ack, App
 from slack_sdk import WebClient
 
 from bot import messages, views
-from bot.auth import Caller, caller_from_action
+from bot.auth import Ask, Caller, caller_from_action
 from bot.commands import CommandError, parse_duration
 from bot.listeners import ListenerContext, action_key, first_time, reply
-from bot.listeners.runs import CHANNEL_DENIED, EXTERNAL_DENIED, NOT_IN_CHANNEL, not_yours
 from bot.mentions import escape
 from jobs import service
 from jobs.db import session_scope
@@ -45,11 +44,14 @@ _ALERT_ID = re.compile(r"al-[a-z0-9]{1,64}")
 
 @dataclass(frozen=True)
 class Target:
-    """What a button acts on: its channel (where permission is checked) and owner."""
+    """What a button acts on: its channel (where permission is checked), its run and
+    that run's owner."""
 
     id: str
     channel: str | None
     owner: str | None
+    #: The run it is (or the alert is about), for the audit.
+    run: str | None = None
 
 
 Handler = Callable[[ListenerContext, Caller, str], str | None]
@@ -126,16 +128,28 @@ def _stop_profiled(ctx: ListenerContext, caller: Caller, run_id: str) -> str | N
     return None  # the run's thread says who chose Stop
 
 
-#: action_id → (what the value names, handler, whether only the owner or an admin may).
-ACTIONS: dict[str, tuple[str, Handler, bool]] = {
-    "alert_ack": ("alert", _acknowledge, False),
-    "alert_snooze": ("alert", _snooze, False),
-    "run_stop": ("run", _stop, True),
-    "run_resubmit": ("run", _resubmit, True),
-    "run_resubmit_from": ("run", _resubmit_from, True),
-    "launch_anyway": ("run", _launch_anyway, True),
-    "profile_continue": ("run", _continue_profiled, True),
-    "profile_stop": ("run", _stop_profiled, True),
+@dataclass(frozen=True)
+class Button:
+    """What a button acts on and who may press it."""
+
+    #: What its value names: "run" or "alert".
+    kind: str
+    handler: Handler
+    #: Only the run's requester or an admin may press it.
+    owner_only: bool = False
+    #: It starts compute: only people on TRAINBOT_LAUNCHERS, as the list stands now.
+    starts_compute: bool = False
+
+
+ACTIONS: dict[str, Button] = {
+    "alert_ack": Button("alert", _acknowledge),
+    "alert_snooze": Button("alert", _snooze),
+    "run_stop": Button("run", _stop, owner_only=True),
+    "run_resubmit": Button("run", _resubmit, owner_only=True, starts_compute=True),
+    "run_resubmit_from": Button("run", _resubmit_from, owner_only=True, starts_compute=True),
+    "launch_anyway": Button("run", _launch_anyway, owner_only=True, starts_compute=True),
+    "profile_continue": Button("run", _continue_profiled, owner_only=True, starts_compute=True),
+    "profile_stop": Button("run", _stop_profiled, owner_only=True),
 }
 
 
@@ -170,42 +184,27 @@ def handle_action(
     except TrainbotError as exc:  # the database is unavailable: say so, change nothing
         reply(client, body, caller, escape(messages.error(str(exc))))
         return
-    kind, handler, owner_only = ACTIONS[action_id]
+    button = ACTIONS[action_id]
     value = _value(action)
-    target = _target(ctx, kind, value)
-    run_id = _run(kind, target) if target is not None else None
-    if ctx.auth.is_external(caller):
-        ctx.auth.deny(caller, action=action_id, reason="external user", run_id=run_id)
-        reply(client, body, caller, EXTERNAL_DENIED)
-        return
-    # A button in a message works in that message's channel; one in the App Home (no
-    # channel) in the channel its run or alert reports to.
-    where = caller.channel if caller.channel else (target.channel if target else None)
-    if not ctx.auth.channel_allowed_id(where):
-        ctx.auth.deny(caller, action=action_id, reason="channel not allowed", run_id=run_id)
-        reply(client, body, caller, CHANNEL_DENIED)
-        return
-    if target is not None and not ctx.auth.actor(caller).sees(target.channel):
-        ctx.auth.deny(
-            caller, action=action_id, reason=f"{target.id} is not in the caller's channels",
-            run_id=run_id,
-        )  # fmt: skip
-        reply(client, body, caller, NOT_IN_CHANNEL.format(target=target.id))
-        return
-    if (
-        owner_only
-        and target is not None
-        and target.owner is not None
-        and not ctx.auth.may_change(caller, owner=target.owner)
-    ):
-        ctx.auth.deny(
-            caller, action=action_id, reason=f"{target.id} belongs to {target.owner}",
-            run_id=target.id,
-        )  # fmt: skip
-        reply(client, body, caller, not_yours(target.id, target.owner))
+    target = _target(ctx, button.kind, value)
+    # A button in a message acts for that message's channel, so only its members may
+    # press it; one in the App Home (no channel) acts in its run's or alert's channel,
+    # which the presser must be in. Decided where every front end's requests are.
+    ask = Ask(
+        action=action_id,
+        starts_compute=button.starts_compute,
+        target=target.id if target is not None else None,
+        run=target.run if target is not None else None,
+        owner=target.owner if target is not None and button.owner_only else None,
+        target_channel=target.channel if target is not None else None,
+        in_message=caller.channel is not None,
+    )
+    denial = ctx.auth.authorize(caller, ask)
+    if denial is not None:
+        reply(client, body, caller, denial.text)
         return
     try:
-        text = handler(ctx, caller, value)
+        text = button.handler(ctx, caller, value)
     except (TrainbotError, CommandError) as exc:
         reply(client, body, caller, escape(messages.error(str(exc))))
         return
@@ -237,7 +236,7 @@ def _target(ctx: ListenerContext, kind: str, value: str) -> Target | None:
             run = session.get(Run, value.partition("|")[0])
             if run is None:
                 return None
-            return Target(id=run.id, channel=run.channel, owner=run.requester)
+            return Target(id=run.id, channel=run.channel, owner=run.requester, run=run.id)
         try:
             alert_id, _ = _snooze_choice(value)
         except CommandError:
@@ -249,4 +248,4 @@ def _target(ctx: ListenerContext, kind: str, value: str) -> Target | None:
         if channel is None and alert.run_id is not None:
             run = session.get(Run, alert.run_id)
             channel = run.channel if run is not None else None
-        return Target(id=alert.id, channel=channel, owner=None)
+        return Target(id=alert.id, channel=channel, owner=None, run=alert.run_id)

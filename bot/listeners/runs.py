@@ -23,20 +23,28 @@ from typing import Any
 from slack_bolt import Ack, App, BoltRequest
 from slack_sdk import WebClient
 from slack_sdk.errors import SlackApiError, SlackRequestError
-from sqlmodel import select
 
 from bot import messages, views
-from bot.auth import Caller, caller_from_command, caller_from_view, redact_command
+from bot.auth import (
+    CHANNEL_DENIED,
+    EXTERNAL_DENIED,
+    LAUNCH_DENIED,
+    NOT_IN_CHANNEL,
+    ONCALL_DENIED,
+    Caller,
+    caller_from_command,
+    caller_from_view,
+    not_yours,
+    redact_command,
+)
 from bot.commands import (
     Ack as AckCommand,
 )
 from bot.commands import (
-    Cleanup,
     Command,
     CommandError,
     Help,
     Launch,
-    Oncall,
     Preflight,
     Resubmit,
     Snooze,
@@ -48,11 +56,21 @@ from bot.dispatch import dispatch
 from bot.listeners import ListenerContext, command_key, first_time, reply
 from bot.mentions import escape
 from jobs import service
-from jobs.db import session_scope
 from jobs.errors import TrainbotError
-from jobs.models import Run
 
-__all__ = ["COMMAND", "MODAL_CALLBACK", "Plan", "plan_command", "register"]
+__all__ = [
+    "CHANNEL_DENIED",
+    "COMMAND",
+    "EXTERNAL_DENIED",
+    "LAUNCH_DENIED",
+    "MODAL_CALLBACK",
+    "NOT_IN_CHANNEL",
+    "ONCALL_DENIED",
+    "Plan",
+    "not_yours",
+    "plan_command",
+    "register",
+]
 
 log = logging.getLogger(__name__)
 
@@ -60,36 +78,6 @@ log = logging.getLogger(__name__)
 COMMAND = "/train"
 #: ``callback_id`` of the launch modal.
 MODAL_CALLBACK = views.LAUNCH_MODAL_CALLBACK
-
-CHANNEL_DENIED = (
-    "trainbot does not take commands in this channel. Ask an admin to add it to "
-    "TRAINBOT_ALLOWED_CHANNELS, or use one of the team's training channels."
-)
-EXTERNAL_DENIED = (
-    "trainbot takes commands only from members of this team's workspace. People from "
-    "other organisations in a shared channel can read along; ask a team member to act, "
-    "or an admin to set TRAINBOT_ALLOW_EXTERNAL_USERS."
-)
-NOT_IN_CHANNEL = (
-    "{target} reports to a channel you are not in, so it cannot be changed from here. "
-    "Ask in its channel."
-)
-ONCALL_DENIED = (
-    "Only admins choose who is on call (TRAINBOT_ADMINS). Ask one of them, or ask an "
-    "admin to add you."
-)
-LAUNCH_DENIED = (
-    "You are not on the list of people who may launch runs. Ask an admin to add you "
-    "(TRAINBOT_LAUNCHERS), or ask a teammate who is."
-)
-
-
-def not_yours(run_id: str, owner: str) -> str:
-    return (
-        f"{run_id} belongs to <@{owner}>; only they or an admin can change it. "
-        "Ask them, or the on-call admin."
-    )
-
 
 #: Commands whose public record is a run's card or thread: their reply goes only to the
 #: person who typed them. Other replies (status, lists, spend) follow the dispatcher.
@@ -163,14 +151,6 @@ def _submit_modal(
 ) -> None:
     view = body.get("view") or {}
     caller = caller_from_view(body, channel=_modal_channel(view))
-    if ctx.auth.is_external(caller):
-        ctx.auth.deny(caller, action="launch (modal)", reason="external user")
-        reply(client, body, caller, EXTERNAL_DENIED)
-        return
-    if not ctx.auth.channel_allowed(caller):
-        ctx.auth.deny(caller, action="launch (modal)", reason="channel not allowed")
-        reply(client, body, caller, CHANNEL_DENIED)
-        return
     key = f"slack:{caller.team or '-'}:{view.get('id', '')}"
     run_command(ctx, client, body, caller, parse(text), key=key)
 
@@ -195,61 +175,14 @@ def run_command(
     if not first and not launches:
         log.info("ignored a repeated %s command (%s)", command.verb, key)
         return
-    denial = _permission(ctx, caller, command)
-    if denial is not None:
-        if first:
-            reason, text, run_id = denial
-            ctx.auth.deny(caller, action=command.verb, reason=reason, run_id=run_id)
-            reply(client, body, caller, text)
-        return
     # A launch is submitted on every delivery: the key makes the service return the run
     # the first one created, so a delivery that died half-way is finished by a retry.
-    result = dispatch(deps, command, ctx.auth.actor(caller), key=key)
+    # Permission is decided by the dispatcher, as for every front end, when it acts.
+    result = dispatch(deps, command, caller, auth=ctx.auth, key=key, audit=first)
     if not first:
         return
     private = result.ephemeral or isinstance(command, _PRIVATE_REPLIES)
     reply(client, body, caller, result.text, ephemeral=private, notifier=deps.notifier)
-
-
-def _permission(
-    ctx: ListenerContext, caller: Caller, command: Command
-) -> tuple[str, str, str | None] | None:
-    """(reason, text, run id) when the caller may not run the command."""
-    if ctx.auth.is_external(caller):
-        return "external user", EXTERNAL_DENIED, None
-    if not ctx.auth.channel_allowed(caller):
-        return "channel not allowed", CHANNEL_DENIED, None
-    if isinstance(command, Oncall) and command.user is not None:
-        if not ctx.auth.may_set_oncall(caller):
-            return "may not set the on-call", ONCALL_DENIED, None
-        return None
-    if isinstance(command, Launch | Preflight):
-        if not ctx.auth.may_launch(caller):
-            return "may not launch", LAUNCH_DENIED, None
-        return None
-    run_id = _changed_run(command)
-    if run_id is None:
-        return None
-    owner = run_owner(ctx, run_id)
-    if owner is None:  # no such run: the service says so
-        return None
-    if not ctx.auth.may_change(caller, owner=owner):
-        return f"{run_id} belongs to {owner}", not_yours(run_id, owner), run_id
-    return None
-
-
-def _changed_run(command: Command) -> str | None:
-    """The run a command changes, when only its owner or an admin may do that."""
-    if isinstance(command, Stop | Resubmit):
-        return command.run
-    if isinstance(command, Cleanup) and not command.dry_run:
-        return command.run
-    return None
-
-
-def run_owner(ctx: ListenerContext, run_id: str) -> str | None:
-    with session_scope(ctx.deps.engine) as session:
-        return session.exec(select(Run.requester).where(Run.id == run_id)).first()
 
 
 # ----------------------------------------------------------------------------- the modal
