@@ -32,6 +32,7 @@ from jobs.runs import (
     alert_target,
     checkpoint_prefix,
     end_attempt,
+    flag_unreadable_spec,
     get_run,
     move_run,
     reconcile,
@@ -40,8 +41,10 @@ from jobs.runs import (
     run_hours,
     say,
     spec_of,
+    watched_spec,
 )
 from jobs.runs.price import watch_prices
+from jobs.spec import Notify, stored_section
 from runner.errors import RunnerError
 from runner.retention import RetentionPolicy, prune
 from runner.store import run_store
@@ -123,7 +126,11 @@ def _stop_past_max_hours(
     ).all()
     stopped: list[tuple[str, str | None]] = []
     for run in live:
-        limit = spec_of(run).max_hours
+        spec = watched_spec(run)
+        if spec is None:
+            flag_unreadable_spec(deps, session, run, now=now)
+            continue
+        limit = spec.max_hours
         if limit is None:
             continue
         hours = run_hours(session, run, now=now)
@@ -165,7 +172,9 @@ def refresh_prices(deps: Deps) -> int:
             .where(col(Attempt.state).in_([AttemptState.PROVISIONING, AttemptState.RUNNING]))
         ).all()
         wanted = [
-            (a.id, resource_request(spec_of(r), spot=a.spot), a.zone, a.spot) for a, r in live
+            (a.id, resource_request(spec, spot=a.spot), a.zone, a.spot)
+            for a, r in live
+            if (spec := watched_spec(r)) is not None  # unreadable: flagged by the spend job
         ]
     prices: dict[str, tuple[float, float]] = {}
     for attempt_id, request, zone, spot in wanted:
@@ -327,7 +336,7 @@ def _protected_steps(session: Session, run_id: str) -> frozenset[int]:
 def _oncall_for(session: Session, alert: Alert) -> str | None:
     run = session.get(Run, alert.run_id) if alert.run_id else None
     if run is not None:
-        group = spec_of(run).notify.oncall_group
+        group = stored_section(run.spec, Notify, run_id=run.id).oncall_group
         if group:
             return group
     channel = run.channel if run is not None else alert.message_channel
@@ -367,6 +376,9 @@ def prune_run(deps: Deps, run_id: str, *, dry_run: bool = False) -> dict[str, An
         except SpecError as exc:
             log.error("cleanup of %s refused: %s", run_id, exc)
             return {"run_id": run_id, "error": str(exc)}
+        if watched_spec(run) is None:  # its retention is unknown: keep everything
+            flag_unreadable_spec(deps, session, run, now=now)
+            return {"run_id": run_id, "error": "its stored spec no longer validates"}
         store = run_store(root, prefix)
         policy = dataclasses.replace(
             retention_policy(run), protect=_protected_steps(session, run_id)

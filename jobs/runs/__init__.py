@@ -22,6 +22,7 @@ from jobs.runs.cards import (
     alert_config,
     alert_target,
     card,
+    flag_unreadable_spec,
     raise_signals,
     refresh_card,
     run_context,
@@ -49,6 +50,7 @@ from jobs.runs.rows import (
     move_run,
     run_hours,
     spec_of,
+    watched_spec,
 )
 
 __all__ = [
@@ -64,6 +66,7 @@ __all__ = [
     "checkpoint_prefix",
     "choose_placement",
     "end_attempt",
+    "flag_unreadable_spec",
     "get_run",
     "latest_attempt",
     "launch_attempt",
@@ -84,4 +87,5 @@ __all__ = [
     "say",
     "spec_of",
     "terminate_instance",
+    "watched_spec",
 ]

@@ -18,9 +18,9 @@ from jobs.lifecycle import AttemptState
 from jobs.metrics import run_metrics
 from jobs.models import Attempt, Run
 from jobs.notify import MessageRef, RunCard, TextMessage
-from jobs.rules import RunContext, Signal
-from jobs.runs.rows import channel_of, latest_attempt, spec_of
-from jobs.spec import AlertThresholds, JobSpec
+from jobs.rules import RunContext, Severity, Signal
+from jobs.runs.rows import channel_of, latest_attempt
+from jobs.spec import AlertThresholds, JobSpec, Notify, stored_section
 from jobs.spend import run_spent
 
 
@@ -72,7 +72,7 @@ def alert_target(run: Run) -> alerts.AlertTarget:
     return alerts.AlertTarget(
         channel=channel_of(run),
         thread_ts=run.thread_ts,
-        oncall_group=spec_of(run).notify.oncall_group,
+        oncall_group=stored_section(run.spec, Notify, run_id=run.id).oncall_group,
     )
 
 
@@ -111,3 +111,19 @@ def raise_signals(
         notifier=deps.notifier,
         journal=deps.journal,
     )
+
+
+def flag_unreadable_spec(deps: Deps, session: Session, run: Run, *, now: datetime) -> None:
+    """Say once, in the run's thread, that its stored spec no longer validates, so the
+    scheduled passes skip what needs it: an alert deduplicated by (run, rule, key), so a
+    pass every few seconds updates one message instead of posting again."""
+    signal = Signal(
+        rule="spec",
+        key="unreadable",
+        severity=Severity.WARNING,
+        title=f"run {run.id}'s stored spec no longer validates",
+        detail="trainbot cannot relaunch it, stop it at its max_hours, price it or prune "
+        "its checkpoints; its alerts use the default thresholds",
+        hint=f"stop it (`/train stop {run.id}`) and resubmit from a valid spec",
+    )
+    raise_signals(deps, session, run, [signal], now=now)

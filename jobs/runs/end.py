@@ -20,10 +20,11 @@ from jobs.lifecycle import AttemptState, RunState, transition
 from jobs.models import Attempt, Run
 from jobs.providers.base import InstanceNotFound, InstanceState, ProviderError
 from jobs.rules import Obs, Preemption, RepeatedPreemptions
-from jobs.runs.cards import alert_config, raise_signals, refresh_card, run_context, say
+from jobs.runs.cards import raise_signals, refresh_card, run_context, say
 from jobs.runs.launch import check_fence
 from jobs.runs.resubmit import record_lost_work
-from jobs.runs.rows import move_run, spec_of
+from jobs.runs.rows import move_run
+from jobs.spec import AlertThresholds, ResubmitPolicy, stored_section
 from jobs.spend import remove_cloud_budgets
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,6 @@ def end_attempt(
             return
         run = session.get(Run, attempt.run_id)
         assert run is not None
-        spec = spec_of(run)
         if state == AttemptState.SUCCEEDED and attempt.state != AttemptState.RUNNING:
             # It ran to the end but its "started" event never arrived (events lost, or
             # the provider saw the exit first): it was running all the same.
@@ -109,7 +109,7 @@ def end_attempt(
             if run.state in (RunState.RUNNING, RunState.LAUNCHING):
                 move_run(session, run, RunState.RECOVERING, now=now)
             if run.state == RunState.RECOVERING:
-                resubmit_after = spec.resubmit.backoff_s
+                resubmit_after = stored_section(run.spec, ResubmitPolicy).backoff_s
             _preemption_alerts(deps, session, run, attempt, now=now)
         elif state == AttemptState.FAILED and not run.state.is_terminal():
             move_run(session, run, RunState.FAILED, now=now, reason=reason)
@@ -192,8 +192,7 @@ def terminate_instance(deps: Deps, instance_id: str, *, wait: bool = True) -> bo
 def _preemption_alerts(
     deps: Deps, session: Session, run: Run, attempt: Attempt, *, now: datetime
 ) -> None:
-    spec = spec_of(run)
-    cfg = alert_config(spec)
+    cfg = stored_section(run.spec, AlertThresholds, run_id=run.id)
     ctx = run_context(session, run, attempt, now=now)
     data: dict[str, Any] = {"reason": "preempted", "attempt": attempt.number}
     if attempt.exit_code is not None:

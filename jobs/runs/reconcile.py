@@ -21,11 +21,12 @@ from jobs.models import Attempt, Run
 from jobs.preflight import live_dry_run_ids
 from jobs.providers.base import InstanceInfo, InstanceNotFound, InstanceState, ProviderError
 from jobs.rules import LostHeartbeat
-from jobs.runs.cards import alert_config, raise_signals, refresh_card, run_context
+from jobs.runs.cards import flag_unreadable_spec, raise_signals, refresh_card, run_context
 from jobs.runs.end import end_attempt, terminate_instance
 from jobs.runs.launch import launch_attempt, provision
 from jobs.runs.resubmit import resubmit_if_due
-from jobs.runs.rows import active_attempt, latest_attempt, move_run, spec_of
+from jobs.runs.rows import active_attempt, latest_attempt, move_run, watched_spec
+from jobs.spec import AlertThresholds, ResubmitPolicy, stored_section
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,9 @@ def reconcile(deps: Deps) -> dict[str, int]:
                 instance_id=a.instance_id,
                 created_at=a.created_at,
                 seen=a.last_heartbeat or a.started_at or a.created_at,
-                heartbeat_deadline_s=spec_of(r).alerts.heartbeat_deadline_s,
+                heartbeat_deadline_s=stored_section(
+                    r.spec, AlertThresholds, run_id=r.id
+                ).heartbeat_deadline_s,
             )
             for a, r in rows
         }
@@ -173,8 +176,8 @@ def _lost_heartbeat(deps: Deps, attempt_id: str, *, now: datetime, since: dateti
         run = session.get(Run, attempt.run_id) if attempt else None
         if attempt is None or run is None:
             return
-        spec = spec_of(run)
-        signals = LostHeartbeat(alert_config(spec)).evaluate(
+        thresholds = stored_section(run.spec, AlertThresholds, run_id=run.id)
+        signals = LostHeartbeat(thresholds).evaluate(
             [], now=now.timestamp(), ctx=run_context(session, run, attempt, now=now)
         )
         raise_signals(deps, session, run, signals, now=now)
@@ -196,8 +199,11 @@ def _launch_due(deps: Deps, *, now: datetime) -> int:
         for run in runs:
             if active_attempt(session, run.id) is not None:
                 continue
+            if watched_spec(run) is None:  # a launch needs the whole spec
+                flag_unreadable_spec(deps, session, run, now=now)
+                continue
             prev = latest_attempt(session, run.id)
-            backoff = timedelta(seconds=spec_of(run).resubmit.backoff_s)
+            backoff = timedelta(seconds=stored_section(run.spec, ResubmitPolicy).backoff_s)
             if prev is None or prev.ended_at is None or now - prev.ended_at >= backoff:
                 due.append(run.id)
                 if (

@@ -7,15 +7,19 @@ live and latest attempt.
 
 from __future__ import annotations
 
+import logging
 from datetime import datetime
 from typing import Any
 
+from pydantic import ValidationError
 from sqlmodel import Session, col, select
 
 from jobs.errors import NotFound
 from jobs.lifecycle import RunState, transition
 from jobs.models import Attempt, Run
 from jobs.spec import JobSpec
+
+log = logging.getLogger(__name__)
 
 
 def checkpoint_prefix(run: Run) -> str:
@@ -52,6 +56,23 @@ def spec_of(run: Run) -> JobSpec:
     """The whole stored spec, validated: what a launch needs. To watch a run, read one
     section leniently with :func:`jobs.spec.stored_section` instead."""
     return JobSpec.model_validate(run.spec)
+
+
+def watched_spec(run: Run) -> JobSpec | None:
+    """The whole stored spec for a pass over every run (reconcile, spend, cleanup), or
+    ``None`` when it no longer validates: that one run is skipped, with a warning naming
+    it (:func:`jobs.runs.cards.flag_unreadable_spec` tells its thread), and the pass goes
+    on for the others instead of stopping at the first bad row."""
+    try:
+        return JobSpec.model_validate(run.spec)
+    except ValidationError as exc:
+        log.warning(
+            "run %s: its stored spec no longer validates (%d problem(s)); the watch paths "
+            "skip what needs the whole spec",
+            run.id,
+            len(exc.errors()),
+        )
+        return None
 
 
 def channel_of(run: Run) -> str:
