@@ -178,13 +178,12 @@ def _story(
         )
 
     progress.step("Submit the example spec: /train launch tiny")
-    reply = shell.run_line("/train launch tiny")
-    assert reply is not None and reply.run_id is not None
-    run1 = reply.run_id
+    run1 = _launch(deps, shell, "/train launch tiny", t, confirm=False)
 
     progress.step("Preflight: quota, capacity, data, a real dry run, budget")
     for check in ("quota", "capacity", "data", "dry_run", "budget"):
         story.wait(f"the {check} check", of(run1, "preflight_check", check=check), t)
+    _confirm_if_asked(deps, shell, run1, t)
 
     progress.step("Launch on the local spot provider; checkpoints are committed")
     story.wait("the launch", of(run1, "launched"), t)
@@ -214,9 +213,7 @@ def _story(
 
     progress.step("A second run diverges; nobody acknowledges it, so trainbot stops it")
     # stop_after is 30 min by default; the demo cannot wait that long.
-    reply = shell.run_line(f"/train launch diverge alerts.stop_after={DIVERGE_STOP_AFTER}")
-    assert reply is not None and reply.run_id is not None
-    run2 = reply.run_id
+    run2 = _launch(deps, shell, f"/train launch diverge alerts.stop_after={DIVERGE_STOP_AFTER}", t)
     opened = story.wait(
         "the divergent-loss alert", of(run2, "alert_opened", rule="divergent_loss"), t
     )
@@ -229,13 +226,8 @@ def _story(
     story.wait("the acknowledgement", of(run2, "alert_acknowledged"), t)
 
     progress.step("A slow input pipeline: low utilisation, named by its data-wait")
-    reply = shell.run_line("/train launch slow-input")
-    assert reply is not None and reply.run_id is not None
-    run3 = reply.run_id
     # Its budget is below the estimate: preflight warns and waits for a person.
-    state = wait_for(deps, run3, {RunState.AWAITING_CONFIRMATION, RunState.LAUNCHING}, timeout_s=t)
-    if state == RunState.AWAITING_CONFIRMATION:
-        shell.run_line(f"/train resubmit {run3}")  # "Launch anyway"
+    run3 = _launch(deps, shell, "/train launch slow-input", t)
     low = story.wait(
         "the low-utilisation alert", of(run3, "alert_opened", rule="low_utilisation"), t
     )
@@ -315,9 +307,7 @@ def _two_nodes(
 ) -> str:
     """``tiny-ddp`` on two local nodes: node 1 is preempted, both stop at one step, and
     the gang is resubmitted and resumes there. Returns the run's id."""
-    reply = shell.run_line("/train launch tiny-ddp")
-    assert reply is not None and reply.run_id is not None
-    run = reply.run_id
+    run = _launch(deps, shell, "/train launch tiny-ddp", t)
     story.wait("the gang's launch", of(run, "launched"), t)
     story.wait("the gang's first checkpoint", of(run, "checkpoint_committed"), t)
     with session_scope(deps.engine) as session:
@@ -338,6 +328,24 @@ def _two_nodes(
         file=out,
     )
     return run
+
+
+def _launch(deps: Deps, shell: Shell, line: str, timeout: float, *, confirm: bool = True) -> str:
+    """Type a launch and return its run's id; with ``confirm``, wait for preflight and
+    press "Launch anyway" if it asks (a busy machine's slower dry run can put the
+    estimate above a demo spec's budget)."""
+    reply = shell.run_line(line)
+    if reply is None or reply.run_id is None:
+        raise DemoError(f"{line!r} started no run")
+    if confirm:
+        _confirm_if_asked(deps, shell, reply.run_id, timeout)
+    return reply.run_id
+
+
+def _confirm_if_asked(deps: Deps, shell: Shell, run_id: str, timeout: float) -> None:
+    settled = set(RunState) - {RunState.PENDING, RunState.PREFLIGHT}
+    if wait_for(deps, run_id, settled, timeout_s=timeout) == RunState.AWAITING_CONFIRMATION:
+        shell.run_line(f"/train resubmit {run_id}")  # "Launch anyway"
 
 
 def _wait_until_ended(deps: Deps, run_id: str, timeout: float) -> None:
