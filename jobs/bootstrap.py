@@ -161,7 +161,15 @@ class ControlPlane:
         self.elector: LeaderElector | None = None
 
     def start(self) -> ControlPlane:
-        self.server = serve(self.app, self.settings.ingest_host, self.settings.ingest_port)
+        self.server = serve(
+            self.app,
+            self.settings.ingest_host,
+            self.settings.ingest_port,
+            admin_host=self.settings.admin_host,
+            admin_port=self.settings.admin_port,
+            request_deadline_s=self.settings.request_deadline_s,
+            max_connections_per_client=self.settings.max_connections_per_client,
+        )
         public = self.settings.public_url or self.server.url
         self.deps.ingest_url = public.rstrip("/") + "/v1/events"
         resumed = resume_preflights(self.deps)

@@ -54,6 +54,11 @@ def load_secret(state_dir: Path) -> bytes:
     return bytes.fromhex(path.read_text().strip())
 
 
+def runner_token_key(configured: str) -> bytes:
+    """The key runner tokens are derived with, from ``TRAINBOT_RUNNER_TOKEN_SECRET``."""
+    return hashlib.sha256(b"trainbot runner tokens\0" + configured.encode()).digest()
+
+
 @dataclass
 class Deps:
     """What the control plane's use-cases work with."""
@@ -63,8 +68,9 @@ class Deps:
     provider: Provider
     notifier: Notifier
     journal: Journal = field(default_factory=NullJournal)
-    #: Secret used to derive per-attempt runner tokens (so a relaunch after a crash can
-    #: give the instance the same token that is stored hashed).
+    #: Secret used to derive per-attempt runner tokens (so a relaunch after a crash, or
+    #: by another replica, can give the instance the same token that is stored hashed);
+    #: ``TRAINBOT_RUNNER_TOKEN_SECRET`` replaces it when set.
     secret: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
     clock: Callable[[], datetime] = utcnow
     #: Where runners send events (``{public_url}/v1/events``); set once the server listens.
@@ -87,6 +93,12 @@ class Deps:
     #: Instances being terminated, each with the event set when its terminate returns.
     _terminating: dict[str, threading.Event] = field(default_factory=dict)
     _terminating_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        configured = self.settings.runner_token_secret
+        if configured is not None:
+            # The deployment's shared secret (every replica's) wins over a per-process one.
+            self.secret = runner_token_key(configured.get_secret_value())
 
     def claim_termination(self, instance_id: str) -> tuple[threading.Event, bool]:
         """The event that is set once ``instance_id``'s terminate returns, and whether the

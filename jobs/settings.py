@@ -95,6 +95,17 @@ class Settings(BaseSettings):
     ingest_port: int = Field(default=8787, ge=0, le=65535)
     #: Base URL runners use to reach the ingest API. Empty means derived from host and port.
     public_url: str = ""
+    #: Address of the admin listener (``/healthz``, ``/readyz``, ``/metrics``): loopback by
+    #: default; the pod's own address (``0.0.0.0`` in a pod) for kubelet probes and scrapes.
+    admin_host: str = "127.0.0.1"
+    #: Port of the admin listener; 0 picks a free one (tests). Never the public port.
+    #: Unset: the public port + 1 (8788), or 0 when the public port is 0.
+    admin_port: int | None = Field(default=None, ge=0, le=65535)
+    #: Seconds a request's head and body may take to arrive on the public port.
+    request_deadline_s: float = Field(default=20.0, ge=1.0, le=600.0)
+    #: Connections at once from one client address on the public port; 0: no cap (set 0
+    #: behind a proxy or load balancer that hides the clients' addresses).
+    max_connections_per_client: int = Field(default=128, ge=0)
     #: Slack app credentials; required when the notifier is Slack.
     slack_signing_secret: SecretStr | None = None
     slack_bot_token: SecretStr | None = None
@@ -297,6 +308,9 @@ class Settings(BaseSettings):
             self.database_url = f"sqlite:///{self.state_dir / 'trainbot.db'}"
         if not self.checkpoint_uri:
             self.checkpoint_uri = (self.state_dir / "checkpoints").as_uri()
+        if self.admin_port is None:
+            after = self.ingest_port + 1 if self.ingest_port < 65535 else self.ingest_port - 1
+            self.admin_port = after if self.ingest_port else 0
         if not self.public_url and self.ingest_port != 0:  # port 0: known once bound
             host = "127.0.0.1" if self.ingest_host in _ANY_HOSTS else self.ingest_host
             if ":" in host:
@@ -309,6 +323,11 @@ class Settings(BaseSettings):
 
     def _inconsistencies(self) -> list[str]:
         problems: list[str] = []
+        if self.admin_port and self.admin_port == self.ingest_port:
+            problems.append(
+                f"{env_name('admin_port')}={self.admin_port} is also the public port: health "
+                f"and metrics need a port of their own; pick another"
+            )
         if self.notifier == "slack":
             for field in ("slack_signing_secret", "slack_bot_token"):
                 if getattr(self, field) is None:

@@ -2,18 +2,33 @@
 
 A look-up is cached for :data:`TOKEN_CACHE_S`; revocation does not wait for the cache,
 because the batch's transaction compares the hash again on the locked attempt row.
+
+An attempt's token is derived from the control plane's secret and the attempt id, and
+only its hash is stored, so every replica must share the secret
+(``TRAINBOT_RUNNER_TOKEN_SECRET``): a replica that relaunches another's attempt hands the
+instance the token the stored hash names. A multi-node attempt's nodes after the first
+hold tokens derived from the attempt's (:func:`jobs.providers.gang.node_token`), each
+good for events as that node only.
 """
 
 from __future__ import annotations
 
+import hmac
+import logging
 import threading
 import time as _time
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from datetime import datetime
 
 from sqlalchemy import Engine, select
 
-from jobs.models import Attempt, table_of
+from jobs.errors import SettingsError
+from jobs.models import LEADER_LEASE, Attempt, SchedulerLease, hash_token, table_of
+from jobs.providers.gang import node_token, parse_node_token
+
+log = logging.getLogger(__name__)
 
 #: How long a token → attempt look-up is trusted before the database is asked again.
 #: Revocation does not wait for it: the transaction re-checks the hash on the locked row.
@@ -33,9 +48,14 @@ _ATTEMPTS = table_of(Attempt)
 class Principal:
     """Who a token belongs to."""
 
+    #: The hash of the attempt's own token (node 0's), whatever node's token was shown:
+    #: the transaction compares it with the attempt row's, so revoking the attempt's
+    #: token revokes every node's.
     token_hash: str
     attempt_id: str
     run_id: str
+    #: The node of the attempt the token was made for; it may send events as that node only.
+    node: int = 0
 
 
 def bearer(authorization: str | None) -> str | None:
@@ -53,8 +73,13 @@ class Tokens:
     """Token hash → :class:`Principal`, asking the database at most once per
     :data:`TOKEN_CACHE_S` per token. Thread-safe."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(
+        self, engine: Engine, *, attempt_token: Callable[[str], str] | None = None
+    ) -> None:
+        """``attempt_token(attempt id)``: the attempt's token, as the control plane derives
+        it (``Deps.runner_token``); without it, node tokens are refused."""
         self._engine = engine
+        self._attempt_token = attempt_token
         self._cache: OrderedDict[str, tuple[Principal, float]] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -83,7 +108,79 @@ class Tokens:
                 self._cache.popitem(last=False)
         return principal
 
+    def of_token(self, token: str, *, cached: bool = True) -> Principal | None:
+        """Whose token this is, an attempt's (node 0) or one node's of it, or None.
+
+        Raises SQLAlchemyError when the database is unavailable.
+        """
+        parsed = parse_node_token(token)
+        if parsed is None:
+            return self.principal(hash_token(token), cached=cached)
+        rank, attempt_id = parsed
+        if self._attempt_token is None:
+            return None
+        attempt_token = self._attempt_token(attempt_id)
+        if not hmac.compare_digest(node_token(attempt_token, attempt_id, rank), token):
+            return None
+        principal = self.principal(hash_token(attempt_token), cached=cached)
+        if principal is None or principal.attempt_id != attempt_id:
+            return None
+        return replace(principal, node=rank)
+
     def drop(self, token_hash: str) -> None:
         """Forget a look-up: the token was found revoked."""
         with self._lock:
             self._cache.pop(token_hash, None)
+
+
+#: How many live attempts :func:`check_secret` compares at start.
+_CHECKED_ATTEMPTS = 100
+
+
+def check_secret(
+    engine: Engine,
+    attempt_token: Callable[[str], str],
+    *,
+    replica: str,
+    now: datetime,
+) -> None:
+    """Refuse to start beside replicas that sign runner tokens with another secret.
+
+    Nothing records the secret; the live attempts' stored hashes are the witnesses. When
+    this replica's secret does not reproduce one of them and another replica holds the
+    scheduler lease now, the two differ, and an attempt one launched and the other
+    relaunched would be refused by ingest: raise SettingsError saying how to share one.
+    With no other replica up, the secret changed since those attempts launched (a lost
+    state directory): their runners keep working, but a relaunch or a node after the
+    first would not, so say so in the log and start.
+    """
+    attempts = _ATTEMPTS.c
+    with engine.connect() as connection:
+        rows = connection.execute(
+            select(attempts.id, attempts.token_hash)
+            .where(attempts.token_hash.is_not(None))
+            .limit(_CHECKED_ATTEMPTS)
+        ).all()
+        leases = table_of(SchedulerLease).c
+        lease = connection.execute(
+            select(leases.holder, leases.expires_at).where(leases.name == LEADER_LEASE)
+        ).first()
+    foreign = [row.id for row in rows if hash_token(attempt_token(row.id)) != row.token_hash]
+    if not foreign:
+        return
+    named = ", ".join(foreign[:5]) + (" …" if len(foreign) > 5 else "")
+    if lease is not None and lease.holder != replica and lease.expires_at > now:
+        raise SettingsError(
+            "TRAINBOT_RUNNER_TOKEN_SECRET: this replica signs runner tokens with another "
+            f"secret than replica {lease.holder}, which shares this database (attempts "
+            f"{named} carry its tokens); an attempt one launches and the other relaunches "
+            "would be refused. Set TRAINBOT_RUNNER_TOKEN_SECRET to one value on every "
+            "replica (openssl rand -hex 32, from a Kubernetes or compose secret)"
+        )
+    log.warning(
+        "runner tokens: attempts %s were signed with another secret than this control "
+        "plane's (TRAINBOT_RUNNER_TOKEN_SECRET or the state directory's secret changed); "
+        "their runners keep sending, but a relaunch of them or their nodes after the first "
+        "will be refused",
+        named,
+    )

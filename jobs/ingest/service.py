@@ -20,7 +20,7 @@ from jobs.ingest.effects import Applied, Effects
 from jobs.ingest.windows import WINDOW_EVENTS, Point, Windows
 from jobs.ingest.writers import WRITERS, Kinds, insert_events
 from jobs.logs import log_context
-from jobs.models import Attempt, EventRow, MetricBlock, Run, hash_token, table_of, utcnow
+from jobs.models import Attempt, EventRow, MetricBlock, Run, table_of, utcnow
 from jobs.rules import Rule, Signal
 from runner.errors import WireError
 from runner.wire import NODE_SEQ_SPAN, Batch, Event, decode_batch_columns
@@ -78,7 +78,10 @@ class IngestService:
     (:mod:`jobs.runs.profile`). ``rules_for(run)`` picks a run's alert rules
     (default: :func:`jobs.rules.default_rules` with the thresholds of the run's spec);
     it is called when the run's window is built, the first batch after start or after
-    :meth:`forget_run`.
+    :meth:`forget_run`. ``attempt_token(attempt id)`` is the attempt's runner token as the
+    control plane derives it (``Deps.runner_token``): with it, the nodes after the first
+    of a multi-node attempt are told apart by their own tokens (:mod:`jobs.ingest.auth`);
+    without it, only attempts' own tokens are accepted.
     """
 
     def __init__(
@@ -91,6 +94,7 @@ class IngestService:
         on_profile_due: Callable[[str], None] | None = None,
         now: Callable[[], datetime] = utcnow,
         max_body_bytes: int = 8 << 20,
+        attempt_token: Callable[[str], str] | None = None,
     ) -> None:
         self._engine = engine
         self._on_signals = on_signals
@@ -99,7 +103,7 @@ class IngestService:
         self._now = now
         self.max_body_bytes = max_body_bytes
         self._postgres = engine.dialect.name == "postgresql"
-        self._tokens = Tokens(engine)
+        self._tokens = Tokens(engine, attempt_token=attempt_token)
         self._windows = Windows(engine, rules_for=rules_for)
         self._effects = Effects(engine)
         self._writer = WRITERS[engine.dialect.name]()
@@ -130,7 +134,7 @@ class IngestService:
         if token is None:
             return _error(401, "missing 'Authorization: Bearer <runner token>' header")
         try:
-            principal = self._tokens.principal(hash_token(token))
+            principal = self._tokens.of_token(token)
         except SQLAlchemyError as exc:
             return _unavailable(exc)
         if principal is None:
@@ -145,6 +149,14 @@ class IngestService:
                 f"this token belongs to attempt {principal.attempt_id} of run "
                 f"{principal.run_id}, but the batch is for attempt {batch.attempt} of run "
                 f"{batch.run}: a token is scoped to its attempt",
+            )
+        if batch.node != principal.node:
+            # Node 0's token alone reports the run's progress and its end.
+            return _error(
+                403,
+                f"this token belongs to node {principal.node} of attempt "
+                f"{principal.attempt_id}, but the batch is node {batch.node}'s: each node "
+                "of an attempt sends with its own token",
             )
         low, high = batch.node * NODE_SEQ_SPAN, (batch.node + 1) * NODE_SEQ_SPAN
         if batch.node and not low <= min(batch.seqs) <= max(batch.seqs) < high:
@@ -183,7 +195,7 @@ class IngestService:
         token = bearer(authorization)
         if token is None:
             return None
-        principal = self._tokens.principal(hash_token(token), cached=False)
+        principal = self._tokens.of_token(token, cached=False)
         return None if principal is None else (principal.run_id, principal.attempt_id)
 
     def _build_statements(self) -> None:

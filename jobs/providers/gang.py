@@ -11,15 +11,20 @@ How the nodes find each other: node 0 is launched first, and its private address
 every cloud's launch call returns) goes into the others' environment, with the port
 torchrun's static rendezvous listens on. No rendezvous service of ours: the nodes do not
 need the control plane to be up to find each other, and ``torchrun --node-rank`` makes
-the ranks the same at every launch. All or nothing: a node that cannot be had
-terminates the ones already launched, and the launch's error (no capacity: try the next
-zone) is the gang's.
+the ranks the same at every launch. Each node gets a token of its own
+(:func:`node_token`): the control plane's ingest takes a node's events only as that
+node, so a node after the first cannot report the run's progress or its end. All or
+nothing: a node that cannot be had terminates the ones already launched, and the
+launch's error (no capacity: try the next zone) is the gang's.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import math
+import re
 import signal
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -46,6 +51,8 @@ __all__ = [
     "launch",
     "node_ids",
     "node_request",
+    "node_token",
+    "parse_node_token",
     "status",
     "terminate",
 ]
@@ -57,6 +64,33 @@ GANG_SEP = "+"
 #: The port torchrun's static rendezvous (its TCP store) listens on, on node 0: torchrun's
 #: own default.
 MASTER_PORT = 29500
+
+
+#: The variable that holds an instance's runner token (``runner.cli`` reads it).
+TOKEN_ENV = "TRAINBOT_TOKEN"
+_NODE_TOKEN = re.compile(r"n([1-9][0-9]{0,3})\.([A-Za-z0-9-]{1,64})\.([0-9a-f]{64})")
+
+
+def node_token(attempt_token: str, attempt_id: str, rank: int) -> str:
+    """Node ``rank``'s runner token: node 0 holds the attempt's own; node k ≥ 1 holds
+    ``n{k}.{attempt id}.{HMAC(attempt token, rank)}``.
+
+    Only a holder of the attempt's token (node 0, or the control plane, which derives it
+    from its secret) can make a node's token, and one node's token gives no other's.
+    The attempt id inside lets the control plane find the attempt before it reads the
+    batch (``/v1/credentials`` has no batch); nothing for a node is stored.
+    """
+    if rank == 0:
+        return attempt_token
+    mac = hmac.new(attempt_token.encode(), f"node {rank}".encode(), hashlib.sha256)
+    return f"n{rank}.{attempt_id}.{mac.hexdigest()}"
+
+
+def parse_node_token(token: str) -> tuple[int, str] | None:
+    """``(rank, attempt id)`` of a token shaped like a node's (k ≥ 1), else None. Says
+    nothing of whether it is genuine: compare it with :func:`node_token`."""
+    match = _NODE_TOKEN.fullmatch(token)
+    return None if match is None else (int(match.group(1)), match.group(2))
 
 
 def node_ids(instance_id: str) -> list[str]:
@@ -73,11 +107,14 @@ def node_request(
     req: LaunchRequest, rank: int, *, master_addr: str, master_port: int
 ) -> LaunchRequest:
     """The launch of node ``rank`` of ``req``'s gang: its own idempotency key (node 0
-    keeps the attempt's, so a one-node attempt launches as it always did), and the
-    variables ``trainbot-runner exec`` starts torchrun with."""
+    keeps the attempt's, so a one-node attempt launches as it always did), its own
+    runner token (:func:`node_token`: node 0 keeps the attempt's), and the variables
+    ``trainbot-runner exec`` starts torchrun with."""
     key = req.idempotency_key or req.attempt_id
-    env = {
-        **req.env,
+    env = dict(req.env)
+    if TOKEN_ENV in env:
+        env[TOKEN_ENV] = node_token(env[TOKEN_ENV], req.attempt_id, rank)
+    env |= {
         "TRAINBOT_NNODES": str(req.nodes),
         "TRAINBOT_NODE_RANK": str(rank),
         "TRAINBOT_MASTER_ADDR": master_addr,

@@ -24,6 +24,7 @@ from jobs.ingest import RECENT_OBS, IngestService
 from jobs.ingest.writers import time_texts
 from jobs.lifecycle import AttemptState
 from jobs.models import Attempt, Checkpoint, EventRow, MetricBlock, Run, hash_token
+from jobs.providers.gang import node_token
 from jobs.rules import DivergentLoss, Rule, Signal
 from runner.wire import NODE_SEQ_SPAN, encode_batch
 from runner.wire import Event as WireEvent
@@ -158,6 +159,7 @@ def unchecked(events: Sequence[WireEvent]) -> bytes:
 def service(engine: Engine, recorder: Recorder | None = None, **kwargs: Any) -> IngestService:
     recorder = recorder or Recorder()
     kwargs.setdefault("now", Clock())
+    kwargs.setdefault("attempt_token", {"a-1": TOKEN}.__getitem__)
     return IngestService(
         engine,
         on_signals=recorder.on_signals,
@@ -217,6 +219,11 @@ def run_row(engine: Engine, run_id: str = "r-1") -> Run:
 
 
 AUTH = f"Bearer {TOKEN}"
+
+
+def node_auth(node: int) -> str:
+    """Node ``node``'s own bearer (each node of attempt a-1 sends with its own token)."""
+    return f"Bearer {node_token(TOKEN, 'a-1', node)}"
 
 
 # --- idempotency ----------------------------------------------------------------------
@@ -961,8 +968,8 @@ def test_a_second_nodes_events_are_stored_once_and_leave_the_runs_progress_to_no
         ("preemption_notice", {"source": "aws", "time_left_s": 110.0}),
         ("exit", {"code": 75, "reason": "preempted"}),
     ]
-    first = svc.handle(AUTH, node_body(1, node1))
-    again = svc.handle(AUTH, node_body(1, node1))
+    first = svc.handle(node_auth(1), node_body(1, node1))
+    again = svc.handle(node_auth(1), node_body(1, node1))
     assert first.body == {"accepted": 4, "duplicates": 0}
     assert again.body == {"accepted": 0, "duplicates": 4}
     # Node 0's next batch is still taken as new: the high-water mark is node 0's.
@@ -981,7 +988,7 @@ def test_a_nodes_seqs_must_be_in_its_own_range(db_engine: Engine) -> None:
     add_run(db_engine)
     svc = service(db_engine)
     wrong = [WireEvent("a-1", 5, "heartbeat", T0, "r-1", {"step": None})]
-    got = svc.handle(AUTH, encode_batch(wrong, node=2))
+    got = svc.handle(node_auth(2), encode_batch(wrong, node=2))
     assert got.status == 400
     assert f"node 2's events must have seqs from {2 * NODE_SEQ_SPAN}" in got.body["error"]
     assert count_events(db_engine) == 0
@@ -992,7 +999,7 @@ def test_a_full_disk_on_one_node_is_an_alert_that_names_it(db_engine: Engine) ->
     recorder = Recorder()
     svc = service(db_engine, recorder)
     svc.handle(AUTH, body([system(None)]))  # node 0: 1 % full
-    svc.handle(AUTH, node_body(1, [disk_sample(1, 97)]))
+    svc.handle(node_auth(1), node_body(1, [disk_sample(1, 97)]))
     (full,) = recorder.fired("disk", "threshold:node-1")
     assert full.title.endswith("(node 1)") and full.data["node"] == 1
     assert "97%" in full.title
