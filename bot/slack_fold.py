@@ -117,4 +117,5 @@ def count_line(msg: TextMessage, group: _Fold) -> str:
             "Slack takes them (about one a second per channel), so they are folded into this "
             "one; this is the newest.)"
         )
-    return f"\n({group.count} like this from {run} since {group.since_text}; this is the newest.)"
+    what = "warnings" if msg.kind == "warning" else "messages like this"
+    return f"\n({group.count} {what} from {run} since {group.since_text}; this is the newest.)"

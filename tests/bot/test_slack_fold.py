@@ -48,7 +48,7 @@ def page(run_id: str = "r-2", *, severity: str = "CRITICAL", **kw: Any) -> Alert
 
 def shown_count(text: str) -> int:
     """The count a folded message states (1: it states none)."""
-    found = re.search(r"\((\d+) (?:like this|messages) from", text)
+    found = re.search(r"\((\d+) (?:warnings|messages like this|messages) from", text)
     return int(found.group(1)) if found else 1
 
 
