@@ -62,6 +62,17 @@ def build_parser() -> argparse.ArgumentParser:
         type=_port,
         help="port to listen on; 0 picks a free one (default: TRAINBOT_INGEST_PORT, else 8787)",
     )
+    serve.add_argument(
+        "--admin-host",
+        help="address of /healthz, /readyz and /metrics (default: TRAINBOT_ADMIN_HOST, "
+        "else 127.0.0.1)",
+    )
+    serve.add_argument(
+        "--admin-port",
+        type=_port,
+        help="port of /healthz, /readyz and /metrics; 0 picks a free one (default: "
+        "TRAINBOT_ADMIN_PORT, else the port + 1)",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     return p
 
@@ -103,7 +114,13 @@ def _port(text: str) -> int:
     return port
 
 
-def _serve(host: str | None = None, port: int | None = None) -> int:
+def _serve(
+    host: str | None = None,
+    port: int | None = None,
+    *,
+    admin_host: str | None = None,
+    admin_port: int | None = None,
+) -> int:
     from bot.console import ConsoleNotifier
     from jobs.bootstrap import ControlPlane
     from jobs.settings import ENV_PREFIX, load_settings
@@ -113,6 +130,8 @@ def _serve(host: str | None = None, port: int | None = None) -> int:
     overrides = {
         f"{ENV_PREFIX}INGEST_HOST": host,
         f"{ENV_PREFIX}INGEST_PORT": None if port is None else str(port),
+        f"{ENV_PREFIX}ADMIN_HOST": admin_host,
+        f"{ENV_PREFIX}ADMIN_PORT": None if admin_port is None else str(admin_port),
     }
     environ = {**os.environ, **{k: v for k, v in overrides.items() if v is not None}}
     settings = load_settings(environ)
@@ -123,7 +142,11 @@ def _serve(host: str | None = None, port: int | None = None) -> int:
         return _serve_slack(settings, stop)
     with ControlPlane(settings, notifier=ConsoleNotifier()) as cp:
         assert cp.server is not None
-        print(f"trainbot control plane on {cp.server.url} (Ctrl-C to stop)", flush=True)
+        print(
+            f"trainbot control plane on {cp.server.url}; health and metrics on "
+            f"{cp.server.admin_url} (Ctrl-C to stop)",
+            flush=True,
+        )
         stop.wait()
         _drain(cp)
     return 0
@@ -197,7 +220,8 @@ def _serve_slack(settings: Settings, stop: threading.Event) -> int:
                 socket_mode = " and Socket Mode" if front.socket is not None else ""
                 print(
                     f"trainbot control plane on {cp.server.url}; Slack at "
-                    f"{cp.server.url}/slack/events{socket_mode} (Ctrl-C to stop)",
+                    f"{cp.server.url}/slack/events{socket_mode}; health and metrics on "
+                    f"{cp.server.admin_url} (Ctrl-C to stop)",
                     flush=True,
                 )
                 stop.wait()
@@ -270,7 +294,12 @@ def main(argv: list[str] | None = None) -> int:
             return _shell()
         if args.cmd == "migrate":
             return _migrate()
-        return _serve(host=args.host, port=args.port)
+        return _serve(
+            host=args.host,
+            port=args.port,
+            admin_host=args.admin_host,
+            admin_port=args.admin_port,
+        )
     except (TrainbotError, BotError) as exc:
         print(f"trainbot: {exc}", file=sys.stderr)
         return 2

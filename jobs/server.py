@@ -11,7 +11,13 @@ one, and the Slack app mounts under ``/slack/`` as a WSGI app of its own):
 - ``POST /v1/dry-run``: a cloud dry run's instance reports its phase and its report, with
   the dry run's own token (:class:`jobs.ingest.dry_run.DryRunIngest`); the same token
   gets credentials for the run's dry-run directory from ``/v1/credentials``;
+
+and, on a second listener of their own (the admin port, :class:`AdminApp`, loopback by
+default), never on the public one:
+
 - ``GET /healthz``: 200 when the database answers ``SELECT 1``, 503 when it does not;
+- ``GET /readyz``: the same, and 503 as well once the public port stops accepting (a
+  replica draining for shutdown);
 - ``GET /metrics``: Prometheus exposition from :mod:`jobs.prometheus` (OpenMetrics when
   the scraper asks for it).
 
@@ -20,10 +26,10 @@ tests' control planes, the benchmarks), chosen over the alternatives because:
 
 - it reads and parses every request on one asynchronous loop and hands the application
   only complete requests, on a fixed pool of threads. A client that trickles its headers
-  or its body (slowloris) holds a socket, never a thread, and is dropped after
-  :data:`CHANNEL_TIMEOUT_S` of silence; gunicorn's sync and threaded workers and cheroot
+  or its body (slowloris) holds a socket, never a thread, and is dropped at its
+  request deadline; gunicorn's sync and threaded workers and cheroot
   give each such client a thread for as long as it trickles;
-- it is pure Python, threaded, with ``create_server`` for in-process use: it fits a
+- it is pure Python, threaded, and runs in-process (a listener per port): it fits a
   synchronous app (Bolt's sync App, SQLAlchemy sessions, STYLE 11) and the tests' port 0.
   gunicorn is a pre-fork master that owns the process (signals, workers): awkward to run
   from a test or next to the scheduler's threads, and Unix only; an async server would
@@ -42,10 +48,16 @@ request. The limits, and where each is enforced:
 - **No length.** ``POST /v1/events`` without ``Content-Length`` gets 411. Chunked uploads
   are accepted: waitress de-chunks them within the cap and the route sees their length,
   so a proxy that re-chunks a runner's batch does not break ingest.
-- **Slow clients.** A connection silent for :data:`CHANNEL_TIMEOUT_S` (headers or body
-  half sent, or idle keep-alive) is closed; up to :data:`CONNECTION_LIMIT` connections
-  are held at once, on ``poll`` (no ``select`` limit of 1,024 descriptors). A request
-  being answered is never cut off.
+- **Slow clients.** Every request's head and body must arrive within
+  :data:`REQUEST_DEADLINE_S` of its first byte, however steadily it trickles; a connection
+  silent for :data:`CHANNEL_TIMEOUT_S` (idle keep-alive) is closed. One client address
+  holds at most :data:`MAX_CONNECTIONS_PER_CLIENT` connections; at
+  :data:`CONNECTION_LIMIT` the connection with the oldest unfinished request makes room
+  for a new one (:mod:`jobs.http_listener`). A request being answered is never cut off.
+- **Probes and scrapes never queue behind the public port.** The admin port is another
+  socket, loop thread and thread pool: a public port full of slow clients, or all of its
+  threads busy, does not delay ``/healthz``, so an attack on the public port never gets
+  a healthy replica restarted, and a replica that answers ``/healthz`` still serves runners.
 - **Broken clients.** Broken HTTP gets a JSON 400 and one log line; a client that hangs
   up costs at most one line (waitress's socket-error tracebacks are off). Nothing a
   request does stops the next one from being served. Errors go through :mod:`logging`,
@@ -56,20 +68,18 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 from sqlmodel import Session
-from waitress.channel import HTTPChannel
-from waitress.server import BaseWSGIServer, MultiSocketServer, create_server
-from waitress.task import ErrorTask
 
+from jobs.admin import ADMIN_PATHS, AdminApp
 from jobs.errors import NotFound, PermissionDenied
+from jobs.http_listener import Limits, Listening, listen
 from jobs.ingest import IngestResult, IngestService
 from jobs.ingest.dry_run import DryRunIngest
 from jobs.locations import dry_run_prefix
@@ -84,11 +94,15 @@ if TYPE_CHECKING:
     from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
 __all__ = [
+    "ADMIN_PATHS",
     "CHANNEL_TIMEOUT_S",
     "CONNECTION_LIMIT",
     "CREDENTIALS_PATH",
     "EVENTS_PATH",
+    "MAX_CONNECTIONS_PER_CLIENT",
+    "REQUEST_DEADLINE_S",
     "THREADS",
+    "AdminApp",
     "ControlPlaneApp",
     "CredentialBroker",
     "ServerHandle",
@@ -101,14 +115,24 @@ EVENTS_PATH = "/v1/events"
 CREDENTIALS_PATH = "/v1/credentials"
 #: A credentials request carries no body to speak of; a bigger one is refused unread.
 _CREDENTIALS_MAX_BODY = 4096
-#: Seconds a connection may stay silent (headers or body half sent, idle keep-alive)
-#: before it is closed; checked every :data:`_CLEANUP_INTERVAL_S`.
+#: Seconds a connection may stay silent (idle keep-alive, a response left unread)
+#: before it is closed.
 CHANNEL_TIMEOUT_S = 30.0
-_CLEANUP_INTERVAL_S = 5.0
-#: Connections held open at once; past it the server stops accepting until some close.
-#: Far above the clients a control plane has (runners batch once a second, Slack's
-#: requests are short), so idle or trickling connections cannot lock /healthz out.
+#: Seconds a request's head and body may take to arrive, from its first byte (from the
+#: connection's opening for its first request): a runner's largest batch on a slow link
+#: takes a fraction of it; a client trickling a line every few seconds is closed at it
+#: (``TRAINBOT_REQUEST_DEADLINE_S``).
+REQUEST_DEADLINE_S = 20.0
+#: How often the deadlines and the silence are checked, in seconds.
+_CLEANUP_INTERVAL_S = 1.0
+#: Connections held open at once; at the limit the one with the oldest unfinished
+#: request makes room for a new one. Far above the clients a control plane has (runners
+#: batch once a second, Slack's requests are short).
 CONNECTION_LIMIT = 1000
+#: Connections at once from one client address (``TRAINBOT_MAX_CONNECTIONS_PER_CLIENT``;
+#: 0: no cap, for a server behind a proxy where every client has the proxy's address).
+#: A runner holds one; a NAT gateway in front of a hundred runners fits under it.
+MAX_CONNECTIONS_PER_CLIENT = 128
 #: Threads running the application: requests answered at once. Requests are short
 #: (slow work goes to the service's pool), so a few more than the cores keep the CPU busy
 #: while some wait on the database; a burst queues for a moment instead of thrashing.
@@ -118,6 +142,15 @@ THREADS = 12
 DRAIN_FACTOR = 4
 #: The cap's floor, for apps that do not say their limit (a mounted Slack app's 1 MiB).
 _DEFAULT_MAX_BODY = 1 << 20
+#: The admin port's limits: probes and scrapes are few, short and bodiless.
+_ADMIN_LIMITS = Limits(
+    threads=2,
+    connection_limit=64,
+    channel_timeout_s=30.0,
+    request_deadline_s=5.0,
+    max_connections_per_client=16,
+    max_request_body_size=4096,
+)
 
 _JSON_TYPE = "application/json"
 _REASONS = {
@@ -204,9 +237,9 @@ class ControlPlaneApp:
             EVENTS_PATH: {"POST": self._events},
             CREDENTIALS_PATH: {"POST": self._issue_credentials},
             DRY_RUN_ROUTE: {"POST": self._dry_run_report},
-            "/healthz": {"GET": self._healthz},
-            "/metrics": {"GET": self._metrics},
         }
+        #: The admin port's app: health, readiness and metrics (:func:`serve` runs it).
+        self.admin = AdminApp(engine, self.metrics)
 
     @property
     def max_body_bytes(self) -> int:
@@ -234,6 +267,9 @@ class ControlPlaneApp:
                 return app(environ, start_response)
         methods = self._routes.get(path)
         if methods is None:
+            if path in ADMIN_PATHS:
+                message = f"{path} is served on the admin port (TRAINBOT_ADMIN_PORT), not here"
+                return _error(404, message).send(start_response)
             return _error(404, f"no such endpoint {path!r}").send(start_response)
         method = environ.get("REQUEST_METHOD", "GET")
         handler = methods.get(method)
@@ -369,19 +405,6 @@ class ControlPlaneApp:
         headers = [("Retry-After", "5")] if result.status == 503 else []
         return _Reply.json(result.status, result.body, headers)
 
-    def _healthz(self, environ: WSGIEnvironment) -> _Reply:
-        try:
-            with self._engine.connect() as connection:
-                connection.execute(text("SELECT 1"))
-        except Exception as exc:
-            log.warning("health check: the database did not answer: %s", exc)
-            return _Reply.json(503, {"ok": False, "db": f"unavailable ({type(exc).__name__})"})
-        return _Reply.json(200, {"ok": True, "db": "ok"})
-
-    def _metrics(self, environ: WSGIEnvironment) -> _Reply:
-        body, content_type = self.metrics.exposition(environ.get("HTTP_ACCEPT"))
-        return _Reply(200, body, content_type)
-
 
 def _read_exactly(stream: Any, length: int) -> bytes:
     """Up to ``length`` bytes; fewer only when the client went away."""
@@ -402,87 +425,28 @@ def _read_exactly(stream: Any, length: int) -> bytes:
 # --- serving ---------------------------------------------------------------------------------
 
 
-class _JsonErrorTask(ErrorTask):
-    """waitress's own refusals (broken HTTP, a body over the cap) as the routes' JSON."""
-
-    def execute(self) -> None:
-        error = self.request.error
-        if error.code == 413:
-            cap = self.channel.adj.max_request_body_size
-            message = (
-                f"the request body is over this server's {cap}-byte limit; "
-                "send fewer events per batch"
-            )
-        else:
-            message = f"{error.reason}: {error.body}"
-        body = json.dumps({"error": message}).encode("utf-8")
-        self.status = f"{error.code} {error.reason}"
-        self.response_headers.append(("Content-Type", _JSON_TYPE))
-        self.set_close_on_finish()
-        self.content_length = len(body)
-        self.write(body)
-        # One line per broken client; the request line may be garbage, so it is not logged.
-        log.info("refused a request from %s: %s (%s)", self.channel.addr[0], self.status, message)
-
-
-class _Channel(HTTPChannel):
-    error_task_class = _JsonErrorTask
-
-
 @dataclass(frozen=True)
 class ServerHandle:
-    """A running server: where it listens, and how to stop it."""
+    """A running control plane server: its public port and its admin port."""
 
-    #: ``http://host:port``.
+    #: The public port's ``http://host:port`` (Slack, runner ingest).
     url: str
-    #: The bound port (the real one when 0 was asked for).
+    #: The public port (the real one when 0 was asked for).
     port: int
-    _server: BaseWSGIServer | MultiSocketServer
-    _listeners: list[BaseWSGIServer]
-    _map: dict[int, Any]
-    _thread: threading.Thread
-    _stopped: threading.Event = field(default_factory=threading.Event)
+    #: The admin port's ``http://host:port`` (health, readiness, metrics); None without one.
+    admin_url: str | None
+    #: The admin port; None without one.
+    admin_port: int | None
+    _public: Listening
+    _admin: Listening | None
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        """Stop accepting, let the requests being answered finish (up to ``timeout``),
-        then close every connection and the threads."""
-        if self._stopped.is_set():
-            return
-        self._stopped.set()
-        deadline = time.monotonic() + timeout
-        closed = threading.Event()
-
-        def stop_accepting() -> None:
-            for listener in self._listeners:
-                listener.accepting = False
-                listener.del_channel()
-                listener.socket.close()
-            closed.set()
-
-        self._in_loop(stop_accepting)
-        closed.wait(max(0.0, deadline - time.monotonic()))
-        dispatcher = self._server.task_dispatcher
-        while time.monotonic() < deadline:
-            with dispatcher.lock:
-                if not dispatcher.queue and dispatcher.active_count <= 0:
-                    break
-            time.sleep(0.01)
-
-        def close_all() -> None:
-            for dispatcher in list(self._map.values()):
-                if isinstance(dispatcher, HTTPChannel):
-                    dispatcher.handle_close()  # also frees its buffers (temporary files)
-                else:
-                    dispatcher.close()
-            self._map.clear()
-
-        self._in_loop(close_all)
-        self._thread.join(max(0.1, deadline - time.monotonic()))
-        dispatcher.shutdown(cancel_pending=True, timeout=max(0.1, deadline - time.monotonic()))
-
-    def _in_loop(self, thunk: Callable[[], None]) -> None:
-        """Run ``thunk`` on the server's loop thread (the only one that may touch sockets)."""
-        self._listeners[0].trigger.pull_trigger(thunk)
+        """Stop accepting on the public port, let the requests being answered finish (up
+        to ``timeout``), close its connections; then the admin port, which answered
+        probes (``/readyz``: 503) all along."""
+        self._public.shutdown(timeout)
+        if self._admin is not None:
+            self._admin.shutdown(1.0)
 
 
 def serve(
@@ -490,13 +454,21 @@ def serve(
     host: str = "127.0.0.1",
     port: int = 8787,
     *,
+    admin_host: str = "127.0.0.1",
+    admin_port: int | None = 0,
     max_body_bytes: int | None = None,
+    request_deadline_s: float | None = None,
+    max_connections_per_client: int | None = None,
 ) -> ServerHandle:
-    """Serve ``app`` with waitress on a background thread; ``port=0`` picks a free port.
+    """Serve ``app`` with waitress on background threads; ``port=0`` picks a free port.
 
-    ``max_body_bytes``: the largest body a route takes (default: the app's own
-    ``max_body_bytes`` for a :class:`ControlPlaneApp`, else 1 MiB); the server refuses
-    bodies over :data:`DRAIN_FACTOR` times it unread.
+    A :class:`ControlPlaneApp` gets its :class:`AdminApp` on ``admin_host:admin_port``
+    (another listener, loop and thread pool; ``None``: no admin port). ``max_body_bytes``:
+    the largest body a route takes (default: the app's own ``max_body_bytes`` for a
+    :class:`ControlPlaneApp`, else 1 MiB); the server refuses bodies over
+    :data:`DRAIN_FACTOR` times it unread. ``request_deadline_s`` and
+    ``max_connections_per_client``: the public port's bounds (default
+    :data:`REQUEST_DEADLINE_S`, :data:`MAX_CONNECTIONS_PER_CLIENT`; 0 turns the cap off).
     """
     if max_body_bytes is None:
         max_body_bytes = (
@@ -505,35 +477,40 @@ def serve(
     # waitress warns at each request that waits for a thread; a burst is normal here, so
     # only its errors are logged.
     logging.getLogger("waitress.queue").setLevel(logging.ERROR)
-    socket_map: dict[int, Any] = {}
-    server = create_server(
-        app,
-        map=socket_map,
-        host=host,
-        port=port,
+    limits = Limits(
         threads=THREADS,
         connection_limit=CONNECTION_LIMIT,
-        channel_timeout=CHANNEL_TIMEOUT_S,
-        cleanup_interval=_CLEANUP_INTERVAL_S,
+        channel_timeout_s=CHANNEL_TIMEOUT_S,
+        request_deadline_s=REQUEST_DEADLINE_S if request_deadline_s is None else request_deadline_s,
+        max_connections_per_client=(
+            MAX_CONNECTIONS_PER_CLIENT
+            if max_connections_per_client is None
+            else max_connections_per_client
+        ),
         max_request_body_size=DRAIN_FACTOR * max_body_bytes + 1,
-        asyncore_use_poll=True,
-        log_socket_errors=False,
-        expose_tracebacks=False,
-        ident="trainbot",
+        cleanup_interval_s=_CLEANUP_INTERVAL_S,
     )
-    listeners = [d for d in socket_map.values() if isinstance(d, BaseWSGIServer)]
-    for listener in listeners:
-        listener.channel_class = _Channel
-    bound = int(listeners[0].effective_port)  # waitress gives a str for some sockets
-    thread = threading.Thread(target=server.run, name="http", daemon=True)
-    thread.start()
-    shown = f"[{host}]" if ":" in host else host
-    log.info("control plane listening on http://%s:%d", shown, bound)
+    public = listen(app, host, port, name="public", limits=limits)
+    log.info("control plane listening on %s", public.url)
+    admin: Listening | None = None
+    if isinstance(app, ControlPlaneApp) and admin_port is not None:
+        try:
+            admin = listen(
+                app.admin.watching(lambda: public.accepting),
+                admin_host,
+                admin_port,
+                name="admin",
+                limits=_ADMIN_LIMITS,
+            )
+        except BaseException:
+            public.shutdown(0.1)
+            raise
+        log.info("health, readiness and metrics on %s", admin.url)
     return ServerHandle(
-        url=f"http://{shown}:{bound}",
-        port=bound,
-        _server=server,
-        _listeners=listeners,
-        _map=socket_map,
-        _thread=thread,
+        url=public.url,
+        port=public.port,
+        admin_url=admin.url if admin is not None else None,
+        admin_port=admin.port if admin is not None else None,
+        _public=public,
+        _admin=admin,
     )

@@ -33,6 +33,7 @@ from jobs.server import (
     CONNECTION_LIMIT,
     DRAIN_FACTOR,
     EVENTS_PATH,
+    MAX_CONNECTIONS_PER_CLIENT,
     ControlPlaneApp,
     ServerHandle,
     serve,
@@ -84,6 +85,9 @@ class Plane:
         self.app = ControlPlaneApp(engine, self.ingest)
         self.server: ServerHandle = serve(self.app, "127.0.0.1", 0)
         self.events_url = self.server.url + EVENTS_PATH
+        assert self.server.admin_url is not None
+        #: The admin port's URL (health, readiness, metrics).
+        self.admin_url: str = self.server.admin_url
 
     def close(self) -> None:
         self.server.shutdown()
@@ -262,7 +266,7 @@ def test_a_restarted_reporter_resends_and_nothing_doubles(plane: Plane, tmp_path
         assert second.flush(FLUSH_S)
 
     assert count_events(plane.engine) == 27
-    exposition = scrape(plane.server.url)
+    exposition = scrape(plane.admin_url)
     assert sample(exposition, "trainbot_ingest_events_total", result="duplicate") == 6
     assert sample(exposition, "trainbot_ingest_events_total", result="accepted") == 27
     assert plane.recorder.attempt_events.count(("a-1", "started")) == 1
@@ -326,7 +330,7 @@ def test_a_malformed_batch_gets_400_and_the_server_keeps_serving(sqlite_plane: P
     assert status == 400 and "not valid JSON" in answer["error"]
 
     assert post(sqlite_plane.events_url, wire_body()) == (200, {"accepted": 3, "duplicates": 0})
-    assert get(sqlite_plane.server.url + "/healthz")[0] == 200
+    assert get(sqlite_plane.admin_url + "/healthz")[0] == 200
 
 
 # --- HTTP robustness -----------------------------------------------------------------------
@@ -437,7 +441,7 @@ def test_broken_http_and_vanishing_clients_do_not_stop_the_server(
     ).encode()
     raw_exchange(port, head + b'{"v": 1, "att', read=False)
     # A client that hangs up without reading its answer.
-    raw_exchange(port, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", read=False)
+    raw_exchange(port, b"GET /v1/nothing HTTP/1.1\r\nHost: x\r\n\r\n", read=False)
 
     assert post(sqlite_plane.events_url, wire_body()) == (200, {"accepted": 3, "duplicates": 0})
     assert count_events(sqlite_plane.engine) == 3
@@ -448,19 +452,20 @@ def test_broken_http_and_vanishing_clients_do_not_stop_the_server(
 
 
 def test_clients_that_trickle_their_headers_keep_nobody_waiting(sqlite_plane: Plane) -> None:
-    """Slowloris: 130 connections sending their headers a byte at a time, forever."""
+    """Slowloris: 120 connections sending their headers a byte at a time (within the
+    per-client cap and the deadline; tests/jobs/test_server_exhaustion.py goes past both)."""
     port = sqlite_plane.server.port
-    assert CONNECTION_LIMIT > 130
-    slow = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(130)]
+    assert CONNECTION_LIMIT > 120 and MAX_CONNECTIONS_PER_CLIENT > 120 + 1  # + the poster
+    slow = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(120)]
     try:
         for conn in slow:
-            conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            conn.sendall(b"GET /v1/nothing HTTP/1.1\r\nHost: x\r\nX-Slow: ")
         waited: list[float] = []
-        for _ in range(5):
+        for index in range(5):
             for conn in slow:
                 conn.sendall(b"a")  # each stays active, under any idle timeout
             started = time.monotonic()
-            assert get(sqlite_plane.server.url + "/healthz")[0] == 200
+            assert post(sqlite_plane.events_url, wire_body(first_seq=10 * index))[0] == 200
             waited.append(time.monotonic() - started)
     finally:
         for conn in slow:
@@ -475,6 +480,7 @@ def test_a_silent_connection_is_closed_after_the_channel_timeout(
     assert 5.0 <= CHANNEL_TIMEOUT_S <= 60.0  # the real setting; shortened here
     monkeypatch.setattr("jobs.server.CHANNEL_TIMEOUT_S", 1.0)
     monkeypatch.setattr("jobs.server._CLEANUP_INTERVAL_S", 0.2)
+    monkeypatch.setattr("jobs.server.REQUEST_DEADLINE_S", 60.0)  # silence, not the deadline
     engine = make_engine(f"sqlite:///{tmp_path / 'x.db'}")
     migrate(engine)
     server = serve(ControlPlaneApp(engine, IngestService(engine)), "127.0.0.1", 0)
@@ -514,7 +520,7 @@ def test_many_clients_at_once(sqlite_plane: Plane) -> None:
 
 
 def test_healthz_checks_the_database(sqlite_plane: Plane, tmp_path: Path) -> None:
-    status, content_type, text = get(sqlite_plane.server.url + "/healthz")
+    status, content_type, text = get(sqlite_plane.admin_url + "/healthz")
     assert (status, content_type) == (200, "application/json")
     assert json.loads(text) == {"ok": True, "db": "ok"}
 
@@ -523,12 +529,16 @@ def test_healthz_checks_the_database(sqlite_plane: Plane, tmp_path: Path) -> Non
     broken = make_engine(f"sqlite:///{broken_dir}")
     server = serve(ControlPlaneApp(broken, IngestService(broken)), "127.0.0.1", 0)
     try:
-        status, _, text = get(server.url + "/healthz")
+        assert server.admin_url is not None
+        status, _, text = get(server.admin_url + "/healthz")
+        ready_status, _, ready_text = get(server.admin_url + "/readyz")
     finally:
         server.shutdown()
         broken.dispose()
     assert status == 503
     assert json.loads(text)["ok"] is False
+    assert ready_status == 503
+    assert json.loads(ready_text)["ready"] is False
 
 
 def test_metrics_in_prometheus_text(plane: Plane) -> None:
@@ -536,7 +546,7 @@ def test_metrics_in_prometheus_text(plane: Plane) -> None:
     post(plane.events_url, wire_body())
     post(plane.events_url, b"nonsense")
 
-    found = scrape(plane.server.url)
+    found = scrape(plane.admin_url)
 
     assert sample(found, "trainbot_ingest_events_total", result="accepted") == 3
     assert sample(found, "trainbot_ingest_events_total", result="duplicate") == 3
@@ -546,7 +556,7 @@ def test_metrics_in_prometheus_text(plane: Plane) -> None:
     assert sample(found, "trainbot_ingest_latency_seconds_count") == 3
     assert sample(found, "trainbot_alerts_open", severity="critical") == 0
     assert (
-        "# TYPE trainbot_ingest_latency_seconds histogram" in get(plane.server.url + "/metrics")[2]
+        "# TYPE trainbot_ingest_latency_seconds histogram" in get(plane.admin_url + "/metrics")[2]
     )
 
 
@@ -569,12 +579,15 @@ def test_shutdown_closes_the_port(tmp_path: Path) -> None:
     engine = make_engine(f"sqlite:///{tmp_path / 'x.db'}")
     migrate(engine)
     server = serve(ControlPlaneApp(engine, IngestService(engine)), "127.0.0.1", 0)
-    assert get(server.url + "/healthz")[0] == 200
+    assert server.admin_url is not None
+    assert get(server.admin_url + "/healthz")[0] == 200
+    assert get(server.url + "/v1/nothing")[0] == 404
 
     server.shutdown()
 
-    with pytest.raises(OSError):
-        socket.create_connection(("127.0.0.1", server.port), timeout=2).close()
+    for port in (server.port, server.admin_port):
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
     engine.dispose()
 
 
@@ -593,7 +606,7 @@ def test_bursts_reuse_the_answering_threads_and_a_stalled_client_blocks_nobody(
     sqlite_plane.app.mount("/probe", probe)
     # A client that sends half its headers and stalls holds one thread, no more.
     stalled = socket.create_connection(("127.0.0.1", sqlite_plane.server.port), timeout=10)
-    stalled.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+    stalled.sendall(b"GET /v1/nothing HTTP/1.1\r\nHost: x\r\n")
     try:
         statuses: list[int] = []
 

@@ -1,0 +1,310 @@
+"""Connection exhaustion over real sockets: the public port's request deadline, its cap per
+client address, its connection limit, and the admin port that none of them can reach.
+
+The long test's length is ``TRAINBOT_TEST_TRICKLE_S`` seconds (default 15; the issue's
+case is 60: ``TRAINBOT_TEST_TRICKLE_S=60 pytest -s tests/jobs/test_server_exhaustion.py``).
+Clients come from several loopback addresses (127.0.0.0/8 is all loopback on Linux), so
+one address's cap does not hide what the others do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import selectors
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from jobs.db import make_engine, migrate
+from jobs.server import CONNECTION_LIMIT, MAX_CONNECTIONS_PER_CLIENT, serve
+from tests.jobs.test_server import Plane, add_attempt, get, post, wire_body
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="needs 127.0.0.0/8 on loopback (Linux)"
+)
+
+#: The issue's attack: this many connections, each sending a header line now and then.
+ATTACKERS = 1050
+#: Seconds between one connection's header lines: never silent for long.
+LINE_EVERY_S = 3.0
+#: Every answer within this, from a fresh connection.
+ANSWER_WITHIN_S = 2.0
+
+
+def _trickle_seconds() -> float:
+    return float(os.environ.get("TRAINBOT_TEST_TRICKLE_S", "15"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _descriptors() -> None:
+    """Room for both ends of every connection in this one process."""
+    wanted = 2 * ATTACKERS + CONNECTION_LIMIT + 512
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        if hard != resource.RLIM_INFINITY and hard < wanted:
+            pytest.skip(f"ulimit -n allows {hard} descriptors; this test needs {wanted}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[Plane]:
+    engine = make_engine(f"sqlite:///{tmp_path / 'plane.db'}")
+    migrate(engine)
+    add_attempt(engine)
+    plane = Plane(engine)
+    yield plane
+    plane.close()
+    engine.dispose()
+
+
+@dataclass
+class Trickler:
+    """``count`` connections from ``sources``, each sending one header line every
+    ``every_s`` and never finishing its request; one the server closes is opened again,
+    as an attacker would, so the count holds for as long as it runs.
+
+    It runs in a process of its own (:func:`trickle`), as an attacker does: in the
+    test's process it would share the interpreter lock with the server it attacks."""
+
+    port: int
+    sources: list[str]
+    count: int
+    every_s: float = LINE_EVERY_S
+    opened: int = 0
+    closed_by_server: int = 0
+    refused: int = 0
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _proc: subprocess.Popen[str] | None = None
+
+    def __enter__(self) -> Trickler:
+        self._proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.jobs.test_server_exhaustion",
+                str(self.port),
+                str(self.count),
+                str(self.every_s),
+                *self.sources,
+            ],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self._proc.stdout is not None
+        line = self._proc.stdout.readline()  # once every connection has been opened
+        assert line.startswith("opened"), line
+        self.opened = int(line.split()[1])
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._proc is not None
+        out, _ = self._proc.communicate("", timeout=60)  # stdin closed: it stops
+        figures = json.loads(out.strip().splitlines()[-1])
+        self.opened = figures["opened"]
+        self.closed_by_server = figures["closed_by_server"]
+        self.refused = figures["refused"]
+
+    def _watch_stdin(self) -> None:
+        sys.stdin.read()
+        self._stop.set()
+
+    def _open(self, index: int, selector: selectors.BaseSelector) -> None:
+        source = self.sources[index % len(self.sources)]
+        try:
+            conn = socket.create_connection(
+                ("127.0.0.1", self.port), timeout=2, source_address=(source, 0)
+            )
+            conn.sendall(b"POST /v1/events HTTP/1.1\r\nHost: x\r\n")
+        except OSError:
+            self.refused += 1
+            return
+        conn.setblocking(False)
+        self.opened += 1
+        # Spread the lines over the interval, so the server sees a steady trickle.
+        due = time.monotonic() + self.every_s * ((index % 97) / 97)
+        selector.register(conn, selectors.EVENT_READ, [index, due])
+
+    def run(self) -> None:
+        threading.Thread(target=self._watch_stdin, daemon=True).start()
+        selector = selectors.DefaultSelector()
+        missing = list(range(self.count))
+        announced = False
+        while not self._stop.is_set():
+            if not announced and self.opened >= self.count:
+                print(f"opened {self.opened}", flush=True)
+                announced = True
+            for index in missing[:200]:  # reconnect a bounded number per round
+                self._open(index, selector)
+            missing = missing[200:]
+            for key, _ in selector.select(timeout=0.05):
+                try:
+                    data = key.fileobj.recv(4096)  # type: ignore[union-attr]
+                except OSError:
+                    data = b""
+                if not data:  # the server closed it: open another
+                    self.closed_by_server += 1
+                    selector.unregister(key.fileobj)
+                    key.fileobj.close()  # type: ignore[union-attr]
+                    missing.append(key.data[0])
+            now = time.monotonic()
+            for key in list(selector.get_map().values()):
+                if key.data[1] <= now:
+                    key.data[1] = now + self.every_s
+                    try:
+                        key.fileobj.send(b"X-Trickle: a\r\n")  # type: ignore[union-attr]
+                    except OSError:
+                        pass  # closed: the select above sees it
+        for key in list(selector.get_map().values()):
+            key.fileobj.close()  # type: ignore[union-attr]
+        selector.close()
+        figures = {
+            "opened": self.opened,
+            "closed_by_server": self.closed_by_server,
+            "refused": self.refused,
+        }
+        print(json.dumps(figures), flush=True)
+
+
+def test_trickling_connections_leave_health_and_ingest_answering(served: Plane) -> None:
+    """1,050 connections from ten addresses (105 each, under the per-client cap; 1,050 in
+    all, over the connection limit), each sending a header line every 3 s: /healthz on
+    the admin port and a runner's batch on the public port answer within 2 s, every
+    second, for the whole run."""
+    duration = _trickle_seconds()
+    sources = [f"127.0.1.{n}" for n in range(1, 11)]
+    assert ATTACKERS // len(sources) < MAX_CONNECTIONS_PER_CLIENT
+    assert ATTACKERS > CONNECTION_LIMIT
+    health: list[float] = []
+    ingest: list[float] = []
+    failures: list[str] = []
+    with Trickler(served.server.port, sources, ATTACKERS) as trickler:
+        assert trickler.opened >= ATTACKERS, trickler
+        started = time.monotonic()
+        seq = 0
+        while time.monotonic() - started < duration:
+            asked = time.monotonic()
+            status, _, body = get(served.admin_url + "/healthz")
+            health.append(time.monotonic() - asked)
+            if status != 200:
+                failures.append(f"/healthz {status} {body}")
+            asked = time.monotonic()
+            answer = post(served.events_url, wire_body(first_seq=seq))
+            ingest.append(time.monotonic() - asked)
+            seq += 3
+            if answer != (200, {"accepted": 3, "duplicates": 0}):
+                failures.append(f"ingest {answer}")
+            time.sleep(max(0.0, 1.0 - (time.monotonic() - asked)))
+    held = trickler.opened - trickler.closed_by_server
+    print(
+        f"\n{duration:.0f} s under {ATTACKERS} trickling connections: /healthz "
+        f"{len(health)} asked, slowest {max(health):.3f} s; ingest {len(ingest)} batches, "
+        f"slowest {max(ingest):.3f} s; attacker opened {trickler.opened}, the server closed "
+        f"{trickler.closed_by_server}, still held {held}"
+    )
+    assert not failures, failures
+    assert max(health) < ANSWER_WITHIN_S, health
+    assert max(ingest) < ANSWER_WITHIN_S, ingest
+    assert len(ingest) >= duration / 2  # answered all along, not once
+    # The limit held: connections over it were evicted, not queued.
+    assert trickler.closed_by_server >= ATTACKERS - CONNECTION_LIMIT
+
+
+def test_one_address_holds_at_most_its_cap(served: Plane) -> None:
+    """1,050 connections from one address: the cap's worth are held, the rest are
+    closed at once, unread; another address's runner is served meanwhile."""
+    conns: list[socket.socket] = []
+    try:
+        for _ in range(ATTACKERS):
+            try:
+                conn = socket.create_connection(
+                    ("127.0.0.1", served.server.port),
+                    timeout=5,
+                    source_address=("127.0.0.2", 0),
+                )
+            except OSError:
+                continue
+            try:
+                conn.sendall(b"GET /v1/events HTTP/1.1\r\nHost: x\r\n")
+            except OSError:
+                pass
+            conns.append(conn)
+        assert post(served.events_url, wire_body()) == (200, {"accepted": 3, "duplicates": 0})
+        time.sleep(0.5)  # the refused ones' FIN (or reset) has arrived by now
+        selector = selectors.DefaultSelector()
+        for conn in conns:
+            selector.register(conn, selectors.EVENT_READ)
+        closed = {key.fileobj for key, _ in selector.select(timeout=0)}
+        selector.close()
+        held = [c for c in conns if c not in closed]
+        for conn in held:
+            conn.settimeout(0.01)
+            with pytest.raises(TimeoutError):
+                conn.recv(1)  # open and silent: its request is still being received
+    finally:
+        for conn in conns:
+            conn.close()
+    assert len(held) == MAX_CONNECTIONS_PER_CLIENT, (len(held), len(conns))
+
+
+def test_a_request_that_trickles_is_closed_at_its_deadline(tmp_path: Path) -> None:
+    """One header line every 0.3 s is never silent, and is closed at the deadline."""
+    engine = make_engine(f"sqlite:///{tmp_path / 'plane.db'}")
+    migrate(engine)
+    add_attempt(engine)
+    plane = Plane(engine)
+    plane.server.shutdown()  # the same app, served again with a short deadline
+    server = serve(plane.app, "127.0.0.1", 0, request_deadline_s=2.0)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as conn:
+            started = time.monotonic()
+            conn.sendall(b"POST /v1/events HTTP/1.1\r\nHost: x\r\n")
+            conn.settimeout(0.3)
+            answer = None
+            while time.monotonic() - started < 15:
+                try:
+                    answer = conn.recv(65536)
+                    break
+                except TimeoutError:
+                    conn.sendall(b"X-Trickle: a\r\n")
+                except OSError:
+                    answer = b""
+                    break
+            closed_after = time.monotonic() - started
+        # A whole request takes none of it, however long it is answered for.
+        status, _ = post(server.url + "/v1/events", wire_body())
+    finally:
+        server.shutdown()
+        engine.dispose()
+    assert answer == b"", answer  # closed, nothing answered
+    assert 1.5 < closed_after < 6.0, closed_after
+    assert status == 200
+
+
+def test_health_and_metrics_are_on_the_admin_port_only(served: Plane) -> None:
+    for path in ("/healthz", "/readyz", "/metrics"):
+        status, _, body = get(served.server.url + path)
+        assert status == 404 and "admin port" in body, (path, status, body)
+        assert get(served.admin_url + path)[0] == 200, path
+    assert "trainbot_ingest" in get(served.admin_url + "/metrics")[2]
+    # The admin port serves nothing else: no ingest, no mounted apps.
+    assert post(served.admin_url + "/v1/events", wire_body())[0] in (404, 405)
+
+
+if __name__ == "__main__":  # the attacker's process: PORT COUNT EVERY_S SOURCE...
+    _port, _count, _every, *_sources = sys.argv[1:]
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4 * int(_count))), hard))
+    Trickler(int(_port), _sources, int(_count), float(_every)).run()
