@@ -18,7 +18,9 @@ from sqlalchemy import Engine
 from jobs import alerts
 from jobs.db import make_engine, migrate, session_scope
 from jobs.deps import Deps, load_secret
+from jobs.errors import SettingsError
 from jobs.ingest import IngestService
+from jobs.ingest.auth import check_secret
 from jobs.models import Run
 from jobs.notify import FanoutJournal, Journal, Notifier, NullJournal
 from jobs.pagerduty import EventsClient, PagerDutyBridge
@@ -103,6 +105,7 @@ def build_ingest(deps: Deps) -> IngestService:
         on_attempt_event=on_event,
         on_profile_due=on_profile_due,
         now=deps.clock,
+        attempt_token=deps.runner_token,
     )
 
 
@@ -144,6 +147,13 @@ class ControlPlane:
         )
         if lease_holder is not None:
             self.deps.replica = lease_holder
+        try:  # beside replicas that sign runner tokens with another secret: refuse
+            check_secret(
+                engine, self.deps.runner_token, replica=self.deps.replica, now=self.deps.clock()
+            )
+        except SettingsError:
+            engine.dispose()
+            raise
         self.ingest = build_ingest(self.deps)
         broker = build_credential_broker(settings)
         # Runners ask it for their checkpoint credentials only when there is one.

@@ -211,6 +211,11 @@ class Settings(BaseSettings):
     #: triggers a PagerDuty incident, and acknowledging or resolving it in chat
     #: acknowledges or resolves the incident.
     pagerduty_routing_key: SecretStr | None = None
+    #: The secret runner tokens are derived from (at least 32 characters: ``openssl rand
+    #: -hex 32``), the same on every replica that shares the database, so that any
+    #: replica can relaunch another's attempt with the token whose hash is stored. Unset:
+    #: a secret made once in the state directory, for one process.
+    runner_token_secret: SecretStr | None = Field(default=None, min_length=32)
     #: PagerDuty Events API base URL (tests); unset means PagerDuty's.
     pagerduty_url: str = "https://events.pagerduty.com"
     #: Log lines: ``text``, or ``json`` (one object per line, with the run and attempt
@@ -364,7 +369,7 @@ def _summary(problems: list[str]) -> str:
 
 
 def _is_secret(field: str) -> bool:
-    return field.startswith("slack_")
+    return field.startswith("slack_") or field in ("runner_token_secret", "pagerduty_routing_key")
 
 
 @contextmanager
