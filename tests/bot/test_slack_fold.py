@@ -144,3 +144,16 @@ def test_an_alert_never_overtakes_its_own_root(
     order = [m.ts for m in messages]
     later = next(m for m in messages if "warning number 1" in m.text)
     assert order.index(card.ts) < order.index(alert.ts) < order.index(later.ts)
+
+
+def test_a_root_sent_back_by_a_429_goes_ahead_of_the_page_that_waits_for_it(
+    fake: FakeSlack, make_notifier: Callable[..., SlackNotifier]
+) -> None:
+    fake.fail_next(1, method="chat.postMessage", status=429, retry_after="0.3")
+    notifier = make_notifier()
+    root = notifier.post(RunCard(channel=RUNS, run_id="r-2", spec_name="t", state="RUNNING",
+                                 requester="U1"))  # fmt: skip
+    notifier.post(page("r-2", thread_ts=root.ts))  # queued while its root is in flight
+    assert notifier.flush(timeout=10), "the channel never stalls behind a page's own root"
+    card, alert = fake.messages(RUNS)
+    assert alert.thread_ts == card.ts and notifier.metrics["retried_429"] == 1
