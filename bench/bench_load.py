@@ -233,7 +233,7 @@ def terminate_all(provider: LocalProvider, instances: list[str]) -> None:
 
 # --- the replicas ----------------------------------------------------------------------------
 
-_URL = re.compile(r"control plane on (http://[^\s;]+)")
+_URL = re.compile(r"control plane on (http://[^\s;]+).*health and metrics on (http://[^\s;]+)")
 #: Straight to the replicas, whatever proxy the environment names.
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -255,14 +255,16 @@ class Replica:
             text=True,
         )
         self.url = ""
+        #: Its admin port (``/healthz``, ``/metrics``).
+        self.admin_url = ""
         #: CPU seconds used when the load ended (or when it was killed).
         self.cpu_at_end: float | None = None
 
     def wait_until_up(self) -> None:
         """Until it says where it listens (it has migrated and run for the lease)."""
-        self.url = self._wait_for_url()
+        self.url, self.admin_url = self._wait_for_url()
 
-    def _wait_for_url(self) -> str:
+    def _wait_for_url(self) -> tuple[str, str]:
         lines: queue.Queue[str] = queue.Queue()
         assert self.process.stdout is not None
         stdout = self.process.stdout
@@ -281,13 +283,13 @@ class Replica:
                     break
                 continue
             if found:
-                return found.group(1)
+                return found.group(1), found.group(2)
         tail = self.log_path.read_text(errors="replace")[-1500:]
         raise BenchError(f"replica {self.name} did not start within {START_S:.0f} s:\n{tail}")
 
     def leads(self) -> bool:
         """What its ``/metrics`` says: ``trainbot_scheduler_leader`` is 1 on the leader."""
-        with _DIRECT.open(f"{self.url}/metrics", timeout=10) as reply:
+        with _DIRECT.open(f"{self.admin_url}/metrics", timeout=10) as reply:
             text = reply.read().decode()
         for family in text_string_to_metric_families(text):
             if family.name == "trainbot_scheduler_leader":

@@ -31,10 +31,13 @@ def test_serve_takes_host_and_port_flags_over_the_environment(tmp_path: Path) ->
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
-        match = re.search(r"on (http://127\.0\.0\.1:(\d+))", line)
+        match = re.search(
+            r"on (http://127\.0\.0\.1:(\d+)).*metrics on (http://127\.0\.0\.1:\d+)", line
+        )
         assert match is not None, line + (proc.stderr.read() if proc.poll() is not None else "")
         assert int(match.group(2)) not in (0, 1)
-        assert requests.get(f"{match.group(1)}/healthz", timeout=10).status_code == 200
+        assert requests.get(f"{match.group(3)}/healthz", timeout=10).status_code == 200
+        assert requests.get(f"{match.group(1)}/healthz", timeout=10).status_code == 404
     finally:
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)

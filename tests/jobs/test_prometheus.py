@@ -49,8 +49,9 @@ NOW = datetime.now(timezone.utc)
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
-def scrape(url: str) -> tuple[Samples, set[str]]:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as reply:
+def scrape(server: ServerHandle) -> tuple[Samples, set[str]]:
+    """``/metrics`` of the server's admin port (the public port does not serve it)."""
+    with urllib.request.urlopen(f"{server.admin_url}/metrics", timeout=10) as reply:
         text = reply.read().decode()
     families = list(text_string_to_metric_families(text))
     samples = {
@@ -150,14 +151,14 @@ def test_metrics_hold_every_family_after_a_small_scenario(engine: Engine) -> Non
         scheduler.add_job(lambda: None, id="reconcile", trigger="date")
         scheduler.add_job(_fail, id="digest", trigger="date")
         scheduler.start()
-        queued, _ = scrape(server.url)
+        queued, _ = scrape(server)
         deadline = time.monotonic() + 15
         while app.metrics.value("trainbot_scheduler_job_runs_total", {"task": "digest"}) != 1:
             assert time.monotonic() < deadline, "the scheduled jobs did not run"
             time.sleep(0.05)
         assert notifier.flush(15)
 
-        samples, families = scrape(server.url)
+        samples, families = scrape(server)
     finally:
         if scheduler.running:
             scheduler.shutdown(wait=True)
@@ -252,8 +253,8 @@ def test_each_control_plane_has_its_own_registry(engine: Engine) -> None:
     _, other_server = serve_plane(engine, holder="replica-b")
     try:
         post_batch(leader_server.url, 0)
-        led, _ = scrape(leader_server.url)
-        not_led, _ = scrape(other_server.url)
+        led, _ = scrape(leader_server)
+        not_led, _ = scrape(other_server)
     finally:
         leader_server.shutdown()
         other_server.shutdown()
@@ -273,7 +274,7 @@ def test_a_database_that_does_not_answer_is_a_gauge_not_an_error(tmp_path: Path)
     broken = make_engine(f"sqlite:///{broken_dir}")
     server = serve(ControlPlaneApp(broken, IngestService(broken)), "127.0.0.1", 0)
     try:
-        samples, families = scrape(server.url)
+        samples, families = scrape(server)
     finally:
         server.shutdown()
         broken.dispose()

@@ -24,7 +24,7 @@ from jobs.bootstrap import ControlPlane
 from jobs.settings import load_settings
 
 with ControlPlane(load_settings(), notifier=ConsoleNotifier()) as cp:
-    assert urllib.request.urlopen(cp.server.url + "/healthz").status == 200
+    assert urllib.request.urlopen(f"{cp.server.admin_url}/healthz").status == 200
 print("ok", "torch" in sys.modules)
 """
 
