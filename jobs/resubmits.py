@@ -36,7 +36,14 @@ from jobs.runs import (
     say,
     spec_of,
 )
-from jobs.spec.changes import Change, apply_changes, changed_paths, checks_for
+from jobs.spec.changes import (
+    Change,
+    apply_changes,
+    change_record,
+    changed_paths,
+    checks_for,
+    hidden_change,
+)
 from runner.errors import RunnerError
 from runner.layout import copy_step, list_committed
 from runner.store import run_store
@@ -322,7 +329,7 @@ def resubmit_changed(
         )
         run.target_steps = preflight.target_steps(spec.command)
         session.add(run)
-        listed = [{"key": k, "old": a, "new": b} for k, a, b in changes]
+        listed = [change_record(change) for change in changes]
         deps.journal.record(
             "resubmit_changed", run.id, from_run=old.id, by=actor.user, changes=listed,
             checks=list(checks), step=old.last_committed_step,
@@ -355,12 +362,19 @@ def resubmit_changed(
 
 
 def describe_changes(changes: Sequence[Change]) -> str:
-    """``env.LR: 0.001 → 3e-4; resources.zones: [us-east-1a] → [us-east-1b]``."""
+    """``env.LR changed; resources.zones: [us-east-1a] → [us-east-1b]``: an ``env`` value
+    is never shown (it may be a credential), only that it changed."""
     if not changes:
         return "no changes (every value given is what it was)"
-    parts = [f"{key}: {_shown(a)} → {_shown(b)}" for key, a, b in changes[:20]]
+    parts = [_described(change) for change in changes[:20]]
     more = f"; and {len(changes) - 20} more" if len(changes) > 20 else ""
     return "changes " + "; ".join(parts) + more
+
+
+def _described(change: Change) -> str:
+    key, old, new = change
+    hidden = hidden_change(change)
+    return f"{key} {hidden}" if hidden else f"{key}: {_shown(old)} → {_shown(new)}"
 
 
 def _shown(value: Any) -> str:

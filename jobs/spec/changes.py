@@ -14,16 +14,20 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jobs.errors import SpecError, clip
+from jobs.spec.env import is_secret_path
 from jobs.spec.load import parse_spec
 from jobs.spec.model import JobSpec
 
 __all__ = [
     "CHANGEABLE",
+    "HIDDEN",
     "TOP_LEVEL_CHANGES",
     "Change",
     "apply_changes",
+    "change_record",
     "changed_paths",
     "checks_for",
+    "hidden_change",
 ]
 
 #: Spec keys a resubmit may change: a section with None takes any key under it, a set
@@ -67,8 +71,11 @@ _WHY_NOT = {
     "resources.cloud": "a run stays with the provider it was launched on",
 }
 
-#: (dotted key, old value, new value).
+#: (dotted key, old value, new value); an ``env`` value is :data:`HIDDEN` (None: unset).
 Change = tuple[str, Any, Any]
+#: What :func:`changed_paths` gives for an ``env`` value: credentials live there as often
+#: as hyperparameters, and a change is posted to a thread and kept in the journal.
+HIDDEN = "…"
 
 
 def _refusal(key: str) -> str | None:
@@ -117,18 +124,42 @@ def apply_changes(stored: Mapping[str, Any], overrides: Sequence[str], *, name: 
 
 
 def changed_paths(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Change]:
-    """Every dotted key whose value differs between two spec dumps, sorted."""
+    """Every dotted key whose value differs between two spec dumps, sorted; the values of
+    ``env`` keys are :data:`HIDDEN`, so no caller can show one."""
     found: list[Change] = []
 
     def walk(prefix: str, a: Any, b: Any) -> None:
         if isinstance(a, Mapping) and isinstance(b, Mapping):
             for key in sorted(set(a) | set(b)):
                 walk(f"{prefix}.{key}" if prefix else str(key), a.get(key), b.get(key))
+        elif a != b and is_secret_path(prefix):
+            found.append((prefix, _hide(a), _hide(b)))
         elif a != b:
             found.append((prefix, a, b))
 
     walk("", old, new)
     return found
+
+
+def _hide(value: Any) -> Any:
+    return None if value is None else HIDDEN
+
+
+def hidden_change(change: Change) -> str | None:
+    """``changed``, ``added`` or ``removed`` for a change whose values are not shown (an
+    ``env`` key); None for one that may be shown."""
+    key, old, new = change
+    if not is_secret_path(key):
+        return None
+    return "added" if old is None else "removed" if new is None else "changed"
+
+
+def change_record(change: Change) -> dict[str, Any]:
+    """A change as the journal keeps it: the key and old → new, or for an ``env`` key the
+    key and what happened to it."""
+    key, old, new = change
+    what = hidden_change(change)
+    return {"key": key, "old": old, "new": new} if what is None else {"key": key, "change": what}
 
 
 def checks_for(changes: Sequence[Change]) -> tuple[str, ...]:

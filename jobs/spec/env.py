@@ -20,6 +20,29 @@ TUNABLE_ENV = frozenset({"TRAINBOT_SYSTEM_SAMPLE_S"})
 FROM_PEOPLE = "from_people"
 
 
+#: The spec section whose values are never shown: ``env`` holds credentials as often as
+#: hyperparameters (the chat front end masks it the same way, ``bot.command_types``).
+SECRET_SECTION = "env"
+
+
+_SECRET_KEY = re.compile(r"\s*env\b[\w.\-]*", re.IGNORECASE)
+
+
+def is_secret_path(path: str) -> bool:
+    """Whether a dotted key path points into ``env``."""
+    return _SECRET_KEY.match(path) is not None
+
+
+def shown_override(text: str) -> str:
+    """An override as a message may quote it: ``env.KEY=…`` for an ``env`` value (and
+    only the key of ``env`` text that is not key=value at all)."""
+    found = _SECRET_KEY.match(text)
+    if found is None:
+        return text
+    key, sep, _ = text.partition("=")
+    return f"{key}=…" if sep else f"{found.group(0)}…"
+
+
 def _stringify_env(value: object) -> object:
     # YAML reads OMP_NUM_THREADS: 4 as a number; the process environment wants text.
     if isinstance(value, Mapping):

@@ -13,7 +13,7 @@ import yaml
 from pydantic import ValidationError
 
 from jobs.errors import SpecError, clip, describe_validation_error
-from jobs.spec.env import FROM_PEOPLE
+from jobs.spec.env import FROM_PEOPLE, shown_override
 from jobs.spec.model import JobSpec
 from jobs.spec.overrides import apply_overrides
 from jobs.spec.problems import describe_problem, dotted
@@ -113,7 +113,7 @@ def parse_spec(
             path, line = describe_problem(error)
             for text, key in override_paths:
                 if path and (path == key or key.startswith(path + ".") or path.startswith(key)):
-                    line += f" (from override {clip(text)})"
+                    line += f" (from override {clip(shown_override(text))})"
                     break
             problems.append((path, line))
             lines.append(line)

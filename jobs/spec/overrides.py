@@ -8,6 +8,7 @@ from typing import Any
 import yaml
 
 from jobs.errors import CLIP_CHARS, SpecError, clip
+from jobs.spec.env import is_secret_path, shown_override
 from jobs.spec.problems import short_path
 from jobs.spec.strict_yaml import MAX_OVERRIDE_CHARS, MAX_OVERRIDE_NODES, load_yaml
 
@@ -16,14 +17,15 @@ def _parse_override(text: str) -> tuple[list[str], Any]:
     key, sep, raw = text.partition("=")
     key = key.strip()
     path = key.split(".")
+    quoted = clip(shown_override(text))  # never an env value: it may be a credential
     if not sep or not all(part.strip() for part in path):
         raise SpecError(
-            f"override {clip(text)} is not key.path=value: write it like budget.usd=800",
+            f"override {quoted} is not key.path=value: write it like budget.usd=800",
             problems=[(key, "not key.path=value")],
         )
     if len(text) > MAX_OVERRIDE_CHARS:
         raise SpecError(
-            f"override {clip(text)} is too long (the most is {MAX_OVERRIDE_CHARS:,} "
+            f"override {quoted} is too long (the most is {MAX_OVERRIDE_CHARS:,} "
             "characters): put large data in a file and give its path or URI instead",
             problems=[(key, "too long")],
         )
@@ -35,14 +37,14 @@ def _parse_override(text: str) -> tuple[list[str], Any]:
         )
     except SpecError as exc:
         raise SpecError(
-            f"override {clip(text)}: {exc}",
+            f"override {quoted}: {exc}",
             problems=[(key, message) for _, message in exc.problems],
         ) from None
     except (yaml.YAMLError, ValueError):
-        plain = len(text) <= CLIP_CHARS and text.isprintable()
+        plain = len(text) <= CLIP_CHARS and text.isprintable() and not is_secret_path(key)
         example = f"{key}='{raw}'" if plain else "key.path='…'"
         raise SpecError(
-            f"override {clip(text)}: the value is not valid YAML; quote it, e.g. {example}",
+            f"override {quoted}: the value is not valid YAML; quote it, e.g. {example}",
             problems=[(key, "value is not valid YAML")],
         ) from None
     return [part.strip() for part in path], value
@@ -66,7 +68,8 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
                 where = ".".join(path[: depth + 1])
                 shown = short_path(where)
                 raise SpecError(
-                    f"override {clip(text)}: {shown} is a value, not a section, so it has "
+                    f"override {clip(shown_override(text))}: {shown} is a value, not a "
+                    "section, so it has "
                     f"no key {clip(path[depth + 1])}; set {shown}=… instead",
                     problems=[(where, "is a value, not a section")],
                 )

@@ -12,6 +12,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel
 
 from jobs.errors import CLIP_CHARS, clip, describe_validation_error
+from jobs.spec.env import is_secret_path
 from jobs.spec.model import JobSpec
 
 
@@ -69,5 +70,6 @@ def describe_problem(error: Any) -> tuple[str, str]:
         else:
             hint = f"; known keys here: {', '.join(known)}" if known else ""
         return path, f"unknown key {clip(path)}{hint}"
-    message = describe_validation_error(error)
+    # An env value is never echoed back: it may be a credential.
+    message = describe_validation_error(error, with_value=not is_secret_path(path))
     return path, (f"{short_path(path)}: {message}" if path else message)

@@ -122,7 +122,8 @@ def test_a_resubmit_with_a_new_env_resumes_the_checkpoint_with_the_change(
     assert new.spec["env"]["LR"] == lr and new.checkpoint_prefix == old
     record = slack.wait_journal("resubmit_changed", timeout=15)
     assert record["by"] == ADA and record["from_run"] == old and record["checks"] == []
-    assert record["changes"] == [{"key": "env.LR", "old": "0.001", "new": lr}]
+    # An env value may be a credential: the journal and the threads say only that it changed.
+    assert record["changes"] == [{"key": "env.LR", "change": "changed"}]
     # An env change needs no check again: none ran for the new run.
     assert not slack.journal("preflight_check", run=new.id)
     with session_scope(deps.engine) as session:
@@ -130,10 +131,10 @@ def test_a_resubmit_with_a_new_env_resumes_the_checkpoint_with_the_change(
         assert attempt.resumed_from_step == 20
     said = f"{ADA} resubmitted {old} as {new.id}"
     thread = " ".join(m.text for m in slack.thread(new.id))
-    assert said in thread and f"env.LR: 0.001 → {lr}" in thread
+    assert said in thread and "env.LR changed" in thread
     # The old run (made here without a card) says it where its messages go.
     channel = " ".join(m.text for m in slack.fake.messages(CHANNEL))
-    assert f"{said} with changes env.LR: 0.001 → {lr}." in channel
+    assert f"{said} with changes env.LR changed." in channel
 
 
 def test_max_price_waits_until_the_price_drops_then_launches(slack: Slack, tmp_path: Path) -> None:

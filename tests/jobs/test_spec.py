@@ -445,6 +445,7 @@ def test_validation_errors_quote_clipped_values(specs_dir: Path) -> None:
         overrides=(
             "resources.cloud=" + "a" * 5_000,
             "checkpoint.interval=" + "soon" * 1_000,
+            f"max_hours={long_list}",
             f"env.A={long_list}",
         ),
     )
@@ -452,8 +453,10 @@ def test_validation_errors_quote_clipped_values(specs_dir: Path) -> None:
     assert "… (5000 characters)" in message
     assert "checkpoint.interval: expected a duration" in message
     assert "… (4000 characters)" in message
-    assert "env.A: expected text (got ['x', 'x'" in message
+    assert "max_hours: expected a number (got ['x', 'x'" in message
     assert "… (5000 items)" in message
+    # An env value may be a credential: it is never quoted back.
+    assert "env.A: expected text (from override 'env.A=…')" in message
     assert len(message) < 2048
 
 
@@ -484,7 +487,7 @@ def test_trainbot_env_is_reserved(specs_dir: Path, name: str) -> None:
         load_spec("gpt-small", specs_dir=specs_dir, overrides=[f"env.{name}=x"])
     assert caught.value.key_paths == [f"env.{name}"]
     assert f"env.{name}: is reserved" in str(caught.value)
-    assert f"(from override 'env.{name}=x')" in str(caught.value)
+    assert f"(from override 'env.{name}=…')" in str(caught.value)
 
 
 def test_trainbot_env_is_reserved_in_spec_files(specs_dir: Path) -> None:
