@@ -7,8 +7,9 @@ Each command's help text is its class docstring: the first line is the summary s
 
 from __future__ import annotations
 
+import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 if sys.version_info >= (3, 11):
@@ -22,7 +23,36 @@ class BotError(Exception):
 
 
 class CommandError(BotError):
-    """The ``/train`` text does not follow the grammar; the message shows how to fix it."""
+    """The ``/train`` text does not follow the grammar; the message shows how to fix it.
+
+    ``str()`` is safe as Slack mrkdwn: Slack's three control characters (``&``, ``<``,
+    ``>``) are escaped, so an echoed ``<!channel>`` pings nobody and ``<run>`` in a usage
+    line shows as typed. :attr:`plain` is the message for a front end that shows text as
+    it is (the console, a form field).
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;"))
+        #: The message unescaped.
+        self.plain = message
+
+
+#: A key that points into the spec's ``env`` (and the key, when text is not key=value).
+_SECRET_KEY = re.compile(r"\s*env\b[\w.\-]*", re.IGNORECASE)
+#: What a masked value is shown as.
+MASK = "…"
+
+
+def masked_override(text: str) -> str:
+    """``key.path=value`` as it may be shown or logged: an ``env`` value (a credential, as
+    often as a hyperparameter) becomes ``…``, whatever its name. Decided by where the key
+    points, not by what it is called (``jobs.spec.env.shown_override`` is the spec's twin:
+    this module stays free of the server's dependencies)."""
+    found = _SECRET_KEY.match(text)
+    if found is None:
+        return text
+    key, eq, _ = text.partition("=")
+    return f"{key}={MASK}" if eq else f"{found.group(0)}{MASK}"
 
 
 @dataclass_transform(frozen_default=True)
@@ -43,6 +73,17 @@ class Command:
             cls.usage = usage
             cls.verb = usage.split()[1]
         dataclass(frozen=True)(cls)
+        cls.__repr__ = Command.__repr__  # type: ignore[method-assign]
+
+    def __repr__(self) -> str:
+        """The command with every ``env`` value masked: this is what a log line shows."""
+        shown = []
+        for item in fields(self):
+            value = getattr(self, item.name)
+            if item.name == "overrides":
+                value = tuple(masked_override(text) for text in value)
+            shown.append(f"{item.name}={value!r}")
+        return f"{type(self).__name__}({', '.join(shown)})"
 
 
 class RunCommand(Command):

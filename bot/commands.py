@@ -35,6 +35,7 @@ from bot.command_types import (
     StatusCommand,
     Stop,
     UserRef,
+    masked_override,
 )
 from runner.duration import parse_duration as runner_duration
 
@@ -62,10 +63,16 @@ __all__ = [
     "help_text",
     "parse",
     "parse_duration",
+    "summary",
 ]
 
 #: A snooze longer than this is almost always a typo, and it would hide a real problem.
 MAX_SNOOZE_S = 7 * 24 * 3600
+#: The longest ``/train`` text read. Longer text is refused before it is split: splitting
+#: a megabyte like a shell takes tens of seconds. Big values belong in the spec file.
+MAX_COMMAND_CHARS = 8_000
+#: How much of a token an error message echoes.
+_SHOW_CHARS = 40
 
 
 _RUN_ID = re.compile(r"r-[a-z0-9]{1,64}", re.ASCII)
@@ -94,8 +101,10 @@ def _at_most(cls: type[Command], args: Sequence[str], n: int) -> None:
 
 
 def _show(token: str) -> str:
-    """Quote a user token for an error message, cut short so a paste cannot flood the chat."""
-    return repr(token if len(token) <= 40 else token[:37] + "...")
+    """Quote a user token for an error message, cut short so a paste cannot flood the chat;
+    an ``env`` value is never echoed (see :func:`bot.command_types.masked_override`)."""
+    token = masked_override(token)
+    return repr(token if len(token) <= _SHOW_CHARS else token[: _SHOW_CHARS - 3] + "...")
 
 
 def _run_id(cls: type[Command], token: str) -> str:
@@ -224,7 +233,7 @@ def _parse_snooze(args: Sequence[str]) -> Command:
     try:
         seconds = parse_duration(args[1])
     except CommandError as exc:
-        raise _fail(Snooze, str(exc)) from None
+        raise _fail(Snooze, exc.plain) from None
     return Snooze(alert=alert, seconds=seconds)
 
 
@@ -408,6 +417,12 @@ def _known_verb(word: str) -> str:
 
 def parse(text: str) -> Command:
     """Turn the text after ``/train`` into a command; an empty text asks for help."""
+    if len(text) > MAX_COMMAND_CHARS:
+        raise CommandError(
+            f"That command is {len(text):,} characters long; a /train command is at most "
+            f"{MAX_COMMAND_CHARS:,}. Put long values in the spec file and launch it by name. "
+            "Type `/train help` for the list of commands."
+        )
     try:
         tokens = shlex.split(text.translate(_QUOTES))
     except ValueError:
@@ -421,6 +436,17 @@ def parse(text: str) -> Command:
         return Help()
     _, parser = _PARSERS[_known_verb(tokens[0])]
     return parser(tokens[1:])
+
+
+def summary(text: str) -> str:
+    """What a log line may say about ``/train`` text that did not parse: its first word
+    when that is a command, and its length; never the text, which can hold a secret."""
+    words = text[:200].split(maxsplit=2)
+    if words and words[0].lower() == "/train":
+        words = words[1:]
+    verb = words[0].lower() if words else ""
+    shown = verb if verb in _PARSERS else "(no command)"
+    return f"{shown}, {len(text):,} characters"
 
 
 def _doc(cls: type[Command]) -> tuple[str, str]:

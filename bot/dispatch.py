@@ -32,6 +32,7 @@ from jobs import service
 from jobs.db import session_scope
 from jobs.deps import Deps
 from jobs.errors import TrainbotError
+from jobs.logs import bare_traceback
 from jobs.models import Run
 from jobs.service import Actor
 from jobs.spec import load_spec
@@ -69,10 +70,12 @@ def dispatch(
     :class:`Caller`, whom ``auth`` authorises first (a refusal is audited unless
     ``audit`` is False, for a repeated delivery), or an already trusted :class:`Actor`."""
     if isinstance(command, str):
+        text = command
         try:
-            command = commands.parse(command)
+            command = commands.parse(text)
         except commands.CommandError as exc:
-            return _finish(Reply(text=str(exc), ephemeral=True), markup)
+            log.debug("a command did not parse: %s", commands.summary(text))
+            return _finish(Reply(text=exc.plain, ephemeral=True), markup)
     if isinstance(actor, Caller):
         if auth is None:
             raise TypeError("a Caller is authorised: pass the front end's Authorizer")
@@ -86,8 +89,10 @@ def dispatch(
         reply = _dispatch(deps, command, actor, key=key)
     except TrainbotError as exc:
         reply = Reply(text=messages.error(str(exc)), ephemeral=True)
-    except Exception:
-        log.exception("command %r failed", command)
+    except Exception as exc:
+        # The command as parsed, its env values masked (its repr), and where it failed,
+        # without any exception's message: a database error quotes the values it was given.
+        log.error("command %r failed: %s", command, bare_traceback(exc))
         reply = Reply(text=messages.unexpected(), ephemeral=True)
     return _finish(reply, markup, what=what)
 

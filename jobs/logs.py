@@ -25,6 +25,7 @@ import json
 import logging
 import re
 import sys
+import traceback
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -43,6 +44,7 @@ __all__ = [
     "JsonFormatter",
     "LogFormat",
     "RedactSecrets",
+    "bare_traceback",
     "configure_logging",
     "log_context",
     "secret_values",
@@ -64,11 +66,16 @@ _PATTERNS = [
     re.compile(r"\bx(?:ox[abeoprs]|app)-[A-Za-z0-9-]{6,}"),  # Slack bot/user/app tokens
     re.compile(r"(\bBearer\s+)[^\s\"',;]+", re.IGNORECASE),
     re.compile(r"\bv0=[0-9a-f]{16,}"),  # Slack request signatures
+    # A name that says secret anywhere in it: AWS_SECRET_ACCESS_KEY=, MY_CREDS=, X-Token:.
     re.compile(
-        r"""((?:\b|_)(?:token|secret|signature|password|passwd|api[_-]?key)"""
-        r"""["']?\s*[=:]\s*["']?)[^\s"',;&}]+""",
+        r"""((?:\b|_)(?:token|signature|password|passwd|(?:secret|api[_-]?key|cred"""
+        r"""|access[_-]?key|private[_-]?key)[A-Za-z0-9_]*)["']?\s*[=:]\s*["']?)[^\s"',;&}]+""",
         re.IGNORECASE,
     ),
+    # A spec's env, whatever the names in it: env.NAME=value, and an env mapping as JSON
+    # or a repr prints it (its values flat, as the spec keeps them).
+    re.compile(r"""(\benv\.[A-Za-z_][A-Za-z0-9_]*["']?\s*=\s*["']?)[^\s"',;&}…]+""", re.I),
+    re.compile(r"""(["']env["']\s*:\s*)\{[^{}]*\}"""),
     re.compile(r"(://[^/\s:@]+:)[^/\s@]+(?=@)"),  # user:password@ in URLs
 ]
 #: Values shorter than this are not redacted by value (they would match everywhere).
@@ -134,6 +141,28 @@ class RedactSecrets(logging.Filter):
         if record.stack_info:
             record.stack_info = self.redact(record.stack_info)
         return True
+
+
+def bare_traceback(exc: BaseException) -> str:
+    """Where ``exc`` (and what caused it) was raised, with every exception's type and none
+    of their messages: for a failure whose messages may quote what a person typed (a
+    database error lists the values of the row it could not write)."""
+    chain: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and all(current is not seen for seen in chain):
+        chain.append(current)
+        cause = current.__cause__
+        current = (
+            cause if cause is not None or current.__suppress_context__ else current.__context__
+        )
+    parts = []
+    for each in reversed(chain):
+        frames = "".join(traceback.format_list(traceback.extract_tb(each.__traceback__)))
+        kind = type(each)
+        parts.append(
+            f"Traceback (most recent call last):\n{frames}{kind.__module__}.{kind.__qualname__}"
+        )
+    return "\n".join(parts) + " (messages not logged: they can quote the command's values)"
 
 
 def _keep_label(match: re.Match[str]) -> str:

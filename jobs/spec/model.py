@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+import unicodedata
 from typing import Annotated
 
 from pydantic import BeforeValidator, Field, field_validator
@@ -33,6 +34,42 @@ def _split_command(value: object) -> object:
     return value
 
 
+#: Characters that change how the text around them is ordered (embeddings, overrides,
+#: isolates, marks): in a name or description they make a run read as another.
+_BIDI_CONTROLS = frozenset(
+    "\u061c\u200e\u200f"  # Arabic letter mark, left-to-right and right-to-left marks
+    "\u202a\u202b\u202c\u202d\u202e"  # embeddings, pop, overrides
+    "\u2066\u2067\u2068\u2069"  # isolates
+)
+#: Letters and marks that draw nothing, though not in a format or control category.
+_INVISIBLE = frozenset("\u034f\u115f\u1160\u17b4\u17b5\u180e\u2800\u3164\uffa0")
+#: Categories a name may not hold: format (zero-width, bidi, soft hyphen), control,
+#: line and paragraph separators, private use, unassigned, surrogates.
+_HIDDEN_CATEGORIES = frozenset({"Cf", "Cc", "Zl", "Zp", "Co", "Cn", "Cs"})
+
+
+def _char_name(char: str) -> str:
+    return f"U+{ord(char):04X} ({unicodedata.name(char, 'unnamed')})"
+
+
+def hidden_character(text: str, *, strict: bool) -> str | None:
+    """The first character of ``text`` a reader cannot see or that reorders what follows,
+    described (``U+202E (RIGHT-TO-LEFT OVERRIDE)``); None when there is none. ``strict``
+    (a name) also refuses every format, control and invisible character and any space but
+    the plain one; otherwise (free text) only the direction controls."""
+    for char in text:
+        if char in _BIDI_CONTROLS:
+            return _char_name(char)
+        if not strict:
+            continue
+        category = unicodedata.category(char)
+        invisible = char in _INVISIBLE or 0xFE00 <= ord(char) <= 0xFE0F
+        odd_space = category == "Zs" and char != " "
+        if category in _HIDDEN_CATEGORIES or invisible or odd_space:
+            return _char_name(char)
+    return None
+
+
 class JobSpec(Section):
     """One kind of training run. Stored on the run as ``model_dump(mode="json")``."""
 
@@ -57,6 +94,28 @@ class JobSpec(Section):
     notify: Notify = Field(default_factory=Notify)
     dry_run: DryRun = Field(default_factory=DryRun)
     profile: Profile = Field(default_factory=Profile)
+
+    @field_validator("name")
+    @classmethod
+    def _visible_name(cls, value: str) -> str:
+        found = hidden_character(value, strict=True)
+        if found is not None:
+            raise ValueError(
+                f"contains {found}, which is invisible or reverses the text around it, so "
+                "the run would read as another in chat: remove it (letters, digits, "
+                "punctuation and plain spaces are fine)"
+            )
+        return value
+
+    @field_validator("description")
+    @classmethod
+    def _no_direction_controls(cls, value: str) -> str:
+        found = hidden_character(value, strict=False)
+        if found is not None:
+            raise ValueError(
+                f"contains {found}, which reverses the text around it in chat: remove it"
+            )
+        return value
 
     @field_validator("command")
     @classmethod
