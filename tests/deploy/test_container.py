@@ -233,17 +233,24 @@ def _wait_healthy(
 
 def test_image_serves_healthz_as_non_root(podman: Podman, images: dict[str, float]) -> None:
     name = f"trainbot-test-{secrets.token_hex(4)}"
-    port = _free_port()
+    port, admin = _free_port(), _free_port()
     started = time.monotonic()
     # The default console notifier and local provider: no Slack, no launchers needed.
-    podman.run("run", "-d", "--name", name, "-p", f"127.0.0.1:{port}:8080", APP_IMAGE)
+    # The admin port listens on the container's network only when asked to.
+    podman.run(
+        "run", "-d", "--name", name, "-p", f"127.0.0.1:{port}:8080",
+        "-p", f"127.0.0.1:{admin}:9090", "-e", "TRAINBOT_ADMIN_HOST=0.0.0.0", APP_IMAGE,
+    )  # fmt: skip
     try:
         body = _wait_healthy(
-            f"http://127.0.0.1:{port}/healthz",
+            f"http://127.0.0.1:{admin}/healthz",
             logs=lambda: podman.run("logs", name, check=False).stderr,
         )
         print(f"container answered /healthz {time.monotonic() - started:.1f} s after start")
         assert body == {"ok": True, "db": "ok"}
+        with pytest.raises(urllib.error.HTTPError) as public:  # not on the public port
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10)
+        assert public.value.code == 404
         assert podman.run("exec", name, "id", "-u", "-n").stdout.strip() == "trainbot"
         assert podman.run("exec", name, "id", "-g", "-n").stdout.strip() == "trainbot"
         config = json.loads(podman.run("inspect", name).stdout)[0]["Config"]
@@ -287,12 +294,15 @@ def compose_project(
     env = {
         **podman.env,
         "POSTGRES_PASSWORD": secrets.token_urlsafe(16),
+        "TRAINBOT_RUNNER_TOKEN_SECRET": secrets.token_hex(32),
         "TRAINBOT_IMAGE": APP_IMAGE,
         "POSTGRES_IMAGE": POSTGRES_IMAGE,
         "TRAINBOT_BASE_IMAGE": BASE_IMAGE,
         "POSTGRES_BASE_IMAGE": BASE_IMAGE,
         "TRAINBOT_PORT_1": str(_free_port()),
         "TRAINBOT_PORT_2": str(_free_port()),
+        "TRAINBOT_ADMIN_PORT_1": str(_free_port()),
+        "TRAINBOT_ADMIN_PORT_2": str(_free_port()),
     }
     base = [*compose, "-p", project, "-f", str(ROOT / "deploy/compose.yaml")]
 
@@ -337,7 +347,7 @@ def test_compose_runs_two_replicas_on_postgres(
 
     # podman 4.3 cannot wait for PostgreSQL's healthcheck (compose's service_healthy):
     # a replica that started first exits and is restarted (restart: unless-stopped).
-    for port in (env["TRAINBOT_PORT_1"], env["TRAINBOT_PORT_2"]):
+    for port in (env["TRAINBOT_ADMIN_PORT_1"], env["TRAINBOT_ADMIN_PORT_2"]):
         body = _wait_healthy(f"http://127.0.0.1:{port}/healthz", timeout_s=180, logs=logs)
         assert body == {"ok": True, "db": "ok"}
     print(f"both replicas answered /healthz {time.monotonic() - started:.1f} s after up")

@@ -55,8 +55,9 @@ def test_two_replicas_probed_on_healthz_and_kept_by_a_budget() -> None:
     assert deployment["spec"]["replicas"] == 2
     pod = deployment["spec"]["template"]["spec"]
     (container,) = pod["containers"]
-    for probe in ("readinessProbe", "livenessProbe"):
-        assert container[probe]["httpGet"]["path"] == "/healthz"
+    paths = {"readinessProbe": "/readyz", "livenessProbe": "/healthz", "startupProbe": "/healthz"}
+    for probe, path in paths.items():
+        assert container[probe]["httpGet"] == {"path": path, "port": "admin"}, probe
     assert pod["securityContext"]["runAsNonRoot"] is True
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     for kind in ("Service", "PodDisruptionBudget"):
@@ -86,3 +87,22 @@ def test_migration_job_runs_trainbot_migrate() -> None:
     (container,) = job["spec"]["template"]["spec"]["containers"]
     assert container["args"] == ["migrate"]
     assert job["spec"]["template"]["spec"]["restartPolicy"] in ("OnFailure", "Never")
+
+
+def test_probes_and_scrapes_use_the_admin_port_which_the_service_does_not_expose() -> None:
+    """A flood of the public port cannot fail a probe (issue 23): probes and scrapes go
+    to the admin listener, which binds the pod's network; the Service, which the ingress
+    or load balancer reaches, exposes the public port only (it has no /metrics)."""
+    docs = _docs()
+    template = docs["Deployment"]["spec"]["template"]
+    (container,) = template["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    args = container["args"]
+    assert args[args.index("--port") + 1] == str(ports["http"])
+    assert args[args.index("--admin-port") + 1] == str(ports["admin"]) != str(ports["http"])
+    assert args[args.index("--admin-host") + 1] == "0.0.0.0"  # kubelet and Prometheus
+    annotations = template["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == str(ports["admin"])
+    assert annotations["prometheus.io/path"] == "/metrics"
+    exposed = [p["targetPort"] for p in docs["Service"]["spec"]["ports"]]
+    assert exposed == ["http"]
