@@ -114,6 +114,9 @@ def _parse_url(url: str) -> URL:
 def make_engine(url: str, *, echo: bool = False) -> Engine:
     """An engine for a SQLite or PostgreSQL URL, configured for this control plane.
 
+    Its errors leave out the statement's parameters: a run's row holds its spec, whose
+    ``env`` may hold credentials, and errors are logged.
+
     Raises :class:`SettingsError` for a URL that is malformed, names another database,
     or needs a driver that is not installed. Connecting happens later, on first use.
     """
@@ -121,7 +124,7 @@ def make_engine(url: str, *, echo: bool = False) -> Engine:
     if parsed.get_backend_name() == "sqlite":
         return _sqlite_engine(parsed, echo=echo)
     try:
-        return create_engine(parsed, echo=echo, pool_pre_ping=True)
+        return create_engine(parsed, echo=echo, pool_pre_ping=True, hide_parameters=True)
     except (ModuleNotFoundError, NoSuchModuleError):
         raise SettingsError(
             "TRAINBOT_DATABASE_URL names PostgreSQL but its driver is missing: "
@@ -137,7 +140,13 @@ def _sqlite_engine(parsed: URL, *, echo: bool) -> Engine:
     }
     if database in ("", ":memory:"):
         # One shared connection, or every thread would get its own empty database.
-        engine = create_engine(parsed, echo=echo, connect_args=connect_args, poolclass=StaticPool)
+        engine = create_engine(
+            parsed,
+            echo=echo,
+            connect_args=connect_args,
+            poolclass=StaticPool,
+            hide_parameters=True,
+        )
     else:
         directory = Path(database).expanduser().absolute().parent
         try:
@@ -147,7 +156,7 @@ def _sqlite_engine(parsed: URL, *, echo: bool) -> Engine:
                 f"cannot create {directory} for the SQLite database ({exc.strerror}): set "
                 "TRAINBOT_STATE_DIR or TRAINBOT_DATABASE_URL to a writable place"
             ) from None
-        engine = create_engine(parsed, echo=echo, connect_args=connect_args)
+        engine = create_engine(parsed, echo=echo, connect_args=connect_args, hide_parameters=True)
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:

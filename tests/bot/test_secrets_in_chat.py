@@ -14,6 +14,8 @@ import logging
 from collections.abc import Iterator
 
 import pytest
+from sqlalchemy import insert
+from sqlalchemy.exc import IntegrityError
 
 from bot.commands import MAX_COMMAND_CHARS, CommandError, parse
 from bot.dispatch import handle_text
@@ -146,6 +148,15 @@ def test_a_command_that_fails_unexpectedly_logs_no_env_value(slack: Slack, logs:
     assert "Launch(spec='tiny'" in line and "env.MY_CREDS=…" in line
     assert "Traceback" in line and "messages not logged" in line
     assert_kept_secret(slack, logs, OLD, NEW)
+
+
+def test_a_database_error_does_not_quote_the_row(slack: Slack) -> None:
+    """What a background task logs when a write fails: the statement, not its values."""
+    run_id = waiting_run(slack)
+    with pytest.raises(IntegrityError) as caught:
+        with slack.cp.deps.engine.begin() as conn:
+            conn.execute(insert(Run), {"id": run_id, "spec": {"env": {"MY_CREDS": OLD}}})
+    assert "INSERT INTO" in str(caught.value) and OLD not in str(caught.value)
 
 
 def test_a_resubmit_that_changes_env_says_what_changed_not_to_what(
