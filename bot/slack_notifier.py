@@ -17,11 +17,9 @@ everything, from one queue per channel:
   queued replaces that queued content: only the newest is sent, so ten quick updates
   of a run card cost one ``chat.update`` (or none, when the post had not gone yet).
   Posts are never skipped, and alerts never merged: every alert goes out.
-- **Folding.** Text lines that share a ``fold`` key (a run's runner warnings) become
-  one message, edited: the newest line with how many there were. A run with
-  ``max_run_backlog`` posts already queued in a channel has its further lines folded
-  the same way, into one message that says so. One run queues a bounded number of
-  posts, and nothing is dropped: the count says what was folded.
+- **Folding** (:mod:`bot.slack_fold`). Text lines that share a ``fold`` key (a run's
+  runner warnings), and a run's lines past ``max_run_backlog`` queued posts in a
+  channel, become one message, edited, with their count, for ``fold_window_s``.
 - **Severity.** A channel's queue sends critical alerts first, then other alerts, then
   the rest (:func:`bot.slack_queue.rank`): another run's backlog never holds a page back.
 - **Errors.** 5xx answers, Slack's ``internal_error``-like errors and broken
@@ -149,10 +147,6 @@ class SlackNotifier:
         max_run_backlog: int = 10,
         fold_window_s: float = 600.0,
     ) -> None:
-        """``max_run_backlog``: posts about one run that may wait in a channel before its
-        further lines fold into one message; ``fold_window_s``: how long a folded message
-        takes more lines (after that, the next line starts a new one, where people see it).
-        """
         self.client = client
         self.mentions = mentions if mentions is not None else MentionResolver(client)
         self.attachments = attachments
@@ -210,8 +204,7 @@ class SlackNotifier:
     def post(self, msg: Message) -> MessageRef:
         """Queue ``msg``; its ref (with a local handle for ``ts``) comes back at once.
 
-        A text line may be folded into an earlier message (see the module's Folding):
-        the ref is then that message's."""
+        A text line folded into an earlier message gets that message's ref."""
         if isinstance(msg, TextMessage):
             folded = self._folder.fold(msg)
             if folded is not None:
