@@ -17,7 +17,7 @@ import socket
 import threading
 import uuid
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -32,6 +32,7 @@ from jobs.notify import Journal, Notifier, NullJournal
 from jobs.pagerduty import PagerDutyBridge
 from jobs.providers.base import Provider
 from jobs.settings import Settings
+from jobs.workers import Workers
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +86,14 @@ class Deps:
     #: Seconds a claim on deferred work holds: a replica that dies holding one frees it
     #: then (the control plane makes it twice the scheduler lease).
     hold_s: float = 120.0
-    _pool: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(max_workers=4, thread_name_prefix="trainbot")
+    #: Background work; a task waiting on a cloud instance gives its worker back
+    #: (:func:`jobs.workers.waiting`), up to 64 such waits at once.
+    _pool: Workers = field(
+        default_factory=lambda: Workers(workers=4, max_waiting=64, name="trainbot")
+    )
+    #: Stops and terminations: their own lane, never queued behind other work.
+    _urgent_pool: Workers = field(
+        default_factory=lambda: Workers(workers=4, max_waiting=0, name="trainbot-stop")
     )
     _timers: list[threading.Timer] = field(default_factory=list)
     _closed: bool = False
@@ -126,7 +133,16 @@ class Deps:
 
     def background(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
         """Run slow work off the request thread; failures are logged, never lost silently."""
+        return self._submit(self._pool, fn, *args, **kwargs)
 
+    def urgent(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        """Like :meth:`background`, on the stop lane: a stop, a termination. Whatever the
+        other workers are doing (four preflights, a slow launch), this starts now."""
+        return self._submit(self._urgent_pool, fn, *args, **kwargs)
+
+    def _submit(
+        self, pool: Workers, fn: Callable[..., Any], /, *args: Any, **kwargs: Any
+    ) -> Future[Any]:
         def guarded() -> Any:
             try:
                 return fn(*args, **kwargs)
@@ -138,7 +154,8 @@ class Deps:
                 raise
 
         # The caller's log context (its run and attempt ids) goes with the work.
-        return self._pool.submit(contextvars.copy_context().run, guarded)
+        context = contextvars.copy_context()
+        return pool.submit(lambda: context.run(guarded))
 
     def later(self, delay_s: float, kind: Later, /, *, key: str, **args: Any) -> None:
         """Run ``kind``'s function with ``args`` (JSON) after ``delay_s``: a resubmit's
@@ -180,6 +197,7 @@ class Deps:
         self._closed = True
         for t in self._timers:
             t.cancel()
-        self._pool.shutdown(wait=True, cancel_futures=False)
+        self._urgent_pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True)
         if self.pager is not None:
             self.pager.close()

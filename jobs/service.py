@@ -281,6 +281,7 @@ def _cloud_dry_run(deps: Deps, run_id: str, *, owner: str) -> preflight.CloudDry
         record=lambda type_, **data: deps.journal.record(type_, run_id, **data),
         clock=deps.clock,
         stopping=lambda: deps.closing,
+        limits=preflight.DryRunLimits.from_settings(deps.settings),
     )
 
 
@@ -324,10 +325,18 @@ def stop(deps: Deps, run_id: str, actor: Actor, *, reason: str | None = None) ->
         refresh_card(deps, session, run)
         attempt_id = attempt.id if attempt else None
         detach(session, run)
+    # On the stop lane, never behind other background work: a dry run under way ends
+    # (its token revoked, its instance terminated), and so does the attempt's instance.
+    deps.urgent(
+        preflight.end_open_dry_runs,
+        deps.engine,
+        deps.provider,
+        run_id,
+        reason=f"{run_id} was stopped by {actor.user}",
+        clock=deps.clock,
+    )
     if attempt_id is not None:
-        deps.background(
-            end_attempt, deps, attempt_id, state=AttemptState.TERMINATED, reason="stopped"
-        )
+        deps.urgent(end_attempt, deps, attempt_id, state=AttemptState.TERMINATED, reason="stopped")
     else:
         # No attempt to end (stopped before its launch): its cloud budget goes now, as
         # end_attempt would have it go.

@@ -218,6 +218,15 @@ class Settings(BaseSettings):
     runner_token_secret: SecretStr | None = Field(default=None, min_length=32)
     #: PagerDuty Events API base URL (tests); unset means PagerDuty's.
     pagerduty_url: str = "https://events.pagerduty.com"
+    #: Cloud dry runs under way at once in one channel; one more fails its preflight
+    #: with a reply that says so (each holds a cloud instance, and a waiting thread).
+    dry_runs_per_channel: int = Field(default=2, ge=1, le=64)
+    #: The instance types a spec may name in ``dry_run.instance_type``; unset: the
+    #: provider's one-GPU and small CPU types (``jobs.preflight.cloud_dry_run``).
+    dry_run_instance_types: CommaList = Field(default_factory=list)
+    #: A dry run's instance may cost at most this per hour (spot, or on demand when the
+    #: run asks for on-demand capacity), whichever type it gets.
+    dry_run_max_usd_per_hour: float = Field(default=8.0, gt=0)
     #: Log lines: ``text``, or ``json`` (one object per line, with the run and attempt
     #: ids, for log shippers). Unset: text on a terminal, JSON otherwise (jobs.logs).
     log_format: Literal["text", "json"] | None = None
@@ -257,6 +266,7 @@ class Settings(BaseSettings):
         "gcp_regions",
         "aws_budget_emails",
         "aws_regions",
+        "dry_run_instance_types",
         mode="before",
     )
     @classmethod

@@ -13,11 +13,13 @@ from jobs.preflight.capacity import CapacityCheck
 from jobs.preflight.cloud_dry_run import (
     CloudDryRun,
     end_dry_run,
+    end_open_dry_runs,
     end_stale_dry_runs,
     live_dry_run_ids,
 )
 from jobs.preflight.data import DataLocalityCheck
 from jobs.preflight.dry_run import DRY_RUN_PID_FILE, DryRunCheck, dry_run_command
+from jobs.preflight.dry_run_limits import DryRunLimits
 from jobs.preflight.interval import (
     DEFAULT_REGIONS,
     DEFAULT_SPOT_MTBP_S,
@@ -49,6 +51,7 @@ __all__ = [
     "CloudDryRun",
     "DataLocalityCheck",
     "DryRunCheck",
+    "DryRunLimits",
     "InstanceShapeCheck",
     "PreflightContext",
     "PreflightReport",
@@ -59,6 +62,7 @@ __all__ = [
     "default_checks",
     "dry_run_command",
     "end_dry_run",
+    "end_open_dry_runs",
     "end_stale_dry_runs",
     "interval_choice",
     "live_dry_run_ids",

@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -31,8 +31,9 @@ from sqlmodel import Session, col, select
 
 from jobs.db import detach, session_scope
 from jobs.format import duration, usd
-from jobs.models import DryRunInstance, hash_token
+from jobs.models import DryRunInstance, Run, hash_token
 from jobs.preflight.dry_run import dry_run_args
+from jobs.preflight.dry_run_limits import DryRunLimits, busy_in_channel, slot_lock
 from jobs.preflight.report import CheckResult, PreflightContext, Status
 from jobs.providers.base import (
     InstanceNotFound,
@@ -41,10 +42,17 @@ from jobs.providers.base import (
     ProviderError,
     ResourceRequest,
 )
+from jobs.workers import waiting
 from runner.dryrun_report import DRY_RUN_ID_ENV, DryRunReport
 from runner.wire import restore_floats
 
-__all__ = ["CloudDryRun", "end_dry_run", "end_stale_dry_runs", "live_dry_run_ids"]
+__all__ = [
+    "CloudDryRun",
+    "end_dry_run",
+    "end_open_dry_runs",
+    "end_stale_dry_runs",
+    "live_dry_run_ids",
+]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +78,8 @@ class CloudDryRun:
     clock: Callable[[], datetime]
     #: True once the control plane is shutting down: the wait ends, the instance goes.
     stopping: Callable[[], bool] = lambda: False
+    #: The admin's limits: allowed types, price ceiling, dry runs per channel.
+    limits: DryRunLimits = field(default_factory=DryRunLimits)
     #: Seconds between looks at the row, and between questions to the provider.
     poll_s: float = 1.0
     status_every_s: float = 15.0
@@ -79,6 +89,9 @@ class CloudDryRun:
     ) -> CheckResult:
         """Launch, wait for the report or the end, terminate; ``judge`` reads the report."""
         settings = ctx.spec.dry_run
+        refused = self.limits.refuse_type(ctx.provider.name, settings.instance_type)
+        if refused is not None:
+            return refused
         try:
             # One instance, whatever the run's node count: the dry run is one process.
             one = dataclasses.replace(ctx.request, instances=1)
@@ -96,7 +109,13 @@ class CloudDryRun:
                 data={"instance": {"request": dataclasses.asdict(ctx.request)}},
             )
         price = quote.spot_usd_per_hour if req.spot else quote.on_demand_usd_per_hour
-        dry_run_id = self._record(ctx, req, zone=zone, price=price)
+        refused = self.limits.refuse_price(req.instance_type or "?", price=price, spot=req.spot)
+        if refused is not None:
+            return refused
+        recorded = self._record(ctx, req, zone=zone, price=price)
+        if isinstance(recorded, CheckResult):
+            return recorded  # the channel has its limit of dry runs under way
+        dry_run_id = recorded
         launch = LaunchRequest(
             run_id=ctx.run_id,
             attempt_id=dry_run_id,
@@ -125,9 +144,22 @@ class CloudDryRun:
 
     def _record(
         self, ctx: PreflightContext, req: ResourceRequest, *, zone: str, price: float
-    ) -> str:
-        """Commit the row, with the token's hash, before anything is launched."""
-        with session_scope(self.engine) as session:
+    ) -> str | CheckResult:
+        """Commit the row, with the token's hash, before anything is launched; a FAIL
+        instead when the run's channel has its limit of dry runs under way."""
+        with slot_lock, session_scope(self.engine) as session:
+            run = session.get(Run, ctx.run_id)
+            if run is not None and run.state.is_terminal():
+                return CheckResult(
+                    "dry_run",
+                    Status.FAIL,
+                    f"{ctx.run_id} is {run.state.value}: no dry run was launched for it",
+                    "resubmit the run if it is wanted after all",
+                )
+            channel, busy = busy_in_channel(session, ctx.run_id)
+            refused = self.limits.refuse_busy(channel, busy)
+            if refused is not None:
+                return refused
             row = DryRunInstance(
                 run_id=ctx.run_id,
                 provider=ctx.provider.name,
@@ -136,6 +168,7 @@ class CloudDryRun:
                 instance_type=req.instance_type,
                 spot=req.spot,
                 price_per_hour=price,
+                created_at=self.clock(),
             )
             row.token_hash = hash_token(self.token_for(row.id))
             session.add(row)
@@ -171,7 +204,14 @@ class CloudDryRun:
             row = session.get(DryRunInstance, launch.attempt_id)
             assert row is not None
             row.instance_id, row.zone, row.launched_at = info.instance_id, info.zone, started
+            ended_meanwhile = row.ended_at is not None
+            why = row.end_reason or "the run was stopped"
             session.add(row)
+        if ended_meanwhile:
+            # A stop ended the dry run while its launch was under way: this instance is
+            # one that stop could not find yet.
+            ctx.provider.terminate(info.instance_id)
+            return ("cancelled", why)
         timeout = ctx.spec.dry_run.timeout
         self.record(
             "dry_run_launched",
@@ -183,13 +223,15 @@ class CloudDryRun:
             f"{info.zone or launch.zone} at {usd(price)}/h; waiting up to {duration(timeout)} "
             "for it to boot, checkpoint, restart and report."
         )
-        return self._wait(ctx.provider, launch.attempt_id, info.instance_id, timeout_s=timeout)
+        # Hours, perhaps: the worker is given back to the pool meanwhile (jobs.workers).
+        with waiting():
+            return self._wait(ctx.provider, launch.attempt_id, info.instance_id, timeout_s=timeout)
 
     def _wait(
         self, provider: Provider, dry_run_id: str, instance_id: str, *, timeout_s: float
     ) -> tuple[str, Any]:
-        """("reported", report dict), ("ended", why), ("timeout", seconds) or
-        ("stopped", None)."""
+        """("reported", report dict), ("ended", why), ("timeout", seconds),
+        ("stopped", None) or ("cancelled", why: the run was stopped, which ended it)."""
         begun = time.monotonic()
         next_status = begun + self.status_every_s
         phase = None
@@ -200,6 +242,8 @@ class CloudDryRun:
                 self._progress(phase, instance_id, waited=time.monotonic() - begun)
             if row.report is not None:
                 return ("reported", row.report)
+            if row.token_hash is None:  # ended elsewhere: a stop (end_open_dry_runs)
+                return ("cancelled", row.end_reason or "the run was stopped")
             now = time.monotonic()
             if now - begun >= timeout_s:
                 return ("timeout", timeout_s)
@@ -280,6 +324,9 @@ class CloudDryRun:
                 f"({paid})"
             )
             remedy = "run preflight again (`/train preflight`) once the control plane is back"
+        elif kind == "cancelled":
+            detail = f"the dry run was ended before it reported ({value}; {paid})"
+            remedy = "run preflight again (`/train preflight`) when the run is wanted"
         elif kind == "ended":
             detail = f"the dry run's instance ended before it reported ({value}; {paid})"
             remedy = (
@@ -316,6 +363,12 @@ def end_dry_run(
     row = _read(engine, dry_run_id)
     if row.ended_at is not None:
         return row
+    with session_scope(engine) as session:  # the token goes first: no more credentials
+        revoke = session.get(DryRunInstance, dry_run_id)
+        assert revoke is not None
+        revoke.token_hash = None
+        revoke.end_reason = revoke.end_reason or reason
+        session.add(revoke)
     ids = [row.instance_id] if row.instance_id else _tagged(provider, row)
     try:
         for instance_id in ids:
@@ -327,6 +380,9 @@ def end_dry_run(
     with session_scope(engine) as session:
         fresh = session.get(DryRunInstance, dry_run_id)
         assert fresh is not None
+        if fresh.ended_at is not None:  # another thread ended it meanwhile (a stop)
+            detach(session, fresh)
+            return fresh
         fresh.instance_id = fresh.instance_id or (ids[0] if ids else None)
         fresh.token_hash = None
         fresh.ended_at = now
@@ -344,16 +400,29 @@ def end_stale_dry_runs(
 ) -> list[DryRunInstance]:
     """The dry runs of ``run_id`` a dead control plane left open, ended (instances
     terminated); called before its interrupted preflight runs again."""
+    return end_open_dry_runs(
+        engine, provider, run_id, reason="control plane restarted", clock=clock
+    )
+
+
+def end_open_dry_runs(
+    engine: Engine,
+    provider: Provider,
+    run_id: str,
+    *,
+    reason: str,
+    clock: Callable[[], datetime],
+) -> list[DryRunInstance]:
+    """End every dry run of ``run_id`` still under way: its token revoked at once, its
+    instance terminated. A stop calls it (on the stop lane); the preflight waiting on one
+    sees its token gone within a poll and reports that the dry run was ended."""
     with session_scope(engine) as session:
         open_ids = session.exec(
             select(DryRunInstance.id).where(
                 DryRunInstance.run_id == run_id, col(DryRunInstance.ended_at).is_(None)
             )
         ).all()
-    return [
-        end_dry_run(engine, provider, i, reason="control plane restarted", clock=clock)
-        for i in open_ids
-    ]
+    return [end_dry_run(engine, provider, i, reason=reason, clock=clock) for i in open_ids]
 
 
 def live_dry_run_ids(session: Session) -> set[str]:

@@ -12,7 +12,7 @@ from datetime import datetime, timezone
 from sqlalchemy import func, or_
 from sqlmodel import Session, col, select
 
-from jobs.models import Attempt, Run, SpendRecord
+from jobs.models import Attempt, DryRunInstance, Run, SpendRecord
 
 
 def accrue(session: Session, *, now: datetime) -> list[SpendRecord]:
@@ -84,7 +84,18 @@ def run_spent(session: Session, run_id: str) -> float:
         select(func.coalesce(func.sum(SpendRecord.usd), 0.0)).where(SpendRecord.run_id == run_id)
     ).one()
     carried = session.exec(select(Run.carried_usd).where(Run.id == run_id)).first()
-    return float(total) + float(carried or 0.0)
+    return float(total) + float(carried or 0.0) + dry_run_spent(session, run_id)
+
+
+def dry_run_spent(session: Session, run_id: str) -> float:
+    """What the run's ended cloud dry runs cost (each priced when its instance ended:
+    ``DryRunInstance.cost_usd``); it counts against the run's budget like an attempt's."""
+    total = session.exec(
+        select(func.coalesce(func.sum(DryRunInstance.cost_usd), 0.0)).where(
+            DryRunInstance.run_id == run_id, col(DryRunInstance.cost_usd).is_not(None)
+        )
+    ).one()
+    return float(total or 0.0)
 
 
 def team_spent(session: Session, *, channel: str | None, since: datetime, until: datetime) -> float:
@@ -104,6 +115,8 @@ class Piece:
     seconds: float
     start: datetime
     end: datetime
+    #: A preflight dry run's instance, not an attempt's.
+    dry_run: bool = False
 
 
 def window_pieces(
@@ -117,7 +130,7 @@ def window_pieces(
     )
     if channel is not None:
         query = query.join(Run, col(Run.id) == SpendRecord.run_id).where(Run.channel == channel)
-    pieces = []
+    pieces = _dry_run_pieces(session, channel=channel, since=since, until=until)
     for record in session.exec(query).all():
         start = max(record.period_start, since)
         end = min(record.period_end, until)
@@ -132,6 +145,44 @@ def window_pieces(
                 seconds=inside * record.instances,
                 start=start,
                 end=end,
+            )
+        )
+    return pieces
+
+
+def _dry_run_pieces(
+    session: Session, *, channel: str | None, since: datetime, until: datetime
+) -> list[Piece]:
+    """The ended cloud dry runs that overlap ``[since, until)``, each cut to its part
+    inside: paid from launch (or the row, when the launch never answered) to the end of
+    the terminate, as :func:`jobs.preflight.end_dry_run` priced it."""
+    query = select(DryRunInstance).where(
+        col(DryRunInstance.ended_at).is_not(None),
+        col(DryRunInstance.cost_usd).is_not(None),
+        col(DryRunInstance.ended_at) > since,
+        func.coalesce(DryRunInstance.launched_at, DryRunInstance.created_at) < until,
+    )
+    if channel is not None:
+        query = query.join(Run, col(Run.id) == DryRunInstance.run_id).where(Run.channel == channel)
+    pieces = []
+    for row in session.exec(query.order_by(col(DryRunInstance.created_at))).all():
+        assert row.ended_at is not None and row.cost_usd is not None
+        began = _utc(row.launched_at or row.created_at)
+        ended = _utc(row.ended_at)
+        start, end = max(began, since), min(ended, until)
+        length = (ended - began).total_seconds()
+        inside = (end - start).total_seconds()
+        if inside <= 0:
+            continue
+        share = inside / length if length > 0 else 1.0
+        pieces.append(
+            Piece(
+                run_id=row.run_id,
+                usd=row.cost_usd * share,
+                seconds=inside,
+                start=start,
+                end=end,
+                dry_run=True,
             )
         )
     return pieces

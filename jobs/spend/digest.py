@@ -67,9 +67,13 @@ def _window_figures(
 
     usd: dict[str, float] = defaultdict(float)
     paid: dict[str, float] = defaultdict(float)
+    dry_runs: dict[str, float] = defaultdict(float)
     for piece in pieces:
         usd[piece.run_id] += piece.usd
-        paid[piece.run_id] += piece.seconds
+        if piece.dry_run:  # spend, but no training time for goodput to judge
+            dry_runs[piece.run_id] += piece.usd
+        else:
+            paid[piece.run_id] += piece.seconds
     lost: dict[str, float] = defaultdict(float)
     preempted: dict[str, int] = defaultdict(int)
     runs: dict[str, Run] = {}
@@ -101,10 +105,14 @@ def _window_figures(
                 "goodput": _goodput(paid.get(run_id, 0.0), lost.get(run_id, 0.0)),
             }
         )
+        if dry_runs.get(run_id):  # of its usd, what its preflight dry runs cost
+            per_run[-1]["dry_run_usd"] = _cents(dry_runs[run_id])
     total_paid = sum(paid.values())
     total_lost = sum(lost.values())
     return {
         "usd": _cents(sum(usd.values())),
+        # Of which preflight dry runs' instances (also in each run's usd).
+        "dry_run_usd": _cents(sum(dry_runs.values())),
         "per_run": per_run,
         "per_user": [
             {"user": user, "usd": _cents(amount)}
