@@ -186,3 +186,17 @@ def test_a_replica_edits_the_message_another_posted(
     messages = fake.messages(CHANNEL)
     assert len(messages) == 1, "edited in place, not posted again"
     assert messages[0].edits and "2" in json.dumps(messages[0].blocks)
+
+
+def test_folded_warnings_are_one_message_and_leave_no_unsent_rows(
+    fake: FakeSlack, replica: Callable[..., SlackNotifier], db_engine: Engine
+) -> None:
+    a = replica("replica-a")
+    for n in range(100):
+        a.post(TextMessage(channel=CHANNEL, kind="warning", text=f"warning {n}", run_id="r-1",
+                           fold="runner-warnings:r-1"))  # fmt: skip
+    assert a.flush(10)
+    [message] = fake.messages(CHANNEL)
+    assert "warning 99" in message.text and "(100 warnings from run r-1" in message.text
+    assert len(fake.calls_to("chat.postMessage")) == 1
+    wait_until(lambda: unsent(db_engine) == 0, 10, "every row marked: sent or superseded")
