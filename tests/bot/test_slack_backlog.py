@@ -132,8 +132,10 @@ def test_300_warnings_are_one_message_and_another_runs_page_goes_out_first(
     warnings = [
         ("log", {"level": "warning", "message": f"nothing to sync in ckpt/{n}"}) for n in range(300)
     ]
+    started = time.monotonic()
     send(plane, body(warnings, attempt="a-r-flood", run="r-flood"), flood)
     raised = time.monotonic()  # the page is raised while this POST is answered
+    ingest_s = raised - started  # seconds (a loaded machine: more) the warnings arrived over
     send(plane, body([metrics(12, float("nan"))], attempt="a-r-other", run="r-other"), other)
 
     def page_sent() -> float | None:
@@ -158,5 +160,6 @@ def test_300_warnings_are_one_message_and_another_runs_page_goes_out_first(
     assert found is not None and int(found.group(1)) == 300, line.text
     posts = [c for c in fake.calls_to("chat.postMessage") if "nothing to sync" in str(c.args)]
     assert len([c for c in posts if c.ok]) == 1, "one post; the rest are edits of it"
-    assert len(fake.calls_to("chat.update")) <= 10, "the edits coalesce too"
+    edits = fake.calls_to("chat.update")
+    assert len(edits) <= ingest_s + 3, "at most an edit a second while they came, not one each"
     assert plane.notifier.metrics["dropped"] == 0
