@@ -114,6 +114,7 @@ def test_every_message_type_survives_the_round_trip() -> None:
         back = decode(stored)
         assert type(back) is type(msg)
         if isinstance(msg, RunCard):
+            assert isinstance(back, RunCard) and back.loss is not None
             assert math.isnan(back.loss) and back == RunCard(**{**msg.__dict__, "loss": back.loss})
         else:
             assert back == msg
