@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -106,7 +106,13 @@ def write_object(
     return size
 
 
-def _write_shard(store: Store, key: str, pieces: list[memoryview], chunk: int) -> FileEntry:
+def _write_shard(
+    store: Store,
+    key: str,
+    pieces: list[memoryview],
+    chunk: int,
+    on_chunk: Callable[[memoryview], object] | None = None,
+) -> FileEntry:
     """Write one shard of staged tensors while a thread of its own hashes the same bytes.
 
     The staged bytes do not change until the save is over, so the hash need not follow the
@@ -118,7 +124,7 @@ def _write_shard(store: Store, key: str, pieces: list[memoryview], chunk: int) -
     for view in pieces:
         hasher.update(view)
     try:
-        size = write_object(store, key, pieces, chunk, None)
+        size = write_object(store, key, pieces, chunk, on_chunk)
     except BaseException:
         hasher.abandon()
         raise
@@ -134,6 +140,20 @@ def _shard_pieces(items: list[tuple[TensorSpec, torch.Tensor]]) -> Iterator[memo
         if spec.nbytes:
             yield as_bytes(t).numpy().data
         size = spec.offset + spec.nbytes
+
+
+@dataclass(frozen=True)
+class WriteProgress:
+    """The save in flight, so far."""
+
+    #: The step being saved.
+    step: int
+    #: Bytes of its shards and metadata, all told.
+    total: int
+    #: Bytes of shards handed to the store so far.
+    done: int
+    #: Seconds since its write began (0 while it waits to begin).
+    elapsed_s: float
 
 
 class CheckpointWriter:
@@ -174,6 +194,27 @@ class CheckpointWriter:
         self.bandwidth_bps: float | None = None
         #: Size of the last state saved, for estimating the next write.
         self.last_bytes: int | None = None
+        #: The save in flight as it goes: its step, bytes to write, bytes written, and
+        #: when its write began (perf_counter; None until it has).
+        self._progress: tuple[int, int] = (-1, 0)
+        self._written = 0
+        self._write_began: float | None = None
+
+    def progress(self) -> WriteProgress | None:
+        """How far the save in flight has got: what a notice window's plan follows, since
+        the write during the window is the one most likely to be slow. None when no save
+        is in flight."""
+        if not self.in_flight:
+            return None
+        step, total = self._progress
+        began = self._write_began
+        elapsed = 0.0 if began is None else time.perf_counter() - began
+        done = min(self._written, total)
+        return WriteProgress(step=step, total=total, done=done, elapsed_s=elapsed)
+
+    def _count(self, piece: memoryview) -> None:
+        with self._lock:
+            self._written += len(piece)
 
     @property
     def in_flight(self) -> bool:
@@ -208,6 +249,9 @@ class CheckpointWriter:
         snap_time = time.time()
         stall = time.perf_counter() - start
         with self._lock:
+            self._progress = (step, sum(s.nbytes for s in specs) + len(meta.getbuffer()))
+            self._written = 0
+            self._write_began = None
             self._inflight = self._worker.submit(
                 self._write,
                 step,
@@ -258,6 +302,7 @@ class CheckpointWriter:
         stall: float,
     ) -> CommitInfo:
         t0 = time.perf_counter()
+        self._write_began = t0
         sd = step_dir(step)
         files: list[FileEntry] = []
         stream: WriteStream | None = None
@@ -273,6 +318,7 @@ class CheckpointWriter:
                     f"{sd}/{self.prefix}{shard}",
                     list(_shard_pieces(items)),
                     self.chunk_bytes,
+                    self._count,
                 )
                 for shard, items in by_shard.items()
             ]

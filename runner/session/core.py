@@ -28,12 +28,12 @@ from runner.preemption import (
     PreemptionFlag,
     SignalHandlers,
     flush_fits,
-    read_notice,
     start_pollers,
-    write_seconds,
 )
 from runner.session import phases
 from runner.session.config import SessionConfig, default_sink
+from runner.session.notice import NoticeWindow
+from runner.session.on_notice import OnNotice
 from runner.session.policy import EverySteps, SaveDecision
 from runner.state import capture_rng, flatten, restore_rng, state_digest
 from runner.store import Store, run_store
@@ -52,7 +52,7 @@ class Stateful(Protocol):
     def load_state_dict(self, state: Any, /) -> Any: ...
 
 
-class Session:
+class Session(OnNotice):
     """One process's part of a run. Use it as a context manager around the training loop.
 
     Creating it starts reading and verifying the newest committed checkpoint on background
@@ -111,6 +111,10 @@ class Session:
         #: The longest step seen lately (seconds), for the train-on budget.
         self._step_s = 0.0
         self._notice_reported = False
+        #: The notice window's plan and record, once the loop has seen a notice.
+        self._window: NoticeWindow | None = None
+        #: What the flushes of a preempted exit did (the exit event's ``flush``).
+        self._flush_report: dict[str, Any] | None = None
         #: Whether the supervisor's notice (with the real deadline) has been read.
         self._relayed = False
         #: (bandwidth in bytes/s, stall in s) of the recent writes, newest last: this
@@ -170,7 +174,10 @@ class Session:
         if self._signals is not None:
             self._signals.__exit__(None, None, None)
             self._signals = None
-        self.sink.emit("exit", {"code": self.exit_code, "reason": self._exit_reason()})
+        data: dict[str, Any] = {"code": self.exit_code, "reason": self._exit_reason()}
+        if self._flush_report is not None and data["reason"] == "preempted":
+            data["flush"] = self._flush_report
+        self.sink.emit("exit", data)
         self.sink.close()
 
     def _exit_reason(self) -> str:
@@ -359,51 +366,6 @@ class Session:
                     return True
         return False
 
-    def _train_on(self) -> bool:
-        """Whether the loop may take another step after a preemption notice.
-
-        The instance is paid for until the deadline whatever the loop does, so the window
-        is used for training for as long as the emergency checkpoint would still fit
-        (:meth:`_flush_fits`, the test the flush itself makes) after the save in flight
-        and one more step (the longest lately). Every term is measured in this run, so
-        the window left unused is about half a write and part of a step, at any scale
-        (no wall-clock constant: the deadline itself comes from the supervisor, see
-        :meth:`_read_relayed_notice`). Without a known deadline, or with
-        ``train_through_notice`` off, the loop stops.
-        """
-        self._read_relayed_notice()
-        left = self.flag.time_left()
-        if not self.config.train_through_notice or left is None:
-            return False
-        self._report_notice(left)
-        nbytes = self._checkpoint_bytes()
-        if self.writer.in_flight:
-            after = left - self._step_s - write_seconds(nbytes, self._write_measured()[0])
-            if after > 0 and self._flush_fits(nbytes, after):
-                return True
-            # Stopping now would only wait for this save before the flush. Wait for it
-            # here instead, and decide again with what its commit measured (the first
-            # save of a process would otherwise be judged by the cautious guess).
-            try:
-                self.writer.wait(timeout=left)
-            except TimeoutError:
-                return False
-            left = self.flag.time_left() or 0.0
-        budget = left - self._step_s
-        return budget > 0 and self._flush_fits(nbytes, budget)
-
-    def _read_relayed_notice(self) -> None:
-        """Take the real deadline from the supervisor's notice file once it is there: the
-        SIGTERM it sent carries none, and came a poll (or a metadata poll) after the
-        notice. It can only bring the deadline forward."""
-        path = self.config.notice_file
-        if self._relayed or not path:
-            return
-        notice = read_notice(path)
-        if notice is not None:
-            self._relayed = True
-            self.flag.set(notice)
-
     def _write_measured(self) -> tuple[float | None, float]:
         """The slowest recent write's bandwidth (None before any), and the median stall
         of the recent saves (the snapshot before an emergency write: on a GPU, its copy)."""
@@ -416,24 +378,10 @@ class Session:
         bandwidth, stall = self._write_measured()
         return flush_fits(nbytes=nbytes, bandwidth_bps=bandwidth, stall_s=stall, time_left_s=left)
 
-    def _report_notice(self, left: float | None) -> None:
-        if self._notice_reported:
-            return
-        self._notice_reported = True
-        notice = self.flag.notice
-        self.sink.emit(
-            "preemption_notice",
-            {"source": notice.source if notice else "signal", "time_left_s": left},
-        )
-
-    def _notice_source(self) -> str | None:
-        notice = self.flag.notice
-        return notice.source if notice else None
-
-    # -- checkpoints
-
     def _committed(self, info: CommitInfo) -> None:
         self.committed_step = max(self.committed_step or 0, info.step)
+        if self._window is not None:
+            self._window.landed(info.step, write_s=info.write_s)
         if info.write_s > 0:
             self._writes.append((info.bytes / info.write_s, info.stall_s))
         # An "auto" interval follows what this process's periodic saves cost.
@@ -466,6 +414,8 @@ class Session:
             )
 
     def _save_failed(self, step: int, exc: Exception) -> None:
+        if self._window is not None:
+            self._window.failed(step)
         self.sink.emit("checkpoint_failed", {"step": step, "error": str(exc)})
 
     def _save(self, *, copy: bool = True) -> None:
@@ -508,68 +458,6 @@ class Session:
                 phases.await_kill(self.sink, self.flag)
         elif reason in ("preempted", "stopped"):
             self._flush_on_notice()
-
-    def _flush_on_notice(self) -> None:
-        stopped = time.monotonic()  # the loop has just ended
-        self._read_relayed_notice()
-        left = self.flag.time_left()
-        self._report_notice(left)
-        # Finish the save in flight, if any, within the window.
-        try:
-            self.writer.wait(timeout=left)
-        except TimeoutError:
-            pass
-        if self._should_flush(stopped):
-            self._save_now(timeout=self.flag.time_left())
-        if self.stop_reason == "stopped":
-            self.exit_code = EXIT_SUCCEEDED if self.committed_step == self.step else EXIT_FAILED
-        else:
-            # Resumable either way: from the newest checkpoint, or from the start if none.
-            self.exit_code = EXIT_PREEMPTED
-
-    def _should_flush(self, stopped: float) -> bool:
-        """Whether to write the current step now that the loop has stopped on a notice or
-        a stop request (the save in flight is finished by then)."""
-        if self.stop_reason == "preempted" and self._flush_costs_more(stopped):
-            return False  # the next attempt redoes the few steps since the newest checkpoint
-        if self.committed_step == self.step:
-            return False
-        left = self.flag.time_left()
-        nbytes = self._checkpoint_bytes()
-        if self._flush_fits(nbytes, left):
-            return True
-        msg = (
-            f"no time for an emergency checkpoint of {nbytes} bytes "
-            f"({left:.1f}s left); resuming from step {self.committed_step}"
-        )
-        log.warning(msg)
-        self.sink.emit("log", {"level": "warning", "message": msg})
-        return False
-
-    def _flush_costs_more(self, stopped: float) -> bool:
-        """Whether writing the current step would take longer than redoing the steps done
-        since the newest checkpoint's snapshot (both are paid time that makes no progress).
-
-        Only when that checkpoint is this process's last save (a failed save proves
-        nothing) and a write was measured; the work is timed from the save to the loop's
-        end, which over-counts for a process that has not saved yet, so it then flushes.
-        """
-        last = self.writer.last_commit
-        if last is None or self.committed_step == self.step:
-            return False
-        if self.committed_step != self._last_save_step:
-            return False
-        work_s = stopped - self._last_save_time
-        if work_s >= last.write_s:
-            return False
-        msg = (
-            f"no emergency checkpoint: the steps since step {self.committed_step} took "
-            f"{work_s:.2f}s, less than the {last.write_s:.2f}s a checkpoint takes to write; "
-            f"resuming from step {self.committed_step}"
-        )
-        log.info(msg)
-        self.sink.emit("log", {"level": "info", "message": msg})
-        return True
 
     def _checkpoint_bytes(self) -> int:
         """The last save's size, or the state's before any save (counted once: the loop

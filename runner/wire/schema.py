@@ -102,6 +102,14 @@ class ExitData(Payload):
     #: Negative: killed by that signal.
     code: Int
     reason: ExitReason
+    #: A preempted exit after a notice: what its flushes did (the session's
+    #: :meth:`~runner.session.notice.NoticeWindow.report`): ``notice_step``, ``window_s``
+    #: (seconds to the deadline when the loop saw it), ``used_s``, ``flushes`` (each
+    #: ``step``, ``started_s`` after the notice, ``landed``, ``write_s``),
+    #: ``committed_step``, ``trained_on_steps``, ``given_up_steps`` (trained and not
+    #: committed) and ``summary`` (one sentence for the run's thread). None: no notice
+    #: seen (an older runner, a kill without one).
+    flush: dict[str, Any] | None = None
 
 
 class HeartbeatData(Payload):
