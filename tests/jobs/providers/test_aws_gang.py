@@ -26,7 +26,7 @@ import pytest
 from botocore.exceptions import ClientError
 from botocore.stub import Stubber
 
-from jobs.providers import base
+from jobs.providers import base, gang
 from jobs.providers.aws import IAM_ACTIONS, AwsProvider
 from jobs.providers.aws.placement import TAG_CREATED_AT
 from jobs.providers.base import (
@@ -181,7 +181,10 @@ def test_a_gang_launches_in_one_cluster_placement_group(
     assert (env1["TRAINBOT_NODE_RANK"], env1["TRAINBOT_NNODES"]) == ("1", "2")
     assert env1["TRAINBOT_MASTER_PORT"] == "29500"
     assert (env0["TRAINBOT_NODE_RANK"], env0["TRAINBOT_MASTER_ADDR"]) == ("0", "127.0.0.1")
-    assert env0["TRAINBOT_TOKEN"] == env1["TRAINBOT_TOKEN"] == "tok-secret"
+    # Each node its own token: node 0 the attempt's, node 1 one derived from it.
+    assert env0["TRAINBOT_TOKEN"] == "tok-secret"
+    assert env1["TRAINBOT_TOKEN"] == gang.node_token("tok-secret", req.attempt_id, 1)
+    assert "tok-secret" not in str(env1)
 
     # Each node its own idempotency key and node tags.
     assert node0["ClientToken"] == req.idempotency_key

@@ -20,7 +20,7 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import compute_v1
 
 from jobs.providers.base import TAG_NODE, TAG_NODES, CapacityError, InstanceState
-from jobs.providers.gang import MASTER_PORT
+from jobs.providers.gang import MASTER_PORT, node_token
 from jobs.providers.gcp import GcpProvider, instance_name
 from runner import EXIT_PREEMPTED
 from tests.fakes.gce_api import FakeComputeApi
@@ -117,7 +117,10 @@ def test_a_gang_is_its_nodes_in_one_zone_under_one_compact_policy(
     assert {k: env_of(second).get(k) for k in wanted} == wanted
     assert env_of(first)["TRAINBOT_NODE_RANK"] == "0"
     assert env_of(first)["TRAINBOT_MASTER_ADDR"] == "127.0.0.1"
-    assert env_of(second)["TRAINBOT_TOKEN"] == TOKEN and TOKEN not in repr(info)
+    # Each node its own token (node 0 the attempt's), none in the instance's repr.
+    assert env_of(first)["TRAINBOT_TOKEN"] == TOKEN and TOKEN not in repr(info)
+    assert env_of(second)["TRAINBOT_TOKEN"] == node_token(TOKEN, "a-1", 1)
+    assert TOKEN not in str(env_of(second))
 
 
 def test_a_single_instance_carries_its_private_address_and_no_policy(
