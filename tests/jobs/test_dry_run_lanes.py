@@ -9,6 +9,7 @@ timeout of hours, so each preflight waits on its instance.
 
 from __future__ import annotations
 
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -168,6 +169,11 @@ def test_four_long_dry_runs_leave_another_launch_and_a_stop_unaffected(
         )
         assert isinstance(attempt, Attempt) and attempt.instance_id is not None
 
+        # Every general worker busy, and more work queued behind them: stops have a lane
+        # of their own.
+        busy = threading.Event()
+        stuck = [cp.deps.background(busy.wait, 60) for _ in range(6)]
+
         # Her stop ends her instance within seconds, dry runs or not.
         service.stop(cp.deps, other.id, CAROL)
         wait_for(
@@ -191,6 +197,9 @@ def test_four_long_dry_runs_leave_another_launch_and_a_stop_unaffected(
         assert row.token_hash is None and row.end_reason is not None
         assert "stopped by ada" in row.end_reason
         assert state(cp, run_id) == RunState.STOPPED
+
+        assert not any(f.done() for f in stuck), "the general workers were busy throughout"
+        busy.set()
 
         # The other three still wait on their instances, which still run.
         for other_run, other_instance in waiting[1:]:
