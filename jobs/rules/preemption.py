@@ -71,6 +71,12 @@ class Preemption(Thresholded):
             else:  # the control plane saw the end (the provider, a lost heartbeat)
                 parts.append(f"the attempt ended: {cause}" if cause else "the attempt ended")
             data["exited"] = True
+            flush = exited.data.get("flush")
+            if isinstance(flush, dict) and isinstance(flush.get("summary"), str):
+                # What the runner's flushes did in the window: which landed, how long
+                # they took against it, what was given up.
+                parts.append(flush["summary"])
+                data["flush"] = flush
         if ctx.last_committed_step is None:
             at_stake = "no checkpoint is committed yet, so the next attempt starts from step 0"
         else:
