@@ -23,18 +23,24 @@ class BotError(Exception):
 
 
 class CommandError(BotError):
-    """The ``/train`` text does not follow the grammar; the message shows how to fix it.
-
-    ``str()`` is safe as Slack mrkdwn: Slack's three control characters (``&``, ``<``,
-    ``>``) are escaped, so an echoed ``<!channel>`` pings nobody and ``<run>`` in a usage
-    line shows as typed. :attr:`plain` is the message for a front end that shows text as
-    it is (the console, a form field).
-    """
+    """The ``/train`` text does not follow the grammar; the message shows how to fix it."""
 
     def __init__(self, message: str) -> None:
-        super().__init__(message.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;"))
-        #: The message unescaped.
+        super().__init__(message)
+        #: The message as written, for a front end that shows text as it is (the
+        #: console, a form field); ``str()`` may be escaped (:class:`ParseError`).
         self.plain = message
+
+
+class ParseError(CommandError):
+    """What :func:`bot.commands.parse` raises: ``str()`` is safe as Slack mrkdwn. Slack's
+    three control characters (``&``, ``<``, ``>``) are escaped, so a ``<!channel>`` the
+    message echoes pings nobody and the ``<run>`` of a usage line shows as typed; the
+    Slack front end answers with it as it is. :attr:`plain` is the text unescaped."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.args = (message.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;"),)
 
 
 #: A key that points into the spec's ``env`` (and the key, when text is not key=value).

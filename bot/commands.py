@@ -28,6 +28,7 @@ from bot.command_types import (
     ListRuns,
     Logs,
     Oncall,
+    ParseError,
     Preflight,
     Resubmit,
     Snooze,
@@ -53,6 +54,7 @@ __all__ = [
     "ListRuns",
     "Logs",
     "Oncall",
+    "ParseError",
     "Preflight",
     "Resubmit",
     "Snooze",
@@ -416,9 +418,20 @@ def _known_verb(word: str) -> str:
 
 
 def parse(text: str) -> Command:
-    """Turn the text after ``/train`` into a command; an empty text asks for help."""
+    """Turn the text after ``/train`` into a command; an empty text asks for help.
+
+    Raises :class:`ParseError`, whose ``str()`` is escaped for Slack (``plain`` is not)."""
+    try:
+        return _parse(text)
+    except ParseError:
+        raise
+    except CommandError as exc:
+        raise ParseError(exc.plain) from None
+
+
+def _parse(text: str) -> Command:
     if len(text) > MAX_COMMAND_CHARS:
-        raise CommandError(
+        raise ParseError(
             f"That command is {len(text):,} characters long; a /train command is at most "
             f"{MAX_COMMAND_CHARS:,}. Put long values in the spec file and launch it by name. "
             "Type `/train help` for the list of commands."
