@@ -175,7 +175,8 @@ class Resubmit(
     only with a raised budget.usd, recorded with who raised it; without budget.usd the
     budget stays as it was. Changes (key.path=value, as for launch) take the command,
     env (hyperparameters), resources (region, zones, instance type) and a few others;
-    the checks for what changed run again, and the thread records old → new and who.
+    the checks for what changed run again, and the thread records old → new and who
+    (an env value, which may be a credential, is never shown: only that it changed).
     --max-price waits for capacity at or below that price per instance-hour.
     Example: /train resubmit r-7f3a2c env.LR=3e-4 --max-price 1.20
     """

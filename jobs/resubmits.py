@@ -5,7 +5,8 @@ The chat use-case :func:`jobs.service.resubmit` comes here for a run that is ove
 the spend so far, resumes the newest checkpoint, or a copy of the one at or before a
 step (:func:`resubmit_from`), and may change its spec on the way
 (:func:`resubmit_changed`): the changes are validated as a launch's overrides are, the
-checks they need run again, and both threads record old → new and who changed it.
+checks they need run again, and both threads record old → new and who changed it (an
+``env`` key only as changed, added or removed: its value may be a credential).
 """
 
 from __future__ import annotations
