@@ -13,10 +13,14 @@ starter copies the context (``contextvars.copy_context``).
 
 Secrets never reach the output, in either format: :class:`RedactSecrets` rewrites every
 record's message and traceback before it is formatted, by pattern (Slack tokens
-``xoxb-``/``xoxp-``/``xapp-``…, ``Bearer`` credentials, ``token=``/``secret=``/
-``signature=`` values, Slack's ``v0=`` signatures, URL passwords) and by value (the
-settings' secrets, read from the :class:`~jobs.settings.Settings` fields typed
-``SecretStr``).
+``xoxb-``/``xoxp-``/``xapp-``…, ``Bearer`` credentials, the values of names that say
+token, secret, password, key or creds (``AWS_SECRET_ACCESS_KEY=``, ``MY_CREDS:``), every
+value of a spec's ``env`` (``env.NAME=``, an ``"env": {…}`` mapping), Slack's ``v0=``
+signatures, URL passwords) and by value (the settings' secrets, read from the
+:class:`~jobs.settings.Settings` fields typed ``SecretStr``). That is the last line of
+defence: code that logs what a person typed logs it parsed, with ``env`` masked by
+structure (a command's ``repr``), and a failure whose messages may quote it as a
+:func:`bare_traceback`.
 """
 
 from __future__ import annotations
