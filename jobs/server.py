@@ -131,8 +131,9 @@ _CLEANUP_INTERVAL_S = 1.0
 CONNECTION_LIMIT = 1000
 #: Connections at once from one client address (``TRAINBOT_MAX_CONNECTIONS_PER_CLIENT``;
 #: 0: no cap, for a server behind a proxy where every client has the proxy's address).
-#: A runner holds one; a NAT gateway in front of a hundred runners fits under it.
-MAX_CONNECTIONS_PER_CLIENT = 128
+#: A runner holds one at a time; a NAT gateway in front of two hundred runners, or a
+#: local provider's runners on 127.0.0.1, fit under it with room for a slow moment.
+MAX_CONNECTIONS_PER_CLIENT = 256
 #: Threads running the application: requests answered at once. Requests are short
 #: (slow work goes to the service's pool), so a few more than the cores keep the CPU busy
 #: while some wait on the database; a burst queues for a moment instead of thrashing.

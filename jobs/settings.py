@@ -105,7 +105,7 @@ class Settings(BaseSettings):
     request_deadline_s: float = Field(default=20.0, ge=1.0, le=600.0)
     #: Connections at once from one client address on the public port; 0: no cap (set 0
     #: behind a proxy or load balancer that hides the clients' addresses).
-    max_connections_per_client: int = Field(default=128, ge=0)
+    max_connections_per_client: int = Field(default=256, ge=0)
     #: Slack app credentials; required when the notifier is Slack.
     slack_signing_secret: SecretStr | None = None
     slack_bot_token: SecretStr | None = None

@@ -185,7 +185,7 @@ def test_trickling_connections_leave_health_and_ingest_answering(
     served: Plane, addresses: int
 ) -> None:
     """1,050 connections, each sending a header line every 3 s and reconnecting when
-    closed: from one address (the issue's case: the per-client cap refuses all but 128),
+    closed: from one address (the issue's case: the per-client cap refuses all but 256),
     or from ten (105 each, under the cap; 1,050 in all, over the connection limit, so
     the slowest are evicted). /healthz on the admin port and a runner's batch on the
     public port answer within 2 s, every second, for the whole run."""
