@@ -250,9 +250,16 @@ def digest_title(channel: str, date: str) -> str:
 def digest_run_line(row: Mapping[str, Any]) -> str:
     return (
         f"{row.get('run_id')} {row.get('spec', '')} ({row.get('requester', '')}): "
-        f"{usd(row.get('usd'))}, {row.get('preemptions', 0)} preemption(s), "
-        f"goodput {percent(row.get('goodput'))}, {str(row.get('state', '')).lower()}"
+        f"{usd(row.get('usd'))}{_dry_run_share(row)}, {row.get('preemptions', 0)} "
+        f"preemption(s), goodput {percent(row.get('goodput'))}, "
+        f"{str(row.get('state', '')).lower()}"
     )
+
+
+def _dry_run_share(row: Mapping[str, Any]) -> str:
+    """What of a run's spend its preflight dry runs' instances cost, when they cost any."""
+    share = row.get("dry_run_usd")
+    return f" (dry run {usd(share)})" if share else ""
 
 
 def digest_storage_line(storage: Mapping[str, Any], day_label: str) -> str:

@@ -317,9 +317,14 @@ class DryRun(Section):
     #: The cloud instance type it runs on; ``cpu``: the cheapest CPU type, for a script
     #: that runs without a GPU; ``None``: the cheapest type of the run's accelerator with
     #: the fewest of them (or of CPU types, for a CPU run), from the provider's catalog.
+    #: A named type must be on the admin's list (``TRAINBOT_DRY_RUN_INSTANCE_TYPES``),
+    #: and any type within ``TRAINBOT_DRY_RUN_MAX_USD_PER_HOUR``; preflight refuses the
+    #: rest before launching anything (``jobs.preflight.dry_run_limits``). What the
+    #: instance costs counts against the run's budget.
     instance_type: str | None = Field(default=None, max_length=64, pattern=r"^[a-z0-9][a-z0-9.-]*$")
     #: How long preflight waits for the cloud instance's report (boot, install, both
-    #: phases) before it fails the check and terminates the instance.
+    #: phases) before it fails the check and terminates the instance. The wait holds no
+    #: background worker, and ``/train stop`` ends it at once.
     timeout: Duration = Field(default=1800.0, gt=0, le=6 * 3600)
 
 

@@ -23,6 +23,7 @@ import boto3
 import pytest
 from botocore.stub import Stubber
 
+from bot import messages
 from jobs import service, spend
 from jobs.bootstrap import ControlPlane
 from jobs.db import session_scope
@@ -297,5 +298,7 @@ def test_dry_run_spend_counts_against_the_run_and_shows_in_the_digest(
         [mine] = [r for r in figures["per_run"] if r["run_id"] == run_id]
         assert mine["usd"] == round(row.cost_usd, 2) == mine["dry_run_usd"]
         assert figures["dry_run_usd"] == round(row.cost_usd, 2)
+        # The digest's line for the run says what of it was the dry run.
+        assert f"(dry run ${row.cost_usd:,.2f})" in messages.digest_run_line(mine)
         assert figures["day_usd"] == pytest.approx(row.cost_usd, abs=0.01)
         assert gone(url, instance_id)
