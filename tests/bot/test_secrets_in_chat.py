@@ -17,7 +17,7 @@ import pytest
 from sqlalchemy import insert
 from sqlalchemy.exc import IntegrityError
 
-from bot.commands import MAX_COMMAND_CHARS, CommandError, parse
+from bot.commands import MAX_COMMAND_CHARS, CommandError, parse, summary
 from bot.dispatch import handle_text
 from bot.messages import unexpected
 from jobs.db import session_scope
@@ -232,3 +232,30 @@ def test_a_run_name_in_any_script_is_fine(slack: Slack) -> None:
     assert run_id in run_ids(slack)
     reply = answer(slack, f'launch tiny {FAST} "description=a\u202eb"')
     assert "reverses the text" in reply
+
+
+def test_redaction_knows_secret_names_and_the_env_of_a_spec() -> None:
+    """The last defence, for code that logs text it did not parse: names that say
+    secret, key or creds, and every env value, whatever its name."""
+    stream = io.StringIO()
+    log = logging.getLogger("tests.secrets")
+    handler = make_handler("json", stream=stream)
+    log.addHandler(handler)
+    try:
+        log.warning(
+            "AWS_SECRET_ACCESS_KEY=%s MY_CREDS: %s env.LR=%s spec=%s",
+            OLD,
+            NEW,
+            "3e-4-hyper",
+            json.dumps({"env": {"WANDB": "w-" + OLD}, "max_hours": 2}),
+        )
+    finally:
+        log.removeHandler(handler)
+    line = json.loads(stream.getvalue())["message"]
+    for value in (OLD, NEW, "3e-4-hyper"):
+        assert value not in line
+    assert "AWS_SECRET_ACCESS_KEY=[redacted]" in line and '"max_hours": 2' in line
+    # What may be said about text that did not parse: its verb and its size.
+    text = f"/train launch tiny env.X={OLD} '"
+    assert summary(text) == f"launch, {len(text)} characters"
+    assert summary(f"{OLD} launch") == f"(no command), {len(OLD) + 7} characters"
