@@ -33,7 +33,7 @@ from jobs.db import detach, session_scope
 from jobs.format import duration, usd
 from jobs.models import DryRunInstance, Run, hash_token
 from jobs.preflight.dry_run import dry_run_args
-from jobs.preflight.dry_run_limits import DryRunLimits, busy_in_channel, slot_lock
+from jobs.preflight.dry_run_limits import DryRunLimits, live_in_channel, slot_lock
 from jobs.preflight.report import CheckResult, PreflightContext, Status
 from jobs.providers.base import (
     InstanceNotFound,
@@ -156,8 +156,8 @@ class CloudDryRun:
                     f"{ctx.run_id} is {run.state.value}: no dry run was launched for it",
                     "resubmit the run if it is wanted after all",
                 )
-            channel, busy = busy_in_channel(session, ctx.run_id)
-            refused = self.limits.refuse_busy(channel, busy)
+            channel, live = live_in_channel(session, ctx.run_id)
+            refused = self.limits.refuse_busy(channel, [r for _, r in live if r != ctx.run_id])
             if refused is not None:
                 return refused
             row = DryRunInstance(
@@ -172,7 +172,20 @@ class CloudDryRun:
             )
             row.token_hash = hash_token(self.token_for(row.id))
             session.add(row)
-        return row.id
+        dry_run_id = row.id
+        with session_scope(self.engine) as session:
+            # Another replica may have taken the last place meanwhile: the later goes.
+            channel, live = live_in_channel(session, ctx.run_id)
+            order = [d for d, _ in live]
+            if dry_run_id in order and order.index(dry_run_id) >= self.limits.per_channel:
+                mine = session.get(DryRunInstance, dry_run_id)
+                if mine is not None:
+                    session.delete(mine)
+                others = [r for d, r in live if d != dry_run_id and r != ctx.run_id]
+                return self.limits.refuse_busy(channel, others) or CheckResult(
+                    "dry_run", Status.FAIL, f"{channel} has its limit of dry runs under way"
+                )
+        return dry_run_id
 
     def _environment(self, ctx: PreflightContext, dry_run_id: str) -> dict[str, str]:
         """What the instance's runner gets: the spec's env, the store, the report route."""

@@ -28,7 +28,7 @@ from jobs.preflight.report import CheckResult, Status
 from jobs.providers.base import CPU_INSTANCE
 from jobs.settings import Settings
 
-__all__ = ["DEFAULT_TYPES", "DryRunLimits", "busy_in_channel", "slot_lock"]
+__all__ = ["DEFAULT_TYPES", "DryRunLimits", "live_in_channel", "slot_lock"]
 
 #: Per provider, the dry-run types allowed when ``TRAINBOT_DRY_RUN_INSTANCE_TYPES`` is
 #: unset: small CPU types and the one-GPU type of each accelerator (a dry run is one
@@ -57,7 +57,8 @@ DEFAULT_TYPES: Mapping[str, tuple[str, ...]] = {
 }
 
 #: Held while a dry run is counted against its channel and its row written, so two
-#: preflights of one replica cannot both take the last place.
+#: preflights of one replica cannot both take the last place. (Replicas sharing a
+#: database check again once the row is written: the later of two is withdrawn.)
 slot_lock = threading.Lock()
 
 
@@ -140,15 +141,16 @@ class DryRunLimits:
         )
 
 
-def busy_in_channel(session: Session, run_id: str) -> tuple[str, list[str]]:
-    """The channel of run ``run_id`` and the runs of the dry runs under way there
-    (the run's own excluded)."""
+def live_in_channel(session: Session, run_id: str) -> tuple[str, list[tuple[str, str]]]:
+    """The channel of run ``run_id`` and the dry runs under way there, oldest first, as
+    (dry run id, run id)."""
     run = session.get(Run, run_id)
     channel = run.channel if run is not None else None
     same = col(Run.channel).is_(None) if channel is None else col(Run.channel) == channel
     rows = session.exec(
-        select(DryRunInstance.run_id)
+        select(DryRunInstance.id, DryRunInstance.run_id)
         .join(Run, col(Run.id) == DryRunInstance.run_id)
-        .where(col(DryRunInstance.ended_at).is_(None), same, DryRunInstance.run_id != run_id)
+        .where(col(DryRunInstance.ended_at).is_(None), same)
+        .order_by(col(DryRunInstance.created_at), col(DryRunInstance.id))
     ).all()
-    return channel or "this channel", list(rows)
+    return channel or "this channel", [(dry_id, owner) for dry_id, owner in rows]
