@@ -6,9 +6,9 @@ import shlex
 import unicodedata
 from typing import Annotated
 
-from pydantic import BeforeValidator, Field, field_validator
+from pydantic import BeforeValidator, Field, ValidationInfo, field_validator
 
-from jobs.spec.env import Env
+from jobs.spec.env import FROM_PEOPLE, Env
 from jobs.spec.sections import (
     AlertThresholds,
     BudgetPolicy,
@@ -70,6 +70,10 @@ def hidden_character(text: str, *, strict: bool) -> str | None:
     return None
 
 
+def _from_people(info: ValidationInfo) -> bool:
+    return bool((info.context or {}).get(FROM_PEOPLE))
+
+
 class JobSpec(Section):
     """One kind of training run. Stored on the run as ``model_dump(mode="json")``."""
 
@@ -97,8 +101,9 @@ class JobSpec(Section):
 
     @field_validator("name")
     @classmethod
-    def _visible_name(cls, value: str) -> str:
-        found = hidden_character(value, strict=True)
+    def _visible_name(cls, value: str, info: ValidationInfo) -> str:
+        # What people write; a stored run's spec still loads (it was accepted then).
+        found = hidden_character(value, strict=True) if _from_people(info) else None
         if found is not None:
             raise ValueError(
                 f"contains {found}, which is invisible or reverses the text around it, so "
@@ -109,8 +114,8 @@ class JobSpec(Section):
 
     @field_validator("description")
     @classmethod
-    def _no_direction_controls(cls, value: str) -> str:
-        found = hidden_character(value, strict=False)
+    def _no_direction_controls(cls, value: str, info: ValidationInfo) -> str:
+        found = hidden_character(value, strict=False) if _from_people(info) else None
         if found is not None:
             raise ValueError(
                 f"contains {found}, which reverses the text around it in chat: remove it"
