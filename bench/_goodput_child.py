@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, BinaryIO
@@ -30,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from runner.errors import RunnerError
+from runner.preemption import PreemptionFlag
 from runner.session import Session, SessionConfig
 from runner.store import ObjectInfo, Store, WriteStream, run_store
 
@@ -111,15 +113,41 @@ class _SlowRead:
 
 
 class ThrottledStore:
-    """A store whose large objects move at a fixed bandwidth (small ones at full speed)."""
+    """A store whose large objects move at a fixed bandwidth (small ones at full speed).
 
-    def __init__(self, inner: Store, bps: float) -> None:
+    With ``notice_jitter`` (sigma > 0), from the preemption notice on (``noticed()``) its
+    uploads go ``f`` times slower, ``f`` lognormal(0, sigma) drawn once at the notice: the
+    host's network throttled as it is taken away, or many preempted hosts writing to one
+    bucket at once. Its reads and everything before the notice keep the fixed bandwidth.
+    """
+
+    def __init__(
+        self,
+        inner: Store,
+        bps: float,
+        *,
+        noticed: Callable[[], bool] | None = None,
+        notice_jitter: float = 0.0,
+        rng: random.Random | None = None,
+    ) -> None:
         self.inner = inner
         self.uri = inner.uri
         self.bps = bps
+        self._noticed = noticed
+        self._sigma = notice_jitter
+        self._rng = rng or random.Random()
+        #: The slowdown drawn at the notice; None before it.
+        self.notice_factor: float | None = None
+
+    def _write_bps(self) -> float:
+        if self._sigma <= 0 or self._noticed is None or not self._noticed():
+            return self.bps
+        if self.notice_factor is None:
+            self.notice_factor = self._rng.lognormvariate(0.0, self._sigma)
+        return self.bps / self.notice_factor
 
     def open_write(self, key: str) -> WriteStream:
-        return _SlowWrite(self.inner.open_write(key), self.bps)
+        return _SlowWrite(self.inner.open_write(key), self._write_bps())
 
     def put_bytes(self, key: str, data: bytes) -> None:
         self.inner.put_bytes(key, data)
@@ -160,6 +188,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--state-mb", type=float, required=True, help="MiB of state to checkpoint")
     p.add_argument("--store-mbps", type=float, required=True, help="store bandwidth, MiB/s")
     p.add_argument(
+        "--notice-jitter",
+        type=float,
+        default=0.0,
+        help="from the preemption notice on, uploads go f times slower, f lognormal(0, "
+        "SIGMA) drawn once per attempt (seeded by the attempt id; default 0: no jitter)",
+    )
+    p.add_argument(
         "--up-dir",
         type=Path,
         help="write the Unix time at which this process had imported what it runs to "
@@ -190,7 +225,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = SessionConfig.from_env()
         store = run_store(config.checkpoint_uri, config.checkpoint_prefix or config.run_id)
-        session = Session(config, store=ThrottledStore(store, args.store_mbps * MiB))
+        flag = PreemptionFlag()
+        throttled = ThrottledStore(
+            store,
+            args.store_mbps * MiB,
+            noticed=lambda: flag.is_set,
+            notice_jitter=args.notice_jitter,
+            rng=random.Random(os.environ.get("TRAINBOT_ATTEMPT_ID", "local")),
+        )
+        session = Session(config, store=throttled, flag=flag)
     except RunnerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

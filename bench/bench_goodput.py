@@ -148,6 +148,11 @@ from runner.store import LocalStore
 
 #: Goodput ÷ ceiling of the auto run in the notice regime of every scenario.
 GOAL = 0.99
+#: Goodput ÷ ceiling of the auto run in the notice-jitter regime (issue 29).
+JITTER_GOAL = 0.98
+#: The default sigma of the notice-jitter regime's slowdown at the notice.
+NOTICE_JITTER = 0.5
+REGIMES = ("notice", "no-notice", "notice-jitter")
 #: Absolute goodput of the auto run in the 1h scenario.
 HOUR_GOAL = 0.97
 INTERVAL_TOLERANCE = 0.10
@@ -221,6 +226,9 @@ class Regime:
     name: str
     #: Termination window in wall seconds.
     window_wall_s: float
+    #: From the notice on, uploads go f times slower, f lognormal(0, this) drawn once
+    #: per attempt (``notice-jitter``); 0: the store keeps its speed.
+    notice_jitter: float = 0.0
 
 
 # ----------------------------------------------------------------------------- the ceiling
@@ -565,11 +573,12 @@ def _settings(root: Path, regime: Regime, scenario: Scenario) -> Any:
     )
 
 
-def _write_spec(root: Path, scenario: Scenario) -> None:
+def _write_spec(root: Path, scenario: Scenario, regime: Regime) -> None:
     command = (
         f"python -m bench._goodput_child --steps {scenario.steps}"
         f" --step-s {scenario.wall(scenario.step_s):.6f}"
         f" --state-mb {scenario.state_mb:g} --store-mbps {scenario.store_mbps:.3f}"
+        f" --notice-jitter {regime.notice_jitter:g}"
         f" --up-dir {shlex.quote(str(_up_dir(root)))}"
     )
     spec = {
@@ -596,7 +605,7 @@ def run_regime(
     cap_s: float,
 ) -> dict[str, Any]:
     """Run every contender in one control plane; return the per-run figures."""
-    _write_spec(root, scenario)
+    _write_spec(root, scenario, regime)
     settings = _settings(root, regime, scenario)
     mtbp = scenario.wall(scenario.mtbp_s)
     # The interval each attempt was launched with: "auto" follows the run's measured cost.
@@ -875,6 +884,12 @@ def _figures(
     # What the design left of each window it was preempted in: not paid, but progress the
     # ideal design makes (its last step, the flush's margins).
     exits = {e.attempt_id: e.time for e in events if e.type == "exit"}
+    # What each preempted attempt's flushes kept (issue 29): none may end with less
+    # committed than the step it was at when the notice came.
+    reports = [e.data["flush"] for e in events if e.type == "exit" and e.data.get("flush")]
+    below_notice = [
+        r for r in reports if r["committed_step"] is None or r["committed_step"] < r["notice_step"]
+    ]
     unused = [
         max(0.0, killed_at[a.id] - exits[a.id]) * scenario.compression
         for a in attempts
@@ -891,6 +906,14 @@ def _figures(
         "lost_steps_system": summary.get("lost_steps"),
         "costs_s": {name: rounded(value, 3) for name, value in costs.items()},
         "window_unused_s_at_scale": [rounded(u, 1) for u in unused],
+        "notice_flushes": {
+            "reports": len(reports),
+            "below_notice": len(below_notice),
+            "second_landed": sum(
+                1 for r in reports if len(r["flushes"]) > 1 and r["flushes"][1]["landed"]
+            ),
+            "given_up_steps": [r["given_up_steps"] for r in reports],
+        },
     }
 
 
@@ -1071,8 +1094,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--regimes",
         default=None,
-        help="comma-separated regimes of the base scenario: notice,no-notice "
-        "(default both; quick: notice)",
+        help="comma-separated regimes of the base scenario: notice,no-notice,notice-jitter "
+        "(default all three; quick: notice,notice-jitter)",
+    )
+    p.add_argument(
+        "--notice-jitter",
+        type=float,
+        default=NOTICE_JITTER,
+        help="sigma of the notice-jitter regime: from the notice on, the store's uploads "
+        f"go f times slower, f lognormal(0, sigma) per attempt (default {NOTICE_JITTER})",
     )
     p.add_argument(
         "--scenarios",
@@ -1101,7 +1131,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.compression = args.compression or (60.0 if args.quick else 30.0)
     args.progress_s = args.progress_s or (900.0 if args.quick else 3000.0)
-    args.regimes = args.regimes or ("notice" if args.quick else "notice,no-notice")
+    args.regimes = args.regimes or (
+        "notice,notice-jitter" if args.quick else "notice,no-notice,notice-jitter"
+    )
     args.scenarios = args.scenarios or ("base" if args.quick else "base,1h")
     args.hour_compression = args.hour_compression or args.compression
     for name in (
@@ -1119,9 +1151,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be a positive number, got {value}")
     if args.window_s < 0:
         p.error("--window-s must be 0 or more")
-    unknown = set(args.regimes.split(",")) - {"notice", "no-notice"}
+    unknown = set(args.regimes.split(",")) - set(REGIMES)
     if unknown:
-        p.error(f"--regimes: unknown {', '.join(sorted(unknown))}; use notice,no-notice")
+        p.error(f"--regimes: unknown {', '.join(sorted(unknown))}; use {','.join(REGIMES)}")
+    if not (math.isfinite(args.notice_jitter) and args.notice_jitter > 0):
+        p.error(f"--notice-jitter must be a positive number, got {args.notice_jitter}")
     scenarios = [n.strip() for n in args.scenarios.split(",") if n.strip()]
     if not scenarios or set(scenarios) - set(SCENARIOS):
         p.error(f"--scenarios: give any of {', '.join(SCENARIOS)}")
@@ -1157,9 +1191,14 @@ def _scenarios(args: argparse.Namespace) -> dict[str, Scenario]:
     return {name: s for name, s in (("base", base), ("1h", hour)) if name in args.scenarios}
 
 
-def _regimes(scenario: Scenario, names: Sequence[str]) -> list[Regime]:
+def _regimes(scenario: Scenario, names: Sequence[str], *, jitter: float) -> list[Regime]:
     notice = max(NO_WINDOW_S, scenario.wall(scenario.window_s))
-    return [Regime(n, notice if n == "notice" else NO_WINDOW_S) for n in names]
+    return [
+        Regime(n, NO_WINDOW_S)
+        if n == "no-notice"
+        else Regime(n, notice, notice_jitter=jitter if n == "notice-jitter" else 0.0)
+        for n in names
+    ]
 
 
 def _describe(scenario: Scenario, stall_s: float) -> dict[str, Any]:
@@ -1188,6 +1227,32 @@ def _checks(out: dict[str, Any], daly: dict[str, Any] | None) -> list[dict[str, 
     absolute goal) in the notice regime, and the headline interval against Daly's."""
     checks = []
     for name, block in out.items():
+        jitter = block["regimes"].get("notice-jitter")
+        if jitter is not None:
+            ratio = jitter["runs"]["auto"]["ratio"]
+            checks.append(
+                _check(
+                    f"{name}/notice-jitter/auto goodput / ceiling",
+                    ratio,
+                    f">= {JITTER_GOAL}",
+                    ratio is not None and ratio >= JITTER_GOAL,
+                )
+            )
+        for regime_name in ("notice", "notice-jitter"):
+            if regime_name not in block["regimes"]:
+                continue
+            below = sum(
+                run["notice_flushes"]["below_notice"]
+                for run in block["regimes"][regime_name]["runs"].values()
+            )
+            checks.append(
+                _check(
+                    f"{name}/{regime_name}: attempts ending with less committed than at the notice",
+                    below,
+                    "== 0",
+                    below == 0,
+                )
+            )
         notice = block["regimes"].get("notice")
         if notice is None:
             continue
@@ -1235,7 +1300,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         stall_s = measure_stall(args.state_mb, root)
         log(f"goodput: stall of one save, measured here: {stall_s * 1000:.1f} ms")
         for name, scenario in scenarios.items():
-            regimes = _regimes(scenario, args.regimes.split(",") if name == "base" else ["notice"])
+            names = args.regimes.split(",") if name == "base" else ["notice"]
+            regimes = _regimes(scenario, names, jitter=args.notice_jitter)
             # Each regime gets at most this long: the auto run needs about progress ÷
             # goodput plus a process start per attempt, which a busy machine makes slow.
             cap_s = 2 * scenario.wall(scenario.progress_s) + 60

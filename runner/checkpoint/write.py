@@ -142,6 +142,11 @@ def _shard_pieces(items: list[tuple[TensorSpec, torch.Tensor]]) -> Iterator[memo
         size = spec.offset + spec.nbytes
 
 
+class SaveCancelled(Exception):
+    """A save given up for a newer one (:meth:`CheckpointWriter.cancel`): nothing of it
+    is committed, and it is not a failure."""
+
+
 @dataclass(frozen=True)
 class WriteProgress:
     """The save in flight, so far."""
@@ -199,6 +204,7 @@ class CheckpointWriter:
         self._progress: tuple[int, int] = (-1, 0)
         self._written = 0
         self._write_began: float | None = None
+        self._cancel = threading.Event()
 
     def progress(self) -> WriteProgress | None:
         """How far the save in flight has got: what a notice window's plan follows, since
@@ -213,8 +219,20 @@ class CheckpointWriter:
         return WriteProgress(step=step, total=total, done=done, elapsed_s=elapsed)
 
     def _count(self, piece: memoryview) -> None:
+        if self._cancel.is_set():
+            raise SaveCancelled("given up for a newer save")
         with self._lock:
             self._written += len(piece)
+
+    def cancel(self) -> bool:
+        """Give up the save in flight before its manifest, for a newer state that matters
+        more (the one at a preemption notice, which must not queue behind an older save
+        slowed down with the rest of the window). Returns at once; the write stops at its
+        next chunk and nothing of it is committed. False when no save was in flight."""
+        if not self.in_flight:
+            return False
+        self._cancel.set()
+        return True
 
     @property
     def in_flight(self) -> bool:
@@ -238,6 +256,7 @@ class CheckpointWriter:
         """
         start = time.perf_counter()
         self.wait()
+        self._cancel.clear()
         skeleton, tensors = flatten(state)
         if copy or any(t.device.type != "cpu" for t in tensors):
             staged = self._staging.copy([t.contiguous() for t in tensors])
@@ -354,6 +373,9 @@ class CheckpointWriter:
                     stream.abort()
                 except Exception:  # the original error matters more
                     log.debug("abort after a failed write also failed", exc_info=True)
+            if isinstance(exc, SaveCancelled):
+                log.info("checkpoint at step %d was given up for a newer one", step)
+                raise
             log.error("checkpoint at step %d was not committed: %s", step, exc)
             if self._on_error is not None:
                 self._on_error(step, exc)

@@ -22,6 +22,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("runner.session.core")
 
+#: A save in flight at the notice less written than this share is given up for the
+#: flush of the notice's step.
+CANCEL_BELOW = 0.5
+
 
 class OnNotice:
     """The session's behaviour on a notice (a mixin: the state is the session's)."""
@@ -102,7 +106,13 @@ class OnNotice:
         if self.committed_step == self.step:
             window.landed(self.step, write_s=self._last_write_s())
         elif not (self.writer.in_flight and self._last_save_step == self.step):
-            self._save()  # waits for an older save in flight first: one at a time
+            # An older save in flight is given up unless mostly written: the notice's
+            # state comes first, and would otherwise wait for the rest of that write at
+            # the window's (often slower) pace. One save at a time.
+            progress = self.writer.progress()
+            if progress is not None and progress.done < CANCEL_BELOW * progress.total:
+                self.writer.cancel()
+            self._save()
             flush.started_s = max(0.0, self._last_save_time - window.received_at)
 
     def _last_write_s(self) -> float:

@@ -19,12 +19,24 @@ from pathlib import Path
 
 import pytest
 
+from bench._goodput_child import ThrottledStore
 from bench._goodput_ledger import AttemptRow, RunEvent, account
-from bench.bench_goodput import Costs, ceiling, preemption_gaps, run_costs
+from bench.bench_goodput import (
+    NOTICE_JITTER,
+    Costs,
+    Scenario,
+    _regimes,
+    ceiling,
+    preemption_gaps,
+    run_costs,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 # Seed 2 draws a first gap longer than the run: one attempt each, the quickest story.
-SMALLEST = ["--quick", "--progress-s", "240", "--contenders", "auto,short", "--seed", "2"]
+SMALLEST = [
+    *("--quick", "--progress-s", "240", "--contenders", "auto,short", "--seed", "2"),
+    *("--regimes", "notice"),  # quick's notice-jitter regime is the same run, slowed
+]
 
 
 @pytest.mark.slow
@@ -76,6 +88,9 @@ def test_bench_goodput_prints_its_figures_as_the_last_line(tmp_path: Path) -> No
         assert fig["ratio"] <= 1
         assert isinstance(fig["paid_s"], float) and fig["paid_s"] > 0
         assert isinstance(fig["interval_s"], float) and fig["interval_s"] > 0
+        assert {"reports", "below_notice", "second_landed", "given_up_steps"} == set(
+            fig["notice_flushes"]
+        )
         assert set(fig["breakdown_s"]) == {
             "startup",
             "setup_restore",
@@ -374,3 +389,45 @@ def test_bench_goodput_rejects_a_bad_option_in_one_line() -> None:
     assert "--contenders: give auto" in done.stderr
     assert "Traceback" not in done.stderr
     assert done.stdout == ""
+
+
+def test_the_notice_jitter_regime_slows_uploads_from_the_notice_on(tmp_path: Path) -> None:
+    """The regime of issue 29: the base notice window, and from the notice on a store
+    whose uploads go f times slower, f lognormal(0, sigma) drawn once per attempt."""
+    from runner.store import LocalStore
+
+    scenario = Scenario(
+        mtbp_s=600.0,
+        checkpoint_s=10.0,
+        step_s=3.0,
+        progress_s=900.0,
+        window_s=120.0,
+        compression=60.0,
+        state_mb=32.0,
+        seed=1,
+    )
+    regimes = _regimes(scenario, ["notice", "notice-jitter", "no-notice"], jitter=0.5)
+    assert [(r.name, r.notice_jitter) for r in regimes] == [
+        ("notice", 0.0),
+        ("notice-jitter", 0.5),
+        ("no-notice", 0.0),
+    ]
+    assert regimes[0].window_wall_s == regimes[1].window_wall_s == 2.0
+    assert NOTICE_JITTER == 0.5
+
+    import random
+
+    noticed = False
+    store = ThrottledStore(
+        LocalStore(tmp_path),
+        1e6,
+        noticed=lambda: noticed,
+        notice_jitter=0.5,
+        rng=random.Random("att-1"),
+    )
+    assert store._write_bps() == 1e6 and store.notice_factor is None
+    noticed = True
+    slowed = store._write_bps()
+    factor = random.Random("att-1").lognormvariate(0.0, 0.5)
+    assert store.notice_factor == pytest.approx(factor)
+    assert slowed == pytest.approx(1e6 / factor) and store._write_bps() == slowed
