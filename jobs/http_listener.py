@@ -29,6 +29,7 @@ not bound, and this listener does:
 
 from __future__ import annotations
 
+import errno
 import heapq
 import json
 import logging
@@ -56,6 +57,8 @@ _JSON_TYPE = "application/json"
 #: Descriptors kept free above the connection limit: the database, log files, the
 #: listeners, the runner subprocesses' pipes.
 _SPARE_DESCRIPTORS = 256
+#: Seconds accepting pauses when the process is out of descriptors.
+_DESCRIPTOR_PAUSE_S = 0.5
 #: Connections accepted in one turn of the loop, at most.
 _ACCEPTS_PER_TURN = 64
 #: A client refused again within this many seconds is not logged again.
@@ -174,6 +177,7 @@ class _Listener(TcpWSGIServer):
         #: Connections open per client address (only addresses with one or more).
         self.clients: Counter[str] = Counter()
         self._refusals_logged: dict[str, float] = {}
+        self._paused_until = 0.0
         super().__init__(app, socket_map, dispatcher=dispatcher, adj=adj, sockinfo=sockinfo)
 
     def readable(self) -> bool:
@@ -181,6 +185,8 @@ class _Listener(TcpWSGIServer):
         if now >= self.next_channel_cleanup:
             self.next_channel_cleanup = now + self.limits.cleanup_interval_s
             self.maintenance(now)
+        if now < self._paused_until:
+            return False  # out of descriptors a moment ago: let some close first
         return bool(self.accepting)  # at the limit, accepting evicts (handle_accept)
 
     def maintenance(self, now: float) -> None:
@@ -201,8 +207,12 @@ class _Listener(TcpWSGIServer):
         for _ in range(_ACCEPTS_PER_TURN):
             try:
                 pair = self.accept()
-            except OSError:
-                return  # the client left first, or the process is out of descriptors
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE):
+                    # Polling a listener that cannot accept would spin the loop.
+                    self._paused_until = time.time() + _DESCRIPTOR_PAUSE_S
+                    log.warning("%s port: out of file descriptors; pausing accepts", self.name)
+                return  # else the client left before it was accepted
             if pair is None:
                 return  # none left waiting
             self._take(*pair)

@@ -1,7 +1,7 @@
 """The control plane's HTTP server: runner ingest, health, metrics, and mounted apps.
 
-A plain WSGI application with a small router (no web framework: five routes do not need
-one, and the Slack app mounts under ``/slack/`` as a WSGI app of its own):
+A plain WSGI application with a small router (no web framework: a handful of routes do
+not need one, and the Slack app mounts under ``/slack/`` as a WSGI app of its own):
 
 - ``POST /v1/events``: :class:`jobs.ingest.IngestService`, JSON in and out;
 - ``POST /v1/credentials``: short-lived checkpoint-store credentials for the caller's own

@@ -309,6 +309,55 @@ def test_health_and_metrics_are_on_the_admin_port_only(served: Plane) -> None:
     assert post(served.admin_url + "/v1/events", wire_body())[0] in (404, 405)
 
 
+_OUT_OF_DESCRIPTORS = """
+import os, resource, sys, time
+from jobs.db import make_engine, migrate
+from jobs.ingest import IngestService
+from jobs.server import ControlPlaneApp, serve
+engine = make_engine("sqlite:///" + sys.argv[1])
+migrate(engine)
+server = serve(ControlPlaneApp(engine, IngestService(engine)), "127.0.0.1", 0, admin_port=None)
+used = len(os.listdir("/proc/self/fd"))
+resource.setrlimit(resource.RLIMIT_NOFILE, (used + 8, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+print(server.port, flush=True)
+sys.stdin.read()
+server.shutdown()
+"""
+
+
+def test_out_of_descriptors_pauses_accepting_and_recovers(tmp_path: Path) -> None:
+    """A server whose process runs out of descriptors stops polling its listener for a
+    moment (else the loop spins on a connection it cannot accept) and serves again once
+    connections close."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _OUT_OF_DESCRIPTORS, str(tmp_path / "plane.db")],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        port = int(proc.stdout.readline())
+        hogs = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(30)]
+        time.sleep(1.5)  # the server accepts what it can, then pauses
+        assert proc.poll() is None
+        for hog in hogs:
+            hog.close()
+        deadline = time.monotonic() + 30  # a bound for a busy machine, not a timing
+        while True:
+            status = get(f"http://127.0.0.1:{port}/v1/nothing")[0]
+            if status == 404 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert status == 404
+    finally:
+        _, err = proc.communicate("", timeout=30)  # stdin closed: it stops
+    assert "out of file descriptors; pausing accepts" in err, err[-2000:]
+    assert "Traceback" not in err, err[-3000:]
+
+
 def test_the_admin_port_is_a_setting_of_its_own() -> None:
     assert load_settings({}).admin_port == 8788  # the public port + 1
     assert load_settings({"TRAINBOT_INGEST_PORT": "0"}).admin_port == 0  # tests: free ports
