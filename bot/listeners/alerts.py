@@ -205,8 +205,11 @@ def handle_action(
         return
     try:
         text = button.handler(ctx, caller, value)
-    except (TrainbotError, CommandError) as exc:
+    except TrainbotError as exc:
         reply(client, body, caller, escape(messages.error(str(exc))))
+        return
+    except CommandError as exc:  # escaped once, from its unescaped message
+        reply(client, body, caller, escape(messages.error(exc.plain)))
         return
     except Exception:
         log.exception("the %s button failed", action_id)

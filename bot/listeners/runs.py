@@ -228,5 +228,6 @@ def _modal_command_text(body: Mapping[str, Any]) -> tuple[str, dict[str, str]]:
     try:
         parse(text)
     except CommandError as exc:
-        return "", {"overrides": str(exc).splitlines()[0][:150]}
+        # A form's error is shown as plain text: the unescaped message.
+        return "", {"overrides": exc.plain.splitlines()[0][:150]}
     return text, {}
