@@ -1,8 +1,9 @@
-"""Who may do what from Slack, decided from the signed payload alone.
+"""Who may do what, in Slack or at the console, decided from who is asking alone.
 
 The text of a command can say anything; the user id, team id and channel id of a request
 signed with the app's secret cannot be forged, so every decision here starts from those
-(a :class:`Caller`). These questions are asked, on every command and every button:
+(a :class:`Caller`, read from the payload by :mod:`bot.listeners`; at the console, the
+login name). These questions are asked, on every command and every button:
 
 - Is the person one of the team? A user whose workspace is not ours (``TRAINBOT_SLACK_TEAM_IDS``,
   by default the bot's own, from ``auth.test``), such as a Slack Connect guest in a
@@ -39,9 +40,8 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
 
 from slack_sdk import WebClient
 from slack_sdk.errors import SlackApiError, SlackRequestError
@@ -65,10 +65,6 @@ __all__ = [
     "Denial",
     "LocalAuthorizer",
     "Policy",
-    "caller_from_action",
-    "caller_from_command",
-    "caller_from_event",
-    "caller_from_view",
     "not_yours",
     "redact_command",
 ]
@@ -129,48 +125,6 @@ class Caller:
     channel: str | None
     #: The channel's name without ``#``, when the payload carries it.
     channel_name: str | None = None
-
-
-def caller_from_command(body: Mapping[str, Any]) -> Caller:
-    """A slash command's form fields."""
-    return Caller(
-        team=body.get("user_team") or body.get("team_id"),
-        user=str(body.get("user_id") or ""),
-        channel=body.get("channel_id"),
-        channel_name=body.get("channel_name"),
-    )
-
-
-def caller_from_action(body: Mapping[str, Any]) -> Caller:
-    """An interactive payload (``block_actions``): a button in a message or the App Home."""
-    channel = body.get("channel") or {}
-    container = body.get("container") or {}
-    return Caller(
-        team=(body.get("user") or {}).get("team_id") or (body.get("team") or {}).get("id"),
-        user=str((body.get("user") or {}).get("id") or ""),
-        channel=channel.get("id") or container.get("channel_id"),
-        channel_name=channel.get("name"),
-    )
-
-
-def caller_from_view(body: Mapping[str, Any], *, channel: str | None) -> Caller:
-    """A modal submission: the channel comes from the modal's private metadata, which we
-    wrote when we opened it and Slack returns signed."""
-    return Caller(
-        team=(body.get("user") or {}).get("team_id") or (body.get("team") or {}).get("id"),
-        user=str((body.get("user") or {}).get("id") or ""),
-        channel=channel,
-    )
-
-
-def caller_from_event(body: Mapping[str, Any]) -> Caller:
-    """An Events API envelope (``app_home_opened``)."""
-    event = body.get("event") or {}
-    return Caller(
-        team=event.get("user_team") or body.get("team_id"),
-        user=str(event.get("user") or ""),
-        channel=None,
-    )
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,17 @@ from jobs import service
 from jobs.deps import Deps
 from jobs.notify import Notifier, TextMessage
 
-__all__ = ["ListenerContext", "action_key", "command_key", "first_time", "reply"]
+__all__ = [
+    "ListenerContext",
+    "action_key",
+    "caller_from_action",
+    "caller_from_command",
+    "caller_from_event",
+    "caller_from_view",
+    "command_key",
+    "first_time",
+    "reply",
+]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +68,54 @@ class ListenerContext:
             self.work.submit(guarded)
         except RuntimeError:  # the pool is shut down: the app is stopping
             log.warning("Slack work %s dropped: the app is stopping", getattr(fn, "__name__", fn))
+
+
+# ----------------------------------------------------------------------------- who asked
+
+
+def caller_from_command(body: Mapping[str, Any]) -> Caller:
+    """A slash command's form fields."""
+    return Caller(
+        team=body.get("user_team") or body.get("team_id"),
+        user=str(body.get("user_id") or ""),
+        channel=body.get("channel_id"),
+        channel_name=body.get("channel_name"),
+    )
+
+
+def caller_from_action(body: Mapping[str, Any]) -> Caller:
+    """An interactive payload (``block_actions``): a button in a message or the App Home."""
+    channel = body.get("channel") or {}
+    container = body.get("container") or {}
+    return Caller(
+        team=(body.get("user") or {}).get("team_id") or (body.get("team") or {}).get("id"),
+        user=str((body.get("user") or {}).get("id") or ""),
+        channel=channel.get("id") or container.get("channel_id"),
+        channel_name=channel.get("name"),
+    )
+
+
+def caller_from_view(body: Mapping[str, Any], *, channel: str | None) -> Caller:
+    """A modal submission: the channel comes from the modal's private metadata, which we
+    wrote when we opened it and Slack returns signed."""
+    return Caller(
+        team=(body.get("user") or {}).get("team_id") or (body.get("team") or {}).get("id"),
+        user=str((body.get("user") or {}).get("id") or ""),
+        channel=channel,
+    )
+
+
+def caller_from_event(body: Mapping[str, Any]) -> Caller:
+    """An Events API envelope (``app_home_opened``)."""
+    event = body.get("event") or {}
+    return Caller(
+        team=event.get("user_team") or body.get("team_id"),
+        user=str(event.get("user") or ""),
+        channel=None,
+    )
+
+
+# ----------------------------------------------------------------------------- once each
 
 
 def command_key(body: Mapping[str, Any], headers: Mapping[str, Any]) -> str:

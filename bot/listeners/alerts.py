@@ -23,9 +23,9 @@ from slack_bolt import Ack, App
 from slack_sdk import WebClient
 
 from bot import messages, views
-from bot.auth import Ask, Caller, caller_from_action
+from bot.auth import Ask, Caller
 from bot.commands import CommandError, parse_duration
-from bot.listeners import ListenerContext, action_key, first_time, reply
+from bot.listeners import ListenerContext, action_key, caller_from_action, first_time, reply
 from bot.mentions import escape
 from jobs import service
 from jobs.db import session_scope

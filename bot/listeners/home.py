@@ -14,8 +14,8 @@ from slack_sdk import WebClient
 from slack_sdk.errors import SlackApiError, SlackRequestError
 
 from bot import views
-from bot.auth import Caller, caller_from_event
-from bot.listeners import ListenerContext
+from bot.auth import Caller
+from bot.listeners import ListenerContext, caller_from_event
 from jobs import alerts, service
 from jobs.db import session_scope
 from jobs.models import Run

@@ -32,8 +32,6 @@ from bot.auth import (
     NOT_IN_CHANNEL,
     ONCALL_DENIED,
     Caller,
-    caller_from_command,
-    caller_from_view,
     not_yours,
     redact_command,
 )
@@ -53,7 +51,14 @@ from bot.commands import (
     parse,
 )
 from bot.dispatch import dispatch
-from bot.listeners import ListenerContext, command_key, first_time, reply
+from bot.listeners import (
+    ListenerContext,
+    caller_from_command,
+    caller_from_view,
+    command_key,
+    first_time,
+    reply,
+)
 from bot.mentions import escape
 from jobs import service
 from jobs.errors import TrainbotError
