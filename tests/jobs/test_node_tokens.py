@@ -9,17 +9,25 @@ each node's environment.
 
 from __future__ import annotations
 
+import io
 import time
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine
-from sqlmodel import Session
+from sqlmodel import Session, select
 
+from bot.console import ConsoleNotifier
+from jobs.bootstrap import ControlPlane
+from jobs.db import session_scope
 from jobs.ingest import IngestService
 from jobs.lifecycle import AttemptState, RunState
-from jobs.models import Attempt, Run, hash_token
+from jobs.models import Attempt, EventRow, Run, hash_token
 from jobs.providers import gang
 from jobs.providers.base import LaunchRequest, ResourceRequest
+from jobs.providers.local import LocalProvider
+from jobs.runs import launch_attempt
+from jobs.settings import load_settings
 from runner.wire import NODE_SEQ_SPAN, Event, encode_batch
 
 ATTEMPT_TOKEN = "0" * 63 + "1"  # the attempt's own token: node 0's
@@ -172,3 +180,53 @@ def test_revoking_the_attempts_token_revokes_every_nodes(db_engine: Engine) -> N
     got = svc.handle(node1, batch(1, [("heartbeat", {"step": None})], first=1))
     assert got.status == 401
     assert svc.runner_of(node1) is None
+
+
+def test_a_local_gangs_second_node_reports_with_its_own_token(tmp_path: Path) -> None:
+    """End to end: the control plane launches a two-node attempt on the local provider;
+    node 1's runner sends with the token its launch gave it, and ingest stores its events
+    as node 1's (in its own seq range)."""
+    settings = load_settings(
+        {"TRAINBOT_STATE_DIR": str(tmp_path / "state"), "TRAINBOT_INGEST_PORT": "0"}
+    )
+    provider = LocalProvider(tmp_path / "local")
+    script = tmp_path / "sleep.py"
+    script.write_text("import time\n\ntime.sleep(60)\n")
+    spec = {
+        "name": "tiny",
+        "command": ["python", str(script)],  # under torchrun: a script, not -c
+        "dry_run": {"enabled": False},
+        "resubmit": {"backoff_s": 3600},
+        "resources": {"instances": 2},
+    }
+    with ControlPlane(
+        settings, notifier=ConsoleNotifier(io.StringIO()), provider=provider, scheduler=False
+    ) as cp:
+        with session_scope(cp.deps.engine) as session:
+            session.add(
+                Run(
+                    id="r-gang",
+                    spec_name="tiny",
+                    spec=spec,
+                    requester="U1",
+                    state=RunState.LAUNCHING,
+                )
+            )
+        attempt = launch_attempt(cp.deps, "r-gang")
+        assert attempt is not None and attempt.instance_id
+        try:
+
+            def node_1_seqs() -> list[int]:
+                with session_scope(cp.deps.engine) as session:
+                    rows = session.exec(
+                        select(EventRow.seq).where(EventRow.attempt_id == attempt.id)
+                    ).all()
+                return [seq for seq in rows if seq >= NODE_SEQ_SPAN]
+
+            deadline = time.monotonic() + 60
+            while not node_1_seqs() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert node_1_seqs(), "node 1's events never arrived"
+            assert all(NODE_SEQ_SPAN <= seq < 2 * NODE_SEQ_SPAN for seq in node_1_seqs())
+        finally:
+            provider.terminate(attempt.instance_id)
