@@ -328,10 +328,11 @@ def stop(deps: Deps, run_id: str, actor: Actor, *, reason: str | None = None) ->
     # On the stop lane, never behind other background work: a dry run under way ends
     # (its token revoked, its instance terminated), and so does the attempt's instance.
     deps.urgent(
-        preflight.end_open_dry_runs,
+        preflight.stop_dry_runs,
         deps.engine,
         deps.provider,
         run_id,
+        pid_file=deps.settings.state_dir / "preflight" / run_id / preflight.DRY_RUN_PID_FILE,
         reason=f"{run_id} was stopped by {actor.user}",
         clock=deps.clock,
     )

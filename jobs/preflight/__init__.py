@@ -16,6 +16,7 @@ from jobs.preflight.cloud_dry_run import (
     end_open_dry_runs,
     end_stale_dry_runs,
     live_dry_run_ids,
+    stop_dry_runs,
 )
 from jobs.preflight.data import DataLocalityCheck
 from jobs.preflight.dry_run import DRY_RUN_PID_FILE, DryRunCheck, dry_run_command
@@ -69,5 +70,6 @@ __all__ = [
     "one_larger_instance",
     "resource_request",
     "run_preflight",
+    "stop_dry_runs",
     "target_steps",
 ]

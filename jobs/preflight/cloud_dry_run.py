@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -52,6 +53,7 @@ __all__ = [
     "end_open_dry_runs",
     "end_stale_dry_runs",
     "live_dry_run_ids",
+    "stop_dry_runs",
 ]
 
 log = logging.getLogger(__name__)
@@ -436,6 +438,25 @@ def end_open_dry_runs(
             )
         ).all()
     return [end_dry_run(engine, provider, i, reason=reason, clock=clock) for i in open_ids]
+
+
+def stop_dry_runs(
+    engine: Engine,
+    provider: Provider,
+    run_id: str,
+    *,
+    pid_file: Path,
+    reason: str,
+    clock: Callable[[], datetime],
+) -> list[DryRunInstance]:
+    """What a stop does to the run's dry runs: a local one's process group is killed
+    (``pid_file``: :data:`jobs.preflight.DRY_RUN_PID_FILE` in the run's preflight
+    directory), and the cloud ones end (:func:`end_open_dry_runs`)."""
+    from runner.pidfile import end_stale_dry_run
+
+    if end_stale_dry_run(pid_file):
+        log.info("run %s: its local dry run was killed (%s)", run_id, reason)
+    return end_open_dry_runs(engine, provider, run_id, reason=reason, clock=clock)
 
 
 def live_dry_run_ids(session: Session) -> set[str]:

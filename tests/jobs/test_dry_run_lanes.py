@@ -302,3 +302,39 @@ def test_dry_run_spend_counts_against_the_run_and_shows_in_the_digest(
         assert f"(dry run ${row.cost_usd:,.2f})" in messages.digest_run_line(mine)
         assert figures["day_usd"] == pytest.approx(row.cost_usd, abs=0.01)
         assert gone(url, instance_id)
+
+
+# -- the local provider: a stop ends the dry run's process too --------------------------------
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc")
+def test_a_stop_kills_a_local_dry_run_within_seconds(tmp_path: Path) -> None:
+    state_dir = tmp_path / "state"
+    settings = load_settings({"TRAINBOT_STATE_DIR": str(state_dir), "TRAINBOT_INGEST_PORT": "0"})
+    with ControlPlane(
+        settings,
+        notifier=on_aws.Recorder(),
+        journal=CallbackJournal(lambda *_: None),
+        scheduler=False,
+    ) as cp:
+        # A script that never reaches a step: its dry run waits out its whole timeout.
+        run = service.submit(
+            cp.deps, spec_name="tiny", overrides=["command=sleep 300"], actor=ADA, launch=False
+        )
+
+        def mine() -> list[int]:
+            """Live processes whose environment names the run (the dry run's)."""
+            marker = f"TRAINBOT_RUN_ID={run.id}".encode()
+            found = []
+            for entry in Path("/proc").iterdir():
+                try:
+                    if entry.name.isdigit() and marker in (entry / "environ").read_bytes():
+                        found.append(int(entry.name))
+                except OSError:
+                    continue
+            return found
+
+        wait_for(mine, what="the dry run's process", timeout=60)
+        service.stop(cp.deps, run.id, ADA)
+        wait_for(lambda: not mine(), what="its end", timeout=STOP_WITHIN_S)
+        assert state(cp, run.id) == RunState.STOPPED
