@@ -55,6 +55,7 @@ __all__ = [
     "EXTERNAL_DENIED",
     "GROUP_TTL_S",
     "LAUNCH_DENIED",
+    "LAUNCH_GROUP_TTL_S",
     "NOT_A_MEMBER",
     "NOT_IN_CHANNEL",
     "ONCALL_DENIED",
@@ -73,6 +74,9 @@ log = logging.getLogger(__name__)
 
 #: Seconds a user group's members are trusted before they are fetched again.
 GROUP_TTL_S = 300.0
+#: At most this old when they decide whether someone may start compute: a person taken
+#: out of a launcher group can start nothing seconds later, not minutes.
+LAUNCH_GROUP_TTL_S = 15.0
 
 CHANNEL_DENIED = (
     "trainbot does not take commands in this channel. Ask an admin to add it to "
@@ -229,12 +233,14 @@ class Authorizer:
         journal: Journal,
         clock: Callable[[], float] = time.monotonic,
         group_ttl_s: float = GROUP_TTL_S,
+        launch_group_ttl_s: float = LAUNCH_GROUP_TTL_S,
     ) -> None:
         self.policy = policy
         self._client = client
         self._journal = journal
         self._clock = clock
         self._ttl = group_ttl_s
+        self._launch_ttl = min(launch_group_ttl_s, group_ttl_s)
         self._lock = threading.Lock()
         #: (fetched at, members by group id, group id by handle)
         self._groups: tuple[float, dict[str, frozenset[str]], dict[str, str]] | None = None
@@ -278,7 +284,7 @@ class Authorizer:
         owner = ask.owner
         if run_id is not None and owner is not None and not self.may_change(caller, owner=owner):
             return Denial(f"{run_id} belongs to {owner}", not_yours(run_id, owner), run_id)
-        if ask.starts_compute and not self.may_launch(caller):
+        if ask.starts_compute and not self.may_launch(caller, fresh=True):
             return Denial("may not launch", LAUNCH_DENIED, run_id)
         private = ask.reports_to
         if private and private != caller.channel and not self.may_report_to(caller, private):
@@ -320,8 +326,13 @@ class Authorizer:
             return False
         return caller.team is None or caller.team not in self._home_teams()
 
-    def may_launch(self, caller: Caller) -> bool:
-        return not self.policy.launchers or self._member(caller.user, self.policy.launchers)
+    def may_launch(self, caller: Caller, *, fresh: bool = False) -> bool:
+        """Whether ``caller`` is on ``TRAINBOT_LAUNCHERS`` (or it is empty); ``fresh``: with
+        user groups at most ``launch_group_ttl_s`` old, as when compute is about to start."""
+        launchers = self.policy.launchers
+        if not launchers:
+            return True
+        return self._member(caller.user, launchers, max_age=self._launch_ttl if fresh else None)
 
     def is_member(self, user: str, channel: str) -> bool:
         """Whether ``user`` is in ``channel`` (an allowed one), as the App Home asks it:
@@ -475,28 +486,32 @@ class Authorizer:
 
     # --- user groups --------------------------------------------------------------------
 
-    def _member(self, user: str, entries: frozenset[str]) -> bool:
+    def _member(self, user: str, entries: frozenset[str], *, max_age: float | None = None) -> bool:
         if user in entries:
             return True
         groups = [e for e in entries if _is_group(e)]
         if not groups:
             return False
-        members, handles = self._directory()
+        members, handles = self._directory(max_age=max_age)
         for entry in groups:
             group_id = handles.get(entry[1:].lower()) if entry.startswith("@") else entry
             if group_id is not None and user in members.get(group_id, frozenset()):
                 return True
         return False
 
-    def _directory(self) -> tuple[dict[str, frozenset[str]], dict[str, str]]:
+    def _directory(
+        self, *, max_age: float | None = None
+    ) -> tuple[dict[str, frozenset[str]], dict[str, str]]:
         """The workspace's user groups: members by group id, and group ids by handle.
 
         One ``usergroups.list`` call (with the members) answers every group question,
-        cached for ``group_ttl_s``; when it fails, every group counts as empty.
+        cached for ``group_ttl_s`` (``max_age``, when given); when it fails, every group
+        counts as empty.
         """
         now = self._clock()
         with self._lock:
-            if self._groups is not None and now - self._groups[0] < self._ttl:
+            ttl = self._ttl if max_age is None else max_age
+            if self._groups is not None and now - self._groups[0] < ttl:
                 return self._groups[1], self._groups[2]
         members: dict[str, frozenset[str]] = {}
         handles: dict[str, str] = {}

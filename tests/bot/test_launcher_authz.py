@@ -20,7 +20,16 @@ from urllib.parse import urlencode
 import pytest
 from sqlmodel import select
 
-from bot.auth import LAUNCH_DENIED, NOT_A_MEMBER, NOT_IN_CHANNEL, PRIVATE_CHANNEL_DENIED
+from bot.auth import (
+    LAUNCH_DENIED,
+    NOT_A_MEMBER,
+    NOT_IN_CHANNEL,
+    PRIVATE_CHANNEL_DENIED,
+    Ask,
+    Authorizer,
+    Caller,
+    Policy,
+)
 from bot.console import ConsoleNotifier, Shell
 from bot.listeners.runs import MODAL_CALLBACK
 from bot.slack_notifier import SlackNotifier
@@ -251,6 +260,30 @@ def test_a_removed_launcher_can_start_nothing_through_any_command_or_button(
         f"Resubmitted {ada_stopped} as r-"
     )
     wait_until(lambda: len(_states(slack)) == len(before) + 1, 15, "Ada's resubmit")
+
+
+def test_someone_taken_out_of_a_launcher_group_starts_nothing_seconds_later(
+    deployment: Deployment,
+) -> None:
+    """A launcher group's members are looked up again when compute is about to start
+    (after 15 s at most), not after the five minutes other questions trust them."""
+    fake = deployment.fake
+    fake.add_usergroup("S0TRAIN", "trainers", [EVE])
+    now = [0.0]
+    auth = Authorizer(
+        Policy(launchers=frozenset({"@trainers"})),
+        client=fake.client(TOKEN),
+        journal=CallbackJournal(lambda *_: None),
+        clock=lambda: now[0],
+    )
+    eve = Caller(team=TEAM, user=EVE, channel=TRAIN)
+    launch = Ask(action="launch", starts_compute=True)
+    assert auth.decide(eve, launch) is None
+    fake.add_usergroup("S0TRAIN", "trainers", [ADA])  # an admin takes Eve out
+    now[0] = 16.0
+    denial = auth.decide(eve, launch)
+    assert denial is not None and denial.text == LAUNCH_DENIED
+    assert len(fake.calls_to("usergroups.list")) == 2
 
 
 def test_a_button_in_a_channel_message_is_for_that_channels_members(
