@@ -43,6 +43,8 @@ The full mode uses the production lease (30 s).
 from __future__ import annotations
 
 import argparse
+import hashlib
+import hmac
 import json
 import os
 import queue
@@ -162,8 +164,12 @@ class Fleet:
     channels: list[str]
 
 
-def provision(engine: Engine, provider: LocalProvider, shape: Shape, *, lifetime_s: float) -> Fleet:
-    """A RUNNING run and attempt per runner, each with a token and a live local instance."""
+def provision(
+    engine: Engine, provider: LocalProvider, shape: Shape, *, lifetime_s: float, secret: bytes
+) -> Fleet:
+    """A RUNNING run and attempt per runner, each with a token and a live local instance.
+    The tokens are the ones the replicas derive from ``secret`` (a replica refuses to start
+    beside another when the live attempts' tokens are not its own)."""
     spec = load_spec("tiny", specs_dir=SHIPPED_SPECS_DIR).model_dump(mode="json")
     count = -(-shape.runners // RUNS_PER_CHANNEL)
     channels = [f"C0LOAD{k:03d}" for k in range(count)]
@@ -172,7 +178,7 @@ def provision(engine: Engine, provider: LocalProvider, shape: Shape, *, lifetime
     now = utcnow()
     for k in range(shape.runners):
         run_id, attempt_id = f"r-load-{k:04d}", f"a-load-{k:04d}"
-        token = os.urandom(24).hex()
+        token = hmac.new(secret, attempt_id.encode(), hashlib.sha256).hexdigest()
         info = provider.launch(
             LaunchRequest(
                 run_id=run_id,
@@ -508,7 +514,7 @@ def traffic(result: dict[str, Any], *, kill_at: float | None) -> dict[str, Any]:
 def measure(shape: Shape, root: Path, engine: Engine, database_url: str) -> dict[str, Any]:
     with ExitStack() as stack:
         state = root / "state"
-        load_secret(state)  # one secret for both replicas, made before either starts
+        secret = load_secret(state)  # one secret for both replicas, made before either starts
         fake = FakeSlack(tokens=[TOKEN], post_interval_s=0.01, burst=50, team_id=TEAM).start()
         stack.callback(fake.close)
         sink = Sink()
@@ -516,7 +522,9 @@ def measure(shape: Shape, root: Path, engine: Engine, database_url: str) -> dict
         provider = LocalProvider(state / "local")
         stack.callback(provider.close)
         started = time.monotonic()
-        fleet = provision(engine, provider, shape, lifetime_s=4 * shape.duration_s + 600)
+        fleet = provision(
+            engine, provider, shape, lifetime_s=4 * shape.duration_s + 600, secret=secret
+        )
         alive = list(fleet.instances)
         stack.callback(lambda: terminate_all(provider, alive))  # on the way out, at worst
         log(f"{shape.runners} runs and instances in {time.monotonic() - started:.1f} s")
