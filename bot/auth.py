@@ -270,7 +270,9 @@ class Authorizer:
         where = caller.channel if caller.channel else ask.target_channel
         if not self.channel_allowed_id(where):
             return Denial("channel not allowed", CHANNEL_DENIED, run_id)
-        if ask.in_message and caller.channel and not self.is_member(caller.user, caller.channel):
+        # Admins act in every channel (by command too), so a press of theirs is let be.
+        outsider = caller.channel is not None and not self.is_member(caller.user, caller.channel)
+        if ask.in_message and outsider and not self.is_admin(caller):
             return Denial(f"not a member of {caller.channel}", NOT_A_MEMBER, run_id)
         if ask.target is not None and not self.actor(caller).sees(ask.target_channel):
             target = ask.target or run_id or "It"

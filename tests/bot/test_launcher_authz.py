@@ -65,6 +65,7 @@ from tests.fakes.slack_api import FakeSlack
 
 TRAIN, PRIVATE = "C0TRAIN", "C0SECRET"
 ADA, BOB, CAROL, EVE, DAVE = "U0ADA", "U0BOB", "U0CAROL", "U0EVE", "U0DAVE"
+FRANK = "U0FRANK"  # an admin in no channel
 EVERYONE = f"{ADA},{BOB},{EVE},{DAVE},@ml-leads"
 
 
@@ -77,7 +78,7 @@ class Deployment:
         self.fake = FakeSlack(
             tokens=[TOKEN], post_interval_s=0.02, burst=5, whole_second_retry_after=False
         ).start()
-        self.fake.add_usergroup("S0LEADS", "ml-leads", [CAROL])
+        self.fake.add_usergroup("S0LEADS", "ml-leads", [CAROL, FRANK])
         # Dave is one of the team but not in #ml-training; only Bob is in the private one.
         self.fake.add_channel(TRAIN, "ml-training", members=[ADA, CAROL, EVE])
         self.fake.add_channel(PRIVATE, "secret-project", is_private=True, members=[BOB])
@@ -306,6 +307,10 @@ def test_a_button_in_a_channel_message_is_for_that_channels_members(
     # Eve, who is in it, acknowledges from the same message.
     press(slack, "alert_ack", alert_id, user=EVE, channel=TRAIN)
     wait_until(lambda: alert_row(slack, alert_id).acked_by == EVE, 10, "Eve's ack")
+    # An admin acts in every channel, by command or button, member or not.
+    other = open_alert(slack, waiting_run(slack, user=ADA, channel=TRAIN))
+    press(slack, "alert_ack", other, user=FRANK, channel=TRAIN)
+    wait_until(lambda: alert_row(slack, other).acked_by == FRANK, 10, "the admin's ack")
 
 
 def test_a_run_reports_to_a_private_channel_only_for_its_members(
