@@ -173,7 +173,7 @@ def test_four_long_dry_runs_leave_another_launch_and_a_stop_unaffected(
         # Every general worker busy, and more work queued behind them: stops have a lane
         # of their own.
         busy = threading.Event()
-        stuck = [cp.deps.background(busy.wait, 60) for _ in range(6)]
+        stuck = [cp.deps.background(busy.wait, 120) for _ in range(6)]
 
         # Her stop ends her instance within seconds, dry runs or not.
         service.stop(cp.deps, other.id, CAROL)
