@@ -20,11 +20,13 @@ not bound, and this listener does:
 - **The connection limit, without a lock-out.** waitress stops accepting at its limit,
   so whoever holds the limit locks everyone else out until they let go. Here, at the
   limit, a new connection takes the place of the connection whose unfinished request
-  arrives slowest (bytes a second since its first byte; else the longest idle
-  keep-alive one): a client that sends its request at once, or uploads a batch at any
-  real link's pace, is never the slowest while tricklers hold slots, so tricklers from
-  many addresses are evicted and the limit costs the clients who behave nothing but a
-  reconnect of an idle socket.
+  arrives slowest (bytes a second since its first byte; a connection not read from yet
+  is spared for a moment, and idle keep-alive ones go last): a client that sends its
+  request at once, or uploads a batch at any real link's pace, is never the slowest
+  while tricklers hold slots, so tricklers from many addresses are evicted and the limit
+  costs the clients who behave nothing but a reconnect of an idle socket. A flood that
+  reconnects faster than the loop reads a new connection's first bytes still wins; the
+  admin port, another listener, answers the probes all the same.
 """
 
 from __future__ import annotations
@@ -57,6 +59,14 @@ _JSON_TYPE = "application/json"
 #: Descriptors kept free above the connection limit: the database, log files, the
 #: listeners, the runner subprocesses' pipes.
 _SPARE_DESCRIPTORS = 256
+#: Bytes every unfinished request is counted as having sent at its start, so that a
+#: connection accepted a moment ago, whose request has not been read yet, is not the
+#: slowest: its pace starts high and falls only if its bytes do not follow.
+_PACE_PRIOR_BYTES = 1024
+#: Seconds a connection accepted but not yet read from is spared eviction (while any
+#: connection that has been read from is slower): a flood's accepts must not evict the
+#: connections accepted just before them, whose requests the loop has not read yet.
+_UNHEARD_GRACE_S = 1.0
 #: Seconds accepting pauses when the process is out of descriptors.
 _DESCRIPTOR_PAUSE_S = 0.5
 #: Connections accepted in one turn of the loop, at most.
@@ -121,6 +131,8 @@ class _Channel(HTTPChannel):
         self.request_since: float | None = self.creation_time
         #: Bytes of it received so far (its pace decides who is evicted at the limit).
         self.request_bytes = 0
+        #: Whether anything has been read from it yet.
+        self.heard = False
         self.client = addr[0] if isinstance(addr, tuple) else str(addr)
         self._counted = False
 
@@ -130,10 +142,11 @@ class _Channel(HTTPChannel):
             self.request_bytes = 0
         before = self.request
         self.request_bytes += len(data)
+        self.heard = True
         result = bool(super().received(data))
         if self.request is None:
             self.request_since = None  # every request received is complete
-        elif self.request is not before:
+        elif before is not None and self.request is not before:
             self.request_since = time.time()  # a pipelined one began in this read
             self.request_bytes = 0
         return result
@@ -241,16 +254,21 @@ class _Listener(TcpWSGIServer):
 
     def _evict(self) -> bool:
         """Make room: close the connections whose unfinished requests arrive slowest
-        (bytes a second since each began), else the longest idle ones; a twentieth of the
+        (bytes a second since each began, :data:`_PACE_PRIOR_BYTES` included), then the
+        ones not read from yet, then the longest idle ones; a twentieth of the
         limit at once, so that a flood costs one scan per twenty connections, not one
         each. False when every connection is answering or sending a response."""
         now = time.time()
 
         def pace(channel: _Channel) -> tuple[int, float, float]:
             since = channel.request_since
-            if since is not None:
-                return (0, channel.request_bytes / max(now - since, 0.001), since)
-            return (1, channel.last_activity, 0.0)
+            if since is None:
+                return (2, channel.last_activity, 0.0)  # idle between requests
+            if not channel.heard and now - channel.creation_time < _UNHEARD_GRACE_S:
+                # Accepted a moment ago, in this turn of the loop perhaps: not read yet.
+                return (1, channel.creation_time, 0.0)
+            sent = channel.request_bytes + _PACE_PRIOR_BYTES
+            return (0, sent / max(now - since, 0.001), since)
 
         candidates = [
             channel

@@ -28,7 +28,7 @@ from jobs.db import make_engine, migrate
 from jobs.errors import SettingsError
 from jobs.server import CONNECTION_LIMIT, MAX_CONNECTIONS_PER_CLIENT, serve
 from jobs.settings import load_settings
-from tests.jobs.test_server import Plane, add_attempt, get, post, wire_body
+from tests.jobs.test_server import TOKEN, Plane, add_attempt, get, post, wire_body
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -226,6 +226,33 @@ def test_trickling_connections_leave_health_and_ingest_answering(
     assert len(ingest) >= duration / 2  # answered all along, not once
     # The limit held: connections over it were evicted, not queued.
     assert trickler.closed_by_server >= ATTACKERS - CONNECTION_LIMIT
+
+
+def test_at_the_limit_a_steady_upload_outlasts_the_tricklers(served: Plane) -> None:
+    """At the connection limit the slowest unfinished requests make room: a runner's
+    batch uploaded in pieces over two seconds (longer than a trickler lasts there), at a
+    real link's pace, is answered while 1,050 tricklers churn through the rest."""
+    plane = served
+    body = wire_body(n=2000)
+    assert len(body) > 100_000
+    sources = [f"127.0.1.{n}" for n in range(1, 11)]
+    with Trickler(plane.server.port, sources, ATTACKERS) as trickler:
+        head = (
+            f"POST /v1/events HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        with socket.create_connection(("127.0.0.1", plane.server.port), timeout=10) as up:
+            up.sendall(head)
+            piece = len(body) // 40
+            for start in range(0, len(body), piece):
+                time.sleep(0.05)
+                up.sendall(body[start : start + piece])
+            answer = b""
+            while b'"duplicates"' not in answer and (chunk := up.recv(65536)):
+                answer += chunk
+    assert trickler.closed_by_server >= ATTACKERS - CONNECTION_LIMIT  # it was at the limit
+    assert answer.split(b"\r\n", 1)[0] == b"HTTP/1.1 200 OK", answer[:300]
+    assert b'"accepted": 2000' in answer
 
 
 def test_one_address_holds_at_most_its_cap(served: Plane) -> None:
