@@ -259,6 +259,15 @@ def provision(deps: Deps, attempt_id: str, *, why: str = "") -> Attempt | None:
             return attempt
         run = session.get(Run, attempt.run_id)
         assert run is not None
+        if attempt.token_hash != hash_token(deps.runner_token(attempt.id)):
+            # Recorded by a replica with another secret: its runner's batches will be
+            # refused, and it is terminated as silent after the heartbeat deadline.
+            log.error(
+                "attempt %s was recorded by a replica whose runner-token secret is not this "
+                "one's: its runner will be refused; set TRAINBOT_RUNNER_TOKEN_SECRET to one "
+                "value on every replica",
+                attempt.id,
+            )
         spec = spec_of(run)
         req = LaunchRequest(
             run_id=run.id,

@@ -180,10 +180,15 @@ def test_an_attempt_recorded_by_one_replica_and_launched_by_the_other_is_accepte
 
 
 def test_without_a_shared_secret_the_relaunched_attempts_token_is_refused(
-    make_replica: Callable[..., ControlPlane],
+    make_replica: Callable[..., ControlPlane], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """What the shared secret fixes: each replica's own secret (its state directory's)."""
+    """What the shared secret fixes: each replica's own secret (its state directory's).
+    The replica that launches says why in its log."""
     a, b, attempt = relaunched(make_replica, a=None, b=None)
+    assert any(
+        "TRAINBOT_RUNNER_TOKEN_SECRET" in r.getMessage() and r.levelname == "ERROR"
+        for r in caplog.records
+    )
     provider = b.deps.provider
     assert isinstance(provider, LocalCloud)
     token = provider.launched[0].env["TRAINBOT_TOKEN"]
