@@ -31,6 +31,7 @@ from bot.auth import (
     LAUNCH_DENIED,
     NOT_IN_CHANNEL,
     ONCALL_DENIED,
+    Ask,
     Caller,
     not_yours,
     redact_command,
@@ -195,6 +196,12 @@ def run_command(
 
 def _open_modal(ctx: ListenerContext, client: WebClient, body: Mapping[str, Any]) -> None:
     caller = caller_from_command(body)
+    # The form only asks; its submission is decided again. Saying no now spares filling
+    # it in for nothing.
+    denial = ctx.auth.authorize(caller, Ask(action="launch (form)", starts_compute=True))
+    if denial is not None:
+        reply(client, body, caller, denial.text)
+        return
     view = views.launch_modal(
         service.specs(ctx.deps), private_metadata=json.dumps({"channel": caller.channel})
     )

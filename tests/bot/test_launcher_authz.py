@@ -234,7 +234,9 @@ def test_a_removed_launcher_can_start_nothing_through_any_command_or_button(
         for channel in (TRAIN, None):
             reply = press(slack, action_id, value, user=EVE, channel=channel)
             assert reply == LAUNCH_DENIED, (action_id, channel, reply)
-    # The launch form.
+    # The launch form: not opened for her, and refused if submitted all the same.
+    assert answer(slack, "launch", user=EVE, channel=TRAIN) == LAUNCH_DENIED
+    assert slack.fake.calls_to("views.open") == []
     _submit_modal(slack, user=EVE, overrides=FAST)
     wait_until(
         lambda: any(c.args.get("user") == EVE for c in slack.fake.calls_to("chat.postEphemeral")),
@@ -249,7 +251,7 @@ def test_a_removed_launcher_can_start_nothing_through_any_command_or_button(
     assert slack.counts()["Attempt"] == attempts
     assert not marker.exists()
     denied = slack.journal("denied", user=EVE)
-    assert len(denied) == len(commands) + 2 * len(buttons) + 1
+    assert len(denied) == len(commands) + 2 * len(buttons) + 2
     assert {d["reason"] for d in denied} == {"may not launch"}
     assert str(marker) not in json.dumps(denied)
 
