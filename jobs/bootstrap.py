@@ -28,12 +28,13 @@ from jobs.prometheus import ControlPlaneMetrics
 from jobs.providers import credential_broker_from_settings, provider_from_settings
 from jobs.providers.base import Provider
 from jobs.rules import Rule, Signal, default_rules
-from jobs.runs import alert_config, on_attempt_event, raise_signals, spec_of
+from jobs.runs import on_attempt_event, raise_signals
 from jobs.runs.profile import project
 from jobs.scheduler import LeaderElector
 from jobs.server import ControlPlaneApp, CredentialBroker, ServerHandle, serve
 from jobs.service import resume_preflights
 from jobs.settings import Settings
+from jobs.spec import AlertThresholds, stored_section
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import WSGIApplication
@@ -75,7 +76,8 @@ def build_ingest(deps: Deps) -> IngestService:
     def rules_for(run: Run) -> list[Rule]:
         # Rules over the runner's metrics only; preemptions, resubmits, heartbeats and
         # budgets are raised once by the lifecycle, the reconcile job and the spend job.
-        return [r for r in default_rules(alert_config(spec_of(run))) if r.name in STREAM_RULES]
+        thresholds = stored_section(run.spec, AlertThresholds, run_id=run.id)
+        return [r for r in default_rules(thresholds) if r.name in STREAM_RULES]
 
     def on_signals(run_id: str, signals: list[Signal], now: datetime) -> None:
         if not any(not s.resolved for s in signals) and not _has_open(run_id):

@@ -137,8 +137,9 @@ def end_attempt(
         # Off the caller's thread: the caller may be the ingest request that carried the
         # runner's exit, and the runner waits for that reply before its processes end, so
         # a provider whose terminate waits for them (the local one) would wait on itself
-        # until its grace ran out. Reconcile retries whatever this leaves undone.
-        deps.background(terminate_instance, deps, instance_id)  # scripted, not remembered
+        # until its grace ran out. On the stop lane, never queued behind preflights or
+        # launches (the instance bills until it goes). Reconcile retries what is left.
+        deps.urgent(terminate_instance, deps, instance_id)  # scripted, not remembered
 
 
 def _preempted_all_the_same(deps: Deps, attempt_id: str) -> str | None:
