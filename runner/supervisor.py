@@ -97,6 +97,8 @@ class Supervisor:
         #: The exit code and reason the child reported in its last event (session API).
         self._child_reported: int | None = None
         self._child_reason: str | None = None
+        #: What the session's flushes did in its notice window (its exit's ``flush``).
+        self._child_flush: dict[str, Any] | None = None
         #: Whether the child committed checkpoints itself (session API).
         self._child_checkpoints = False
         #: Whether the exit was reported already (a preempted session's, before teardown).
@@ -215,21 +217,31 @@ class Supervisor:
             )
             if result == self._child_reported and self._child_reason is not None:
                 reason = self._child_reason  # "stopped" is the session's to say
-            self.sink.emit("exit", {"code": result, "reason": reason})
+            exit_data = self._preempted_exit() if reason == "preempted" else {}
+            self.sink.emit("exit", {**exit_data, "code": result, "reason": reason})
         return result
+
+    def _preempted_exit(self) -> dict[str, Any]:
+        """A preempted exit, with the session's report of its flushes when it made one."""
+        data: dict[str, Any] = {"code": EXIT_PREEMPTED, "reason": "preempted"}
+        if self._child_flush is not None:
+            data["flush"] = self._child_flush
+        return data
 
     def _forward(self, follower: FileFollower) -> None:
         for type_, when, data in follower:
             if type_ == "exit":
                 self._child_reported = int(data["code"])
                 self._child_reason = str(data.get("reason") or "") or None
+                flush = data.get("flush")
+                self._child_flush = flush if isinstance(flush, dict) else None
                 if self._child_reported == EXIT_PREEMPTED and self.flag.is_set:
                     self._announce()  # the notice goes first: the exit ends the attempt
                     # The session has committed what it could and ended: the instance is
                     # going away, so report the end now and let the control plane release
                     # it, instead of paying for the interpreter's teardown (a second or
                     # more with torch loaded) before saying so.
-                    self.sink.emit("exit", {"code": EXIT_PREEMPTED, "reason": "preempted"})
+                    self.sink.emit("exit", self._preempted_exit())
                     self._exit_reported = True
                     send_now = getattr(self.sink, "flush", None)
                     if send_now is not None:
