@@ -63,9 +63,13 @@ def test_sigterm_to_the_supervisor_flushes_the_child_and_reports_everything(
     types = [e.type for e in ingest.accepted]
     assert types.count("exit") == 1 and types.count("preemption_notice") == 1
     exit_event = next(e for e in ingest.accepted if e.type == "exit")
+    flush = exit_event.data.pop("flush")
     assert exit_event.data == {"code": EXIT_PREEMPTED, "reason": "preempted"}
     committed = [e for e in ingest.accepted if e.type == "checkpoint_committed"]
     assert committed, "the emergency flush must be reported"
+    # The session's report of its flush travels with the supervisor's exit (issue 29).
+    assert flush["committed_step"] == committed[-1].data["step"]
+    assert all(f["landed"] for f in flush["flushes"])
     store = LocalStore(tmp_path / "ck" / "r-sup")
     assert list_committed(store)[-1].step == committed[-1].data["step"]
     # Seqs are 0..n-1 with no gaps and nothing accepted twice.
@@ -257,7 +261,8 @@ def test_a_preempted_session_is_reported_ended_before_its_process_tears_down(
         proc.communicate(timeout=30)
     assert reported and still_running, "the exit must be reported before the teardown ends"
     exits = [e for e in ingest.accepted if e.type == "exit"]
-    assert [e.data for e in exits] == [{"code": EXIT_PREEMPTED, "reason": "preempted"}]
+    assert len(exits) == 1 and exits[0].data.pop("flush")["committed_step"] is not None
+    assert exits[0].data == {"code": EXIT_PREEMPTED, "reason": "preempted"}
     committed = [e.data["step"] for e in ingest.accepted if e.type == "checkpoint_committed"]
     assert (
         committed
