@@ -166,8 +166,10 @@ def _judge(
         assert first["step"] == o.notice_step and first["started_s"] < window_s / 2, summary
         assert first["landed"] and o.notice_step in o.in_time, summary
         assert max(o.in_time) >= o.notice_step, summary
-        # What the exit says is what the store holds.
-        assert report["committed_step"] == max(o.in_time + o.late), summary
+        # What the exit says is what the store held when the runner stopped waiting, at
+        # the deadline: a flush landing after it (in process; a kill would tear it) may
+        # have landed before or after the report was made.
+        assert max(o.in_time) <= report["committed_step"] <= max(o.in_time + o.late), summary
         assert report["notice_step"] == o.notice_step and report["window_s"] <= window_s
         if len(report["flushes"]) > 1:
             later = report["flushes"][1]
