@@ -108,6 +108,8 @@ def make_deps(
             fn(*args, **kwargs)
 
     deps.background = background  # type: ignore[method-assign,assignment]
+    # The stop lane too: a stop ends its attempt there, and that removes the budget.
+    deps.urgent = background  # type: ignore[method-assign,assignment]
     return deps
 
 

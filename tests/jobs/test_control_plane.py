@@ -224,7 +224,7 @@ def _launch_request(cp: ControlPlane, run: Run, attempt: Attempt) -> LaunchReque
         run_id=run.id,
         attempt_id=attempt.id,
         owner=run.requester,
-        request=resource_request(spec),
+        request=resource_request(spec, cp.deps.provider),
         zone=None,
         command=[sys.executable, "-c", "import time; time.sleep(60)"],
         env={},
@@ -838,7 +838,10 @@ def test_the_demo_tells_the_whole_story(tmp_path: Path) -> None:
         if run in kept:
             assert summary["checkpoints_kept"] == kept[run], run
         else:  # nothing past its retention (a run stopped early): all of it is kept
-            assert 0 < len(summary["checkpoints_kept"]) <= 3, run
+            # keep_last 3, and for the run stopped for diverging also the checkpoint before
+            # the divergence that its resubmit offer resumes from (cleanup protects it; how
+            # many saves came after it depends on the machine's pace).
+            assert 0 < len(summary["checkpoints_kept"]) <= 4, run
     resumed = [s for s in summaries.values() if s["attempts"] > 1]
     assert resumed and all(
         c["instance_seconds"] > 0
