@@ -158,8 +158,10 @@ class IngestService:
                 f"{principal.attempt_id}, but the batch is node {batch.node}'s: each node "
                 "of an attempt sends with its own token",
             )
+        # Node 0 too (a single-node attempt's one runner): a seq of its past 2**40 would
+        # take node 1's place, and node 1's own events would be dropped as repeats.
         low, high = batch.node * NODE_SEQ_SPAN, (batch.node + 1) * NODE_SEQ_SPAN
-        if batch.node and not low <= min(batch.seqs) <= max(batch.seqs) < high:
+        if not low <= min(batch.seqs) <= max(batch.seqs) < high:
             return _error(
                 400,
                 f"node {batch.node}'s events must have seqs from {low} to {high - 1} "

@@ -741,7 +741,8 @@ def test_a_nan_is_not_thinned_out_of_the_window(db_engine: Engine) -> None:
 def test_steps_seqs_and_sizes_past_32_bits_are_stored_as_they_are(db_engine: Engine) -> None:
     add_run(db_engine, state=AttemptState.RUNNING)
     svc = service(db_engine)
-    step, three_gib, seq = 3_000_000_000, 3 * 2**30, 2**40
+    # The top of node 0's seq range (past 32 bits; node 1's range starts just above).
+    step, three_gib, seq = 3_000_000_000, 3 * 2**30, NODE_SEQ_SPAN - 3
     items = [
         ("restored", {"step": step - 10, "fallback_from": None, "restore_s": 1.0}),
         metrics(step),
@@ -992,6 +993,22 @@ def test_a_nodes_seqs_must_be_in_its_own_range(db_engine: Engine) -> None:
     assert got.status == 400
     assert f"node 2's events must have seqs from {2 * NODE_SEQ_SPAN}" in got.body["error"]
     assert count_events(db_engine) == 0
+
+
+def test_node_0s_seqs_stay_below_node_1s_range(db_engine: Engine) -> None:
+    """Node 0's token (a single-node attempt's only one) cannot take node 1's seqs: its
+    events there would make node 1's own look like repeats, and be dropped."""
+    add_run(db_engine, state=AttemptState.RUNNING)
+    svc = service(db_engine)
+    squatted = svc.handle(AUTH, body([disk_sample(1, 10)], first_seq=NODE_SEQ_SPAN, times=[T0]))
+    assert squatted.status == 400
+    assert f"node 0's events must have seqs from 0 to {NODE_SEQ_SPAN - 1}" in squatted.body["error"]
+    assert count_events(db_engine) == 0
+    # Node 1's first event, at the seq node 0 tried, is stored as new.
+    assert svc.handle(node_auth(1), node_body(1, [disk_sample(1, 10)])).body == {
+        "accepted": 1,
+        "duplicates": 0,
+    }
 
 
 def test_a_full_disk_on_one_node_is_an_alert_that_names_it(db_engine: Engine) -> None:
