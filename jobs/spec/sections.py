@@ -225,7 +225,8 @@ class BudgetPolicy(Section):
 
     @property
     def caps_spend(self) -> bool:
-        """The hard cap applies: only to a budget written here, never to an estimate."""
+        """The hard cap applies: only to a budget written here (or raised by a resubmit,
+        which writes it here), never to an estimate. The one definition of "capped"."""
         return self.hard_cap and self.usd is not None
 
     @property

@@ -170,8 +170,11 @@ def resubmit_budget(
     carried = run_spent(session, old.id)
     budget = raised_usd if raised_usd is not None else old.budget_usd
     policy = stored_section(old.spec, BudgetPolicy, run_id=old.id)
-    capped = policy.hard_cap and (policy.usd is not None or raised_usd is not None)
-    if capped and budget is not None and carried >= budget:
+    if raised_usd is not None:
+        # A raised budget is the new run's spec's (jobs.resubmits.raise_budget): capped
+        # as one written there is, by the one definition, BudgetPolicy.caps_spend.
+        policy = policy.model_copy(update={"usd": raised_usd})
+    if policy.caps_spend and budget is not None and carried >= budget:
         suggestion = max(2 * budget, carried * 1.5)
         raise ConflictError(
             f"{old.id} has spent {fmt.usd(carried)} of its {fmt.usd(budget)} budget, which has a "
