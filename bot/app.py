@@ -96,6 +96,8 @@ def build_app(
         logger=logging.getLogger("bot.slack"),
     )
     auth = Authorizer(Policy.from_settings(settings), client=client, journal=deps.journal)
+    # The launches that happen later on their own ask the same list, when they happen.
+    deps.may_launch = auth.may_start
     if work is None:
         work = work_pool()
     ctx = ListenerContext(deps=deps, auth=auth, work=work)

@@ -336,6 +336,17 @@ class Authorizer:
             return True
         return self._member(caller.user, launchers, max_age=self._launch_ttl if fresh else None)
 
+    def may_start(self, requester: str) -> bool | None:
+        """``Deps.may_launch``: whether a run's requester may still start compute, when a
+        launch happens on its own; None while Slack cannot list the launcher groups."""
+        if self.may_launch(Caller(team=None, user=requester, channel=None), fresh=True):
+            return True
+        if not any(_is_group(entry) for entry in self.policy.launchers):
+            return False
+        with self._lock:  # the listing just asked for is recorded only when it succeeded
+            listed = self._groups[0] if self._groups is not None else None
+        return None if listed is None or self._clock() - listed >= self._launch_ttl else False
+
     def is_member(self, user: str, channel: str) -> bool:
         """Whether ``user`` is in ``channel`` (an allowed one), as the App Home asks it:
         ``users.conversations``, cached; "no" when Slack cannot say."""

@@ -83,8 +83,11 @@ def _shell() -> int:
     from jobs.settings import load_settings
 
     settings = load_settings()
-    with ControlPlane(settings, notifier=ConsoleNotifier()) as cp:
-        return Shell(cp.deps, user=getpass.getuser()).loop()
+    cp = ControlPlane(settings, notifier=ConsoleNotifier())
+    # Made before the start, so that the preflights it resumes ask the shell's launchers.
+    shell = Shell(cp.deps, user=getpass.getuser())
+    with cp:
+        return shell.loop()
 
 
 def _migrate() -> int:

@@ -100,6 +100,8 @@ class Shell:
         self.caller = Caller(team=None, user=user, channel=channel)
         #: The rules as the settings say them now, decided as for Slack.
         self.auth = LocalAuthorizer(Policy.from_settings(deps.settings), journal=deps.journal)
+        # The launches that happen later on their own ask the same list, when they happen.
+        deps.may_launch = self.auth.may_start
         self.stdin = stdin or sys.stdin
         self.out = out or sys.stdout
 

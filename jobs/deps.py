@@ -55,6 +55,11 @@ def load_secret(state_dir: Path) -> bytes:
     return bytes.fromhex(path.read_text().strip())
 
 
+def anyone_may_launch(requester: str) -> bool | None:
+    """The launcher check where no front end set one: no launcher list, everyone may."""
+    return True
+
+
 def runner_token_key(configured: str) -> bytes:
     """The key runner tokens are derived with, from ``TRAINBOT_RUNNER_TOKEN_SECRET``."""
     return hashlib.sha256(b"trainbot runner tokens\0" + configured.encode()).digest()
@@ -74,6 +79,14 @@ class Deps:
     #: ``TRAINBOT_RUNNER_TOKEN_SECRET`` replaces it when set.
     secret: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
     clock: Callable[[], datetime] = utcnow
+    #: Whether a requester (a run's ``requester``) may start compute now: asked again at
+    #: every launch that happens later on its own (after preflight, when a price is met,
+    #: a resubmit after a preemption, a retry), since the launcher list may have changed
+    #: since the request. None: it cannot be told now (Slack could not list a launcher
+    #: group), and the launch waits for its next try. The front end that takes commands
+    #: sets it (it alone can resolve ``TRAINBOT_LAUNCHERS``' user groups); without one,
+    #: everyone may.
+    may_launch: Callable[[str], bool | None] = anyone_may_launch
     #: Where runners send events (``{public_url}/v1/events``); set once the server listens.
     ingest_url: str = ""
     #: Whether runners get their checkpoint credentials from ``POST /v1/credentials``

@@ -53,6 +53,7 @@ from jobs.runs import (
     end_attempt,
     get_run,
     launch_attempt,
+    launcher_refused,
     move_run,
     refresh_card,
     resource_request,
@@ -141,7 +142,8 @@ def resume_preflights(deps: Deps) -> list[str]:
     """Runs that a crash of the control plane left in PREFLIGHT: end the dry run it left
     behind, if any, and run the checks again. Called once at start; returns the run ids.
 
-    Nothing else would: a run in PREFLIGHT has no attempt for reconcile to find.
+    Nothing else would: a run in PREFLIGHT has no attempt for reconcile to find. A run
+    whose requester may no longer launch is stopped instead (:func:`launcher_refused`).
     """
     from runner.pidfile import end_stale_dry_run
 
@@ -150,6 +152,7 @@ def resume_preflights(deps: Deps) -> list[str]:
             (r.id, r.reason != PREFLIGHT_ONLY)
             for r in session.exec(select(Run).where(Run.state == RunState.PREFLIGHT)).all()
         ]
+    resumed: list[str] = []
     for run_id, launch in runs:
         workdir = deps.settings.state_dir / "preflight" / run_id
         if end_stale_dry_run(workdir / preflight.DRY_RUN_PID_FILE):
@@ -164,6 +167,8 @@ def resume_preflights(deps: Deps) -> list[str]:
                 instance=ended.instance_id,
                 cost_usd=ended.cost_usd,
             )
+        if launcher_refused(deps, run_id, states=(RunState.PREFLIGHT,), unsure=False):
+            continue  # its checks would start a dry run: stopped instead
         with session_scope(deps.engine) as session:
             say(
                 deps,
@@ -174,7 +179,8 @@ def resume_preflights(deps: Deps) -> list[str]:
             )
         deps.journal.record("preflight_resumed", run_id)
         deps.background(preflight_then_launch, deps, run_id, launch=launch)
-    return [run_id for run_id, _ in runs]
+        resumed.append(run_id)
+    return resumed
 
 
 def preflight_then_launch(

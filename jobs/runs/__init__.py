@@ -34,6 +34,7 @@ from jobs.runs.interval import measured_interval
 from jobs.runs.launch import (
     budget_then_launch,
     launch_attempt,
+    launcher_refused,
     provision,
     runner_command,
     runner_env,
@@ -70,6 +71,7 @@ __all__ = [
     "get_run",
     "latest_attempt",
     "launch_attempt",
+    "launcher_refused",
     "measured_interval",
     "move_run",
     "on_attempt_event",

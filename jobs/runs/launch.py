@@ -42,8 +42,18 @@ from jobs.runs.rows import (
     spec_of,
 )
 from jobs.spec import JobSpec
+from jobs.spend import remove_cloud_budgets
 
 log = logging.getLogger(__name__)
+
+#: Why a run stopped when its requester may no longer start compute (``Deps.may_launch``).
+LAUNCHER_REMOVED = (
+    "{user} is no longer allowed to launch (TRAINBOT_LAUNCHERS); the run was stopped "
+    "before its next attempt"
+)
+
+#: The states in which a run's next attempt is launched on its own.
+_LAUNCHABLE = (RunState.LAUNCHING, RunState.RECOVERING)
 
 
 def check_fence(deps: Deps, session: Session | None, *, action: str) -> None:
@@ -147,10 +157,67 @@ def measured_write_env(run: Run) -> dict[str, str]:
     return env
 
 
+def launcher_refused(
+    deps: Deps, run_id: str, *, states: Sequence[RunState] = _LAUNCHABLE, unsure: bool = True
+) -> bool:
+    """Whether ``run_id``'s requester may no longer start compute (``Deps.may_launch``),
+    asked at the moment a launch would happen on its own: after preflight, when a price
+    is met, a resubmit after a preemption, a retry, a preflight resumed after a restart.
+
+    A refused run (in one of ``states``, with no live attempt) is stopped, and its thread
+    says why; nothing is recorded or launched for it, so it leaves no instance. The
+    question is asked outside any transaction (the front end may ask Slack for a user
+    group's members). False when the run is not waiting to start anything.
+
+    ``unsure`` is the answer when the front end cannot tell now (Slack could not list a
+    launcher group): by default the launch waits (reconcile's backstop and the price job
+    ask again); a run is never stopped over an outage.
+    """
+    with session_scope(deps.engine) as session:
+        run = session.get(Run, run_id)
+        if run is None or run.state not in states or active_attempt(session, run_id) is not None:
+            return False
+        requester = run.requester
+    allowed = deps.may_launch(requester)
+    if allowed is None:
+        log.warning(
+            "cannot tell now whether %s may still launch; %s %s",
+            requester,
+            run_id,
+            "waits for the next try" if unsure else "goes on, and is asked again at its launch",
+        )
+        return unsure
+    if allowed:
+        return False
+    now = deps.clock()
+    reason = LAUNCHER_REMOVED.format(user=requester)
+    log.warning("refused the launch of %s: %s may no longer launch", run_id, requester)
+    with session_scope(deps.engine) as session:
+        run = session.get(Run, run_id, with_for_update=True)
+        if run is None or run.state not in states or active_attempt(session, run_id) is not None:
+            return True  # it moved on meanwhile (stopped, or launched before the removal)
+        run.price_wait = None
+        move_run(session, run, RunState.STOPPED, now=now, reason=reason)
+        deps.journal.record("run_finished", run.id, state="STOPPED", reason=reason)
+        say(
+            deps,
+            run,
+            "error",
+            f"{reason}. An admin can resubmit {run.id}; it resumes from its last checkpoint.",
+        )
+        refresh_card(deps, session, run)
+    # No attempt ends to take its cloud budget along (as a stop before a launch).
+    deps.background(remove_cloud_budgets, deps, now=now, run_ids=[run_id])
+    return True
+
+
 @deferrable(Later.LAUNCH)
 def launch_attempt(deps: Deps, run_id: str) -> Attempt | None:
     """Start the next attempt of a run, if it needs one. Safe to call concurrently (and
-    again after a crash: the next attempt number is unique per run)."""
+    again after a crash: the next attempt number is unique per run). Whoever calls it,
+    the run's requester must still be allowed to launch (:func:`launcher_refused`)."""
+    if launcher_refused(deps, run_id):
+        return None
     try:
         made = _new_attempt(deps, run_id, now=deps.clock())
     except ConflictError:
@@ -403,7 +470,9 @@ def budget_then_launch(
     deps: Deps, run_id: str, *, budget: float | None, thresholds: Sequence[int]
 ) -> None:
     """Every way into LAUNCHING (checks passed, a person confirmed, a resubmit) gets the
-    cloud budget."""
+    cloud budget, unless the requester may no longer launch (then neither is made)."""
+    if launcher_refused(deps, run_id, unsure=False):  # launch_attempt asks again
+        return
     if budget:
         cloud_budget(deps, run_id, budget, thresholds)
     launch_attempt(deps, run_id)
