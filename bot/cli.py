@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from bot.commands import BotError
 from jobs.errors import SettingsError, TrainbotError
+from jobs.providers import registration
 
 if TYPE_CHECKING:
     from jobs.bootstrap import ControlPlane
@@ -185,7 +186,9 @@ def launch_policy_problem(settings: Settings) -> str | None:
     the Slack secrets and the database: that is for one person, so with Slack in front of
     it someone has to say who that person (or group) is.
     """
-    if settings.provider == "local" and not settings.launchers:
+    if not settings.launchers and any(
+        registration(name).on_this_machine for name in settings.configured_providers
+    ):
         return (
             "TRAINBOT_LAUNCHERS is not set: with the Slack app and the local provider, "
             "anyone in an allowed channel could run a program on this machine. Set "

@@ -65,10 +65,12 @@ def run_card(card: RunCard) -> str:
 
 
 def card_market(card: RunCard) -> str:
-    """Where the attempt runs and at which price: "on-demand in us-west-2"; "" before any."""
+    """Where the attempt runs and at which price: "on-demand in us-west-2 on aws"; ""
+    before any."""
+    on = f" on {card.provider}" if card.provider else ""
     if card.market and card.region:
-        return f"{card.market} in {card.region}"
-    return card.market or card.region or ""
+        return f"{card.market} in {card.region}{on}"
+    return (card.market or card.region or "") + on
 
 
 def preflight_report(msg: PreflightMessage) -> str:

@@ -9,6 +9,7 @@ background scheduler and the database.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +26,10 @@ from jobs.models import Run
 from jobs.notify import FanoutJournal, Journal, Notifier, NullJournal
 from jobs.pagerduty import EventsClient, PagerDutyBridge
 from jobs.prometheus import ControlPlaneMetrics
-from jobs.providers import credential_broker_from_settings, provider_from_settings
+from jobs.providers import (
+    credential_broker_from_settings,
+    providers_from_settings,
+)
 from jobs.providers.base import Provider
 from jobs.rules import Rule, Signal, default_rules
 from jobs.runs import on_attempt_event, raise_signals
@@ -45,9 +49,13 @@ log = logging.getLogger(__name__)
 STREAM_RULES = frozenset({"divergent_loss", "low_utilisation", "disk"})
 
 
-def build_provider(settings: Settings) -> Provider:
-    """The provider the settings name, through the registry (``jobs.providers``)."""
-    return provider_from_settings(settings)
+def build_providers(
+    settings: Settings, *, default: Provider | None = None, built: Sequence[Provider] = ()
+) -> dict[str, Provider]:
+    """Every provider the settings configure (``TRAINBOT_PROVIDERS`` and
+    ``TRAINBOT_PROVIDER``), the default first; ``default`` and ``built`` ones (a test's)
+    are used as they are, ``default`` in place of ``TRAINBOT_PROVIDER``'s."""
+    return providers_from_settings(settings, default=default, built=built)
 
 
 def build_credential_broker(settings: Settings) -> CredentialBroker | None:
@@ -121,6 +129,7 @@ class ControlPlane:
         notifier: Notifier,
         journal: Journal | None = None,
         provider: Provider | None = None,
+        providers: Sequence[Provider] = (),
         scheduler: bool = True,
         scheduler_intervals: dict[str, float] | None = None,
         extra_apps: dict[str, WSGIApplication] | None = None,
@@ -130,16 +139,20 @@ class ControlPlane:
         """``lease_s``: how long the scheduler lease lasts unless renewed (a dead leader
         is replaced within it; default: ``TRAINBOT_SCHEDULER_LEASE_S``); ``lease_holder``:
         this replica's name on the lease (default: one per process; tests running
-        several replicas in one process give each its own)."""
+        several replicas in one process give each its own); ``provider``, ``providers``:
+        providers built already (a test's), used instead of building them from the
+        settings (``provider`` is the default one)."""
         self.settings = settings
         engine = make_engine(settings.database_url)
         migrate(engine)
         base_journal = journal or NullJournal()
         pager = build_pager(settings, engine)
+        configured = build_providers(settings, default=provider, built=providers)
         self.deps = Deps(
             settings=settings,
             engine=engine,
-            provider=provider or build_provider(settings),
+            provider=next(iter(configured.values())),
+            providers=configured,
             notifier=notifier,
             journal=FanoutJournal(base_journal, pager) if pager is not None else base_journal,
             secret=load_secret(settings.state_dir),
@@ -213,7 +226,7 @@ class ControlPlane:
         if self.server is not None:
             self.server.shutdown()
             self.server = None
-        self.deps.provider.close()
+        self.deps.close_providers()
         self.deps.engine.dispose()
 
     def __enter__(self) -> ControlPlane:

@@ -30,8 +30,10 @@ from jobs.errors import DatabaseError
 from jobs.models import utcnow
 from jobs.notify import Journal, Notifier, NullJournal
 from jobs.pagerduty import PagerDutyBridge
-from jobs.providers.base import Provider
+from jobs.providers import ProviderNotConfigured, registration
+from jobs.providers.base import Provider, ProviderError
 from jobs.settings import Settings
+from jobs.spec import JobSpec, Resources
 from jobs.workers import Workers
 
 log = logging.getLogger(__name__)
@@ -71,8 +73,14 @@ class Deps:
 
     settings: Settings
     engine: Engine
+    #: The default provider (``TRAINBOT_PROVIDER``): a spec naming no ``resources.cloud``
+    #: runs on it. Where a run, an attempt or a dry run is at hand, ask
+    #: :meth:`provider_for` or :meth:`provider_named` instead.
     provider: Provider
     notifier: Notifier
+    #: Every configured provider by name (``TRAINBOT_PROVIDERS``), the default first;
+    #: the default is added when missing. Reconcile, spend and cleanup cover them all.
+    providers: dict[str, Provider] = field(default_factory=dict)
     journal: Journal = field(default_factory=NullJournal)
     #: Secret used to derive per-attempt runner tokens (so a relaunch after a crash, or
     #: by another replica, can give the instance the same token that is stored hashed);
@@ -115,10 +123,59 @@ class Deps:
     _terminating_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
+        self.providers = {self.provider.name: self.provider, **self.providers}
         configured = self.settings.runner_token_secret
         if configured is not None:
             # The deployment's shared secret (every replica's) wins over a per-process one.
             self.secret = runner_token_key(configured.get_secret_value())
+
+    def provider_named(self, name: str) -> Provider:
+        """The configured provider ``name`` (an attempt's, a dry run's, a spec's cloud);
+        :class:`ProviderNotConfigured`, saying what to set, when this control plane has
+        not configured it."""
+        found = self.providers.get(name)
+        if found is not None:
+            return found
+        configured = ", ".join(self.providers)
+        try:
+            prefix = registration(name).settings_prefix
+        except ProviderError:
+            prefix = ""
+        how = f" and its {prefix}* settings" if prefix else ""
+        raise ProviderNotConfigured(
+            f"the {name} provider is not configured on this control plane (configured: "
+            f"{configured}): an admin adds it to TRAINBOT_PROVIDERS (e.g. "
+            f"TRAINBOT_PROVIDERS={','.join([*self.providers, name])}){how}; or set "
+            f"resources.cloud to one of {configured}",
+            name=name,
+        )
+
+    def provider_for(
+        self, spec: JobSpec | Resources, *, launched_on: str | None = None
+    ) -> Provider:
+        """The provider a run goes on: the one its attempts were launched on
+        (``launched_on``: a run stays with its provider), else its spec's
+        ``resources.cloud`` (``spec`` may be the resources section alone, read
+        leniently from a stored run), else the default."""
+        res = spec.resources if isinstance(spec, JobSpec) else spec
+        return self.provider_named(launched_on or res.cloud or self.provider.name)
+
+    def provider_or_default(self, spec: JobSpec | Resources) -> Provider:
+        """:meth:`provider_for`, or the default provider where the spec's cloud is not
+        configured: for ending what a run started, where nothing can have started on a
+        provider that preflight refused."""
+        try:
+            return self.provider_for(spec)
+        except ProviderNotConfigured:
+            return self.provider
+
+    def close_providers(self) -> None:
+        """Close every configured provider (their instances keep running)."""
+        for provider in self.providers.values():
+            try:
+                provider.close()
+            except Exception:
+                log.exception("closing the %s provider failed", provider.name)
 
     def claim_termination(self, instance_id: str) -> tuple[threading.Event, bool]:
         """The event that is set once ``instance_id``'s terminate returns, and whether the

@@ -66,6 +66,8 @@ class RunCard(Message):
     market: str | None = None
     #: The attempt's region (after a failover, not the spec's first).
     region: str | None = None
+    #: The provider the attempt runs on ("aws", "local"), by its registry name.
+    provider: str | None = None
     reason: str | None = None
 
 

@@ -21,7 +21,7 @@ from jobs.errors import ConflictError, NotFound
 from jobs.lifecycle import RunState
 from jobs.models import Alert, Attempt, CommandLog, OnCall, Run, utcnow
 from jobs.notify import RunCard
-from jobs.providers.base import InstanceNotFound
+from jobs.providers.base import InstanceNotFound, ProviderError
 from jobs.runs import (
     active_attempt,
     card,
@@ -78,11 +78,15 @@ def logs(deps: Deps, run_id: str, actor: Actor, *, lines: int = 30) -> str:
         )
         if attempt is None or attempt.instance_id is None:
             raise NotFound(f"{run.id} has no instance yet, so no logs")
-        instance_id = attempt.instance_id
-    if not deps.provider.capabilities.instance_logs:
-        raise NotFound(f"the {deps.provider.name} provider keeps logs on the instance")
+        instance_id, provider_name = attempt.instance_id, attempt.provider
     try:
-        return deps.provider.instance_log(instance_id, lines=lines)
+        provider = deps.provider_named(provider_name)
+    except ProviderError as exc:
+        raise NotFound(f"no logs for {run_id}: {exc}") from None
+    if not provider.capabilities.instance_logs:
+        raise NotFound(f"the {provider.name} provider keeps logs on the instance")
+    try:
+        return provider.instance_log(instance_id, lines=lines)
     except InstanceNotFound:
         raise NotFound(f"no log for instance {instance_id} yet") from None
 

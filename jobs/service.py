@@ -29,6 +29,7 @@ from jobs.lifecycle import AttemptState, RunState
 from jobs.locations import checkpoint_root
 from jobs.logs import log_context
 from jobs.models import Run, new_id
+from jobs.providers.base import Provider, ProviderError
 from jobs.queries import (
     LIST_LIMIT,
     acknowledge,
@@ -60,7 +61,7 @@ from jobs.runs import (
     say,
     spec_of,
 )
-from jobs.spec import load_spec
+from jobs.spec import JobSpec, Resources, load_spec, stored_section
 
 log = logging.getLogger(__name__)
 
@@ -148,17 +149,20 @@ def resume_preflights(deps: Deps) -> list[str]:
     from runner.pidfile import end_stale_dry_run
 
     with session_scope(deps.engine) as session:
-        runs = [
-            (r.id, r.reason != PREFLIGHT_ONLY)
-            for r in session.exec(select(Run).where(Run.state == RunState.PREFLIGHT)).all()
-        ]
+        rows = session.exec(select(Run).where(Run.state == RunState.PREFLIGHT)).all()
+        runs = [(r.id, r.reason != PREFLIGHT_ONLY) for r in rows]
+        # Each run's dry run was on its spec's provider.
+        dry_run_providers = {
+            r.id: deps.provider_or_default(stored_section(r.spec, Resources, run_id=r.id))
+            for r in rows
+        }
     resumed: list[str] = []
     for run_id, launch in runs:
         workdir = deps.settings.state_dir / "preflight" / run_id
         if end_stale_dry_run(workdir / preflight.DRY_RUN_PID_FILE):
             deps.journal.record("dry_run_ended", run_id, reason="control plane restarted")
         for ended in preflight.end_stale_dry_runs(
-            deps.engine, deps.provider, run_id, clock=deps.clock
+            deps.engine, dry_run_providers[run_id], run_id, clock=deps.clock
         ):
             deps.journal.record(
                 "dry_run_ended",
@@ -205,20 +209,24 @@ def _preflight_then_launch(
         requester = run.requester
     workdir = deps.settings.state_dir / "preflight" / run_id
     workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        provider = deps.provider_for(spec)
+        request = resource_request(spec, provider)
+    except ProviderError as exc:  # its cloud is not configured here, or has no region
+        _refuse_provider(deps, run_id, spec, exc)
+        return
     ctx = preflight.PreflightContext(
         spec=spec,
         run_id=run_id,
-        provider=deps.provider,
-        request=resource_request(spec),
+        provider=provider,
+        request=request,
         checkpoint_uri=checkpoint_uri,
-        mtbp_s=deps.settings.assumed_mtbp_s or preflight.assumed_mtbp_s(deps.provider),
+        mtbp_s=deps.settings.assumed_mtbp_s or preflight.assumed_mtbp_s(provider),
         # Only a provider whose instances are this machine's processes gets a dry run
         # here; with a cloud provider preflight runs nothing (jobs.preflight.DryRunCheck).
-        env=(
-            {"PYTHONPATH": _code_root()} if deps.provider.capabilities.runs_on_this_machine else {}
-        ),
+        env=({"PYTHONPATH": _code_root()} if provider.capabilities.runs_on_this_machine else {}),
         workdir=workdir,
-        cloud=_cloud_dry_run(deps, run_id, owner=requester),
+        cloud=_cloud_dry_run(deps, run_id, provider, owner=requester),
     )
 
     def on_result(result: preflight.CheckResult) -> None:
@@ -267,10 +275,47 @@ def _preflight_then_launch(
         budget_then_launch(deps, run_id, budget=budget, thresholds=spec.budget.thresholds)
 
 
-def _cloud_dry_run(deps: Deps, run_id: str, *, owner: str) -> preflight.CloudDryRun | None:
+def _refuse_provider(deps: Deps, run_id: str, spec: JobSpec, exc: ProviderError) -> None:
+    """Fail the run's preflight at once: its spec's cloud is not one this control plane
+    configures (or gives no region); the report says what to set."""
+    result = preflight.CheckResult(
+        "provider",
+        preflight.Status.FAIL,
+        f"the spec asks for resources.cloud={spec.resources.cloud or deps.provider.name}: {exc}",
+        "an admin configures that provider (TRAINBOT_PROVIDERS and its settings), or "
+        "change resources.cloud in the spec to a configured one",
+        data={"cloud": spec.resources.cloud, "configured": list(deps.providers)},
+    )
+    deps.journal.record(
+        "preflight_check",
+        run_id,
+        check=result.name,
+        status=result.status.value,
+        detail=result.detail,
+        remedy=result.remedy,
+    )
+    report = preflight.PreflightReport(results=(result,))
+    with session_scope(deps.engine) as session:
+        run = get_run(session, run_id)
+        if run.state != RunState.PREFLIGHT:
+            return
+        run.preflight = report.as_dict()
+        deps.notifier.post(
+            report.to_message(channel=channel_of(run), thread_ts=run.thread_ts, run_id=run_id)
+        )
+        move_run(
+            session, run, RunState.PREFLIGHT_FAILED, now=deps.clock(), reason="provider failed"
+        )
+        deps.journal.record("run_finished", run_id, state="PREFLIGHT_FAILED", reason=run.reason)
+        refresh_card(deps, session, run)
+
+
+def _cloud_dry_run(
+    deps: Deps, run_id: str, provider: Provider, *, owner: str
+) -> preflight.CloudDryRun | None:
     """What a dry run on a cloud instance needs; None with the local provider (a local
     process) or without a URL instances can report to."""
-    if deps.provider.capabilities.runs_on_this_machine or not deps.ingest_url:
+    if provider.capabilities.runs_on_this_machine or not deps.ingest_url:
         return None
 
     def say_in_thread(text: str) -> None:
@@ -330,13 +375,16 @@ def stop(deps: Deps, run_id: str, actor: Actor, *, reason: str | None = None) ->
         say(deps, run, "info", f"{actor.user} stopped {run.id}; the instance is shutting down.")
         refresh_card(deps, session, run)
         attempt_id = attempt.id if attempt else None
+        dry_run_provider = deps.provider_or_default(
+            stored_section(run.spec, Resources, run_id=run.id)
+        )
         detach(session, run)
     # On the stop lane, never behind other background work: a dry run under way ends
     # (its token revoked, its instance terminated), and so does the attempt's instance.
     deps.urgent(
         preflight.stop_dry_runs,
         deps.engine,
-        deps.provider,
+        dry_run_provider,
         run_id,
         pid_file=deps.settings.state_dir / "preflight" / run_id / preflight.DRY_RUN_PID_FILE,
         reason=f"{run_id} was stopped by {actor.user}",

@@ -35,6 +35,7 @@ from pydantic_settings import (
 )
 
 from jobs.errors import SettingsError, describe_validation_error
+from jobs.providers import PROVIDERS, known_names, registration
 
 __all__ = ["ENV_PREFIX", "SHIPPED_SPECS_DIR", "Settings", "env_name", "load_settings"]
 
@@ -81,8 +82,11 @@ class Settings(BaseSettings):
     state_dir: Path = Path("~/.trainbot")
     #: SQLAlchemy URL. Empty means ``sqlite:///{state_dir}/trainbot.db``.
     database_url: str = ""
-    #: Which provider launches instances.
-    provider: Literal["local", "aws", "gcp"] = "local"
+    #: The default provider: it launches a spec that names no ``resources.cloud``.
+    provider: str = "local"
+    #: Every provider this control plane configures (``local,aws,gcp``); a spec's
+    #: ``resources.cloud`` picks one of them. The default ``provider`` is always one.
+    providers: CommaList = Field(default_factory=list)
     #: Root URI for checkpoints when a spec names none. Empty means ``{state_dir}/checkpoints``.
     checkpoint_uri: str = ""
     #: Directory of job specs (``<name>.yaml``). Defaults to the examples shipped in the package.
@@ -267,6 +271,7 @@ class Settings(BaseSettings):
         "aws_budget_emails",
         "aws_regions",
         "dry_run_instance_types",
+        "providers",
         mode="before",
     )
     @classmethod
@@ -281,6 +286,16 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return [item.strip() for item in value.split(",") if item.strip()]
         return value
+
+    @field_validator("provider", mode="after")
+    @classmethod
+    def _registered_provider(cls, value: str) -> str:
+        return _registered([value])[0]
+
+    @field_validator("providers", mode="after")
+    @classmethod
+    def _registered_providers(cls, value: list[str]) -> list[str]:
+        return _registered(value)
 
     @field_validator("timezone")
     @classmethod
@@ -350,7 +365,7 @@ class Settings(BaseSettings):
                         f"{env_name(field)} is not set: the Slack notifier needs it; copy it "
                         "from the Slack app's settings, or set TRAINBOT_NOTIFIER=console"
                     )
-        if self.provider != "local":
+        if any(not registration(name).on_this_machine for name in self.configured_providers):
             if self.checkpoint_uri.startswith(("file:", "/")) or "://" not in self.checkpoint_uri:
                 problems.append(
                     f"{env_name('checkpoint_uri')}={self.checkpoint_uri!r}: cloud instances "
@@ -366,9 +381,24 @@ class Settings(BaseSettings):
         return problems
 
     @property
+    def configured_providers(self) -> tuple[str, ...]:
+        """Every configured provider's name, the default first."""
+        return tuple(dict.fromkeys([self.provider, *self.providers]))
+
+    @property
     def tz(self) -> zoneinfo.ZoneInfo:
         """The digest time zone as an object (validated at load)."""
         return zoneinfo.ZoneInfo(self.timezone)
+
+
+def _registered(names: list[str]) -> list[str]:
+    """``names``, lower-cased, each a provider of the registry (``jobs.providers``)."""
+    wanted = [name.strip().lower() for name in names]
+    unknown = [name for name in wanted if name not in PROVIDERS]
+    if unknown:
+        got = f" (not {unknown[0]!r})" if len(wanted) > 1 else ""
+        raise ValueError(f"expected one of {known_names()}{got}")
+    return list(dict.fromkeys(wanted))
 
 
 def _summary(problems: list[str]) -> str:

@@ -43,6 +43,7 @@ from jobs.runs import (
     spec_of,
     watched_spec,
 )
+from jobs.runs.placement import request_in
 from jobs.runs.price import watch_prices
 from jobs.spec import Notify, stored_section
 from runner.errors import RunnerError
@@ -172,14 +173,20 @@ def refresh_prices(deps: Deps) -> int:
             .where(col(Attempt.state).in_([AttemptState.PROVISIONING, AttemptState.RUNNING]))
         ).all()
         wanted = [
-            (a.id, resource_request(spec, spot=a.spot), a.zone, a.spot)
+            (a.id, a.provider, spec, a.region, a.zone, a.spot)
             for a, r in live
             if (spec := watched_spec(r)) is not None  # unreadable: flagged by the spend job
         ]
     prices: dict[str, tuple[float, float]] = {}
-    for attempt_id, request, zone, spot in wanted:
-        try:
-            quote = deps.provider.price(request, zone=zone)
+    for attempt_id, on, spec, region, zone, spot in wanted:
+        try:  # the attempt's own provider and region
+            provider = deps.provider_named(on)
+            request = (
+                request_in(spec, region, spot=spot, provider=provider)
+                if region
+                else resource_request(spec, provider, spot=spot)
+            )
+            quote = provider.price(request, zone=zone)
         except ProviderError as exc:
             log.warning("price refresh for %s failed: %s", attempt_id, exc)
             continue

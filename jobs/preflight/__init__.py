@@ -22,7 +22,6 @@ from jobs.preflight.data import DataLocalityCheck
 from jobs.preflight.dry_run import DRY_RUN_PID_FILE, DryRunCheck, dry_run_command
 from jobs.preflight.dry_run_limits import DryRunLimits
 from jobs.preflight.interval import (
-    DEFAULT_REGIONS,
     DEFAULT_SPOT_MTBP_S,
     assumed_mtbp_s,
     checkpoint_interval,
@@ -42,7 +41,6 @@ from jobs.preflight.run import default_checks, run_preflight
 from jobs.preflight.shape import InstanceShapeCheck, one_larger_instance
 
 __all__ = [
-    "DEFAULT_REGIONS",
     "DEFAULT_SPOT_MTBP_S",
     "DRY_RUN_PID_FILE",
     "BudgetCheck",

@@ -16,22 +16,13 @@ from urllib.parse import unquote, urlparse
 
 from jobs.preflight.regions import region_requests, said_list
 from jobs.preflight.report import CheckResult, PreflightContext, Status
+from jobs.providers import PROVIDERS, cloud_of_scheme
 from jobs.providers.base import BucketLocation, Provider, ProviderError
 from jobs.spec import JobSpec
 
 __all__ = ["BucketLookup", "DataLocalityCheck", "region_refusal"]
 
 log = logging.getLogger(__name__)
-
-#: Object-store URI schemes → the provider whose instances hold credentials for them.
-_CLOUD_OF_SCHEME: Mapping[str, str] = {"s3": "aws", "gs": "gcp"}
-
-#: How to create a checkpoint bucket in a region, by provider. Cloud Storage keeps
-#: deleted objects for a week by default (soft delete): every pruned checkpoint, billed.
-_NEW_BUCKET: Mapping[str, str] = {
-    "aws": "aws s3 mb s3://BUCKET --region {region}",
-    "gcp": "gcloud storage buckets create gs://BUCKET --location={region} --soft-delete-duration=0",
-}
 
 _ORDER = (Status.PASS, Status.WARN, Status.FAIL)
 
@@ -235,8 +226,9 @@ def _checkpoint_store(ctx: PreflightContext, region: str, buckets: BucketLookup)
             new_bucket,
             data,
         )
-    owner = _CLOUD_OF_SCHEME.get(scheme)
-    if owner is not None and provider.name in _CLOUD_OF_SCHEME.values() and owner != provider.name:
+    # The provider whose instances hold credentials for the scheme (the registry says).
+    owner = cloud_of_scheme(scheme)
+    if owner is not None and _has_store(provider.name) and owner != provider.name:
         data["cloud"] = owner
         return _Finding(
             Status.FAIL,
@@ -285,8 +277,16 @@ def _checkpoint_store(ctx: PreflightContext, region: str, buckets: BucketLookup)
     return _Finding(Status.FAIL, crossing, new_bucket, data)
 
 
+def _has_store(name: str) -> bool:
+    """The provider has an object store of its own (a test's provider may not be in the
+    registry)."""
+    found = PROVIDERS.get(name)
+    return found is not None and bool(found.store_schemes)
+
+
 def _new_bucket_remedy(ctx: PreflightContext, region: str) -> str:
-    command = _NEW_BUCKET.get(ctx.provider.name)
+    found = PROVIDERS.get(ctx.provider.name)
+    command = found.new_bucket if found is not None else ""
     how = f" (`{command.format(region=region)}`)" if command else ""
     return (
         f"create a checkpoint bucket in {region}{how} and set checkpoint.uri in the spec "

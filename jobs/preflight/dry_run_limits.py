@@ -17,7 +17,6 @@ settings, set by whoever runs the control plane, never by a spec:
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from sqlmodel import Session, col, select
@@ -25,36 +24,11 @@ from sqlmodel import Session, col, select
 from jobs.format import usd
 from jobs.models import DryRunInstance, Run
 from jobs.preflight.report import CheckResult, Status
+from jobs.providers import PROVIDERS
 from jobs.providers.base import CPU_INSTANCE
 from jobs.settings import Settings
 
-__all__ = ["DEFAULT_TYPES", "DryRunLimits", "live_in_channel", "slot_lock"]
-
-#: Per provider, the dry-run types allowed when ``TRAINBOT_DRY_RUN_INSTANCE_TYPES`` is
-#: unset: small CPU types and the one-GPU type of each accelerator (a dry run is one
-#: process, a few steps).
-DEFAULT_TYPES: Mapping[str, tuple[str, ...]] = {
-    "aws": (
-        "t3.medium",
-        "t3.large",
-        "m6i.large",
-        "m6i.xlarge",
-        "g4dn.xlarge",
-        "g5.xlarge",
-        "g6.xlarge",
-        "g6e.xlarge",
-        "p3.2xlarge",
-    ),
-    "gcp": (
-        "e2-standard-2",
-        "e2-standard-4",
-        "n1-standard-4",
-        "n2-standard-4",
-        "g2-standard-4",
-        "a2-highgpu-1g",
-        "a2-ultragpu-1g",
-    ),
-}
+__all__ = ["DryRunLimits", "live_in_channel", "slot_lock"]
 
 #: Held while a dry run is counted against its channel and its row written, so two
 #: preflights of one replica cannot both take the last place. (Replicas sharing a
@@ -66,7 +40,8 @@ slot_lock = threading.Lock()
 class DryRunLimits:
     """The admin's limits on cloud dry runs (``TRAINBOT_DRY_RUN*``)."""
 
-    #: Types a spec may name; empty: the provider's defaults (:data:`DEFAULT_TYPES`).
+    #: Types a spec may name; empty: the provider's defaults (its registration's
+    #: ``dry_run_types``, :mod:`jobs.providers`).
     instance_types: tuple[str, ...] = ()
     #: The most a dry run's instance may cost per hour, as launched.
     max_usd_per_hour: float = 8.0
@@ -82,7 +57,8 @@ class DryRunLimits:
         )
 
     def allowed(self, provider: str) -> tuple[str, ...]:
-        return self.instance_types or DEFAULT_TYPES.get(provider, ())
+        found = PROVIDERS.get(provider)
+        return self.instance_types or (found.dry_run_types if found is not None else ())
 
     def refuse_type(self, provider: str, instance_type: str | None) -> CheckResult | None:
         """A FAIL when the spec names a type the admin does not allow, else None."""

@@ -7,16 +7,14 @@ The interval is Daly's optimum from the dry run's measured costs
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from jobs.format import duration
-from jobs.providers.base import Provider, ResourceRequest
-from jobs.providers.local import REGION as LOCAL_REGION
+from jobs.providers.base import Provider, ProviderError, ResourceRequest
 from jobs.spec import JobSpec, Resources
 from runner.preemption import IntervalChoice, choose_interval
 
 __all__ = [
-    "DEFAULT_REGIONS",
     "DEFAULT_SPOT_MTBP_S",
     "assumed_mtbp_s",
     "checkpoint_interval",
@@ -32,33 +30,36 @@ __all__ = [
 #: GPU types people want are reclaimed far more often; 6 hours keeps Daly's interval short.
 DEFAULT_SPOT_MTBP_S = 6 * 3600.0
 
-#: The region a run goes to when its spec names none. The Provider protocol answers
-#: quota and capacity for one region at a time, so "pick a region" means this default.
-DEFAULT_REGIONS: Mapping[str, str] = {
-    "local": LOCAL_REGION,
-    "aws": "us-east-1",
-    "gcp": "us-central1",
-}
-
-
 #: Command-line flags whose value is the run's total number of steps (argparse style).
 _STEP_FLAGS = ("--steps", "--max-steps", "--max_steps")
 
 
-def resource_request(spec: JobSpec, *, spot: bool | None = None) -> ResourceRequest:
-    """The spec's resources in the provider's terms, in the first of ``resources.regions``
-    (none means the cloud's default); each region's own request is
+def resource_request(
+    spec: JobSpec, provider: Provider, *, spot: bool | None = None
+) -> ResourceRequest:
+    """The spec's resources in ``provider``'s terms (the provider the spec runs on), in
+    the first of ``resources.regions``, or the provider's own default region (its
+    ``TRAINBOT_AWS_REGION``…) when the spec names none; each region's own request is
     :func:`jobs.runs.placement.request_in`, which the checks ask with several regions.
     ``spot`` overrides the spec's market (an on-demand fallback attempt)."""
-    return resources_request(spec.resources, spot=spot)
+    return resources_request(spec.resources, provider, spot=spot)
 
 
-def resources_request(res: Resources, *, spot: bool | None = None) -> ResourceRequest:
-    """:func:`resource_request` of the resources section alone (one instance's share)."""
+def resources_request(
+    res: Resources, provider: Provider, *, spot: bool | None = None, region: str | None = None
+) -> ResourceRequest:
+    """:func:`resource_request` of the resources section alone (one instance's share);
+    ``region`` overrides the spec's."""
     acc = res.accelerator
+    region = region or res.region or provider.capabilities.default_region
+    if region is None:
+        raise ProviderError(
+            f"the {provider.name} provider has no default region: set resources.region "
+            "in the spec, or configure the provider's region"
+        )
     return ResourceRequest(
-        cloud=res.cloud,
-        region=res.region or DEFAULT_REGIONS[res.cloud],
+        cloud=provider.name,
+        region=region,
         zones=tuple(res.zones),
         accelerator_type=acc.type if acc is not None else None,
         accelerator_count=acc.count if acc is not None else 0,

@@ -35,7 +35,7 @@ def request_for(ctx: PreflightContext, region: str, *, spot: bool | None = None)
     # per-region request is defined once for both.
     from jobs.runs.placement import request_in
 
-    return request_in(ctx.spec, region, spot=market)
+    return request_in(ctx.spec, region, spot=market, provider=ctx.provider)
 
 
 def said_list(names: Sequence[str], *, word: str = "and") -> str:

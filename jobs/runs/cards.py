@@ -44,6 +44,7 @@ def card(session: Session, run: Run) -> RunCard:
         zone=att.zone if att else None,
         market=None if att is None else "spot" if att.spot else "on-demand",
         region=att.region if att else None,
+        provider=att.provider if att else None,
         reason=run.reason,
     )
 

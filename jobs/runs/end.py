@@ -54,11 +54,13 @@ def end_attempt(
         with session_scope(deps.engine) as session:
             attempt = session.get(Attempt, attempt_id)
             instance = attempt.instance_id if attempt and not attempt.state.is_terminal() else None
+            on = attempt.provider if attempt else None
         if instance is not None:
-            terminate_instance(deps, instance)
+            terminate_instance(deps, instance, provider=on)
     now = deps.clock()
     resubmit_after: float | None = None
     instance_id: str | None = None
+    provider_name: str | None = None
     with session_scope(deps.engine) as session:
         attempt = session.get(Attempt, attempt_id)
         if attempt is None or attempt.state.is_terminal():
@@ -78,7 +80,7 @@ def end_attempt(
         attempt.end_reason = reason
         attempt.ended_at = now
         attempt.token_hash = None  # revokes the runner's token
-        instance_id = attempt.instance_id
+        instance_id, provider_name = attempt.instance_id, attempt.provider
         if state in (AttemptState.PREEMPTED, AttemptState.LOST):
             record_lost_work(session, run, attempt, now=now)
         session.add(attempt)
@@ -139,7 +141,8 @@ def end_attempt(
         # a provider whose terminate waits for them (the local one) would wait on itself
         # until its grace ran out. On the stop lane, never queued behind preflights or
         # launches (the instance bills until it goes). Reconcile retries what is left.
-        deps.urgent(terminate_instance, deps, instance_id)  # scripted, not remembered
+        # Scripted, not remembered.
+        deps.urgent(terminate_instance, deps, instance_id, provider=provider_name)
 
 
 def _preempted_all_the_same(deps: Deps, attempt_id: str) -> str | None:
@@ -151,11 +154,11 @@ def _preempted_all_the_same(deps: Deps, attempt_id: str) -> str | None:
             return None
         if attempt.preemption_notice_at is not None:
             return "it had a preemption notice, so it resumes"
-        instance_id = attempt.instance_id
+        instance_id, on = attempt.instance_id, attempt.provider
     if instance_id is None:
         return None
     try:
-        status = deps.provider.status(instance_id)
+        status = deps.provider_named(on).status(instance_id)
     except ProviderError as exc:  # InstanceNotFound included: nothing to say otherwise
         log.info("status of %s after its failure: %s", instance_id, exc)
         return None
@@ -167,9 +170,12 @@ def _preempted_all_the_same(deps: Deps, attempt_id: str) -> str | None:
     return None
 
 
-def terminate_instance(deps: Deps, instance_id: str, *, wait: bool = True) -> bool:
+def terminate_instance(
+    deps: Deps, instance_id: str, *, wait: bool = True, provider: str | None = None
+) -> bool:
     """Terminate an instance, once at a time: when another thread is terminating it,
     wait for that (``wait``) or return at once. True when this call terminated it.
+    ``provider``: the name of the provider it is on (an attempt's); None: the default.
 
     Scheduled work (reconcile, a spend stop) is fenced: a deposed leader's call raises
     :class:`~jobs.errors.FencedOut` before it reaches the provider."""
@@ -180,7 +186,7 @@ def terminate_instance(deps: Deps, instance_id: str, *, wait: bool = True) -> bo
             done.wait()
         return False
     try:
-        deps.provider.terminate(instance_id)
+        deps.provider_named(provider or deps.provider.name).terminate(instance_id)
     except InstanceNotFound:
         pass
     except ProviderError as exc:

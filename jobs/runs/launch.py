@@ -41,7 +41,7 @@ from jobs.runs.rows import (
     move_run,
     spec_of,
 )
-from jobs.spec import JobSpec
+from jobs.spec import JobSpec, Resources, stored_section
 from jobs.spend import remove_cloud_budgets
 
 log = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ def check_fence(deps: Deps, session: Session | None, *, action: str) -> None:
 def runner_command(deps: Deps, spec: JobSpec) -> list[str]:
     """What the instance runs: the supervisor around the spec's command."""
     command = list(spec.command)
-    local = deps.provider.capabilities.runs_on_this_machine
+    local = deps.provider_for(spec).capabilities.runs_on_this_machine
     if local and command and command[0] in ("python", "python3"):
         command[0] = sys.executable  # the local "instance" shares this machine's interpreter
     runner = [sys.executable, "-m", "runner.cli"] if local else ["trainbot-runner"]
@@ -98,6 +98,7 @@ def runner_command(deps: Deps, spec: JobSpec) -> list[str]:
 
 
 def runner_env(deps: Deps, run: Run, attempt: Attempt, spec: JobSpec) -> dict[str, str]:
+    provider = deps.provider_named(attempt.provider)
     env = dict(spec.env)
     env.update(
         TRAINBOT_RUN_ID=run.id,
@@ -105,12 +106,12 @@ def runner_env(deps: Deps, run: Run, attempt: Attempt, spec: JobSpec) -> dict[st
         TRAINBOT_CHECKPOINT_URI=run.checkpoint_uri or deps.settings.checkpoint_uri,
         TRAINBOT_CHECKPOINT_PREFIX=checkpoint_prefix(run),
         TRAINBOT_TOKEN=deps.runner_token(attempt.id),
-        TRAINBOT_TERMINATION_WINDOW_S=str(deps.provider.capabilities.termination_window_s),
+        TRAINBOT_TERMINATION_WINDOW_S=str(provider.capabilities.termination_window_s),
         TRAINBOT_METRICS_EVERY="1",
     )
     if deps.ingest_url:
         env["TRAINBOT_INGEST_URL"] = deps.ingest_url
-    if deps.store_credentials:
+    if deps.store_credentials and provider is deps.provider:  # the default's broker
         env["TRAINBOT_STORE_CREDENTIALS"] = "broker"  # the store asks /v1/credentials
     if run.checkpoint_interval_s:
         env["TRAINBOT_CHECKPOINT_INTERVAL_S"] = f"{run.checkpoint_interval_s:.3f}"
@@ -130,12 +131,12 @@ def runner_env(deps: Deps, run: Run, attempt: Attempt, spec: JobSpec) -> dict[st
         # A run resubmitted from a step (its own directory holds a copy of that step; a
         # step 0 needs no maximum, and the runner takes only a positive one).
         env["TRAINBOT_RESUME_MAX_STEP"] = str(attempt.resumed_from_step)
-    if deps.provider.capabilities.runs_on_this_machine:
+    if provider.capabilities.runs_on_this_machine:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     else:
         # The notices of the cloud the instance really is on, not the one a spec names.
-        env["TRAINBOT_PREEMPTION_SOURCES"] = deps.provider.capabilities.preemption_source
+        env["TRAINBOT_PREEMPTION_SOURCES"] = provider.capabilities.preemption_source
     return env
 
 
@@ -278,7 +279,7 @@ def _new_attempt(deps: Deps, run_id: str, *, now: datetime) -> tuple[str, str] |
         attempt = Attempt(
             run_id=run_id,
             number=number,
-            provider=deps.provider.name,
+            provider=placement.provider or deps.provider.name,
             region=placement.region,
             zone=placement.zone,
             instance_type=spec.resources.instance_type,
@@ -336,14 +337,15 @@ def provision(deps: Deps, attempt_id: str, *, why: str = "") -> Attempt | None:
                 attempt.id,
             )
         spec = spec_of(run)
+        provider = deps.provider_named(attempt.provider)
         req = LaunchRequest(
             run_id=run.id,
             attempt_id=attempt.id,
             owner=run.requester,
             request=(
-                request_in(spec, attempt.region, spot=attempt.spot)
+                request_in(spec, attempt.region, spot=attempt.spot, provider=provider)
                 if attempt.region
-                else resource_request(spec, spot=attempt.spot)
+                else resource_request(spec, provider, spot=attempt.spot)
             ),
             zone=attempt.zone or "",
             command=runner_command(deps, spec),
@@ -355,8 +357,8 @@ def provision(deps: Deps, attempt_id: str, *, why: str = "") -> Attempt | None:
         )
     now = deps.clock()
     try:
-        info = deps.provider.launch(req)
-        price = deps.provider.price(req.request, zone=req.zone)
+        info = provider.launch(req)
+        price = provider.price(req.request, zone=req.zone)
     except ProviderError as exc:
         _launch_failed(deps, attempt_id, exc, now=now)
         return None
@@ -484,15 +486,21 @@ def cloud_budget(deps: Deps, run_id: str, budget: float, thresholds: Sequence[in
     The cloud's budget sees the costs tagged with this run only, so a resubmitted run's
     gets what is left of ``budget`` after the spend it carries from the runs before it
     (none left: no cloud budget; the control plane's own cap and alerts still hold)."""
-    if not deps.provider.capabilities.cloud_budgets:
-        return
     with session_scope(deps.engine) as session:
-        carried = get_run(session, run_id).carried_usd or 0.0
+        run = get_run(session, run_id)
+        carried = run.carried_usd or 0.0
+        resources = stored_section(run.spec, Resources, run_id=run_id)
+    try:
+        provider = deps.provider_for(resources)
+    except ProviderError:  # not configured: the launch says so
+        return
+    if not provider.capabilities.cloud_budgets:
+        return
     usd = round(budget - carried, 2)
     if usd <= 0:
         return
     try:
-        name = deps.provider.create_budget(run_id=run_id, usd=usd, thresholds=list(thresholds))
+        name = provider.create_budget(run_id=run_id, usd=usd, thresholds=list(thresholds))
     except ProviderError as exc:
         with session_scope(deps.engine) as session:
             say(deps, get_run(session, run_id), "error", f"Cloud budget not created: {exc}")

@@ -29,7 +29,8 @@ from jobs.lifecycle import AttemptState
 from jobs.models import Attempt, Run
 from jobs.preflight import resource_request
 from jobs.preflight.data import BucketLookup, region_refusal
-from jobs.providers.base import ProviderError, ResourceRequest, ZoneCapacity
+from jobs.preflight.interval import resources_request
+from jobs.providers.base import Provider, ProviderError, ResourceRequest, ZoneCapacity
 from jobs.spec import JobSpec
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "choose_placement",
     "decide",
     "request_in",
+    "run_provider",
 ]
 
 log = logging.getLogger(__name__)
@@ -68,6 +70,9 @@ class Placement:
     #: Why it is not on spot, or not in the first region, for the run's thread; "" when
     #: it is where the spec would put it anyway.
     note: str = ""
+    #: The name of the provider it launches on (:func:`run_provider`); "" until
+    #: :func:`choose_placement` sets it.
+    provider: str = ""
     #: Regions passed over, each with why ("us-west-2: the dataset … is in us-east-1").
     skipped: tuple[str, ...] = ()
 
@@ -79,10 +84,19 @@ class NoPlacement:
     reason: str
 
 
-def request_in(spec: JobSpec, region: str, *, spot: bool) -> ResourceRequest:
-    """The spec's request for one region: its listed zones there, or any zone of it."""
-    base = resource_request(spec, spot=spot)
-    return replace(base, region=region, zones=tuple(spec.resources.zones_in(region)))
+def request_in(spec: JobSpec, region: str, *, spot: bool, provider: Provider) -> ResourceRequest:
+    """The spec's request on ``provider`` for one region: its listed zones there, or any
+    zone of it."""
+    base = resources_request(spec.resources, provider, spot=spot, region=region)
+    return replace(base, zones=tuple(spec.resources.zones_in(region)))
+
+
+def run_provider(deps: Deps, spec: JobSpec, attempts: Sequence[Attempt]) -> Provider:
+    """The provider a run's next attempt launches on: its previous attempt's (a run stays
+    with the provider it was launched on), else the spec's ``resources.cloud``, else the
+    default; :class:`~jobs.providers.ProviderNotConfigured` when that one is not
+    configured here."""
+    return deps.provider_for(spec, launched_on=attempts[-1].provider if attempts else None)
 
 
 def refused_since_launch(attempts: Sequence[Attempt]) -> dict[tuple[str, str | None, bool], str]:
@@ -259,30 +273,34 @@ def _next_zone(
 def choose_placement(
     deps: Deps, session: Session, run: Run, spec: JobSpec
 ) -> Placement | NoPlacement:
-    """:func:`decide` for the run's next attempt, asking the run's provider."""
+    """:func:`decide` for the run's next attempt, asking the run's provider
+    (:func:`run_provider`)."""
     attempts = session.exec(
         select(Attempt).where(Attempt.run_id == run.id).order_by(col(Attempt.number))
     ).all()
-    provider = deps.provider
-    default = resource_request(spec).region
+    try:
+        provider = run_provider(deps, spec, attempts)
+        default = resource_request(spec, provider).region
+    except ProviderError as exc:  # not configured here (any more), or no default region
+        return NoPlacement(str(exc))
     buckets = BucketLookup(provider)
     checkpoint_uri = run.checkpoint_uri or deps.settings.checkpoint_uri
 
     def capacity(region: str, spot: bool) -> Sequence[ZoneCapacity]:
-        return provider.capacity(request_in(spec, region, spot=spot))
+        return provider.capacity(request_in(spec, region, spot=spot, provider=provider))
 
     def fits(region: str, spot: bool) -> str | None:
         refused = region_refusal(buckets, spec, checkpoint_uri=checkpoint_uri, region=region)
         if refused is not None:
             return refused
         try:
-            quota = provider.quota(request_in(spec, region, spot=spot))
+            quota = provider.quota(request_in(spec, region, spot=spot, provider=provider))
         except ProviderError as exc:
             log.warning("quota lookup for %s in %s failed: %s", run.id, region, exc)
             return None  # unknown is not a refusal: the launch will say
         return None if quota.ok else f"{quota.detail}; {quota.remedy}".rstrip("; ")
 
-    return decide(
+    decided = decide(
         spec,
         list(attempts),
         preemptions=run.preemptions,
@@ -290,3 +308,6 @@ def choose_placement(
         capacity=capacity,
         fits=fits,
     )
+    if isinstance(decided, NoPlacement):
+        return decided
+    return replace(decided, provider=provider.name)

@@ -57,9 +57,11 @@ def gate(deps: Deps, spec: JobSpec, placement: Placement) -> Placement | PriceWa
     if limit is None:
         return placement
     zones: list[str | None] = [placement.zone]
+    provider = deps.provider_named(placement.provider or deps.provider.name)
+    request = request_in(spec, placement.region, spot=placement.spot, provider=provider)
     if spec.resubmit.zone_failover and placement.spot:
         try:
-            ranked = deps.provider.capacity(request_in(spec, placement.region, spot=placement.spot))
+            ranked = provider.capacity(request)
         except ProviderError as exc:
             log.warning("capacity lookup for the price limit failed: %s", exc)
             ranked = []
@@ -67,9 +69,7 @@ def gate(deps: Deps, spec: JobSpec, placement: Placement) -> Placement | PriceWa
     quotes: list[tuple[float, str | None]] = []
     for zone in zones:
         try:
-            quote = deps.provider.price(
-                request_in(spec, placement.region, spot=placement.spot), zone=zone
-            )
+            quote = provider.price(request, zone=zone)
         except ProviderError as exc:
             log.warning("price lookup in %s failed: %s", zone or placement.region, exc)
             continue

@@ -175,7 +175,9 @@ def _message(
     compute_s = remaining * step_time if remaining is not None and step_time else None
     preemptions = lost_s = None
     if compute_s is not None:
-        mtbp = deps.settings.assumed_mtbp_s or preflight.assumed_mtbp_s(deps.provider)
+        mtbp = deps.settings.assumed_mtbp_s or preflight.assumed_mtbp_s(
+            deps.providers.get(attempt.provider, deps.provider)
+        )
         preemptions = compute_s / mtbp if attempt.spot else 0.0
         # Each preemption loses half an interval on average, and the start-up this attempt
         # measured (launch to its first step) again.

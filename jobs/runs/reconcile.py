@@ -19,7 +19,13 @@ from jobs.deps import Deps
 from jobs.lifecycle import AttemptState, RunState
 from jobs.models import Attempt, Run
 from jobs.preflight import live_dry_run_ids
-from jobs.providers.base import InstanceInfo, InstanceNotFound, InstanceState, ProviderError
+from jobs.providers.base import (
+    InstanceInfo,
+    InstanceNotFound,
+    InstanceState,
+    Provider,
+    ProviderError,
+)
 from jobs.rules import LostHeartbeat
 from jobs.runs.cards import flag_unreadable_spec, raise_signals, refresh_card, run_context
 from jobs.runs.end import end_attempt, terminate_instance
@@ -43,13 +49,17 @@ class _Live:
     run_id: str
     instance_id: str | None
     created_at: datetime
+    #: The name of the provider it was launched on.
+    provider: str
     #: Last sign of life: heartbeat, else start, else creation.
     seen: datetime
     heartbeat_deadline_s: float
 
 
 def reconcile(deps: Deps) -> dict[str, int]:
-    """Compare the provider's instances with the database and repair the difference."""
+    """Compare every configured provider's instances with the database and repair the
+    difference; a provider that cannot list its instances now is left for the next time
+    (its attempts too), the others are reconciled."""
     now = deps.clock()
     counts = {"adopted": 0, "ended": 0, "orphans": 0, "launched": 0, "lost": 0}
     with session_scope(deps.engine) as session:
@@ -68,6 +78,7 @@ def reconcile(deps: Deps) -> dict[str, int]:
                 run_id=a.run_id,
                 instance_id=a.instance_id,
                 created_at=a.created_at,
+                provider=a.provider,
                 seen=a.last_heartbeat or a.started_at or a.created_at,
                 heartbeat_deadline_s=stored_section(
                     r.spec, AlertThresholds, run_id=r.id
@@ -77,21 +88,49 @@ def reconcile(deps: Deps) -> dict[str, int]:
         }
         # A preflight dry run's instance is tagged with the dry run's id, not an attempt's.
         dry_runs = live_dry_run_ids(session)
+    for provider in deps.providers.values():
+        mine = [a for a in live.values() if a.provider == provider.name]
+        _reconcile_provider(deps, provider, mine, dry_runs, counts, now=now)
+    strays = sorted({a.provider for a in live.values()} - set(deps.providers))
+    if strays:
+        log.warning(
+            "reconcile: live attempts on providers this control plane does not configure "
+            "(%s): add them to TRAINBOT_PROVIDERS to watch them",
+            ", ".join(strays),
+        )
+    counts["running"] = _running_runs(deps, now=now)
+    counts["launched"] += _launch_due(deps, now=now)
+    return counts
+
+
+def _reconcile_provider(
+    deps: Deps,
+    provider: Provider,
+    live: list[_Live],
+    dry_runs: set[str],
+    counts: dict[str, int],
+    *,
+    now: datetime,
+) -> None:
+    """Reconcile one provider's instances with its live attempts (``live``)."""
     try:
-        instances = deps.provider.list_instances()
+        instances = provider.list_instances()
     except ProviderError as exc:
-        log.warning("reconcile could not list instances: %s", exc)
-        return counts
+        log.warning("reconcile could not list the %s instances: %s", provider.name, exc)
+        return
     by_attempt = {i.attempt_id: i for i in instances}
+    owners = {a.attempt_id for a in live}
     # Orphans: tagged by us, owned by no live attempt. One whose ended attempt is having
     # it terminated already (end_attempt does that off its caller's thread) is left to it.
     for inst in instances:
-        owned = inst.attempt_id in live or inst.attempt_id in dry_runs
+        owned = inst.attempt_id in owners or inst.attempt_id in dry_runs
         orphan = not owned and not inst.state.is_terminal()
-        if orphan and terminate_instance(deps, inst.instance_id, wait=False):
+        if orphan and terminate_instance(
+            deps, inst.instance_id, wait=False, provider=provider.name
+        ):
             deps.journal.record("orphan_terminated", inst.run_id, instance=inst.instance_id)
             counts["orphans"] += 1
-    for a in live.values():
+    for a in live:
         if a.instance_id is None:
             if a.attempt_id in by_attempt and _record_instance(deps, by_attempt[a.attempt_id]):
                 counts["adopted"] += 1
@@ -100,7 +139,7 @@ def reconcile(deps: Deps) -> dict[str, int]:
                 counts["adopted"] += 1
             continue
         try:
-            status = deps.provider.status(a.instance_id)
+            status = provider.status(a.instance_id)
         except InstanceNotFound:
             end_attempt(deps, a.attempt_id, state=AttemptState.LOST, reason="instance vanished")
             counts["lost"] += 1
@@ -114,9 +153,6 @@ def reconcile(deps: Deps) -> dict[str, int]:
         elif (now - a.seen).total_seconds() > a.heartbeat_deadline_s:
             _lost_heartbeat(deps, a.attempt_id, now=now, since=a.seen)
             counts["lost"] += 1
-    counts["running"] = _running_runs(deps, now=now)
-    counts["launched"] += _launch_due(deps, now=now)
-    return counts
 
 
 def _running_runs(deps: Deps, *, now: datetime) -> int:

@@ -9,6 +9,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from jobs.errors import clip
+from jobs.providers import PROVIDERS, known_names
 from runner.duration import parse_duration
 
 _ACCELERATOR_TYPE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -57,8 +58,9 @@ def _parse_accelerator(value: object) -> object:
 class Resources(Section):
     """Where and on what the run executes."""
 
-    #: Which provider runs it.
-    cloud: Literal["local", "aws", "gcp"] = "local"
+    #: Which provider runs it, by its registry name (``jobs.providers``): one the control
+    #: plane configures (``TRAINBOT_PROVIDERS``); ``None`` runs on its default provider.
+    cloud: str | None = None
     #: Region; ``None`` runs in the provider's default region. A one-region shorthand for
     #: ``regions``: after validation it is always the first of ``regions``.
     region: str | None = Field(default=None, exclude=True)
@@ -90,6 +92,19 @@ class Resources(Section):
     #: data, and every save write, across regions. A multi- or dual-region bucket is in
     #: every region it covers.
     allow_cross_region_data: bool = False
+
+    @field_validator("cloud", mode="after")
+    @classmethod
+    def _registered_cloud(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        name = value.strip().lower()
+        if name not in PROVIDERS:
+            raise ValueError(
+                f"expected one of {known_names()} (got {clip(value)}); leave it out for "
+                "the control plane's default provider"
+            )
+        return name
 
     @model_validator(mode="before")
     @classmethod

@@ -13,6 +13,7 @@ from jobs.db import session_scope
 from jobs.lifecycle import RunState
 from jobs.models import Run
 from jobs.providers.base import ProviderError
+from jobs.spec import Resources, stored_section
 
 if TYPE_CHECKING:
     from jobs.deps import Deps
@@ -30,11 +31,11 @@ def remove_cloud_budgets(
     Each run's budget is removed once (``Run.cloud_budget_removed_at``); a failure is
     logged and tried again by the next call (the cleanup job), so nothing stays behind.
     """
-    if not deps.provider.capabilities.cloud_budgets:
+    if not any(p.capabilities.cloud_budgets for p in deps.providers.values()):
         return []
     keep = timedelta(days=deps.settings.cloud_budget_keep_days)
     terminal = [state for state in RunState if state.is_terminal()]
-    query = select(Run.id).where(
+    query = select(Run.id, Run.spec).where(
         col(Run.state).in_(terminal),
         col(Run.budget_usd).is_not(None),
         col(Run.ended_at).is_not(None),
@@ -46,9 +47,15 @@ def remove_cloud_budgets(
     with session_scope(deps.engine) as session:
         due = list(session.exec(query.order_by(col(Run.id))).all())
     removed = []
-    for run_id in due:
+    for run_id, spec in due:
+        try:  # the budget is in the billing of the provider the run went on
+            provider = deps.provider_for(stored_section(spec, Resources, run_id=run_id))
+        except ProviderError:
+            continue  # not configured here: nothing of it can be removed from here
+        if not provider.capabilities.cloud_budgets:
+            continue
         try:
-            deps.provider.delete_budget(run_id=run_id)
+            provider.delete_budget(run_id=run_id)
         except ProviderError as exc:
             log.warning("removing the cloud budget of %s failed (cleanup retries): %s", run_id, exc)
             continue

@@ -26,11 +26,13 @@ from jobs.errors import TrainbotError
 from jobs.models import Attempt, Checkpoint, Run
 from jobs.providers.data import read_table
 from jobs.spec import Resources, stored_section
+from runner.store import store_kind as runner_store_kind
 
 __all__ = [
     "BILLED_GB",
     "MONTH_S",
     "PRICES_PATH",
+    "UNKNOWN_STORE",
     "StoragePrice",
     "monthly_usd",
     "run_storage_price",
@@ -41,6 +43,8 @@ __all__ = [
 
 #: The shipped storage price table.
 PRICES_PATH = Path(__file__).resolve().parents[1] / "providers" / "data" / "storage_prices.json"
+#: The kind of a checkpoint URI no store opens: not priced (and said so).
+UNKNOWN_STORE = "unknown"
 #: A billed gigabyte: AWS and Google Cloud count storage in 2^30 bytes.
 BILLED_GB = 2**30
 #: A billing month: 730 hours, as both clouds spread a GB-month.
@@ -51,7 +55,7 @@ MONTH_S = 730 * 3600.0
 class StoragePrice:
     """One store's price per GB-month, and where the figure comes from."""
 
-    #: "s3", "gcs" or "local".
+    #: "s3", "gcs" or "local" (:data:`runner.store.STORE_KINDS`), or "unknown".
     store: str
     #: The region priced (the fallback region's when the table lacks the store's).
     region: str
@@ -61,13 +65,10 @@ class StoragePrice:
 
 
 def store_kind(uri: str) -> str:
-    """Which store a checkpoint URI is in: ``s3``, ``gcs``, or ``local`` for a path."""
-    text = uri.strip().lower()
-    if text.startswith("s3://"):
-        return "s3"
-    if text.startswith("gs://"):
-        return "gcs"
-    return "local"
+    """Which store a checkpoint URI is in, as the store registry names it
+    (:data:`runner.store.STORE_KINDS`: ``s3``, ``gcs``, ``local`` for a path), or
+    ``unknown`` for a scheme no store opens."""
+    return runner_store_kind(uri) or UNKNOWN_STORE
 
 
 def _load(path: Path) -> dict[str, Any]:
@@ -80,6 +81,14 @@ def _load(path: Path) -> dict[str, Any]:
 def storage_price(uri: str, region: str | None, *, path: Path = PRICES_PATH) -> StoragePrice:
     """The price per GB-month of keeping data at ``uri`` in ``region``."""
     kind = store_kind(uri)
+    if kind == UNKNOWN_STORE:  # never priced as another store: said, at nothing
+        scheme = uri.partition(":")[0]
+        return StoragePrice(
+            store=kind,
+            region=region or "",
+            usd_per_gb_month=0.0,
+            source=f"not priced: no store opens {scheme}:// URIs",
+        )
     entry = _load(path)["stores"].get(kind)
     if not isinstance(entry, dict):
         raise TrainbotError(f"the storage price table {path} has no {kind} store: reinstall it")

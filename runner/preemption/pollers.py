@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from runner.preemption.aws import AwsSpotPoller
 from runner.preemption.flag import PreemptionConfigError, PreemptionFlag
@@ -50,20 +50,47 @@ def termination_window_s(env: Mapping[str, str] | None = None, *, default: float
     return value
 
 
+def _aws(flag: PreemptionFlag, env: Mapping[str, str]) -> PollerThread:
+    return AwsSpotPoller(
+        flag,
+        base_url=env.get("TRAINBOT_AWS_METADATA_URL") or "http://169.254.169.254",
+        window_s=termination_window_s(env, default=WINDOWS_S["aws"]),
+    )
+
+
+def _gcp(flag: PreemptionFlag, env: Mapping[str, str]) -> PollerThread:
+    return GcpPreemptedPoller(
+        flag,
+        base_url=env.get("TRAINBOT_GCP_METADATA_URL") or "http://metadata.google.internal",
+        window_s=termination_window_s(env, default=WINDOWS_S["gcp"]),
+    )
+
+
+#: Preemption source (a provider's ``Capabilities.preemption_source``, as the control
+#: plane sends it in ``TRAINBOT_PREEMPTION_SOURCES``) → the poller that hears its notice.
+#: "none" (or "signal", the local provider's): SIGTERM alone, no poller.
+POLLERS: Mapping[str, Callable[[PreemptionFlag, Mapping[str, str]], PollerThread]] = {
+    "aws": _aws,
+    "gcp": _gcp,
+}
+_NO_POLLER = ("none", "signal")
+
+
 def _parse_sources(sources: str) -> list[str]:
     names = [part.strip().lower() for part in sources.split(",") if part.strip()]
-    unknown = [name for name in names if name not in ("aws", "gcp", "none")]
+    known = " and ".join(repr(name) for name in POLLERS)
+    unknown = [name for name in names if name not in POLLERS and name not in _NO_POLLER]
     if unknown:
         raise PreemptionConfigError(
             f"unknown preemption source {unknown[0]!r} in {sources!r}; use a comma list of "
-            "'aws' and 'gcp', or 'none' for a local run"
+            f"{known}, or 'none' for a local run"
         )
-    if "none" in names and len(names) > 1:
+    if any(name in _NO_POLLER for name in names) and len(names) > 1:
         raise PreemptionConfigError(
             f"preemption sources {sources!r} combine 'none' with others; give either "
-            "'none' or a list of 'aws' and 'gcp'"
+            f"'none' or a list of {known}"
         )
-    return list(dict.fromkeys(name for name in names if name != "none"))
+    return list(dict.fromkeys(name for name in names if name not in _NO_POLLER))
 
 
 def start_pollers(
@@ -72,25 +99,7 @@ def start_pollers(
     """Start the metadata pollers named in ``sources`` ("aws", "gcp", "aws,gcp", "none"
     or "" for local runs). Everything is validated before any thread starts."""
     env = os.environ if env is None else env
-    pollers: list[PollerThread] = []
-    for name in _parse_sources(sources):
-        if name == "aws":
-            pollers.append(
-                AwsSpotPoller(
-                    flag,
-                    base_url=env.get("TRAINBOT_AWS_METADATA_URL") or "http://169.254.169.254",
-                    window_s=termination_window_s(env, default=WINDOWS_S["aws"]),
-                )
-            )
-        else:
-            pollers.append(
-                GcpPreemptedPoller(
-                    flag,
-                    base_url=env.get("TRAINBOT_GCP_METADATA_URL")
-                    or "http://metadata.google.internal",
-                    window_s=termination_window_s(env, default=WINDOWS_S["gcp"]),
-                )
-            )
+    pollers = [POLLERS[name](flag, env) for name in _parse_sources(sources)]
     for poller in pollers:
         poller.start()
     return Pollers(pollers)

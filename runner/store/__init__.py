@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
@@ -19,6 +20,7 @@ from runner.store.local import LocalStore
 
 __all__ = [
     "DELETE_BATCH",
+    "STORE_KINDS",
     "LocalStore",
     "ObjectInfo",
     "Store",
@@ -26,9 +28,20 @@ __all__ = [
     "check_key",
     "open_store",
     "run_store",
+    "store_kind",
 ]
 
 _SEGMENT = re.compile(r"[A-Za-z0-9._-]{1,200}")
+
+#: URI scheme → the kind of store :func:`open_store` opens for it ("" is a plain path).
+#: The control plane prices a store by its kind (``jobs.spend.storage``).
+STORE_KINDS: Mapping[str, str] = {"": "local", "file": "local", "s3": "s3", "gs": "gcs"}
+
+
+def store_kind(uri: str | Path) -> str | None:
+    """The kind of store ``uri`` is in (:data:`STORE_KINDS`); None for a scheme no store
+    opens."""
+    return STORE_KINDS.get(urlparse(str(uri).strip()).scheme.lower())
 
 
 def open_store(

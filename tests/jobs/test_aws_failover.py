@@ -116,7 +116,9 @@ def test_no_spot_capacity_falls_back_to_on_demand_and_the_next_attempt_tries_spo
         assert inst["InstanceId"] == fourth.instance_id
         assert inst.get("InstanceLifecycle") != "spot" and "SpotInstanceRequestId" not in inst
         # Charged the on-demand price, and the thread says so, and why.
-        quote = aws.price(request_in(spec_of(run_row(cp, run.id)), REGION, spot=False))
+        quote = aws.price(
+            request_in(spec_of(run_row(cp, run.id)), REGION, spot=False, provider=aws)
+        )
         assert fourth.price_per_hour == quote.on_demand_usd_per_hour
         assert fourth.price_per_hour != quote.spot_usd_per_hour
         said = [t for t in _thread(notes, run.id) if t.startswith("Attempt 4 runs on-demand")]

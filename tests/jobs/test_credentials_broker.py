@@ -45,12 +45,12 @@ from jobs.errors import PermissionDenied
 from jobs.ingest import IngestService
 from jobs.lifecycle import AttemptState
 from jobs.models import Attempt, Run, hash_token
+from jobs.providers.aws import AwsProvider
 from jobs.providers.aws.credentials import (
     OBJECT_ACTIONS,
     StorageCredentialBroker,
     session_policy,
 )
-from jobs.providers.local import LocalProvider
 from jobs.runs import runner_env, spec_of
 from jobs.server import CREDENTIALS_PATH, EVENTS_PATH, ControlPlaneApp, CredentialBroker, serve
 from jobs.settings import Settings
@@ -552,7 +552,8 @@ def test_the_broker_is_built_and_announced_to_runners_only_on_aws_with_the_role(
     )
     assert isinstance(built, StorageCredentialBroker) and built.role_arn == role
     add_attempt(engine, checkpoint_uri="s3://b/ckpt")
-    provider = LocalProvider(tmp_path / "local")
+    # The attempt's own provider (its env is its provider's); built without a call to AWS.
+    provider = AwsProvider(region=REGION)
     try:
         with Session(engine) as session:
             run, attempt = session.get(Run, "r-1"), session.get(Attempt, "a-1")

@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 import yaml
+from google.auth.credentials import AnonymousCredentials
 from sqlalchemy import Engine
 from sqlmodel import Session
 
@@ -40,13 +41,13 @@ from jobs.errors import NotFound, PermissionDenied
 from jobs.ingest import IngestService
 from jobs.lifecycle import AttemptState
 from jobs.models import Attempt, Run, hash_token
+from jobs.providers.gcp import GcpProvider
 from jobs.providers.gcp.credentials import (
     AVAILABLE_PERMISSIONS,
     TOKEN_KIND,
     StorageTokenBroker,
     gcs_scope,
 )
-from jobs.providers.local import LocalProvider
 from jobs.runs import runner_env, spec_of
 from jobs.server import CREDENTIALS_PATH, ControlPlaneApp, CredentialBroker, serve
 from jobs.settings import Settings
@@ -567,7 +568,10 @@ def test_the_broker_is_built_and_announced_to_runners_only_on_gcp_with_the_accou
     )
     assert isinstance(built, StorageTokenBroker) and built.service_account == STORAGE_SA
     add_attempt(engine)
-    provider = LocalProvider(tmp_path / "local")
+    # The attempt's own provider (its env is its provider's); built without a call to GCP.
+    provider = GcpProvider(
+        project="trainbot-test", region="us-central1", credentials=AnonymousCredentials()
+    )
     try:
         with Session(engine) as session:
             run, attempt = session.get(Run, "r-1"), session.get(Attempt, "a-1")

@@ -79,7 +79,10 @@ class CloudAnswers:
     name: str = "aws"
     capabilities: Capabilities = field(
         default_factory=lambda: Capabilities(
-            runs_on_this_machine=False, termination_window_s=120.0, preemption_source="aws"
+            runs_on_this_machine=False,
+            termination_window_s=120.0,
+            preemption_source="aws",
+            default_region="us-east-1",
         )
     )
     quota_info: QuotaInfo = field(
@@ -169,7 +172,7 @@ def context(
         spec=job,
         run_id="r-pre",
         provider=provider,
-        request=request or resource_request(job),
+        request=request or resource_request(job, provider),
         checkpoint_uri=store or str(tmp_path / "ck"),
         mtbp_s=mtbp_s,
         env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
@@ -822,16 +825,20 @@ def test_without_figures_the_report_keeps_the_specs_interval(
 
 
 def test_resource_request_and_assumed_mtbp(tmp_path: Path, local: LocalProvider) -> None:
-    job = spec(resources={"cloud": "aws", "accelerator": "A100:8", "spot": False})
-    req = resource_request(job)
+    # The request is in the provider's terms: its name, and its own default region for a
+    # spec that names none (no table of clouds' regions decides it).
+    job = spec(resources={"accelerator": "A100:8", "spot": False})
+    req = resource_request(job, local)
     assert (req.cloud, req.region, req.accelerator_type, req.accelerator_count) == (
-        "aws",
-        "us-east-1",
+        "local",
+        local.capabilities.default_region,
         "A100",
         8,
     )
     assert req.spot is False and req.zones == ()
-    assert resource_request(spec()).region == "local"
+    named = spec(resources={"region": "elsewhere-1", "zones": ["elsewhere-1b"]})
+    assert resource_request(named, local).region == "elsewhere-1"
+    assert resource_request(named, local).zones == ("elsewhere-1b",)
     assert assumed_mtbp_s(local) == DEFAULT_SPOT_MTBP_S
     with LocalProvider(tmp_path / "s2", mean_time_between_preemptions_s=600) as preempting:
         assert assumed_mtbp_s(preempting) == 600
@@ -945,6 +952,7 @@ def gangs(**kw: Any) -> CloudAnswers:
         runs_on_this_machine=False,
         termination_window_s=120.0,
         preemption_source="aws",
+        default_region="us-east-1",
         gang_placement="cluster placement group",
     )
     return CloudAnswers(capabilities=caps, **kw)

@@ -271,7 +271,7 @@ def aws_context(
         spec=job,
         run_id="r-cloud",
         provider=provider,
-        request=resource_request(job),
+        request=resource_request(job, provider),
         checkpoint_uri=store,
         mtbp_s=6 * 3600.0,
         env={"PYTHONPATH": "/nowhere"},
@@ -427,7 +427,8 @@ def test_slash_train_preflight_with_a_command_override_runs_nothing_here(
     cp.start()
     slack = on_slack.Slack(cp=cp, fake=fake, hooks=hooks, notifier=notifier, front=front)
     try:
-        answer, path = slack.command(f'preflight tiny "command=touch {marker}"')
+        # The shipped tiny spec says cloud: local; this control plane has AWS alone.
+        answer, path = slack.command(f'preflight tiny "command=touch {marker}" resources.cloud=aws')
         assert answer.status_code == 200
         assert "nothing launches until you confirm" in str(hooks.wait(path))
         run_id = slack.only_run()
@@ -570,7 +571,7 @@ def advice(provider: Any, *overrides: str) -> str | None:
     from jobs.preflight.interval import resource_request
 
     job = parse_spec({"command": "python train.py"}, name="big", overrides=list(overrides))
-    found = one_larger_instance(provider, resource_request(job), job.resources.instances)
+    found = one_larger_instance(provider, resource_request(job, provider), job.resources.instances)
     return None if found is None else f"{found.detail()}; {found.remedy()}"
 
 
@@ -622,7 +623,7 @@ def test_on_aws_four_t4_instances_are_one_g4dn_12xlarge_on_demand(aws: AwsProvid
     pairs = ("resources.cloud=aws", "resources.accelerator=A100:2", "resources.instances=4",
              "resources.spot=false")  # fmt: skip
     pair = parse_spec({"command": "python train.py"}, name="big", overrides=list(pairs))
-    assert aws.instance_type_for(resource_request(pair)) is None
+    assert aws.instance_type_for(resource_request(pair, aws)) is None
     assert (
         "4 instances of 2 × A100 cost $131.09/h on-demand; one p4d.24xlarge holds all 8 for "
         "$32.77/h" in (advice(aws, *pairs) or "")

@@ -64,7 +64,7 @@ def test_defaults_fill_everything_but_the_command(specs_dir: Path) -> None:
     write_spec(specs_dir, "bare", "command: [python, train.py]\n")
     spec = load_spec("bare", specs_dir=specs_dir)
     assert spec.name == "bare"
-    assert spec.resources.cloud == "local"
+    assert spec.resources.cloud is None  # the control plane's default provider
     assert spec.resources.spot is True
     assert spec.resources.accelerator is None
     assert spec.checkpoint.interval == "auto"

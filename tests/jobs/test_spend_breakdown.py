@@ -291,6 +291,11 @@ def test_storage_prices_come_from_the_dated_table() -> None:
     assert unknown.region == "us-central1" and "us-central1's price" in unknown.source
     assert storage_price("/var/ckpt", "us-east-1").usd_per_gb_month == 0.0
     assert storage_price("file:///var/ckpt", None).store == "local"
+    # A scheme no store opens is never priced as another store's (a local disk's $0): it
+    # says it is not priced.
+    odd = storage_price("az://container/ckpt", "westeurope")
+    assert (odd.store, odd.usd_per_gb_month) == ("unknown", 0.0)
+    assert "not priced" in odd.source and "az://" in odd.source
 
 
 def test_cleanup_reports_the_bytes_and_dollars_a_month_it_freed(

@@ -422,7 +422,8 @@ def test_start_pollers_rejects_an_unknown_source_clearly() -> None:
         start_pollers(PreemptionFlag(), sources="none,aws", env={})
 
 
-@pytest.mark.parametrize("sources", ["", "none", " None "])
+# "signal": a provider whose notice is SIGTERM alone (``Capabilities.preemption_source``).
+@pytest.mark.parametrize("sources", ["", "none", " None ", "signal"])
 def test_start_pollers_starts_nothing_for_local_runs(sources: str) -> None:
     with start_pollers(PreemptionFlag(), sources=sources, env={}) as pollers:
         assert pollers.pollers == ()

@@ -39,6 +39,7 @@ from jobs.providers.base import (
     Unsupported,
     ZoneCapacity,
 )
+from runner.preemption.pollers import POLLERS
 
 Launch = Callable[..., InstanceInfo]
 
@@ -227,7 +228,8 @@ class ProviderContract:
         works exactly where they say it does, and refuses (``Unsupported``) elsewhere."""
         caps = provider.capabilities
         assert caps.termination_window_s > 0
-        assert caps.preemption_source in ("signal", "aws", "gcp")
+        # A source the runner hears: one of its pollers', or SIGTERM alone.
+        assert caps.preemption_source in ("signal", *POLLERS)
         assert isinstance(provider, Provider)
         if not caps.cloud_budgets:
             with pytest.raises(Unsupported):

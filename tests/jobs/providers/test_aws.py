@@ -150,7 +150,7 @@ def context(
         spec=job,
         run_id="run-pre",
         provider=provider,
-        request=spec_request(job),
+        request=spec_request(job, provider),
         checkpoint_uri=store or str(tmp_path / "ckpt"),
         mtbp_s=6 * 3600.0,
         env={},

@@ -135,7 +135,7 @@ def context(tmp_path: Path, spec: JobSpec, provider: Provider) -> PreflightConte
         spec=spec,
         run_id="r-pre",
         provider=provider,
-        request=resource_request(spec),
+        request=resource_request(spec, provider),
         checkpoint_uri="gs://ck/trainbot",
         mtbp_s=6 * 3600.0,
         env={},
