@@ -15,6 +15,7 @@ import math
 import re
 import shlex
 from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 
 from bot.command_types import (
     Ack,
@@ -62,6 +63,7 @@ __all__ = [
     "StatusCommand",
     "Stop",
     "UserRef",
+    "grammar",
     "help_text",
     "parse",
     "parse_duration",
@@ -400,6 +402,14 @@ _PARSERS: dict[str, tuple[type[Command], Callable[[Sequence[str]], Command]]] = 
 
 #: The usage line of every command, by verb, in the order ``/train help`` lists them.
 USAGE: Mapping[str, str] = {verb: cls.usage for verb, (cls, _) in _PARSERS.items()}
+
+
+def grammar() -> Mapping[str, tuple[type[Command], Callable[[Sequence[str]], Command]]]:
+    """Every verb's command class and parser, in the order ``/train help`` lists them.
+
+    The rest of a verb (its handler, reply and permission) is declared in
+    :mod:`bot.verbs`, which takes the parser from here: this module stays pure."""
+    return MappingProxyType(_PARSERS)
 
 
 def _known_verb(word: str) -> str:

@@ -27,6 +27,7 @@ from bot.auth import Ask, Caller
 from bot.commands import CommandError, parse_duration
 from bot.listeners import ListenerContext, action_key, caller_from_action, first_time, reply
 from bot.mentions import escape
+from bot.verbs import ANYONE, Permission
 from jobs import service
 from jobs.db import session_scope
 from jobs.errors import TrainbotError
@@ -130,26 +131,31 @@ def _stop_profiled(ctx: ListenerContext, caller: Caller, run_id: str) -> str | N
 
 @dataclass(frozen=True)
 class Button:
-    """What a button acts on and who may press it."""
+    """What a button acts on and who may press it, in the words a ``/train`` verb's
+    permission uses (:class:`bot.verbs.Permission`)."""
 
     #: What its value names: "run" or "alert".
     kind: str
     handler: Handler
-    #: Only the run's requester or an admin may press it.
-    owner_only: bool = False
-    #: It starts compute: only people on TRAINBOT_LAUNCHERS, as the list stands now.
-    starts_compute: bool = False
+    #: Who may press it, beyond being a member of the message's channel: ``changes_run``
+    #: for the run's requester or an admin, ``starts_compute`` for launchers only.
+    policy: Permission
 
+
+#: The run's requester or an admin.
+_OWNER = Permission(changes_run=True)
+#: The run's requester or an admin, and only while they may start compute.
+_OWNER_STARTS = Permission(changes_run=True, starts_compute=True)
 
 ACTIONS: dict[str, Button] = {
-    "alert_ack": Button("alert", _acknowledge),
-    "alert_snooze": Button("alert", _snooze),
-    "run_stop": Button("run", _stop, owner_only=True),
-    "run_resubmit": Button("run", _resubmit, owner_only=True, starts_compute=True),
-    "run_resubmit_from": Button("run", _resubmit_from, owner_only=True, starts_compute=True),
-    "launch_anyway": Button("run", _launch_anyway, owner_only=True, starts_compute=True),
-    "profile_continue": Button("run", _continue_profiled, owner_only=True, starts_compute=True),
-    "profile_stop": Button("run", _stop_profiled, owner_only=True),
+    "alert_ack": Button("alert", _acknowledge, ANYONE),
+    "alert_snooze": Button("alert", _snooze, ANYONE),
+    "run_stop": Button("run", _stop, _OWNER),
+    "run_resubmit": Button("run", _resubmit, _OWNER_STARTS),
+    "run_resubmit_from": Button("run", _resubmit_from, _OWNER_STARTS),
+    "launch_anyway": Button("run", _launch_anyway, _OWNER_STARTS),
+    "profile_continue": Button("run", _continue_profiled, _OWNER_STARTS),
+    "profile_stop": Button("run", _stop_profiled, _OWNER),
 }
 
 
@@ -192,10 +198,10 @@ def handle_action(
     # which the presser must be in. Decided where every front end's requests are.
     ask = Ask(
         action=action_id,
-        starts_compute=button.starts_compute,
+        starts_compute=button.policy.starts_compute,
         target=target.id if target is not None else None,
         run=target.run if target is not None else None,
-        owner=target.owner if target is not None and button.owner_only else None,
+        owner=target.owner if target is not None and button.policy.changes_run else None,
         target_channel=target.channel if target is not None else None,
         in_message=caller.channel is not None,
     )

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from slack_bolt import Ack, App, BoltRequest
@@ -31,27 +31,12 @@ from bot.auth import (
     LAUNCH_DENIED,
     NOT_IN_CHANNEL,
     ONCALL_DENIED,
-    Ask,
     Caller,
     not_yours,
     redact_command,
 )
-from bot.commands import (
-    Ack as AckCommand,
-)
-from bot.commands import (
-    Command,
-    CommandError,
-    Help,
-    Launch,
-    Preflight,
-    Resubmit,
-    Snooze,
-    Stop,
-    help_text,
-    parse,
-)
-from bot.dispatch import dispatch
+from bot.commands import Command, CommandError, parse
+from bot.dispatch import ask_for, dispatch
 from bot.listeners import (
     ListenerContext,
     caller_from_command,
@@ -61,6 +46,7 @@ from bot.listeners import (
     reply,
 )
 from bot.mentions import escape
+from bot.verbs import VERBS
 from jobs import service
 from jobs.errors import TrainbotError
 
@@ -85,10 +71,6 @@ COMMAND = "/train"
 #: ``callback_id`` of the launch modal.
 MODAL_CALLBACK = views.LAUNCH_MODAL_CALLBACK
 
-#: Commands whose public record is a run's card or thread: their reply goes only to the
-#: person who typed them. Other replies (status, lists, spend) follow the dispatcher.
-_PRIVATE_REPLIES = (Launch, Preflight, Stop, Resubmit, AckCommand, Snooze)
-
 
 @dataclass(frozen=True)
 class Plan:
@@ -99,9 +81,9 @@ class Plan:
     answer: str | None = None
     #: Why the request is refused (audited when it is answered).
     denied: str | None = None
-    #: The command to run after the acknowledgement.
+    #: The command to run after the acknowledgement (or whose form to open).
     command: Command | None = None
-    #: Open the launch modal.
+    #: Open the launch modal instead of running ``command``.
     modal: bool = False
 
 
@@ -117,10 +99,11 @@ def plan_command(ctx: ListenerContext, body: Mapping[str, Any]) -> Plan:
         command = parse(str(body.get("text") or ""))
     except CommandError as exc:
         return Plan(caller, answer=str(exc))
-    if isinstance(command, Help):
-        return Plan(caller, answer=help_text(command.command))
-    if isinstance(command, Launch) and command.spec is None:
-        return Plan(caller, modal=True)
+    verb = VERBS.get(type(command))  # none: the dispatcher refuses it
+    if verb is not None and verb.answer is not None:  # help: the command alone answers it
+        return Plan(caller, answer=verb.answer(command))
+    if verb is not None and verb.wants_form is not None and verb.wants_form(command):
+        return Plan(caller, command=command, modal=True)
     return Plan(caller, command=command)
 
 
@@ -134,8 +117,8 @@ def register(app: App, ctx: ListenerContext) -> None:
                 ctx.later(ctx.auth.deny, plan.caller, action=text, reason=plan.denied)
             return
         ack()
-        if plan.modal:
-            ctx.later(_open_modal, ctx, client, body)
+        if plan.modal and plan.command is not None:
+            ctx.later(_open_modal, ctx, client, body, plan.command)
         elif plan.command is not None:
             key = command_key(body, request.headers)
             ctx.later(run_command, ctx, client, body, plan.caller, plan.command, key=key)
@@ -177,28 +160,33 @@ def run_command(
     except TrainbotError as exc:  # the database is unavailable: say so, change nothing
         reply(client, body, caller, escape(messages.error(str(exc))))
         return
-    launches = isinstance(command, Launch | Preflight)
-    if not first and not launches:
+    verb = VERBS.get(type(command))
+    if not first and not (verb is not None and verb.keyed):
         log.info("ignored a repeated %s command (%s)", command.verb, key)
         return
-    # A launch is submitted on every delivery: the key makes the service return the run
-    # the first one created, so a delivery that died half-way is finished by a retry.
+    # A keyed verb (launch, preflight) runs on every delivery: the key makes the service
+    # return the run the first one created, so a delivery that died half-way is finished
+    # by a retry.
     # Permission is decided by the dispatcher, as for every front end, when it acts.
     result = dispatch(deps, command, caller, auth=ctx.auth, key=key, audit=first)
     if not first:
         return
-    private = result.ephemeral or isinstance(command, _PRIVATE_REPLIES)
-    reply(client, body, caller, result.text, ephemeral=private, notifier=deps.notifier)
+    # A private verb's reply (a launch's, whose public record is the run's card) and every
+    # error go to the caller alone: the dispatcher marks them ephemeral.
+    reply(client, body, caller, result.text, ephemeral=result.ephemeral, notifier=deps.notifier)
 
 
 # ----------------------------------------------------------------------------- the modal
 
 
-def _open_modal(ctx: ListenerContext, client: WebClient, body: Mapping[str, Any]) -> None:
+def _open_modal(
+    ctx: ListenerContext, client: WebClient, body: Mapping[str, Any], command: Command
+) -> None:
     caller = caller_from_command(body)
-    # The form only asks; its submission is decided again. Saying no now spares filling
-    # it in for nothing.
-    denial = ctx.auth.authorize(caller, Ask(action="launch (form)", starts_compute=True))
+    # The form only asks; its submission is decided again. Saying no now (by the verb's
+    # own permission) spares filling it in for nothing.
+    ask = replace(ask_for(ctx.deps, command), action=f"{command.verb} (form)")
+    denial = ctx.auth.authorize(caller, ask)
     if denial is not None:
         reply(client, body, caller, denial.text)
         return
