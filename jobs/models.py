@@ -39,6 +39,7 @@ from sqlalchemy.types import TypeDecorator
 from sqlmodel import Field, SQLModel
 
 from jobs.lifecycle import AttemptState, RunState
+from jobs.severity import Severity  # re-exported: the alerts' column and its rules share it
 
 __all__ = [
     "LEADER_LEASE",
@@ -158,18 +159,6 @@ class AlertState(str, Enum):
     OPEN = "OPEN"
     ACKED = "ACKED"
     RESOLVED = "RESOLVED"
-
-    def __str__(self) -> str:
-        return self.value
-
-
-class Severity(str, Enum):
-    """How loud an alert is, from the rule's signal to the stored row (one enum for both);
-    only ``CRITICAL`` escalates to the on-call group."""
-
-    INFO = "INFO"
-    WARNING = "WARNING"
-    CRITICAL = "CRITICAL"
 
     def __str__(self) -> str:
         return self.value

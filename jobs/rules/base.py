@@ -14,7 +14,7 @@ from itertools import chain
 from operator import attrgetter
 from typing import Any, NamedTuple, Protocol, overload
 
-from jobs.models import Severity
+from jobs.severity import Severity
 from jobs.spec import AlertThresholds
 
 __all__ = [
