@@ -18,6 +18,7 @@ from bot.command_types import RunCommand
 from bot.commands import Command, Stop, grammar, help_text, parse
 from bot.console import ConsoleNotifier
 from bot.dispatch import ask_for, dispatch, handle_text
+from bot.listeners.runs import _modal_command_text
 from bot.verbs import ANYONE, VERBS, Permission, Reply, Verb, declared, index
 from jobs.bootstrap import ControlPlane
 from jobs.db import session_scope
@@ -206,3 +207,15 @@ def test_a_private_verbs_reply_is_for_the_caller_alone(
     stopped = handle_text(deps, f"stop {run_id}", ada)
     assert stopped.ephemeral and stopped.run_id == run_id, stopped
     assert _state(deps, run_id) == RunState.STOPPED
+
+
+def test_the_launch_forms_field_error_shows_the_text_as_typed() -> None:
+    # A form field shows plain text: a parse error's Slack escaping would show as "&lt;".
+    values = {
+        "spec": {"spec": {"type": "static_select", "selected_option": {"value": "tiny"}}},
+        "overrides": {"overrides": {"type": "plain_text_input", "value": "a<b>&c"}},
+    }
+    text, errors = _modal_command_text({"view": {"state": {"values": values}}})
+    assert text == "" and list(errors) == ["overrides"]
+    assert "'a<b>&c' is not an override" in errors["overrides"], errors
+    assert "&lt;" not in errors["overrides"] and "&amp;" not in errors["overrides"]
