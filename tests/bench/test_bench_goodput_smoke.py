@@ -88,7 +88,7 @@ def test_bench_goodput_prints_its_figures_as_the_last_line(tmp_path: Path) -> No
         assert fig["ratio"] <= 1
         assert isinstance(fig["paid_s"], float) and fig["paid_s"] > 0
         assert isinstance(fig["interval_s"], float) and fig["interval_s"] > 0
-        assert {"reports", "below_notice", "second_landed", "given_up_steps"} == set(
+        assert {"reports", "below_notice", "unreported", "second_landed", "given_up_steps"} == set(
             fig["notice_flushes"]
         )
         assert set(fig["breakdown_s"]) == {
