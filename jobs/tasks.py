@@ -40,12 +40,11 @@ from jobs.runs import (
     resource_request,
     run_hours,
     say,
-    spec_of,
     watched_spec,
 )
 from jobs.runs.placement import request_in
 from jobs.runs.price import watch_prices
-from jobs.spec import Notify, stored_section
+from jobs.spec import Notify, Retention, stored_section
 from runner.errors import RunnerError
 from runner.retention import RetentionPolicy, prune
 from runner.store import run_store
@@ -354,8 +353,7 @@ def _oncall_for(session: Session, alert: Alert) -> str | None:
 # ----------------------------------------------------------------------------- cleanup
 
 
-def retention_policy(run: Run) -> RetentionPolicy:
-    r = spec_of(run).retention
+def retention_policy(r: Retention) -> RetentionPolicy:
     return RetentionPolicy(
         keep_last=r.keep_last,
         keep_every_steps=r.keep_every_steps,
@@ -383,12 +381,13 @@ def prune_run(deps: Deps, run_id: str, *, dry_run: bool = False) -> dict[str, An
         except SpecError as exc:
             log.error("cleanup of %s refused: %s", run_id, exc)
             return {"run_id": run_id, "error": str(exc)}
-        if watched_spec(run) is None:  # its retention is unknown: keep everything
+        spec = watched_spec(run)
+        if spec is None:  # its retention is unknown: keep everything
             flag_unreadable_spec(deps, session, run, now=now)
             return {"run_id": run_id, "error": "its stored spec no longer validates"}
         store = run_store(root, prefix)
         policy = dataclasses.replace(
-            retention_policy(run), protect=_protected_steps(session, run_id)
+            retention_policy(spec.retention), protect=_protected_steps(session, run_id)
         )
         try:
             price: spend.StoragePrice | None = spend.run_storage_price(session, run, root)

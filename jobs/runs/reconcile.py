@@ -32,7 +32,7 @@ from jobs.runs.end import end_attempt, terminate_instance
 from jobs.runs.launch import launch_attempt, provision
 from jobs.runs.resubmit import resubmit_if_due
 from jobs.runs.rows import active_attempt, latest_attempt, move_run, watched_spec
-from jobs.spec import AlertThresholds, ResubmitPolicy, stored_section
+from jobs.spec import AlertThresholds, stored_section
 
 log = logging.getLogger(__name__)
 
@@ -235,11 +235,12 @@ def _launch_due(deps: Deps, *, now: datetime) -> int:
         for run in runs:
             if active_attempt(session, run.id) is not None:
                 continue
-            if watched_spec(run) is None:  # a launch needs the whole spec
+            spec = watched_spec(run)
+            if spec is None:  # a launch needs the whole spec
                 flag_unreadable_spec(deps, session, run, now=now)
                 continue
             prev = latest_attempt(session, run.id)
-            backoff = timedelta(seconds=stored_section(run.spec, ResubmitPolicy).backoff_s)
+            backoff = timedelta(seconds=spec.resubmit.backoff_s)
             if prev is None or prev.ended_at is None or now - prev.ended_at >= backoff:
                 due.append(run.id)
                 if (
