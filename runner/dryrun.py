@@ -27,7 +27,7 @@ from runner.dryrun_report import DryRunReport
 from runner.errors import RunnerError
 from runner.layout import delete_steps, scan
 from runner.nodes import Node
-from runner.pidfile import end_stale_dry_run, record_process_group
+from runner.pidfile import end_stale_dry_run, record_process_group, record_spawn
 from runner.preemption import WINDOWS_S, choose_interval, daly_interval, flush_fits
 from runner.store import open_store, run_store
 from runner.store.broker import STORE_CREDENTIALS_ENV
@@ -50,6 +50,10 @@ class _Phase:
         events.touch()
         self.follower = follow_file(events)
         self.events: list[tuple[str, float, dict[str, Any]]] = []
+        if pid_file is not None:
+            # Named before the spawn: a crash of ours in the middle of it leaves a process
+            # that end_stale_dry_run still finds, by the run id in its environment.
+            record_spawn(pid_file, run_id=env.get("TRAINBOT_RUN_ID"))
         self.proc = subprocess.Popen(
             list(command),
             env=env,
