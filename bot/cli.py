@@ -95,14 +95,16 @@ def _migrate() -> int:
     """The schema upgrade alone, for a deploy step that runs before the replicas start
     (they also migrate at start, under the same lock; then there is nothing left to do)."""
     from jobs.db import current_revision, make_engine, migrate
+    from jobs.logs import announce
     from jobs.settings import load_settings
 
-    settings = load_settings()
+    settings = load_settings(purpose="migrate")
     settings.state_dir.mkdir(parents=True, exist_ok=True)
     engine = make_engine(settings.database_url)
     try:
         migrate(engine)
-        print(f"trainbot: database at revision {current_revision(engine)}", flush=True)
+        revision = current_revision(engine)
+        announce(f"trainbot: database at revision {revision}", revision=revision)
     finally:
         engine.dispose()
     return 0
@@ -127,7 +129,7 @@ def _serve(
 ) -> int:
     from bot.console import ConsoleNotifier
     from jobs.bootstrap import ControlPlane
-    from jobs.settings import ENV_PREFIX, load_settings
+    from jobs.settings import ENV_PREFIX, google_credentials_environ, load_settings
 
     # The flags win over the environment, as in uvicorn and gunicorn; the settings are
     # validated with them (a public URL derived from the port, for one).
@@ -139,6 +141,8 @@ def _serve(
     }
     environ = {**os.environ, **{k: v for k, v in overrides.items() if v is not None}}
     settings = load_settings(environ)
+    # A key file only where one is mounted; else Workload Identity or the instance's account.
+    os.environ.update(google_credentials_environ(settings))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -146,14 +150,28 @@ def _serve(
         return _serve_slack(settings, stop)
     with ControlPlane(settings, notifier=ConsoleNotifier()) as cp:
         assert cp.server is not None
-        print(
+        _banner(
             f"trainbot control plane on {cp.server.url}; health and metrics on "
             f"{cp.server.admin_url} (Ctrl-C to stop)",
-            flush=True,
+            url=cp.server.url,
+            admin_url=cp.server.admin_url,
         )
         stop.wait()
         _drain(cp)
     return 0
+
+
+def _banner(message: str, **fields: object) -> None:
+    """The start-up line: a JSON record where the logs are JSON (a container's log
+    shipper reads one format), with the version and Python it runs on."""
+    from jobs.logs import announce
+
+    try:
+        version = importlib.metadata.version("trainbot")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    python = ".".join(map(str, sys.version_info[:3]))
+    announce(message, to=sys.stdout, event="started", version=version, python=python, **fields)
 
 
 #: Seconds a stopping replica gives the HTTP requests in flight to finish.
@@ -224,11 +242,14 @@ def _serve_slack(settings: Settings, stop: threading.Event) -> int:
                 front.start()
                 assert cp.server is not None
                 socket_mode = " and Socket Mode" if front.socket is not None else ""
-                print(
+                _banner(
                     f"trainbot control plane on {cp.server.url}; Slack at "
                     f"{cp.server.url}/slack/events{socket_mode}; health and metrics on "
                     f"{cp.server.admin_url} (Ctrl-C to stop)",
-                    flush=True,
+                    url=cp.server.url,
+                    admin_url=cp.server.admin_url,
+                    slack_url=f"{cp.server.url}/slack/events",
+                    socket_mode=front.socket is not None,
                 )
                 stop.wait()
                 _drain(cp)
@@ -268,9 +289,10 @@ def _configure_logging(*, verbose: bool) -> None:
     redacted by value. Settings that do not validate are reported by the command itself;
     the logs then use the defaults and redact by pattern only."""
     from jobs.logs import configure_logging, secret_values
-    from jobs.settings import load_settings
+    from jobs.settings import load_settings, parse_log_level
 
-    level = logging.INFO if verbose else os.environ.get("TRAINBOT_LOG_LEVEL", "WARNING")
+    # Raises SettingsError (one line, shown by main) for a value that is not a level.
+    level = logging.INFO if verbose else parse_log_level(os.environ.get("TRAINBOT_LOG_LEVEL"))
     try:
         settings = load_settings()
     except SettingsError:
@@ -290,8 +312,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    _configure_logging(verbose=args.verbose)
     try:
+        _configure_logging(verbose=args.verbose)
         if args.cmd == "demo":
             from bot.demo import run_demo
 

@@ -48,6 +48,7 @@ __all__ = [
     "JsonFormatter",
     "LogFormat",
     "RedactSecrets",
+    "announce",
     "bare_traceback",
     "configure_logging",
     "log_context",
@@ -251,6 +252,29 @@ def configure_logging(
     root.addHandler(handler)
     root.setLevel(level)
     return handler
+
+
+def announce(message: str, *, to: IO[str] | None = None, **fields: object) -> None:
+    """Say one thing on stdout (the start-up banner, the migration's result): a JSON
+    record like the logs' (``time``, ``level``, ``logger``, ``message``, then ``fields``)
+    where the process logs JSON, else the plain ``message``. Printed whatever the log
+    level, as a command's own output is."""
+    out = to if to is not None else sys.stdout
+    json_logs = any(
+        isinstance(handler.formatter, JsonFormatter) for handler in logging.getLogger().handlers
+    )
+    if json_logs:
+        entry: dict[str, object] = {
+            "time": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+            "level": "info",
+            "logger": "trainbot",
+            "message": message,
+            **fields,
+        }
+        out.write(json.dumps(entry, ensure_ascii=False, default=str) + "\n")
+    else:
+        out.write(message + "\n")
+    out.flush()
 
 
 def _is_terminal(stream: IO[str]) -> bool:

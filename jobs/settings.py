@@ -11,13 +11,19 @@ same runs. Set ``TRAINBOT_STATE_DIR`` to keep a project's state apart.
 
 Settings are validated once, at start (:func:`load_settings`); a bad value stops the
 process with a :class:`~jobs.errors.SettingsError` naming each variable and its fix.
+
+Secret settings (the ``SecretStr`` fields, the database URL and password) may also come
+from files, as Kubernetes and compose mount them: ``TRAINBOT_X_FILE=/path``, or a
+directory of them, ``TRAINBOT_SECRETS_DIR`` (:mod:`jobs.secret_files`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
+import typing
 import zoneinfo
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -33,11 +39,23 @@ from pydantic_settings import (
     PydanticBaseSettingsSource,
     SettingsConfigDict,
 )
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
 
 from jobs.errors import SettingsError, describe_validation_error
 from jobs.providers import PROVIDERS, known_names, registration
+from jobs.secret_files import read_secret_files
 
-__all__ = ["ENV_PREFIX", "SHIPPED_SPECS_DIR", "Settings", "env_name", "load_settings"]
+__all__ = [
+    "ENV_PREFIX",
+    "LOG_LEVELS",
+    "SHIPPED_SPECS_DIR",
+    "Settings",
+    "env_name",
+    "google_credentials_environ",
+    "load_settings",
+    "parse_log_level",
+]
 
 #: Every variable this module reads starts with this.
 ENV_PREFIX = "TRAINBOT_"
@@ -53,6 +71,11 @@ _LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 _ANY_HOSTS = ("0.0.0.0", "::", "")
 
 CommaList = Annotated[list[str], NoDecode]
+
+#: ``TRAINBOT_LOG_LEVEL``'s values, any case; ``warn`` and ``fatal`` are read as their
+#: long names.
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+_LEVEL_ALIASES = {"warn": "warning", "fatal": "critical"}
 
 # Set while load_settings() builds a Settings from a mapping it has already read, so the
 # model does not read os.environ a second time behind the mapping's back.
@@ -82,6 +105,9 @@ class Settings(BaseSettings):
     state_dir: Path = Path("~/.trainbot")
     #: SQLAlchemy URL. Empty means ``sqlite:///{state_dir}/trainbot.db``.
     database_url: str = ""
+    #: The PostgreSQL password, apart from the URL (``TRAINBOT_DATABASE_PASSWORD_FILE`` from
+    #: a mounted secret); put into the URL at load. Unset: the URL's own, if any.
+    database_password: SecretStr | None = None
     #: The default provider: it launches a spec that names no ``resources.cloud``.
     provider: str = "local"
     #: Every provider this control plane configures (``local,aws,gcp``); a spec's
@@ -234,6 +260,13 @@ class Settings(BaseSettings):
     #: Log lines: ``text``, or ``json`` (one object per line, with the run and attempt
     #: ids, for log shippers). Unset: text on a terminal, JSON otherwise (jobs.logs).
     log_format: Literal["text", "json"] | None = None
+    #: The lowest level logged: ``debug``, ``info``, ``warning``, ``error`` or ``critical``,
+    #: any case (``-v``: info).
+    log_level: str = "warning"
+    #: A Google service-account key file used only when it is there (an optional Secret
+    #: mounted at this path); absent, Google credentials come from the pod's Workload
+    #: Identity or the instance's account (Application Default Credentials).
+    gcp_credentials_file: Path | None = None
 
     @classmethod
     def settings_customise_sources(
@@ -249,6 +282,14 @@ class Settings(BaseSettings):
         if _FROM_MAPPING.get():
             return (init_settings,)
         return (init_settings, env_settings)
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _known_level(cls, value: Any) -> Any:
+        level = _level_name(str(value))
+        if level is None:
+            raise ValueError(f"expected one of {', '.join(LOG_LEVELS)} (any case)")
+        return level
 
     @field_validator("state_dir", mode="after")
     @classmethod
@@ -334,8 +375,13 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _derive_and_check(self) -> Settings:
+        problems = []
         if not self.database_url:
             self.database_url = f"sqlite:///{self.state_dir / 'trainbot.db'}"
+        if self.database_password is not None:
+            problem = self._put_password_in_url(self.database_password.get_secret_value())
+            if problem is not None:
+                problems.append(problem)
         if not self.checkpoint_uri:
             self.checkpoint_uri = (self.state_dir / "checkpoints").as_uri()
         if self.admin_port is None:
@@ -346,10 +392,27 @@ class Settings(BaseSettings):
             if ":" in host:
                 host = f"[{host}]"
             self.public_url = f"http://{host}:{self.ingest_port}"
-        problems = self._inconsistencies()
+        problems += self._inconsistencies()
         if problems:
             raise SettingsError(_summary(problems), problems=problems)
         return self
+
+    def _put_password_in_url(self, password: str) -> str | None:
+        """Puts ``password`` into ``database_url``; None, or why it cannot."""
+        name = env_name("database_password")
+        try:
+            url = make_url(self.database_url)
+        except ArgumentError:
+            return None  # make_engine reports a malformed URL, naming the variable
+        if url.get_backend_name() != "postgresql":
+            return f"{name} is set but the database is not PostgreSQL; unset it"
+        if url.password is not None:
+            return (
+                f"{name} is set and {env_name('database_url')} holds a password too: keep "
+                f"one (the password setting, so that the URL holds no secret)"
+            )
+        self.database_url = url.set(password=password).render_as_string(hide_password=False)
+        return None
 
     def _inconsistencies(self) -> list[str]:
         problems: list[str] = []
@@ -391,6 +454,27 @@ class Settings(BaseSettings):
         return zoneinfo.ZoneInfo(self.timezone)
 
 
+def _level_name(raw: str) -> str | None:
+    level = raw.strip().lower()
+    level = _LEVEL_ALIASES.get(level, level)
+    return level if level in LOG_LEVELS else None
+
+
+def parse_log_level(raw: str | None) -> int:
+    """``TRAINBOT_LOG_LEVEL``'s value as a :mod:`logging` level (unset: WARNING), read
+    before the other settings, since logging starts first. Raises :class:`SettingsError`,
+    one line, for a value that is not a level."""
+    if not raw:
+        return logging.WARNING
+    level = _level_name(raw)
+    if level is None:
+        raise SettingsError(
+            f"bad setting: {env_name('log_level')}={raw!r}: expected one of "
+            f"{', '.join(LOG_LEVELS)} (any case)"
+        )
+    return int(logging.getLevelName(level.upper()))
+
+
 def _registered(names: list[str]) -> list[str]:
     """``names``, lower-cased, each a provider of the registry (``jobs.providers``)."""
     wanted = [name.strip().lower() for name in names]
@@ -409,7 +493,50 @@ def _summary(problems: list[str]) -> str:
 
 
 def _is_secret(field: str) -> bool:
-    return field.startswith("slack_") or field in ("runner_token_secret", "pagerduty_routing_key")
+    return field in _file_fields()
+
+
+def _file_fields() -> tuple[str, ...]:
+    """The fields that may come from files: every secret, and the database URL (which may
+    hold the password)."""
+    secret = [
+        name
+        for name, info in Settings.model_fields.items()
+        if info.annotation is SecretStr or SecretStr in typing.get_args(info.annotation)
+    ]
+    return ("database_url", *secret)
+
+
+def google_credentials_environ(
+    settings: Settings, environ: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """What to add to the environment for Google's clients: ``GOOGLE_APPLICATION_CREDENTIALS``
+    pointing at ``gcp_credentials_file`` when that file is there and nothing else names a
+    key; else nothing, and the clients find the pod's Workload Identity or the instance's
+    account through the metadata server."""
+    source = os.environ if environ is None else environ
+    wanted = settings.gcp_credentials_file
+    if source.get("GOOGLE_APPLICATION_CREDENTIALS") or wanted is None or not wanted.is_file():
+        return {}
+    return {"GOOGLE_APPLICATION_CREDENTIALS": str(wanted)}
+
+
+def _google_key_problem(by_upper: Mapping[str, str]) -> str | None:
+    """A ``GOOGLE_APPLICATION_CREDENTIALS`` that names no file fails every Google call
+    (checked where Google is used: the GCP provider, or a ``gs://`` store)."""
+    path = by_upper.get("GOOGLE_APPLICATION_CREDENTIALS") or ""
+    providers = ",".join(by_upper.get(env_name(f)) or "" for f in ("provider", "providers"))
+    uses_google = "gcp" in providers.lower() or any(
+        (by_upper.get(env_name(f)) or "").startswith("gs://")
+        for f in ("checkpoint_uri", "checkpoint_locations")
+    )
+    if uses_google and path and not Path(path).is_file():
+        return (
+            f"GOOGLE_APPLICATION_CREDENTIALS={path}: no such file; unset it to use the "
+            f"pod's Workload Identity or the instance's account, or set "
+            f"{env_name('gcp_credentials_file')} to a key file used only when it is there"
+        )
+    return None
 
 
 @contextmanager
@@ -421,8 +548,13 @@ def _only_init_values() -> Iterator[None]:
         _FROM_MAPPING.reset(token)
 
 
-def load_settings(env: Mapping[str, str] | None = None) -> Settings:
+def load_settings(
+    env: Mapping[str, str] | None = None, *, purpose: Literal["serve", "migrate"] = "serve"
+) -> Settings:
     """Read and validate the settings from ``env`` (default: ``os.environ``).
+
+    ``purpose="migrate"``: for ``trainbot migrate``, which posts nothing, so the notifier's
+    secrets are not asked for (the migration Job mounts the database's alone).
 
     Variables are matched case-insensitively; empty ones count as unset; unknown
     ``TRAINBOT_*`` variables are ignored (the runner and the tests use a few of their
@@ -430,16 +562,25 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     """
     source = os.environ if env is None else env
     by_upper = {key.upper(): value for key, value in source.items()}
+    from_files, problems = read_secret_files(by_upper, [env_name(f) for f in _file_fields()])
+    by_upper.update(from_files)
+    google = _google_key_problem(by_upper)
+    if google is not None:
+        problems.append(google)
     values: dict[str, Any] = {}
     for field in Settings.model_fields:
         raw = by_upper.get(env_name(field))
         if raw is not None and raw != "":
             values[field] = raw
+    if purpose == "migrate":
+        values.pop("notifier", None)
     try:
         with _only_init_values():
-            return Settings(**values)
+            settings = Settings(**values)
+    except SettingsError as exc:
+        problems += exc.problems
+        raise SettingsError(_summary(problems), problems=problems) from None
     except ValidationError as exc:
-        problems = []
         for error in exc.errors():
             field = str(error["loc"][0]) if error["loc"] else ""
             shown = "<hidden>" if _is_secret(field) else repr(values.get(field))
@@ -447,3 +588,6 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
                 f"{env_name(field)}={shown}: {describe_validation_error(error, with_value=False)}"
             )
         raise SettingsError(_summary(problems), problems=problems) from None
+    if problems:
+        raise SettingsError(_summary(problems), problems=problems)
+    return settings
