@@ -14,6 +14,12 @@ benchmark next to one, never mixes their series. Three kinds of source feed it:
   scheduler lease. The database is the truth every replica shares, so each replica
   reports the same figures (aggregate with ``max``, not ``sum``), and a restart loses
   nothing. A scrape costs a handful of aggregate queries.
+- **About this process:** ``trainbot_build_info`` (1, labelled with the ``version`` and
+  the ``python`` it runs on, so a dashboard shows which release each replica runs), and
+  ``prometheus_client``'s process collector: ``process_resident_memory_bytes``,
+  ``process_open_fds`` (and ``_max_fds``), ``process_cpu_seconds_total``,
+  ``process_start_time_seconds`` (read from ``/proc``: Linux only; elsewhere absent),
+  with ``python_info``.
 - **Asked of the Slack post queue** at scrape time, through the small
   :class:`PostQueue` interface (``bot.slack_notifier.SlackNotifier`` has it), so
   ``jobs/`` never imports ``bot/``: :meth:`ControlPlaneMetrics.watch_post_queue`.
@@ -27,7 +33,9 @@ contract of ``deploy/prometheus/alerts.yaml`` and ``deploy/grafana/trainbot.json
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
+import platform
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -44,7 +52,14 @@ from apscheduler.events import (
     JobSubmissionEvent,
     SchedulerEvent,
 )
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy import Connection, Engine, func, or_, select
@@ -171,6 +186,15 @@ class ControlPlaneMetrics:
             ["task"],
             registry=self.registry,
         )
+        build = Gauge(
+            "trainbot_build_info",
+            "Always 1; the labels say which trainbot release and Python this replica runs.",
+            ["version", "python"],
+            registry=self.registry,
+        )
+        build.labels(_version(), platform.python_version()).set(1)
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
         self._queue = _PostQueueCollector()
         self.registry.register(self._queue)
         if engine is not None:
@@ -548,6 +572,14 @@ class DatabaseCollector(Collector):
         )
         metric.add_metric([], 1 if leads else 0)
         return metric
+
+
+def _version() -> str:
+    """The installed trainbot's version ("unknown" in a source tree without metadata)."""
+    try:
+        return importlib.metadata.version("trainbot")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _instance_seconds(s: Any) -> Any:

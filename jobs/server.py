@@ -15,9 +15,10 @@ not need one, and the Slack app mounts under ``/slack/`` as a WSGI app of its ow
 and, on a second listener of their own (the admin port, :class:`AdminApp`, loopback by
 default), never on the public one:
 
-- ``GET /healthz``: 200 when the database answers ``SELECT 1``, 503 when it does not;
-- ``GET /readyz``: the same, and 503 as well once the public port stops accepting (a
-  replica draining for shutdown);
+- ``GET /healthz`` (liveness): 200 while the process answers; never asks the database,
+  so a database blip restarts no replica;
+- ``GET /readyz`` (readiness): 200 when the database answers ``SELECT 1`` and the public
+  port accepts; 503 when the database does not, or once the replica drains for shutdown;
 - ``GET /metrics``: Prometheus exposition from :mod:`jobs.prometheus` (OpenMetrics when
   the scraper asks for it).
 

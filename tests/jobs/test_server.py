@@ -519,10 +519,14 @@ def test_many_clients_at_once(sqlite_plane: Plane) -> None:
 # --- health, metrics, mounts ----------------------------------------------------------------
 
 
-def test_healthz_checks_the_database(sqlite_plane: Plane, tmp_path: Path) -> None:
+def test_healthz_is_the_process_and_readyz_the_database(
+    sqlite_plane: Plane, tmp_path: Path
+) -> None:
+    """Liveness never asks the database, so a database blip restarts no replica;
+    readiness does, and takes the replica out of the load balancer (issue 28)."""
     status, content_type, text = get(sqlite_plane.admin_url + "/healthz")
     assert (status, content_type) == (200, "application/json")
-    assert json.loads(text) == {"ok": True, "db": "ok"}
+    assert json.loads(text) == {"ok": True}
 
     broken_dir = tmp_path / "not-a-database"
     broken_dir.mkdir()
@@ -535,10 +539,11 @@ def test_healthz_checks_the_database(sqlite_plane: Plane, tmp_path: Path) -> Non
     finally:
         server.shutdown()
         broken.dispose()
-    assert status == 503
-    assert json.loads(text)["ok"] is False
+    assert status == 200
+    assert json.loads(text)["ok"] is True
     assert ready_status == 503
     assert json.loads(ready_text)["ready"] is False
+    assert json.loads(ready_text)["db"].startswith("unavailable")
 
 
 def test_metrics_in_prometheus_text(plane: Plane) -> None:
