@@ -19,9 +19,22 @@ if [ "$(id -u)" = 0 ]; then
     as_postgres="setpriv --reuid=postgres --regid=postgres --init-groups"
 fi
 
+# POSTGRES_PASSWORD_FILE, as the official image reads it: the compose file's secret.
+if [ -n "${POSTGRES_PASSWORD_FILE:-}" ]; then
+    if [ -n "${POSTGRES_PASSWORD:-}" ]; then
+        echo "POSTGRES_PASSWORD and POSTGRES_PASSWORD_FILE are both set: keep one" >&2
+        exit 1
+    fi
+    if [ ! -r "$POSTGRES_PASSWORD_FILE" ]; then
+        echo "POSTGRES_PASSWORD_FILE=$POSTGRES_PASSWORD_FILE cannot be read: put the password there (deploy/secrets/database_password)" >&2
+        exit 1
+    fi
+    POSTGRES_PASSWORD="$(cat "$POSTGRES_PASSWORD_FILE")"
+fi
+
 if [ ! -s "$PGDATA/PG_VERSION" ]; then
     if [ -z "${POSTGRES_PASSWORD:-}" ]; then
-        echo "POSTGRES_PASSWORD is not set: set it (the compose file takes it from the environment)" >&2
+        echo "POSTGRES_PASSWORD is not set: put it in deploy/secrets/database_password (POSTGRES_PASSWORD_FILE)" >&2
         exit 1
     fi
     pwfile="$(mktemp)"

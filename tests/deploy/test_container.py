@@ -247,7 +247,17 @@ def test_image_serves_healthz_as_non_root(podman: Podman, images: dict[str, floa
             logs=lambda: podman.run("logs", name, check=False).stderr,
         )
         print(f"container answered /healthz {time.monotonic() - started:.1f} s after start")
-        assert body == {"ok": True, "db": "ok"}
+        assert body == {"ok": True}
+        ready = _wait_healthy(f"http://127.0.0.1:{admin}/readyz")
+        assert ready["db"] == "ok"
+        # psycopg2 built against Debian's libpq, not the -binary wheel.
+        driver = podman.run(
+            "exec", name, "python", "-c",
+            "import importlib.metadata as m, psycopg2; print(psycopg2.__libpq_version__); "
+            "print(sorted(d.metadata['Name'] for d in m.distributions() "
+            "if d.metadata['Name'].startswith('psycopg')))",
+        ).stdout.split("\n")  # fmt: skip
+        assert int(driver[0]) >= 130000 and driver[1] == "['psycopg2']", driver
         with pytest.raises(urllib.error.HTTPError) as public:  # not on the public port
             urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10)
         assert public.value.code == 404
@@ -291,10 +301,18 @@ def compose_project(
     project = f"trainbot-test-{secrets.token_hex(4)}"
     compose = _compose_command()
     assert compose is not None
+    # The secrets as files (compose mounts the directory read-only in every container).
+    secrets_dir = Path(tempfile.mkdtemp(prefix="trainbot-secrets-"))
+    secrets_dir.chmod(0o755)
+    for name, value in (
+        ("database_password", secrets.token_urlsafe(16)),
+        ("runner_token_secret", secrets.token_hex(32)),
+    ):
+        (secrets_dir / name).write_text(value + "\n")
+        (secrets_dir / name).chmod(0o444)
     env = {
         **podman.env,
-        "POSTGRES_PASSWORD": secrets.token_urlsafe(16),
-        "TRAINBOT_RUNNER_TOKEN_SECRET": secrets.token_hex(32),
+        "TRAINBOT_SECRETS_HOST_DIR": str(secrets_dir),
         "TRAINBOT_IMAGE": APP_IMAGE,
         "POSTGRES_IMAGE": POSTGRES_IMAGE,
         "TRAINBOT_BASE_IMAGE": BASE_IMAGE,
@@ -318,6 +336,7 @@ def compose_project(
         down = compose_run("down", "-v", "-t", "10")
         if down.returncode != 0:
             print(f"compose down: {down.stderr[-2000:]}")
+        shutil.rmtree(secrets_dir, ignore_errors=True)
         # Whatever `down` left (a failed `up`, an interrupted test) goes too.
         label = f"label=io.podman.compose.project={project}"
         podman.run("pod", "rm", "-f", "-t", "0", f"pod_{project}", check=False)
@@ -348,8 +367,8 @@ def test_compose_runs_two_replicas_on_postgres(
     # podman 4.3 cannot wait for PostgreSQL's healthcheck (compose's service_healthy):
     # a replica that started first exits and is restarted (restart: unless-stopped).
     for port in (env["TRAINBOT_ADMIN_PORT_1"], env["TRAINBOT_ADMIN_PORT_2"]):
-        body = _wait_healthy(f"http://127.0.0.1:{port}/healthz", timeout_s=180, logs=logs)
-        assert body == {"ok": True, "db": "ok"}
+        body = _wait_healthy(f"http://127.0.0.1:{port}/readyz", timeout_s=180, logs=logs)
+        assert body["db"] == "ok"
     print(f"both replicas answered /healthz {time.monotonic() - started:.1f} s after up")
     names = podman.run("ps", "--format", "{{.Names}}", "--filter", label).stdout.split()
     replicas = [n for n in names if "trainbot-" in n.removeprefix(project)]

@@ -1,5 +1,10 @@
-"""deploy/kubernetes/ validates offline against the Kubernetes API schemas (strict: no
-unknown fields), and holds what a two-replica team install needs."""
+"""deploy/kubernetes/ as a platform engineer installs it (issue 28, point 1): the README's
+first install, run command by command against a validator (tests/deploy/kube.py) that
+checks each object's ServiceAccount, ConfigMap, Secrets and keys exist before it and that
+no placeholder image is left; the migration Job needs no Slack secret; the pods'
+environment and secret files are settings that load; Google credentials come from
+Workload Identity unless a key is mounted; and the manifests validate offline against
+the Kubernetes API schemas (strict: no unknown fields)."""
 
 from __future__ import annotations
 
@@ -12,46 +17,268 @@ from typing import Any
 import pytest
 import yaml
 
-MANIFESTS = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
+from jobs.settings import google_credentials_environ, load_settings
+from tests.deploy.kube import (
+    KUBERNETES,
+    PLACEHOLDER_REGISTRY,
+    ROOT,
+    Cluster,
+    Command,
+    container_environment,
+    containers,
+    kubectl,
+    pod_spec,
+    readme_commands,
+    render,
+    render_here,
+    render_with_kubectl,
+)
+
 KUBERNETES_VERSION = "1.30.0"
+IMAGE = "ghcr.io/acme/trainbot:1.2.3"
+KUSTOMIZATIONS = ("", "migrate", "monitoring")
+Obj = dict[str, Any]
 
 
-def _resources() -> list[Path]:
-    return sorted(p for p in MANIFESTS.glob("*.yaml") if p.name != "kustomization.yaml")
+def readme_install() -> list[Command]:
+    """The commands of the README's Kubernetes first install, in order."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("**3. Kubernetes.**") :]
+    block = section[section.index("```sh\n") + 6 :]
+    return readme_commands(block[: block.index("```")])
 
 
-def _docs() -> dict[str, dict[str, Any]]:
-    docs: dict[str, dict[str, Any]] = {}
-    for path in _resources():
-        for doc in yaml.safe_load_all(path.read_text()):
-            if doc:
-                docs[doc["kind"]] = doc
-    return docs
+def set_image(tree: Path, image: str) -> None:
+    """Step 0 of the README: the team's image in image/kustomization.yaml."""
+    path = tree / "deploy" / "kubernetes" / "image" / "kustomization.yaml"
+    component = yaml.safe_load(path.read_text())
+    (entry,) = component["images"]
+    entry["newName"], entry["newTag"] = image.rsplit(":", 1)
+    path.write_text(yaml.safe_dump(component))
 
 
-def test_manifests_validate_strictly() -> None:
+def copy_tree(tmp_path: Path) -> Path:
+    tree = tmp_path / "checkout"
+    shutil.copytree(KUBERNETES, tree / "deploy" / "kubernetes")
+    return tree
+
+
+def _secret_value(name: str, key: str, literal: str) -> str:
+    if "$(" in literal or "…" in literal or not literal:
+        return f"{name}-{key}-".ljust(64, "0")  # openssl rand -hex 32 is 64 characters
+    return literal
+
+
+def run_commands(
+    commands: list[Command], tree: Path, *, with_optional: bool, image: str = IMAGE
+) -> Cluster:
+    """Each command against the validator, as `kubectl` would run it."""
+    cluster = Cluster(image=image)
+    for command in commands:
+        if command.optional and not with_optional:
+            continue
+        words = list(command.words) + (list(command.optional_words) if with_optional else [])
+        match words:
+            case ["kubectl", "create", "secret", "generic", name, *flags]:
+                data = {}
+                for flag in flags:
+                    option, _, rest = flag.partition("=")
+                    key, _, value = rest.partition("=")
+                    assert option in ("--from-literal", "--from-file"), flag
+                    data[key] = (
+                        '{"type": "service_account"}'
+                        if option == "--from-file"
+                        else _secret_value(name, key, value)
+                    )
+                cluster.create_secret(name, data)
+            case ["kubectl", "apply", "-k", directory]:
+                for obj in render(tree / directory):
+                    cluster.apply(obj)
+            case ["kubectl", "apply", "-f", path]:
+                for obj in yaml.safe_load_all((tree / path).read_text()):
+                    if obj:
+                        cluster.apply(obj)
+            case ["kubectl", "wait", *options]:
+                (target,) = [o for o in options if "/" in o and not o.startswith("--")]
+                kind, name = target.split("/")
+                assert kind == "job", target
+                if not cluster.has("Job", name):
+                    cluster.problems.append(f"kubectl wait: job {name} was never applied")
+            case ["kubectl", "delete", "job", name, *_]:
+                cluster.delete("Job", name)
+            case _:
+                raise AssertionError(f"the test does not know this README command: {words}")
+    return cluster
+
+
+def of(cluster: Cluster, kind: str, name: str = "trainbot") -> Obj:
+    return cluster.objects[(kind, name)]
+
+
+@pytest.fixture(params=["required only", "with every optional secret"])
+def installed(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Cluster, bool]:
+    tree = copy_tree(tmp_path)
+    set_image(tree, IMAGE)
+    full = request.param != "required only"
+    return run_commands(readme_install(), tree, with_optional=full), full
+
+
+# --- the first install ----------------------------------------------------------------------
+
+
+def test_the_readme_first_install_applies_each_object_after_what_it_needs(
+    installed: tuple[Cluster, bool],
+) -> None:
+    cluster, full = installed
+    assert cluster.problems == []
+    applied = cluster.applied
+    assert applied.index(("Job", "trainbot-migrate")) < applied.index(("Deployment", "trainbot"))
+    for kind in ("ServiceAccount", "ConfigMap"):
+        assert applied.index((kind, "trainbot")) < applied.index(("Job", "trainbot-migrate"))
+    assert ("ServiceMonitor", "trainbot") in applied if full else True
+
+
+def test_the_validator_refuses_the_old_order_and_the_placeholder_image(tmp_path: Path) -> None:
+    """The issue's first install: the Job applied alone before anything else, with the
+    image as shipped. The validator must see both faults, or the tests above prove nothing."""
+    tree = copy_tree(tmp_path)
+    old = [
+        Command(("kubectl", "create", "secret", "generic", "trainbot-database",
+                 "--from-literal=password=x"), optional=False),
+        Command(("kubectl", "apply", "-f", "deploy/kubernetes/migrate/job.yaml"), optional=False),
+    ]  # fmt: skip
+    problems = run_commands(old, tree, with_optional=False).problems
+    assert any("ServiceAccount trainbot does not exist" in p for p in problems), problems
+    assert any("ConfigMap trainbot does not exist" in p for p in problems), problems
+    assert any("placeholder image trainbot" in p for p in problems), problems
+
+    unset = run_commands(readme_install(), copy_tree(tmp_path / "unset"), with_optional=False)
+    assert any(f"placeholder image {PLACEHOLDER_REGISTRY}" in p for p in unset.problems)
+
+
+def test_one_image_setting_reaches_the_job_and_the_deployment(tmp_path: Path) -> None:
+    tree = copy_tree(tmp_path)
+    set_image(tree, IMAGE)
+    for name in ("", "migrate"):
+        for obj in render(tree / "deploy" / "kubernetes" / name):
+            for container in containers(obj):
+                assert container["image"] == IMAGE, (name, obj["kind"])
+
+
+def test_the_migration_job_needs_the_database_secret_alone(tmp_path: Path) -> None:
+    tree = copy_tree(tmp_path)
+    set_image(tree, IMAGE)
+    cluster = Cluster(image=IMAGE)
+    cluster.create_secret("trainbot-database", {"password": "s3cret-pw"})
+    for obj in render(tree / "deploy" / "kubernetes" / "migrate"):
+        cluster.apply(obj)
+    assert cluster.problems == []
+    job = of(cluster, "Job", "trainbot-migrate")
+    assert cluster.secrets_named_by(job) == {"trainbot-database"}
+    (container,) = pod_spec(job)["containers"]  # type: ignore[index]
+    assert container["args"] == ["migrate"]
+    env, _ = container_environment(cluster, job, mounts={"secrets": tmp_path / "job-secrets"})
+    assert env["TRAINBOT_NOTIFIER"] == "slack"  # the ConfigMap's, shared with the Deployment
+    settings = load_settings(env, purpose="migrate")  # what `trainbot migrate` reads
+    assert ":s3cret-pw@" in settings.database_url
+
+
+def test_the_pods_environment_and_secret_files_are_settings_that_load(
+    installed: tuple[Cluster, bool], tmp_path: Path
+) -> None:
+    cluster, full = installed
+    deployment = of(cluster, "Deployment")
+    env, _ = container_environment(
+        cluster, deployment, mounts={"secrets": tmp_path / "pod-secrets"}
+    )
+    secret_values = {
+        v for data in cluster.secrets.values() for k, v in data.items() if "aws" not in k
+    }
+    assert not secret_values & set(env.values())  # files, not variables (AWS keys aside)
+    settings = load_settings(env)
+    slack = cluster.secrets["trainbot-slack"]
+    assert settings.slack_bot_token is not None
+    assert settings.slack_bot_token.get_secret_value() == slack["bot-token"]
+    assert settings.runner_token_secret is not None
+    assert (
+        settings.runner_token_secret.get_secret_value()
+        == cluster.secrets["trainbot-runner-tokens"]["secret"]
+    )
+    password = cluster.secrets["trainbot-database"]["password"]
+    assert f":{password}@" in settings.database_url
+    assert (settings.pagerduty_routing_key is not None) == full
+    assert (settings.slack_app_token is not None) == full
+
+
+def test_google_credentials_come_from_workload_identity_unless_a_key_is_mounted(
+    installed: tuple[Cluster, bool], tmp_path: Path
+) -> None:
+    cluster, full = installed
+    deployment = of(cluster, "Deployment")
+    (container,) = pod_spec(deployment)["containers"]  # type: ignore[index]
+    assert "GOOGLE_APPLICATION_CREDENTIALS" not in {v["name"] for v in container["env"]}
+    env, _ = container_environment(
+        cluster, deployment, mounts={"secrets": tmp_path / "pod-secrets"}
+    )
+    settings = load_settings(env)
+    google = google_credentials_environ(settings, env)
+    if not full:  # no trainbot-cloud Secret: Workload Identity
+        assert google == {}
+    else:
+        assert Path(google["GOOGLE_APPLICATION_CREDENTIALS"]).read_text().startswith("{")
+
+
+# --- the manifests themselves --------------------------------------------------------------
+
+
+@pytest.mark.skipif(kubectl() is None, reason="kubectl is not installed")
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_the_test_renderer_agrees_with_kubectl(name: str) -> None:
+    command = kubectl()
+    assert command is not None
+    assert render_here(KUBERNETES / name) == render_with_kubectl(KUBERNETES / name, command)
+
+
+def test_manifests_validate_strictly(tmp_path: Path) -> None:
     validate = Path(sys.executable).with_name("kubernetes-validate")
     command = str(validate) if validate.exists() else shutil.which("kubernetes-validate")
     if command is None:
         pytest.skip("kubernetes-validate is not installed (pip install kubernetes-validate)")
+    tree = copy_tree(tmp_path)
+    set_image(tree, IMAGE)
+    files = []
+    for name in ("", "migrate"):  # monitoring/ is a CRD's object: no schema here
+        for i, obj in enumerate(render(tree / "deploy" / "kubernetes" / name)):
+            path = tmp_path / f"{name or 'app'}-{i}-{obj['kind']}.yaml"
+            path.write_text(yaml.safe_dump(obj))
+            files.append(str(path))
     proc = subprocess.run(
-        [command, "--strict", "-k", KUBERNETES_VERSION, *map(str, _resources())],
+        [command, "--strict", "-k", KUBERNETES_VERSION, *files],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("passed") == len(_resources()), proc.stdout
+    assert proc.stdout.count("passed") == len(files), proc.stdout
 
 
-def test_kustomization_lists_every_manifest() -> None:
-    kustomization = yaml.safe_load((MANIFESTS / "kustomization.yaml").read_text())
-    assert sorted(kustomization["resources"]) == sorted(p.name for p in _resources())
+def test_every_manifest_is_in_a_kustomization() -> None:
+    listed: set[Path] = set()
+    for name in (*KUSTOMIZATIONS, "config"):
+        directory = KUBERNETES / name
+        k = yaml.safe_load((directory / "kustomization.yaml").read_text())
+        listed |= {(directory / r).resolve() for r in k.get("resources", [])}
+    manifests = {p.resolve() for p in KUBERNETES.rglob("*.yaml") if p.name != "kustomization.yaml"}
+    assert manifests <= listed
 
 
-def test_two_replicas_probed_on_healthz_and_kept_by_a_budget() -> None:
-    docs = _docs()
-    deployment = docs["Deployment"]
+def _app() -> dict[tuple[str, str], Obj]:
+    return {(o["kind"], o["metadata"]["name"]): o for o in render_here(KUBERNETES)}
+
+
+def test_two_replicas_live_on_the_process_and_ready_on_the_database() -> None:
+    docs = _app()
+    deployment = docs[("Deployment", "trainbot")]
     assert deployment["spec"]["replicas"] == 2
     pod = deployment["spec"]["template"]["spec"]
     (container,) = pod["containers"]
@@ -60,41 +287,39 @@ def test_two_replicas_probed_on_healthz_and_kept_by_a_budget() -> None:
         assert container[probe]["httpGet"] == {"path": path, "port": "admin"}, probe
     assert pod["securityContext"]["runAsNonRoot"] is True
     labels = deployment["spec"]["template"]["metadata"]["labels"]
-    for kind in ("Service", "PodDisruptionBudget"):
-        spec = docs[kind]["spec"]
+    for kind, name in (("Service", "trainbot"), ("Service", "trainbot-admin"),
+                       ("PodDisruptionBudget", "trainbot")):  # fmt: skip
+        spec = docs[(kind, name)]["spec"]
         selector = spec["selector"].get("matchLabels", spec["selector"])
         assert selector.items() <= labels.items(), kind
-    assert docs["PodDisruptionBudget"]["spec"]["minAvailable"] == 1
+    assert docs[("PodDisruptionBudget", "trainbot")]["spec"]["minAvailable"] == 1
 
 
-def test_credentials_come_from_secrets_only() -> None:
-    docs = _docs()
-    for kind in ("Deployment", "Job"):
-        (container,) = docs[kind]["spec"]["template"]["spec"]["containers"]
-        env = {e["name"]: e for e in container["env"]}
-        for name in ("TRAINBOT_DATABASE_URL", "TRAINBOT_SLACK_BOT_TOKEN"):
-            assert env[name]["valueFrom"]["secretKeyRef"]["name"].startswith("trainbot-")
-    config = docs["ConfigMap"]["data"]
-    assert not [k for k in config if "TOKEN" in k or "SECRET" in k or "DATABASE" in k]
-    deployment_env = {
-        e["name"]: e for e in docs["Deployment"]["spec"]["template"]["spec"]["containers"][0]["env"]
-    }
-    assert deployment_env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["optional"]
+def test_secrets_are_files_and_the_configmap_holds_none() -> None:
+    docs = _app()
+    config = docs[("ConfigMap", "trainbot")]["data"]
+    assert not [k for k in config if "TOKEN" in k or "SECRET" in k or "PASSWORD" in k]
+    from sqlalchemy.engine import make_url
+
+    assert make_url(config["TRAINBOT_DATABASE_URL"]).password is None
+    (container,) = docs[("Deployment", "trainbot")]["spec"]["template"]["spec"]["containers"]
+    by_name = {e["name"]: e for e in container["env"]}
+    trainbot_refs = [
+        n for n, e in by_name.items() if n.startswith("TRAINBOT_") and "valueFrom" in e
+    ]
+    assert trainbot_refs == []  # every TRAINBOT_ secret is a file
+    assert by_name["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["optional"]
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    assert mounts["secrets"]["mountPath"] == by_name["TRAINBOT_SECRETS_DIR"]["value"]
+    assert mounts["secrets"]["readOnly"] is True
 
 
-def test_migration_job_runs_trainbot_migrate() -> None:
-    job = _docs()["Job"]
-    (container,) = job["spec"]["template"]["spec"]["containers"]
-    assert container["args"] == ["migrate"]
-    assert job["spec"]["template"]["spec"]["restartPolicy"] in ("OnFailure", "Never")
-
-
-def test_probes_and_scrapes_use_the_admin_port_which_the_service_does_not_expose() -> None:
+def test_probes_and_scrapes_use_the_admin_port_which_the_public_service_does_not_expose() -> None:
     """A flood of the public port cannot fail a probe (issue 23): probes and scrapes go
-    to the admin listener, which binds the pod's network; the Service, which the ingress
-    or load balancer reaches, exposes the public port only (it has no /metrics)."""
-    docs = _docs()
-    template = docs["Deployment"]["spec"]["template"]
+    to the admin listener, which binds the pod's network; the public Service, which the
+    ingress or load balancer reaches, exposes the public port only."""
+    docs = _app()
+    template = docs[("Deployment", "trainbot")]["spec"]["template"]
     (container,) = template["spec"]["containers"]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     args = container["args"]
@@ -104,5 +329,7 @@ def test_probes_and_scrapes_use_the_admin_port_which_the_service_does_not_expose
     annotations = template["metadata"]["annotations"]
     assert annotations["prometheus.io/port"] == str(ports["admin"])
     assert annotations["prometheus.io/path"] == "/metrics"
-    exposed = [p["targetPort"] for p in docs["Service"]["spec"]["ports"]]
-    assert exposed == ["http"]
+    assert [p["targetPort"] for p in docs[("Service", "trainbot")]["spec"]["ports"]] == ["http"]
+    admin = docs[("Service", "trainbot-admin")]["spec"]
+    assert admin["clusterIP"] == "None"
+    assert [p["targetPort"] for p in admin["ports"]] == ["admin"]

@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from jobs.settings import Settings, env_name
+from tests.deploy.kube import render_here
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBERNETES = ROOT / "deploy" / "kubernetes"
@@ -52,10 +53,8 @@ def compose_environment() -> dict[str, str]:
 
 
 def kubernetes_docs() -> list[dict[str, Any]]:
-    docs: list[dict[str, Any]] = []
-    for path in sorted(KUBERNETES.glob("*.yaml")):
-        docs.extend(d for d in yaml.safe_load_all(path.read_text()) if d)
-    return docs
+    """The control plane's objects as `kubectl apply -k deploy/kubernetes` renders them."""
+    return render_here(KUBERNETES)
 
 
 def of_kind(kind: str, name: str = "trainbot") -> dict[str, Any]:
@@ -69,10 +68,24 @@ def control_plane_container() -> dict[str, Any]:
     return container
 
 
+def secret_files() -> dict[str, dict[str, Any]]:
+    """Each setting the pods read from a file in TRAINBOT_SECRETS_DIR -> its Secret source."""
+    pod = of_kind("Deployment")["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "secrets"]
+    files: dict[str, dict[str, Any]] = {}
+    for source in volume["projected"]["sources"]:
+        for item in source["secret"].get("items", []):
+            files[f"TRAINBOT_{item['path'].upper()}"] = source["secret"]
+    return files
+
+
 def kubernetes_sources() -> dict[str, str]:
-    """Each variable the control plane's pods get -> ``ConfigMap`` or ``Secret <name>``."""
+    """Each setting the control plane's pods get -> ``ConfigMap`` or ``Secret <name>`` (a
+    variable from a Secret, or a file of one in TRAINBOT_SECRETS_DIR)."""
     container = control_plane_container()
-    sources: dict[str, str] = {}
+    sources: dict[str, str] = {
+        name: f"Secret {secret['name']}" for name, secret in secret_files().items()
+    }
     for ref in container.get("envFrom", []):
         config_map = of_kind("ConfigMap", ref["configMapRef"]["name"])
         sources.update(dict.fromkeys(config_map["data"], "ConfigMap"))
@@ -94,10 +107,21 @@ def test_the_trust_model_names_only_settings_its_table_lists() -> None:
 
 def test_compose_passes_every_trust_model_setting() -> None:
     env = compose_environment()
-    missing = set(settings_table()) - set(env)
+    # A secret may come as a file: its _FILE variable, or the secrets directory.
+    from_directory = {
+        env_name(field)
+        for field, info in Settings.model_fields.items()
+        if "TRAINBOT_SECRETS_DIR" in env and "SecretStr" in str(info.annotation)
+    }
+    missing = {
+        name
+        for name in settings_table()
+        if name not in env and f"{name}_FILE" not in env and name not in from_directory
+    }
     assert not missing, f"deploy/compose.yaml does not pass {sorted(missing)}"
-    # Both replicas need the one secret: compose refuses to start without it.
-    assert ":?" in env["TRAINBOT_RUNNER_TOKEN_SECRET"]
+    # Both replicas need the one secret: a file every replica reads, required (a
+    # replica whose file is missing refuses to start, naming it).
+    assert env["TRAINBOT_RUNNER_TOKEN_SECRET_FILE"].startswith(env["TRAINBOT_SECRETS_DIR"])
     assert env["TRAINBOT_ALLOW_EXTERNAL_USERS"].endswith(":-false}")
 
 
@@ -108,17 +132,14 @@ def test_kubernetes_passes_every_trust_model_setting_from_where_the_readme_says(
         expected = re.sub(r"`|\(optional\)", "", where).split()
         assert sources[name].split() == expected, (name, sources[name], where)
     # The shared runner-token secret is required: a pod without it would sign with its own.
-    (var,) = [
-        v for v in control_plane_container()["env"] if v["name"] == "TRAINBOT_RUNNER_TOKEN_SECRET"
-    ]
-    assert not var["valueFrom"]["secretKeyRef"].get("optional", False)
+    assert not secret_files()["TRAINBOT_RUNNER_TOKEN_SECRET"].get("optional", False)
 
 
 def test_the_readme_compose_recipe_turns_checkpoint_isolation_on() -> None:
     deploy = section((ROOT / "README.md").read_text(), "Deploy")
     recipe = deploy[deploy.index("**2. Compose") : deploy.index("**3. Kubernetes")]
+    assert "> runner_token_secret" in recipe  # the file every replica reads
     for name in (
-        "TRAINBOT_RUNNER_TOKEN_SECRET",
         "TRAINBOT_CHECKPOINT_LOCATIONS",
         "TRAINBOT_AWS_RUNNER_STORAGE_ROLE_ARN",
         "TRAINBOT_AWS_INSTANCE_PROFILE",
