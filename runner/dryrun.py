@@ -23,14 +23,14 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from runner import env as contract
 from runner.dryrun_report import DryRunReport
 from runner.errors import RunnerError
 from runner.layout import delete_steps, scan
 from runner.nodes import Node
 from runner.pidfile import end_stale_dry_run, record_process_group, record_spawn
-from runner.preemption import WINDOWS_S, choose_interval, daly_interval, flush_fits
+from runner.preemption import choose_interval, daly_interval, flush_fits
 from runner.store import open_store, run_store
-from runner.store.broker import STORE_CREDENTIALS_ENV
 from runner.telemetry import follow_file
 
 __all__ = ["DryRunReport", "daly_interval", "end_stale_dry_run", "run_dry_run"]
@@ -53,7 +53,7 @@ class _Phase:
         if pid_file is not None:
             # Named before the spawn: a crash of ours in the middle of it leaves a process
             # that end_stale_dry_run still finds, by the run id in its environment.
-            record_spawn(pid_file, run_id=env.get("TRAINBOT_RUN_ID"))
+            record_spawn(pid_file, run_id=env.get(contract.RUN_ID.name))
         self.proc = subprocess.Popen(
             list(command),
             env=env,
@@ -64,7 +64,7 @@ class _Phase:
         if pid_file is not None:
             # Its own process group, so whoever finds this file after a crash of ours can
             # end the whole dry run (end_stale_dry_run), the command's children included.
-            record_process_group(pid_file, self.proc.pid, run_id=env.get("TRAINBOT_RUN_ID"))
+            record_process_group(pid_file, self.proc.pid, run_id=env.get(contract.RUN_ID.name))
 
     def pump(self) -> None:
         self.events.extend(self.follower)
@@ -117,18 +117,19 @@ def run_dry_run(
     found = scan(store)
     delete_steps(store, found, set(found.objects))  # a dry run starts from nothing
     base = dict(os.environ if env is None else env)
-    base.update(TRAINBOT_RUN_ID=run_id, TRAINBOT_CHECKPOINT_URI=checkpoint_uri)
-    dropped = ["TRAINBOT_CHECKPOINT_INTERVAL_S", "TRAINBOT_STOP_FILE", "TRAINBOT_CHECKPOINT_PREFIX"]
-    if base.get(STORE_CREDENTIALS_ENV) != "broker":
+    base |= contract.render({contract.RUN_ID: run_id, contract.CHECKPOINT_URI: checkpoint_uri})
+    dropped: list[contract.Var[Any, Any]]
+    dropped = [contract.CHECKPOINT_INTERVAL_S, contract.STOP_FILE, contract.CHECKPOINT_PREFIX]
+    if base.get(contract.STORE_CREDENTIALS.name) != "broker":
         # Events go to each phase's file; the URL stays only for the store's broker.
-        dropped.append("TRAINBOT_INGEST_URL")
-    for key in dropped:
-        base.pop(key, None)
+        dropped.append(contract.INGEST_URL)
+    for var in dropped:
+        base.pop(var.name, None)
     if Node.from_env(base) is not None:
         # A script written for torchrun: its dry run is one process under torchrun, so
         # its process group initialises; the gang itself first meets at the launch.
         command = Node.alone().command(command)
-    sample = base.get("TRAINBOT_DATA_URI")
+    sample = contract.DATA_URI.get(base)
     if read_sample and sample:
         report.sample_uri = sample
         try:
@@ -173,12 +174,14 @@ def _run_phases(
 ) -> DryRunReport:
     first = _Phase(
         command,
-        {
-            **base,
-            "TRAINBOT_MAX_STEPS": str(steps),
-            "TRAINBOT_DRY_RUN_PHASE": "save",
-            "TRAINBOT_EVENTS_FILE": str(tmp / "save.jsonl"),
-        },
+        base
+        | contract.render(
+            {
+                contract.MAX_STEPS: steps,
+                contract.DRY_RUN_PHASE: "save",
+                contract.EVENTS_FILE: tmp / "save.jsonl",
+            }
+        ),
         tmp / "save.jsonl",
         log,
         pid_file,
@@ -203,11 +206,10 @@ def _run_phases(
 
     second = _Phase(
         command,
-        {
-            **base,
-            "TRAINBOT_DRY_RUN_PHASE": "verify",
-            "TRAINBOT_EVENTS_FILE": str(tmp / "verify.jsonl"),
-        },
+        base
+        | contract.render(
+            {contract.DRY_RUN_PHASE: "verify", contract.EVENTS_FILE: tmp / "verify.jsonl"}
+        ),
         tmp / "verify.jsonl",
         log,
         pid_file,
@@ -246,7 +248,7 @@ def _run_phases(
         report.daly_interval_s = choose_interval(
             write_s=report.write_s, stall_s=report.stall_s, mtbp_s=mtbp_s, flush_fits_window=False
         ).interval_s
-        for name, window in WINDOWS_S.items():
+        for name, window in contract.TERMINATION_WINDOWS_S.items():
             report.emergency_fits[name] = flush_fits(
                 nbytes=report.checkpoint_bytes or 0,
                 bandwidth_bps=(report.checkpoint_bytes or 0) / report.write_s

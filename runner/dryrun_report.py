@@ -20,8 +20,8 @@ import urllib.request
 from collections.abc import Mapping
 from dataclasses import KW_ONLY, asdict, dataclass, field
 
+from runner import env as contract
 from runner.errors import RunnerError
-from runner.preemption import WINDOWS_S
 from runner.store.broker import post_request, route_url
 from runner.wire.dry_run import DRY_RUN_ROUTE, encode_dry_run_post
 
@@ -30,7 +30,7 @@ __all__ = ["DRY_RUN_ID_ENV", "DryRunReport", "DryRunReports"]
 log = logging.getLogger(__name__)
 
 #: Set by the control plane on a dry run's instance: the id its reports name.
-DRY_RUN_ID_ENV = "TRAINBOT_DRY_RUN_ID"
+DRY_RUN_ID_ENV = contract.DRY_RUN_ID.name
 
 
 @dataclass
@@ -79,7 +79,7 @@ class DryRunReport:
             f"  Daly interval    {fmt(self.daly_interval_s, ' s')} for MTBP {self.mtbp_s:.0f} s",
         ]
         for name, fits in sorted(self.emergency_fits.items()):
-            window = WINDOWS_S[name]
+            window = contract.TERMINATION_WINDOWS_S[name]
             out.append(f"  emergency checkpoint within {name}'s {window:.0f} s window: {fits}")
         out.extend(f"  problem: {p}" for p in self.problems)
         return out
@@ -101,10 +101,10 @@ class DryRunReports:
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> DryRunReports | None:
         """The reporter the control plane configured, or None for a dry run a person runs."""
-        dry_run_id = env.get(DRY_RUN_ID_ENV)
+        dry_run_id = contract.DRY_RUN_ID.get(env)
         if not dry_run_id:
             return None
-        url, token = env.get("TRAINBOT_INGEST_URL"), env.get("TRAINBOT_TOKEN")
+        url, token = contract.INGEST_URL.get(env), contract.TOKEN.get(env)
         if not url or not token:
             raise RunnerError(
                 f"{DRY_RUN_ID_ENV} is set, but TRAINBOT_INGEST_URL or TRAINBOT_TOKEN is not: "

@@ -2,7 +2,8 @@
 
 The control plane launches a gang's nodes with ``TRAINBOT_NNODES``, ``TRAINBOT_NODE_RANK``,
 ``TRAINBOT_MASTER_ADDR`` and ``TRAINBOT_MASTER_PORT`` (:mod:`jobs.providers.gang`), and
-a distributed spec's attempts with ``TRAINBOT_TORCHRUN=1`` and ``TRAINBOT_NPROC_PER_NODE``.
+a distributed spec's attempts with ``TRAINBOT_TORCHRUN=1`` and ``TRAINBOT_NPROC_PER_NODE``
+(declared in :mod:`runner.env`).
 Then ``trainbot-runner exec`` runs the spec's command under ``torchrun`` with static
 rendezvous on node 0: the ranks are the same at every launch, and no rendezvous service
 is needed beyond the TCP store torchrun itself starts on node 0.
@@ -16,6 +17,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from runner import env as contract
 from runner.errors import RunnerError
 
 __all__ = ["Node", "free_port"]
@@ -26,19 +28,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def _int(env: Mapping[str, str], name: str, default: int, *, low: int) -> int:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise RunnerError(f"{name}={raw!r}: expected a whole number") from None
-    if value < low:
-        raise RunnerError(f"{name}={value}: expected {low} or more")
-    return value
 
 
 @dataclass(frozen=True)
@@ -54,24 +43,23 @@ class Node:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Node | None:
         """The node the environment describes; None for one process on one node."""
-        env = os.environ if env is None else env
-        nnodes = _int(env, "TRAINBOT_NNODES", 1, low=1)
-        nproc = _int(env, "TRAINBOT_NPROC_PER_NODE", 1, low=1)
-        if nnodes == 1 and nproc == 1 and env.get("TRAINBOT_TORCHRUN") != "1":
+        nnodes = contract.NNODES.get(env)
+        nproc = contract.NPROC_PER_NODE.get(env)
+        if nnodes == 1 and nproc == 1 and not contract.TORCHRUN.get(env):
             return None
-        rank = _int(env, "TRAINBOT_NODE_RANK", 0, low=0)
+        rank = contract.NODE_RANK.get(env)
         if rank >= nnodes:
             raise RunnerError(
                 f"TRAINBOT_NODE_RANK={rank} with TRAINBOT_NNODES={nnodes}: a node's rank is "
                 f"0 to {nnodes - 1}"
             )
-        given = env.get("TRAINBOT_MASTER_ADDR", "").strip()
+        given = (contract.MASTER_ADDR.get(env) or "").strip()
         if rank > 0 and not given:
             raise RunnerError(
                 "TRAINBOT_MASTER_ADDR is not set: node "
                 f"{rank} of {nnodes} needs node 0's address to join its rendezvous"
             )
-        port = _int(env, "TRAINBOT_MASTER_PORT", 29500, low=1)
+        port = contract.MASTER_PORT.get(env)
         addr = given or "127.0.0.1"
         return cls(nnodes=nnodes, rank=rank, nproc=nproc, master_addr=addr, master_port=port)
 

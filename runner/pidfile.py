@@ -19,10 +19,12 @@ import os
 import signal
 from pathlib import Path
 
+from runner import env as contract
+
 __all__ = ["end_stale_dry_run", "record_process_group", "record_spawn"]
 
 #: The environment variable every process of a dry run carries (``runner.dryrun``).
-_PHASE_KEY = b"TRAINBOT_DRY_RUN_PHASE="
+_PHASE_KEY = f"{contract.DRY_RUN_PHASE.name}=".encode()
 
 
 def record_spawn(pid_file: Path, *, run_id: str | None) -> None:
@@ -50,7 +52,7 @@ def end_stale_dry_run(pid_file: Path) -> bool:
         return False
     finally:
         pid_file.unlink(missing_ok=True)
-    marker = f"TRAINBOT_RUN_ID={run_id}".encode()
+    marker = f"{contract.RUN_ID.name}={run_id}".encode()
     killed = False
     if pgid is not None and marker in _environ(pgid):
         with contextlib.suppress(ProcessLookupError):

@@ -41,6 +41,7 @@ from jobs.providers.base import (
     ProviderError,
 )
 from runner import EXIT_PREEMPTED
+from runner import env as contract
 
 __all__ = [
     "GANG_SEP",
@@ -67,7 +68,7 @@ MASTER_PORT = 29500
 
 
 #: The variable that holds an instance's runner token (``runner.cli`` reads it).
-TOKEN_ENV = "TRAINBOT_TOKEN"
+TOKEN_ENV = contract.TOKEN.name
 _NODE_TOKEN = re.compile(r"n([1-9][0-9]{0,3})\.([A-Za-z0-9-]{1,64})\.([0-9a-f]{64})")
 
 
@@ -114,12 +115,14 @@ def node_request(
     env = dict(req.env)
     if TOKEN_ENV in env:
         env[TOKEN_ENV] = node_token(env[TOKEN_ENV], req.attempt_id, rank)
-    env |= {
-        "TRAINBOT_NNODES": str(req.nodes),
-        "TRAINBOT_NODE_RANK": str(rank),
-        "TRAINBOT_MASTER_ADDR": master_addr,
-        "TRAINBOT_MASTER_PORT": str(master_port),
-    }
+    env |= contract.render(
+        {
+            contract.NNODES: req.nodes,
+            contract.NODE_RANK: rank,
+            contract.MASTER_ADDR: master_addr,
+            contract.MASTER_PORT: master_port,
+        }
+    )
     return replace(
         req, env=env, node_rank=rank, idempotency_key=key if rank == 0 else f"{key}-n{rank}"
     )

@@ -8,6 +8,7 @@ Standard library only. See docs/architecture.md, "Runner: preemption".
 
 from __future__ import annotations
 
+from runner.env import TERMINATION_WINDOWS_S as WINDOWS_S
 from runner.preemption.aws import AWS_TOKEN_TTL_S, AwsSpotPoller, aws_notice
 from runner.preemption.flag import (
     SOURCES,
@@ -21,7 +22,6 @@ from runner.preemption.flush import (
     ASSUMED_BANDWIDTH_BPS,
     MEASURED_SAVES_MIN,
     UNANNOUNCED_SHARE,
-    WINDOWS_S,
     IntervalChoice,
     choose_interval,
     daly_interval,

@@ -10,8 +10,8 @@ import time
 from collections.abc import Mapping
 from datetime import datetime, timezone
 
+from runner.env import TERMINATION_WINDOWS_S as WINDOWS_S
 from runner.preemption.flag import Notice, PreemptionFlag
-from runner.preemption.flush import WINDOWS_S
 from runner.preemption.metadata import (
     NETWORK_ERRORS,
     Endpoint,

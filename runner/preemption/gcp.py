@@ -13,8 +13,8 @@ import threading
 import time
 from urllib.parse import quote
 
+from runner.env import TERMINATION_WINDOWS_S as WINDOWS_S
 from runner.preemption.flag import Notice, PreemptionFlag
-from runner.preemption.flush import WINDOWS_S
 from runner.preemption.metadata import (
     NETWORK_ERRORS,
     Endpoint,

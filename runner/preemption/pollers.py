@@ -1,18 +1,21 @@
 """Which metadata pollers a runner starts, from ``TRAINBOT_PREEMPTION_SOURCES`` and the
-related variables, validated before any thread starts.
+related variables (:mod:`runner.env`), validated before any thread starts.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
 
+from runner import env as contract
 from runner.preemption.aws import AwsSpotPoller
 from runner.preemption.flag import PreemptionConfigError, PreemptionFlag
-from runner.preemption.flush import WINDOWS_S
 from runner.preemption.gcp import GcpPreemptedPoller
 from runner.preemption.metadata import Poller, PollerThread
+
+T = TypeVar("T")
+D = TypeVar("D")
 
 
 class Pollers:
@@ -34,35 +37,37 @@ class Pollers:
 
 def termination_window_s(env: Mapping[str, str] | None = None, *, default: float) -> float:
     """The termination window from ``TRAINBOT_TERMINATION_WINDOW_S``, else ``default``."""
-    env = os.environ if env is None else env
-    raw = env.get("TRAINBOT_TERMINATION_WINDOW_S", "").strip()
-    if not raw:
-        return default
+    given = _setting(contract.TERMINATION_WINDOW_S, env)
+    return default if given is None else given
+
+
+def _setting(var: contract.Var[T, D], env: Mapping[str, str] | None) -> T | D:
+    """``var`` from ``env``; a bad value is a :class:`PreemptionConfigError`, raised
+    before any poller starts."""
     try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value <= 0:
-        raise PreemptionConfigError(
-            f"TRAINBOT_TERMINATION_WINDOW_S={raw!r} is not a positive number of seconds; "
-            "set it to e.g. 120 (AWS) or 30 (GCP), or unset it for the provider's default"
+        return var.get(env)
+    except contract.EnvError as exc:
+        hint = (
+            "; set it to e.g. 120 (AWS) or 30 (GCP), or unset it for the provider's default"
+            if var is contract.TERMINATION_WINDOW_S
+            else ""
         )
-    return value
+        raise PreemptionConfigError(f"{exc}{hint}") from None
 
 
 def _aws(flag: PreemptionFlag, env: Mapping[str, str]) -> PollerThread:
     return AwsSpotPoller(
         flag,
-        base_url=env.get("TRAINBOT_AWS_METADATA_URL") or "http://169.254.169.254",
-        window_s=termination_window_s(env, default=WINDOWS_S["aws"]),
+        base_url=_setting(contract.AWS_METADATA_URL, env),
+        window_s=termination_window_s(env, default=contract.TERMINATION_WINDOWS_S["aws"]),
     )
 
 
 def _gcp(flag: PreemptionFlag, env: Mapping[str, str]) -> PollerThread:
     return GcpPreemptedPoller(
         flag,
-        base_url=env.get("TRAINBOT_GCP_METADATA_URL") or "http://metadata.google.internal",
-        window_s=termination_window_s(env, default=WINDOWS_S["gcp"]),
+        base_url=_setting(contract.GCP_METADATA_URL, env),
+        window_s=termination_window_s(env, default=contract.TERMINATION_WINDOWS_S["gcp"]),
     )
 
 

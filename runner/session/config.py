@@ -1,18 +1,16 @@
 """A session's settings from its environment (``TRAINBOT_*``, set by the runner or the
-provider's startup script), validated with errors that say what to set instead.
+provider's startup script), read through the contract (:mod:`runner.env`), whose errors
+say what to set instead.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
 
-from runner.errors import RunnerError
-from runner.preemption import WINDOWS_S
+from runner import env as contract
 from runner.session.policy import (
     AnyOf,
     EverySeconds,
@@ -23,42 +21,11 @@ from runner.session.policy import (
 from runner.telemetry import EventSink, FileSink, NullSink, Reporter
 
 #: The SIGTERM-to-SIGKILL window assumed when none is given: the shortest provider's.
-DEFAULT_WINDOW_S = min(WINDOWS_S.values())
-
-_N = TypeVar("_N", int, float)
+DEFAULT_WINDOW_S = contract.DEFAULT_TERMINATION_WINDOW_S
 
 
-#: Per number type: what a value that does not parse is not, and what it must be.
-_NUMBER_WORDS: dict[type, tuple[str, str]] = {
-    float: ("a number of seconds", "a positive number"),
-    int: ("a whole number", "positive"),
-}
-
-
-def _env_number(env: Mapping[str, str], name: str, kind: type[_N]) -> _N | None:
-    """A positive ``kind`` from ``name``, None when it is unset or blank."""
-    raw = env.get(name, "").strip()
-    if not raw:
-        return None
-    what, positive = _NUMBER_WORDS[kind]
-    try:
-        value = kind(raw)
-    except ValueError:
-        raise RunnerError(f"{name}={raw!r} is not {what}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise RunnerError(f"{name}={raw!r} must be {positive}")
-    return value
-
-
-def _env_flag(env: Mapping[str, str], name: str, *, default: bool) -> bool:
-    raw = (env.get(name) or "").strip().lower()
-    if not raw:
-        return default
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    if raw in ("0", "false", "no", "off"):
-        return False
-    raise RunnerError(f"{name}={raw!r}: expected 1 or 0 (true or false)")
+def _text(path: Path | None) -> str | None:
+    return None if path is None else str(path)
 
 
 @dataclass(frozen=True)
@@ -117,32 +84,29 @@ class SessionConfig:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> SessionConfig:
         e = os.environ if env is None else env
-        phase = e.get("TRAINBOT_DRY_RUN_PHASE") or None
-        if phase not in (None, "save", "verify"):
-            raise RunnerError(f"TRAINBOT_DRY_RUN_PHASE={phase!r}: expected 'save' or 'verify'")
         return cls(
-            run_id=e.get("TRAINBOT_RUN_ID") or "local",
-            attempt_id=e.get("TRAINBOT_ATTEMPT_ID") or "local-1",
-            checkpoint_uri=e.get("TRAINBOT_CHECKPOINT_URI") or "checkpoints",
-            checkpoint_prefix=e.get("TRAINBOT_CHECKPOINT_PREFIX") or None,
-            every_steps=_env_number(e, "TRAINBOT_CHECKPOINT_EVERY_STEPS", int),
-            every_s=_env_number(e, "TRAINBOT_CHECKPOINT_INTERVAL_S", float),
-            max_steps=_env_number(e, "TRAINBOT_MAX_STEPS", int),
-            window_s=_env_number(e, "TRAINBOT_TERMINATION_WINDOW_S", float) or DEFAULT_WINDOW_S,
-            preemption_sources=e.get("TRAINBOT_PREEMPTION_SOURCES", ""),
-            events_file=e.get("TRAINBOT_EVENTS_FILE") or None,
-            ingest_url=e.get("TRAINBOT_INGEST_URL") or None,
-            token=e.get("TRAINBOT_TOKEN") or None,
-            spool_dir=e.get("TRAINBOT_SPOOL_DIR") or None,
-            dry_run_phase=phase,
-            stop_file=e.get("TRAINBOT_STOP_FILE") or None,
-            metrics_every=_env_number(e, "TRAINBOT_METRICS_EVERY", int) or 1,
-            train_through_notice=_env_flag(e, "TRAINBOT_TRAIN_THROUGH_NOTICE", default=False),
-            resume_max_step=_env_number(e, "TRAINBOT_RESUME_MAX_STEP", int),
-            notice_file=e.get("TRAINBOT_NOTICE_FILE") or None,
-            measured_write_bps=_env_number(e, "TRAINBOT_MEASURED_WRITE_BPS", float),
-            measured_stall_s=_env_number(e, "TRAINBOT_MEASURED_STALL_S", float),
-            auto_mtbp_s=_env_number(e, "TRAINBOT_CHECKPOINT_AUTO_MTBP_S", float),
+            run_id=contract.RUN_ID.get(e),
+            attempt_id=contract.ATTEMPT_ID.get(e),
+            checkpoint_uri=contract.CHECKPOINT_URI.get(e),
+            checkpoint_prefix=contract.CHECKPOINT_PREFIX.get(e),
+            every_steps=contract.CHECKPOINT_EVERY_STEPS.get(e),
+            every_s=contract.CHECKPOINT_INTERVAL_S.get(e),
+            max_steps=contract.MAX_STEPS.get(e),
+            window_s=contract.termination_window_s(e),
+            preemption_sources=contract.PREEMPTION_SOURCES.get(e),
+            events_file=_text(contract.EVENTS_FILE.get(e)),
+            ingest_url=contract.INGEST_URL.get(e),
+            token=contract.TOKEN.get(e),
+            spool_dir=_text(contract.SPOOL_DIR.get(e)),
+            dry_run_phase=contract.DRY_RUN_PHASE.get(e),
+            stop_file=_text(contract.STOP_FILE.get(e)),
+            metrics_every=contract.METRICS_EVERY.get(e),
+            train_through_notice=contract.TRAIN_THROUGH_NOTICE.get(e),
+            resume_max_step=contract.RESUME_MAX_STEP.get(e),
+            notice_file=_text(contract.NOTICE_FILE.get(e)),
+            measured_write_bps=contract.MEASURED_WRITE_BPS.get(e),
+            measured_stall_s=contract.MEASURED_STALL_S.get(e),
+            auto_mtbp_s=contract.CHECKPOINT_AUTO_MTBP_S.get(e),
         )
 
     def measured_interval(self) -> MeasuredInterval | None:

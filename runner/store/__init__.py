@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+from runner import env as contract
 from runner.errors import BadURIError, StoreError
 from runner.store.base import DELETE_BATCH, ObjectInfo, Store, WriteStream, check_key
 from runner.store.local import LocalStore
@@ -82,7 +83,7 @@ def open_store(
             bucket=parsed.netloc,
             prefix=parsed.path.strip("/"),
             endpoint_url=endpoint_url
-            or os.environ.get("TRAINBOT_S3_ENDPOINT_URL")
+            or os.environ.get(contract.S3_ENDPOINT_URL.name)
             or os.environ.get("AWS_ENDPOINT_URL_S3"),
             credentials=credentials,
         )

@@ -25,12 +25,13 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from runner import env as contract
 from runner.errors import StoreError
 
 log = logging.getLogger(__name__)
 
 #: ``broker``: the store signs with credentials from the control plane's broker.
-STORE_CREDENTIALS_ENV = "TRAINBOT_STORE_CREDENTIALS"
+STORE_CREDENTIALS_ENV = contract.STORE_CREDENTIALS.name
 #: The broker's route, next to the events route the runner is given.
 CREDENTIALS_ROUTE = "/v1/credentials"
 _EVENTS_ROUTE = "/v1/events"
@@ -83,8 +84,8 @@ def fetch_broker_credentials(
     A refusal (4xx) is final; a 5xx or an unreachable control plane is tried ``tries``
     times. Raises StoreError; the token appears in no message.
     """
-    ingest_url = ingest_url or os.environ.get("TRAINBOT_INGEST_URL")
-    token = token or os.environ.get("TRAINBOT_TOKEN")
+    ingest_url = ingest_url or os.environ.get(contract.INGEST_URL.name)
+    token = token or os.environ.get(contract.TOKEN.name)
     if not ingest_url or not token:
         raise StoreError(
             f"{STORE_CREDENTIALS_ENV}=broker needs TRAINBOT_INGEST_URL and TRAINBOT_TOKEN "

@@ -28,6 +28,7 @@ from jobs.providers.local.records import (
     Record,
     write_json,
 )
+from runner import env as contract
 
 __all__ = [
     "DEFAULT_NICE",
@@ -178,9 +179,13 @@ def spawn(
     scratch.mkdir(parents=True, exist_ok=True)
     env = {k: os.environ[k] for k in PASSTHROUGH_ENV if k in os.environ}
     env.update(request_env)
-    env["TRAINBOT_SCRATCH_DIR"] = str(scratch)
-    env["TRAINBOT_SCRATCH_BYTES"] = str(record.scratch_bytes)
-    env["TRAINBOT_INSTANCE_ID"] = record.instance_id
+    env |= contract.render(
+        {
+            contract.SCRATCH_DIR: scratch,
+            contract.SCRATCH_BYTES: record.scratch_bytes,
+            contract.INSTANCE_ID: record.instance_id,
+        }
+    )
     argv = [sys.executable, "-I", "-c", _WRAP_BOOT, _PACKAGE_ROOT, str(nice)]
     argv += [str(directory), "--"]
     try:

@@ -34,6 +34,7 @@ from jobs.providers.local.records import (
     ZONE,
     Instances,
 )
+from runner import env as contract
 from runner.nodes import free_port
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ class LocalProvider:
         self,
         state_dir: Path | str,
         *,
-        termination_window_s: float = 30.0,
+        termination_window_s: float = contract.DEFAULT_TERMINATION_WINDOW_S,
         terminate_grace_s: float = 5.0,
         spot_usd_per_hour: float = 1.0,
         on_demand_usd_per_hour: float = 3.0,
@@ -240,7 +241,7 @@ class LocalProvider:
         with self._lock, instances.launch_lock():
             record = next((r for r in instances.records() if r.idempotency_key == key), None)
             if record is None:
-                port = req.env.get("TRAINBOT_MASTER_PORT")
+                port = req.env.get(contract.MASTER_PORT.name)
                 rendezvous = {MASTER_PORT_TAG: port} if port and req.node_rank == 0 else {}
                 record = instances.create(req, key, extra_tags=rendezvous)
             elif any(instances.has(record.instance_id, f) for f in (PROCESS, EXIT, TERMINATED)):
