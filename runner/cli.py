@@ -27,7 +27,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from runner import EXIT_FAILED
+from runner import EXIT_FAILED, env
 from runner.duration import parse_duration
 from runner.errors import CheckpointError, RunnerError
 
@@ -38,8 +38,9 @@ if TYPE_CHECKING:
 # ``exec`` must start the training process fast: torch is imported only by the commands
 # that read tensors (``dry-run`` starts processes that do; ``checkpoints verify`` does).
 # And a SIGTERM during its own start is a preemption notice (exit 75), not a death (143):
-# this module imports the standard library only, and ``main`` catches SIGTERM
-# (:class:`EarlyNotice`) before the heavy imports (the store, the supervisor, telemetry).
+# this module imports the standard library only (and runner.env, which does too), and
+# ``main`` catches SIGTERM (:class:`EarlyNotice`) before the heavy imports (the store, the
+# supervisor, telemetry).
 
 
 class EarlyNotice:
@@ -197,24 +198,17 @@ def _command(args: argparse.Namespace) -> list[str]:
 def _sink_from_env(node: int = 0) -> EventSink:
     from runner.telemetry import NullSink, Reporter
 
-    url = os.environ.get("TRAINBOT_INGEST_URL")
-    token = os.environ.get("TRAINBOT_TOKEN")
+    url = env.INGEST_URL.get()
+    token = env.TOKEN.get()
     if not url:
         return NullSink()
     if not token:
         raise RunnerError("TRAINBOT_INGEST_URL is set but TRAINBOT_TOKEN is not")
-    attempt = os.environ.get("TRAINBOT_ATTEMPT_ID") or "local-1"
-    scratch = os.environ.get("TRAINBOT_SCRATCH_DIR")
-    default_root = Path(scratch) / ".spool" if scratch else Path.cwd() / ".trainbot-spool"
-    spool = Path(os.environ.get("TRAINBOT_SPOOL_DIR") or default_root / attempt)
-    return Reporter(
-        url,
-        token,
-        attempt=attempt,
-        run=os.environ.get("TRAINBOT_RUN_ID") or "local",
-        spool_dir=spool,
-        node=node,
-    )
+    attempt = env.ATTEMPT_ID.get()
+    scratch = env.SCRATCH_DIR.get()
+    default_root = scratch / ".spool" if scratch else Path.cwd() / ".trainbot-spool"
+    spool = env.SPOOL_DIR.get() or default_root / attempt
+    return Reporter(url, token, attempt=attempt, run=env.RUN_ID.get(), spool_dir=spool, node=node)
 
 
 def _exec(args: argparse.Namespace, early: EarlyNotice | None = None) -> int:
@@ -228,24 +222,21 @@ def _exec(args: argparse.Namespace, early: EarlyNotice | None = None) -> int:
     node = Node.from_env()
     if node is not None:
         cmd = node.command(cmd)
-    window = float(os.environ.get("TRAINBOT_TERMINATION_WINDOW_S") or 30)
+    window = env.termination_window_s()
     # From here on a SIGTERM is a preemption notice, even while the store (boto3) loads:
     # the attempt then ends resumable (75), never killed by the signal (143, a failure).
     flag = PreemptionFlag()
     with SignalHandlers(flag, window_s=window):
         if early is not None:
             early.hand_over(flag, window_s=window)
-        scratch_bytes = os.environ.get("TRAINBOT_SCRATCH_BYTES")
+        scratch_bytes = env.SCRATCH_BYTES.get()
         sync = None
         if args.sync_dir is not None:
-            scratch = os.environ.get("TRAINBOT_SCRATCH_DIR")
+            scratch = env.SCRATCH_DIR.get()
             if scratch and not args.sync_dir.is_absolute():
-                args.sync_dir = Path(scratch) / args.sync_dir
+                args.sync_dir = scratch / args.sync_dir
             store = run_store(
-                os.environ.get("TRAINBOT_CHECKPOINT_URI") or "checkpoints",
-                os.environ.get("TRAINBOT_CHECKPOINT_PREFIX")
-                or os.environ.get("TRAINBOT_RUN_ID")
-                or "local",
+                env.CHECKPOINT_URI.get(), env.CHECKPOINT_PREFIX.get() or env.RUN_ID.get()
             )
             sync = CheckpointSync(store=store, root=args.sync_dir, settle_s=args.settle)
         sink = _sink_from_env(node.rank if node is not None else 0)
@@ -256,10 +247,10 @@ def _exec(args: argparse.Namespace, early: EarlyNotice | None = None) -> int:
                 flag=flag,
                 install_signals=False,
                 window_s=window,
-                preemption_sources=os.environ.get("TRAINBOT_PREEMPTION_SOURCES", ""),
+                preemption_sources=env.PREEMPTION_SOURCES.get(),
                 sync=sync,
-                scratch_bytes=int(scratch_bytes) if scratch_bytes else None,
-                sample_s=float(os.environ.get("TRAINBOT_SYSTEM_SAMPLE_S") or 10.0),
+                scratch_bytes=scratch_bytes,
+                sample_s=env.SYSTEM_SAMPLE_S.get(),
                 under_torchrun=node is not None,
                 node=node.rank if node is not None else 0,
             )
@@ -272,10 +263,11 @@ def _dry_run(args: argparse.Namespace) -> int:
     from runner.dryrun import DryRunReport, run_dry_run
     from runner.dryrun_report import DryRunReports
 
-    uri = args.checkpoint_uri or os.environ.get("TRAINBOT_CHECKPOINT_URI")
+    # No default store here: a dry run deletes what it finds under its own namespace.
+    uri = args.checkpoint_uri or os.environ.get(env.CHECKPOINT_URI.name)
     if not uri:
         raise RunnerError("say where checkpoints go: --checkpoint-uri or TRAINBOT_CHECKPOINT_URI")
-    run_id = args.run_id or f"{os.environ.get('TRAINBOT_RUN_ID') or 'local'}-dry-run"
+    run_id = args.run_id or f"{env.RUN_ID.get()}-dry-run"
     # On a cloud dry run's instance: where it stands, and its report, go to the control plane.
     reports = DryRunReports.from_env(os.environ)
     if reports is not None:
@@ -386,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     # Before anything else: from here on a SIGTERM to ``exec`` is a preemption notice.
     early = EarlyNotice().install() if args_in[:1] == ["exec"] else None
     logging.basicConfig(
-        level=os.environ.get("TRAINBOT_LOG_LEVEL", "WARNING").upper(),
+        level=env.LOG_LEVEL.get().upper(),
         format="trainbot-runner: %(levelname)s %(message)s",
     )
     try:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from runner import EXIT_PREEMPTED, EXIT_SUCCEEDED
+from runner import env as contract
 from runner.errors import CheckpointError, RunnerError, StoreError
 from runner.preemption import PreemptionFlag, SignalHandlers, start_pollers, write_notice
 from runner.sync import CheckpointSync, open_files
@@ -53,7 +54,7 @@ class Supervisor:
         sink: EventSink,
         flag: PreemptionFlag | None = None,
         env: Mapping[str, str] | None = None,
-        window_s: float = 30.0,
+        window_s: float = contract.DEFAULT_TERMINATION_WINDOW_S,
         preemption_sources: str = "",
         sync: CheckpointSync | None = None,
         scratch_dir: Path | None = None,
@@ -80,7 +81,7 @@ class Supervisor:
         self.window_s = window_s
         self.preemption_sources = preemption_sources
         self.sync = sync
-        self.scratch_dir = scratch_dir or Path(self.env.get("TRAINBOT_SCRATCH_DIR") or ".")
+        self.scratch_dir = scratch_dir or contract.SCRATCH_DIR.get(self.env) or Path(".")
         self.scratch_bytes = scratch_bytes
         self.poll_s = poll_s
         self.sample_s = sample_s
@@ -122,13 +123,17 @@ class Supervisor:
                 events = Path(tmp) / "events.jsonl"
                 events.touch()
                 env = dict(self.env)
-                env["TRAINBOT_EVENTS_FILE"] = str(events)
                 self._notice_file = Path(tmp) / "notice.json"
-                env["TRAINBOT_NOTICE_FILE"] = str(self._notice_file)
-                env["TRAINBOT_TERMINATION_WINDOW_S"] = str(self.window_s)
-                env.pop("TRAINBOT_PREEMPTION_SOURCES", None)  # we poll, then signal
+                env |= contract.render(
+                    {
+                        contract.EVENTS_FILE: events,
+                        contract.NOTICE_FILE: self._notice_file,
+                        contract.TERMINATION_WINDOW_S: self.window_s,
+                        contract.CHECKPOINT_DIR: self.sync.root if self.sync else None,
+                    }
+                )
+                env.pop(contract.PREEMPTION_SOURCES.name, None)  # we poll, then signal
                 if self.sync is not None:
-                    env["TRAINBOT_CHECKPOINT_DIR"] = str(self.sync.root)
                     self._restore()
                 if self.flag.is_set:
                     return self._preempted_before_start()
@@ -151,11 +156,7 @@ class Supervisor:
     def _restore(self) -> None:
         assert self.sync is not None
         self.sync.root.mkdir(parents=True, exist_ok=True)
-        raw = self.env.get("TRAINBOT_RESUME_MAX_STEP") or ""
-        try:
-            max_step = int(raw) if raw.strip() else None
-        except ValueError:
-            raise RunnerError(f"TRAINBOT_RESUME_MAX_STEP={raw!r}: expected a step number") from None
+        max_step = contract.RESUME_MAX_STEP.get(self.env)
         restored = self.sync.restore(stop=lambda: self.flag.is_set, max_step=max_step)
         if restored is not None:
             names = ", ".join(restored.names)

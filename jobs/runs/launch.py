@@ -43,6 +43,7 @@ from jobs.runs.rows import (
 )
 from jobs.spec import JobSpec, Resources, stored_section
 from jobs.spend import remove_cloud_budgets
+from runner import env as contract
 
 log = logging.getLogger(__name__)
 
@@ -98,45 +99,51 @@ def runner_command(deps: Deps, spec: JobSpec) -> list[str]:
 
 
 def runner_env(deps: Deps, run: Run, attempt: Attempt, spec: JobSpec) -> dict[str, str]:
+    """The attempt's environment: the spec's own ``env`` untouched, then the runner's
+    variables, rendered by their contract (:mod:`runner.env`)."""
     provider = deps.provider_named(attempt.provider)
-    env = dict(spec.env)
-    env.update(
-        TRAINBOT_RUN_ID=run.id,
-        TRAINBOT_ATTEMPT_ID=attempt.id,
-        TRAINBOT_CHECKPOINT_URI=run.checkpoint_uri or deps.settings.checkpoint_uri,
-        TRAINBOT_CHECKPOINT_PREFIX=checkpoint_prefix(run),
-        TRAINBOT_TOKEN=deps.runner_token(attempt.id),
-        TRAINBOT_TERMINATION_WINDOW_S=str(provider.capabilities.termination_window_s),
-        TRAINBOT_METRICS_EVERY="1",
+    local = provider.capabilities.runs_on_this_machine
+    interval = run.checkpoint_interval_s or None
+    under_torchrun = spec.resources.under_torchrun
+    # A run resubmitted from a step (its own directory holds a copy of that step; a step 0
+    # needs no maximum, and the runner takes only a positive one).
+    resume_max_step = (
+        attempt.number == 1 and not run.checkpoint_prefix and attempt.resumed_from_step
     )
-    if deps.ingest_url:
-        env["TRAINBOT_INGEST_URL"] = deps.ingest_url
-    if deps.store_credentials and provider is deps.provider:  # the default's broker
-        env["TRAINBOT_STORE_CREDENTIALS"] = "broker"  # the store asks /v1/credentials
-    if run.checkpoint_interval_s:
-        env["TRAINBOT_CHECKPOINT_INTERVAL_S"] = f"{run.checkpoint_interval_s:.3f}"
-        if (mtbp_s := auto_interval_mtbp(run, spec)) is not None:
+    env = dict(spec.env)
+    env |= contract.render(
+        {
+            contract.RUN_ID: run.id,
+            contract.ATTEMPT_ID: attempt.id,
+            contract.CHECKPOINT_URI: run.checkpoint_uri or deps.settings.checkpoint_uri,
+            contract.CHECKPOINT_PREFIX: checkpoint_prefix(run),
+            contract.TOKEN: deps.runner_token(attempt.id),
+            contract.TERMINATION_WINDOW_S: provider.capabilities.termination_window_s,
+            contract.METRICS_EVERY: 1,
+            contract.INGEST_URL: deps.ingest_url or None,
+            # The default's broker: the store asks /v1/credentials.
+            contract.STORE_CREDENTIALS: (
+                "broker" if deps.store_credentials and provider is deps.provider else None
+            ),
+            contract.CHECKPOINT_INTERVAL_S: interval,
             # "auto": the session moves the interval to the save cost it measures.
-            env["TRAINBOT_CHECKPOINT_AUTO_MTBP_S"] = f"{mtbp_s:.3f}"
+            contract.CHECKPOINT_AUTO_MTBP_S: auto_interval_mtbp(run, spec) if interval else None,
+            # The node's rank and node 0's address come with each node's launch (gang.py).
+            contract.TORCHRUN: under_torchrun or None,
+            contract.NPROC_PER_NODE: spec.resources.nproc_per_node if under_torchrun else None,
+            contract.CHECKPOINT_EVERY_STEPS: spec.checkpoint.every_steps or None,
+            contract.TRAIN_THROUGH_NOTICE: spec.checkpoint.train_through_notice or None,
+            contract.RESUME_MAX_STEP: resume_max_step or None,
+            # The notices of the cloud the instance really is on, not the one a spec names.
+            contract.PREEMPTION_SOURCES: None if local else provider.capabilities.preemption_source,
+        }
+    )
     env.update(measured_write_env(run))
-    if spec.resources.under_torchrun:
-        # The node's rank and node 0's address come with each node's launch (gang.py).
-        env["TRAINBOT_TORCHRUN"] = "1"
-        env["TRAINBOT_NPROC_PER_NODE"] = str(spec.resources.nproc_per_node)
-    if spec.checkpoint.every_steps:
-        env["TRAINBOT_CHECKPOINT_EVERY_STEPS"] = str(spec.checkpoint.every_steps)
-    if spec.checkpoint.train_through_notice:
-        env["TRAINBOT_TRAIN_THROUGH_NOTICE"] = "1"
-    if attempt.number == 1 and not run.checkpoint_prefix and attempt.resumed_from_step:
-        # A run resubmitted from a step (its own directory holds a copy of that step; a
-        # step 0 needs no maximum, and the runner takes only a positive one).
-        env["TRAINBOT_RESUME_MAX_STEP"] = str(attempt.resumed_from_step)
-    if provider.capabilities.runs_on_this_machine:
+    missing = contract.missing_required(env)
+    assert not missing, f"the runner's environment lacks {missing}"
+    if local:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    else:
-        # The notices of the cloud the instance really is on, not the one a spec names.
-        env["TRAINBOT_PREEMPTION_SOURCES"] = provider.capabilities.preemption_source
     return env
 
 

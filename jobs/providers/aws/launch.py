@@ -33,6 +33,7 @@ from jobs.providers.base import (
     ProviderError,
     ResourceRequest,
 )
+from runner import env as contract
 
 __all__ = [
     "DEFAULT_IMAGE",
@@ -306,13 +307,21 @@ def render_user_data(req: LaunchRequest, *, runner_package: str, template_path: 
             "deploy/aws/user-data.sh"
         ) from None
     env = {
-        "TRAINBOT_RUN_ID": req.run_id,
-        "TRAINBOT_ATTEMPT_ID": req.attempt_id,
-        "TRAINBOT_PREEMPTION_SOURCES": "aws",
+        **contract.render(
+            {
+                contract.RUN_ID: req.run_id,
+                contract.ATTEMPT_ID: req.attempt_id,
+                contract.PREEMPTION_SOURCES: "aws",
+            }
+        ),
         **req.env,
-        "TRAINBOT_SCRATCH_DIR": _SCRATCH_DIR,
-        "TRAINBOT_SCRATCH_BYTES": str(max(req.scratch_bytes, 0)),
-        "TRAINBOT_TERMINATION_WINDOW_S": f"{TERMINATION_WINDOW_S:g}",
+        **contract.render(
+            {
+                contract.SCRATCH_DIR: _SCRATCH_DIR,
+                contract.SCRATCH_BYTES: max(req.scratch_bytes, 0),
+                contract.TERMINATION_WINDOW_S: TERMINATION_WINDOW_S,
+            }
+        ),
     }
     lines = []
     for key, value in env.items():
