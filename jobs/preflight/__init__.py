@@ -21,6 +21,7 @@ from jobs.preflight.cloud_dry_run import (
 from jobs.preflight.data import DataLocalityCheck
 from jobs.preflight.dry_run import DRY_RUN_PID_FILE, DryRunCheck, dry_run_command
 from jobs.preflight.dry_run_limits import DryRunLimits
+from jobs.preflight.findings import CapacityFindings, CostEstimate, DryRunFindings, Finding
 from jobs.preflight.interval import (
     DEFAULT_SPOT_MTBP_S,
     assumed_mtbp_s,
@@ -34,6 +35,7 @@ from jobs.preflight.report import (
     Check,
     CheckResult,
     PreflightContext,
+    PreflightPlan,
     PreflightReport,
     Status,
 )
@@ -45,14 +47,19 @@ __all__ = [
     "DRY_RUN_PID_FILE",
     "BudgetCheck",
     "CapacityCheck",
+    "CapacityFindings",
     "Check",
     "CheckResult",
     "CloudDryRun",
+    "CostEstimate",
     "DataLocalityCheck",
     "DryRunCheck",
+    "DryRunFindings",
     "DryRunLimits",
+    "Finding",
     "InstanceShapeCheck",
     "PreflightContext",
+    "PreflightPlan",
     "PreflightReport",
     "QuotaCheck",
     "Status",

@@ -7,13 +7,12 @@ capacity check's best zone and the dry run's step time, so it runs last.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import Any
 
 from jobs.format import duration, usd
+from jobs.preflight.findings import CapacityFindings, CostEstimate, DryRunFindings
 from jobs.preflight.interval import checkpoint_interval, target_steps
 from jobs.preflight.regions import request_for
-from jobs.preflight.report import CheckResult, PreflightContext, Status, number
+from jobs.preflight.report import CheckResult, PreflightContext, PreflightPlan, Status
 from jobs.spec import JobSpec
 
 __all__ = ["BudgetCheck"]
@@ -36,43 +35,40 @@ class BudgetCheck:
 
     name: str = "budget"
 
-    def run(self, ctx: PreflightContext, *, prior: Mapping[str, CheckResult]) -> CheckResult:
+    def run(self, ctx: PreflightContext, *, prior: PreflightPlan) -> CheckResult:
+        """``prior`` may also be a plain mapping of results by name (a test's)."""
+        plan = PreflightPlan.of(prior)
         spec = ctx.spec
-        dry = prior.get("dry_run")
-        dry_data = dry.data if dry is not None and dry.status is not Status.FAIL else {}
-        capacity = prior.get("capacity")
-        zones = list(capacity.data.get("zones", [])) if capacity is not None else []
-        on_demand = not ctx.request.spot or (
-            capacity is not None and bool(capacity.data.get("on_demand"))
-        )
-        region = capacity.data.get("region") if capacity is not None else None
+        dry = plan.dry_run or DryRunFindings()
+        capacity = plan.capacity or CapacityFindings()
+        on_demand = not ctx.request.spot or capacity.on_demand
         # Priced where the capacity check found room: with several regions, maybe not the first.
-        req = request_for(ctx, region) if isinstance(region, str) else ctx.request
-        quote = ctx.provider.price(req, zone=zones[0] if zones else None)
+        region = capacity.region
+        req = request_for(ctx, region) if region is not None else ctx.request
+        quote = ctx.provider.price(req, zone=capacity.best_zone)
         hourly = quote.on_demand_usd_per_hour if on_demand else quote.spot_usd_per_hour
         instances = spec.resources.instances
-        interval = number(dry_data.get("interval_s"))
+        interval = dry.interval_s
         if interval is None:
-            interval = checkpoint_interval(
-                spec, write_s=number(dry_data.get("write_s")), mtbp_s=ctx.mtbp_s
-            )
-        hours, basis = self._expected_hours(ctx, dry_data, interval=interval, spot=not on_demand)
+            interval = checkpoint_interval(spec, write_s=dry.write_s, mtbp_s=ctx.mtbp_s)
+        hours, basis = self._expected_hours(ctx, dry, interval=interval, spot=not on_demand)
         estimate = None if hours is None else hourly * instances * hours
         cap_usd = None if spec.max_hours is None else hourly * instances * spec.max_hours
         kind = "on-demand" if on_demand else "spot"
         price_text = f"{usd(hourly)}/h {kind} × {instances} instance(s)"
-        data: dict[str, Any] = {
-            "estimate_usd": estimate,
-            "expected_hours": hours,
-            "usd_per_hour": hourly,
-            "price_kind": kind,
-            "price_source": quote.source,
-            "instances": instances,
-            "interval_s": interval,
-            "max_hours_usd": cap_usd,
-            "budget_usd": spec.budget.usd,
-            "basis": basis,
-        }
+        found = CostEstimate(
+            estimate_usd=estimate,
+            expected_hours=hours,
+            usd_per_hour=hourly,
+            price_kind=kind,
+            price_source=quote.source,
+            instances=instances,
+            interval_s=interval,
+            max_hours_usd=cap_usd,
+            budget_usd=spec.budget.usd,
+            basis=basis,
+        )
+        data = found.as_data()
         budget = spec.budget.usd
         if estimate is None:
             detail = f"cannot estimate the cost ({basis}); price {price_text}"
@@ -82,6 +78,7 @@ class BudgetCheck:
                     Status.PASS,
                     f"{detail}; budget.usd {usd(budget)} alerts at {_percentages(spec)}",
                     data=data,
+                    finding=found,
                 )
             return CheckResult(
                 self.name,
@@ -90,6 +87,7 @@ class BudgetCheck:
                 "set budget.usd, or give the command --steps N or the spec max_hours so "
                 "preflight can estimate the cost and alert on it",
                 data=data,
+                finding=found,
             )
         detail = f"estimate {usd(estimate)}: {price_text} × {hours:.2f} h ({basis})"
         if budget is None:
@@ -99,6 +97,7 @@ class BudgetCheck:
                 f"{detail}; no budget.usd, so the estimate becomes the run's budget alert "
                 f"({_percentages(spec)})",
                 data=data,
+                finding=found,
             )
         warnings: list[str] = []
         remedies: list[str] = []
@@ -131,18 +130,20 @@ class BudgetCheck:
                 f"{detail}; " + "; ".join(warnings),
                 "; ".join(remedies),
                 data=data,
+                finding=found,
             )
         return CheckResult(
             self.name,
             Status.PASS,
             f"{detail}; within budget.usd {usd(budget)} ({100 * estimate / budget:.0f}%)",
             data=data,
+            finding=found,
         )
 
     @staticmethod
     def _expected_hours(
         ctx: PreflightContext,
-        dry_data: Mapping[str, Any],
+        dry: DryRunFindings,
         *,
         interval: float | None,
         spot: bool,
@@ -150,17 +151,17 @@ class BudgetCheck:
         """Hours the run is expected to take, and how that was worked out, in words."""
         spec = ctx.spec
         steps = target_steps(spec.command)
-        step_time = number(dry_data.get("step_time_s"))
+        step_time = dry.step_time_s
         if steps is None or step_time is None:
             missing = "no --steps N in the command" if steps is None else "no dry-run step time"
             if spec.max_hours is None:
                 return None, f"{missing} and no max_hours"
             return spec.max_hours, f"{missing}: max_hours as the upper bound"
-        write_s = number(dry_data.get("write_s")) or 0.0
-        cost_s = number(dry_data.get("interval_cost_s")) or write_s
-        lossy_mtbp_s = number(dry_data.get("interval_mtbp_s")) or ctx.mtbp_s
-        restore_s = number(dry_data.get("restore_s")) or 0.0
-        flush_s = write_s if dry_data.get("emergency_fits_window") else 0.0
+        write_s = dry.write_s or 0.0
+        cost_s = dry.interval_cost_s or write_s
+        lossy_mtbp_s = dry.interval_mtbp_s or ctx.mtbp_s
+        restore_s = dry.restore_s or 0.0
+        flush_s = write_s if dry.emergency_fits_window else 0.0
         overhead = 0.0
         if interval is not None and interval > 0:
             overhead += cost_s / interval

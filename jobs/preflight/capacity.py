@@ -8,12 +8,19 @@ missing credential found here costs a minute, found at launch a failed run.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
+from jobs.preflight.findings import CapacityFindings
 from jobs.preflight.regions import region_requests, said_list
-from jobs.preflight.report import CheckResult, PreflightContext, Status, describe_request
+from jobs.preflight.report import (
+    CheckResult,
+    PreflightContext,
+    PreflightPlan,
+    Status,
+    describe_request,
+)
 from jobs.providers.base import ProviderError, ResourceRequest, ZoneCapacity
 
 __all__ = ["CapacityCheck"]
@@ -30,7 +37,7 @@ class CapacityCheck:
 
     name: str = "capacity"
 
-    def run(self, ctx: PreflightContext, *, prior: Mapping[str, CheckResult]) -> CheckResult:
+    def run(self, ctx: PreflightContext, *, prior: PreflightPlan) -> CheckResult:
         req = ctx.request
         requests = region_requests(ctx)
         answers = _ask(ctx, requests)
@@ -50,6 +57,7 @@ class CapacityCheck:
                 if refused is not None:
                     return refused
                 names = ", ".join(z.zone for _, zones in on_demand for z in _ranked(zones))
+                finding, data = _capacity(od_zones, ranked, on_demand=True, region=od_req.region)
                 return CheckResult(
                     self.name,
                     Status.WARN,
@@ -57,8 +65,10 @@ class CapacityCheck:
                     f"on-demand capacity in {names}",
                     "launch anyway to run on demand at on-demand prices (the budget check "
                     "uses them), or wait and run preflight again for spot capacity",
-                    data=_capacity_data(od_zones, ranked, on_demand=True, region=od_req.region),
+                    data=data,
+                    finding=finding,
                 )
+        finding, data = _capacity(answers[0][1], [], on_demand=False, region=answers[0][0].region)
         if len(answers) == 1:
             found_text = _refusals(answers[0][1])
         else:
@@ -71,7 +81,8 @@ class CapacityCheck:
             "try again later, list other zones or another region in resources.regions/"
             "resources.zones, pick another accelerator type, or set "
             "resources.on_demand_fallback=true",
-            data=_capacity_data(answers[0][1], [], on_demand=False, region=answers[0][0].region),
+            data=data,
+            finding=finding,
         )
 
     def _available(
@@ -86,7 +97,7 @@ class CapacityCheck:
         refused = self._launch_refused(ctx, req, zones)
         if refused is not None:
             return refused
-        data = _capacity_data(zones, available, on_demand=False, region=req.region)
+        finding, data = _capacity(zones, available, on_demand=False, region=req.region)
         what = describe_request(req)
         listing = ", ".join(_zone_text(z) for z in available)
         others = ""
@@ -110,12 +121,14 @@ class CapacityCheck:
                 f"the launch will use {available[0].zone}; drop {', '.join(missing)} from "
                 "resources.zones, or leave zones empty to let the ranking choose",
                 data=data,
+                finding=finding,
             )
         return CheckResult(
             self.name,
             Status.PASS,
             f"{what} available now in {listing} (best first){others}",
             data=data,
+            finding=finding,
         )
 
     def _launch_refused(
@@ -128,16 +141,15 @@ class CapacityCheck:
         try:
             ctx.provider.check_launch_permissions(req, zone=ranked[0].zone)
         except ProviderError as exc:
+            finding, data = _capacity(zones, ranked, on_demand=not req.spot, region=req.region)
             return CheckResult(
                 self.name,
                 Status.FAIL,
                 f"{describe_request(req)} is available in {ranked[0].zone}, but a launch "
                 f"there would be refused: {exc}",
                 "grant the control plane what the message names, then run preflight again",
-                data={
-                    **_capacity_data(zones, ranked, on_demand=not req.spot, region=req.region),
-                    "launch_refused": str(exc),
-                },
+                data={**data, "launch_refused": str(exc)},
+                finding=finding,
             )
         return None
 
@@ -148,20 +160,19 @@ def _ranked(zones: Sequence[ZoneCapacity]) -> list[ZoneCapacity]:
     return sorted(available, key=lambda z: -z.score if z.score is not None else math.inf)
 
 
-def _capacity_data(
+def _capacity(
     zones: Sequence[ZoneCapacity],
     ranked: Sequence[ZoneCapacity],
     *,
     on_demand: bool,
     region: str,
-) -> dict[str, Any]:
-    """What the budget check prices: ``region`` and its best zone, ``zones[0]``."""
-    return {
-        "zones": [z.zone for z in ranked],
-        "all": [asdict(z) for z in zones],
-        "on_demand": on_demand,
-        "region": region,
-    }
+) -> tuple[CapacityFindings, dict[str, Any]]:
+    """Where the run goes (what the budget check prices: ``region`` and its best zone),
+    and the result's data: that, with every zone's answer."""
+    finding = CapacityFindings(
+        region=region, zones=tuple(z.zone for z in ranked), on_demand=on_demand
+    )
+    return finding, {**finding.as_data(), "all": [asdict(z) for z in zones]}
 
 
 def _ask(

@@ -8,14 +8,13 @@ save slow, lost or impossible. Both answers go into one "data" result.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
 from jobs.preflight.regions import region_requests, said_list
-from jobs.preflight.report import CheckResult, PreflightContext, Status
+from jobs.preflight.report import CheckResult, PreflightContext, PreflightPlan, Status
 from jobs.providers import PROVIDERS, cloud_of_scheme
 from jobs.providers.base import BucketLocation, Provider, ProviderError
 from jobs.spec import JobSpec
@@ -49,7 +48,7 @@ class DataLocalityCheck:
 
     name: str = "data"
 
-    def run(self, ctx: PreflightContext, *, prior: Mapping[str, CheckResult]) -> CheckResult:
+    def run(self, ctx: PreflightContext, *, prior: PreflightPlan) -> CheckResult:
         lookup = BucketLookup(ctx.provider)
         regions = [req.region for req in region_requests(ctx)]
         answers = {

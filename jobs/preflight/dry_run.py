@@ -13,14 +13,14 @@ import logging
 import os
 import shlex
 import sys
-from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jobs.format import duration, size
+from jobs.preflight.findings import DryRunFindings
 from jobs.preflight.interval import checkpoint_interval, interval_choice, interval_text
-from jobs.preflight.report import CheckResult, PreflightContext, Status
+from jobs.preflight.report import CheckResult, PreflightContext, PreflightPlan, Status
 from jobs.providers.base import PASSTHROUGH_ENV
 from runner.errors import RunnerError
 from runner.preemption import flush_fits
@@ -55,7 +55,7 @@ class DryRunCheck:
     def __init__(self, *, timeout_s: float = 600.0) -> None:
         self.timeout_s = timeout_s
 
-    def run(self, ctx: PreflightContext, *, prior: Mapping[str, CheckResult]) -> CheckResult:
+    def run(self, ctx: PreflightContext, *, prior: PreflightPlan) -> CheckResult:
         settings = ctx.spec.dry_run
         if not settings.enabled:
             return CheckResult(
@@ -163,11 +163,20 @@ class DryRunCheck:
             mtbp_s=ctx.mtbp_s,
             flush_fits_window=bool(fits),
         )
-        data["interval_s"] = interval
-        if choice is not None:
-            data["interval_cost_s"] = choice.cost_s
-            data["interval_mtbp_s"] = choice.mtbp_s
-            data["interval_floor_s"] = choice.floor_s
+        found = DryRunFindings(
+            step_time_s=report.step_time_s,
+            checkpoint_bytes=report.checkpoint_bytes,
+            write_s=report.write_s,
+            stall_s=report.stall_s,
+            restore_s=report.restore_s,
+            interval_s=interval,
+            interval_cost_s=choice.cost_s if choice is not None else None,
+            interval_mtbp_s=choice.mtbp_s if choice is not None else None,
+            interval_floor_s=choice.floor_s if choice is not None else None,
+            termination_window_s=window,
+            emergency_fits_window=fits,
+        )
+        data.update(found.as_data())
         stall = f", stalling the loop {duration(report.stall_s)}" if report.stall_s else ""
         figures = (
             f"{report.steps_before_kill} steps at {duration(report.step_time_s)} a step; "
@@ -181,9 +190,7 @@ class DryRunCheck:
                 f"({report.sample_objects} objects, {size(report.sample_bytes)})"
             )
         if window is None:
-            return CheckResult(self.name, Status.PASS, figures, data=data)
-        data["termination_window_s"] = window
-        data["emergency_fits_window"] = fits
+            return CheckResult(self.name, Status.PASS, figures, data=data, finding=found)
         if fits:
             return CheckResult(
                 self.name,
@@ -191,6 +198,7 @@ class DryRunCheck:
                 f"{figures}; an emergency checkpoint fits the {duration(window)} "
                 "termination window",
                 data=data,
+                finding=found,
             )
         return CheckResult(
             self.name,
@@ -202,6 +210,7 @@ class DryRunCheck:
             "(a store in the same region), or accept losing up to one checkpoint interval "
             "per preemption",
             data=data,
+            finding=found,
         )
 
     @staticmethod

@@ -7,12 +7,17 @@ fail over to any region whose quota covers it, so one is enough.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
 from jobs.preflight.regions import region_requests, said_list
-from jobs.preflight.report import CheckResult, PreflightContext, Status, describe_request
+from jobs.preflight.report import (
+    CheckResult,
+    PreflightContext,
+    PreflightPlan,
+    Status,
+    describe_request,
+)
 from jobs.providers.base import ProviderError, QuotaInfo, ResourceRequest
 
 __all__ = ["QuotaCheck"]
@@ -23,7 +28,7 @@ class QuotaCheck:
 
     name: str = "quota"
 
-    def run(self, ctx: PreflightContext, *, prior: Mapping[str, CheckResult]) -> CheckResult:
+    def run(self, ctx: PreflightContext, *, prior: PreflightPlan) -> CheckResult:
         requests = region_requests(ctx)
         if len(requests) == 1:
             return self._one(ctx.provider.quota(requests[0]), requests[0])

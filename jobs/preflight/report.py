@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from jobs.locations import dry_run_prefix
 from jobs.notify import CheckLine, PreflightMessage
+from jobs.preflight.findings import CapacityFindings, CostEstimate, DryRunFindings, Finding
 from jobs.providers.base import Provider, ResourceRequest
 from jobs.spec import JobSpec
 
@@ -26,6 +27,7 @@ __all__ = [
     "Check",
     "CheckResult",
     "PreflightContext",
+    "PreflightPlan",
     "PreflightReport",
     "Status",
     "describe_request",
@@ -49,8 +51,11 @@ class CheckResult(CheckLine):
     later checks and the report read."""
 
     status: Status
-    #: Figures for later checks and the report; JSON-able.
+    #: Figures for the report and the database; JSON-able.
     data: Mapping[str, Any] = field(default_factory=dict)
+    #: What later checks and the launch read, typed (its ``as_data()`` is in ``data``);
+    #: None for a check nothing reads.
+    finding: Finding | None = None
 
     def __post_init__(self) -> None:
         if self.status is not Status.PASS and not self.remedy.strip():
@@ -98,13 +103,81 @@ class PreflightContext:
         return dry_run_prefix(self.run_id)
 
 
+_F = TypeVar("_F", CapacityFindings, DryRunFindings, CostEstimate)
+
+
+@dataclass(frozen=True, eq=False)
+class PreflightPlan(Mapping[str, CheckResult]):
+    """What the checks run so far found: a check reads an earlier one's finding here,
+    typed (:attr:`capacity`, :attr:`dry_run`, :attr:`cost`), never from its ``data``.
+
+    Also the mapping of those results by name, for a check that only asks what ran.
+    """
+
+    results: Mapping[str, CheckResult] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, prior: Mapping[str, CheckResult]) -> PreflightPlan:
+        """The plan of ``prior``: itself when it is one, else a plain mapping of results
+        by name (results built by hand are read from their ``data``)."""
+        return prior if isinstance(prior, PreflightPlan) else cls(dict(prior))
+
+    def then(self, result: CheckResult) -> PreflightPlan:
+        """The plan once ``result`` is in."""
+        return PreflightPlan({**self.results, result.name: result})
+
+    def __getitem__(self, name: str) -> CheckResult:
+        return self.results[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.results)
+
+    def __len__(self) -> int:
+        return len(self.results)
+
+    def _found(self, kind: type[_F], *, failed: bool = True) -> _F | None:
+        result = self.results.get(kind.check)
+        if result is None or (result.status is Status.FAIL and not failed):
+            return None
+        if isinstance(result.finding, kind):
+            return result.finding
+        return kind.from_data(result.data)
+
+    @property
+    def capacity(self) -> CapacityFindings | None:
+        """Where the capacity check found room (also when it failed: a refused launch
+        still names the zone it would have used); None before it ran."""
+        return self._found(CapacityFindings)
+
+    @property
+    def dry_run(self) -> DryRunFindings | None:
+        """What the dry run measured; None when it did not run or failed. A skipped dry
+        run measured nothing: every figure is None."""
+        return self._found(DryRunFindings, failed=False)
+
+    @property
+    def cost(self) -> CostEstimate | None:
+        """The budget check's estimate; None before it ran."""
+        return self._found(CostEstimate)
+
+    def interval_s(self, spec: JobSpec) -> float | None:
+        """The checkpoint interval chosen: the budget check's, else the dry run's, else
+        the spec's (None for ``"auto"`` with nothing measured)."""
+        cost, dry = self.cost, self.dry_run
+        if cost is not None and cost.interval_s is not None:
+            return cost.interval_s
+        if dry is not None and dry.interval_s is not None:
+            return dry.interval_s
+        return spec.checkpoint.interval_s
+
+
 class Check(Protocol):
     """One preflight question."""
 
     name: str
 
-    def run(self, ctx: PreflightContext, *, prior: Mapping[str, CheckResult]) -> CheckResult:
-        """Answer it; ``prior`` holds the results of the checks that ran before, by name."""
+    def run(self, ctx: PreflightContext, *, prior: PreflightPlan) -> CheckResult:
+        """Answer it; ``prior`` holds what the checks that ran before found."""
         ...
 
 

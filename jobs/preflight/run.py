@@ -15,9 +15,9 @@ from jobs.preflight.report import (
     Check,
     CheckResult,
     PreflightContext,
+    PreflightPlan,
     PreflightReport,
     Status,
-    number,
 )
 from jobs.preflight.shape import InstanceShapeCheck
 from runner.errors import RunnerError
@@ -51,29 +51,23 @@ def run_preflight(
     to the log, never to the user). ``on_result`` is called after each check, for
     progress and the journal's ``preflight_check`` events.
     """
-    results: dict[str, CheckResult] = {}
+    plan = PreflightPlan()
     ordered: list[CheckResult] = []
     for check in default_checks() if checks is None else checks:
         try:
-            result = check.run(ctx, prior=dict(results))
+            result = check.run(ctx, prior=plan)
         except Exception as exc:  # any failure of a check is reported as a FAIL
             result = _crashed(check.name, exc, run_id=ctx.run_id)
-        results[result.name] = result
+        plan = plan.then(result)
         ordered.append(result)
         if on_result is not None:
             on_result(result)
-    budget = results.get("budget")
-    dry = results.get("dry_run")
-    interval = number(budget.data.get("interval_s")) if budget is not None else None
-    if interval is None and dry is not None:
-        interval = number(dry.data.get("interval_s"))
-    if interval is None:
-        interval = ctx.spec.checkpoint.interval_s
+    cost = plan.cost
     return PreflightReport(
         results=tuple(ordered),
-        estimate_usd=number(budget.data.get("estimate_usd")) if budget is not None else None,
-        interval_s=interval,
-        expected_hours=number(budget.data.get("expected_hours")) if budget is not None else None,
+        estimate_usd=cost.estimate_usd if cost is not None else None,
+        interval_s=plan.interval_s(ctx.spec),
+        expected_hours=cost.expected_hours if cost is not None else None,
     )
 
 

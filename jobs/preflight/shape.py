@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from jobs.format import usd
-from jobs.preflight.report import CheckResult, PreflightContext, Status
+from jobs.preflight.report import CheckResult, PreflightContext, PreflightPlan, Status
 from jobs.providers.base import Provider, ResourceRequest
 
 __all__ = ["InstanceShapeCheck", "OneLarger", "one_larger_instance"]
@@ -105,7 +104,7 @@ class InstanceShapeCheck:
 
     name = "instances"
 
-    def run(self, ctx: PreflightContext, *, prior: Mapping[str, CheckResult]) -> CheckResult:
+    def run(self, ctx: PreflightContext, *, prior: PreflightPlan) -> CheckResult:
         resources = ctx.spec.resources
         n = resources.instances
         if n <= 1:

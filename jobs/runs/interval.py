@@ -15,7 +15,7 @@ from sqlmodel import Session, col, select
 
 from jobs.deps import Deps
 from jobs.models import Attempt, EventRow, Run
-from jobs.runs.rows import dry_run_data
+from jobs.runs.rows import dry_run_findings
 from jobs.spec import JobSpec
 from runner.preemption import MEASURED_SAVES_MIN, choose_interval
 
@@ -30,8 +30,8 @@ def auto_interval_mtbp(run: Run, spec: JobSpec) -> float | None:
 
 
 def _lossy_mtbp(run: Run) -> float | None:
-    mtbp = dry_run_data(run).get("interval_mtbp_s")
-    return float(mtbp) if isinstance(mtbp, int | float) and mtbp > 0 else None
+    mtbp = dry_run_findings(run).interval_mtbp_s
+    return mtbp if mtbp is not None and mtbp > 0 else None
 
 
 def measured_interval(session: Session, run: Run) -> float | None:

@@ -35,7 +35,7 @@ from jobs.runs.profile import window
 from jobs.runs.rows import (
     active_attempt,
     checkpoint_prefix,
-    dry_run_data,
+    dry_run_findings,
     get_run,
     latest_attempt,
     move_run,
@@ -153,15 +153,13 @@ def measured_write_env(run: Run) -> dict[str, str]:
     without it a first attempt's notice is judged by the cautious guess
     (:data:`runner.preemption.ASSUMED_BANDWIDTH_BPS`), which leaves most of a short window
     unused. A resumed attempt measures the checkpoint it restores instead."""
-    data = dry_run_data(run)
-    nbytes, write_s, stall_s = (data.get(k) for k in ("checkpoint_bytes", "write_s", "stall_s"))
-    if not (isinstance(nbytes, int | float) and isinstance(write_s, int | float)):
+    found = dry_run_findings(run)
+    bandwidth = found.write_bandwidth_bps
+    if bandwidth is None:
         return {}
-    if not (nbytes > 0 and write_s > 0):
-        return {}
-    env = {"TRAINBOT_MEASURED_WRITE_BPS": f"{nbytes / write_s:.0f}"}
-    if isinstance(stall_s, int | float) and stall_s > 0:
-        env["TRAINBOT_MEASURED_STALL_S"] = f"{stall_s:.6f}"
+    env = {"TRAINBOT_MEASURED_WRITE_BPS": f"{bandwidth:.0f}"}
+    if found.stall_s is not None and found.stall_s > 0:
+        env["TRAINBOT_MEASURED_STALL_S"] = f"{found.stall_s:.6f}"
     return env
 
 

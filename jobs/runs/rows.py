@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 from datetime import datetime
-from typing import Any
 
 from pydantic import ValidationError
 from sqlmodel import Session, col, select
@@ -17,6 +16,7 @@ from sqlmodel import Session, col, select
 from jobs.errors import NotFound
 from jobs.lifecycle import RunState, transition
 from jobs.models import Attempt, Run
+from jobs.preflight.findings import DryRunFindings
 from jobs.spec import JobSpec
 
 log = logging.getLogger(__name__)
@@ -43,13 +43,10 @@ def run_hours(session: Session, run: Run, *, now: datetime) -> float:
     return (run.carried_hours or 0.0) + seconds / 3600.0
 
 
-def dry_run_data(run: Run) -> dict[str, Any]:
-    """The figures preflight's dry run measured for ``run`` (empty without one)."""
-    for result in (run.preflight or {}).get("results", []):
-        if result.get("name") == "dry_run":
-            data = result.get("data")
-            return data if isinstance(data, dict) else {}
-    return {}
+def dry_run_findings(run: Run) -> DryRunFindings:
+    """What preflight's dry run measured for ``run``, and the interval it chose (every
+    figure None without one), read from the stored report, old rows too."""
+    return DryRunFindings.stored(run.preflight)
 
 
 def spec_of(run: Run) -> JobSpec:
