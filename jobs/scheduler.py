@@ -68,6 +68,8 @@ LEASE = LEADER_LEASE
 #: a leader that dies is replaced within this time (and one that stalls steps down).
 #: The default of ``TRAINBOT_SCHEDULER_LEASE_S``.
 LEASE_S = SCHEDULER_LEASE_S
+#: Seconds between renewals while the last one failed (see :class:`LeaderElector`).
+_RETRY_S = 1.0
 
 #: Seconds late a job may still run (APScheduler's misfire grace); a new leader posts a
 #: digest that nobody posted within this time of its due moment.
@@ -332,7 +334,15 @@ def stop_scheduler(scheduler: BackgroundScheduler) -> None:
 
 class LeaderElector:
     """Takes and renews the scheduler lease on a thread; runs the scheduler while it
-    holds the lease, and shuts it down as soon as it loses it or cannot renew it."""
+    holds the lease, and shuts it down as soon as it loses it, or once it has failed to
+    renew it for two thirds of the lease.
+
+    A renewal that fails (the database busy or away for a moment) does not depose the
+    leader at once: nobody else can take the lease before it expires, so the leader keeps
+    its scheduler and tries again every second until its *renew deadline*, two thirds of
+    a lease after its last renewal, and only then steps down, a third of a lease before
+    another replica may win. A single slow write under load used to stop and restart the
+    scheduler (and its jobs) for nothing."""
 
     def __init__(
         self,
@@ -356,6 +366,10 @@ class LeaderElector:
         self._token: int | None = None
         self._scheduler: BackgroundScheduler | None = None
         self._deferred: DeferredRunner | None = None
+        # While leading: the clock time until which a failed renewal keeps the lease (two
+        # thirds of a lease after the last renewal); and whether the last round failed.
+        self._renew_by: datetime | None = None
+        self._failing = False
         # Every scheduler this elector started, kept so that none's id() is reused by
         # the next (the metrics watch schedulers by id); one per lease won, so few.
         self._started: list[BackgroundScheduler] = []
@@ -392,7 +406,7 @@ class LeaderElector:
         one lease of its last renewal rather than a lease and a third."""
         third = self.lease_s / 3
         if self.leading:
-            return third
+            return min(third, _RETRY_S) if self._failing else third
         try:
             expires = lease_expiry(self.deps)
         except DatabaseError:
@@ -404,19 +418,38 @@ class LeaderElector:
 
     def elect(self) -> bool:
         """One round: take or renew the lease, and start or stop the scheduler to match."""
+        # The lease runs from when the renewal began (take_lease's own clock reading), so
+        # the renew deadline counts from then too, however long the statement took.
+        renewed_by = self.deps.clock() + timedelta(seconds=self.lease_s * 2 / 3)
         try:
             token = take_lease(self.deps, ttl_s=self.lease_s, holder=self.holder)
         except DatabaseError as exc:
-            log.warning("cannot renew the scheduler lease, stepping down: %s", exc)
-            token = None
+            with self._lock:
+                if self._stop.is_set():
+                    return False
+                now = self.deps.clock()
+                if self._renew_by is not None and now < self._renew_by:
+                    self._failing = True
+                    log.warning(
+                        "cannot renew the scheduler lease, still leading until %s: %s",
+                        self._renew_by.isoformat(timespec="seconds"),
+                        exc,
+                    )
+                    return True
+                if self.leading:
+                    log.warning("cannot renew the scheduler lease, stepping down: %s", exc)
+                self._step_down()
+                return False
         with self._lock:
             if self._stop.is_set():
                 return False
             if token is not None and token == self._token:
+                self._renew_by, self._failing = renewed_by, False
                 return True
             self._step_down()
             if token is None:
                 return False
+            self._renew_by = renewed_by
             log.info("this replica (%s) leads the scheduler, fencing token %d", self.holder, token)
             self._token = token
             self._scheduler = start_scheduler(self.deps, token=token, intervals=self._intervals)
@@ -437,6 +470,8 @@ class LeaderElector:
             stop_scheduler(self._scheduler)
         self._scheduler = None
         self._token = None
+        self._renew_by = None
+        self._failing = False
 
     def stop(self, *, release: bool = True) -> None:
         """Stop electing and the scheduler (waiting for the jobs running), then release

@@ -149,3 +149,38 @@ def test_stopping_waits_for_the_job_that_is_running(db_engine, settings, tmp_pat
     stop_scheduler(scheduler)
     assert finished.is_set()
     deps.close()
+
+
+def test_a_failed_renewal_keeps_the_lease_until_its_renew_deadline(
+    db_engine, settings, tmp_path, caplog
+) -> None:  # type: ignore[no-untyped-def]
+    """The database failing a renewal for a moment leaves the leader and its scheduler
+    in place; failing for two thirds of a lease (a third before another replica could
+    take it over) steps it down; once the database answers again it leads again."""
+    from jobs.db import make_engine
+    from jobs.scheduler import LeaderElector
+
+    deps = make_deps(db_engine, settings, tmp_path)
+    now = [utcnow()]
+    deps.clock = lambda: now[0]
+    elector = LeaderElector(deps, holder="replica-a", lease_s=30, intervals={"reconcile": 3600})
+    try:
+        assert elector.elect() and elector.leading
+        first = elector.scheduler
+        # The database goes away: its engine now reaches a database that cannot be opened.
+        deps.engine = make_engine(f"sqlite:///{tmp_path / 'away' / 'trainbot.db'}")
+        caplog.set_level(logging.WARNING, logger="jobs.scheduler")
+        now[0] += timedelta(seconds=15)
+        assert elector.elect() and elector.leading
+        assert elector.scheduler is first, "a failed renewal restarted the scheduler"
+        assert "still leading until" in caplog.text
+        assert elector._next_try_s() <= 1.0  # retried soon, not a third of a lease later
+        now[0] += timedelta(seconds=6)  # 21 s since the renewal: past 2/3 of 30 s
+        assert not elector.elect() and not elector.leading
+        assert elector.scheduler is None and "stepping down" in caplog.text
+        deps.engine.dispose()
+        deps.engine = db_engine  # back
+        assert elector.elect() and elector.leading
+    finally:
+        elector.stop()
+        deps.close()
