@@ -32,6 +32,7 @@ from runner.duration import parse_duration
 from runner.errors import CheckpointError, RunnerError
 
 if TYPE_CHECKING:
+    from runner.logship import LogShipper
     from runner.preemption import PreemptionFlag
     from runner.telemetry import EventSink
 
@@ -253,10 +254,31 @@ def _exec(args: argparse.Namespace, early: EarlyNotice | None = None) -> int:
                 sample_s=env.SYSTEM_SAMPLE_S.get(),
                 under_torchrun=node is not None,
                 node=node.rank if node is not None else 0,
+                logs=_log_shipper(node.rank if node is not None else 0),
             )
             return sup.run()
         finally:
             sink.close(timeout=30.0)
+
+
+def _log_shipper(node: int) -> LogShipper | None:
+    """Where the command's output goes besides this process's stdout: the run's store,
+    under its attempt and node (:mod:`runner.logship`), for an attempt the control plane
+    started (its id and store given). The store is opened in the shipper's thread, so
+    boto3's import never delays the command's start."""
+    from runner.logship import LogShipper
+    from runner.store import run_store
+
+    uri = os.environ.get(env.CHECKPOINT_URI.name)
+    attempt = os.environ.get(env.ATTEMPT_ID.name)
+    if not uri or not attempt:
+        return None
+    prefix = env.CHECKPOINT_PREFIX.get() or env.RUN_ID.get()
+    try:
+        return LogShipper(lambda: run_store(uri, prefix), attempt=attempt, node=node)
+    except ValueError as exc:
+        logging.getLogger(__name__).warning("the command's output is not shipped: %s", exc)
+        return None
 
 
 def _dry_run(args: argparse.Namespace) -> int:

@@ -33,6 +33,7 @@ from typing import Any
 from runner import EXIT_PREEMPTED, EXIT_SUCCEEDED
 from runner import env as contract
 from runner.errors import CheckpointError, RunnerError, StoreError
+from runner.logship import LogShipper, pump
 from runner.preemption import PreemptionFlag, SignalHandlers, start_pollers, write_notice
 from runner.sync import CheckpointSync, open_files
 from runner.telemetry import EventSink, FileFollower, SystemSampler, follow_file
@@ -42,6 +43,8 @@ log = logging.getLogger(__name__)
 #: What only node 0 of a multi-node attempt forwards: the run's progress, which every
 #: node's first rank reports alike (a node after the first keeps its data wait).
 _RANK_ZEROS = frozenset({"metrics", "restored", "checkpoint_committed"})
+#: Seconds the last log segment may take to reach the store, when no notice is counting.
+_LOG_CLOSE_S = 15.0
 
 
 class Supervisor:
@@ -64,12 +67,15 @@ class Supervisor:
         install_signals: bool = True,
         under_torchrun: bool = False,
         node: int = 0,
+        logs: LogShipper | None = None,
     ) -> None:
         """``under_torchrun``: the command is torchrun (:mod:`runner.nodes`), which exits 1
         whatever its workers exited with: the exit code the session reported wins.
         ``node``: this runner's node of a multi-node attempt. Node 0 reports the run's
         progress; the others report their own system figures, data wait, notice and exit,
-        and not their ranks' metrics and checkpoints, which rank 0's already are."""
+        and not their ranks' metrics and checkpoints, which rank 0's already are.
+        ``logs``: where the command's output goes besides the runner's own stdout and
+        stderr (:mod:`runner.logship`); its tail goes with the exit event."""
         if not command:
             raise RunnerError(
                 "no command to run: write `trainbot-runner exec -- python train.py …`"
@@ -88,6 +94,9 @@ class Supervisor:
         self.install_signals = install_signals
         self.under_torchrun = under_torchrun
         self.node = node
+        self.logs = logs
+        #: The threads reading the command's stdout and stderr, while ``logs`` is set.
+        self._pumps: list[threading.Thread] = []
         #: Data-wait fractions a node after the first heard since its last system sample.
         self._waits: list[float] = []
         self._waits_lock = threading.Lock()  # the sampler's thread takes them
@@ -152,6 +161,8 @@ class Supervisor:
             pollers.stop()
             if signals is not None:
                 signals.__exit__(None, None, None)
+            if self.logs is not None:
+                self.logs.close(timeout=0.0)  # done already, unless the start failed
 
     def _restore(self) -> None:
         assert self.sync is not None
@@ -173,10 +184,21 @@ class Supervisor:
 
     def _supervise(self, env: dict[str, str], events: Path, sampler: SystemSampler) -> int:
         follower = follow_file(events)
+        # One pipe for both streams keeps them in the order they were written; a Python
+        # command writes unbuffered unless it says otherwise, so its last lines before a
+        # crash come before its traceback, and none is lost with the process.
+        if self.logs is not None:
+            env.setdefault("PYTHONUNBUFFERED", "1")
+        piped = subprocess.PIPE if self.logs is not None else None
+        joined = subprocess.STDOUT if self.logs is not None else None
         try:
-            child = self.child = subprocess.Popen(self.command, env=env)
+            child = self.child = subprocess.Popen(
+                self.command, env=env, stdout=piped, stderr=joined
+            )
         except OSError as exc:
             raise RunnerError(f"cannot start {self.command[0]!r}: {exc.strerror}") from exc
+        if self.logs is not None:
+            self._capture(child)
         # The attempt is running from here, whatever the command: a plain script never
         # says so itself (a session's own "started" is dropped in _forward: one per attempt).
         self.sink.emit("started", {"pid": child.pid, "host": socket.gethostname()})
@@ -194,6 +216,8 @@ class Supervisor:
                     self._sync(final=False)
                 self._relay_notice()
                 child.send_signal(signal.SIGTERM)
+                if self.logs is not None:
+                    self.logs.flush()  # what it printed so far, before the instance goes
             if code is not None:
                 break
             if self.sync is not None:
@@ -212,6 +236,9 @@ class Supervisor:
             self._warn_if_nothing_synced(preempted=noticed)
         self.child_code = code
         result = self._exit_code(code, noticed=noticed)
+        # The last segment reaches the store before the exit is reported: the control
+        # plane ends the instance when it hears of the exit.
+        self._finish_logs(preempted=noticed)
         if not self._exit_reported:
             reason = {EXIT_SUCCEEDED: "succeeded", EXIT_PREEMPTED: "preempted"}.get(
                 result, "failed"
@@ -219,14 +246,42 @@ class Supervisor:
             if result == self._child_reported and self._child_reason is not None:
                 reason = self._child_reason  # "stopped" is the session's to say
             exit_data = self._preempted_exit() if reason == "preempted" else {}
+            if reason != "succeeded":
+                exit_data.update(self._log_tail())
             self.sink.emit("exit", {**exit_data, "code": result, "reason": reason})
         return result
+
+    def _capture(self, child: subprocess.Popen[bytes]) -> None:
+        """Read the command's output (stdout and stderr, one pipe) in a thread: it goes on
+        to the runner's own stdout (the console, a local instance's log file) and to the
+        log shipper."""
+        assert self.logs is not None and child.stdout is not None
+        self.logs.start()
+        self._pumps.append(pump(child.stdout, echo=1, shipper=self.logs))
+
+    def _finish_logs(self, *, preempted: bool) -> None:
+        """Wait for the pipes' last bytes, then upload the last segment: within the
+        notice's window after a notice, else within a bound of its own."""
+        if self.logs is None:
+            return
+        for thread in self._pumps:
+            # A process the command left behind may hold the pipes open: not waited for.
+            thread.join(timeout=2.0)
+        left = self.flag.time_left() if preempted else None
+        timeout = _LOG_CLOSE_S if left is None else max(min(_LOG_CLOSE_S, left - 2.0), 1.0)
+        if not self.logs.close(timeout=timeout):
+            log.warning("the command's last output did not all reach the store")
+
+    def _log_tail(self) -> dict[str, Any]:
+        """The exit's ``log_tail``: the command's last lines, when its output is captured."""
+        return {"log_tail": self.logs.tail()} if self.logs is not None else {}
 
     def _preempted_exit(self) -> dict[str, Any]:
         """A preempted exit, with the session's report of its flushes when it made one."""
         data: dict[str, Any] = {"code": EXIT_PREEMPTED, "reason": "preempted"}
         if self._child_flush is not None:
             data["flush"] = self._child_flush
+        data.update(self._log_tail())
         return data
 
     def _forward(self, follower: FileFollower) -> None:
@@ -242,6 +297,8 @@ class Supervisor:
                     # going away, so report the end now and let the control plane release
                     # it, instead of paying for the interpreter's teardown (a second or
                     # more with torch loaded) before saying so.
+                    if self.logs is not None:
+                        self.logs.flush()
                     self.sink.emit("exit", self._preempted_exit())
                     self._exit_reported = True
                     send_now = getattr(self.sink, "flush", None)

@@ -111,6 +111,11 @@ class ExitData(Payload):
     #: seen (an older runner, a kill without one).
     flush: dict[str, Any] | None = None
 
+    #: The command's last lines of output (at most a few kilobytes), for the run's
+    #: thread; the whole output is in the run's store (:mod:`runner.logship`). None: not
+    #: captured (an older runner, a success).
+    log_tail: str | None = None
+
 
 class HeartbeatData(Payload):
     #: None: not training yet.

@@ -609,7 +609,12 @@ def test_lifecycle_events_reach_the_service_layer_once_and_in_order(db_engine: E
         ("a-1", "exit"),
     ]
     assert recorder.attempt_events[1][2]["message"] == "nothing was synced"
-    assert recorder.attempt_events[2][2] == {"code": 75, "reason": "preempted", "flush": None}
+    assert recorder.attempt_events[2][2] == {
+        "code": 75,
+        "reason": "preempted",
+        "flush": None,
+        "log_tail": None,
+    }
 
 
 def test_failing_callbacks_never_fail_the_batch(db_engine: Engine) -> None:

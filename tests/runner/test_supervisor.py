@@ -64,6 +64,7 @@ def test_sigterm_to_the_supervisor_flushes_the_child_and_reports_everything(
     assert types.count("exit") == 1 and types.count("preemption_notice") == 1
     exit_event = next(e for e in ingest.accepted if e.type == "exit")
     flush = exit_event.data.pop("flush")
+    assert isinstance(exit_event.data.pop("log_tail"), str)  # the command's last lines
     assert exit_event.data == {"code": EXIT_PREEMPTED, "reason": "preempted"}
     committed = [e for e in ingest.accepted if e.type == "checkpoint_committed"]
     assert committed, "the emergency flush must be reported"
@@ -262,6 +263,7 @@ def test_a_preempted_session_is_reported_ended_before_its_process_tears_down(
     assert reported and still_running, "the exit must be reported before the teardown ends"
     exits = [e for e in ingest.accepted if e.type == "exit"]
     assert len(exits) == 1 and exits[0].data.pop("flush")["committed_step"] is not None
+    assert isinstance(exits[0].data.pop("log_tail"), str)  # the command's last lines
     assert exits[0].data == {"code": EXIT_PREEMPTED, "reason": "preempted"}
     committed = [e.data["step"] for e in ingest.accepted if e.type == "checkpoint_committed"]
     assert (

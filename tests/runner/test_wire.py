@@ -69,6 +69,7 @@ PAYLOADS: dict[str, dict[str, Any]] = {
             "given_up_steps": 60,
             "summary": "flushed step 120; step 180 did not land in time",
         },
+        "log_tail": "step 180\nRuntimeError: loss <nan> & rising",
     },
     "heartbeat": {"step": None},
     "log": {"level": "warning", "message": "data loader slow"},
