@@ -31,7 +31,7 @@ from jobs.providers import (
     providers_from_settings,
 )
 from jobs.providers.base import Provider
-from jobs.rules import Rule, Signal, default_rules
+from jobs.rules import Rule, Signal, Trigger, rules_on
 from jobs.runs import on_attempt_event, raise_signals
 from jobs.runs.profile import project
 from jobs.scheduler import LeaderElector
@@ -44,9 +44,6 @@ if TYPE_CHECKING:
     from _typeshed.wsgi import WSGIApplication
 
 log = logging.getLogger(__name__)
-
-#: The rules the ingest API evaluates on the runner's stream of metrics.
-STREAM_RULES = frozenset({"divergent_loss", "low_utilisation", "disk"})
 
 
 def build_providers(
@@ -82,10 +79,11 @@ def build_ingest(deps: Deps) -> IngestService:
     """The runner events API, wired to the alert lifecycle and the attempt lifecycle."""
 
     def rules_for(run: Run) -> list[Rule]:
-        # Rules over the runner's metrics only; preemptions, resubmits, heartbeats and
-        # budgets are raised once by the lifecycle, the reconcile job and the spend job.
+        # The rules that say they watch the runner's stream; the others are evaluated
+        # where their trigger happens (an attempt's end, a resubmit, the reconcile job),
+        # and budgets are raised by the spend job.
         thresholds = stored_section(run.spec, AlertThresholds, run_id=run.id)
-        return [r for r in default_rules(thresholds) if r.name in STREAM_RULES]
+        return rules_on(Trigger.STREAM, thresholds)
 
     def on_signals(run_id: str, signals: list[Signal], now: datetime) -> None:
         if not any(not s.resolved for s in signals) and not _has_open(run_id):

@@ -2,6 +2,8 @@
 
 ``base`` holds what they share; each other module is one family of rules. The rules'
 thresholds are the job spec's ``alerts`` section (:class:`jobs.spec.AlertThresholds`).
+Every rule is registered in :data:`RULES` and says when it is evaluated (its
+:class:`Trigger`); each place where a trigger happens evaluates :func:`rules_on` it.
 Budget alerts are not a rule: the spend job raises them (``jobs.tasks``). See
 docs/architecture.md, "Alert rules".
 """
@@ -10,13 +12,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from jobs.errors import TrainbotError
 from jobs.rules.base import (
     AlertThresholds,
     Obs,
     Rule,
+    RuleType,
     RunContext,
     Severity,
     Signal,
+    Trigger,
     TypedWindow,
 )
 from jobs.rules.disk import Disk
@@ -26,6 +31,7 @@ from jobs.rules.preemption import AutoResubmit, Preemption, RepeatedPreemptions
 from jobs.rules.utilisation import LowUtilisation
 
 __all__ = [
+    "RULES",
     "AlertThresholds",
     "AutoResubmit",
     "Disk",
@@ -36,26 +42,63 @@ __all__ = [
     "Preemption",
     "RepeatedPreemptions",
     "Rule",
+    "RuleType",
     "RunContext",
     "Severity",
     "Signal",
+    "Trigger",
     "TypedWindow",
     "default_rules",
     "evaluate_all",
+    "register",
+    "rules_on",
 ]
+
+#: Every rule by name, in the order their signals are raised.
+RULES: dict[str, RuleType] = {}
+
+
+def register(rule: RuleType) -> RuleType:
+    """Add a rule to :data:`RULES` (a rule shipped outside this package, or one a test
+    defines); it is then evaluated wherever its trigger happens. A name registered
+    already, or a rule that does not say when it is evaluated, is refused, so a rule can
+    neither replace another silently nor never fire; tests remove theirs with
+    ``RULES.pop(name)``."""
+    name = getattr(rule, "name", None)
+    if not isinstance(name, str) or not name:
+        raise TrainbotError(f"the rule {rule!r} has no name: give its class a `name`")
+    if not isinstance(getattr(rule, "trigger", None), Trigger):
+        triggers = ", ".join(f"Trigger.{t.name}" for t in Trigger)
+        raise TrainbotError(
+            f"the rule {name!r} does not say when it is evaluated: give its class a "
+            f"`trigger` ({triggers})"
+        )
+    if name in RULES:
+        raise TrainbotError(f"a rule named {name!r} is registered already")
+    RULES[name] = rule
+    return rule
+
+
+for _rule in (
+    DivergentLoss,
+    LowUtilisation,
+    Disk,
+    Preemption,
+    AutoResubmit,
+    RepeatedPreemptions,
+    LostHeartbeat,
+):
+    register(_rule)
 
 
 def default_rules(cfg: AlertThresholds) -> list[Rule]:
-    """Every rule, with the run's thresholds."""
-    return [
-        DivergentLoss(cfg),
-        LowUtilisation(cfg),
-        Disk(cfg),
-        Preemption(cfg),
-        AutoResubmit(cfg),
-        RepeatedPreemptions(cfg),
-        LostHeartbeat(cfg),
-    ]
+    """Every registered rule, whatever its trigger, with the run's thresholds."""
+    return [rule(cfg) for rule in RULES.values()]
+
+
+def rules_on(trigger: Trigger, cfg: AlertThresholds) -> list[Rule]:
+    """The registered rules evaluated when ``trigger`` happens, with the run's thresholds."""
+    return [rule(cfg) for rule in RULES.values() if rule.trigger is trigger]
 
 
 def evaluate_all(

@@ -6,6 +6,7 @@ the wrong type counts as missing. See docs/architecture.md, "Alert rules".
 
 from __future__ import annotations
 
+import enum
 import math
 import statistics
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -22,10 +23,12 @@ __all__ = [
     "AlertThresholds",
     "Obs",
     "Rule",
+    "RuleType",
     "RunContext",
     "Severity",
     "Signal",
     "Thresholded",
+    "Trigger",
     "TypedWindow",
     "Verdict",
     "attempt_of",
@@ -181,12 +184,42 @@ class RunContext:
     current_step: int | None
 
 
+class Trigger(str, enum.Enum):
+    """When a rule is evaluated. Each place where one of these happens asks for the rules
+    of its trigger (:func:`jobs.rules.rules_on`), so a registered rule is evaluated
+    wherever its trigger happens, with no list of rule names anywhere else."""
+
+    #: Each batch of a runner's events the ingest API stores, over the run's window.
+    STREAM = "stream"
+    #: An attempt ended preempted (``jobs.runs.end``): the window is its ``exit``.
+    PREEMPTED = "preempted"
+    #: The next attempt was launched after a preemption (``jobs.runs.resubmit``): the
+    #: window is its ``resubmitted`` observation.
+    RESUBMITTED = "resubmitted"
+    #: The reconcile job found an attempt silent past its heartbeat deadline
+    #: (``jobs.runs.reconcile``): an empty window and the run's facts.
+    SILENT = "silent"
+
+
 class Rule(Protocol):
     """One alert rule: a pure function of the window, ``now`` and the run's facts."""
 
     name: str
 
     def evaluate(self, window: Sequence[Obs], *, now: float, ctx: RunContext) -> list[Signal]: ...
+
+
+class RuleType(Protocol):
+    """What the registry holds (:data:`jobs.rules.RULES`): a rule class, which says its
+    name and when it is evaluated, and is built from a run's thresholds."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def trigger(self) -> Trigger: ...
+
+    def __call__(self, cfg: AlertThresholds, /) -> Rule: ...
 
 
 class Thresholded:

@@ -23,6 +23,7 @@ class Disk(base.Thresholded):
     """
 
     name = "disk"
+    trigger = base.Trigger.STREAM
 
     def evaluate(
         self, window: Sequence[base.Obs], *, now: float, ctx: base.RunContext

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from jobs import format as fmt
-from jobs.rules.base import Obs, RunContext, Severity, Signal, Thresholded, Verdict
+from jobs.rules.base import Obs, RunContext, Severity, Signal, Thresholded, Trigger, Verdict
 
 __all__ = ["LostHeartbeat"]
 
@@ -14,6 +14,7 @@ class LostHeartbeat(Thresholded):
     """The runner has gone quiet: the instance may be gone, hung, or still billing."""
 
     name = "lost_heartbeat"
+    trigger = Trigger.SILENT
 
     def evaluate(self, window: Sequence[Obs], *, now: float, ctx: RunContext) -> list[Signal]:
         if ctx.last_heartbeat is None:

@@ -13,6 +13,7 @@ from jobs.rules.base import (
     Severity,
     Signal,
     Thresholded,
+    Trigger,
     Verdict,
     integer,
     number,
@@ -38,6 +39,7 @@ class DivergentLoss(Thresholded):
     """
 
     name = "divergent_loss"
+    trigger = Trigger.STREAM
 
     def evaluate(self, window: Sequence[Obs], *, now: float, ctx: RunContext) -> list[Signal]:
         points: list[tuple[int | None, float]] = []

@@ -14,6 +14,7 @@ from jobs.rules.base import (
     Severity,
     Signal,
     Thresholded,
+    Trigger,
     attempt_of,
     integer,
     number,
@@ -43,6 +44,7 @@ class Preemption(Thresholded):
     """
 
     name = "preemption"
+    trigger = Trigger.PREEMPTED
 
     def evaluate(self, window: Sequence[Obs], *, now: float, ctx: RunContext) -> list[Signal]:
         by_attempt: dict[int, list[Obs]] = {}
@@ -100,6 +102,7 @@ class AutoResubmit(Thresholded):
     """trainbot resubmitted a preempted run; says how much work the preemption cost."""
 
     name = "auto_resubmit"
+    trigger = Trigger.RESUBMITTED
 
     def evaluate(self, window: Sequence[Obs], *, now: float, ctx: RunContext) -> list[Signal]:
         signals = []
@@ -143,6 +146,7 @@ class RepeatedPreemptions(Thresholded):
     """
 
     name = "repeated_preemptions"
+    trigger = Trigger.PREEMPTED
 
     def evaluate(self, window: Sequence[Obs], *, now: float, ctx: RunContext) -> list[Signal]:
         span = self.cfg.repeated_window_s

@@ -27,6 +27,7 @@ class LowUtilisation(base.Thresholded):
     """
 
     name = "low_utilisation"
+    trigger = base.Trigger.STREAM
 
     def evaluate(
         self, window: Sequence[base.Obs], *, now: float, ctx: base.RunContext

@@ -19,7 +19,7 @@ from jobs.deps import Deps
 from jobs.lifecycle import AttemptState, RunState, transition
 from jobs.models import Attempt, Run
 from jobs.providers.base import InstanceNotFound, InstanceState, ProviderError
-from jobs.rules import Obs, Preemption, RepeatedPreemptions
+from jobs.rules import Obs, Trigger, evaluate_all, rules_on
 from jobs.runs.cards import raise_signals, refresh_card, run_context, say
 from jobs.runs.launch import check_fence
 from jobs.runs.resubmit import record_lost_work
@@ -207,8 +207,5 @@ def _preemption_alerts(
     if attempt.end_reason:
         data["cause"] = attempt.end_reason
     obs = [Obs(time=now.timestamp(), type="exit", data=data)]
-    signals = [
-        *Preemption(cfg).evaluate(obs, now=now.timestamp(), ctx=ctx),
-        *RepeatedPreemptions(cfg).evaluate(obs, now=now.timestamp(), ctx=ctx),
-    ]
+    signals = evaluate_all(rules_on(Trigger.PREEMPTED, cfg), obs, now=now.timestamp(), ctx=ctx)
     raise_signals(deps, session, run, signals, now=now)

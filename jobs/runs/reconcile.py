@@ -26,7 +26,7 @@ from jobs.providers.base import (
     Provider,
     ProviderError,
 )
-from jobs.rules import LostHeartbeat
+from jobs.rules import Trigger, evaluate_all, rules_on
 from jobs.runs.cards import flag_unreadable_spec, raise_signals, refresh_card, run_context
 from jobs.runs.end import end_attempt, terminate_instance
 from jobs.runs.launch import launch_attempt, provision
@@ -213,8 +213,11 @@ def _lost_heartbeat(deps: Deps, attempt_id: str, *, now: datetime, since: dateti
         if attempt is None or run is None:
             return
         thresholds = stored_section(run.spec, AlertThresholds, run_id=run.id)
-        signals = LostHeartbeat(thresholds).evaluate(
-            [], now=now.timestamp(), ctx=run_context(session, run, attempt, now=now)
+        signals = evaluate_all(
+            rules_on(Trigger.SILENT, thresholds),
+            [],
+            now=now.timestamp(),
+            ctx=run_context(session, run, attempt, now=now),
         )
         raise_signals(deps, session, run, signals, now=now)
     silent = int((now - since).total_seconds())

@@ -17,7 +17,7 @@ from jobs.deferred import Later, deferrable
 from jobs.deps import Deps
 from jobs.lifecycle import RunState
 from jobs.models import Attempt, Checkpoint, Run
-from jobs.rules import AutoResubmit, Obs
+from jobs.rules import Obs, Trigger, evaluate_all, rules_on
 from jobs.runs.cards import alert_config, raise_signals, run_context
 from jobs.runs.launch import launch_attempt, placement_record
 from jobs.runs.rows import active_attempt, spec_of
@@ -83,8 +83,11 @@ def resubmit_if_due(deps: Deps, previous_attempt_id: str) -> bool:
                 },
             )
         ]
-        signals = AutoResubmit(alert_config(spec)).evaluate(
-            obs, now=now.timestamp(), ctx=run_context(session, run, attempt, now=now)
+        signals = evaluate_all(
+            rules_on(Trigger.RESUBMITTED, alert_config(spec)),
+            obs,
+            now=now.timestamp(),
+            ctx=run_context(session, run, attempt, now=now),
         )
         raise_signals(deps, session, run, signals, now=now)
     return True
