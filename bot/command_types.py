@@ -191,11 +191,18 @@ class Resubmit(
     max_price: float | None = None
 
 
-class Logs(RunCommand, usage="/train logs <run>"):
-    """Show the latest log lines and events of a run.
+class Logs(RunCommand, usage="/train logs <run> [attempt] [node]"):
+    """Show the last lines a run's training command printed, from the run's store, so
+    they are there after its instance is gone: its newest attempt and first node unless
+    you name others.
 
-    Example: /train logs r-7f3a2c
+    Example: /train logs r-7f3a2c 2 0
     """
+
+    #: The attempt's number (1, 2 …); None: the newest that started.
+    attempt: int | None = None
+    #: The node of a multi-node attempt (0: the first).
+    node: int = 0
 
 
 class Ack(AlertCommand, usage="/train ack <alert>"):

@@ -376,6 +376,35 @@ _RESUBMIT_SETTINGS: dict[str, tuple[str, Callable[[str], float | int]]] = {
 }
 
 
+#: The most nodes a multi-node attempt has (the wire's node numbers go to 1023).
+_MAX_NODE = 1023
+
+
+def _parse_logs(args: Sequence[str]) -> Command:
+    if not args:
+        raise _fail(Logs, "`logs` needs a run id.")
+    _at_most(Logs, args, 3)
+    run = _run_id(Logs, args[0])
+    numbers: list[int] = []
+    for what, token, low, high in zip(
+        ("an attempt number", "a node number"),
+        args[1:],
+        (1, 0),
+        (1_000_000, _MAX_NODE),
+        strict=False,  # the numbers given: none, one or both
+    ):
+        text = token.strip().removeprefix("attempt=").removeprefix("node=")
+        if not (text.isascii() and text.isdigit() and low <= int(text) <= high):
+            raise _fail(
+                Logs,
+                f"{_show(token)} is not {what}; write /train logs {run} 2 for attempt 2, "
+                f"or /train logs {run} 2 1 for its node 1.",
+            )
+        numbers.append(int(text))
+    attempt = numbers[0] if numbers else None
+    return Logs(run=run, attempt=attempt, node=numbers[1] if len(numbers) > 1 else 0)
+
+
 def _parse_help(args: Sequence[str]) -> Command:
     _at_most(Help, args, 1)
     if not args:
@@ -390,7 +419,7 @@ _PARSERS: dict[str, tuple[type[Command], Callable[[Sequence[str]], Command]]] = 
     "list": (ListRuns, _parse_list),
     "stop": (Stop, lambda args: Stop(run=_one_run(Stop, args))),
     "resubmit": (Resubmit, _parse_resubmit),
-    "logs": (Logs, lambda args: Logs(run=_one_run(Logs, args))),
+    "logs": (Logs, _parse_logs),
     "ack": (Ack, _parse_ack),
     "snooze": (Snooze, _parse_snooze),
     "spend": (Spend, _parse_spend),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from jobs.format import clock, duration, percent, size, usd
 from jobs.format import loss as fmt_loss
@@ -22,6 +22,9 @@ from jobs.notify import (
     RunCard,
     TextMessage,
 )
+
+if TYPE_CHECKING:
+    from jobs.run_logs import RunLog
 
 #: A reply's length: a screenful or two. Slack refuses ``text`` over 40,000 characters,
 #: and nobody reads a reply that long in a chat.
@@ -309,7 +312,70 @@ def digest_chart_in_thread() -> str:
 
 
 def text(msg: TextMessage) -> str:
-    return msg.text
+    if not msg.log_tail:
+        return msg.text
+    block, shown, total = log_block(msg.log_tail, limit=FAILURE_TAIL_CHARS)
+    said = "Its last line" if shown == 1 else f"Its last {shown} lines"
+    more = f" (of the {total} it sent)" if shown < total else ""
+    return f"{msg.text}\n{said}{more}:\n{block}"
+
+
+#: Characters, as Slack counts them (escaped), of a failure's log tail in its message: a
+#: Slack section takes 3,000 characters.
+FAILURE_TAIL_CHARS = 2_400
+#: Characters of a log reply's lines, escaped, leaving room for its own sentences.
+LOG_REPLY_CHARS = MAX_REPLY_TEXT - 1_000
+
+
+def slack_length(text: str) -> int:
+    """``text``'s length once escaped for Slack (``&`` → ``&amp;``, ``<`` → ``&lt;`` …),
+    which is what a Slack limit counts: output full of ``<`` grows up to five times."""
+    return len(text) + 4 * text.count("&") + 3 * (text.count("<") + text.count(">"))
+
+
+def log_block(text: str, *, limit: int) -> tuple[str, int, int]:
+    """The newest lines of ``text`` that fit ``limit`` (escaped) as a preformatted block;
+    with how many lines it shows and how many there were. A line too long for the room
+    left keeps its end."""
+    lines = text.rstrip("\n").split("\n")
+    room = limit - 8  # the fences
+    kept: list[str] = []
+    for line in reversed(lines):
+        line = line.replace("```", "ˋˋˋ")  # a fence in the output would end the block
+        size = slack_length(line) + 1
+        if size > room:
+            if not kept:  # one huge last line: its end
+                while line and slack_length(line) + 2 > room:
+                    line = line[max(len(line) // 8, 1) :]
+                kept.append("…" + line)
+            break
+        kept.append(line)
+        room -= size
+    kept.reverse()
+    return "```\n" + "\n".join(kept) + "\n```", len(kept), len(lines)
+
+
+def run_log(found: RunLog) -> str:
+    """``/train logs``: the end of an attempt's output, as much as a reply holds."""
+    on = f", node {found.node}" if found.node else ""
+    head = f"Attempt {found.attempt} of {found.run_id}{on} ({found.state})"
+    where = f"The whole output: {found.location}" if found.location else ""
+    if not found.text:
+        lines = [f"{head}: no output. {found.note or ''}".rstrip()]
+        if found.location:
+            lines.append(f"Its log would be in {found.location}")
+        return "\n".join(lines)
+    block, shown, total = log_block(found.text, limit=LOG_REPLY_CHARS)
+    source = " on its instance" if found.source == "instance" else ""
+    earlier = shown < total or found.cut
+    said = "its last line" if shown == 1 else f"its last {shown} lines"
+    lines = [f"{head}: {said}{source}{' (earlier output not shown)' if earlier else ''}:"]
+    if found.note:
+        lines.append(f"Note: {found.note}.")
+    lines.append(block)
+    if where and earlier:
+        lines.append(where)
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- Slack views

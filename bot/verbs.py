@@ -214,7 +214,8 @@ def _resubmit(deps: Deps, command: Resubmit, actor: Actor, key: str | None) -> R
 
 
 def _logs(deps: Deps, command: Logs, actor: Actor, key: str | None) -> Reply:
-    return Reply(text=service.logs(deps, command.run, actor))
+    found = service.logs(deps, command.run, actor, attempt=command.attempt, node=command.node)
+    return Reply(text=messages.run_log(found), run_id=found.run_id)
 
 
 def _ack(deps: Deps, command: Ack, actor: Actor, key: str | None) -> Reply:

@@ -176,6 +176,9 @@ class TextMessage(Message):
     kind: str
     text: str
     run_id: str | None = None
+    #: The last lines the run's command printed (a failure's), shown under the text as
+    #: the front end can fit them; None: none.
+    log_tail: str | None = None
 
 
 class Notifier(Protocol):

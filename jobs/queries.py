@@ -17,13 +17,12 @@ from jobs import alerts, spend
 from jobs.actor import Actor, may_see, may_see_alert, may_touch
 from jobs.db import detach, session_scope
 from jobs.deps import Deps
-from jobs.errors import ConflictError, NotFound
+from jobs.errors import ConflictError
 from jobs.lifecycle import RunState
-from jobs.models import Alert, Attempt, CommandLog, OnCall, Run, utcnow
+from jobs.models import Alert, CommandLog, OnCall, Run, utcnow
 from jobs.notify import RunCard
-from jobs.providers.base import InstanceNotFound, ProviderError
+from jobs.run_logs import RunLog, run_log
 from jobs.runs import (
-    active_attempt,
     card,
     get_run,
 )
@@ -66,29 +65,12 @@ def list_runs(deps: Deps, scope: str, actor: Actor) -> list[RunCard]:
         return [card(session, r) for r in runs]
 
 
-def logs(deps: Deps, run_id: str, actor: Actor, *, lines: int = 30) -> str:
-    with session_scope(deps.engine) as session:
-        run = get_run(session, run_id)
-        may_see(actor, run)
-        attempt = (
-            active_attempt(session, run.id)
-            or session.exec(
-                select(Attempt).where(Attempt.run_id == run.id).order_by(col(Attempt.number).desc())
-            ).first()
-        )
-        if attempt is None or attempt.instance_id is None:
-            raise NotFound(f"{run.id} has no instance yet, so no logs")
-        instance_id, provider_name = attempt.instance_id, attempt.provider
-    try:
-        provider = deps.provider_named(provider_name)
-    except ProviderError as exc:
-        raise NotFound(f"no logs for {run_id}: {exc}") from None
-    if not provider.capabilities.instance_logs:
-        raise NotFound(f"the {provider.name} provider keeps logs on the instance")
-    try:
-        return provider.instance_log(instance_id, lines=lines)
-    except InstanceNotFound:
-        raise NotFound(f"no log for instance {instance_id} yet") from None
+def logs(
+    deps: Deps, run_id: str, actor: Actor, *, attempt: int | None = None, node: int = 0
+) -> RunLog:
+    """The end of what a run's command printed (:mod:`jobs.run_logs`): from the run's
+    store on every provider, after the instance is gone."""
+    return run_log(deps, run_id, actor, attempt=attempt, node=node)
 
 
 def acknowledge(deps: Deps, alert_id: str, actor: Actor) -> Alert:

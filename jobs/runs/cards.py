@@ -56,10 +56,17 @@ def refresh_card(deps: Deps, session: Session, run: Run) -> None:
     deps.notifier.update(MessageRef(channel=channel_of(run), ts=run.thread_ts), card(session, run))
 
 
-def say(deps: Deps, run: Run, kind: str, text: str) -> None:
+def say(deps: Deps, run: Run, kind: str, text: str, *, log_tail: str | None = None) -> None:
+    """Post ``text`` in the run's thread; ``log_tail``: the command's last lines, shown
+    under it (a failure's)."""
     deps.notifier.post(
         TextMessage(
-            channel=channel_of(run), thread_ts=run.thread_ts, kind=kind, text=text, run_id=run.id
+            channel=channel_of(run),
+            thread_ts=run.thread_ts,
+            kind=kind,
+            text=text,
+            run_id=run.id,
+            log_tail=log_tail or None,
         )
     )
 
