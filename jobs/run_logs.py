@@ -21,9 +21,10 @@ from jobs.deps import Deps
 from jobs.errors import NotFound, SpecError
 from jobs.locations import check_prefix, checkpoint_root
 from jobs.models import Attempt
+from jobs.output import env_values, redact_output
 from jobs.providers import gang
 from jobs.providers.base import InstanceNotFound, ProviderError
-from jobs.runs import checkpoint_prefix, get_run
+from jobs.runs.rows import checkpoint_prefix, get_run
 from runner.errors import RunnerError
 from runner.logship import LogTail, log_prefix, read_tail
 from runner.store import run_store
@@ -70,6 +71,7 @@ class _Target:
     nodes: int
     root: str | None
     prefix: str | None
+    secrets: tuple[str, ...]
 
 
 def run_log(
@@ -97,7 +99,8 @@ def run_log(
     if target.live:
         live = _from_instance(deps, target, node)
         if live is not None:
-            return replace(base, text=live, source="instance", cut=True)
+            text = redact_output(live, target.secrets)
+            return replace(base, text=text, source="instance", cut=True)
     tail: LogTail | None = None
     problem = None
     if store is not None:
@@ -112,10 +115,12 @@ def run_log(
                 f"{tail.missing} segment(s) of its output were deleted to keep its log within "
                 "the runner's bound: the start and the newest are kept"
             )
-        return replace(base, text=tail.text, cut=tail.cut, note=note)
+        text = redact_output(tail.text, target.secrets)
+        return replace(base, text=text, cut=tail.cut, note=note)
     fallback = _from_instance(deps, target, node)
     if fallback is not None:
-        return replace(base, text=fallback, source="instance", cut=True)
+        text = redact_output(fallback, target.secrets)
+        return replace(base, text=text, source="instance", cut=True)
     if problem is not None:
         note = f"its log could not be read from the store: {problem}"
     elif target.live:
@@ -179,6 +184,7 @@ def _target(deps: Deps, run_id: str, actor: Actor, *, attempt: int | None, node:
             nodes=row.instances,
             root=root,
             prefix=prefix,
+            secrets=env_values(run.spec),
         )
 
 
