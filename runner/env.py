@@ -147,6 +147,9 @@ class Var(Generic[T, D]):
     #: The control plane sends it to every attempt (:func:`missing_required`); a runner
     #: started by hand falls back to the default.
     required: bool = False
+    #: A spec's ``env`` may set it (it tunes the run only); every other ``TRAINBOT_*``
+    #: name is the control plane's to set (``jobs.spec.env``).
+    tunable: bool = False
     #: A format for the rendered number (".3f"), where the text is rounded on purpose.
     fmt: str | None = None
 
@@ -277,7 +280,7 @@ DATA_URI = _var("TRAINBOT_DATA_URI", TEXT, None, "a dry run's data sample to rea
 SCRATCH_DIR = _var("TRAINBOT_SCRATCH_DIR", PATH, None, "the instance's scratch disk")
 SCRATCH_BYTES = _var("TRAINBOT_SCRATCH_BYTES", INDEX, None, "the scratch disk's declared size")
 SYSTEM_SAMPLE_S = _var(
-    "TRAINBOT_SYSTEM_SAMPLE_S", SECONDS, 10.0, "seconds between system samples (spec-tunable)"
+    "TRAINBOT_SYSTEM_SAMPLE_S", SECONDS, 10.0, "seconds between system samples", tunable=True
 )
 
 # --- several processes, several nodes (runner.nodes) ----------------------------------

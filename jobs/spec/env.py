@@ -8,13 +8,15 @@ from typing import Annotated
 
 from pydantic import AfterValidator, BeforeValidator, ValidationInfo
 
+from runner import env as contract
+
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 #: Variables trainbot sets for the runner itself (run id, token, checkpoint prefix, URIs):
 #: a spec that set one could point a run at another run's checkpoints or events.
 RESERVED_ENV_PREFIX = "TRAINBOT_"
 #: Runner knobs under that prefix that only tune the run itself, so a spec may set them.
-TUNABLE_ENV = frozenset({"TRAINBOT_SYSTEM_SAMPLE_S"})
+TUNABLE_ENV = frozenset(name for name, var in contract.VARS.items() if var.tunable)
 #: Validation context key: set by :func:`jobs.spec.parse_spec`, which validates what people
 #: wrote, and not by re-validation of a stored spec (a resubmit stores the checkpoint prefix).
 FROM_PEOPLE = "from_people"

@@ -5,6 +5,7 @@ runner/ or jobs/ escapes the contract."""
 from __future__ import annotations
 
 import io
+import itertools
 import re
 import tokenize
 from pathlib import Path
@@ -46,6 +47,8 @@ def test_every_declared_variable_is_trainbots_and_documented() -> None:
         assert re.fullmatch(r"TRAINBOT_[A-Z0-9_]+", name), name
         assert var.doc and "\n" not in var.doc, name
         assert var.name in _CHOICES or id(var.kind) in _SAMPLES, f"{name}: add its kind's samples"
+    # A spec's env may set only what tunes the run itself (jobs.spec.env.TUNABLE_ENV).
+    assert {n for n, v in VARS.items() if v.tunable} == {"TRAINBOT_SYSTEM_SAMPLE_S"}
 
 
 @pytest.mark.parametrize("name", sorted(VARS))
@@ -192,7 +195,7 @@ def _keywords(text: str) -> list[tuple[int, str]]:
     tokens = list(tokenize.generate_tokens(io.StringIO(text).readline))
     return [
         (token.start[0], token.string)
-        for token, after in zip(tokens, tokens[1:], strict=False)
+        for token, after in itertools.pairwise(tokens)
         if token.type == tokenize.NAME
         and token.string.startswith("TRAINBOT_")
         and after.exact_type == tokenize.EQUAL
