@@ -37,6 +37,7 @@ def end_attempt(
     state: AttemptState,
     exit_code: int | None = None,
     reason: str,
+    log_tail: str | None = None,
 ) -> None:
     """Close an attempt: revoke its token, shut its instance down, move the run on.
 
@@ -44,6 +45,7 @@ def end_attempt(
     its exit code: a SIGTERM that reached the runner before its handler (143), a script
     that crashed on the notice. "Being preempted": it reported a preemption notice, or the
     provider says its instance was preempted (:func:`_preempted_all_the_same`).
+    ``log_tail``: the command's last lines (the runner's exit), shown with a failure.
     """
     if state == AttemptState.FAILED:
         why = _preempted_all_the_same(deps, attempt_id)
@@ -116,7 +118,7 @@ def end_attempt(
         elif state == AttemptState.FAILED and not run.state.is_terminal():
             move_run(session, run, RunState.FAILED, now=now, reason=reason)
             deps.journal.record("run_finished", run.id, state="FAILED", reason=reason)
-            say(deps, run, "error", f"Run {run.id} failed: {reason}.")
+            say(deps, run, "error", f"Run {run.id} failed: {reason}.", log_tail=log_tail)
         refresh_card(deps, session, run)
         ended_run = run.id if run.state.is_terminal() else None
     if ended_run is not None:

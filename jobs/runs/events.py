@@ -13,6 +13,7 @@ from jobs.deps import Deps
 from jobs.lifecycle import AttemptState, RunState
 from jobs.models import Attempt, Run
 from jobs.notify import TextMessage
+from jobs.output import env_values, redact_output
 from jobs.runs.cards import refresh_card, say
 from jobs.runs.end import end_attempt
 from jobs.runs.rows import channel_of, move_run
@@ -33,6 +34,7 @@ def on_attempt_event(deps: Deps, attempt_id: str, type_: str, data: dict[str, An
     """React to a runner event that the ingest API has stored."""
     now = deps.clock()
     ended: tuple[AttemptState, int | None, str] | None = None
+    log_tail: str | None = None
     with session_scope(deps.engine) as session:
         attempt = session.get(Attempt, attempt_id)
         run = session.get(Run, attempt.run_id) if attempt else None
@@ -101,5 +103,15 @@ def on_attempt_event(deps: Deps, attempt_id: str, type_: str, data: dict[str, An
                 "stopped": AttemptState.TERMINATED,
             }.get(reason, AttemptState.FAILED)
             ended = (state, code, f"runner exited {code} ({reason})")
+            tail = data.get("log_tail")
+            if isinstance(tail, str) and tail:
+                log_tail = redact_output(tail, env_values(run.spec))
     if ended is not None:
-        end_attempt(deps, attempt_id, state=ended[0], exit_code=ended[1], reason=ended[2])
+        end_attempt(
+            deps,
+            attempt_id,
+            state=ended[0],
+            exit_code=ended[1],
+            reason=ended[2],
+            log_tail=log_tail,
+        )
