@@ -7,6 +7,8 @@ from __future__ import annotations
 import io
 import itertools
 import re
+import subprocess
+import sys
 import tokenize
 from pathlib import Path
 from typing import Any
@@ -163,6 +165,19 @@ def test_the_control_plane_cannot_send_what_the_runner_would_refuse(
 ) -> None:
     with pytest.raises(EnvError, match=re.escape(words)):
         contract.render({var: value})
+
+
+def test_the_contract_imports_the_standard_library_only() -> None:
+    """The runner reads it before torch, and the control plane imports it too."""
+    probe = (
+        "import sys; before = set(sys.modules); import runner.env; "
+        "print(sorted({m.split('.')[0] for m in set(sys.modules) - before} "
+        "- set(sys.stdlib_module_names)))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert done.stdout.strip() == "['runner']"
 
 
 def test_the_termination_window_is_the_variable_else_the_sources_else_the_shortest() -> None:
