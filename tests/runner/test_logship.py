@@ -23,7 +23,11 @@ from runner.store import LocalStore, Store
 from runner.store.s3 import S3Store
 from runner.supervisor import Supervisor
 from runner.wire import validate_payload
+from tests.fakes import gcs_emulator as gcs
+from tests.fakes.gcs_emulator import gcs_emulator
 from tests.fakes.moto_server import closed_port, create_bucket
+
+__all__ = ["gcs_emulator"]  # the session's emulator, a fixture
 
 ATTEMPT = "a-logs1"
 
@@ -94,13 +98,18 @@ def check_bounds(store: Store, limits: LogLimits) -> None:
         assert len(raw) <= limits.segment_bytes + 200  # + a dropped-output note at most
 
 
-@pytest.mark.parametrize("where", ["local", "s3"])
+@pytest.mark.parametrize("where", ["local", "s3", "gcs"])
 def test_a_failed_commands_output_is_in_the_store_after_the_instance_is_gone(
     tmp_path: Path, where: str, request: pytest.FixtureRequest
 ) -> None:
     if where == "s3":
         url = request.getfixturevalue("moto_server")
         store: Store = S3Store(create_bucket(url), "ckpt/r-logs", endpoint_url=url)
+    elif where == "gcs":
+        from runner.store.gcs import GCSStore
+
+        host = request.getfixturevalue("gcs_emulator")
+        store = GCSStore(gcs.create_bucket(host), "ckpt/r-logs", emulator_host=host)
     else:
         store = LocalStore(tmp_path / "store" / "r-logs")
     limits = LogLimits(segment_bytes=32 << 10, total_bytes=96 << 10, tail_bytes=2048)
