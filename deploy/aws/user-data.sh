@@ -2,12 +2,14 @@
 # trainbot: boot script for one attempt on EC2 (user data, run once by cloud-init as root).
 #
 # jobs/providers/aws/launch.py renders this template: each placeholder between double at-signs
-# is replaced with a shell-quoted value chosen by the control plane (the runner package,
-# the command from the job spec, and the attempt's environment, which holds its runner
-# token), all in one pass, so no value is ever read again as template or as shell. Nothing here is taken from chat, and nothing secret is printed: cloud-init copies
+# is replaced with a value chosen by the control plane (how the runner is installed, the
+# command from the job spec, and the attempt's environment, which holds its runner
+# token), each quoted for where it goes, all in one pass, so no value is ever read again as template or as shell. Nothing here is taken from chat, and nothing secret is printed: cloud-init copies
 # this script's output to the serial console, which ec2:GetConsoleOutput can read.
 #
-# It installs trainbot's runner, runs the attempt's command under it as an unprivileged
+# It installs trainbot's runner pinned to the control plane's version (deploy/runner-install.py:
+# the control plane's wheel from the run's bucket, or trainbot==VERSION from an index, or
+# nothing when the image has it), runs the attempt's command under it as an unprivileged
 # user, writes the runner's exit code to the console (the control plane reads it there),
 # and shuts the instance down, which terminates it (InstanceInitiatedShutdownBehavior),
 # whatever happened: nothing is left running, or billing, once the runner is gone.
@@ -15,7 +17,7 @@
 # The TRAINBOT_BOOT_* variables are unset on a real boot; tests point them elsewhere.
 set -uo pipefail
 
-RUNNER_PACKAGE=@@RUNNER_PACKAGE@@
+RUNNER_MODE=@@RUNNER_MODE@@
 SCRATCH_DIR=${TRAINBOT_BOOT_SCRATCH_DIR:-@@SCRATCH_DIR@@}
 TRAINBOT_HOME=${TRAINBOT_BOOT_HOME:-/opt/trainbot}
 ENV_FILE=${TRAINBOT_BOOT_ENV_FILE:-/etc/trainbot/runner.env}
@@ -52,15 +54,34 @@ chgrp "$RUNNER_USER" "$ENV_FILE" && chmod 0640 "$ENV_FILE" || exit 1
 mkdir -p "$SCRATCH_DIR" && chown "$RUNNER_USER" "$SCRATCH_DIR" || exit 1
 umask 022
 
-if [ ! -x "$TRAINBOT_HOME/bin/trainbot-runner" ]; then
-  say "installing $RUNNER_PACKAGE"
-  if ! python3 -m venv "$TRAINBOT_HOME" >/dev/null 2>&1; then
+# The image's python: the Deep Learning AMI's PyTorch environment where there is one, so
+# the runner's venv sees its torch and nothing is downloaded for it.
+image_python() {
+  local p
+  for p in "${TRAINBOT_BOOT_PYTHON:-}" /opt/pytorch/bin/python3 /opt/conda/bin/python3 python3; do
+    if [ -n "$p" ] && command -v "$p" >/dev/null 2>&1; then echo "$p"; return 0; fi
+  done
+  return 1
+}
+
+if [ "$RUNNER_MODE" = image ]; then
+  say "the image has the runner: installing nothing"
+elif [ ! -x "$TRAINBOT_HOME/bin/trainbot-runner" ]; then
+  PY=$(image_python) || { say "this image has no python3"; exit 1; }
+  if ! "$PY" -c "import venv, ensurepip" >/dev/null 2>&1; then
     { apt-get update -q && apt-get install -y -q python3-venv; } >/dev/null 2>&1 || true
-    python3 -m venv "$TRAINBOT_HOME" || { say "cannot create $TRAINBOT_HOME"; exit 1; }
   fi
-  "$TRAINBOT_HOME/bin/pip" install --quiet --upgrade pip >/dev/null 2>&1 || true
-  "$TRAINBOT_HOME/bin/pip" install --quiet "$RUNNER_PACKAGE" \
-    || { say "cannot install $RUNNER_PACKAGE"; exit 1; }
+  INSTALL_DIR=$(mktemp -d) || exit 1
+  cat >"$INSTALL_DIR/runner.json" <<'TRAINBOT_RUNNER_END'
+@@RUNNER_CONFIG@@
+TRAINBOT_RUNNER_END
+  base64 -d >"$INSTALL_DIR/install.py.gz" <<'TRAINBOT_INSTALLER_END' || exit 1
+@@RUNNER_INSTALLER@@
+TRAINBOT_INSTALLER_END
+  gunzip "$INSTALL_DIR/install.py.gz" || exit 1
+  "$PY" "$INSTALL_DIR/install.py" "$INSTALL_DIR/runner.json" "$TRAINBOT_HOME" \
+    || { say "cannot install the runner"; exit 1; }
+  [ -x "$TRAINBOT_HOME/bin/trainbot-runner" ] || { say "the install left no trainbot-runner"; exit 1; }
 fi
 
 say "starting the runner"

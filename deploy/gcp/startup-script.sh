@@ -1,14 +1,17 @@
 #!/bin/bash
 # trainbot's startup script for Compute Engine instances (metadata key "startup-script").
 #
-# It installs the runner, starts the attempt's command under it as an unprivileged user,
+# It installs the runner pinned to the control plane's version (deploy/runner-install.py,
+# sent as metadata: the control plane's wheel from the run's bucket, or trainbot==VERSION
+# from an index, or nothing when the image has it), starts the attempt's command under it as an unprivileged user,
 # reports the exit code as the guest attribute trainbot/exit-code, and halts the guest, so
 # nothing keeps billing after the runner ends. Everything it needs comes from the
 # instance's own metadata, set by jobs/providers/gcp.py at launch:
 #
 #   trainbot-command        JSON list: the command (trainbot-runner exec -- ...)
 #   trainbot-env            JSON object: the runner's environment, with the attempt's token
-#   trainbot-install        pip requirement for the runner ("trainbot[runner]")
+#   trainbot-runner         JSON: how the runner is installed (runner-install.py's CONFIG)
+#   trainbot-runner-installer  deploy/runner-install.py
 #   trainbot-scratch-bytes  declared size of the scratch volume
 #
 # Nothing secret is written to disk, put on a command line or printed: the environment
@@ -50,16 +53,32 @@ if [ -e "${STATE_DIR}/done" ]; then
   exit 0
 fi
 
-if [ ! -x "${VENV}/bin/trainbot-runner" ]; then
+# The image's python: the Deep Learning VM's conda environment where there is one, so the
+# runner's venv sees its torch and nothing is downloaded for it.
+image_python() {
+  local p
+  for p in "${TRAINBOT_IMAGE_PYTHON:-}" /opt/conda/bin/python3 python3; do
+    if [ -n "${p}" ] && command -v "${p}" >/dev/null 2>&1; then echo "${p}"; return 0; fi
+  done
+  return 1
+}
+
+INSTALL_DIR="${STATE_DIR}/install"
+mkdir -p "${INSTALL_DIR}" && chmod 700 "${INSTALL_DIR}" || finish 126
+md attributes/trainbot-runner >"${INSTALL_DIR}/runner.json" || finish 126
+if grep -q '"mode": "image"' "${INSTALL_DIR}/runner.json"; then
+  echo "trainbot: the image has the runner: installing nothing"
+elif [ ! -x "${VENV}/bin/trainbot-runner" ]; then
   echo "trainbot: installing the runner"
-  if ! command -v python3 >/dev/null || ! python3 -m venv --help >/dev/null 2>&1; then
+  PY="$(image_python)" || PY=""
+  if [ -z "${PY}" ] || ! "${PY}" -c "import venv, ensurepip" >/dev/null 2>&1; then
     export DEBIAN_FRONTEND=noninteractive
-    apt-get -qq update && apt-get -qq install -y python3-venv python3-pip curl || finish 126
+    apt-get -qq update && apt-get -qq install -y python3-venv curl || finish 126
+    PY="$(image_python)" || finish 126
   fi
-  requirement="$(md attributes/trainbot-install)" || finish 126
-  python3 -m venv "${VENV}" || finish 126
-  "${VENV}/bin/pip" install --quiet --upgrade pip || finish 126
-  "${VENV}/bin/pip" install --quiet "${requirement}" || finish 126
+  md attributes/trainbot-runner-installer >"${INSTALL_DIR}/install.py" || finish 126
+  "${PY}" "${INSTALL_DIR}/install.py" "${INSTALL_DIR}/runner.json" "${VENV}" || finish 126
+  [ -x "${VENV}/bin/trainbot-runner" ] || finish 126
 fi
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   echo "trainbot: no nvidia-smi on this image; GPU runs need a Deep Learning VM image"
@@ -78,8 +97,10 @@ fi
 
 # The launcher reads the command and the environment from the metadata server itself and
 # execs the command: the token never passes through a shell variable, file or argv.
+LAUNCH_PY="${VENV}/bin/python"
+[ -x "${LAUNCH_PY}" ] || LAUNCH_PY="$(image_python)" || finish 127
 "${AS_USER[@]}" env -i PATH="${VENV}/bin:/usr/local/bin:/usr/bin:/bin" \
-  MD_URL="${MD_URL}" SCRATCH="${SCRATCH}" "${VENV}/bin/python" - <<'PY'
+  MD_URL="${MD_URL}" SCRATCH="${SCRATCH}" "${LAUNCH_PY}" - <<'PY'
 import json
 import os
 import sys

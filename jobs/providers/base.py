@@ -187,6 +187,10 @@ class ResourceRequest:
     # Instances of it the run needs at once (the nodes of a multi-node run): quota counts
     # them all; capacity and prices stay per instance.
     instances: int = 1
+    # The machine image the spec names (``resources.image_id``: an AMI id or
+    # ``resolve:ssm:<parameter>`` on AWS, an image or family URL on GCP); None: the
+    # provider's own (its admin's setting, else a GPU-ready default).
+    image_id: str | None = None
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,10 @@ class Resources(Section):
     accelerator: Annotated[Accelerator | None, BeforeValidator(_parse_accelerator)] = None
     #: Exact instance type; ``None`` lets the provider pick the cheapest that fits.
     instance_type: str | None = None
+    #: Machine image the instances boot: an AMI id or ``resolve:ssm:<parameter>`` on
+    #: AWS, an image or image-family URL on GCP; ``None`` uses the provider's (its
+    #: admin's setting, else a GPU-ready default). Preflight checks it exists there.
+    image_id: str | None = Field(default=None, min_length=1, max_length=300)
     #: Instances launched together as one gang (nodes of one torchrun job, placed close
     #: together by the provider); spend and quota count each.
     instances: int = Field(default=1, ge=1, le=64)

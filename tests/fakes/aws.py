@@ -234,3 +234,26 @@ def region_telling_s3(region: str) -> Iterator[str]:
         server.shutdown()
         server.server_close()
         thread.join(timeout=5)
+
+
+def public_parameter(name: str, value: str, *, region: str = "us-east-1") -> None:
+    """A parameter under ``/aws/service/…`` as AWS publishes them (the Deep Learning AMI's
+    ``…/latest/ami-id``): moto refuses to create such names through the API, so it goes
+    into moto's backend, whose GetParameter then serves it over the wire like any other."""
+    from moto.ssm.models import Parameter, ssm_backends
+
+    params = ssm_backends[MOTO_ACCOUNT][region]._parameters
+    params[name] = [
+        Parameter(
+            account_id=MOTO_ACCOUNT,
+            name=name,
+            value=value,
+            parameter_type="String",
+            description=None,
+            allowed_pattern=None,
+            keyid=None,
+            last_modified_date=datetime.now(),
+            version=1,
+            data_type="aws:ec2:image",
+        )
+    ]

@@ -201,6 +201,12 @@ class FakeComputeApi:
         self._denied: set[str] = set()
         self._allowed: set[str] | None = None
         self._ids = itertools.count(4_000_000_000_000_000_001)
+        #: (project, image name) → image; the public Deep Learning VM and Debian families
+        #: are there from the start (:meth:`add_image` adds others).
+        self.images: dict[tuple[str, str], dict[str, Any]] = {}
+        self._boot_images: dict[tuple[str, str], str] = {}
+        for image_project, name, family in _DEFAULT_IMAGES:
+            self.add_image(image_project, name, family=family)
         self._server = _Server(("127.0.0.1", 0), _Handler)
         self._server.handle = self._handle
         host, port = self._server.server_address[:2]
@@ -209,6 +215,61 @@ class FakeComputeApi:
             target=self._server.serve_forever, args=(0.02,), name="fake-gce-api", daemon=True
         )
         self._thread.start()
+
+    # -- images -----------------------------------------------------------------------------
+
+    def add_image(
+        self, project: str, name: str, *, family: str | None = None, deprecated: bool = False
+    ) -> dict[str, Any]:
+        """An image in ``project`` (images are global); newest last within a family."""
+        with self._lock:
+            image: dict[str, Any] = {
+                "kind": "compute#image",
+                "id": str(next(self._ids)),
+                "name": name,
+                "selfLink": f"{_BASE}projects/{project}/global/images/{name}",
+                "status": "READY",
+                "diskSizeGb": "50",
+                "creationTimestamp": _stamp(datetime.now(timezone.utc)),
+            }
+            if family:
+                image["family"] = family
+            if deprecated:
+                image["deprecated"] = {"state": "DEPRECATED"}
+            self.images[(project, name)] = image
+            return image
+
+    def boot_image(self, zone: str, name: str) -> str | None:
+        """The image an instance's boot disk was made from (the disk's ``sourceImage``)."""
+        with self._lock:
+            return self._boot_images.get((zone, name))
+
+    def _image(self, project: str, rest: str) -> dict[str, Any]:
+        """``images.get`` (``NAME``) and ``images.getFromFamily`` (``family/FAMILY``)."""
+        with self._lock:
+            if rest.startswith("family/"):
+                family = rest[len("family/") :]
+                found = [
+                    i
+                    for (p, _), i in self.images.items()
+                    if p == project and i.get("family") == family and "deprecated" not in i
+                ]
+                if not found:
+                    raise ApiError(
+                        404,
+                        "notFound",
+                        f"The resource 'projects/{project}/global/images/family/{family}' "
+                        "was not found",
+                    )
+                return copy.deepcopy(found[-1])
+            image = self.images.get((project, rest))
+            if image is None:
+                raise ApiError(
+                    404,
+                    "notFound",
+                    f"The resource 'projects/{project}/global/images/{rest}' was not found",
+                )
+            return copy.deepcopy(image)
 
     # -- lifetime ---------------------------------------------------------------------------
 
@@ -368,6 +429,13 @@ class FakeComputeApi:
         if m and method == "GET":
             with self._lock:
                 return 200, self._bucket(m.group(1))
+        m = re.fullmatch(r"/compute/v1/projects/([^/]+)/global/images/((?:family/)?[^/]+)", path)
+        if m and method == "GET":  # images are readable across projects (public families)
+            self._check(
+                ["compute.images.getFromFamily" if "/" in m.group(2) else "compute.images.get"],
+                f"projects/{m.group(1)}/global/images/{m.group(2)}",
+            )
+            return 200, self._image(m.group(1), m.group(2))
         m = re.fullmatch(r"/compute/v1/projects/([^/]+)(/.*)?", path)
         if not m:
             raise ApiError(404, "notFound", f"The requested URL {path} was not found.")
@@ -749,7 +817,9 @@ class FakeComputeApi:
         for acc in inst.get("guestAccelerators", []):
             acc["acceleratorType"] = f"{zone_url}/acceleratorTypes/{_last(acc['acceleratorType'])}"
         for i, disk in enumerate(inst.get("disks", [])):
-            disk.pop("initializeParams", None)
+            made = disk.pop("initializeParams", None) or {}
+            if disk.get("boot") and made.get("sourceImage"):
+                self._boot_images[(zone, name)] = str(made["sourceImage"])
             disk.update(
                 kind="compute#attachedDisk",
                 index=i,
@@ -1110,6 +1180,15 @@ class FakeComputeApi:
             }
             if rest in simple:
                 return 200, simple[rest].encode(), text
+            if rest == "service-accounts/default/token":
+                # The instance's service account's access token (a stand-in the GCS
+                # emulator accepts, as it accepts any).
+                token = {"access_token": f"ya29.fake-{name}", "expires_in": 3599}
+                return (
+                    200,
+                    json.dumps({**token, "token_type": "Bearer"}).encode(),
+                    "application/json",
+                )
             if rest.startswith("attributes/"):
                 value = _metadata(inst).get(rest[len("attributes/") :])
                 if value is None:
@@ -1192,6 +1271,14 @@ def _matches(item: Mapping[str, Any], expression: str) -> bool:
         if equal != (op in ("=", "eq")):
             return False
     return True
+
+
+#: (project, image, family) the fake starts with: the provider's default boot image family
+#: (jobs.providers.gcp.images.DEFAULT_IMAGE) and Debian's.
+_DEFAULT_IMAGES = (
+    ("deeplearning-platform-release", "common-cu121-v20240922-debian-11", "common-cu121-debian-11"),
+    ("debian-cloud", "debian-12-bookworm-v20240910", "debian-12"),
+)
 
 
 def _default_regions() -> dict[str, list[str]]:

@@ -25,6 +25,7 @@ _TTL_HEADER = "X-aws-ec2-metadata-token-ttl-seconds"
 _TOKEN_HEADER = "X-aws-ec2-metadata-token"
 _ACTION_PATH = "/latest/meta-data/spot/instance-action"
 _PREEMPTED_PATH = "/computeMetadata/v1/instance/preempted"
+_CREDENTIALS_PATH = "/latest/meta-data/iam/security-credentials/"
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,7 @@ class FakeImds(_FakeServer):
     def __init__(self) -> None:
         self._tokens: dict[str, float] = {}
         self._action: bytes | None = None
+        self._role: tuple[str, bytes] | None = None
         super().__init__()
 
     def __enter__(self) -> FakeImds:
@@ -149,6 +151,22 @@ class FakeImds(_FakeServer):
             when = stamp.strftime("%Y-%m-%dT%H:%M:%SZ")
         with self._lock:
             self._action = json.dumps({"action": action, "time": when}).encode()
+
+    def give_role(
+        self, name: str, *, access_key: str, secret_key: str, session_token: str = ""
+    ) -> None:
+        """An instance profile: its role's credentials under ``iam/security-credentials/``."""
+        stamp = datetime.fromtimestamp(time.time() + 3600, tz=timezone.utc)
+        answer = {
+            "Code": "Success",
+            "Type": "AWS-HMAC",
+            "AccessKeyId": access_key,
+            "SecretAccessKey": secret_key,
+            "Token": session_token,
+            "Expiration": stamp.strftime("%Y-%m-%dT%H:%M:%SZ"),
+        }
+        with self._lock:
+            self._role = (name, json.dumps(answer).encode())
 
     def expire_tokens(self) -> None:
         """Revoke every token issued so far, as if their TTL had run out."""
@@ -205,6 +223,12 @@ class FakeImds(_FakeServer):
             if expiry is None or expiry <= time.monotonic():
                 return 401, b"", {}
             action = self._action
+            role = self._role
+        if role is not None and path.startswith(_CREDENTIALS_PATH):
+            if path == _CREDENTIALS_PATH:
+                return 200, role[0].encode(), {}
+            if path == _CREDENTIALS_PATH + role[0]:
+                return 200, role[1], {}
         if path != _ACTION_PATH or action is None:
             return 404, b"", {}
         return 200, action, {}

@@ -7,7 +7,10 @@ runner's token; docs/architecture.md ("Providers: AWS") says how it is kept.
 
 from __future__ import annotations
 
+import base64
+import gzip
 import hashlib
+import json
 import logging
 import math
 import re
@@ -33,6 +36,7 @@ from jobs.providers.base import (
     ProviderError,
     ResourceRequest,
 )
+from jobs.providers.runner_install import installer_source
 from runner import env as contract
 
 __all__ = [
@@ -76,8 +80,6 @@ class LaunchConfig:
     subnet_ids: Mapping[str, str]
     #: Security groups of the instance; empty leaves EC2's default.
     security_group_ids: tuple[str, ...]
-    #: What the instance pip-installs.
-    runner_package: str
     #: The user-data template (deploy/aws/user-data.sh).
     template_path: Path
 
@@ -123,9 +125,15 @@ def check_launch_permissions(
 
 
 def launch(
-    clients: Clients, req: LaunchRequest, config: LaunchConfig, *, clock: Callable[[], datetime]
+    clients: Clients,
+    req: LaunchRequest,
+    config: LaunchConfig,
+    *,
+    runner: Mapping[str, Any],
+    clock: Callable[[], datetime],
 ) -> InstanceInfo:
-    """Start the attempt's instance, or return the one this key already started."""
+    """Start the attempt's instance, or return the one this key already started;
+    ``runner``: how its boot script installs the runner (:func:`runner_install.boot_config`)."""
     region = clients.region
     asked = req.request.region or region
     if asked != region:
@@ -147,9 +155,7 @@ def launch(
             "instance and more instances"
         )
     token = _client_token(req.key)
-    user_data = render_user_data(
-        req, runner_package=config.runner_package, template_path=config.template_path
-    )
+    user_data = render_user_data(req, runner=runner, template_path=config.template_path)
     existing = _find_by_token(clients, token, clock=clock)
     if existing is not None:
         log.info("launch of %s/%s adopts %s", req.run_id, req.attempt_id, existing.instance_id)
@@ -192,7 +198,7 @@ def _launch_params(
             "Name": f"trainbot {req.run_id} {'dry run ' if req.dry_run else ''}{req.attempt_id}",
         }.items()
     ]
-    image, root = _image(clients, config.image_id, clients.region)
+    image, root = image_of(clients, req.request.image_id or config.image_id, clients.region)
     params: dict[str, Any] = {
         "ImageId": image,
         "InstanceType": itype,
@@ -257,8 +263,10 @@ def _launch_params(
     return params
 
 
-def _image(clients: Clients, image: str, region: str) -> tuple[str, tuple[str, int] | None]:
-    """The AMI id to launch and its (root device, size in GiB), when AWS says."""
+def image_of(clients: Clients, image: str, region: str) -> tuple[str, tuple[str, int] | None]:
+    """The AMI id to launch and its (root device, size in GiB), when AWS says; a
+    ProviderError saying what to set when the parameter or the AMI is not in ``region``.
+    Preflight asks it through ``capacity`` and the launch probe."""
     if image.startswith("resolve:ssm:"):
         parameter = image.removeprefix("resolve:ssm:")
         with clients.call("ssm", f"resolve the image parameter {parameter}"):
@@ -267,18 +275,29 @@ def _image(clients: Clients, image: str, region: str) -> tuple[str, tuple[str, i
                     "Parameter"
                 ]["Value"]
             except ClientError as exc:
-                if error_code(exc) == "ParameterNotFound":
+                if error_code(exc) in ("ParameterNotFound", "ValidationException"):
                     raise ProviderError(
-                        f"the SSM parameter {parameter} does not exist in {region}: set "
-                        "TRAINBOT_AWS_IMAGE_ID to an AMI with NVIDIA drivers"
+                        f"the image parameter {parameter} does not exist in {region}: set "
+                        "resources.image_id in the spec, or TRAINBOT_AWS_IMAGE_ID, to an AMI "
+                        f"of {region} with NVIDIA drivers (or resolve:ssm:<parameter>)"
                     ) from None
                 raise
     if (region, image) in clients.roots:  # an AMI never changes
         return image, clients.roots[(region, image)]
     with clients.call("ec2", f"describe the image {image}"):
-        images = clients.client("ec2", region=region).describe_images(ImageIds=[image])["Images"]
+        try:
+            images = clients.client("ec2", region=region).describe_images(ImageIds=[image])[
+                "Images"
+            ]
+        except ClientError as exc:
+            if error_code(exc) not in ("InvalidAMIID.NotFound", "InvalidAMIID.Malformed"):
+                raise
+            images = []
     if not images:
-        raise ProviderError(f"the AMI {image} does not exist in {region}: fix image_id")
+        raise ProviderError(
+            f"the AMI {image} does not exist in {region}: set resources.image_id in the spec, "
+            f"or TRAINBOT_AWS_IMAGE_ID, to an AMI of {region} (AMIs are regional)"
+        )
     found = images[0]
     device = found.get("RootDeviceName")
     root = None
@@ -289,8 +308,11 @@ def _image(clients: Clients, image: str, region: str) -> tuple[str, tuple[str, i
     return image, root
 
 
-def render_user_data(req: LaunchRequest, *, runner_package: str, template_path: Path) -> str:
+def render_user_data(req: LaunchRequest, *, runner: Mapping[str, Any], template_path: Path) -> str:
     """The instance's boot script: install the runner, run the command, shut down.
+
+    ``runner`` is the installer's configuration (:func:`runner_install.boot_config`),
+    carried as JSON with the installer itself (deploy/runner-install.py, compressed).
 
     It runs as root, so every value in it is data: each is shell-quoted once and the
     template is substituted in one pass, so no value is ever read again as template
@@ -337,14 +359,18 @@ def render_user_data(req: LaunchRequest, *, runner_package: str, template_path: 
                 "the instance's environment file cannot carry; put it on one line"
             )
         lines.append(f"{key}={shlex.quote(value)}")
-    for word in (*req.command, runner_package):
+    for word in req.command:
         if "\0" in word:
             raise ProviderError(
-                f"run {req.run_id}: the command or the runner package holds a NUL "
-                "character, which no program can be given; remove it"
+                f"run {req.run_id}: the command holds a NUL character, which no program "
+                "can be given; remove it"
             )
+    installer = base64.encodebytes(gzip.compress(installer_source().encode(), mtime=0))
     values = {
-        "RUNNER_PACKAGE": shlex.quote(runner_package),
+        "RUNNER_MODE": shlex.quote(str(runner["mode"])),
+        # One line of JSON, whose escapes keep any line break or NUL out of it.
+        "RUNNER_CONFIG": json.dumps(dict(runner), sort_keys=True),
+        "RUNNER_INSTALLER": installer.decode().strip(),
         "SCRATCH_DIR": shlex.quote(_SCRATCH_DIR),
         "COMMAND": shlex.join(req.command),
         "ENV": "\n".join(lines),

@@ -20,7 +20,10 @@ from jobs.providers import base, gang
 from jobs.providers.aws import budgets, capacity, catalog, launch, placement, status
 from jobs.providers.aws.clients import Clients, utcnow
 from jobs.providers.aws.launch import LaunchConfig
+from jobs.providers.aws.settings import AwsSettings
 from jobs.providers.options import by_name
+from jobs.providers.runner_install import RunnerInstall, WheelUploads, boot_config
+from runner import env as contract
 
 if TYPE_CHECKING:
     from jobs.settings import Settings
@@ -51,7 +54,7 @@ class AwsProvider:
         image_id: str | None = None,
         endpoint_url: str | None = None,
         session: boto3.session.Session | None = None,
-        runner_package: str = "trainbot[torch]",
+        runner: RunnerInstall | None = None,
         user_data_template: str | os.PathLike[str] | None = None,
         prices_path: str | os.PathLike[str] | None = None,
         budget_emails: Sequence[str] = (),
@@ -63,8 +66,11 @@ class AwsProvider:
         deploy/aws/runner-instance-policy.json). ``subnet_ids``: zone → subnet; when given,
         only those zones are used (zone names are unique across regions, so one map serves
         every region). ``image_id``: an AMI id or ``resolve:ssm:<parameter>``
-        (default: the Deep Learning Base AMI). ``endpoint_url``: one endpoint for every
-        service (moto in tests). ``runner_package``: what the instance pip-installs.
+        (default: the Deep Learning Base AMI, through its public SSM parameter); a spec's
+        ``resources.image_id`` wins over it. ``endpoint_url``: one endpoint for every
+        service (moto in tests). ``runner``: how instances get the runner, pinned to this
+        control plane's version (default here: ``trainbot==<version>`` from pip's index;
+        ``from_settings`` defaults to the control plane's wheel through the run's bucket).
         ``budget_emails`` and ``budget_sns_topic_arn``: who a run's AWS Budget notifies at
         its thresholds (AWS sends nothing without a subscriber). ``regions``: other
         regions whose trainbot instances ``list_instances`` reports from the start (the
@@ -76,7 +82,9 @@ class AwsProvider:
         self.subnet_ids = dict(subnet_ids or {})
         self.security_group_ids = tuple(security_group_ids)
         self.image_id = image_id or launch.DEFAULT_IMAGE
-        self.runner_package = runner_package
+        self.runner = runner or RunnerInstall(mode="index")
+        self.endpoint_url = endpoint_url or None
+        self._wheels = WheelUploads()
         self.budget_emails = tuple(e.strip() for e in budget_emails if e.strip())
         self.budget_sns_topic_arn = budget_sns_topic_arn or None
         self.regions = tuple(r for r in regions if r and r != region)
@@ -153,6 +161,10 @@ class AwsProvider:
         return capacity.quota(self._in(req.region), req, self.instance_type(req))
 
     def capacity(self, req: base.ResourceRequest) -> list[base.ZoneCapacity]:
+        """The zones that offer the type; first, that the machine image is there (a
+        ProviderError saying what to set when it is not: preflight shows it)."""
+        clients = self._in(req.region)
+        launch.image_of(clients, req.image_id or self.image_id, clients.region)
         return capacity.capacity(
             self._in(req.region), req, self.instance_type(req), subnet_ids=self.subnet_ids
         )
@@ -222,9 +234,10 @@ class AwsProvider:
         deleted again (or later, by the sweep) and its error raised as it was."""
         clients = self._in(req.request.region)
         config = self._launch_config()
+        runner = self._runner_config(req)
 
         def one(node: base.LaunchRequest) -> base.InstanceInfo:
-            return launch.launch(clients, node, config, clock=self._clock)
+            return launch.launch(clients, node, config, runner=runner, clock=self._clock)
 
         if req.nodes > 1:
             placement.ensure(clients, req, now=self._clock())
@@ -239,7 +252,25 @@ class AwsProvider:
     def render_user_data(self, req: base.LaunchRequest) -> str:
         """The instance's boot script (see :func:`launch.render_user_data`)."""
         return launch.render_user_data(
-            req, runner_package=self.runner_package, template_path=self.template_path
+            req, runner=self._runner_config(req), template_path=self.template_path
+        )
+
+    def _runner_config(self, req: base.LaunchRequest) -> dict[str, Any]:
+        """The installer's configuration for ``req``'s instances; in "wheel" mode the
+        control plane's wheel is put in the run's bucket first (once per bucket)."""
+        root = req.env.get(contract.CHECKPOINT_URI.name, "")
+        region = ""
+        if self.runner.mode == "wheel" and root.startswith("s3://"):
+            region = capacity.bucket_region(self._clients, root) or self.region
+        return boot_config(
+            self.runner,
+            req.env,
+            run_id=req.run_id,
+            scheme="s3",
+            setting=AwsSettings.PREFIX,
+            uploads=self._wheels,
+            endpoint_url=self.endpoint_url,
+            region=region,
         )
 
     def _launch_config(self) -> LaunchConfig:
@@ -335,8 +366,11 @@ def make(**options: Any) -> AwsProvider:
 
 
 def from_settings(settings: Settings) -> AwsProvider:
-    """The provider as ``TRAINBOT_AWS_*`` configure it."""
+    """The provider as ``TRAINBOT_AWS_*`` configure it: the process settings, and the
+    provider's own (:class:`AwsSettings`, read from the environment)."""
+    own = AwsSettings.from_env()
     options: dict[str, Any] = {
+        "runner": own.runner(),
         "region": settings.aws_region,
         "instance_profile": settings.aws_instance_profile,
         "subnet_ids": settings.aws_subnet_ids,

@@ -33,6 +33,7 @@ _FACTORIES: dict[str, Any] = {
     "zone_operations": compute_v1.ZoneOperationsClient,
     "resource_policies": compute_v1.ResourcePoliciesClient,
     "region_operations": compute_v1.RegionOperationsClient,
+    "images": compute_v1.ImagesClient,
 }
 
 

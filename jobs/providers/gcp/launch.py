@@ -12,7 +12,7 @@ import json
 import logging
 import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,9 @@ from jobs.providers.base import (
 from jobs.providers.gcp.api import CLOUD_PLATFORM, ComputeApi
 from jobs.providers.gcp.catalog import Catalog, accelerator
 from jobs.providers.gcp.errors import QUOTAS_CONSOLE
+from jobs.providers.gcp.images import DEFAULT_IMAGE
 from jobs.providers.gcp.names import instance_name, label_value
+from jobs.providers.runner_install import installer_source
 
 __all__ = [
     "DEFAULT_IMAGE",
@@ -42,7 +44,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-DEFAULT_IMAGE = "projects/debian-cloud/global/images/family/debian-12"
 _ROOT = Path(__file__).resolve().parents[3]
 #: The startup script every instance runs (read at launch, sent as metadata).
 STARTUP_SCRIPT_PATH = _ROOT / "deploy" / "gcp" / "startup-script.sh"
@@ -53,7 +54,8 @@ _STOCKOUT_CODES = ("ZONE_RESOURCE_POOL_EXHAUSTED", "ZONE_RESOURCE_POOL_EXHAUSTED
 # Metadata keys the startup script reads. Exact ids live here too: labels are lowercased.
 MD_ENV = "trainbot-env"
 MD_COMMAND = "trainbot-command"
-MD_INSTALL = "trainbot-install"
+MD_RUNNER = "trainbot-runner"
+MD_INSTALLER = "trainbot-runner-installer"
 MD_SCRATCH = "trainbot-scratch-bytes"
 MD_IDS = {TAG_RUN_ID: "trainbot-run-id", TAG_ATTEMPT_ID: "trainbot-attempt-id"}
 #: Guest attributes namespace of the runner's exit code (``trainbot/exit-code``).
@@ -64,7 +66,7 @@ EXIT_NAMESPACE = "trainbot"
 class InstanceTemplate:
     """What every instance of a provider shares: the provider's launch options."""
 
-    # Boot image (a family or an image URL).
+    # Boot image (a family or an image URL); a spec's resources.image_id wins over it.
     image: str
     # The runner's service account; None leaves the instance without one.
     service_account: str | None
@@ -74,8 +76,6 @@ class InstanceTemplate:
     subnetwork: str | None
     # Give the instance an ephemeral external IP (ONE_TO_ONE_NAT).
     external_ip: bool
-    # What the startup script pip-installs (metadata trainbot-install).
-    runner_package: str
     # Boot disk size before the attempt's scratch bytes are added.
     boot_disk_gb: int
     # The startup script, read at every launch.
@@ -116,11 +116,13 @@ def instance_body(
     *,
     catalog: Catalog,
     template: InstanceTemplate,
+    runner: Mapping[str, Any],
     resource_policies: Sequence[str] = (),
 ) -> Any:
     """The ``instances.insert`` body of the attempt's instance (node ``req.node_rank``
-    of its gang) in ``req.zone``; ``resource_policies``: the gang's compact placement
-    policy."""
+    of its gang) in ``req.zone``; ``runner``: how its startup script installs the runner
+    (:func:`runner_install.boot_config`); ``resource_policies``: the gang's compact
+    placement policy."""
     _check_runner_inputs(req)
     zone = req.zone
     res = req.request
@@ -140,7 +142,8 @@ def instance_body(
         "enable-guest-attributes": "TRUE",
         MD_ENV: json.dumps(dict(req.env), sort_keys=True),
         MD_COMMAND: json.dumps(list(req.command)),
-        MD_INSTALL: template.runner_package,
+        MD_RUNNER: json.dumps(dict(runner), sort_keys=True),
+        MD_INSTALLER: installer_source(),
         MD_SCRATCH: str(req.scratch_bytes),
         MD_IDS[TAG_RUN_ID]: req.run_id,
         MD_IDS[TAG_ATTEMPT_ID]: req.attempt_id,
@@ -176,7 +179,7 @@ def instance_body(
                 auto_delete=True,
                 type_="PERSISTENT",
                 initialize_params=compute_v1.AttachedDiskInitializeParams(
-                    source_image=template.image,
+                    source_image=res.image_id or template.image,
                     disk_size_gb=disk_gb,
                     disk_type=f"zones/{zone}/diskTypes/pd-balanced",
                 ),

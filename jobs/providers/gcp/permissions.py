@@ -38,5 +38,8 @@ PERMISSIONS: Mapping[str, tuple[str, ...]] = {
     "resourcePolicies.list": ("compute.resourcePolicies.list",),
     "regionOperations.wait": ("compute.regionOperations.get",),
     "storage.buckets.get": ("storage.buckets.get",),
+    # preflight: the boot image exists (a family's newest image)
+    "images.get": ("compute.images.get",),
+    "images.getFromFamily": ("compute.images.getFromFamily",),
 }
 REQUIRED_PERMISSIONS = frozenset(p for perms in PERMISSIONS.values() for p in perms)

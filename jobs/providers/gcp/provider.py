@@ -18,6 +18,7 @@ from jobs.providers import base, gang
 from jobs.providers.gcp.api import ComputeApi
 from jobs.providers.gcp.buckets import bucket_location
 from jobs.providers.gcp.catalog import PRICES_PATH, Catalog
+from jobs.providers.gcp.images import Images
 from jobs.providers.gcp.launch import (
     DEFAULT_IMAGE,
     STARTUP_SCRIPT_PATH,
@@ -28,8 +29,10 @@ from jobs.providers.gcp.launch import (
 from jobs.providers.gcp.names import instance_name, last, policy_name, region_of_zone
 from jobs.providers.gcp.policies import CompactPolicies
 from jobs.providers.gcp.quota import Placement
+from jobs.providers.gcp.settings import GcpSettings
 from jobs.providers.gcp.status import Instances
 from jobs.providers.options import by_name
+from jobs.providers.runner_install import RunnerInstall, WheelUploads, boot_config
 from runner.preemption import WINDOWS_S
 
 if TYPE_CHECKING:
@@ -68,7 +71,7 @@ class GcpProvider:
         network: str = "global/networks/default",
         subnetwork: str | None = None,
         external_ip: bool = True,
-        runner_package: str = "trainbot[torch]",
+        runner: RunnerInstall | None = None,
         boot_disk_gb: int = 50,
         startup_script: Path | str | None = None,
         prices: Path | str | None = None,
@@ -91,13 +94,20 @@ class GcpProvider:
         the policies of these regions that gangs left behind (the control plane restarted
         between their nodes' going and the policy's deletion) are looked for at most every
         ``policy_sweep_s``. The launch options (``image`` to ``startup_script``, the fields
-        of :class:`InstanceTemplate`) are kept as ``template``, read at each launch."""
+        of :class:`InstanceTemplate`) are kept as ``template``, read at each launch;
+        ``image`` defaults to a Deep Learning VM family, and a spec's
+        ``resources.image_id`` wins over it. ``runner``: how instances get the runner,
+        pinned to this control plane's version (default here: ``trainbot==<version>``
+        from pip's index; ``from_settings`` defaults to the control plane's wheel through
+        the run's bucket, which ``storage_endpoint`` or ``STORAGE_EMULATOR_HOST`` reach)."""
         if not project or not region:
             raise base.ProviderError("the GCP provider needs a project and a region (us-central1)")
         startup_script = Path(startup_script) if startup_script else STARTUP_SCRIPT_PATH
         #: The launch options; a caller may replace it (``dataclasses.replace``) between
         #: launches.
         self.template = by_name(InstanceTemplate, locals())
+        self.runner = runner or RunnerInstall(mode="index")
+        self._wheels = WheelUploads()
         self.project = project
         self.region = region
         self.zones = tuple(zones or ())
@@ -122,15 +132,7 @@ class GcpProvider:
         self._placement = Placement(self._api, self._catalog)
         self._instances = Instances(self._api)
         self._policies = CompactPolicies(self._api, retry_s=policy_retry_s, sweep_s=policy_sweep_s)
-
-    @property
-    def runner_package(self) -> str:
-        """What the startup script pip-installs (the template's); a caller may change it."""
-        return self.template.runner_package
-
-    @runner_package.setter
-    def runner_package(self, package: str) -> None:
-        self.template = replace(self.template, runner_package=package)
+        self._images = Images(self._api)
 
     @property
     def startup_script(self) -> Path:
@@ -176,7 +178,10 @@ class GcpProvider:
 
     def capacity(self, req: base.ResourceRequest) -> list[base.ZoneCapacity]:
         """Zones of the request's region that offer the type (acceleratorTypes), available
-        first; a zone that ran out of the type lately is ranked unavailable."""
+        first; a zone that ran out of the type lately is ranked unavailable. First, that
+        the boot image exists (a ProviderError saying what to set when not: preflight
+        shows it)."""
+        self._images.check(req.image_id or self.template.image)
         region = self._region(req)
         return self._placement.capacity(
             req,
@@ -234,13 +239,14 @@ class GcpProvider:
             )
         # Chosen once: every node of a gang goes to this zone, whatever capacity says later.
         req = replace(req, zone=zone)
+        runner = self._runner_config(req)
         if req.nodes < 2:
-            return self._launch_one(req)
+            return self._launch_one(req, runner=runner)
         policy = (region, policy_name(req.placement_group))
         path = self._policies.ensure(*policy, nodes=req.nodes, timeout_s=self.launch_timeout_s)
         try:
             info = gang.launch(
-                functools.partial(self._launch_one, resource_policies=(path,)),
+                functools.partial(self._launch_one, runner=runner, resource_policies=(path,)),
                 req,
                 terminate_one=self._instances.terminate,
             )
@@ -251,14 +257,34 @@ class GcpProvider:
         self._policies.remember(gang.node_ids(info.instance_id), policy)
         return info
 
+    def _runner_config(self, req: base.LaunchRequest) -> dict[str, Any]:
+        """The installer's configuration for ``req``'s instances; in "wheel" mode the
+        control plane's wheel is put in the run's bucket first (once per bucket)."""
+        return boot_config(
+            self.runner,
+            req.env,
+            run_id=req.run_id,
+            scheme="gs",
+            setting=GcpSettings.PREFIX,
+            uploads=self._wheels,
+        )
+
     def _launch_one(
-        self, req: base.LaunchRequest, *, resource_policies: Sequence[str] = ()
+        self,
+        req: base.LaunchRequest,
+        *,
+        runner: Mapping[str, Any],
+        resource_policies: Sequence[str] = (),
     ) -> base.InstanceInfo:
         """Insert one instance (one node of a gang) in ``req.zone`` and read it back."""
         zone = req.zone
         name = instance_name(req.run_id, req.attempt_id, node=req.node_rank)
         body = instance_body(
-            req, catalog=self._catalog, template=self.template, resource_policies=resource_policies
+            req,
+            catalog=self._catalog,
+            template=self.template,
+            runner=runner,
+            resource_policies=resource_policies,
         )
         kind = self._catalog.kind(req.request)
         try:
@@ -341,8 +367,12 @@ def make(**options: Any) -> GcpProvider:
 
 
 def from_settings(settings: Settings) -> GcpProvider:
-    """The provider as ``TRAINBOT_GCP_*`` configure it."""
+    """The provider as ``TRAINBOT_GCP_*`` configure it: the process settings, and the
+    provider's own (:class:`GcpSettings`, read from the environment)."""
+    own = GcpSettings.from_env()
     options: dict[str, Any] = {
+        "image": own.image,
+        "runner": own.runner(),
         "project": settings.gcp_project,
         "region": settings.gcp_region,
         "zones": settings.gcp_zones or None,

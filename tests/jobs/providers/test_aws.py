@@ -55,6 +55,7 @@ from jobs.providers.base import (
     ProviderPermissionError,
     ResourceRequest,
 )
+from jobs.providers.runner_install import RunnerInstall
 from jobs.spec import JobSpec, parse_spec
 from tests.fakes import aws as fake
 from tests.fakes.moto_server import refusing_s3
@@ -959,7 +960,7 @@ def test_user_data_installs_runs_reports_and_shuts_down(
         env={"TRAINBOT_TOKEN": token, "TRICKY": tricky},
         scratch_bytes=123,
     )
-    script = make_aws(runner_package="trainbot[runner]==0.1.0").render_user_data(req)
+    script = make_aws(runner=RunnerInstall(mode="index", version="0.1.0")).render_user_data(req)
     assert "@@" not in script
     bin_dir, home = tmp_path / "bin", tmp_path / "opt"
     (home / "bin").mkdir(parents=True)

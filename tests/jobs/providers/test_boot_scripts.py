@@ -3,7 +3,7 @@
 The AWS user data is rendered by the provider's own ``render_user_data`` (what ``launch``
 sends) and the GCP instance is launched on the fake Compute API (what the startup script
 reads back from the metadata server); then the whole script runs under bash, with
-stand-ins for the root-only commands, pip and the runner. Every payload below would touch
+stand-ins for the root-only commands, the runner's installer and the runner. Every payload below would touch
 a file in ``owned/`` if any step read a value as shell or as template; the stand-in runner
 must receive the command and the environment byte for byte.
 """
@@ -24,6 +24,7 @@ from google.auth.credentials import AnonymousCredentials
 from jobs.providers.aws import AwsProvider
 from jobs.providers.base import ProviderError, ResourceRequest
 from jobs.providers.gcp import GcpProvider
+from jobs.providers.runner_install import INSTALLER_PATH, RunnerInstall
 from tests.fakes.gce_api import FakeComputeApi
 from tests.jobs.providers.contract import launch_request
 
@@ -114,8 +115,10 @@ def run_user_data(script: str, tmp_path: Path, *, installed: bool) -> str:
 
     The stand-in runner writes its argv and environment to ``tmp_path/ran.json``.
 
-    ``installed=False`` leaves the runner out, so the script creates the venv (a stand-in
-    ``python3``) and pip-installs the runner package (a stand-in ``pip`` that records it).
+    ``installed=False`` leaves the runner out, so the script runs the runner's installer
+    with the image's python (a stand-in ``python3`` that records what it was given in
+    ``tmp_path/installs.jsonl`` and leaves a runner; tests/jobs/providers/
+    test_runner_pinned.py runs the real one).
     """
     bin_dir, home, ran = tmp_path / "bin", tmp_path / "opt", tmp_path / "ran.json"
     for name, body in {
@@ -129,21 +132,17 @@ def run_user_data(script: str, tmp_path: Path, *, installed: bool) -> str:
     }.items():
         stand_in(bin_dir / name, f"#!/bin/sh\n{body}\n")
     runner = RECORDER.format(python=sys.executable, out=str(ran))
-    pip = (
+    installer = (
         f"#!{sys.executable}\nimport json, os, sys\n"
-        f"with open({str(tmp_path / 'pip.jsonl')!r}, 'a') as f: f.write(json.dumps(sys.argv[1:]) + '\\n')\n"
-        "bin_dir = os.path.dirname(os.path.abspath(sys.argv[0]))\n"
-        "path = os.path.join(bin_dir, 'trainbot-runner')\n"
+        "if sys.argv[1] == '-c': sys.exit(0)\n"
+        "script, config, venv = sys.argv[1:]\n"
+        "got = {'installer': open(script).read(), 'config': json.load(open(config)), 'venv': venv}\n"
+        f"with open({str(tmp_path / 'installs.jsonl')!r}, 'a') as f: f.write(json.dumps(got) + '\\n')\n"
+        "os.makedirs(os.path.join(venv, 'bin'), exist_ok=True)\n"
+        "path = os.path.join(venv, 'bin', 'trainbot-runner')\n"
         f"open(path, 'w').write({runner!r}); os.chmod(path, 0o755)\n"
     )
-    venv = (
-        f"#!{sys.executable}\nimport os, sys\n"
-        "if sys.argv[1:3] != ['-m', 'venv']: sys.exit(1)\n"
-        "os.makedirs(os.path.join(sys.argv[3], 'bin'), exist_ok=True)\n"
-        "path = os.path.join(sys.argv[3], 'bin', 'pip')\n"
-        f"open(path, 'w').write({pip!r}); os.chmod(path, 0o755)\n"
-    )
-    stand_in(bin_dir / "python3", venv)
+    stand_in(bin_dir / "python3", installer)
     if installed:
         stand_in(home / "bin" / "trainbot-runner", runner)
     env = {
@@ -165,7 +164,8 @@ def test_aws_user_data_carries_hostile_values_as_data(
     owned.mkdir()
     command = ["trainbot-runner", "exec", "--", *payloads(owned)]
     env = hostile_env(owned)
-    aws.runner_package = f"trainbot[runner] @@ENV@@ $(touch {owned / 'x'}-package)"
+    hostile_index = f"https://pypi.example/simple @@ENV@@ $(touch {owned / 'x'}-index)'"
+    aws.runner = RunnerInstall(mode="index", index_url=hostile_index)
     req = launch_request(AWS_T4, command, zone="us-east-1a", run_id="r-1", env=env)
 
     stderr = run_user_data(aws.render_user_data(req), tmp_path, installed=installed)
@@ -179,8 +179,12 @@ def test_aws_user_data_carries_hostile_values_as_data(
         assert ran["env"][key] == value, key
     assert ran["env"]["TRAINBOT_RUN_ID"] == "r-1"
     if not installed:
-        installs = [json.loads(line) for line in (tmp_path / "pip.jsonl").read_text().splitlines()]
-        assert ["install", "--quiet", aws.runner_package] in installs
+        lines = (tmp_path / "installs.jsonl").read_text().splitlines()
+        [install] = [json.loads(line) for line in lines]
+        assert install["config"]["index_url"] == hostile_index
+        assert install["config"]["mode"] == "index"
+        assert install["installer"] == INSTALLER_PATH.read_text(), "the installer, intact"
+        assert install["venv"] == str(tmp_path / "opt")
 
 
 @pytest.mark.parametrize("name", BAD_NAMES, ids=repr)
@@ -236,7 +240,9 @@ def test_gcp_startup_script_carries_hostile_values_as_data(
     stand_in(tmp_path / "runner", RECORDER.format(python=sys.executable, out=str(ran)))
     command = [str(tmp_path / "runner"), *payloads(owned)]
     env = {**hostile_env(owned), "MULTILINE": f"a\ntouch {owned / 'x'}-env-newline\nb'"}
-    gcp.runner_package = f"trainbot[runner] $(touch {owned / 'x'}-package)"
+    gcp.runner = RunnerInstall(
+        mode="index", index_url=f"https://pypi.example/ $(touch {owned / 'x'}-index)"
+    )
     info = gcp.launch(launch_request(GCP_A100, command, zone=GCP_ZONE, run_id="r-1", env=env))
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)

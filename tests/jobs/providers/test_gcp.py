@@ -871,7 +871,9 @@ def test_roles_grant_the_control_plane_exactly_what_the_provider_uses() -> None:
 def lifecycle(provider: GcpProvider, fake: FakeComputeApi) -> None:
     """Everything the control plane does with GCP, once."""
     provider.quota(A100)
-    provider.capacity(A100)
+    provider.capacity(A100)  # its default boot image: a family's newest (getFromFamily)
+    named = "projects/debian-cloud/global/images/debian-12-bookworm-v20240910"
+    provider.capacity(dataclasses.replace(A100, image_id=named))  # one image (images.get)
     provider.bucket_location("gs://data-us/x")
     info = launch(provider)
     provider.status(info.instance_id)

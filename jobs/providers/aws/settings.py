@@ -1,0 +1,37 @@
+"""``TRAINBOT_AWS_*`` settings the AWS provider owns (issue 24: each provider its own).
+
+The older AWS settings (region, image, subnets …) are still read by
+:mod:`jobs.settings` and passed in by :func:`jobs.providers.aws.provider.from_settings`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar
+
+from jobs.providers.provider_settings import ProviderSettings
+from jobs.providers.runner_install import Mode, RunnerInstall
+
+__all__ = ["AwsSettings"]
+
+
+class AwsSettings(ProviderSettings):
+    """How the runner gets onto an EC2 instance."""
+
+    PREFIX: ClassVar[str] = "TRAINBOT_AWS_"
+
+    #: ``wheel`` (the control plane's own wheel, through the run's bucket: instances need
+    #: no index for trainbot, and their role ``s3:GetObject`` on
+    #: ``CHECKPOINT_PREFIX/_trainbot/wheels/*``), ``index`` (``trainbot==<version>`` from
+    #: ``runner_index_url``) or ``image`` (the AMI has it; nothing is installed).
+    runner_install: Mode = "wheel"
+    #: pip's ``--index-url`` on the instance; unset: pip's own (PyPI).
+    runner_index_url: str | None = None
+    #: A built ``trainbot-<version>-py3-none-any.whl`` for ``wheel``; unset: built from
+    #: the control plane's source at its first launch.
+    runner_wheel: Path | None = None
+
+    def runner(self) -> RunnerInstall:
+        return RunnerInstall(
+            mode=self.runner_install, index_url=self.runner_index_url, wheel=self.runner_wheel
+        )
