@@ -38,6 +38,13 @@ from botocore.awsrequest import AWSRequest
 from botocore.credentials import Credentials
 from google.auth.credentials import AnonymousCredentials
 
+from jobs.preflight import (
+    CapacityCheck,
+    PreflightContext,
+    Status,
+    resource_request,
+    run_preflight,
+)
 from jobs.providers.aws import DEFAULT_IMAGE as AWS_DEFAULT_IMAGE
 from jobs.providers.aws import AwsProvider
 from jobs.providers.aws.settings import AwsSettings
@@ -536,3 +543,46 @@ def loopback_index(root: Path, wheel: Wheel) -> Iterator[tuple[str, list[str]]]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_preflight_fails_a_spec_whose_image_is_not_in_the_region(
+    moto: dict[str, Any], gce: FakeComputeApi, tmp_path: Path
+) -> None:
+    """The capacity check asks the provider, which looks the image up first."""
+    for provider, image, expected in (
+        (
+            aws_provider(moto, RunnerInstall(mode="index")),
+            "ami-0fedcba9876543210",
+            "the AMI ami-0fedcba9876543210 does not exist in us-east-1",
+        ),
+        (
+            gcp_provider(gce, RunnerInstall(mode="index")),
+            "projects/my-team/global/images/trainer-v9",
+            "the boot image projects/my-team/global/images/trainer-v9 does not exist",
+        ),
+    ):
+        accelerator = "T4:1" if provider.name == "aws" else "A100:1"
+        job = parse_spec(
+            {
+                "command": "python train.py",
+                "resources": {"cloud": provider.name, "accelerator": accelerator},
+                "checkpoint": {"uri": "s3://ckpt/runs"},
+            },
+            name="gpu",
+            overrides=[f"resources.image_id={image}"],
+        )
+        # The spec's image, as resources_request carries it to the provider.
+        request = replace(resource_request(job, provider), image_id=job.resources.image_id)
+        ctx = PreflightContext(
+            spec=job,
+            run_id="r-image",
+            provider=provider,
+            request=request,
+            checkpoint_uri="s3://ckpt/runs",
+            mtbp_s=6 * 3600.0,
+            env={},
+            workdir=tmp_path / "work",
+        )
+        [result] = run_preflight(ctx, [CapacityCheck()]).results
+        assert result.status == Status.FAIL, result
+        assert expected in result.detail and "resources.image_id" in result.detail
