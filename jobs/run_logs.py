@@ -11,6 +11,7 @@ still has it. An attempt that never started says why, from its row.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from sqlmodel import col, select
@@ -156,7 +157,7 @@ def _target(deps: Deps, run_id: str, actor: Actor, *, attempt: int | None, node:
                 )
             row = found[0]
         if row.instance_id is None:
-            raise NotFound(_never_started(run.id, row))
+            raise NotFound(_never_started(run.id, row, rows))
         if node >= max(row.instances, 1):
             raise NotFound(
                 f"attempt {row.number} of {run.id} ran on {row.instances} node(s): "
@@ -188,13 +189,23 @@ def _target(deps: Deps, run_id: str, actor: Actor, *, attempt: int | None, node:
         )
 
 
-def _never_started(run_id: str, row: Attempt) -> str:
+def _never_started(run_id: str, row: Attempt, rows: Sequence[Attempt]) -> str:
     """Why an attempt has no output: its launch failed (the provider's answer, where it
-    tried) or is still under way."""
+    tried) or is still under way. ``rows``: the run's attempts, newest first; the launches
+    refused before this one, since the last that started, are where else it tried."""
     market = "spot" if row.spot else "on-demand"
     where = ", ".join(x for x in (row.zone, row.region) if x) or "no zone"
     kind = f" {row.instance_type}" if row.instance_type else ""
     tried = f"tried {market}{kind} in {where} on {row.provider}"
+    before = []
+    for earlier in rows:
+        if earlier.number >= row.number:
+            continue
+        if earlier.instance_id is not None:
+            break
+        before.append(f"{earlier.zone or earlier.region or '?'} (attempt {earlier.number})")
+    if before:
+        tried += f"; before it, {', '.join(reversed(before))}"
     if row.state.is_terminal():
         why = row.end_reason or row.state.value.lower()
         return f"attempt {row.number} of {run_id} never started: {why} ({tried})"

@@ -271,7 +271,7 @@ def test_logs_of_a_failed_aws_run_are_read_from_s3_after_ec2_terminated_it(
     no_room = "We currently do not have sufficient g5.xlarge capacity in the zone you requested"
 
     def refuse(form: Mapping[str, str]) -> Refusal | None:
-        if form.get("Placement.AvailabilityZone") == RANKED[0] and form.get("DryRun") != "true":
+        if form.get("Placement.AvailabilityZone") in RANKED[:2] and form.get("DryRun") != "true":
             return (400, "InsufficientInstanceCapacity", no_room)
         return None
 
@@ -279,10 +279,10 @@ def test_logs_of_a_failed_aws_run_are_read_from_s3_after_ec2_terminated_it(
     with control_plane(tmp_path, aws, moto["bucket"]) as (cp, _, notes):
         run = submit_and_wait_for_preflight(cp).id
         service.confirm(cp.deps, run, ADA)
-        wait_until(lambda: attempt_launched(cp, run, 2), what="attempt 2")
-        second = attempt_launched(cp, run, 2)
-        assert second is not None and second.instance_id is not None
-        env = user_data_env(url, second.instance_id)
+        wait_until(lambda: attempt_launched(cp, run, 3), what="attempt 3")
+        third = attempt_launched(cp, run, 3)
+        assert third is not None and third.instance_id is not None
+        env = user_data_env(url, third.instance_id)
 
         # The instance's runner: the command fails, its output goes to the run's S3 prefix.
         store = run_store(env["TRAINBOT_CHECKPOINT_URI"], env["TRAINBOT_CHECKPOINT_PREFIX"])
@@ -295,12 +295,12 @@ def test_logs_of_a_failed_aws_run_are_read_from_s3_after_ec2_terminated_it(
             install_signals=False,
             scratch_dir=tmp_path,
             sample_s=3600,
-            logs=LogShipper(lambda: store, attempt=second.id, limits=LogLimits()),
+            logs=LogShipper(lambda: store, attempt=third.id, limits=LogLimits()),
         ).run()
         assert code == 1
         # Its events reach the control plane with its token, as its Reporter sends them.
         batch = [
-            Event(attempt=second.id, seq=i, type=t, time=time.time(), run=run, data=d)
+            Event(attempt=third.id, seq=i, type=t, time=time.time(), run=run, data=d)
             for i, (t, d) in enumerate(events.kept)
         ]
         token = env["TRAINBOT_TOKEN"]
@@ -308,20 +308,21 @@ def test_logs_of_a_failed_aws_run_are_read_from_s3_after_ec2_terminated_it(
         wait_until(lambda: run_row(cp, run).state == RunState.FAILED, what="FAILED")
         # The control plane terminates the instance (its disk, and any log on it, go too).
         wait_until(
-            lambda: aws.status(second.instance_id).state is InstanceState.TERMINATED,  # type: ignore[arg-type]
+            lambda: aws.status(third.instance_id).state is InstanceState.TERMINATED,  # type: ignore[arg-type]
             what="the instance terminated",
         )
 
-        tail = read_tail(store, second.id, 0, max_bytes=1 << 20)
+        tail = read_tail(store, third.id, 0, max_bytes=1 << 20)
         assert tail is not None and tail.text.endswith(LAST_LINE)
         reply = dispatch(cp.deps, f"logs {run}", ADA, markup="slack")
-        assert f"Attempt 2 of {run} (FAILED: runner exited 1 (failed))" in reply.text
+        assert f"Attempt 3 of {run} (FAILED: runner exited 1 (failed))" in reply.text
         assert ESCAPED_LAST in reply.text and "<nan>" not in reply.text
         assert "keeps logs on the instance" not in reply.text
-        # Attempt 1 never started: the provider's refusal and where it tried.
-        never = dispatch(cp.deps, f"logs {run} 1", ADA, markup="plain")
-        assert f"attempt 1 of {run} never started: no capacity: " in never.text
+        # Attempts 1 and 2 never started: the provider's refusal and where it tried.
+        never = dispatch(cp.deps, f"logs {run} 2", ADA, markup="plain")
+        assert f"attempt 2 of {run} never started: no capacity: " in never.text
         assert "InsufficientInstanceCapacity" in never.text
-        assert f"(tried spot in {RANKED[0]}, us-east-1 on aws)" in never.text
+        tried = f"(tried spot in {RANKED[1]}, us-east-1 on aws; before it, {RANKED[0]} (attempt 1))"
+        assert tried in never.text
 
         check_failure_card(failure_card(notes, run))
