@@ -8,14 +8,8 @@ Each command's help text is its class docstring: the first line is the summary s
 from __future__ import annotations
 
 import re
-import sys
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar
-
-if sys.version_info >= (3, 11):
-    from typing import dataclass_transform
-else:  # the server extra's pydantic brings it
-    from typing_extensions import dataclass_transform
+from typing import Any, ClassVar, dataclass_transform
 
 
 class BotError(Exception):
