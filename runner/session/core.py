@@ -167,6 +167,16 @@ class Session(OnNotice):
         if self.prefetch is not None:
             self.prefetch.close()
             self.prefetch = None
+        data: dict[str, Any] = {"code": self.exit_code, "reason": self._exit_reason()}
+        preempted = data["reason"] == "preempted"
+        if preempted:
+            # The instance is going away: the exit (the flush report) leaves now, not after
+            # a write still in flight, which would hold it past the kill (issue 29). The
+            # write goes on while the process lives; the next attempt restores whatever
+            # is committed by then.
+            if self._flush_report is not None:
+                data["flush"] = self._flush_report
+            self.sink.emit("exit", data)
         self.writer.close()
         if self._pollers is not None:
             self._pollers.stop()
@@ -174,10 +184,8 @@ class Session(OnNotice):
         if self._signals is not None:
             self._signals.__exit__(None, None, None)
             self._signals = None
-        data: dict[str, Any] = {"code": self.exit_code, "reason": self._exit_reason()}
-        if self._flush_report is not None and data["reason"] == "preempted":
-            data["flush"] = self._flush_report
-        self.sink.emit("exit", data)
+        if not preempted:
+            self.sink.emit("exit", data)
         self.sink.close()
 
     def _exit_reason(self) -> str:

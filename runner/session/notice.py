@@ -24,6 +24,13 @@ from runner.checkpoint.write import WriteProgress
 NOTICE_SAFETY = 1.5
 #: The share of a flush that must be written before its own pace is taken for its speed.
 PACE_SHARE = 0.25
+#: Seconds of the window kept back for the exit event, which carries the report, to leave
+#: the instance before the kill: under ``trainbot-runner exec`` the supervisor reads the
+#: session's events every 0.2 s (``Supervisor.poll_s``) and then sends the exit over HTTP,
+#: and the kill at the deadline ends both processes. The flushes are planned to land, and
+#: waited for, only until ``deadline - REPORT_S``; a window shorter than that trains on
+#: not at all. Nearly free: the control plane ends the attempt (and its bill) at the exit.
+REPORT_S = 0.4
 
 
 @dataclass
@@ -174,7 +181,7 @@ def _flush_words(flush: Flush, window_s: float | None) -> str:
             f"step {flush.step} ({flush.started_s:.1f} s after the notice, written in "
             f"{flush.write_s:.2g} s, landed {end:.1f} s into the notice{of})"
         )
-    state = "failed" if flush.failed else "did not land in time"
+    state = "failed" if flush.failed else "did not land in time (still being written at the exit)"
     return f"step {flush.step} {state} (started {flush.started_s:.1f} s into the notice{of})"
 
 

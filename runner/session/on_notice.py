@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from runner import EXIT_FAILED, EXIT_PREEMPTED, EXIT_SUCCEEDED
 from runner.preemption import read_notice, write_seconds
-from runner.session.notice import NoticeWindow
+from runner.session.notice import REPORT_S, NoticeWindow
 
 if TYPE_CHECKING:
     from runner.checkpoint import CheckpointWriter
@@ -73,7 +73,7 @@ class OnNotice:
             self._flush_first(window)
         stall, estimate = self._write_now()
         go_on = window.train_on(
-            left=self.flag.time_left() or 0.0,
+            left=self._time_left() or 0.0,
             step_s=self._step_s,
             stall_s=stall,
             progress=self.writer.progress(),
@@ -82,6 +82,13 @@ class OnNotice:
         if not go_on:
             window.stopped_step = self.step
         return go_on
+
+    def _time_left(self) -> float | None:
+        """Seconds left for the flushes: to the deadline, less the time the exit report
+        needs to leave the instance (:data:`~runner.session.notice.REPORT_S`); None with
+        no deadline known."""
+        left = self.flag.time_left()
+        return None if left is None else max(0.0, left - REPORT_S)
 
     def _write_now(self) -> tuple[float, float | None]:
         """The stall of the recent saves, and the slowest recent write of this state
@@ -160,14 +167,14 @@ class OnNotice:
         if window.flushes and self.stop_reason == "preempted":
             # Trained on after the flush at the notice: the newest step, if it still fits.
             stall, estimate = self._write_now()
-            left = self.flag.time_left() or 0.0
+            left = self._time_left() or 0.0
             fits = window.second_fits(left=left, stall_s=stall, estimate_s=estimate)
             if self.committed_step != self.step and fits:
                 window.started(self.step, now=time.monotonic())
-                self._save_now(timeout=self.flag.time_left())
+                self._save_now(timeout=self._time_left())
         elif self._should_flush(stopped):
             window.started(self.step, now=time.monotonic())
-            self._save_now(timeout=self.flag.time_left())
+            self._save_now(timeout=self._time_left())
         if self.stop_reason == "stopped":
             self.exit_code = EXIT_SUCCEEDED if self.committed_step == self.step else EXIT_FAILED
         else:
@@ -179,8 +186,9 @@ class OnNotice:
             log.info("preempted: %s", self._flush_report["summary"])
 
     def _wait_in_window(self) -> None:
+        """Wait for the save in flight, but not into the time the exit report needs."""
         try:
-            self.writer.wait(timeout=self.flag.time_left())
+            self.writer.wait(timeout=self._time_left())
         except TimeoutError:
             pass
 
@@ -191,7 +199,7 @@ class OnNotice:
             return False  # the next attempt redoes the few steps since the newest checkpoint
         if self.committed_step == self.step:
             return False
-        left = self.flag.time_left()
+        left = self._time_left()
         nbytes = self._checkpoint_bytes()
         if self._flush_fits(nbytes, left):
             return True

@@ -1,0 +1,113 @@
+"""Issue 29: a preempted attempt's exit, with its flush report, leaves before the kill.
+
+The exit event is the report: under ``trainbot-runner exec`` the supervisor reads it
+from the session's events file (every ``poll_s``) and sends it on, and the kill at the
+deadline ends both processes. An exit written at the deadline, or after a write still in
+flight (the session used to wait for the writer before saying it had ended), never
+reaches the control plane: the attempt ends unreported. The session keeps
+:data:`~runner.session.notice.REPORT_S` of the window for it, whatever its flushes do.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from runner import EXIT_PREEMPTED
+from runner.preemption import Notice, PreemptionFlag
+from runner.session import EverySteps, Session, SessionConfig
+from runner.session.notice import REPORT_S
+from runner.store import LocalStore
+from tests.runner.paced_store import PacedStore
+from tests.runner.test_notice_slow_write import Recorder, Weights
+
+#: 8 MiB at 32 MiB/s: a quarter of a second before the notice.
+BPS = 32 << 20
+
+
+class ExitSpeedsUp(Recorder):
+    """Once the exit is out, the test has what it checks: the rest of a slow write goes
+    at full speed, so the session's teardown does not wait seconds for it."""
+
+    def __init__(self, store: PacedStore) -> None:
+        super().__init__()
+        self.store = store
+
+    def emit(self, type: str, data: Mapping[str, Any], *, time: float | None = None) -> None:
+        super().emit(type, data, time=time)
+        if type == "exit":
+            self.store.slowdown = 0.0
+
+
+def _noticed(
+    tmp_path: Path, *, window_s: float, slowdown: float, train_through: bool
+) -> tuple[Recorder, Session, float]:
+    """A first attempt noticed during step 3, its store ``slowdown`` times slower from
+    then on; returns its events, the session and the deadline."""
+    store = PacedStore(LocalStore(tmp_path / "r"), BPS)
+    sink = ExitSpeedsUp(store)
+    session = Session(
+        SessionConfig(
+            run_id="r",
+            checkpoint_uri=str(tmp_path),
+            window_s=window_s,
+            train_through_notice=train_through,
+        ),
+        sink=sink,
+        store=store,
+        flag=PreemptionFlag(),
+        decision=EverySteps(100_000),
+        install_signals=False,
+        prefetch=False,
+    )
+    deadline = 0.0
+    weights = Weights()
+    with session as s:
+        s.track(weights=weights)
+        for step in s.steps(100_000):
+            weights.t[step] += 1.0
+            time.sleep(0.005)
+            if step == 3:
+                store.slowdown = slowdown
+                now = time.monotonic()
+                deadline = now + window_s
+                s.flag.set(Notice("signal", "test", received_at=now, deadline=deadline))
+    return sink, session, deadline
+
+
+@pytest.mark.parametrize("train_through", [True, False], ids=["train-through", "stop"])
+def test_a_flush_that_cannot_land_in_the_window_does_not_hold_back_the_exit(
+    tmp_path: Path, train_through: bool
+) -> None:
+    """The store goes 40x slower at the notice: the notice's flush (8 MiB, 10 s now)
+    cannot land in a 2.5 s window. The exit still leaves before the deadline, with a
+    report saying so (it used to wait for the write, 7.5 s past the kill)."""
+    sink, session, deadline = _noticed(
+        tmp_path, window_s=2.5, slowdown=40.0, train_through=train_through
+    )
+    assert session.exit_code == EXIT_PREEMPTED
+    [(exit_data, exited_at)] = sink.of("exit")
+    assert exited_at <= deadline - REPORT_S / 2, exited_at - deadline
+    report = exit_data["flush"]
+    assert report["committed_step"] is None
+    assert [f["landed"] for f in report["flushes"]] == [False]
+    assert "still being written" in report["summary"], report["summary"]
+    assert "nothing committed" in report["summary"], report["summary"]
+
+
+def test_the_exit_leaves_its_report_time_before_the_deadline(tmp_path: Path) -> None:
+    """The write keeps its speed; training goes on and the second flush lands. The plan
+    leaves the report its time: the exit is written ``REPORT_S`` before the deadline, not
+    half a write before it (here 0.1 s: under one poll of the supervisor)."""
+    sink, session, deadline = _noticed(tmp_path, window_s=1.5, slowdown=1.0, train_through=True)
+    assert session.exit_code == EXIT_PREEMPTED
+    [(exit_data, exited_at)] = sink.of("exit")
+    report = exit_data["flush"]
+    assert [f["landed"] for f in report["flushes"]] == [True, True], report["summary"]
+    assert report["committed_step"] == session.step > 4
+    # A little slack under REPORT_S for a loaded machine's late wake-up.
+    assert exited_at <= deadline - 0.75 * REPORT_S, exited_at - deadline
