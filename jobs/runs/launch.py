@@ -155,12 +155,12 @@ def measured_write_env(run: Run) -> dict[str, str]:
     unused. A resumed attempt measures the checkpoint it restores instead."""
     found = dry_run_findings(run)
     bandwidth = found.write_bandwidth_bps
-    if bandwidth is None:
+    if bandwidth is None or bandwidth < 1:  # under a byte a second: nothing measured
         return {}
-    env = {"TRAINBOT_MEASURED_WRITE_BPS": f"{bandwidth:.0f}"}
-    if found.stall_s is not None and found.stall_s > 0:
-        env["TRAINBOT_MEASURED_STALL_S"] = f"{found.stall_s:.6f}"
-    return env
+    stall_s = found.stall_s if found.stall_s is not None and found.stall_s >= 1e-6 else None
+    return contract.render(
+        {contract.MEASURED_WRITE_BPS: bandwidth, contract.MEASURED_STALL_S: stall_s}
+    )
 
 
 def launcher_refused(
