@@ -598,3 +598,28 @@ class SlackPace(SQLModel, table=True):
 
     channel: str = Field(primary_key=True)
     next_at: datetime = Field(sa_type=UTCDateTime)
+
+
+class ApiToken(SQLModel, table=True):
+    """A person's token for the HTTP API (``/train token``; :mod:`jobs.api_tokens`).
+
+    It acts as the person who asked for it, in the channel they asked in, with the
+    permissions chat gives them there; only its hash is kept, so it is shown once.
+    """
+
+    __tablename__ = "api_tokens"
+
+    #: Short id to name it by (``tk-…``), shown in ``/train token list`` and revoke.
+    id: str = Field(default_factory=lambda: new_id("tk"), primary_key=True)
+    #: SHA-256 of the token (:func:`hash_token`), never the token itself.
+    token_hash: str = Field(unique=True)
+    #: The Slack user id it acts as, and the channel it was issued in (its runs report there).
+    user: str = Field(index=True)
+    channel: str
+    #: What its holder called it ("ci", "laptop").
+    name: str
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+    expires_at: datetime = Field(sa_type=UTCDateTime)
+    last_used_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    #: Set by ``/train token revoke``: the token is refused from then on.
+    revoked_at: datetime | None = Field(default=None, sa_type=UTCDateTime)

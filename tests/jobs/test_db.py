@@ -60,6 +60,7 @@ TABLES = {
     "slack_outbox",
     "slack_pace",
     "dry_runs",
+    "api_tokens",
 }
 
 
