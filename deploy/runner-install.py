@@ -214,7 +214,7 @@ def has_torch(python: str) -> bool:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 3:
-        print(__doc__, file=sys.stderr)
+        print("usage: python3 runner-install.py CONFIG VENV", file=sys.stderr)
         return 2
     with open(argv[1], encoding="utf-8") as f:
         config = json.load(f)

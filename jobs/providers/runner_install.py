@@ -16,6 +16,7 @@ deploy/runner-install.py; each provider's boot script runs it with :func:`boot_c
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 import importlib.metadata
@@ -260,12 +261,22 @@ def boot_config(
     return config
 
 
-def installer_source() -> str:
-    """The instance-side installer, as text."""
+def installer_source(*, compact: bool = False) -> str:
+    """The instance-side installer, as text; ``compact``: without its docstrings and
+    comments (the same code, for EC2's 16 KiB of user data)."""
     try:
-        return INSTALLER_PATH.read_text(encoding="utf-8")
+        text = INSTALLER_PATH.read_text(encoding="utf-8")
     except OSError as exc:
         raise ProviderError(
             f"cannot read the runner installer {INSTALLER_PATH} ({exc}): reinstall trainbot "
             "from its repository"
         ) from None
+    if not compact:
+        return text
+    tree = ast.parse(text)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.FunctionDef | ast.ClassDef) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                node.body = node.body[1:] or [ast.Pass()]
+    return ast.unparse(tree) + "\n"

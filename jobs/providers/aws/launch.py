@@ -312,7 +312,8 @@ def render_user_data(req: LaunchRequest, *, runner: Mapping[str, Any], template_
     """The instance's boot script: install the runner, run the command, shut down.
 
     ``runner`` is the installer's configuration (:func:`runner_install.boot_config`),
-    carried as JSON with the installer itself (deploy/runner-install.py, compressed).
+    carried as JSON with the installer itself (deploy/runner-install.py, without its
+    docstrings, compressed).
 
     It runs as root, so every value in it is data: each is shell-quoted once and the
     template is substituted in one pass, so no value is ever read again as template
@@ -365,7 +366,8 @@ def render_user_data(req: LaunchRequest, *, runner: Mapping[str, Any], template_
                 f"run {req.run_id}: the command holds a NUL character, which no program "
                 "can be given; remove it"
             )
-    installer = base64.encodebytes(gzip.compress(installer_source().encode(), mtime=0))
+    source = installer_source(compact=True).encode()
+    installer = base64.encodebytes(gzip.compress(source, mtime=0))
     values = {
         "RUNNER_MODE": shlex.quote(str(runner["mode"])),
         # One line of JSON, whose escapes keep any line break or NUL out of it.

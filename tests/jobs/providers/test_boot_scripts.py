@@ -24,7 +24,7 @@ from google.auth.credentials import AnonymousCredentials
 from jobs.providers.aws import AwsProvider
 from jobs.providers.base import ProviderError, ResourceRequest
 from jobs.providers.gcp import GcpProvider
-from jobs.providers.runner_install import INSTALLER_PATH, RunnerInstall
+from jobs.providers.runner_install import RunnerInstall, installer_source
 from tests.fakes.gce_api import FakeComputeApi
 from tests.jobs.providers.contract import launch_request
 
@@ -183,7 +183,7 @@ def test_aws_user_data_carries_hostile_values_as_data(
         [install] = [json.loads(line) for line in lines]
         assert install["config"]["index_url"] == hostile_index
         assert install["config"]["mode"] == "index"
-        assert install["installer"] == INSTALLER_PATH.read_text(), "the installer, intact"
+        assert install["installer"] == installer_source(compact=True), "the installer, intact"
         assert install["venv"] == str(tmp_path / "opt")
 
 
