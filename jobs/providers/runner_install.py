@@ -20,6 +20,7 @@ import ast
 import functools
 import hashlib
 import importlib.metadata
+import logging
 import os
 import re
 import shutil
@@ -49,7 +50,10 @@ __all__ = [
     "built_wheel",
     "control_plane_version",
     "installer_source",
+    "prepare_in_background",
 ]
+
+log = logging.getLogger(__name__)
 
 Mode = Literal["wheel", "index", "image"]
 MODES: tuple[Mode, ...] = ("wheel", "index", "image")
@@ -112,9 +116,19 @@ class Wheel:
         return cls(path=path, version=found["version"], sha256=digest)
 
 
-@functools.lru_cache(maxsize=4)
+_BUILD_LOCK = threading.Lock()
+
+
 def built_wheel(root: Path = _ROOT) -> Wheel:
-    """The wheel of the trainbot source at ``root``, built once per process.
+    """The wheel of the trainbot source at ``root``, built once per process (a second
+    caller waits for the first one's build)."""
+    with _BUILD_LOCK:
+        return _built_wheel(root)
+
+
+@functools.lru_cache(maxsize=4)
+def _built_wheel(root: Path) -> Wheel:
+    """:func:`built_wheel`, unlocked.
 
     It is built from a copy of the source in a temporary directory, so the checkout is
     left as it was (setuptools writes ``build/`` and ``*.egg-info`` where it builds)."""
@@ -189,6 +203,25 @@ class RunnerInstall:
                 f"control plane is {self.pinned_version}: build the wheel of this version"
             )
         return wheel
+
+
+def prepare_in_background(install: RunnerInstall, *, setting: str) -> None:
+    """At the control plane's start: build (or check) the "wheel" mode's wheel while it
+    starts, so the first launch does not wait for it and a wheel that cannot be had is
+    logged at once, saying what to set (``setting``: the provider's prefix). The launch
+    raises the same error to the run if it is still so."""
+    if install.mode != "wheel":
+        return
+
+    def prepare() -> None:
+        try:
+            wheel = install.the_wheel()
+        except ProviderError as exc:
+            log.warning("%sRUNNER_INSTALL=wheel: %s", setting, exc)
+            return
+        log.info("runner wheel %s (sha256 %s) ready to upload", wheel.path, wheel.sha256[:12])
+
+    threading.Thread(target=prepare, name="trainbot-runner-wheel", daemon=True).start()
 
 
 class WheelUploads:

@@ -22,7 +22,12 @@ from jobs.providers.aws.clients import Clients, utcnow
 from jobs.providers.aws.launch import LaunchConfig
 from jobs.providers.aws.settings import AwsSettings
 from jobs.providers.options import by_name
-from jobs.providers.runner_install import RunnerInstall, WheelUploads, boot_config
+from jobs.providers.runner_install import (
+    RunnerInstall,
+    WheelUploads,
+    boot_config,
+    prepare_in_background,
+)
 from runner import env as contract
 
 if TYPE_CHECKING:
@@ -369,6 +374,7 @@ def from_settings(settings: Settings) -> AwsProvider:
     """The provider as ``TRAINBOT_AWS_*`` configure it: the process settings, and the
     provider's own (:class:`AwsSettings`, read from the environment)."""
     own = AwsSettings.from_env()
+    prepare_in_background(own.runner(), setting=AwsSettings.PREFIX)
     options: dict[str, Any] = {
         "runner": own.runner(),
         "region": settings.aws_region,

@@ -32,7 +32,12 @@ from jobs.providers.gcp.quota import Placement
 from jobs.providers.gcp.settings import GcpSettings
 from jobs.providers.gcp.status import Instances
 from jobs.providers.options import by_name
-from jobs.providers.runner_install import RunnerInstall, WheelUploads, boot_config
+from jobs.providers.runner_install import (
+    RunnerInstall,
+    WheelUploads,
+    boot_config,
+    prepare_in_background,
+)
 from runner.preemption import WINDOWS_S
 
 if TYPE_CHECKING:
@@ -370,6 +375,7 @@ def from_settings(settings: Settings) -> GcpProvider:
     """The provider as ``TRAINBOT_GCP_*`` configure it: the process settings, and the
     provider's own (:class:`GcpSettings`, read from the environment)."""
     own = GcpSettings.from_env()
+    prepare_in_background(own.runner(), setting=GcpSettings.PREFIX)
     options: dict[str, Any] = {
         "image": own.image,
         "runner": own.runner(),

@@ -586,3 +586,20 @@ def test_preflight_fails_a_spec_whose_image_is_not_in_the_region(
         [result] = run_preflight(ctx, [CapacityCheck()]).results
         assert result.status == Status.FAIL, result
         assert expected in result.detail and "resources.image_id" in result.detail
+
+
+def test_a_wheel_an_admin_names_must_be_this_control_planes_version(
+    wheel: Wheel, tmp_path: Path
+) -> None:
+    mine = tmp_path / wheel.file_name
+    mine.write_bytes(wheel.path.read_bytes())
+    assert RunnerInstall(wheel=mine).the_wheel().sha256 == wheel.sha256
+    other = tmp_path / "trainbot-9.9.9-py3-none-any.whl"
+    other.write_bytes(b"PK")
+    with pytest.raises(ProviderError, match=r"is version 9\.9\.9, but this control plane is"):
+        RunnerInstall(wheel=other).the_wheel()
+    with pytest.raises(ProviderError, match="not a trainbot wheel"):
+        RunnerInstall(wheel=tmp_path / "runner.zip").the_wheel()
+    with pytest.raises(ProviderError, match="is not one of wheel, index, image"):
+        RunnerInstall(mode="pip")  # type: ignore[arg-type]
+    assert built_wheel() == wheel, "built once per process, the same bytes"
