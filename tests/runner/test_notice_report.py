@@ -10,8 +10,15 @@ reaches the control plane: the attempt ends unreported. The session keeps
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +29,11 @@ from runner.preemption import Notice, PreemptionFlag
 from runner.session import EverySteps, Session, SessionConfig
 from runner.session.notice import REPORT_S
 from runner.store import LocalStore
+from runner.wire import Event
+from tests.fakes.ingest import FakeIngest
 from tests.runner.paced_store import PacedStore
 from tests.runner.test_notice_slow_write import Recorder, Weights
+from tests.runner.tinyproc import TINY, tiny_env
 
 #: 8 MiB at 32 MiB/s: a quarter of a second before the notice.
 BPS = 32 << 20
@@ -111,3 +121,79 @@ def test_the_exit_leaves_its_report_time_before_the_deadline(tmp_path: Path) -> 
     assert report["committed_step"] == session.step > 4
     # A little slack under REPORT_S for a loaded machine's late wake-up.
     assert exited_at <= deadline - 0.75 * REPORT_S, exited_at - deadline
+
+
+EXEC = [sys.executable, "-m", "runner.cli", "exec", "--"]
+#: The example's steps and its small state: a flush takes milliseconds, so the plan left
+#: the report almost nothing of the window (half a write) before this change.
+TINY_RUN = [sys.executable, "-m", "runner.examples.tiny", *TINY, "--step-delay", "0.01"]
+E2E_WINDOW_S = 1.5
+E2E_TRIALS = 3
+
+
+def _preempted_under_exec(tmp_path: Path, n: int) -> list[Event]:
+    """One attempt under ``trainbot-runner exec`` in a process group of its own, as on an
+    instance: SIGTERM to the group once it trains, SIGKILL to the group when the window
+    ends (the local provider's preemption). Returns what the control plane received."""
+    token = f"tok-{n}"
+    with FakeIngest(token=token).start() as ingest:
+        env = tiny_env(tmp_path / f"t{n}", run_id=f"r-e2e-{n}")
+        env.pop("TRAINBOT_EVENTS_FILE")
+        env.update(
+            TRAINBOT_INGEST_URL=ingest.url,
+            TRAINBOT_TOKEN=token,
+            TRAINBOT_ATTEMPT_ID=f"r-e2e-{n}-1",
+            TRAINBOT_SPOOL_DIR=str(tmp_path / f"spool-{n}"),
+            TRAINBOT_TERMINATION_WINDOW_S=str(E2E_WINDOW_S),
+            TRAINBOT_TRAIN_THROUGH_NOTICE="1",
+            TRAINBOT_CHECKPOINT_EVERY_STEPS="1000000",
+        )
+        proc = subprocess.Popen(
+            [*EXEC, *TINY_RUN, "--steps", "1000000"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            trained = ingest.wait_for(
+                lambda: sum(e.type == "metrics" for e in ingest.accepted) >= 5, timeout=120
+            )
+            assert trained, "the example did not start training"
+            os.killpg(proc.pid, signal.SIGTERM)
+            killer = threading.Timer(E2E_WINDOW_S, _kill_group, args=(proc.pid,))
+            killer.start()
+            proc.communicate(timeout=60)
+            killer.join()
+        finally:
+            if proc.poll() is None:
+                _kill_group(proc.pid)
+                proc.communicate(timeout=30)
+        # What had arrived by the kill is all there is: the supervisor died with it.
+        return list(ingest.accepted)
+
+
+def _kill_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_under_exec_the_report_reaches_the_control_plane_before_the_kill(
+    tmp_path: Path,
+) -> None:
+    """The path the benchmark saw fail (issue 29: preempted attempts whose exit carried no
+    report): session, events file, supervisor, HTTP, then SIGKILL to the whole group at
+    the deadline. Every trial's exit arrives, with a report whose committed step is at
+    or after the notice's. Before this change the exit was written half a write before
+    the deadline, inside the supervisor's 0.2 s poll, and the kill took it along."""
+    with ThreadPoolExecutor(max_workers=E2E_TRIALS) as pool:
+        results = list(pool.map(lambda n: _preempted_under_exec(tmp_path, n), range(E2E_TRIALS)))
+    for events in results:
+        exits = [e for e in events if e.type == "exit"]
+        assert len(exits) == 1, [e.type for e in events[-5:]]
+        report = exits[0].data["flush"]
+        assert report is not None, exits[0].data
+        assert report["committed_step"] is not None, report["summary"]
+        assert report["committed_step"] >= report["notice_step"], report["summary"]
