@@ -66,6 +66,7 @@ def resources_request(
         instance_type=res.instance_type,
         spot=res.spot if spot is None else spot,
         instances=res.instances,
+        image_id=res.image_id,
     )
 
 

@@ -571,8 +571,8 @@ def test_preflight_fails_a_spec_whose_image_is_not_in_the_region(
             name="gpu",
             overrides=[f"resources.image_id={image}"],
         )
-        # The spec's image, as resources_request carries it to the provider.
-        request = replace(resource_request(job, provider), image_id=job.resources.image_id)
+        request = resource_request(job, provider)  # the spec's image, carried to the provider
+        assert request.image_id == image
         ctx = PreflightContext(
             spec=job,
             run_id="r-image",
