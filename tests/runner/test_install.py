@@ -185,6 +185,11 @@ def _run(
     return proc
 
 
+def _pip(bin_dir: Path) -> list[str]:
+    """pip, acting on the environment whose ``bin`` is ``bin_dir``."""
+    return [sys.executable, "-m", "pip", "--python", str(bin_dir / "python")]
+
+
 def _site_packages(bin_dir: Path) -> str:
     code = "import sysconfig; print(sysconfig.get_path('purelib'))"
     return _run([str(bin_dir / "python"), "-c", code], cwd=bin_dir).stdout.strip()
@@ -209,15 +214,13 @@ def runner_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     )  # fmt: skip
     (wheel,) = (tmp / "dist").glob("trainbot-*.whl")
     env_dir = tmp / "venv"
-    venv.EnvBuilder(with_pip=True).create(env_dir)
+    # No pip of its own (ensurepip alone took 10 s): this environment's pip installs into
+    # it through --python, from the same index, as the new environment's would.
+    venv.EnvBuilder(with_pip=False).create(env_dir)
     bin_dir = env_dir / "bin"
-    _run(
-        [str(bin_dir / "python"), "-m", "pip", "install", "-q", "--no-cache-dir", str(wheel)],
-        cwd=tmp,
-        timeout=300,
-    )
+    _run([*_pip(bin_dir), "install", "-q", str(wheel)], cwd=tmp, timeout=300)
     site = Path(_site_packages(bin_dir))
-    listing = _run([str(bin_dir / "python"), "-m", "pip", "list", "--format=json"], cwd=tmp)
+    listing = _run([*_pip(bin_dir), "list", "--format=json"], cwd=tmp)
     installed = {re.sub(r"[-_.]+", "-", p["name"]).lower() for p in json.loads(listing.stdout)}
     # What the install brought (typing-extensions, say) stays its own: never linked.
     _link_torch(tmp / "torch-only", skip=installed)
@@ -230,7 +233,7 @@ def test_the_base_install_is_the_runner_alone(runner_env: Path, tmp_path: Path) 
     python = str(runner_env / "python")
     # What the install put in the environment itself (torch-only.pth's links aside).
     site = _site_packages(runner_env)
-    installed = _run([python, "-m", "pip", "list", "--format=json", "--path", site], cwd=tmp_path)
+    installed = _run([*_pip(runner_env), "list", "--format=json", "--path", site], cwd=tmp_path)
     names = {p["name"].lower() for p in json.loads(installed.stdout)}
     assert {"trainbot", "boto3", "google-cloud-storage", "msgspec", "orjson"} <= names
     server = {"slack-bolt", "sqlmodel", "alembic", "apscheduler", "matplotlib",
