@@ -54,11 +54,11 @@ class ExitSpeedsUp(Recorder):
 
 
 def _noticed(
-    tmp_path: Path, *, window_s: float, slowdown: float, train_through: bool
+    tmp_path: Path, *, window_s: float, slowdown: float, train_through: bool, bps: float = BPS
 ) -> tuple[Recorder, Session, float]:
     """A first attempt noticed during step 3, its store ``slowdown`` times slower from
     then on; returns its events, the session and the deadline."""
-    store = PacedStore(LocalStore(tmp_path / "r"), BPS)
+    store = PacedStore(LocalStore(tmp_path / "r"), bps)
     sink = ExitSpeedsUp(store)
     session = Session(
         SessionConfig(
@@ -110,17 +110,21 @@ def test_a_flush_that_cannot_land_in_the_window_does_not_hold_back_the_exit(
 
 
 def test_the_exit_leaves_its_report_time_before_the_deadline(tmp_path: Path) -> None:
-    """The write keeps its speed; training goes on and the second flush lands. The plan
-    leaves the report its time: the exit is written ``REPORT_S`` before the deadline, not
-    half a write before it (here 0.1 s: under one poll of the supervisor)."""
-    sink, session, deadline = _noticed(tmp_path, window_s=1.5, slowdown=1.0, train_through=True)
+    """The write keeps its speed (8 MiB at 256 MiB/s: 31 ms); training goes on and a
+    second flush is planned. The plan leaves the report its time: the exit is written
+    about ``REPORT_S`` before the deadline, not half a write (16 ms) before it, which is
+    inside one 0.2 s poll of the supervisor."""
+    sink, session, deadline = _noticed(
+        tmp_path, window_s=1.5, slowdown=1.0, train_through=True, bps=256 << 20
+    )
     assert session.exit_code == EXIT_PREEMPTED
     [(exit_data, exited_at)] = sink.of("exit")
     report = exit_data["flush"]
-    assert [f["landed"] for f in report["flushes"]] == [True, True], report["summary"]
-    assert report["committed_step"] == session.step > 4
-    # A little slack under REPORT_S for a loaded machine's late wake-up.
-    assert exited_at <= deadline - 0.75 * REPORT_S, exited_at - deadline
+    assert report["flushes"][0]["landed"], report["summary"]
+    assert len(report["flushes"]) == 2 and report["committed_step"] >= 4, report["summary"]
+    # Half of REPORT_S: slack for a loaded machine's late wake-up, and still ten times
+    # what the plan left the report before.
+    assert exited_at <= deadline - REPORT_S / 2, exited_at - deadline
 
 
 EXEC = [sys.executable, "-m", "runner.cli", "exec", "--"]
