@@ -20,6 +20,7 @@ from sqlmodel import Session
 from jobs import format as fmt
 from jobs import preflight, spend
 from jobs.actor import Actor, may_touch
+from jobs.code_pin import pin_code, short_commit
 from jobs.db import detach, session_scope
 from jobs.deps import Deps
 from jobs.errors import ConflictError, SpecError
@@ -304,6 +305,10 @@ def resubmit_changed(
                 "from it"
             )
         spec = apply_changes(old.spec, overrides, name=old.spec_name)
+        # A new code.ref is pinned to its commit now, as at a submit; otherwise the run
+        # keeps the commit it had.
+        keys = {text.partition("=")[0].strip() for text in overrides}
+        spec = pin_code(spec, again=any(k == "code" or k.startswith("code.") for k in keys))
         new_spec = spec.model_dump(mode="json")
         changes = changed_paths(old.spec, new_spec)
         checkpoint_root(
@@ -374,6 +379,8 @@ def describe_changes(changes: Sequence[Change]) -> str:
 
 def _described(change: Change) -> str:
     key, old, new = change
+    if key == "code.commit":
+        return f"code: {short_commit(old)} → {short_commit(new)}"
     hidden = hidden_change(change)
     return f"{key} {hidden}" if hidden else f"{key}: {_shown(old)} → {_shown(new)}"
 

@@ -22,6 +22,7 @@ from sqlmodel import select
 from jobs import format as fmt
 from jobs import preflight, resubmits, spend
 from jobs.actor import Actor, may_touch, report_channel
+from jobs.code_pin import pin_code
 from jobs.db import detach, session_scope
 from jobs.deps import Deps
 from jobs.errors import ConflictError, SpecError
@@ -81,6 +82,8 @@ def submit(
     """Create a run and start its preflight in the background; a repeated key returns
     the run the first request created, so a retried command launches once."""
     spec = load_spec(spec_name, specs_dir=deps.settings.specs_dir, overrides=overrides)
+    # The code's ref, pinned to its commit now: every attempt and node runs that one.
+    spec = pin_code(spec)
     checkpoint_uri = checkpoint_root(
         spec.checkpoint.uri,
         default=deps.settings.checkpoint_uri,

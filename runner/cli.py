@@ -5,6 +5,8 @@
     trainbot-runner checkpoints list|verify|prune URI    inspect or prune one run's checkpoints
     trainbot-runner credentials                          this run's checkpoint credentials,
                                                          as AWS credential_process output
+    trainbot-runner pack DIR STORE_URI                   pack a code directory into the store
+                                                         and print the spec's code.archive line
 
 URI is one run's checkpoint root: ``{checkpoint_uri}/{run_id}`` (a path, file://… or s3://…).
 Exit codes: 0 success, 75 preempted (resume from the newest checkpoint, or from step 0
@@ -34,6 +36,7 @@ from runner.errors import CheckpointError, RunnerError
 if TYPE_CHECKING:
     from runner.logship import LogShipper
     from runner.preemption import PreemptionFlag
+    from runner.setup import Workspace
     from runner.telemetry import EventSink
 
 # ``exec`` must start the training process fast: torch is imported only by the commands
@@ -175,6 +178,17 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--max-age", type=_duration_arg, help="e.g. 7d")
     pr.add_argument("--dry-run", action="store_true", help="say what would go, delete nothing")
 
+    pk = sub.add_parser(
+        "pack",
+        help="pack a code directory into a content-addressed archive in the store",
+        description="Pack DIR (without .git, .venv, __pycache__ and the patterns of its "
+        ".trainbotignore) into code-<sha256>.tar.gz under STORE_URI (s3://…, gs://…, a "
+        "path or file://…) and print the spec line that runs it: code.archive: URI. The "
+        "same files always make the same archive.",
+    )
+    pk.add_argument("dir", type=Path)
+    pk.add_argument("store_uri")
+
     sub.add_parser(
         "credentials",
         help="print this run's checkpoint credentials (AWS credential_process output)",
@@ -255,6 +269,7 @@ def _exec(args: argparse.Namespace, early: EarlyNotice | None = None) -> int:
                 under_torchrun=node is not None,
                 node=node.rank if node is not None else 0,
                 logs=_log_shipper(node.rank if node is not None else 0),
+                workspace=_workspace(),
             )
             return sup.run()
         finally:
@@ -279,6 +294,26 @@ def _log_shipper(node: int) -> LogShipper | None:
     except ValueError as exc:
         logging.getLogger(__name__).warning("the command's output is not shipped: %s", exc)
         return None
+
+
+def _workspace() -> Workspace | None:
+    """The run's code and setup, when the control plane named any; its environment
+    archives go to the run's store."""
+    from runner.setup import Workspace
+    from runner.store import run_store
+
+    uri = os.environ.get(env.CHECKPOINT_URI.name)
+    prefix = env.CHECKPOINT_PREFIX.get() or env.RUN_ID.get()
+    opener = (lambda: run_store(uri, prefix)) if uri else None
+    return Workspace.from_env(os.environ, store=opener)
+
+
+def _pack(args: argparse.Namespace) -> int:
+    from runner.code import pack
+
+    uri = pack(args.dir, args.store_uri)
+    print(f"code.archive: {uri}")
+    return 0
 
 
 def _dry_run(args: argparse.Namespace) -> int:
@@ -420,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
             return _dry_run(args)
         if args.cmd == "credentials":
             return _credentials()
+        if args.cmd == "pack":
+            return _pack(args)
         return _checkpoints(args)
     except RunnerError as exc:
         print(f"trainbot-runner: error: {exc}", file=sys.stderr)

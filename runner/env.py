@@ -13,6 +13,7 @@ plane imports it too.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -122,7 +123,24 @@ def _choice(*options: str) -> Kind[str]:
     return Kind(" or ".join(repr(o) for o in options), parse, str)
 
 
+def _words(raw: str) -> list[str]:
+    value = json.loads(raw)
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise _Refused
+    return value
+
+
+def _commit(raw: str) -> str:
+    text = raw.strip().lower()
+    if len(text) != 40 or any(c not in "0123456789abcdef" for c in text):
+        raise _Refused
+    return text
+
+
 TEXT: Kind[str] = Kind("text", str, str)
+#: A list of strings, written as JSON (shell commands, paths).
+WORDS: Kind[list[str]] = Kind("a JSON list of strings", _words, list, json.dumps)
+COMMIT: Kind[str] = Kind("a 40-character git commit sha", _commit, str)
 URL: Kind[str] = Kind("an http:// or https:// URL", _url, str)
 PATH: Kind[Path] = Kind("a path", Path, (str, Path))
 SECONDS: Kind[float] = Kind(
@@ -291,6 +309,41 @@ NNODES = _var("TRAINBOT_NNODES", COUNT, 1, "nodes in the attempt's gang")
 NODE_RANK = _var("TRAINBOT_NODE_RANK", INDEX, 0, "this node's rank in its gang")
 MASTER_ADDR = _var("TRAINBOT_MASTER_ADDR", TEXT, None, "node 0's address")
 MASTER_PORT = _var("TRAINBOT_MASTER_PORT", PORT, 29500, "node 0's rendezvous port")
+
+# --- the run's code and its environment (runner.code, runner.setup) ------------------
+
+CODE_REPO = _var("TRAINBOT_CODE_REPO", TEXT, None, "the git repository the code comes from")
+CODE_COMMIT = _var(
+    "TRAINBOT_CODE_COMMIT", COMMIT, None, "the commit pinned at submit, checked out on every node"
+)
+CODE_ARCHIVE = _var(
+    "TRAINBOT_CODE_ARCHIVE", TEXT, None, "a packed code archive (s3://, gs://, file://) instead"
+)
+CODE_DIR = _var(
+    "TRAINBOT_CODE_DIR", PATH, None, "where the code goes (default: code/ on the scratch disk)"
+)
+GIT_SSH_KEY_FILE = _var(
+    "TRAINBOT_GIT_SSH_KEY_FILE",
+    PATH,
+    None,
+    "an admin's deploy key for private repositories (git over ssh); never sent through chat",
+)
+SETUP = _var("TRAINBOT_SETUP", WORDS, None, "shell commands run in the code dir before the command")
+SETUP_VENV = _var(
+    "TRAINBOT_SETUP_VENV", TEXT, None, "the virtualenv setup installs into (relative: in the code)"
+)
+SETUP_CACHE = _var(
+    "TRAINBOT_SETUP_CACHE", FLAG, False, "archive what setup built and restore it next time"
+)
+SETUP_CACHE_PATHS = _var(
+    "TRAINBOT_SETUP_CACHE_PATHS", WORDS, None, "more paths the environment archive holds"
+)
+SETUP_KEY_FILES = _var(
+    "TRAINBOT_SETUP_KEY_FILES", WORDS, None, "more files whose contents key the archive"
+)
+MACHINE_IMAGE = _var(
+    "TRAINBOT_MACHINE_IMAGE", TEXT, None, "the machine image, part of the environment's key"
+)
 
 #: Every declared variable, by name.
 VARS: Mapping[str, Var[Any, Any]] = {v.name: v for v in _VARS}

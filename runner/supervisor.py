@@ -18,6 +18,7 @@ cannot say that it had finished, and a resumed script that had finishes at once.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -30,11 +31,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from runner import EXIT_PREEMPTED, EXIT_SUCCEEDED
+from runner import EXIT_FAILED, EXIT_PREEMPTED, EXIT_SUCCEEDED
 from runner import env as contract
 from runner.errors import CheckpointError, RunnerError, StoreError
 from runner.logship import LogShipper, pump
 from runner.preemption import PreemptionFlag, SignalHandlers, start_pollers, write_notice
+from runner.setup import SetupFailed, SetupInterrupted, Workspace
 from runner.sync import CheckpointSync, open_files
 from runner.telemetry import EventSink, FileFollower, SystemSampler, follow_file
 
@@ -68,6 +70,7 @@ class Supervisor:
         under_torchrun: bool = False,
         node: int = 0,
         logs: LogShipper | None = None,
+        workspace: Workspace | None = None,
     ) -> None:
         """``under_torchrun``: the command is torchrun (:mod:`runner.nodes`), which exits 1
         whatever its workers exited with: the exit code the session reported wins.
@@ -75,7 +78,9 @@ class Supervisor:
         progress; the others report their own system figures, data wait, notice and exit,
         and not their ranks' metrics and checkpoints, which rank 0's already are.
         ``logs``: where the command's output goes besides the runner's own stdout and
-        stderr (:mod:`runner.logship`); its tail goes with the exit event."""
+        stderr (:mod:`runner.logship`); its tail goes with the exit event.
+        ``workspace``: the run's code and setup (:mod:`runner.setup`), made ready before
+        the command starts, which then runs in the code directory."""
         if not command:
             raise RunnerError(
                 "no command to run: write `trainbot-runner exec -- python train.py …`"
@@ -95,6 +100,10 @@ class Supervisor:
         self.under_torchrun = under_torchrun
         self.node = node
         self.logs = logs
+        self.workspace = workspace
+        #: The command's working directory (the code directory, once it is ready).
+        self.cwd: Path | None = None
+        self._sampling = False
         #: The threads reading the command's stdout and stderr, while ``logs`` is set.
         self._pumps: list[threading.Thread] = []
         #: Data-wait fractions a node after the first heard since its last system sample.
@@ -142,10 +151,6 @@ class Supervisor:
                     }
                 )
                 env.pop(contract.PREEMPTION_SOURCES.name, None)  # we poll, then signal
-                if self.sync is not None:
-                    self._restore()
-                if self.flag.is_set:
-                    return self._preempted_before_start()
                 sampler = SystemSampler(
                     self.sink,
                     disk_path=self.scratch_dir,
@@ -154,6 +159,17 @@ class Supervisor:
                     extra=self._node_figures if self.node else None,
                 )
                 try:
+                    if self.workspace is not None:
+                        # Samples while setup runs: a long install is not a silent instance.
+                        sampler.start()
+                        self._sampling = True
+                        ended = self._prepare(env)
+                        if ended is not None:
+                            return ended
+                    if self.sync is not None:
+                        self._restore()
+                    if self.flag.is_set:
+                        return self._preempted_before_start()
                     return self._supervise(env, events, sampler)
                 finally:
                     sampler.stop()
@@ -163,6 +179,46 @@ class Supervisor:
                 signals.__exit__(None, None, None)
             if self.logs is not None:
                 self.logs.close(timeout=0.0)  # done already, unless the start failed
+
+    def _prepare(self, env: dict[str, str]) -> int | None:
+        """Check the code out and run setup (or restore its environment), the output in
+        the attempt's log; the exit code when the attempt ends here (a setup failure, a
+        notice), else None with ``env`` and :attr:`cwd` set for the command."""
+        assert self.workspace is not None
+        if self.logs is not None:
+            self.logs.start()
+        feed = self.logs.feed if self.logs is not None else None
+        try:
+            ready = self.workspace.prepare(env, feed=feed, stop=lambda: self.flag.is_set)
+        except SetupInterrupted:
+            return self._preempted_before_start()
+        except SetupFailed as exc:
+            if self.flag.is_set:  # the notice's kill, not the setup's own failure
+                return self._preempted_before_start()
+            log.error("%s", exc)
+            self._finish_logs(preempted=False)
+            self.sink.emit(
+                "exit",
+                {
+                    "code": EXIT_FAILED,
+                    "reason": "setup_failed",
+                    "detail": str(exc),
+                    "log_tail": exc.tail or (self.logs.tail() if self.logs else ""),
+                },
+            )
+            self._exit_reported = True
+            return EXIT_FAILED
+        env.clear()
+        env.update(ready.env)
+        self.cwd = ready.cwd
+        for line in ready.lines():
+            text = f"trainbot-runner: {line}\n".encode()
+            with contextlib.suppress(OSError):
+                os.write(1, text)
+            if feed is not None:
+                feed(text)
+            self.sink.emit("log", {"level": "info", "message": line})
+        return None
 
     def _restore(self) -> None:
         assert self.sync is not None
@@ -196,7 +252,7 @@ class Supervisor:
         joined = subprocess.STDOUT if self.logs is not None else None
         try:
             child = self.child = subprocess.Popen(
-                self.command, env=env, stdout=piped, stderr=joined
+                self.command, env=env, stdout=piped, stderr=joined, cwd=self.cwd
             )
         except OSError as exc:
             raise RunnerError(f"cannot start {self.command[0]!r}: {exc.strerror}") from exc
@@ -205,7 +261,8 @@ class Supervisor:
         # The attempt is running from here, whatever the command: a plain script never
         # says so itself (a session's own "started" is dropped in _forward: one per attempt).
         self.sink.emit("started", {"pid": child.pid, "host": socket.gethostname()})
-        sampler.start()
+        if not self._sampling:
+            sampler.start()
         while True:
             code = child.poll()
             # A notice that comes once the child has ended (during the last sync, say)

@@ -103,6 +103,14 @@ def on_attempt_event(deps: Deps, attempt_id: str, type_: str, data: dict[str, An
                 "stopped": AttemptState.TERMINATED,
             }.get(reason, AttemptState.FAILED)
             ended = (state, code, f"runner exited {code} ({reason})")
+            if reason == "setup_failed":
+                # Its own end: the command never ran, and another instance would fail alike.
+                detail = str(data.get("detail") or "a setup command failed")
+                ended = (
+                    state,
+                    code,
+                    f"setup failed: {detail}; fix the spec's setup (or code) and resubmit",
+                )
             tail = data.get("log_tail")
             if isinstance(tail, str) and tail:
                 log_tail = redact_output(tail, env_values(run.spec))

@@ -91,7 +91,9 @@ def runner_command(deps: Deps, spec: JobSpec) -> list[str]:
     """What the instance runs: the supervisor around the spec's command."""
     command = list(spec.command)
     local = deps.provider_for(spec).capabilities.runs_on_this_machine
-    if local and command and command[0] in ("python", "python3"):
+    # With the code's own virtual environment, ``python`` is that one's (first on PATH).
+    own_venv = spec.code is not None and spec.setup and spec.setup_cache.venv
+    if local and command and command[0] in ("python", "python3") and not own_venv:
         command[0] = sys.executable  # the local "instance" shares this machine's interpreter
     runner = [sys.executable, "-m", "runner.cli"] if local else ["trainbot-runner"]
     sync = spec.checkpoint.sync_dir
@@ -138,6 +140,7 @@ def runner_env(deps: Deps, run: Run, attempt: Attempt, spec: JobSpec) -> dict[st
             contract.PREEMPTION_SOURCES: None if local else provider.capabilities.preemption_source,
         }
     )
+    env |= code_env(spec, local=local)
     env.update(measured_write_env(run))
     missing = contract.missing_required(env)
     assert not missing, f"the runner's environment lacks {missing}"
@@ -145,6 +148,28 @@ def runner_env(deps: Deps, run: Run, attempt: Attempt, spec: JobSpec) -> dict[st
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     return env
+
+
+def code_env(spec: JobSpec, *, local: bool) -> dict[str, str]:
+    """The run's code (the commit pinned at submit, or its archive) and its setup, for the
+    runner to make ready before the command (:mod:`runner.setup`). The deploy key's path
+    is this machine's: it goes only to instances that are this machine (local)."""
+    code = spec.code
+    cache = spec.setup_cache
+    return contract.render(
+        {
+            contract.CODE_REPO: code.repo if code else None,
+            contract.CODE_COMMIT: code.commit if code else None,
+            contract.CODE_ARCHIVE: code.archive if code else None,
+            contract.SETUP: list(spec.setup) or None,
+            contract.SETUP_VENV: cache.venv if code is not None and spec.setup else None,
+            contract.SETUP_CACHE: (cache.enabled and bool(spec.setup)) or None,
+            contract.SETUP_CACHE_PATHS: list(cache.paths) or None,
+            contract.SETUP_KEY_FILES: list(cache.key_files) or None,
+            contract.MACHINE_IMAGE: spec.resources.image_id,
+            contract.GIT_SSH_KEY_FILE: contract.GIT_SSH_KEY_FILE.get() if local else None,
+        }
+    )
 
 
 def measured_write_env(run: Run) -> dict[str, str]:

@@ -14,6 +14,7 @@ from jobs.spec.sections import (
     AlertThresholds,
     BudgetPolicy,
     CheckpointPolicy,
+    Code,
     DryRun,
     KeepBest,
     Notify,
@@ -21,6 +22,7 @@ from jobs.spec.sections import (
     Resources,
     ResubmitPolicy,
     Retention,
+    SetupCache,
 )
 from jobs.spec.strict_yaml import (
     MAX_OVERRIDE_CHARS,
@@ -42,6 +44,7 @@ __all__ = [
     "AlertThresholds",
     "BudgetPolicy",
     "CheckpointPolicy",
+    "Code",
     "DryRun",
     "JobSpec",
     "KeepBest",
@@ -50,6 +53,7 @@ __all__ = [
     "Resources",
     "ResubmitPolicy",
     "Retention",
+    "SetupCache",
     "apply_overrides",
     "list_specs",
     "load_spec",

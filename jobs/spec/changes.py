@@ -56,6 +56,10 @@ CHANGEABLE: Mapping[str, frozenset[str] | None] = {
     "alerts": None,
     "retention": None,
     "profile": None,
+    # Another commit (or archive) of the run's code, resumed from its newest checkpoint.
+    "code": frozenset({"ref", "archive"}),
+    "setup": frozenset(),
+    "setup_cache": None,
 }
 #: The keys of :data:`CHANGEABLE` that are values, not sections.
 TOP_LEVEL_CHANGES = tuple(k for k, v in CHANGEABLE.items() if v == frozenset())
@@ -69,6 +73,10 @@ _WHY_NOT = {
     "dry_run": "the dry run is part of a launch's preflight, not of a resubmit",
     "name": "the run keeps its spec's name",
     "resources.cloud": "a run stays with the provider it was launched on",
+    "code.commit": "trainbot pins it from code.ref at the resubmit: set code.ref=<sha> to "
+    "move the run to that commit",
+    "code.repo": "a resubmit resumes the run's checkpoints with its own repository's code "
+    "(code.ref= moves it to another commit); launch a new run for another repository",
 }
 
 #: (dotted key, old value, new value); an ``env`` value is :data:`HIDDEN` (None: unset).
@@ -108,7 +116,8 @@ def apply_changes(stored: Mapping[str, Any], overrides: Sequence[str], *, name: 
                 f"{clip(key)} cannot change on a resubmit: {why}. A resubmit changes "
                 "command, env.*, resources (region, regions, zones, instance_type, "
                 "accelerator, spot …), data_uri, max_hours, checkpoint.interval, "
-                "resubmit.*, alerts.*, retention.* and profile.*",
+                "resubmit.*, alerts.*, retention.*, profile.*, code.ref, code.archive, "
+                "setup and setup_cache.*",
                 problems=[(key, why)],
             )
     keys = {text.partition("=")[0].strip() for text in overrides}

@@ -13,6 +13,7 @@ from jobs.spec.sections import (
     AlertThresholds,
     BudgetPolicy,
     CheckpointPolicy,
+    Code,
     DryRun,
     Notify,
     Profile,
@@ -20,6 +21,8 @@ from jobs.spec.sections import (
     ResubmitPolicy,
     Retention,
     Section,
+    SetupCache,
+    SetupCommands,
 )
 
 
@@ -85,6 +88,14 @@ class JobSpec(Section):
     #: Extra environment variables for the training process.
     #: Names are shell identifiers; ``TRAINBOT_*`` ones are trainbot's own (``TUNABLE_ENV`` aside).
     env: Env = Field(default_factory=dict)
+    #: The run's code (a git repository at a ref, or a packed archive); ``None``: the
+    #: command finds its files on the machine image.
+    code: Code | None = None
+    #: Shell commands run in the code directory before the command (``pip install -r
+    #: requirements.txt``); their output is in the run's logs, and a failure ends the
+    #: attempt as a setup failure.
+    setup: SetupCommands = Field(default_factory=list, max_length=50)
+    setup_cache: SetupCache = Field(default_factory=SetupCache)
     resources: Resources = Field(default_factory=Resources)
     #: Where the dataset lives; the data-locality check compares its region.
     data_uri: str | None = None

@@ -1,10 +1,12 @@
-"""The spec's sections: resources, checkpoint, retention, budget, resubmit, alerts,
-notify, dry run and profile, each a frozen pydantic model that refuses unknown keys."""
+"""The spec's sections: code, setup cache, resources, checkpoint, retention, budget,
+resubmit, alerts, notify, dry run and profile, each a frozen pydantic model that refuses
+unknown keys."""
 
 from __future__ import annotations
 
 import re
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
@@ -21,6 +23,122 @@ class Section(BaseModel):
     """A part of the spec: frozen, and a misspelt key is an error, never ignored."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+_SCP_LIKE = re.compile(r"^[A-Za-z0-9._-]+@[A-Za-z0-9.-]+:[^/].*$")
+_REPO_SCHEMES = ("https", "http", "ssh", "git", "file")
+_ARCHIVE_SCHEMES = ("s3", "gs", "file")
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+
+
+class Code(Section):
+    """The run's code: a git repository at a ref, pinned to one commit when the run is
+    submitted, or an archive ``trainbot-runner pack`` made. The runner puts it in the
+    instance's code directory, where setup and the command run."""
+
+    #: A git URL: ``https://host/org/repo.git``, or ``git@host:org/repo.git`` for a
+    #: private repository (read with the admin's deploy key, TRAINBOT_GIT_SSH_KEY_FILE).
+    repo: str | None = Field(default=None, min_length=1, max_length=500)
+    #: A branch, a tag or a full commit sha; ``None``: the repository's default branch.
+    ref: str | None = Field(default=None, min_length=1, max_length=250)
+    #: The commit ``ref`` named at submit, set by trainbot: every attempt and node checks
+    #: it out. A resubmit with ``code.ref=…`` moves the run to another one.
+    commit: str | None = None
+    #: Or: a packed archive, ``s3://…``, ``gs://…`` or ``file:///…`` (``trainbot-runner
+    #: pack DIR STORE_URI`` makes one and prints this line).
+    archive: str | None = Field(default=None, min_length=1, max_length=1000)
+
+    @field_validator("repo")
+    @classmethod
+    def _git_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        text = value.strip()
+        if _SCP_LIKE.fullmatch(text):
+            return text
+        parts = urlsplit(text)
+        if parts.scheme not in _REPO_SCHEMES or not (parts.netloc or parts.scheme == "file"):
+            raise ValueError(
+                f"expected a git URL such as https://github.com/org/repo.git or "
+                f"git@github.com:org/repo.git (got {clip(value)})"
+            )
+        if parts.password is not None or (parts.scheme in ("http", "https") and parts.username):
+            raise ValueError(
+                "holds a credential: a spec and its messages are seen by the whole channel. "
+                "Use an ssh URL (git@host:org/repo.git); an admin sets the deploy key "
+                "(TRAINBOT_GIT_SSH_KEY_FILE)"
+            )
+        return text
+
+    @field_validator("commit")
+    @classmethod
+    def _full_sha(cls, value: str | None) -> str | None:
+        if value is not None and not _COMMIT.fullmatch(value.strip().lower()):
+            raise ValueError(
+                f"expected a 40-character commit sha (got {clip(value)}); to choose a commit, "
+                "set code.ref"
+            )
+        return value.strip().lower() if value is not None else None
+
+    @field_validator("archive")
+    @classmethod
+    def _store_uri(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        parts = urlsplit(value.strip())
+        if parts.scheme not in _ARCHIVE_SCHEMES or not parts.path.strip("/"):
+            raise ValueError(
+                f"expected s3://…, gs://… or file:///… naming a .tar.gz (got {clip(value)}); "
+                "`trainbot-runner pack DIR STORE_URI` makes one and prints the line to use"
+            )
+        return value.strip()
+
+    @model_validator(mode="after")
+    def _one_source(self) -> Code:
+        if (self.repo is None) == (self.archive is None):
+            raise ValueError(
+                "give code.repo (with code.ref) or code.archive, one of the two"
+                if self.repo is None
+                else "code.repo and code.archive are both set: keep one"
+            )
+        if self.archive is not None and (self.ref is not None or self.commit is not None):
+            raise ValueError("code.ref and code.commit go with code.repo, not code.archive")
+        return self
+
+
+def _setup_commands(value: object) -> object:
+    if isinstance(value, str):
+        return [value] if value.strip() else []
+    return [] if value is None else value
+
+
+#: The setup commands: one shell command, or a list run in order.
+SetupCommands = Annotated[
+    list[Annotated[str, Field(min_length=1, max_length=4000)]], BeforeValidator(_setup_commands)
+]
+
+
+class SetupCache(Section):
+    """What setup builds, archived to the run's store and restored by the next attempt
+    instead of running setup again (keyed by a hash of the setup commands, the
+    requirement and lock files, the machine image and the Python version)."""
+
+    enabled: bool = True
+    #: The virtual environment the runner makes in the code directory before setup,
+    #: active for setup and the command (it sees the image's packages); ``null``: none.
+    venv: str | None = Field(default=".venv", min_length=1, max_length=300)
+    #: More paths setup builds that the archive holds (relative: in the code directory).
+    paths: list[str] = Field(default_factory=list, max_length=20)
+    #: More files (globs, in the code directory) whose contents key the archive, beside
+    #: requirements*.txt, pyproject.toml, setup.py/cfg, *.lock, environment.yml.
+    key_files: list[str] = Field(default_factory=list, max_length=20)
+
+    @field_validator("venv")
+    @classmethod
+    def _inside(cls, value: str | None) -> str | None:
+        if value is not None and (value.startswith("/") or ".." in value.split("/")):
+            raise ValueError(f"a path inside the code directory, such as .venv (got {clip(value)})")
+        return value
 
 
 class Accelerator(Section):

@@ -31,6 +31,8 @@ _SAMPLES: dict[int, list[Any]] = {
     id(contract.INDEX): [0, 3],
     id(contract.PORT): [1, 29500, 65535],
     id(contract.FLAG): [True, False],
+    id(contract.WORDS): [["pip install -r requirements.txt", "echo 'a b' > c"], []],
+    id(contract.COMMIT): ["0123456789abcdef0123456789abcdef01234567"],
 }
 #: The variables with a kind of their own (a choice of words).
 _CHOICES = {
