@@ -1,9 +1,16 @@
-"""``trainbot``: the control plane and its front ends.
+"""``trainbot``: the control plane, its front ends, and the client of its API.
 
     trainbot demo [--events FILE]   the whole product on this machine, in a few minutes
-    trainbot shell                  a terminal chat over the same commands as Slack
+    trainbot shell                  a terminal chat over the same commands as Slack, alone
     trainbot serve                  the control plane: HTTP (ingest, Slack), scheduler, database
     trainbot migrate                bring the database schema up to date and exit
+
+The client of a team's ``trainbot serve`` (TRAINBOT_URL, and TRAINBOT_TOKEN from
+``/train token`` in Slack; standard library only, so the base install runs it):
+
+    trainbot launch spec.yaml [--set key.path=value …]   trainbot list [mine|active|all]
+    trainbot status [RUN]   trainbot logs RUN [ATTEMPT [NODE]]   trainbot stop RUN
+    trainbot resubmit RUN [from=STEP] [key.path=value …]   trainbot ack ALERT
 
 Settings come from ``TRAINBOT_*`` environment variables; every one has an embedded
 default (SQLite in ~/.trainbot, the local spot provider, a local checkpoint store, the
@@ -13,6 +20,7 @@ terminal as chat).
 from __future__ import annotations
 
 import argparse
+import errno
 import getpass
 import importlib.metadata
 import logging
@@ -21,6 +29,7 @@ import re
 import signal
 import sys
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -74,21 +83,170 @@ def build_parser() -> argparse.ArgumentParser:
         help="port of /healthz, /readyz and /metrics; 0 picks a free one (default: "
         "TRAINBOT_ADMIN_PORT, else the port + 1)",
     )
+    _client_commands(sub)
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     return p
 
 
+#: The client's commands (:mod:`bot.client`): each is the ``/train`` verb of its name.
+CLIENT_COMMANDS = ("launch", "list", "status", "logs", "stop", "resubmit", "ack")
+
+
+def _client_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    shared = argparse.ArgumentParser(add_help=False)
+    shared.add_argument("--json", action="store_true", help="print the server's answer as JSON")
+    launch = sub.add_parser(
+        "launch",
+        parents=[shared],
+        help="client: launch a spec file (or a spec the server has, by name)",
+    )
+    launch.add_argument("spec", help="a spec file (spec.yaml), or the name of a server spec")
+    launch.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY.PATH=VALUE",
+        help="override a spec value for this run (repeatable): --set budget.usd=5",
+    )
+    listing = sub.add_parser("list", parents=[shared], help="client: list runs")
+    listing.add_argument("args", nargs="?", choices=("mine", "active", "all"), metavar="SCOPE")
+    status = sub.add_parser("status", parents=[shared], help="client: a run's state")
+    status.add_argument("args", nargs="?", metavar="RUN")
+    logs = sub.add_parser("logs", parents=[shared], help="client: a run's last output lines")
+    logs.add_argument("args", nargs="+", metavar="RUN [ATTEMPT [NODE]]")
+    stop = sub.add_parser("stop", parents=[shared], help="client: stop a run of yours")
+    stop.add_argument("args", nargs=1, metavar="RUN")
+    resubmit = sub.add_parser("resubmit", parents=[shared], help="client: a new attempt of a run")
+    resubmit.add_argument("args", nargs="+", metavar="RUN [from=STEP] [key.path=value …]")
+    ack = sub.add_parser("ack", parents=[shared], help="client: acknowledge an alert")
+    ack.add_argument("args", nargs=1, metavar="ALERT")
+
+
+def _client(args: argparse.Namespace) -> int:
+    from bot import client
+
+    if args.cmd == "launch":
+        return client.run("launch", [args.spec], sets=args.sets, as_json=args.json)
+    words = args.args if isinstance(args.args, list) else [args.args] if args.args else []
+    return client.run(args.cmd, words, as_json=args.json)
+
+
+class _Terminated(Exception):
+    """SIGTERM reached the shell: it quits as on Ctrl-D, cleaning up."""
+
+
 def _shell() -> int:
+    """The one-person local mode: this machine's control plane, for the person at the
+    terminal. It binds free ports of its own (a second shell does not collide with the
+    first), refuses the team's shared database (the client is for that), and on the way
+    out (Ctrl-D, Ctrl-C, SIGTERM) stops its runs and their training processes and gives
+    the scheduler lease back."""
     from bot.console import ConsoleNotifier, Shell
     from jobs.bootstrap import ControlPlane
     from jobs.settings import load_settings
 
-    settings = load_settings()
+    settings = load_settings(shell_environ(os.environ))
+    problem = shell_problem(settings)
+    if problem is not None:
+        raise SettingsError(problem)
     cp = ControlPlane(settings, notifier=ConsoleNotifier())
     # Made before the start, so that the preflights it resumes ask the shell's launchers.
     shell = Shell(cp.deps, user=getpass.getuser())
-    with cp:
-        return shell.loop()
+
+    def terminated(signum: int, frame: object) -> None:
+        raise _Terminated  # in the main thread, wherever it waits (reading a line)
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        started = False
+        try:
+            _start(cp)
+            started = True
+            return shell.loop()
+        except KeyboardInterrupt:
+            return 130
+        except _Terminated:
+            return 128 + signal.SIGTERM
+        finally:
+            close_shell(cp, started=started)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def shell_environ(environ: Mapping[str, str]) -> dict[str, str]:
+    """The shell's settings: its ports are free ones unless set, so two shells (or a
+    shell beside ``trainbot serve``) on one machine do not collide."""
+    from jobs.settings import ENV_PREFIX
+
+    chosen = dict(environ)
+    for name in ("INGEST_PORT", "ADMIN_PORT"):
+        chosen.setdefault(f"{ENV_PREFIX}{name}", "0")
+    return chosen
+
+
+def shell_problem(settings: Settings) -> str | None:
+    """Why ``trainbot shell`` must not start with these settings, or None."""
+    if settings.database_url.startswith(("postgresql", "postgres")):
+        return (
+            "TRAINBOT_DATABASE_URL is a PostgreSQL database, a team's control plane's: "
+            "trainbot shell is the one-person local mode and would become another replica "
+            "of it. Use the client against the team's control plane (TRAINBOT_URL and "
+            "TRAINBOT_TOKEN from /train token; trainbot list, trainbot launch spec.yaml), "
+            "or unset TRAINBOT_DATABASE_URL for a shell of your own"
+        )
+    return None
+
+
+def _start(cp: ControlPlane) -> None:
+    """Start the control plane; a port that is taken is one line saying what to do."""
+    try:
+        cp.start()
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        settings = cp.settings
+        raise SettingsError(
+            f"a port is already in use (public {settings.ingest_host}:{settings.ingest_port}, "
+            f"admin {settings.admin_host}:{settings.admin_port}): another trainbot is "
+            "listening there. Stop it, or choose free ports (TRAINBOT_INGEST_PORT and "
+            "TRAINBOT_ADMIN_PORT; 0 picks one)"
+        ) from None
+
+
+def close_shell(cp: ControlPlane, *, started: bool = True) -> None:
+    """Quit the shell leaving nothing behind: its active runs are stopped (a checkpoint
+    flushed, the instance terminated), the scheduler lease released and the server
+    closed; then any training process of an on-this-machine provider still alive ends."""
+    from sqlmodel import select
+
+    from jobs.actor import Actor
+    from jobs.db import session_scope
+    from jobs.models import Run
+    from jobs.service import stop
+
+    if started:
+        with session_scope(cp.deps.engine) as session:
+            runs = session.exec(select(Run)).all()
+            active = [run.id for run in runs if not run.state.is_terminal()]
+        quitter = Actor(user=getpass.getuser(), channel="console", is_admin=True)
+        for run_id in active:
+            try:
+                stop(cp.deps, run_id, quitter, reason="the shell quit")
+            except TrainbotError as exc:
+                log.warning("could not stop %s on the way out: %s", run_id, exc)
+        if active:
+            print(f"trainbot shell: stopped {', '.join(active)} on the way out", file=sys.stderr)
+    local = [
+        provider
+        for name, provider in cp.deps.providers.items()
+        if registration(name).on_this_machine
+    ]
+    cp.close()  # waits for the stops; releases the lease; closes the server
+    for provider in local:
+        for instance in provider.list_instances():
+            if not instance.state.is_terminal():
+                provider.terminate(instance.instance_id)
 
 
 def _migrate() -> int:
@@ -303,6 +461,8 @@ def _configure_logging(*, verbose: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.cmd in CLIENT_COMMANDS:  # the client: standard library only, no settings
+        return _client(args)
     missing = missing_server_extra()
     if missing:
         print(

@@ -82,6 +82,8 @@ class Command:
             value = getattr(self, item.name)
             if item.name == "overrides":
                 value = tuple(masked_override(text) for text in value)
+            elif item.name == "spec_text" and value is not None:
+                value = f"<{len(value):,} characters>"  # its env values may be credentials
             shown.append(f"{item.name}={value!r}")
         return f"{type(self).__name__}({', '.join(shown)})"
 
@@ -111,6 +113,9 @@ class Launch(Command, usage="/train launch [<spec> [key.path=value …]]"):
     spec: str | None
     #: Inline overrides, ``key.path=value``, in the order given.
     overrides: tuple[str, ...] = ()
+    #: The spec file's text, when the command-line client sent one (``spec`` is then its
+    #: name); None: ``spec`` names a file in the specs directory. Never from chat text.
+    spec_text: str | None = None
 
 
 class Preflight(Command, usage="/train preflight <spec> [key.path=value …]"):
@@ -264,6 +269,23 @@ class Cleanup(RunCommand, usage="/train cleanup <run> [--dry-run]"):
 
     #: Report only; delete nothing.
     dry_run: bool = False
+
+
+class Token(Command, usage="/train token [new [<name>]|list|revoke <id>|revoke all]"):
+    """Get a token for the command-line client and CI, shown once, to you alone.
+
+    The client (trainbot launch, list, status, logs, stop …) sends it. It acts as you,
+    in this channel, with what you may do here; it expires in 90 days. `list` shows
+    your tokens, `revoke <id>` (or `revoke all`) ends them at once.
+    Example: /train token new laptop
+    """
+
+    actions: ClassVar[tuple[str, ...]] = ("new", "list", "revoke")
+
+    #: One of ``actions``.
+    action: str = "new"
+    #: ``new``: the token's name (None: "cli"); ``revoke``: its id, or ``all``.
+    name: str | None = None
 
 
 class Help(Command, usage="/train help [<command>]"):

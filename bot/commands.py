@@ -36,6 +36,7 @@ from bot.command_types import (
     Spend,
     StatusCommand,
     Stop,
+    Token,
     UserRef,
     masked_override,
 )
@@ -62,6 +63,7 @@ __all__ = [
     "Spend",
     "StatusCommand",
     "Stop",
+    "Token",
     "UserRef",
     "grammar",
     "help_text",
@@ -405,6 +407,35 @@ def _parse_logs(args: Sequence[str]) -> Command:
     return Logs(run=run, attempt=attempt, node=numbers[1] if len(numbers) > 1 else 0)
 
 
+_TOKEN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]{0,39}", re.ASCII)
+_TOKEN_ID = re.compile(r"tk-[a-z0-9]{1,64}", re.ASCII)
+
+
+def _parse_token(args: Sequence[str]) -> Command:
+    if not args:
+        return Token()
+    action = args[0].lower()
+    if action not in Token.actions:
+        raise _fail(Token, f"{_show(args[0])} is not one of {', '.join(Token.actions)}.")
+    _at_most(Token, args, 2)
+    rest = args[1] if len(args) > 1 else None
+    if action == "list":
+        _at_most(Token, args, 1)
+        return Token(action=action)
+    if action == "revoke":
+        if rest is None:
+            raise _fail(Token, "`token revoke` needs a token id (see /train token list) or all.")
+        name = rest.strip("`").lower()
+        if name != "all" and not _TOKEN_ID.fullmatch(name):
+            raise _fail(Token, f"{_show(rest)} is not a token id; token ids look like tk-1a2b3c4d.")
+        return Token(action=action, name=name)
+    if rest is not None and not _TOKEN_NAME.fullmatch(rest):
+        raise _fail(
+            Token, f"{_show(rest)} is not a token name; use letters, digits, '-', '_', '.'."
+        )
+    return Token(action=action, name=rest)
+
+
 def _parse_help(args: Sequence[str]) -> Command:
     _at_most(Help, args, 1)
     if not args:
@@ -426,6 +457,7 @@ _PARSERS: dict[str, tuple[type[Command], Callable[[Sequence[str]], Command]]] = 
     "budget": (BudgetCommand, _parse_budget),
     "oncall": (Oncall, _parse_oncall),
     "cleanup": (Cleanup, _parse_cleanup),
+    "token": (Token, _parse_token),
     "help": (Help, _parse_help),
 }
 

@@ -34,11 +34,11 @@ from bot.mentions import escape, mention
 from bot.verbs import ONCALL_KEY, VERBS, Reply, Verb
 from jobs.db import session_scope
 from jobs.deps import Deps
-from jobs.errors import TrainbotError
+from jobs.errors import PermissionDenied, TrainbotError
 from jobs.logs import bare_traceback
 from jobs.models import Run
 from jobs.service import Actor
-from jobs.spec import load_spec
+from jobs.spec import load_spec, spec_from_text
 
 __all__ = ["Markup", "Reply", "ask_for", "dispatch", "handle_text"]
 
@@ -67,28 +67,33 @@ def dispatch(
             command = commands.parse(text)
         except commands.CommandError as exc:
             log.debug("a command did not parse: %s", commands.summary(text))
-            return _finish(Reply(text=exc.plain, ephemeral=True), markup)
+            return _finish(Reply(text=exc.plain, ephemeral=True, outcome="invalid"), markup)
     verb = VERBS.get(type(command))
     if verb is None:  # declared nowhere, so no policy says who may run it: nobody may
         log.error("command %r has no declaration in bot.verbs; refused", command)
-        return _finish(Reply(text=messages.unexpected(), ephemeral=True), markup)
+        return _finish(Reply(text=messages.unexpected(), ephemeral=True, outcome="failed"), markup)
     if isinstance(actor, Caller):
         if auth is None:
             raise TypeError("a Caller is authorised: pass the front end's Authorizer")
         denial = auth.authorize(actor, ask_for(deps, command), audit=audit)
         if denial is not None:  # our own sentence, whose only markup is the owner's mention
-            refused = Reply(text=denial.text, ephemeral=True, run_id=denial.run_id)
+            refused = Reply(
+                text=denial.text, ephemeral=True, run_id=denial.run_id, outcome="refused"
+            )
             return _finish(refused, "plain")
         actor = auth.actor(actor)
     try:
         reply = verb.run(deps, command, actor, key=key)
     except TrainbotError as exc:
-        reply = Reply(text=messages.error(str(exc)), ephemeral=True)
+        outcome: Literal["refused", "failed"] = (
+            "refused" if isinstance(exc, PermissionDenied) else "failed"
+        )
+        reply = Reply(text=messages.error(str(exc)), ephemeral=True, outcome=outcome)
     except Exception as exc:
         # The command as parsed, its env values masked (its repr), and where it failed,
         # without any exception's message: a database error quotes the values it was given.
         log.error("command %r failed: %s", command, bare_traceback(exc))
-        reply = Reply(text=messages.unexpected(), ephemeral=True)
+        reply = Reply(text=messages.unexpected(), ephemeral=True, outcome="failed")
     return _finish(reply, markup, what=verb.lines)
 
 
@@ -137,10 +142,14 @@ def _notify_channel(deps: Deps, command: commands.Launch | commands.Preflight) -
     it names none or cannot be read (then the service refuses it in its own words)."""
     if command.spec is None:
         return None
+    text = command.spec_text if isinstance(command, commands.Launch) else None
     try:
-        spec = load_spec(
-            command.spec, specs_dir=deps.settings.specs_dir, overrides=command.overrides
-        )
+        if text is not None:
+            spec = spec_from_text(text, name=command.spec, overrides=command.overrides)
+        else:
+            spec = load_spec(
+                command.spec, specs_dir=deps.settings.specs_dir, overrides=command.overrides
+            )
     except TrainbotError:
         return None
     return spec.notify.channel or None

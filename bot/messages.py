@@ -580,3 +580,32 @@ def unexpected() -> str:
         "Something went wrong on our side; nothing was changed. "
         "The control plane's log has the details."
     )
+
+
+def token_issued(token_id: str, token: str, *, name: str, expires: datetime, url: str) -> str:
+    """A new API token, shown this once (the reply is the asker's alone)."""
+    where = url or "<this control plane's URL>"
+    return (
+        f"Your token {name} ({token_id}), shown this once — copy it now:\n{token}\n"
+        f"It acts as you, in this channel, until {expires:%Y-%m-%d}. Use it with the "
+        f"command-line client: export TRAINBOT_URL={where} TRAINBOT_TOKEN=<the token>, "
+        f"then trainbot list. /train token revoke {token_id} ends it."
+    )
+
+
+def token_list(rows: Sequence[tuple[str, str, datetime, datetime | None]]) -> str:
+    """``/train token list``: (id, name, expires, last used) of each live token."""
+    if not rows:
+        return "You hold no live tokens. /train token new <name> makes one."
+    lines = [f"Your tokens ({len(rows)}):"]
+    for token_id, name, expires, used in rows:
+        seen = f"last used {used:%Y-%m-%d %H:%M} UTC" if used else "never used"
+        lines.append(f"{token_id}  {name}  expires {expires:%Y-%m-%d}, {seen}")
+    return "\n".join(lines)
+
+
+def tokens_revoked(ids: Sequence[str]) -> str:
+    if not ids:
+        return "You held no live tokens; nothing was revoked."
+    them = "it" if len(ids) == 1 else "them"
+    return f"Revoked {', '.join(ids)}: requests with {them} are refused from now on."

@@ -33,7 +33,9 @@ from slack_sdk import WebClient
 from slack_sdk.errors import SlackApiError, SlackRequestError
 from sqlalchemy.engine import Engine
 
+from bot.api import API_PATH, CommandsApi, TokenAuthorizer
 from bot.app import SlackSetupError, build_app, work_pool
+from bot.auth import Policy
 from bot.plots import LOSS_CURVE_FILENAME, loss_curve_png
 from bot.slack_notifier import AttachmentsFn, SlackNotifier
 from bot.slack_outbox import Outbox
@@ -345,7 +347,8 @@ def _float_or_none(value: Any) -> float | None:
 def attach(
     cp: ControlPlane, *, client: WebClient, notifier: SlackNotifier | None = None
 ) -> SlackFrontEnd:
-    """Build the Bolt app over ``cp``'s dependencies and mount it at ``/slack``.
+    """Build the Bolt app over ``cp``'s dependencies and mount it at ``/slack``, and
+    the commands API for people's tokens at ``/v1/commands`` (:mod:`bot.api`).
 
     With ``notifier`` (the one ``cp`` posts through), a divergent-loss alert also gets
     its loss curve attached, unless the notifier already has an attachments function;
@@ -364,6 +367,11 @@ def attach(
     app = build_app(cp.deps, settings=settings, client=client, work=work)
     endpoint = SlackEndpoint(app, signing_secret=secret, work=work)
     cp.app.mount(SLACK_PREFIX, endpoint)
+    # The same verbs for the command-line client, with tokens issued by /train token.
+    api_auth = TokenAuthorizer(
+        Policy.from_settings(settings), client=client, journal=cp.deps.journal
+    )
+    cp.app.mount(API_PATH, CommandsApi(cp.deps, auth=api_auth))
     if notifier is not None and notifier.attachments is None:
         notifier.attachments = loss_curve_attachment(cp.deps.engine)
     if notifier is not None:

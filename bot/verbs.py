@@ -35,8 +35,9 @@ from bot.commands import (
     Spend,
     StatusCommand,
     Stop,
+    Token,
 )
-from jobs import service
+from jobs import api_tokens, service
 from jobs.deps import Deps
 from jobs.service import Actor
 
@@ -66,6 +67,9 @@ class Reply:
     run_id: str | None = None
     alert_id: str | None = None
     data: dict[str, Any] = field(default_factory=dict)
+    #: How the command went, for a front end that answers with a status (the HTTP API):
+    #: done; the text did not parse; refused (who may do what); or it failed.
+    outcome: Literal["ok", "invalid", "refused", "failed"] = "ok"
 
 
 #: Reply.data key: the on-call name the text holds, to be shown as a mention in Slack.
@@ -171,6 +175,7 @@ def _submit(deps: Deps, command: Launch | Preflight, actor: Actor, key: str | No
         deps,
         spec_name=command.spec,
         overrides=command.overrides,
+        spec_text=command.spec_text if isinstance(command, Launch) else None,
         actor=actor,
         idempotency_key=key,
         launch=launch,
@@ -254,6 +259,26 @@ def _cleanup(deps: Deps, command: Cleanup, actor: Actor, key: str | None) -> Rep
     return Reply(text=messages.cleanup(summary), run_id=command.run, data=summary)
 
 
+def _token(deps: Deps, command: Token, actor: Actor, key: str | None) -> Reply:
+    if command.action == "list":
+        rows = api_tokens.tokens(deps, actor)
+        listed = [(row.id, row.name, row.expires_at, row.last_used_at) for row in rows]
+        return Reply(text=messages.token_list(listed))
+    if command.action == "revoke":
+        return Reply(
+            text=messages.tokens_revoked(api_tokens.revoke(deps, actor, command.name or ""))
+        )
+    issued = api_tokens.issue(deps, actor, name=command.name or "cli")
+    text = messages.token_issued(
+        issued.id,
+        issued.token,
+        name=issued.name,
+        expires=issued.expires_at,
+        url=deps.settings.public_url,
+    )
+    return Reply(text=text)
+
+
 # ----------------------------------------------------------------------------- the verbs
 
 #: Launch and preflight: they start compute (the dry run, then the launch) for a new run.
@@ -297,6 +322,10 @@ _DECLARED: tuple[Verb[Any], ...] = (
         private=False,
         handle=_cleanup,
     ),
+    # A token acts as the person who asked, in their channel, with what they may do there:
+    # it gives nothing chat does not, so anyone of the team may have one. Private: the
+    # reply holds the token.
+    Verb(Token, policy=ANYONE, private=True, handle=_token),
     Verb(
         Help,
         policy=ANYONE,

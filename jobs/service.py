@@ -62,7 +62,7 @@ from jobs.runs import (
     say,
     spec_of,
 )
-from jobs.spec import JobSpec, Resources, load_spec, stored_section
+from jobs.spec import JobSpec, Resources, load_spec, spec_from_text, stored_section
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +78,16 @@ def submit(
     actor: Actor,
     idempotency_key: str | None = None,
     launch: bool = True,
+    spec_text: str | None = None,
 ) -> Run:
     """Create a run and start its preflight in the background; a repeated key returns
-    the run the first request created, so a retried command launches once."""
-    spec = load_spec(spec_name, specs_dir=deps.settings.specs_dir, overrides=overrides)
+    the run the first request created, so a retried command launches once. ``spec_text``:
+    a spec file's text (the command-line client's), named ``spec_name``, instead of the
+    specs directory's file of that name."""
+    if spec_text is not None:
+        spec = spec_from_text(spec_text, name=spec_name, overrides=overrides)
+    else:
+        spec = load_spec(spec_name, specs_dir=deps.settings.specs_dir, overrides=overrides)
     # The code's ref, pinned to its commit now: every attempt and node runs that one.
     spec = pin_code(spec)
     checkpoint_uri = checkpoint_root(

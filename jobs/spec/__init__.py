@@ -6,7 +6,7 @@ command; unknown keys are errors. Why it is read and checked as it is: docs/arch
 """
 
 from jobs.spec.env import RESERVED_ENV_PREFIX, TUNABLE_ENV
-from jobs.spec.load import list_specs, load_spec, parse_spec, stored_section
+from jobs.spec.load import list_specs, load_spec, parse_spec, spec_from_text, stored_section
 from jobs.spec.model import JobSpec
 from jobs.spec.overrides import apply_overrides
 from jobs.spec.sections import (
@@ -58,5 +58,6 @@ __all__ = [
     "list_specs",
     "load_spec",
     "parse_spec",
+    "spec_from_text",
     "stored_section",
 ]

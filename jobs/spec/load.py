@@ -64,6 +64,12 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         raise SpecError(f"cannot read the spec file {path}: {exc.strerror}") from None
     except UnicodeDecodeError:
         raise SpecError(f"{path} is not UTF-8 text: save it as UTF-8") from None
+    return _spec_mapping(text, where=str(path))
+
+
+def _spec_mapping(text: str, *, where: str) -> dict[str, Any]:
+    """A spec file's text as a mapping, within the file bounds; ``where`` names it."""
+    path = where
     if len(text) > MAX_SPEC_FILE_CHARS:
         raise SpecError(
             f"{path} is too big ({len(text):,} characters, the most is "
@@ -146,6 +152,15 @@ def load_spec(
         name = name_or_path.strip()
         path = _find_spec_file(name, specs_dir)
     return parse_spec(_read_yaml(path), name=name, overrides=overrides, source=str(path))
+
+
+def spec_from_text(text: str, *, name: str, overrides: Sequence[str] = ()) -> JobSpec:
+    """A spec file's text sent by the command-line client (``trainbot launch
+    spec.yaml``): read, bounded and validated exactly as a file in the specs directory."""
+    where = f"the spec file sent ({clip(name)}.yaml)"
+    return parse_spec(
+        _spec_mapping(text, where=where), name=name, overrides=overrides, source=where
+    )
 
 
 # --- the spec stored on a run ---------------------------------------------------------

@@ -45,7 +45,7 @@ def _example(verb: str) -> str:
 
 def test_every_verb_of_help_has_exactly_one_declaration() -> None:
     listed = _listed_verbs()
-    assert len(listed) == 14 and len(set(listed)) == len(listed)
+    assert len(listed) == 15 and len(set(listed)) == len(listed)
     assert Counter(v.name for v in declared()) == Counter(listed)
     assert [v.name for v in declared()] == listed  # in the order help lists them
     for verb in declared():
@@ -194,7 +194,17 @@ def test_a_private_verbs_reply_is_for_the_caller_alone(
     # A verb whose public record is a run's card or an alert's message, or that answers
     # the caller alone; the Slack listener sends what is ephemeral to the caller only.
     private = {v.name for v in declared() if v.private}
-    assert private == {"launch", "preflight", "stop", "resubmit", "logs", "ack", "snooze", "help"}
+    assert private == {
+        "launch",
+        "preflight",
+        "stop",
+        "resubmit",
+        "logs",
+        "ack",
+        "snooze",
+        "token",
+        "help",
+    }
     cp, _ = console
     deps = cp.deps
     run_id = _run_of(deps, "ada")
