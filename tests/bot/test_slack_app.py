@@ -16,7 +16,7 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -42,6 +42,7 @@ from jobs.rules import Severity, Signal
 from jobs.runs import active_attempt, alert_target
 from jobs.settings import Settings, load_settings
 from tests.fakes.slack_api import FakeMessage, FakeSlack
+from tests.waiting import wait_until
 
 SECRET = "8f742231b10e8888abcd99yyyzzz85a5"
 TOKEN = "xoxb-test"
@@ -271,14 +272,6 @@ class Slack:
             runs = session.exec(select(Run)).all()
             assert len(runs) == 1, [r.id for r in runs]
             return runs[0].id
-
-
-def wait_until(pred: Callable[[], bool], timeout: float = 30.0, what: str = "it") -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def slack_settings(state: Path) -> Settings:

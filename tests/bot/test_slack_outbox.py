@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -35,6 +34,7 @@ from jobs.notify import (
     TextMessage,
 )
 from tests.fakes.slack_api import FakeSlack
+from tests.waiting import wait_until
 
 WINDOW_S = 0.05
 CHANNEL = "C0RUNS"
@@ -86,15 +86,6 @@ def unsent(engine: Engine) -> int:
     with session_scope(engine) as session:
         query = select(func.count()).select_from(SlackOutbox)
         return session.exec(query.where(col(SlackOutbox.sent_at).is_(None))).one()
-
-
-def wait_until(pred: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (found := pred()):
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.01)
-    return found
 
 
 def test_every_message_type_survives_the_round_trip() -> None:

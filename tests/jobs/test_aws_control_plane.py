@@ -49,6 +49,7 @@ from jobs.settings import load_settings
 from jobs.spec import JobSpec, parse_spec
 from runner.wire import Event, encode_batch
 from tests.fakes import aws as fake
+from tests.waiting import wait_until
 
 REGION = "us-east-1"
 #: Zones of moto's us-east-1 that offer g5.xlarge (A10G:1), as the spec lists them...
@@ -334,14 +335,6 @@ def control_plane(
     cp = ControlPlane(settings, notifier=notes, journal=journal, provider=aws, scheduler=False)
     with cp:
         yield cp, records, notes
-
-
-def wait_until(pred: Callable[[], object], *, what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def run_row(cp: ControlPlane, run_id: str) -> Run:

@@ -42,6 +42,7 @@ from jobs.spec import JobSpec
 from jobs.spend import remove_cloud_budgets, run_spent
 from jobs.tasks import cleanup_job, spend_job
 from tests.fakes import aws as fake
+from tests.waiting import wait_until
 
 T0 = datetime(2024, 5, 14, 10, 0, tzinfo=timezone.utc)
 ADA = Actor(user="ada", channel="C-ml", is_admin=False)
@@ -551,19 +552,13 @@ def test_a_resubmitted_capped_run_stays_stopped_until_its_budget_is_raised(
     def state(run_id: str) -> RunState:
         return get(cp.deps.engine, run_id).state
 
-    def wait_until(pred: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not pred():
-            assert time.monotonic() < deadline, f"timed out waiting for {what}"
-            time.sleep(0.1)
-
     overrides = ["dry_run.enabled=false", "budget.usd=5"]
     try:
         with cp:
             run = service.submit(cp.deps, spec_name="tiny", overrides=overrides, actor=ADA)
-            wait_until(lambda: state(run.id) == RunState.AWAITING_CONFIRMATION, "preflight")
+            wait_until(lambda: state(run.id) == RunState.AWAITING_CONFIRMATION, what="preflight")
             service.confirm(cp.deps, run.id, ADA)
-            wait_until(lambda: state(run.id) == RunState.RUNNING, "the run to start")
+            wait_until(lambda: state(run.id) == RunState.RUNNING, what="the run to start")
             time.sleep(0.6)  # $6 at $10 a second
             assert spend_job(cp.deps) == [run.id]
             assert state(run.id) is RunState.BUDGET_EXCEEDED
@@ -579,7 +574,7 @@ def test_a_resubmitted_capped_run_stays_stopped_until_its_budget_is_raised(
             reply = handle_text(cp.deps, f"resubmit {run.id} budget.usd=1000", ADA)
             assert reply.run_id is not None and reply.run_id != run.id, reply.text
             new = reply.run_id
-            wait_until(lambda: state(new) == RunState.RUNNING, "the resubmitted run to start")
+            wait_until(lambda: state(new) == RunState.RUNNING, what="the resubmitted run to start")
             raised = get(cp.deps.engine, new)
             assert raised.budget_raised_by == "ada" and raised.budget_usd == 1000.0
             assert raised.checkpoint_prefix == run.id  # it resumes the old checkpoints
@@ -590,7 +585,7 @@ def test_a_resubmitted_capped_run_stays_stopped_until_its_budget_is_raised(
             service.stop(cp.deps, new, ADA)
             wait_until(
                 lambda: all(i.state.is_terminal() for i in cp.deps.provider.list_instances()),
-                "every instance to end",
+                what="every instance to end",
             )
     finally:
         for inst in cp.deps.provider.list_instances():

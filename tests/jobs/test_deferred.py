@@ -33,15 +33,7 @@ from jobs.notify import DigestMessage
 from jobs.providers.local import LocalProvider
 from jobs.scheduler import catch_up_digest, take_lease
 from jobs.settings import Settings, load_settings
-
-
-def wait_until(pred: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (found := pred()):
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.01)
-    return found
+from tests.waiting import wait_until
 
 
 @pytest.fixture

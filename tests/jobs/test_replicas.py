@@ -31,6 +31,7 @@ from jobs.models import LEADER_LEASE, SchedulerLease, utcnow
 from jobs.providers.local import LocalProvider
 from jobs.runs import launch_attempt, provision, terminate_instance
 from jobs.settings import load_settings
+from tests.waiting import wait_until
 
 #: Short, so that a takeover happens within the test: renewed every third of it.
 LEASE_S = 1.0
@@ -50,16 +51,6 @@ class RecordingProvider(LocalProvider):
     def terminate(self, instance_id: str) -> None:
         self.calls.append(("terminate", instance_id))
         super().terminate(instance_id)
-
-
-def wait_until(pred: Callable[[], bool], timeout: float, what: str) -> float:
-    """Seconds it took ``pred`` to hold; fails the test after ``timeout``."""
-    start = time.monotonic()
-    while not pred():
-        if time.monotonic() - start > timeout:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
-    return time.monotonic() - start
 
 
 @pytest.fixture
@@ -118,7 +109,9 @@ def test_a_closed_leader_hands_over_at_once(make_replica) -> None:  # type: igno
     assert a.elector is not None and b.elector is not None
     first = a.elector.token
     a.close()  # releases the lease: b need not wait for it to expire
-    took = wait_until(lambda: leads(b), LEASE_S, "replica-b to lead")
+    start = time.monotonic()
+    wait_until(lambda: leads(b), LEASE_S, "replica-b to lead", every=0.02)
+    took = time.monotonic() - start
     assert took < LEASE_S
     assert first is not None and b.elector.token == first + 1
     assert leader_gauge(b) == 1
@@ -128,7 +121,9 @@ def test_a_crashed_leader_is_replaced_within_the_lease_time(make_replica) -> Non
     a, b = make_replica("replica-a"), make_replica("replica-b")
     assert a.elector is not None and b.elector is not None
     a.elector.stop(release=False)  # as kill -9 would: the lease stays until it expires
-    took = wait_until(lambda: leads(b), 2 * LEASE_S, "replica-b to take over")
+    start = time.monotonic()
+    wait_until(lambda: leads(b), 2 * LEASE_S, "replica-b to take over", every=0.02)
+    took = time.monotonic() - start
     assert took <= LEASE_S + LEASE_S / 3 + 0.5  # expiry, plus one renewal period, plus slack
 
 

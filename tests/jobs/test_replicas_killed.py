@@ -57,6 +57,7 @@ from jobs.providers.local import LocalProvider
 from tests.bot.test_slack_app import ResponseUrls, sign
 from tests.fakes.slack_api import FakeSlack
 from tests.jobs.conftest import POSTGRES_URL_ENV, _with_search_path
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 
@@ -88,17 +89,6 @@ resubmit:
 dry_run:
   enabled: false
 """
-
-
-def wait_until(pred: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        found = pred()
-        if found:
-            return found
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.01)
 
 
 # ----------------------------------------------------------------------------- the edges

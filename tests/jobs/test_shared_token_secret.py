@@ -33,6 +33,7 @@ from jobs.providers.local import LocalProvider
 from jobs.runs import launch_attempt, provision
 from jobs.settings import load_settings
 from runner.wire import Event, encode_batch
+from tests.waiting import wait_until
 
 SHARED = "a" * 16 + "shared-runner-token-secret"
 OTHER = "b" * 16 + "another-runner-token-secret"
@@ -57,14 +58,6 @@ class LocalCloud(LocalProvider):
             raise ReplicaKilled(req.attempt_id)
         self.launched.append(req)
         return super().launch(req)
-
-
-def wait_until(pred: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
 
 
 @pytest.fixture

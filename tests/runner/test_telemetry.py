@@ -7,7 +7,7 @@ import logging
 import math
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from runner.telemetry import (
 )
 from runner.wire import validate_payload
 from tests.fakes.ingest import FakeIngest
+from tests.waiting import wait_until
 
 TOKEN = "s3cr3t-attempt-token"
 
@@ -56,15 +57,6 @@ def metric(step: int, loss: float | None = None) -> dict[str, Any]:
     }
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
-
-
 def segments(spool: Path) -> list[Path]:
     return sorted(spool.glob("seg-*.jsonl"))
 
@@ -82,7 +74,8 @@ def test_no_event_is_lost_through_an_outage_and_503s(
     server.go_down()
     for step in range(500, 1500):
         r.emit("metrics", metric(step, loss=math.nan if step == 1234 else None))
-    assert wait_until(lambda: "failed" in caplog.text)  # it really hit a refused connection
+    # It really hit a refused connection.
+    wait_until(lambda: "failed" in caplog.text, 5, "the refused connection in the log")
     assert r.pending > 0
 
     server.fail_next(503, times=5)
@@ -314,7 +307,7 @@ def test_system_sampler_emits_and_stops_promptly(tmp_path: Path) -> None:
         records.extend(follower)
         return len(records) >= 4
 
-    assert wait_until(four_records)
+    wait_until(four_records, 5, "four system records")
     sampler.stop()
     slow = SystemSampler(sink, tmp_path, interval_s=60).start()
     started = time.monotonic()
