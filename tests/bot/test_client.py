@@ -58,8 +58,7 @@ resources:
 budget:
   usd: 50
 dry_run:
-  steps: 2
-  local: true
+  enabled: false
 """
 
 
@@ -178,7 +177,7 @@ def test_the_client_launches_lists_reads_logs_and_stops_as_chat_allows(
     code, said = call(s, erin, "logs", run_id)
     assert code == 1 and "no run" in said and run_id in said
 
-    # At $5 the estimate is over the budget: the run waits for "Launch anyway", which
+    # Without a dry run the preflight warns and the run waits for "Launch anyway", which
     # in chat (and here) is a resubmit, and only a launcher who owns the run may.
     wait_until(lambda: s.state(run_id) != RunState.PREFLIGHT, 60, "the preflight")
     assert s.state(run_id) == RunState.AWAITING_CONFIRMATION
