@@ -30,6 +30,7 @@ from runner.layout import delete_steps, scan
 from runner.nodes import Node
 from runner.pidfile import end_stale_dry_run, record_process_group, record_spawn
 from runner.preemption import choose_interval, daly_interval, flush_fits
+from runner.setup import SetupFailed, Workspace
 from runner.store import open_store, run_store
 from runner.telemetry import follow_file
 
@@ -46,6 +47,7 @@ class _Phase:
         events: Path,
         log: IO[bytes] | None,
         pid_file: Path | None = None,
+        cwd: Path | None = None,
     ) -> None:
         events.touch()
         self.follower = follow_file(events)
@@ -58,6 +60,7 @@ class _Phase:
             list(command),
             env=env,
             start_new_session=True,
+            cwd=cwd,
             stdout=log,
             stderr=subprocess.STDOUT if log is not None else None,
         )
@@ -145,6 +148,23 @@ def run_dry_run(
         tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="trainbot-dry-run-"))
         if pid_file is not None:
             stack.callback(pid_file.unlink, missing_ok=True)
+        # The run's code and its setup, as an attempt has them: the dry run runs in the
+        # checked-out commit, and its report says how long setup took.
+        workspace = Workspace.from_env(base)
+        cwd: Path | None = None
+        if workspace is not None:
+            try:
+                ready = workspace.prepare(
+                    base, feed=log.write if log is not None else None, echo=log is None
+                )
+            except SetupFailed as exc:
+                report.problems.append(f"setup failed: {exc}; its last lines:\n{exc.tail[-2000:]}")
+                return report
+            if log is not None:
+                log.flush()  # before the phases write to the same file
+            report.setup_s = round(ready.code_s + ready.prepared.seconds, 3)
+            report.setup = ready.lines()
+            base, cwd = ready.env, ready.cwd
         return _run_phases(
             command,
             report,
@@ -156,6 +176,7 @@ def run_dry_run(
             mtbp_s=mtbp_s,
             pid_file=pid_file,
             on_saved=on_saved,
+            cwd=cwd,
         )
 
 
@@ -171,6 +192,7 @@ def _run_phases(
     mtbp_s: float,
     pid_file: Path | None = None,
     on_saved: Callable[[], None] | None = None,
+    cwd: Path | None = None,
 ) -> DryRunReport:
     first = _Phase(
         command,
@@ -185,6 +207,7 @@ def _run_phases(
         tmp / "save.jsonl",
         log,
         pid_file,
+        cwd,
     )
     try:
         saved = _wait_for(first, "dry_run", deadline, phase="saved")
@@ -213,6 +236,7 @@ def _run_phases(
         tmp / "verify.jsonl",
         log,
         pid_file,
+        cwd,
     )
     try:
         while second.proc.poll() is None and time.monotonic() < deadline:

@@ -60,6 +60,11 @@ class DryRunReport:
     sample_uri: str | None = None
     sample_objects: int | None = None
     sample_bytes: int | None = None
+    #: Seconds the run's code and setup took before the first phase (checkout, then setup
+    #: or its environment restored); None: the run names neither.
+    setup_s: float | None = None
+    #: What was made ready, in words (the commit, setup's time, the environment's key).
+    setup: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
     def to_json(self) -> str:
@@ -78,6 +83,8 @@ class DryRunReport:
             f"  state after restore bit-identical: {self.saved_sha256 == self.restored_sha256}",
             f"  Daly interval    {fmt(self.daly_interval_s, ' s')} for MTBP {self.mtbp_s:.0f} s",
         ]
+        if self.setup_s is not None:
+            out.append(f"  code and setup   {fmt(self.setup_s, ' s')}: {'; '.join(self.setup)}")
         for name, fits in sorted(self.emergency_fits.items()):
             window = contract.TERMINATION_WINDOWS_S[name]
             out.append(f"  emergency checkpoint within {name}'s {window:.0f} s window: {fits}")

@@ -232,7 +232,7 @@ def _shell() -> list[str]:
 
 
 def _reader(
-    source: IO[bytes], tail: deque[bytes], feed: Callable[[bytes], None] | None
+    source: IO[bytes], tail: deque[bytes], feed: Callable[[bytes], object] | None, echo: bool
 ) -> threading.Thread:
     def run() -> None:
         fd = source.fileno()
@@ -244,8 +244,9 @@ def _reader(
                 break
             if not data:
                 break
-            with contextlib.suppress(OSError):
-                os.write(1, data)
+            if echo:
+                with contextlib.suppress(OSError):
+                    os.write(1, data)
             if feed is not None:
                 feed(data)
             pending += data
@@ -264,8 +265,9 @@ def run_setup(
     plan: SetupPlan,
     environ: Mapping[str, str],
     *,
-    feed: Callable[[bytes], None] | None = None,
+    feed: Callable[[bytes], object] | None = None,
     stop: Callable[[], bool] = lambda: False,
+    echo: bool = True,
 ) -> None:
     """Run each setup command in the code directory; raise :class:`SetupFailed` at the
     first that fails, :class:`SetupInterrupted` when ``stop()`` turns true meanwhile (the
@@ -276,8 +278,9 @@ def run_setup(
     tail: deque[bytes] = deque(maxlen=TAIL_LINES)
     for command in plan.commands:
         note = f"trainbot-runner: setup: {command}\n".encode()
-        with contextlib.suppress(OSError):
-            os.write(1, note)
+        if echo:
+            with contextlib.suppress(OSError):
+                os.write(1, note)
         if feed is not None:
             feed(note)
         proc = subprocess.Popen(
@@ -290,7 +293,7 @@ def run_setup(
             start_new_session=True,
         )
         assert proc.stdout is not None
-        reader = _reader(proc.stdout, tail, feed)
+        reader = _reader(proc.stdout, tail, feed, echo)
         while proc.poll() is None:
             if stop():
                 with contextlib.suppress(ProcessLookupError):
@@ -307,7 +310,7 @@ def run_setup(
                 proc.wait(timeout=_POLL_S)
         reader.join(timeout=5.0)
         if proc.returncode != 0:
-            text = b"\n".join(tail).decode("utf-8", errors="replace")
+            text = b"\n".join(tail).decode("utf-8", errors="replace")[-4000:]
             raise SetupFailed(
                 f"setup command {command[:200]!r} exited {proc.returncode}", tail=text
             )
@@ -437,9 +440,10 @@ def prepare_environment(
     environ: Mapping[str, str],
     *,
     store: Callable[[], Store] | None,
-    feed: Callable[[bytes], None] | None = None,
+    feed: Callable[[bytes], object] | None = None,
     stop: Callable[[], bool] = lambda: False,
     clock: Callable[[], float] = time.monotonic,
+    echo: bool = True,
 ) -> Prepared:
     """Restore the environment from the store, or run setup (and archive what it built).
     Raises :class:`SetupFailed` or :class:`SetupInterrupted`."""
@@ -457,7 +461,7 @@ def prepare_environment(
             why = f"the store could not be read ({exc})"
         if why is None:
             return Prepared("restored", clock() - start, key)
-    run_setup(plan, environ, feed=feed, stop=stop)
+    run_setup(plan, environ, feed=feed, stop=stop, echo=echo)
     took = clock() - start
     prepared = Prepared("ran", took, key, why=why)
     if key is not None and opened is not None:
@@ -526,8 +530,9 @@ class Workspace:
         self,
         env: Mapping[str, str],
         *,
-        feed: Callable[[bytes], None] | None = None,
+        feed: Callable[[bytes], object] | None = None,
         stop: Callable[[], bool] = lambda: False,
+        echo: bool = True,
     ) -> Ready:
         """Check out (or unpack) the code, then restore or build its environment.
         Raises :class:`SetupFailed` (the code too could not be had) or
@@ -541,5 +546,5 @@ class Workspace:
         plan = SetupPlan.from_env(self.environ, self.code_dir)
         if code is None:
             plan = dataclasses.replace(plan, venv=None)
-        prepared = prepare_environment(plan, env, store=self.store, feed=feed, stop=stop)
+        prepared = prepare_environment(plan, env, store=self.store, feed=feed, stop=stop, echo=echo)
         return Ready(self.code_dir, activated(env, plan.venv), code, prepared, code_s)

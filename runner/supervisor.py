@@ -202,8 +202,8 @@ class Supervisor:
                 {
                     "code": EXIT_FAILED,
                     "reason": "setup_failed",
-                    "detail": str(exc),
-                    "log_tail": exc.tail or (self.logs.tail() if self.logs else ""),
+                    # What failed first, then its last lines.
+                    "log_tail": f"{exc}\n{exc.tail or (self.logs.tail() if self.logs else '')}",
                 },
             )
             self._exit_reported = True

@@ -105,7 +105,8 @@ def on_attempt_event(deps: Deps, attempt_id: str, type_: str, data: dict[str, An
             ended = (state, code, f"runner exited {code} ({reason})")
             if reason == "setup_failed":
                 # Its own end: the command never ran, and another instance would fail alike.
-                detail = str(data.get("detail") or "a setup command failed")
+                first = str(data.get("log_tail") or "").partition("\n")[0].strip()
+                detail = first[:300] or "a setup command failed"
                 ended = (
                     state,
                     code,

@@ -31,7 +31,8 @@ Float = Union[float, Literal["NaN", "Infinity", "-Infinity"]]  # noqa: UP007
 Int = Annotated[int, msgspec.Meta(ge=-_I64_MAX - 1, le=_I64_MAX)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=_I64_MAX)]
 UnixTime = Annotated[float, msgspec.Meta(ge=0.0, lt=MAX_UNIX_TIME, description="unix seconds")]
-#: ``setup_failed``: the spec's setup (or fetching its code) failed before the command ran.
+#: ``setup_failed``: the spec's setup (or fetching its code) failed before the command ran;
+#: the first line of its ``log_tail`` says which command, and how.
 ExitReason = Literal["succeeded", "preempted", "failed", "stopped", "setup_failed"]
 
 
@@ -116,8 +117,6 @@ class ExitData(Payload):
     #: thread; the whole output is in the run's store (:mod:`runner.logship`). None: not
     #: captured (an older runner, a success).
     log_tail: str | None = None
-    #: A setup failure: which setup command failed, and how (for the run's thread).
-    detail: str | None = None
 
 
 class HeartbeatData(Payload):

@@ -70,7 +70,6 @@ PAYLOADS: dict[str, dict[str, Any]] = {
             "summary": "flushed step 120; step 180 did not land in time",
         },
         "log_tail": "step 180\nRuntimeError: loss <nan> & rising",
-        "detail": None,
     },
     "heartbeat": {"step": None},
     "log": {"level": "warning", "message": "data loader slow"},
