@@ -34,6 +34,7 @@ from runner.errors import RunnerError
 
 __all__ = [
     "ARCHIVE_NAME",
+    "DEFAULT_DEPLOY_KEY",
     "DEFAULT_EXCLUDES",
     "CodeError",
     "Resolved",
@@ -54,6 +55,9 @@ ARCHIVE_NAME = re.compile(r"code-([0-9a-f]{64})\.tar\.gz")
 #: directory adds patterns of its own (one per line, ``#`` comments, gitignore-like).
 DEFAULT_EXCLUDES = (".git", ".venv", "venv", "__pycache__", "*.pyc", ".mypy_cache", ".DS_Store")
 IGNORE_FILE = ".trainbotignore"
+#: The deploy key a runner uses when TRAINBOT_GIT_SSH_KEY_FILE is unset: where an admin's
+#: machine image (or its boot) puts the key of the team's private repositories.
+DEFAULT_DEPLOY_KEY = Path("/etc/trainbot/git-deploy-key")
 _SHA = re.compile(r"[0-9a-f]{40}")
 #: Seconds a git command may take to answer (ls-remote at submit, a fetch on the instance).
 _GIT_TIMEOUT_S = 60.0
@@ -80,6 +84,8 @@ def git_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     env["GIT_TERMINAL_PROMPT"] = "0"
     env.setdefault("GIT_ASKPASS", "true")
     key = contract.GIT_SSH_KEY_FILE.get(env)
+    if key is None and DEFAULT_DEPLOY_KEY.is_file():
+        key = DEFAULT_DEPLOY_KEY  # where an admin's machine image puts it
     if key is not None:
         env["GIT_SSH_COMMAND"] = (
             f"ssh -i {shlex.quote(str(key))} -o IdentitiesOnly=yes -o BatchMode=yes "

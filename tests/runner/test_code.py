@@ -142,3 +142,35 @@ def test_the_dry_run_runs_setup_in_the_code_and_says_how_long_it_took(tmp_path: 
     assert "the command exited 0 without reporting anything" in report.problems[0]
     assert "touch built-by-setup" in (tmp_path / "dry-run.log").read_text()
     assert any(line.startswith("  code and setup") for line in report.lines())
+
+
+def test_a_notice_during_setup_ends_the_attempt_preempted_not_failed(tmp_path: Path) -> None:
+    import threading
+    import time
+
+    from runner import EXIT_PREEMPTED
+    from runner import env as contract
+    from runner.preemption import Notice, PreemptionFlag
+    from runner.setup import Workspace
+    from runner.supervisor import Supervisor
+    from runner.telemetry import NullSink
+
+    environ = dict(os.environ) | contract.render({contract.SETUP: ["echo installing; sleep 30"]})
+    workspace = Workspace.from_env(environ | {contract.CODE_DIR.name: str(tmp_path)})
+    assert workspace is not None
+    flag = PreemptionFlag()
+    sup = Supervisor(
+        [sys.executable, "-c", "print('never runs')"],
+        sink=NullSink(),
+        flag=flag,
+        env=environ,
+        install_signals=False,
+        workspace=workspace,
+    )
+    now = time.monotonic()
+    notice = Notice(source="signal", reason="test", received_at=now, deadline=now + 30)
+    threading.Timer(0.5, flag.set, args=(notice,)).start()
+    started = time.monotonic()
+    assert sup.run() == EXIT_PREEMPTED
+    assert time.monotonic() - started < 10  # the setup's sleep was ended, not waited for
+    assert sup.child is None
