@@ -491,6 +491,15 @@ def main(argv: list[str] | None = None) -> int:
     except (TrainbotError, BotError) as exc:
         print(f"trainbot: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        print(
+            f"trainbot: a port is already in use ({exc.strerror}): another trainbot is "
+            "listening there; stop it, or choose free ones (--port, --admin-port; 0 picks one)",
+            file=sys.stderr,
+        )
+        return 2
     except KeyboardInterrupt:
         return 130
 
