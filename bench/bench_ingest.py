@@ -17,7 +17,11 @@ Where the time goes is measured too: decoding (``runner.wire.decode_batch_column
 what the service decodes with, alone on the same bodies) and the rules (timed inside the
 service), per event; the rest is storing.
 
-Goal: ``ratio = sqlite events/s ÷ 100,000 >= 1`` and alert latency <= 1 s.
+Goal: ``ratio = sqlite events/s ÷ 100,000 >= 1`` and alert latency <= 1 s; when
+PostgreSQL ran, ``postgres_to_sqlite`` (PostgreSQL's events/s ÷ SQLite's, medians of the
+same run) >= 0.5. Every batch of the mix carries a checkpoint, so every PostgreSQL commit
+here waits for the disk (a batch of telemetry only would not: see docs/architecture.md,
+"Ingest").
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from runner.wire import Event, decode_batch_columns, encode_batch
 
 GOAL_EVENTS_PER_S = 100_000.0
 GOAL_ALERT_S = 1.0
+GOAL_POSTGRES_TO_SQLITE = 0.5
 POSTGRES_ENV = "TRAINBOT_TEST_POSTGRES_URL"
 
 
@@ -343,11 +348,12 @@ def run(
     rules_us = sqlite.rules_s[0] / total_events * 1e6
     postgres = by_name.get("postgres")
     latency = max(sqlite.latencies)
+    postgres_rate = statistics.median(postgres.rates) if postgres else None
+    to_sqlite = None if postgres_rate is None else postgres_rate / sqlite_rate
     figures: dict[str, Any] = {
         "sqlite_events_per_s": rounded(sqlite_rate, 0),
-        "postgres_events_per_s": rounded(statistics.median(postgres.rates), 0)
-        if postgres
-        else None,
+        "postgres_events_per_s": rounded(postgres_rate, 0),
+        "postgres_to_sqlite": rounded(to_sqlite, 3),
         "sqlite_rounds_events_per_s": [round(r) for r in sqlite.rates],
         "postgres_rounds_events_per_s": [round(r) for r in postgres.rates] if postgres else None,
         "alert_latency_s": None if math.isinf(latency) else round(latency, 4),
@@ -369,13 +375,18 @@ def run(
     if postgres_note:
         figures["postgres_skipped"] = postgres_note
     ratio = sqlite_rate / GOAL_EVENTS_PER_S
-    met = ratio >= 1.0 and latency <= GOAL_ALERT_S
+    met = (
+        ratio >= 1.0
+        and latency <= GOAL_ALERT_S
+        and (to_sqlite is None or to_sqlite >= GOAL_POSTGRES_TO_SQLITE)
+    )
     return {
         "bench": "ingest",
         "ratio": round(ratio, 4),
         "goal": 1.0,
         "goal_is": f"ratio >= 1.0 (sqlite events/s / {GOAL_EVENTS_PER_S:,.0f}) and "
-        f"alert_latency_s <= {GOAL_ALERT_S}",
+        f"alert_latency_s <= {GOAL_ALERT_S} and, when PostgreSQL ran, postgres_to_sqlite "
+        f">= {GOAL_POSTGRES_TO_SQLITE} (its events/s / sqlite's, same run)",
         "met": met,
         "figures": figures,
         "quick": bool(args.quick),

@@ -13,7 +13,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, Engine, bindparam, case, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
@@ -52,6 +52,33 @@ class Applied:
     #: The attempt's profile window ended with this batch (``jobs.runs.profile``): the
     #: projection is due, once.
     profile_due: bool = False
+
+
+@dataclass
+class Changes:
+    """What a batch's new events change on its attempt and run, worked out before anything
+    is written, so that each database writes them its own way."""
+
+    #: The parameters of the attempt's UPDATE (``Effects._update_attempt``): None leaves a
+    #: column as it is.
+    attempt: dict[str, Any]
+    #: ``checkpoints`` rows to upsert, one per step (the last report of a step wins).
+    checkpoints: list[dict[str, Any]]
+    #: The run's step and last committed step to move forward to (None: no change).
+    top_step: int | None
+    top_committed: int | None
+    #: The attempt's profile window ended with this batch (it is marked once, after).
+    profile_ended: bool
+
+
+class Outcome(NamedTuple):
+    """What the rules need of the run after the batch's writes."""
+
+    last_step: int | None
+    last_committed_step: int | None
+    budget_usd: float | None
+    #: When the run's preempted or lost attempts ended (unix seconds).
+    preemption_times: tuple[float, ...]
 
 
 class Effects:
@@ -144,9 +171,8 @@ class Effects:
                 runs.last_step, runs.last_committed_step, runs.budget_usd
             )
 
-    def apply(
+    def changes(
         self,
-        connection: Connection,
         attempt: Any,
         new: Batch,
         *,
@@ -155,10 +181,10 @@ class Effects:
         applied: Applied,
         now: datetime,
         node: int = 0,
-    ) -> None:
-        """The side effects of the new events, inside the batch's transaction. ``node``:
-        a multi-node attempt's node that sent them; the attempt's high-water seq is node
-        0's (the others' batches are always checked for repeats)."""
+    ) -> Changes:
+        """What the new events change on the attempt and run (nothing is written yet).
+        ``node``: a multi-node attempt's node that sent them; the attempt's high-water seq
+        is node 0's (the others' batches are always checked for repeats)."""
         run_id, attempt_id = applied.run_id, new.attempt
         top_seq = attempt.last_seq if node else max(new.seqs)
         top_step = max(steps) if steps else None
@@ -180,7 +206,7 @@ class Effects:
             "p_state": None,
         }
         state = attempt.state
-        committed: list[Event] = []
+        committed: dict[int, dict[str, Any]] = {}
         for event in applied.lifecycle:
             kind, data = event.type, event.data
             if kind == "started":
@@ -193,58 +219,87 @@ class Effects:
                 if values["p_notice_at"] is None:
                     values["p_notice_at"] = event_datetime(event.time)
             elif kind == "checkpoint_committed":
-                committed.append(event)
+                # The last report of a step wins, as a later upsert of it would.
+                committed.pop(data["step"], None)
+                committed[data["step"]] = self._checkpoint(event, new, run_id, attempt_id)
         if state != attempt.state:
             values["p_state"] = state
-        connection.execute(self._update_attempt, values)
-        if attempt.profiled_at is None and _profile_ended(attempt, top_step, applied.max_time):
-            marked = connection.execute(
-                self._mark_profiled, {"attempt_id": attempt_id, "p_now": now}
-            )
-            applied.profile_due = marked.rowcount == 1
-        for event in committed:
-            data = event.data
-            step = data["step"]
-            metrics = data.get("metrics")
-            if not isinstance(metrics, Mapping):
-                at_step = _last_metrics_at(new.types, new.data, step)
-                metrics = {}
-                if at_step is not None:
-                    metrics = dict(at_step.get("metrics") or {})
-                    if at_step.get("loss") is not None:
-                        metrics["loss"] = at_step["loss"]
-            connection.execute(
-                self._upsert_checkpoint,
-                {
-                    "run_id": run_id,
-                    "attempt_id": attempt_id,
-                    "step": step,
-                    "uri": data["uri"],
-                    "bytes": data["bytes"],
-                    "committed_at": event_datetime(event.time),
-                    "metrics": json_safe(dict(metrics)),
-                    "deleted_at": None,
-                },
-            )
-        top_committed = max(e.data["step"] for e in committed) if committed else None
+        return Changes(
+            attempt=values,
+            checkpoints=list(committed.values()),
+            top_step=top_step,
+            top_committed=max(committed) if committed else None,
+            profile_ended=attempt.profiled_at is None
+            and _profile_ended(attempt, top_step, applied.max_time),
+        )
+
+    @staticmethod
+    def _checkpoint(event: Event, new: Batch, run_id: str, attempt_id: str) -> dict[str, Any]:
+        """The ``checkpoints`` row of a ``checkpoint_committed`` event."""
+        data = event.data
+        step = data["step"]
+        metrics = data.get("metrics")
+        if not isinstance(metrics, Mapping):
+            at_step = _last_metrics_at(new.types, new.data, step)
+            metrics = {}
+            if at_step is not None:
+                metrics = dict(at_step.get("metrics") or {})
+                if at_step.get("loss") is not None:
+                    metrics["loss"] = at_step["loss"]
+        return {
+            "run_id": run_id,
+            "attempt_id": attempt_id,
+            "step": step,
+            "uri": data["uri"],
+            "bytes": data["bytes"],
+            "committed_at": event_datetime(event.time),
+            "metrics": json_safe(dict(metrics)),
+            "deleted_at": None,
+        }
+
+    def apply(self, connection: Connection, changes: Changes, *, run_id: str) -> Outcome:
+        """Write ``changes`` one statement each (SQLite, where a statement is a function
+        call; PostgreSQL writes them all in one: :mod:`jobs.ingest.postgres`)."""
+        connection.execute(self._update_attempt, changes.attempt)
+        for row in changes.checkpoints:
+            connection.execute(self._upsert_checkpoint, row)
         run = None
-        if top_step is not None or top_committed is not None:
-            updated = connection.execute(
-                self._update_run,
-                {"run_id": run_id, "p_step": top_step, "p_committed": top_committed},
-            )
+        if changes.top_step is not None or changes.top_committed is not None:
+            params = {"p_step": changes.top_step, "p_committed": changes.top_committed}
+            updated = connection.execute(self._update_run, {"run_id": run_id, **params})
             if self._update_returns:
                 run = updated.first()
         if run is None:
             run = connection.execute(self._read_run, {"run_id": run_id}).first()
-        if run is not None:
-            applied.last_step = run.last_step
-            applied.last_committed_step = run.last_committed_step
-            applied.budget_usd = run.budget_usd
-        applied.preemption_times = tuple(
+        preemptions = tuple(
             t.timestamp()
             for t in connection.execute(self._preemptions, {"run_id": run_id}).scalars()
         )
+        if run is None:
+            return Outcome(None, None, None, preemptions)
+        return Outcome(run.last_step, run.last_committed_step, run.budget_usd, preemptions)
+
+    def finish(
+        self,
+        connection: Connection,
+        changes: Changes,
+        outcome: Outcome,
+        *,
+        applied: Applied,
+        now: datetime,
+    ) -> None:
+        """Mark the attempt profiled when its window ended (once), and tell ``applied``
+        what the rules need of the run."""
+        if changes.profile_ended:
+            marked = connection.execute(
+                self._mark_profiled,
+                {"attempt_id": changes.attempt["attempt_id"], "p_now": now},
+            )
+            applied.profile_due = marked.rowcount == 1
+        applied.last_step = outcome.last_step
+        applied.last_committed_step = outcome.last_committed_step
+        applied.budget_usd = outcome.budget_usd
+        applied.preemption_times = outcome.preemption_times
 
     @staticmethod
     def _started(state: AttemptState, attempt_id: str) -> AttemptState:

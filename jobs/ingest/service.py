@@ -12,13 +12,14 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, Engine, and_, bindparam, select
+from sqlalchemy import Connection, Engine, Select, and_, bindparam, func, select, text
 from sqlalchemy.exc import SQLAlchemyError
 
 from jobs.ingest.auth import REVOKED, Principal, Tokens, bearer
 from jobs.ingest.effects import Applied, Effects
+from jobs.ingest.postgres import write_batch
 from jobs.ingest.windows import WINDOW_EVENTS, Point, Windows
-from jobs.ingest.writers import WRITERS, Kinds, insert_events
+from jobs.ingest.writers import Kinds, SqliteWriter, event_writes
 from jobs.logs import log_context
 from jobs.models import Attempt, EventRow, MetricBlock, Run, table_of, utcnow
 from jobs.rules import Rule, Signal
@@ -42,6 +43,10 @@ _I64_MAX = 2**63 - 1
 
 _ATTEMPTS = table_of(Attempt)
 _EVENTS = table_of(EventRow)
+#: Whether the PostgreSQL server can compress TOAST with lz4 (NULL before PostgreSQL 14).
+_HAS_LZ4 = text(
+    "SELECT 'lz4' = ANY(enumvals) FROM pg_settings WHERE name = 'default_toast_compression'"
+)
 _BLOCKS = table_of(MetricBlock)
 
 SignalSink = Callable[[str, list[Signal], datetime], None]
@@ -106,7 +111,10 @@ class IngestService:
         self._tokens = Tokens(engine, attempt_token=attempt_token)
         self._windows = Windows(engine, rules_for=rules_for)
         self._effects = Effects(engine)
-        self._writer = WRITERS[engine.dialect.name]()
+        self._sqlite_writer = SqliteWriter()
+        #: Whether the server compresses TOAST with lz4 (PostgreSQL 14 and newer, built
+        #: with it); asked at the first batch.
+        self._lz4: bool | None = None
         self._build_statements()
 
     # --- the request ----------------------------------------------------------------
@@ -216,7 +224,19 @@ class IngestService:
             attempts.profile_until_s,
             attempts.profiled_at,
         ).where(attempts.id == bindparam("attempt_id"))
-        self._read_attempt = read_attempt.with_for_update() if self._postgres else read_attempt
+        self._read_attempt = read_attempt
+        #: PostgreSQL: (lz4, telemetry only) -> the read, which also sets the
+        #: transaction's settings (no round trip of their own; see _store).
+        self._pg_reads: dict[tuple[bool, bool], Select[Any]] = {}
+        for lz4 in (False, True):
+            for telemetry in (False, True):
+                read = read_attempt.with_for_update()
+                if lz4:
+                    lz4_toast = func.set_config("default_toast_compression", "lz4", True)
+                    read = read.add_columns(lz4_toast)
+                if telemetry:
+                    read = read.add_columns(func.set_config("synchronous_commit", "off", True))
+                self._pg_reads[(lz4, telemetry)] = read
         self._existing_seqs = select(events.seq).where(
             and_(
                 events.attempt_id == bindparam("attempt_id"),
@@ -244,7 +264,12 @@ class IngestService:
         """
         attempt_id = principal.attempt_id
         with self._engine.begin() as connection:
-            attempt = connection.execute(self._read_attempt, {"attempt_id": attempt_id}).first()
+            read = self._read_attempt
+            if self._postgres:
+                if self._lz4 is None:
+                    self._lz4 = bool(connection.execute(_HAS_LZ4).scalar())
+                read = self._pg_reads[(self._lz4, kinds.telemetry_only)]
+            attempt = connection.execute(read, {"attempt_id": attempt_id}).first()
             if attempt is None or attempt.token_hash != principal.token_hash:
                 return None
             # A node after the first numbers its events from node × NODE_SEQ_SPAN, above
@@ -259,7 +284,7 @@ class IngestService:
             )
             if not new:
                 return applied
-            # The hot path: whole columns, no object per event (see writers.insert_events).
+            # The hot path: whole columns, no object per event (see writers.event_writes).
             types, times = new.types, new.times
             if new is not batch:  # some were stored already
                 kinds = Kinds.of(types)
@@ -281,17 +306,15 @@ class IngestService:
                     self._rare(new.event(index), attempt.number, steps, applied)
             applied.observations["system"] = system
             applied.max_time = max(times)
-            insert_events(
-                self._writer,
-                connection,
+            events = event_writes(
                 attempt_id=attempt_id,
                 run_id=principal.run_id,
                 new=new,
                 kinds=kinds,
                 now=now,
+                suffix="+00:00" if self._postgres else "",
             )
-            self._effects.apply(
-                connection,
+            changes = self._effects.changes(
                 attempt,
                 new,
                 steps=steps,
@@ -300,6 +323,12 @@ class IngestService:
                 now=now,
                 node=batch.node,
             )
+            if self._postgres:
+                outcome = write_batch(connection, events, changes, run_id=principal.run_id)
+            else:
+                self._sqlite_writer.insert(connection, events)
+                outcome = self._effects.apply(connection, changes, run_id=principal.run_id)
+            self._effects.finish(connection, changes, outcome, applied=applied, now=now)
         return applied
 
     @staticmethod

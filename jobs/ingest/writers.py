@@ -1,8 +1,10 @@
-"""The database writers of the events a batch stores, one per dialect behind one Protocol.
+"""The rows of the events a batch stores, and SQLite's writer of them.
 
 A batch's metrics become one ``metric_blocks`` row and its other events rows of
-``events``, in as few statements as the database allows, with the times and payloads
-already in the text the columns take. See ``docs/architecture.md``, "Ingest".
+``events``, with the times and payloads already in the text the columns take
+(:func:`event_writes`). SQLite inserts them in as few statements as it allows
+(:class:`SqliteWriter`); PostgreSQL sends them in the one statement that writes the
+whole batch (:mod:`jobs.ingest.postgres`). See ``docs/architecture.md``, "Ingest".
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from itertools import chain
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import orjson
 from sqlalchemy import Connection
@@ -25,15 +27,6 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 _NAIVE_EPOCH = datetime(1970, 1, 1)
 #: The events insert's columns, in the order of the row tuples.
 _EVENT_COLUMNS = ("attempt_id", "run_id", "seq", "type", "time", "data", "received_at")
-#: The PostgreSQL events insert: the batch's columns as arrays (see PostgresWriter).
-_PG_INSERT_EVENTS = (
-    "INSERT INTO events (attempt_id, run_id, seq, type, time, data, received_at) "
-    "SELECT %(attempt_id)s, %(run_id)s, u.seq, u.type, u.time::timestamptz, u.data::json, "
-    "%(received_at)s::timestamptz "
-    "FROM unnest(%(seqs)s::bigint[], %(types)s::text[], %(times)s::text[], %(texts)s::text[]) "
-    "AS u(seq, type, time, data) "
-    "ON CONFLICT (attempt_id, seq) DO NOTHING"
-)
 #: SQLite: rows per multi-row events INSERT, largest first. Powers of two, so a batch of
 #: any size takes a few statements of only eight kinds (each prepared once, then cached
 #: by the driver), and 128 rows stay under the 999 parameters of old SQLite.
@@ -72,12 +65,6 @@ _SQLITE_INSERT_BLOCK = (
     f"INSERT INTO metric_blocks ({', '.join(BLOCK_COLUMNS)}) "
     f"VALUES ({', '.join('?' * len(BLOCK_COLUMNS))})"
 )
-_PG_INSERT_BLOCK = (
-    f"INSERT INTO metric_blocks ({', '.join(BLOCK_COLUMNS)}) VALUES ("
-    "%(attempt_id)s, %(run_id)s, %(first_seq)s, %(last_seq)s, %(count)s, "
-    "%(first_time)s::timestamptz, %(last_time)s::timestamptz, %(seqs)s::json, "
-    "%(times)s::json, %(data)s::json, %(received_at)s::timestamptz)"
-)
 
 
 def time_texts(times: Sequence[float], *, suffix: str = "") -> list[str]:
@@ -108,6 +95,11 @@ def time_texts(times: Sequence[float], *, suffix: str = "") -> list[str]:
     return texts
 
 
+#: The event types that are measurements only: a batch of nothing else may be committed
+#: without waiting for the disk on PostgreSQL (see docs/architecture.md, "Ingest").
+TELEMETRY = frozenset({"metrics", "system", "heartbeat"})
+
+
 @dataclass
 class Kinds:
     """Where each kind of event is in a batch's columns."""
@@ -116,13 +108,16 @@ class Kinds:
     metrics: list[int]
     #: Positions of every other event.
     others: list[int]
+    #: Whether every event is telemetry (:data:`TELEMETRY`): no lifecycle event, no log.
+    telemetry_only: bool
 
     @classmethod
     def of(cls, types: Sequence[str]) -> Kinds:
         metrics = [i for i, kind in enumerate(types) if kind == "metrics"]
         if len(metrics) == len(types):
-            return cls(metrics, [])
-        return cls(metrics, [i for i, kind in enumerate(types) if kind != "metrics"])
+            return cls(metrics, [], True)
+        others = [i for i, kind in enumerate(types) if kind != "metrics"]
+        return cls(metrics, others, all(types[i] in TELEMETRY for i in others))
 
 
 def event_datetime(seconds: float) -> datetime:
@@ -142,20 +137,37 @@ class EventRows(NamedTuple):
     times: list[str]
 
 
-class EventWriter(Protocol):
-    """Inserts a batch's new events, inside the batch's transaction."""
+class EventWrites(NamedTuple):
+    """What a batch stores of its events, in the columns' text."""
 
-    #: What follows each time text (see :func:`time_texts`): ``""`` for SQLite's naive
-    #: DATETIME, ``"+00:00"`` for PostgreSQL's timestamptz.
-    time_suffix: str
+    #: The batch's arrival time, as the column's text.
+    received: str
+    #: The events other than metrics, bound for ``events``; None when there are none.
+    rows: EventRows | None
+    #: The metrics as one ``metric_blocks`` row, in :data:`BLOCK_COLUMNS` order; None
+    #: when there are none.
+    block: tuple[Any, ...] | None
 
-    def insert_rows(self, connection: Connection, rows: EventRows) -> None:
-        """Insert the events of ``rows.new`` as rows of ``events``."""
-        ...
 
-    def insert_block(self, connection: Connection, values: Sequence[Any]) -> None:
-        """Insert one ``metric_blocks`` row, ``values`` in :data:`BLOCK_COLUMNS` order."""
-        ...
+def event_writes(
+    *, attempt_id: str, run_id: str, new: Batch, kinds: Kinds, now: datetime, suffix: str
+) -> EventWrites:
+    """The new events as rows: the metrics as one block, the others as rows of ``events``.
+
+    The times go in as the database's text (see :func:`time_texts`: ``suffix`` is ``""``
+    for SQLite's naive DATETIME, ``"+00:00"`` for PostgreSQL's timestamptz) and the data as
+    the wire's JSON text, so the driver converts nothing.
+    """
+    received = time_texts([now.timestamp()], suffix=suffix)[0]
+    rows = None
+    if kinds.others:
+        others = new.select(kinds.others) if kinds.metrics else new
+        times = time_texts(others.times, suffix=suffix)
+        rows = EventRows(attempt_id, run_id, received, others, times)
+    block = None
+    if kinds.metrics:
+        block = _block_values(attempt_id, run_id, new, kinds.metrics, received, suffix)
+    return EventWrites(received, rows, block)
 
 
 class SqliteWriter:
@@ -167,77 +179,19 @@ class SqliteWriter:
     prepares these statements again for every batch, which costs four times as much.
     """
 
-    time_suffix = ""
-
-    def insert_rows(self, connection: Connection, rows: EventRows) -> None:
-        new = rows.new
-        values = list(
-            chain.from_iterable(zip(new.seqs, new.types, rows.times, new.texts, strict=True))
-        )
-        _sqlite_insert_events(connection, [rows.attempt_id, rows.run_id, rows.received], values)
-
-    def insert_block(self, connection: Connection, values: Sequence[Any]) -> None:
-        with _sqlite_cursor(connection) as execute:
-            execute(_SQLITE_INSERT_BLOCK, values)
-
-
-class PostgresWriter:
-    """The columns as four arrays into one ``INSERT … SELECT FROM unnest(…)``: one
-    statement and one round trip for the whole batch."""
-
-    time_suffix = "+00:00"
-
-    def insert_rows(self, connection: Connection, rows: EventRows) -> None:
-        connection.exec_driver_sql(
-            _PG_INSERT_EVENTS,
-            {
-                "attempt_id": rows.attempt_id,
-                "run_id": rows.run_id,
-                "received_at": rows.received,
-                "seqs": rows.new.seqs,
-                "types": rows.new.types,
-                "times": rows.times,
-                "texts": rows.new.texts,
-            },
-        )
-
-    def insert_block(self, connection: Connection, values: Sequence[Any]) -> None:
-        connection.exec_driver_sql(_PG_INSERT_BLOCK, dict(zip(BLOCK_COLUMNS, values, strict=True)))
-
-
-#: The writer of each dialect the control plane runs on.
-WRITERS: dict[str, Callable[[], EventWriter]] = {
-    "sqlite": SqliteWriter,
-    "postgresql": PostgresWriter,
-}
-
-
-def insert_events(
-    writer: EventWriter,
-    connection: Connection,
-    *,
-    attempt_id: str,
-    run_id: str,
-    new: Batch,
-    kinds: Kinds,
-    now: datetime,
-) -> None:
-    """Store the new events: the metrics as one block, the others as rows.
-
-    The times go in as the database's text (see :func:`time_texts`) and the data as the
-    wire's JSON text, so the driver converts nothing.
-    """
-    suffix = writer.time_suffix
-    received = time_texts([now.timestamp()], suffix=suffix)[0]
-    if kinds.others:
-        others = new.select(kinds.others) if kinds.metrics else new
-        times = time_texts(others.times, suffix=suffix)
-        writer.insert_rows(connection, EventRows(attempt_id, run_id, received, others, times))
-    if kinds.metrics:
-        writer.insert_block(
-            connection,
-            _block_values(attempt_id, run_id, new, kinds.metrics, received, suffix),
-        )
+    def insert(self, connection: Connection, writes: EventWrites) -> None:
+        """Insert a batch's events, inside the batch's transaction."""
+        rows = writes.rows
+        if rows is not None:
+            new = rows.new
+            values = list(
+                chain.from_iterable(zip(new.seqs, new.types, rows.times, new.texts, strict=True))
+            )
+            shared = [rows.attempt_id, rows.run_id, rows.received]
+            _sqlite_insert_events(connection, shared, values)
+        if writes.block is not None:
+            with _sqlite_cursor(connection) as execute:
+                execute(_SQLITE_INSERT_BLOCK, writes.block)
 
 
 def _block_values(
