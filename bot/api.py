@@ -11,7 +11,8 @@ command goes through the same dispatcher and the same authoriser as in Slack
 theirs, is refused here exactly as in chat, and the refusal is audited the same way.
 A ``spec`` is a spec file's text (``trainbot launch spec.yaml``), read and validated as
 a file in the specs directory is (:func:`jobs.spec.spec_from_text`); only ``launch``
-takes one.
+takes one. An ``Idempotency-Key`` header makes a launch once per key and person: a
+retry (a CI job's, after a timeout) gets the run the first request created.
 
 The answer is JSON: ``{"ok", "status", "text", "run_id", "alert_id"}``, ``text`` being
 the reply as plain text (no Slack escaping). ``status`` and the HTTP status say how it
@@ -157,7 +158,10 @@ class CommandsApi:
                 return 400, _answer("invalid", "A spec file goes with launch <name> only."), []
             command = replace(command, spec_text=spec)
         caller = Caller(team=None, user=holder.user, channel=holder.channel)
-        reply = dispatch(self._deps, command, caller, auth=self._auth, markup="plain")
+        # A retried launch (CI after a timeout) with the same key returns the first's run.
+        retry_key = str(environ.get("HTTP_IDEMPOTENCY_KEY") or "").strip()[:200]
+        key = f"api:{holder.user}:{retry_key}" if retry_key else None
+        reply = dispatch(self._deps, command, caller, auth=self._auth, key=key, markup="plain")
         body = _answer(reply.outcome, _MENTION.sub(r"@\1", reply.text))
         body |= {"run_id": reply.run_id, "alert_id": reply.alert_id}
         return _HTTP_STATUS[reply.outcome], body, []

@@ -109,6 +109,12 @@ def _client_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         metavar="KEY.PATH=VALUE",
         help="override a spec value for this run (repeatable): --set budget.usd=5",
     )
+    launch.add_argument(
+        "--idempotency-key",
+        dest="key",
+        metavar="KEY",
+        help="launch once per key: a retry (a CI job's) gets the first launch's run",
+    )
     listing = sub.add_parser("list", parents=[shared], help="client: list runs")
     listing.add_argument("args", nargs="?", choices=("mine", "active", "all"), metavar="SCOPE")
     status = sub.add_parser("status", parents=[shared], help="client: a run's state")
@@ -127,7 +133,7 @@ def _client(args: argparse.Namespace) -> int:
     from bot import client
 
     if args.cmd == "launch":
-        return client.run("launch", [args.spec], sets=args.sets, as_json=args.json)
+        return client.run("launch", [args.spec], sets=args.sets, key=args.key, as_json=args.json)
     words = args.args if isinstance(args.args, list) else [args.args] if args.args else []
     return client.run(args.cmd, words, as_json=args.json)
 

@@ -119,22 +119,31 @@ def load_config(environ: Mapping[str, str] | None = None) -> ClientConfig:
 
 
 def send(
-    config: ClientConfig, text: str, *, spec: str | None = None, timeout: float = TIMEOUT_S
+    config: ClientConfig,
+    text: str,
+    *,
+    spec: str | None = None,
+    key: str | None = None,
+    timeout: float = TIMEOUT_S,
 ) -> Answer:
     """Post one command; a refusal or failure is an :class:`Answer`, not an exception.
-    :class:`ClientError` when no answer came: the server, the network or the token."""
+    :class:`ClientError` when no answer came: the server, the network or the token.
+    ``key``: a launch is made once per key (a CI job's retry gets the first's run)."""
     body: dict[str, Any] = {"text": text}
     if spec is not None:
         body["spec"] = spec
+    headers = {
+        "Authorization": f"Bearer {config.token}",
+        "Content-Type": "application/json",
+        "Accept": "application/json",
+    }
+    if key:
+        headers["Idempotency-Key"] = key
     request = urllib.request.Request(
         config.url + API_PATH,
         data=json.dumps(body, ensure_ascii=False).encode("utf-8"),
         method="POST",
-        headers={
-            "Authorization": f"Bearer {config.token}",
-            "Content-Type": "application/json",
-            "Accept": "application/json",
-        },
+        headers=headers,
     )
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
@@ -217,6 +226,7 @@ def run(
     args: Sequence[str],
     *,
     sets: Sequence[str] = (),
+    key: str | None = None,
     as_json: bool = False,
     environ: Mapping[str, str] | None = None,
     out: TextIO | None = None,
@@ -231,7 +241,7 @@ def run(
             text, spec = launch_request(args[0], sets)
         else:
             text, spec = command_text(verb, args), None
-        answer = send(config, text, spec=spec)
+        answer = send(config, text, spec=spec, key=key)
     except ClientError as exc:
         print(f"trainbot: {exc}", file=err)
         return exc.code

@@ -111,13 +111,13 @@ def token_from_slack(s: Slack, user: str, *, channel: str = CHANNEL, name: str =
 
 
 def call(
-    s: Slack, token: str, verb: str, *args: str, sets: tuple[str, ...] = ()
+    s: Slack, token: str, verb: str, *args: str, sets: tuple[str, ...] = (), key: str | None = None
 ) -> tuple[int, str]:
     """One client command, as ``trainbot <verb> <args>`` runs it: (exit code, what it said)."""
     assert s.cp.server is not None
     out, err = io.StringIO(), io.StringIO()
     environ = {"TRAINBOT_URL": s.cp.server.url, "TRAINBOT_TOKEN": token}
-    code = client.run(verb, list(args), sets=sets, environ=environ, out=out, err=err)
+    code = client.run(verb, list(args), sets=sets, key=key, environ=environ, out=out, err=err)
     return code, out.getvalue() + err.getvalue()
 
 
@@ -150,10 +150,13 @@ def test_the_client_launches_lists_reads_logs_and_stops_as_chat_allows(
     assert code == 1 and "not valid YAML" in said, said
     assert s.counts()["Run"] == 0
 
-    code, said = call(s, ada, "launch", str(spec), sets=("budget.usd=5",))
+    code, said = call(s, ada, "launch", str(spec), sets=("budget.usd=5",), key="ci-42")
     assert code == 0, said
     run_id = s.only_run()
     assert run_id in said
+    # The CI job's retry, with the same key: the same run, not a second one.
+    code, again = call(s, ada, "launch", str(spec), sets=("budget.usd=5",), key="ci-42")
+    assert code == 0 and run_id in again and s.only_run() == run_id
     with session_scope(s.cp.deps.engine) as session:
         run = session.get(Run, run_id)
         assert run is not None
