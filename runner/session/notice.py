@@ -131,12 +131,14 @@ class NoticeWindow:
 
     def second_fits(self, *, left: float, stall_s: float, estimate_s: float | None) -> bool:
         """Whether the newest step may still be flushed: the first landed, and its write
-        time (or the slowest lately, if slower), with room to slow down, fits what is
-        left."""
+        time (or the slowest lately, if slower) fits what is left. Without the room to
+        slow down that :meth:`train_on` kept: the loop stopped with it, less what its last
+        step overran (a loaded machine's steps run long), and a second flush that does
+        not land costs nothing the first has not kept."""
         first = self.first
         if first is None or not first.landed or first.write_s is None:
             return False
-        return stall_s + NOTICE_SAFETY * max(first.write_s, estimate_s or 0.0) <= left
+        return stall_s + max(first.write_s, estimate_s or 0.0) <= left
 
     def _stop(self, why: str) -> bool:
         if not self.stopped_because:

@@ -22,10 +22,10 @@ def test_s3_slowing_down_4x_at_the_notice_never_costs_the_notice_step(
     moto_server: str, busy: None, later: bool
 ) -> None:
     """Every attempt keeps the notice's step; the flush after it may be lost."""
+    bucket = create_bucket(moto_server)  # one bucket, a run prefix per trial: cheaper
     stores = []
-    for _ in range(TRIALS):
-        bucket = create_bucket(moto_server)
-        inner: Store = S3Store(bucket, "ckpt/r", endpoint_url=moto_server)
+    for n in range(TRIALS):
+        inner: Store = S3Store(bucket, f"ckpt/r{n}", endpoint_url=moto_server)
         stores.append(PacedStore(inner, BPS))
     outcomes = trials(stores, slowdown=4.0, later=later, window_s=S3_WINDOW_S)
     label = f"s3 4x {'later' if later else 'first'}"
