@@ -7,191 +7,137 @@ with the image's python, so the standard library only:
 
 CONFIG is the JSON the control plane rendered (jobs/providers/runner_install.py):
 ``{"mode": "wheel" | "index", "package": "trainbot", "version": "0.1.0",
-"index_url": "", "wheel": {"uri": "s3://…" or "gs://…", "sha256": "…", "file": "…",
-"region": "…"}}``. VENV is made from this python and sees its packages (a ``.pth``), so a
-torch the image already has is used as it is; torch is installed only when it lacks one.
-In ``wheel`` mode the wheel comes from the run's bucket with the instance's own
-credentials (IMDSv2 role credentials and SigV4 on AWS, the metadata server's token on
-GCP) and pip needs no index for trainbot; ``index`` installs ``trainbot==VERSION`` from
-``index_url`` (pip's own index when empty). Nothing here is read from a spec.
+"index_url": "", "wheel": {"url": "https://CONTROL-PLANE/v1/runner-wheel?sha256=…",
+"sha256": "…", "size": N, "file": "trainbot-0.1.0-py3-none-any.whl", "token_from":
+"env-file" | "gce-metadata"}}``. VENV is made from this python and sees its packages (a
+``.pth``), so a torch the image already has is used as it is; torch is installed only
+when it lacks one.
 
-The TRAINBOT_BOOT_* variables and TRAINBOT_GCE_METADATA_URL are unset on a real
-instance; tests point them at local fakes.
+In ``wheel`` mode the wheel comes from the control plane itself, the one the runner
+reports to, with the attempt's runner token as its bearer: read from the boot script's
+root-only environment file (``env-file``: the file TRAINBOT_RUNNER_ENV_FILE names) or
+from the instance's ``trainbot-env`` metadata (``gce-metadata``), never printed. Its
+sha256 must be the one in CONFIG; pip needs no index for trainbot, and the instance no
+access to any bucket. ``index`` installs ``trainbot==VERSION`` from ``index_url`` (pip's
+own index when empty). Nothing here is read from a spec.
+
+TRAINBOT_GCE_METADATA_URL is unset on a real instance; tests point it at a local fake.
 """
 
 from __future__ import annotations
 
-import datetime
 import hashlib
-import hmac
 import json
 import os
+import shlex
 import site
 import subprocess
 import sys
 import time
 import urllib.error
-import urllib.parse
 import urllib.request
 
-IMDS = os.environ.get("TRAINBOT_BOOT_IMDS_URL") or "http://169.254.169.254"
 GCE_METADATA = os.environ.get("TRAINBOT_GCE_METADATA_URL") or "http://metadata.google.internal"
-S3_ENDPOINT = os.environ.get("TRAINBOT_BOOT_S3_ENDPOINT", "")
-GCS_ENDPOINT = os.environ.get("TRAINBOT_BOOT_GCS_ENDPOINT") or "https://storage.googleapis.com"
-EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
-_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+TOKEN_NAME = "TRAINBOT_TOKEN"
+#: Tries of the wheel's download, and the longest wait between two (seconds).
+TRIES = 8
+MAX_WAIT_S = 30
+CHUNK = 64 * 1024
 
 
 def say(text: str) -> None:
     print(f"trainbot: {text}", flush=True)
 
 
-def _open(request: urllib.request.Request, *, direct: bool = False, tries: int = 4) -> bytes:
-    """The body of ``request``, tried again on a network error or a 5xx (an instance's
-    network and metadata service can lag its boot by a few seconds)."""
-    for attempt in range(tries):
-        try:
-            opener = _DIRECT if direct else urllib.request.build_opener()
-            with opener.open(request, timeout=60) as answer:
-                return bytes(answer.read())
-        except urllib.error.HTTPError as exc:
-            if exc.code < 500 or attempt == tries - 1:
-                raise
-        except OSError:
-            if attempt == tries - 1:
-                raise
-        time.sleep(2**attempt)
-    raise AssertionError("unreachable")
+class Refused(Exception):
+    """An answer no retry changes (a refused token, a wheel of another digest)."""
 
 
-# -- AWS: the instance profile's credentials, and SigV4 for one S3 GET ---------------------
+def runner_token(source: str) -> str:
+    """The attempt's token, from where the boot script keeps the runner's environment."""
+    if source == "env-file":
+        path = os.environ.get("TRAINBOT_RUNNER_ENV_FILE", "")
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                name, _, value = line.rstrip("\n").partition("=")
+                if name == TOKEN_NAME:
+                    return "".join(shlex.split(value))
+    elif source == "gce-metadata":
+        request = urllib.request.Request(
+            f"{GCE_METADATA}/computeMetadata/v1/instance/attributes/trainbot-env",
+            headers={"Metadata-Flavor": "Google"},
+        )
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(request, timeout=30) as answer:
+            token = json.loads(answer.read()).get(TOKEN_NAME)
+        if token:
+            return str(token)
+    raise Refused(f"the runner's environment ({source}) holds no {TOKEN_NAME}")
 
 
-def aws_credentials() -> dict[str, str]:
-    """The instance role's credentials from IMDSv2."""
-    token = _open(
-        urllib.request.Request(
-            f"{IMDS}/latest/api/token",
-            method="PUT",
-            headers={"X-aws-ec2-metadata-token-ttl-seconds": "300"},
-        ),
-        direct=True,
-    ).decode()
-    headers = {"X-aws-ec2-metadata-token": token}
-    base = f"{IMDS}/latest/meta-data/iam/security-credentials/"
-    role = _open(urllib.request.Request(base, headers=headers), direct=True).decode().split()[0]
-    found = json.loads(_open(urllib.request.Request(base + role, headers=headers), direct=True))
-    return {
-        "key": found["AccessKeyId"],
-        "secret": found["SecretAccessKey"],
-        "token": found.get("Token", ""),
-    }
+def download(wheel: dict, token: str, path: str) -> None:
+    """One try: the wheel into ``path``, whole and of the expected sha256."""
+    request = urllib.request.Request(wheel["url"], headers={"Authorization": f"Bearer {token}"})
+    digest = hashlib.sha256()
+    got = 0
+    try:
+        with urllib.request.urlopen(request, timeout=60) as answer, open(path, "wb") as f:
+            while True:
+                chunk = answer.read(CHUNK)
+                if not chunk:
+                    break
+                digest.update(chunk)
+                f.write(chunk)
+                got += len(chunk)
+    except urllib.error.HTTPError as exc:
+        if exc.code in (401, 403):
+            try:
+                why = json.loads(exc.read()).get("error", "")
+            except (OSError, ValueError):
+                why = ""
+            raise Refused(
+                f"the control plane refused this instance's token (HTTP {exc.code}: {why}): "
+                "its attempt has ended, or the token is not the one the control plane gave it"
+            ) from None
+        raise
+    if got != wheel["size"]:
+        raise OSError(f"the download ended after {got} of {wheel['size']} bytes")
+    if digest.hexdigest() != wheel["sha256"]:
+        raise Refused(
+            f"the wheel received has sha256 {digest.hexdigest()}, not {wheel['sha256']} "
+            "that the control plane wrote into this boot script: refusing it"
+        )
 
 
-def _hmac(key: bytes, text: str) -> bytes:
-    return hmac.new(key, text.encode(), hashlib.sha256).digest()
-
-
-def sigv4_headers(
-    *, host: str, path: str, region: str, creds: dict[str, str], now: datetime.datetime
-) -> dict[str, str]:
-    """The headers that sign ``GET https://host/path`` (no query, no body) for S3.
-
-    ``path`` is already URI-encoded, as it goes on the wire; S3 signs it as it is."""
-    stamp = now.strftime("%Y%m%dT%H%M%SZ")
-    day = stamp[:8]
-    headers = {"host": host, "x-amz-content-sha256": EMPTY_SHA256, "x-amz-date": stamp}
-    if creds.get("token"):
-        headers["x-amz-security-token"] = creds["token"]
-    names = sorted(headers)
-    canonical = "\n".join(
-        [
-            "GET",
-            path,
-            "",
-            "".join(f"{n}:{headers[n].strip()}\n" for n in names),
-            ";".join(names),
-            EMPTY_SHA256,
-        ]
-    )
-    scope = f"{day}/{region}/s3/aws4_request"
-    to_sign = "\n".join(
-        ["AWS4-HMAC-SHA256", stamp, scope, hashlib.sha256(canonical.encode()).hexdigest()]
-    )
-    key = _hmac(
-        _hmac(_hmac(_hmac(f"AWS4{creds['secret']}".encode(), day), region), "s3"), "aws4_request"
-    )
-    signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
-    out = {n: headers[n] for n in names if n != "host"}
-    out["Authorization"] = (
-        f"AWS4-HMAC-SHA256 Credential={creds['key']}/{scope}, "
-        f"SignedHeaders={';'.join(names)}, Signature={signature}"
-    )
-    return out
-
-
-def s3_get(bucket: str, key: str, region: str) -> bytes:
-    quoted = urllib.parse.quote(key, safe="/-_.~")
-    if S3_ENDPOINT:
-        parts = urllib.parse.urlsplit(S3_ENDPOINT)
-        scheme, host, path = parts.scheme, parts.netloc, f"/{bucket}/{quoted}"
-    elif "." in bucket:  # a dotted name breaks the virtual host's certificate
-        scheme, host, path = "https", f"s3.{region}.amazonaws.com", f"/{bucket}/{quoted}"
-    else:
-        scheme, host, path = "https", f"{bucket}.s3.{region}.amazonaws.com", f"/{quoted}"
-    now = datetime.datetime.now(datetime.timezone.utc)
-    headers = sigv4_headers(host=host, path=path, region=region, creds=aws_credentials(), now=now)
-    return _open(urllib.request.Request(f"{scheme}://{host}{path}", headers=headers))
-
-
-# -- GCP: the service account's token from the metadata server -----------------------------
-
-
-def gcs_get(bucket: str, name: str) -> bytes:
-    token_url = f"{GCE_METADATA}/computeMetadata/v1/instance/service-accounts/default/token"
-    answer = _open(
-        urllib.request.Request(token_url, headers={"Metadata-Flavor": "Google"}), direct=True
-    )
-    token = json.loads(answer)["access_token"]
-    url = (
-        f"{GCS_ENDPOINT}/storage/v1/b/{urllib.parse.quote(bucket, safe='')}/o/"
-        f"{urllib.parse.quote(name, safe='')}?alt=media"
-    )
-    return _open(urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"}))
-
-
-# -- the install ---------------------------------------------------------------------------
-
-
-def fetch_wheel(wheel: dict[str, str], into: str) -> str:
+def fetch_wheel(wheel: dict, into: str) -> str:
     """Download the control plane's wheel, check its sha256, and keep it under its
     wheel name (pip reads the version from the file name); its path."""
-    parsed = urllib.parse.urlsplit(wheel["uri"])
-    bucket, key = parsed.netloc, parsed.path.lstrip("/")
-    say(f"fetching the runner wheel {wheel['uri']}")
-    try:
-        if parsed.scheme == "s3":
-            data = s3_get(bucket, key, wheel["region"])
-        elif parsed.scheme == "gs":
-            data = gcs_get(bucket, key)
-        else:
-            raise SystemExit(f"trainbot: cannot fetch {wheel['uri']}: not s3:// or gs://")
-    except (OSError, KeyError, ValueError) as exc:  # HTTPError and URLError are OSErrors
-        need = "s3:GetObject" if parsed.scheme == "s3" else "storage.objects.get"
-        raise SystemExit(
-            f"trainbot: could not fetch the runner wheel {wheel['uri']} ({exc}): the "
-            f"instance's role needs {need} on it; or set the provider's runner install "
-            "to index or image"
-        ) from None
-    digest = hashlib.sha256(data).hexdigest()
-    if digest != wheel["sha256"]:
-        raise SystemExit(
-            f"trainbot: {wheel['uri']} has sha256 {digest}, not {wheel['sha256']}: refusing it"
-        )
+    url = wheel["url"].split("?", 1)[0]
     path = os.path.join(into, os.path.basename(wheel["file"]))
-    with open(path, "wb") as f:
-        f.write(data)
-    return path
+    say(f"fetching the runner wheel from {url}")
+    try:
+        token = runner_token(wheel["token_from"])
+        for attempt in range(TRIES):
+            try:
+                download(wheel, token, path)
+                return path
+            except OSError as exc:  # HTTPError (5xx, 404 from a replica of another build)
+                if attempt == TRIES - 1:
+                    raise
+                wait = min(2**attempt, MAX_WAIT_S)
+                say(f"the runner wheel: {exc}; trying again in {wait} s")
+                time.sleep(wait)
+    except Refused as exc:
+        why = str(exc)
+    except (OSError, KeyError, ValueError) as exc:
+        why = (
+            f"{exc} (after {TRIES} tries): the instance must reach the control plane at "
+            "that URL (TRAINBOT_PUBLIC_URL), which serves the wheel while its attempt lives"
+        )
+    raise SystemExit(
+        f"trainbot: could not get the runner wheel from {url}: {why}; or set the "
+        "provider's runner install to index or image"
+    )
 
 
 def make_venv(venv: str) -> str:
@@ -222,11 +168,13 @@ def main(argv: list[str]) -> int:
     mode = config["mode"]
     if mode not in ("wheel", "index"):
         raise SystemExit(f"trainbot: unknown runner install mode {mode!r}")
+    # The wheel first: a refused token or a wrong wheel fails before the venv is made.
+    if mode == "wheel":
+        wheel = fetch_wheel(config["wheel"], os.path.dirname(os.path.abspath(argv[1])))
     python = make_venv(venv)
     extra = "" if has_torch(python) else "[torch]"
     say("the image has torch" if not extra else "the image has no torch: installing it too")
     if mode == "wheel":
-        wheel = fetch_wheel(config["wheel"], os.path.dirname(os.path.abspath(argv[1])))
         alone, target = wheel, wheel + extra
     else:
         alone = f"{config['package']}=={config['version']}"

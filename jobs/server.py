@@ -11,6 +11,10 @@ not need one, and the Slack app mounts under ``/slack/`` as a WSGI app of its ow
 - ``POST /v1/dry-run``: a cloud dry run's instance reports its phase and its report, with
   the dry run's own token (:class:`jobs.ingest.dry_run.DryRunIngest`); the same token
   gets credentials for the run's dry-run directory from ``/v1/credentials``;
+- ``GET /v1/runner-wheel[?sha256=HEX]``: the control plane's own trainbot wheel, which
+  its instances install (:mod:`jobs.providers.runner_install`, "wheel" mode), to a live
+  attempt's or dry run's token only; from memory in chunks, with its length and its
+  sha256 (``X-Trainbot-Wheel-Sha256``, ``ETag``); 503 while it is still being built;
 
 and, on a second listener of their own (the admin port, :class:`AdminApp`, loopback by
 default), never on the public one:
@@ -69,10 +73,12 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
+from urllib.parse import parse_qs
 
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
@@ -87,6 +93,7 @@ from jobs.locations import dry_run_prefix
 from jobs.models import Run
 from jobs.prometheus import ControlPlaneMetrics
 from jobs.providers.base import ProviderError
+from jobs.providers.runner_install import SERVED_WHEELS, WHEEL_ROUTE, ServedWheel, ServedWheels
 from jobs.runs import checkpoint_prefix
 from runner.wire import DRY_RUN_ROUTE
 from runner.wire.dry_run import MAX_BODY_BYTES as _DRY_RUN_MAX_BODY
@@ -102,6 +109,7 @@ __all__ = [
     "EVENTS_PATH",
     "MAX_CONNECTIONS_PER_CLIENT",
     "REQUEST_DEADLINE_S",
+    "RUNNER_WHEEL_PATH",
     "THREADS",
     "AdminApp",
     "ControlPlaneApp",
@@ -114,6 +122,8 @@ log = logging.getLogger(__name__)
 
 EVENTS_PATH = "/v1/events"
 CREDENTIALS_PATH = "/v1/credentials"
+RUNNER_WHEEL_PATH = WHEEL_ROUTE
+_SHA256 = re.compile(r"[0-9a-fA-F]{64}")
 #: A credentials request carries no body to speak of; a bigger one is refused unread.
 _CREDENTIALS_MAX_BODY = 4096
 #: Seconds a connection may stay silent (idle keep-alive, a response left unread)
@@ -186,7 +196,7 @@ class _Reply:
     ) -> _Reply:
         return cls(status, json.dumps(body).encode("utf-8"), _JSON_TYPE, headers)
 
-    def send(self, start_response: StartResponse) -> list[bytes]:
+    def send(self, start_response: StartResponse) -> Iterable[bytes]:
         headers = [
             ("Content-Type", self.content_type),
             ("Content-Length", str(len(self.body))),
@@ -194,6 +204,29 @@ class _Reply:
         ]
         start_response(f"{self.status} {_REASONS.get(self.status, 'Unknown')}", headers)
         return [self.body]
+
+
+class _WheelReply(_Reply):
+    """A served wheel, sent in chunks from the bytes read once at its offer."""
+
+    def __init__(self, wheel: ServedWheel) -> None:
+        super().__init__(200, b"", "application/octet-stream")
+        self.wheel = wheel
+
+    def send(self, start_response: StartResponse) -> Iterable[bytes]:
+        served = self.wheel
+        start_response(
+            "200 OK",
+            [
+                ("Content-Type", "application/octet-stream"),
+                ("Content-Length", str(len(served.data))),
+                ("X-Trainbot-Wheel-Sha256", served.wheel.sha256),
+                ("ETag", served.etag),
+                ("Content-Disposition", f'attachment; filename="{served.wheel.file_name}"'),
+                ("Cache-Control", "no-store"),
+            ],
+        )
+        return served.chunks()
 
 
 def _error(status: int, message: str, headers: Sequence[tuple[str, str]] = ()) -> _Reply:
@@ -225,13 +258,16 @@ class ControlPlaneApp:
         metrics: ControlPlaneMetrics | None = None,
         clock: Callable[[], float] = time.perf_counter,
         credentials: CredentialBroker | None = None,
+        wheels: ServedWheels | None = None,
     ) -> None:
         """``metrics``: the registry to record into and serve (default: a new one of this
-        app's own, reading the figures of ``engine``)."""
+        app's own, reading the figures of ``engine``); ``wheels``: the runner wheels it
+        serves (default: those this process's providers offer)."""
         self._engine = engine
         self._ingest = ingest
         self._dry_runs = DryRunIngest(engine)
         self._credentials = credentials
+        self._wheels = SERVED_WHEELS if wheels is None else wheels
         self.metrics = metrics if metrics is not None else ControlPlaneMetrics(engine)
         self._clock = clock
         self._mounts: list[tuple[str, WSGIApplication]] = []
@@ -239,6 +275,7 @@ class ControlPlaneApp:
             EVENTS_PATH: {"POST": self._events},
             CREDENTIALS_PATH: {"POST": self._issue_credentials},
             DRY_RUN_ROUTE: {"POST": self._dry_run_report},
+            RUNNER_WHEEL_PATH: {"GET": self._runner_wheel},
         }
         #: The admin port's app: health, readiness and metrics (:func:`serve` runs it).
         self.admin = AdminApp(engine, self.metrics)
@@ -391,6 +428,44 @@ class ControlPlaneApp:
                 503, "the cloud did not issue credentials: retry later", [("Retry-After", "5")]
             )
         return _Reply.json(200, body, [("Cache-Control", "no-store")])
+
+    def _runner_wheel(self, environ: WSGIEnvironment) -> _Reply:
+        """The wheel an instance installs, to a live attempt's (or node's) or dry run's
+        token; ``?sha256=`` picks the one its boot script names (a replica of another
+        build answers 404, and the instance tries again)."""
+        if (environ.get("CONTENT_LENGTH") or "0").strip() not in ("", "0"):
+            return _error(413, f"GET {RUNNER_WHEEL_PATH} takes no body")
+        authorization = environ.get("HTTP_AUTHORIZATION")
+        try:
+            known = self._ingest.runner_of(authorization) is not None or (
+                self._dry_runs.principal(authorization) is not None
+            )
+        except SQLAlchemyError as exc:
+            log.warning("runner wheel: the database failed: %s", type(exc).__name__)
+            return _error(503, "the database is unavailable: retry later", [("Retry-After", "5")])
+        if not known:
+            return _error(
+                401,
+                "unknown or revoked runner token (send 'Authorization: Bearer <token>'): "
+                "the attempt has ended or the token is wrong",
+            )
+        query = parse_qs(environ.get("QUERY_STRING") or "")
+        digest = (query.get("sha256") or [None])[0]
+        if digest is not None and not _SHA256.fullmatch(digest):
+            return _error(400, "sha256 takes the wheel's 64 hex digits")
+        served = self._wheels.find(digest)
+        if served is not None:
+            return _WheelReply(served)
+        if self._wheels.preparing:
+            return _error(
+                503, "the runner wheel is still being built: retry", [("Retry-After", "5")]
+            )
+        which = f" of sha256 {digest}" if digest else ""
+        return _error(
+            404,
+            f"this control plane has no runner wheel{which}: it serves the wheel its providers "
+            "install in wheel mode (TRAINBOT_<CLOUD>_RUNNER_INSTALL), of its own build",
+        )
 
     def _dry_run_report(self, environ: WSGIEnvironment) -> _Reply:
         """A dry run's phase or report (:class:`DryRunIngest`); the token is never logged."""

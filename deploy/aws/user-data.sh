@@ -8,8 +8,9 @@
 # this script's output to the serial console, which ec2:GetConsoleOutput can read.
 #
 # It installs trainbot's runner pinned to the control plane's version (deploy/runner-install.py:
-# the control plane's wheel from the run's bucket, or trainbot==VERSION from an index, or
-# nothing when the image has it), runs the attempt's command under it as an unprivileged
+# the control plane's own wheel, downloaded from it with the attempt's token and checked
+# against the sha256 written here, or trainbot==VERSION from an index, or nothing when the
+# image has it), runs the attempt's command under it as an unprivileged
 # user, writes the runner's exit code to the console (the control plane reads it there),
 # and shuts the instance down, which terminates it (InstanceInitiatedShutdownBehavior),
 # whatever happened: nothing is left running, or billing, once the runner is gone.
@@ -26,7 +27,7 @@ RUNNER_USER=trainbot
 
 say() {
   echo "trainbot: $*"
-  echo "trainbot: $*" 2>/dev/null >"$CONSOLE" || true
+  echo "trainbot: $*" 2>/dev/null >>"$CONSOLE" || true
 }
 
 finish() {
@@ -79,7 +80,9 @@ TRAINBOT_RUNNER_END
 @@RUNNER_INSTALLER@@
 TRAINBOT_INSTALLER_END
   gunzip "$INSTALL_DIR/install.py.gz" || exit 1
-  "$PY" "$INSTALL_DIR/install.py" "$INSTALL_DIR/runner.json" "$TRAINBOT_HOME" \
+  # The installer reads the attempt's token (for the wheel) from the environment file.
+  TRAINBOT_RUNNER_ENV_FILE="$ENV_FILE" \
+    "$PY" "$INSTALL_DIR/install.py" "$INSTALL_DIR/runner.json" "$TRAINBOT_HOME" \
     || { say "cannot install the runner"; exit 1; }
   [ -x "$TRAINBOT_HOME/bin/trainbot-runner" ] || { say "the install left no trainbot-runner"; exit 1; }
 fi

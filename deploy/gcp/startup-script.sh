@@ -2,8 +2,9 @@
 # trainbot's startup script for Compute Engine instances (metadata key "startup-script").
 #
 # It installs the runner pinned to the control plane's version (deploy/runner-install.py,
-# sent as metadata: the control plane's wheel from the run's bucket, or trainbot==VERSION
-# from an index, or nothing when the image has it), starts the attempt's command under it as an unprivileged user,
+# sent as metadata: the control plane's own wheel, downloaded from it with the attempt's
+# token read from the metadata server and checked against the sha256 in trainbot-runner,
+# or trainbot==VERSION from an index, or nothing when the image has it), starts the attempt's command under it as an unprivileged user,
 # reports the exit code as the guest attribute trainbot/exit-code, and halts the guest, so
 # nothing keeps billing after the runner ends. Everything it needs comes from the
 # instance's own metadata, set by jobs/providers/gcp.py at launch:

@@ -36,7 +36,7 @@ from jobs.providers.base import (
     ProviderError,
     ResourceRequest,
 )
-from jobs.providers.runner_install import installer_source
+from jobs.providers.runner_install import deploy_file, installer_source
 from runner import env as contract
 
 __all__ = [
@@ -50,10 +50,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_ROOT = Path(__file__).resolve().parents[3]
-#: The user-data template; outside the package, so an installed control plane passes
-#: ``user_data_template`` (see ``make``).
-USER_DATA_TEMPLATE = _ROOT / "deploy" / "aws" / "user-data.sh"
+#: The user-data template: the checkout's deploy/aws/user-data.sh, or the copy an
+#: installed control plane ships (the image's; :func:`runner_install.deploy_file`); a
+#: provider's ``user_data_template`` names another.
+USER_DATA_TEMPLATE = deploy_file("aws", "user-data.sh")
 #: AWS's public SSM parameter for the latest Deep Learning Base AMI (NVIDIA driver, CUDA).
 DEFAULT_IMAGE = (
     "resolve:ssm:/aws/service/deeplearning/ami/x86_64/"

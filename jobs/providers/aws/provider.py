@@ -24,11 +24,9 @@ from jobs.providers.aws.settings import AwsSettings
 from jobs.providers.options import by_name
 from jobs.providers.runner_install import (
     RunnerInstall,
-    WheelUploads,
     boot_config,
     prepare_in_background,
 )
-from runner import env as contract
 
 if TYPE_CHECKING:
     from jobs.settings import Settings
@@ -75,7 +73,7 @@ class AwsProvider:
         ``resources.image_id`` wins over it. ``endpoint_url``: one endpoint for every
         service (moto in tests). ``runner``: how instances get the runner, pinned to this
         control plane's version (default here: ``trainbot==<version>`` from pip's index;
-        ``from_settings`` defaults to the control plane's wheel through the run's bucket).
+        ``from_settings`` defaults to the control plane's own wheel, which it serves).
         ``budget_emails`` and ``budget_sns_topic_arn``: who a run's AWS Budget notifies at
         its thresholds (AWS sends nothing without a subscriber). ``regions``: other
         regions whose trainbot instances ``list_instances`` reports from the start (the
@@ -89,7 +87,6 @@ class AwsProvider:
         self.image_id = image_id or launch.DEFAULT_IMAGE
         self.runner = runner or RunnerInstall(mode="index")
         self.endpoint_url = endpoint_url or None
-        self._wheels = WheelUploads()
         self.budget_emails = tuple(e.strip() for e in budget_emails if e.strip())
         self.budget_sns_topic_arn = budget_sns_topic_arn or None
         self.regions = tuple(r for r in regions if r and r != region)
@@ -262,20 +259,13 @@ class AwsProvider:
 
     def _runner_config(self, req: base.LaunchRequest) -> dict[str, Any]:
         """The installer's configuration for ``req``'s instances; in "wheel" mode the
-        control plane's wheel is put in the run's bucket first (once per bucket)."""
-        root = req.env.get(contract.CHECKPOINT_URI.name, "")
-        region = ""
-        if self.runner.mode == "wheel" and root.startswith("s3://"):
-            region = capacity.bucket_region(self._clients, root) or self.region
+        control plane's wheel is served to them (``GET /v1/runner-wheel``)."""
         return boot_config(
             self.runner,
             req.env,
             run_id=req.run_id,
-            scheme="s3",
             setting=AwsSettings.PREFIX,
-            uploads=self._wheels,
-            endpoint_url=self.endpoint_url,
-            region=region,
+            token_from="env-file",
         )
 
     def _launch_config(self) -> LaunchConfig:

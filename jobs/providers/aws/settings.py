@@ -20,15 +20,15 @@ class AwsSettings(ProviderSettings):
 
     PREFIX: ClassVar[str] = "TRAINBOT_AWS_"
 
-    #: ``wheel`` (the control plane's own wheel, through the run's bucket: instances need
-    #: no index for trainbot, and their role ``s3:GetObject`` on
-    #: ``CHECKPOINT_PREFIX/_trainbot/wheels/*``), ``index`` (``trainbot==<version>`` from
+    #: ``wheel`` (the control plane's own wheel, downloaded from the control plane's
+    #: ``/v1/runner-wheel`` with the attempt's token: instances need no index for
+    #: trainbot and no bucket access), ``index`` (``trainbot==<version>`` from
     #: ``runner_index_url``) or ``image`` (the AMI has it; nothing is installed).
     runner_install: Mode = "wheel"
     #: pip's ``--index-url`` on the instance; unset: pip's own (PyPI).
     runner_index_url: str | None = None
-    #: A built ``trainbot-<version>-py3-none-any.whl`` for ``wheel``; unset: built from
-    #: the control plane's source at its first launch.
+    #: A built ``trainbot-<version>-py3-none-any.whl`` for ``wheel``; unset: the one the
+    #: container image ships, else built from the control plane's source at its start.
     runner_wheel: Path | None = None
 
     def runner(self) -> RunnerInstall:

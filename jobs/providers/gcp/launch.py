@@ -32,7 +32,7 @@ from jobs.providers.gcp.catalog import Catalog, accelerator
 from jobs.providers.gcp.errors import QUOTAS_CONSOLE
 from jobs.providers.gcp.images import DEFAULT_IMAGE
 from jobs.providers.gcp.names import instance_name, label_value
-from jobs.providers.runner_install import installer_source
+from jobs.providers.runner_install import deploy_file, installer_source
 
 __all__ = [
     "DEFAULT_IMAGE",
@@ -44,9 +44,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_ROOT = Path(__file__).resolve().parents[3]
-#: The startup script every instance runs (read at launch, sent as metadata).
-STARTUP_SCRIPT_PATH = _ROOT / "deploy" / "gcp" / "startup-script.sh"
+#: The startup script every instance runs (read at launch, sent as metadata): the
+#: checkout's, or the copy an installed control plane ships (the image's).
+STARTUP_SCRIPT_PATH = deploy_file("gcp", "startup-script.sh")
 #: Request ids derive from this namespace, so a retried call repeats its id.
 NAMESPACE = uuid.UUID("6f1d1f3e-1c55-4f8e-9a0b-7a2b5e0c9d41")
 _STOCKOUT_CODES = ("ZONE_RESOURCE_POOL_EXHAUSTED", "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS")

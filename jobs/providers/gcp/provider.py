@@ -34,7 +34,6 @@ from jobs.providers.gcp.status import Instances
 from jobs.providers.options import by_name
 from jobs.providers.runner_install import (
     RunnerInstall,
-    WheelUploads,
     boot_config,
     prepare_in_background,
 )
@@ -103,8 +102,8 @@ class GcpProvider:
         ``image`` defaults to a Deep Learning VM family, and a spec's
         ``resources.image_id`` wins over it. ``runner``: how instances get the runner,
         pinned to this control plane's version (default here: ``trainbot==<version>``
-        from pip's index; ``from_settings`` defaults to the control plane's wheel through
-        the run's bucket, which ``storage_endpoint`` or ``STORAGE_EMULATOR_HOST`` reach)."""
+        from pip's index; ``from_settings`` defaults to the control plane's own wheel, which
+        it serves)."""
         if not project or not region:
             raise base.ProviderError("the GCP provider needs a project and a region (us-central1)")
         startup_script = Path(startup_script) if startup_script else STARTUP_SCRIPT_PATH
@@ -112,7 +111,6 @@ class GcpProvider:
         #: launches.
         self.template = by_name(InstanceTemplate, locals())
         self.runner = runner or RunnerInstall(mode="index")
-        self._wheels = WheelUploads()
         self.project = project
         self.region = region
         self.zones = tuple(zones or ())
@@ -264,14 +262,13 @@ class GcpProvider:
 
     def _runner_config(self, req: base.LaunchRequest) -> dict[str, Any]:
         """The installer's configuration for ``req``'s instances; in "wheel" mode the
-        control plane's wheel is put in the run's bucket first (once per bucket)."""
+        control plane's wheel is served to them (``GET /v1/runner-wheel``)."""
         return boot_config(
             self.runner,
             req.env,
             run_id=req.run_id,
-            scheme="gs",
             setting=GcpSettings.PREFIX,
-            uploads=self._wheels,
+            token_from="gce-metadata",
         )
 
     def _launch_one(

@@ -25,15 +25,15 @@ class GcpSettings(ProviderSettings):
     #: (``projects/P/global/images/NAME`` or ``projects/P/global/images/family/F``);
     #: default a Deep Learning VM family with the NVIDIA driver and CUDA.
     image: str = DEFAULT_IMAGE
-    #: ``wheel`` (the control plane's own wheel, through the run's bucket: the runner's
-    #: service account needs ``storage.objects.get`` on ``CHECKPOINT_PREFIX/_trainbot/
-    #: wheels/``), ``index`` (``trainbot==<version>`` from ``runner_index_url``) or
-    #: ``image`` (the image has it; nothing is installed).
+    #: ``wheel`` (the control plane's own wheel, downloaded from the control plane's
+    #: ``/v1/runner-wheel`` with the attempt's token: the runner's service account needs
+    #: no bucket access for it), ``index`` (``trainbot==<version>`` from
+    #: ``runner_index_url``) or ``image`` (the image has it; nothing is installed).
     runner_install: Mode = "wheel"
     #: pip's ``--index-url`` on the instance; unset: pip's own (PyPI).
     runner_index_url: str | None = None
-    #: A built ``trainbot-<version>-py3-none-any.whl`` for ``wheel``; unset: built from
-    #: the control plane's source at its first launch.
+    #: A built ``trainbot-<version>-py3-none-any.whl`` for ``wheel``; unset: the one the
+    #: container image ships, else built from the control plane's source at its start.
     runner_wheel: Path | None = None
 
     def runner(self) -> RunnerInstall:

@@ -6,16 +6,14 @@ instance: stand-ins only for the root-only commands (shutdown, runuser, useradd 
 image's python is this checkout's interpreter, which has torch and the runner's
 dependencies but, on a fresh instance, no runner. The runner's installer is the real one
 and pip is real; the public index is a closed port and pip's own configuration is off,
-so trainbot can only come from the control plane's wheel in the run's bucket (moto's S3
-read with the instance profile's credentials from a fake IMDSv2; the GCS emulator read
-with the metadata server's token), or, in ``index`` mode, from an index served on
-loopback.
+so trainbot can only come from the control plane's own wheel, served by a real control
+plane (its WSGI app on waitress, over loopback HTTP) to the attempt's token, or, in
+``index`` mode, from an index served on loopback. The instance has no bucket access.
 """
 
 from __future__ import annotations
 
 import base64
-import datetime
 import functools
 import importlib.util
 import json
@@ -23,21 +21,26 @@ import os
 import subprocess
 import sys
 import threading
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
-from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import boto3
 import pytest
-from botocore.auth import S3SigV4Auth
-from botocore.awsrequest import AWSRequest
-from botocore.credentials import Credentials
 from google.auth.credentials import AnonymousCredentials
+from sqlalchemy import Engine
+from sqlmodel import Session
 
+from jobs.db import make_engine, migrate
+from jobs.ingest import IngestService
+from jobs.lifecycle import AttemptState
+from jobs.models import Attempt, DryRunInstance, Run, hash_token
 from jobs.preflight import (
     CapacityCheck,
     PreflightContext,
@@ -54,21 +57,19 @@ from jobs.providers.gcp.images import DEFAULT_IMAGE as GCP_DEFAULT_IMAGE
 from jobs.providers.gcp.settings import GcpSettings
 from jobs.providers.runner_install import (
     INSTALLER_PATH,
+    SERVED_WHEELS,
     RunnerInstall,
+    ServedWheels,
     Wheel,
     built_wheel,
     control_plane_version,
 )
+from jobs.server import RUNNER_WHEEL_PATH, ControlPlaneApp, ServerHandle, serve
 from jobs.spec import parse_spec
-from runner.store.gcs import GCSStore
 from tests.fakes import aws as fake
 from tests.fakes.gce_api import FakeComputeApi
-from tests.fakes.gcs_emulator import create_bucket, gcs_emulator
-from tests.fakes.metadata import FakeImds
 from tests.fakes.moto_server import closed_port
 from tests.jobs.providers.contract import launch_request
-
-__all__ = ["gcs_emulator"]  # the session's emulator, a fixture
 
 REGION = "us-east-1"
 T4 = ResourceRequest(cloud="aws", region=REGION, accelerator_type="T4", accelerator_count=1)
@@ -115,6 +116,184 @@ def ran(out: Path, boot_log: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def wheel() -> Wheel:
     return built_wheel()
+
+
+# -- the control plane that serves the wheel ----------------------------------------------------
+
+TOKEN = "tok-attempt-live"
+
+
+class Plane:
+    """A real control plane (its WSGI app on waitress, on loopback) and its database,
+    serving the wheels this process's providers offer (as ``trainbot serve`` does)."""
+
+    def __init__(self, engine: Engine, wheels: ServedWheels = SERVED_WHEELS) -> None:
+        self.engine = engine
+        self.server: ServerHandle = serve(
+            ControlPlaneApp(engine, IngestService(engine), wheels=wheels),
+            "127.0.0.1",
+            0,
+            admin_port=None,
+        )
+        self.url = self.server.url
+        self.ingest_url = self.url + "/v1/events"
+
+    def add_attempt(self, run_id: str, attempt_id: str = "attempt-1", token: str = TOKEN) -> None:
+        with Session(self.engine) as session:
+            session.add(
+                Run(
+                    id=run_id,
+                    spec_name="tiny",
+                    spec={"name": "tiny", "command": ["true"]},
+                    requester="U1",
+                )
+            )
+            session.flush()
+            session.add(
+                Attempt(
+                    id=attempt_id,
+                    run_id=run_id,
+                    number=1,
+                    state=AttemptState.RUNNING,
+                    provider="aws",
+                    token_hash=hash_token(token),
+                )
+            )
+            session.commit()
+
+    def get(self, path: str, token: str | None, **headers: str) -> tuple[int, bytes, Any]:
+        if token is not None:
+            headers["Authorization"] = f"Bearer {token}"
+        request = urllib.request.Request(self.url + path, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=10) as reply:
+                return reply.status, reply.read(), reply.headers
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read(), exc.headers
+
+
+@pytest.fixture
+def plane(tmp_path: Path) -> Iterator[Plane]:
+    engine = make_engine(f"sqlite:///{tmp_path / 'plane.db'}")
+    migrate(engine)
+    made = Plane(engine)
+    try:
+        yield made
+    finally:
+        made.server.shutdown()
+        engine.dispose()
+
+
+def attempt_env(plane: Plane, token: str = TOKEN, **more: str) -> dict[str, str]:
+    """What the service gives an attempt: its token and the control plane's URL."""
+    return {"TRAINBOT_TOKEN": token, "TRAINBOT_INGEST_URL": plane.ingest_url, **more}
+
+
+@contextmanager
+def tampering_proxy(upstream: str) -> Iterator[str]:
+    """A man in the middle on loopback: forwards GETs to ``upstream`` (headers and all)
+    and flips one byte of every body it passes on; its URL."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            headers = {"Authorization": self.headers.get("Authorization", "")}
+            request = urllib.request.Request(upstream + self.path, headers=headers)
+            try:
+                with urllib.request.urlopen(request, timeout=10) as reply:
+                    status, body, sent = reply.status, bytearray(reply.read()), reply.headers
+            except urllib.error.HTTPError as exc:
+                status, body, sent = exc.code, bytearray(exc.read()), exc.headers
+            if status == 200 and body:
+                body[len(body) // 2] ^= 0xFF
+            self.send_response(status)
+            for name, value in sent.items():
+                if name.lower() not in ("date", "server", "connection"):
+                    self.send_header(name, value)
+            self.end_headers()
+            self.wfile.write(bytes(body))
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def runner_config(script: str) -> dict[str, Any]:
+    """The installer's CONFIG in an AWS user data."""
+    lines = script.splitlines()
+    return dict(json.loads(lines[lines.index("TRAINBOT_RUNNER_END") - 1]))
+
+
+def test_the_control_plane_serves_its_wheel_to_live_tokens_only(plane: Plane, wheel: Wheel) -> None:
+    """GET /v1/runner-wheel: an attempt's or a dry run's token; its bytes, length and
+    digest; 401 otherwise; 404 for a digest it does not have; no body, no other method."""
+    SERVED_WHEELS.offer(wheel)
+    plane.add_attempt("r-wheel")
+    with Session(plane.engine) as session:
+        session.add(
+            DryRunInstance(
+                id="d-1", run_id="r-wheel", provider="aws", token_hash=hash_token("tok-dry-run")
+            )
+        )
+        session.commit()
+    path = f"{RUNNER_WHEEL_PATH}?sha256={wheel.sha256}"
+    for token in (TOKEN, "tok-dry-run"):
+        status, body, headers = plane.get(path, token)
+        assert status == 200, body[:200]
+        assert body == wheel.path.read_bytes()
+        assert headers["Content-Length"] == str(len(body))
+        assert headers["X-Trainbot-Wheel-Sha256"] == wheel.sha256
+        assert headers["ETag"] == f'"{wheel.sha256}"'
+        assert headers["Content-Type"] == "application/octet-stream"
+    for token in (None, "tok-wrong", ""):
+        status, body, headers = plane.get(path, token)
+        assert status == 401 and b"unknown or revoked runner token" in body, body
+        assert "X-Trainbot-Wheel-Sha256" not in headers
+    status, body, _ = plane.get(f"{RUNNER_WHEEL_PATH}?sha256={'0' * 64}", TOKEN)
+    assert status == 404 and b"has no runner wheel of sha256 " + b"0" * 64 in body, body
+    assert plane.get(f"{RUNNER_WHEEL_PATH}?sha256=../../etc", TOKEN)[0] == 400
+    # A GET with a body is refused; POST is not a method of the route.
+    request = urllib.request.Request(
+        plane.url + path,
+        data=b"x" * 10,
+        method="GET",
+        headers={"Authorization": f"Bearer {TOKEN}"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=10)
+    assert refused.value.code == 413
+    request = urllib.request.Request(plane.url + path, data=b"", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=10)
+    assert refused.value.code == 405
+
+
+def test_a_wheel_still_being_built_is_retried_not_missing(tmp_path: Path, wheel: Wheel) -> None:
+    """A replica whose wheel is still being built answers 503 with Retry-After."""
+    engine = make_engine(f"sqlite:///{tmp_path / 'plane.db'}")
+    migrate(engine)
+    shelf = ServedWheels()
+    plane = Plane(engine, wheels=shelf)
+    try:
+        plane.add_attempt("r-soon")
+        path = f"{RUNNER_WHEEL_PATH}?sha256={wheel.sha256}"
+        assert plane.get(path, TOKEN)[0] == 404
+        shelf.expect()
+        status, _, headers = plane.get(path, TOKEN)
+        assert (status, headers["Retry-After"]) == (503, "5")
+        shelf.offer(wheel)
+        shelf.arrived()
+        assert plane.get(path, TOKEN)[1] == wheel.path.read_bytes()
+    finally:
+        plane.server.shutdown()
+        engine.dispose()
 
 
 # -- AWS ----------------------------------------------------------------------------------------
@@ -181,9 +360,11 @@ def play_aws(script: str, root: Path, env: dict[str, str]) -> str:
 
 
 @pytest.mark.slow
-def test_aws_instance_installs_the_control_planes_wheel_from_the_bucket_with_no_index(
-    moto: dict[str, Any], wheel: Wheel, tmp_path: Path
+def test_aws_instance_installs_the_control_planes_wheel_from_the_control_plane(
+    moto: dict[str, Any], plane: Plane, wheel: Wheel, tmp_path: Path
 ) -> None:
+    """No index, no bucket access (no IMDS at all): the wheel comes from the control
+    plane, with the attempt's token from the root-only environment file."""
     url, bucket = moto["url"], moto["bucket"]
     aws = aws_provider(moto, RunnerInstall(mode="wheel"))
     out = tmp_path / "ran.json"
@@ -191,8 +372,9 @@ def test_aws_instance_installs_the_control_planes_wheel_from_the_bucket_with_no_
         T4,
         ["python", "-c", PROBE, str(out)],
         zone="us-east-1a",
-        env={"TRAINBOT_CHECKPOINT_URI": f"s3://{bucket}/ckpt"},
+        env=attempt_env(plane, TRAINBOT_CHECKPOINT_URI=f"s3://{bucket}/ckpt"),
     )
+    plane.add_attempt(req.run_id, req.attempt_id)
     info = aws.launch(req)
 
     # The default image: the Deep Learning AMI, through AWS's public SSM parameter.
@@ -200,32 +382,76 @@ def test_aws_instance_installs_the_control_planes_wheel_from_the_bucket_with_no_
         "Reservations"
     ]
     assert reservation["Instances"][0]["ImageId"] == moto["image"]
-    # The control plane's own wheel, content-addressed in the run's bucket.
-    key = f"ckpt/_trainbot/wheels/trainbot-{wheel.version}-{wheel.sha256[:12]}-py3-none-any.whl"
-    stored = fake.client("s3", url).get_object(Bucket=bucket, Key=key)["Body"].read()
-    assert stored == wheel.path.read_bytes()
+    script = user_data(url, info.instance_id)
+    assert runner_config(script)["wheel"] == {
+        "url": f"{plane.url}{RUNNER_WHEEL_PATH}?sha256={wheel.sha256}",
+        "sha256": wheel.sha256,
+        "size": wheel.path.stat().st_size,
+        "file": wheel.file_name,
+        "token_from": "env-file",
+    }
+    assert "KeyCount" in (listed := fake.client("s3", url).list_objects_v2(Bucket=bucket))
+    assert listed["KeyCount"] == 0, "nothing is put in the run's bucket"
 
-    with FakeImds() as imds:
-        imds.give_role("trainbot-runner", access_key="AKIAINSTANCE", secret_key="s3cr3t")
-        log = play_aws(
-            user_data(url, info.instance_id),
-            tmp_path / "instance",
-            {
-                "TRAINBOT_BOOT_IMDS_URL": imds.url,
-                "TRAINBOT_BOOT_S3_ENDPOINT": url,
-                **no_index(),
-            },
-        )
-        asked = [s.path for s in imds.seen]
+    imds = f"http://127.0.0.1:{closed_port()}"
+    log = play_aws(script, tmp_path / "instance", {"TRAINBOT_BOOT_IMDS_URL": imds, **no_index()})
     got = ran(out, log)
     venv = tmp_path / "instance" / "opt"
     assert got["runner"].startswith(str(venv)), "the runner the instance runs is the wheel's"
     assert got["version"] == control_plane_version() == wheel.version
     assert got["torch"], "the image's torch, seen through the venv"
     assert not list(venv.glob("lib/python*/site-packages/torch")), "torch was not installed"
-    assert "/latest/meta-data/iam/security-credentials/trainbot-runner" in asked
+    assert f"fetching the runner wheel from {plane.url}{RUNNER_WHEEL_PATH}" in log
+    assert TOKEN not in log, "the token is never printed"
     assert (tmp_path / "instance" / "shutdown").read_text() == "shutdown -h now\n"
     assert "trainbot-runner exited with code 0" in (tmp_path / "instance" / "console").read_text()
+
+
+def test_aws_instance_with_a_token_the_control_plane_refuses_fails_clearly(
+    moto: dict[str, Any], plane: Plane, wheel: Wheel, tmp_path: Path
+) -> None:
+    """401, at once (no retry), said on the console; the instance still shuts down."""
+    aws = aws_provider(moto, RunnerInstall(mode="wheel"))
+    out = tmp_path / "ran.json"
+    req = launch_request(
+        T4,
+        ["python", "-c", PROBE, str(out)],
+        zone="us-east-1a",
+        env=attempt_env(plane, token="tok-not-this-attempts"),
+    )
+    plane.add_attempt(req.run_id, req.attempt_id)  # its real token is TOKEN
+    root = tmp_path / "instance"
+    log = play_aws(aws.render_user_data(req), root, no_index())
+    assert not out.exists()
+    assert "refused this instance's token (HTTP 401: unknown or revoked runner token" in log
+    assert "trying again" not in log, "a refused token is not retried"
+    assert "tok-not-this-attempts" not in log
+    assert "cannot install the runner" in (root / "console").read_text()
+    assert (root / "shutdown").read_text() == "shutdown -h now\n"
+
+
+def test_aws_instance_refuses_a_wheel_tampered_with_on_the_way(
+    moto: dict[str, Any], plane: Plane, wheel: Wheel, tmp_path: Path
+) -> None:
+    """A byte changed between the control plane and the instance: the sha256 the control
+    plane wrote into the boot script does not match, and nothing is installed."""
+    aws = aws_provider(moto, RunnerInstall(mode="wheel"))
+    out = tmp_path / "ran.json"
+    with tampering_proxy(plane.url) as proxy:
+        req = launch_request(
+            T4,
+            ["python", "-c", PROBE, str(out)],
+            zone="us-east-1a",
+            env={**attempt_env(plane), "TRAINBOT_INGEST_URL": f"{proxy}/v1/events"},
+        )
+        plane.add_attempt(req.run_id, req.attempt_id)
+        root = tmp_path / "instance"
+        log = play_aws(aws.render_user_data(req), root, no_index())
+    assert not out.exists()
+    assert f"not {wheel.sha256} that the control plane wrote into this boot script" in log
+    assert "refusing it" in log and "trying again" not in log
+    assert not list((root / "opt").glob("lib/python*/site-packages/runner")), "not installed"
+    assert "cannot install the runner" in (root / "console").read_text()
 
 
 @pytest.mark.slow
@@ -275,14 +501,26 @@ def test_aws_image_mode_installs_nothing(moto: dict[str, Any], tmp_path: Path) -
     assert "installing nothing" in log
 
 
-def test_aws_wheel_mode_needs_the_run_in_an_s3_bucket(moto: dict[str, Any]) -> None:
+def test_wheel_mode_needs_the_control_planes_url_for_its_instances(
+    moto: dict[str, Any], gce: FakeComputeApi
+) -> None:
+    """An instance that could not reach the control plane would fail after its boot:
+    the launch is refused first, saying what to set."""
     aws = aws_provider(moto, RunnerInstall(mode="wheel"))
-    req = launch_request(
-        T4, ["true"], zone="us-east-1a", env={"TRAINBOT_CHECKPOINT_URI": "/var/ckpt"}
-    )
-    with pytest.raises(ProviderError, match="TRAINBOT_AWS_RUNNER_INSTALL=index") as refused:
-        aws.render_user_data(req)
-    assert "checkpoint.uri" in str(refused.value) and "s3://" in str(refused.value)
+    gcp = gcp_provider(gce, RunnerInstall(mode="wheel"))
+    for provider, request, zone, setting in (
+        (aws, T4, "us-east-1a", "TRAINBOT_AWS_RUNNER_INSTALL=index"),
+        (gcp, A100, GCP_ZONE, "TRAINBOT_GCP_RUNNER_INSTALL=index"),
+    ):
+        for env in (
+            {"TRAINBOT_TOKEN": TOKEN},
+            {"TRAINBOT_TOKEN": TOKEN, "TRAINBOT_INGEST_URL": "ftp://cp/v1/events"},
+            {"TRAINBOT_INGEST_URL": "https://cp.example/v1/events"},
+        ):
+            req = launch_request(request, ["true"], zone=zone, env=env)
+            with pytest.raises(ProviderError, match=setting) as refused:
+                provider.launch(req)
+            assert "TRAINBOT_PUBLIC_URL" in str(refused.value)
 
 
 def test_aws_image_missing_in_the_region_fails_with_what_to_set(
@@ -349,42 +587,59 @@ def play_gcp(
 
 
 @pytest.mark.slow
-def test_gcp_instance_installs_the_control_planes_wheel_from_the_bucket_with_no_index(
-    gce: FakeComputeApi,
-    gcs_emulator: str,
-    wheel: Wheel,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
+def test_gcp_instance_installs_the_control_planes_wheel_from_the_control_plane(
+    gce: FakeComputeApi, plane: Plane, wheel: Wheel, tmp_path: Path
 ) -> None:
-    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_emulator)
-    bucket = create_bucket(gcs_emulator, prefix="ckpt")
+    """The token comes from the instance's trainbot-env metadata; no bucket, no index."""
     gcp = gcp_provider(gce, RunnerInstall(mode="wheel"))
     out = tmp_path / "ran.json"
     req = launch_request(
         A100,
         [str(tmp_path / "instance" / "venv" / "bin" / "python"), "-c", PROBE, str(out)],
         zone=GCP_ZONE,
-        env={"TRAINBOT_CHECKPOINT_URI": f"gs://{bucket}/ckpt"},
+        env=attempt_env(plane, TRAINBOT_CHECKPOINT_URI="gs://no-such-bucket/ckpt"),
     )
+    plane.add_attempt(req.run_id, req.attempt_id)
     info = gcp.launch(req)
 
     assert gce.boot_image(*info.instance_id.split("/", 1)) == GCP_DEFAULT_IMAGE, "a DLVM"
-    key = f"ckpt/_trainbot/wheels/trainbot-{wheel.version}-{wheel.sha256[:12]}-py3-none-any.whl"
-    stored = GCSStore(bucket, "", emulator_host=gcs_emulator).get_bytes(key)
-    assert stored == wheel.path.read_bytes()
+    instance = gce.instance(*info.instance_id.split("/", 1))
+    assert instance is not None
+    metadata = {i["key"]: i["value"] for i in instance["metadata"]["items"]}
+    config = json.loads(metadata["trainbot-runner"])
+    assert config["wheel"]["url"] == f"{plane.url}{RUNNER_WHEEL_PATH}?sha256={wheel.sha256}"
+    assert config["wheel"]["token_from"] == "gce-metadata"
+    assert TOKEN not in json.dumps(config), "the token stays in trainbot-env only"
 
-    log = play_gcp(
-        gce,
-        gcp,
-        info.instance_id,
-        tmp_path / "instance",
-        {"TRAINBOT_BOOT_GCS_ENDPOINT": gcs_emulator, **no_index()},
-    )
+    log = play_gcp(gce, gcp, info.instance_id, tmp_path / "instance", no_index())
     got = ran(out, log)
     assert got["runner"].startswith(str(tmp_path / "instance" / "venv"))
     assert got["version"] == control_plane_version() == wheel.version
     assert got["torch"]
+    assert TOKEN not in log
     assert "runner exited 0" in log
+
+
+def test_gcp_instance_with_a_revoked_token_fails_clearly(
+    gce: FakeComputeApi, plane: Plane, wheel: Wheel, tmp_path: Path
+) -> None:
+    gcp = gcp_provider(gce, RunnerInstall(mode="wheel"))
+    out = tmp_path / "ran.json"
+    req = launch_request(
+        A100, ["python", "-c", PROBE, str(out)], zone=GCP_ZONE, env=attempt_env(plane)
+    )
+    plane.add_attempt(req.run_id, req.attempt_id)
+    info = gcp.launch(req)
+    with Session(plane.engine) as session:  # the attempt ended: its token is revoked
+        attempt = session.get(Attempt, req.attempt_id)
+        assert attempt is not None
+        attempt.token_hash = None
+        session.add(attempt)
+        session.commit()
+    log = play_gcp(gce, gcp, info.instance_id, tmp_path / "instance", no_index())
+    assert not out.exists()
+    assert "refused this instance's token (HTTP 401" in log
+    assert "runner exited 126" in log
 
 
 def test_gcp_image_mode_installs_nothing(gce: FakeComputeApi, tmp_path: Path) -> None:
@@ -454,25 +709,6 @@ def installer() -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-@pytest.mark.parametrize("token", ["", "FwoGZXIvYXdzEXAMPLE//token="], ids=["user", "role"])
-def test_the_installers_s3_signature_is_botocores(token: str) -> None:
-    """moto does not check signatures; botocore's signer does what S3 checks."""
-    url = "http://127.0.0.1:5000/ckpt-bucket/team%20a/_trainbot/wheels/trainbot-0.1.0-abc.whl"
-    request = AWSRequest(method="GET", url=url)
-    S3SigV4Auth(Credentials("AKIDEXAMPLE", "wJalrXUtnFEMI", token or None), "s3", REGION).add_auth(
-        request
-    )
-    when = datetime.datetime.strptime(request.context["timestamp"], "%Y%m%dT%H%M%SZ")
-    mine = installer().sigv4_headers(
-        host="127.0.0.1:5000",
-        path="/ckpt-bucket/team%20a/_trainbot/wheels/trainbot-0.1.0-abc.whl",
-        region=REGION,
-        creds={"key": "AKIDEXAMPLE", "secret": "wJalrXUtnFEMI", "token": token},
-        now=when,
-    )
-    assert mine["Authorization"] == request.headers["Authorization"]
 
 
 @pytest.mark.slow
