@@ -258,6 +258,18 @@ def test_image_serves_healthz_as_non_root(podman: Podman, images: dict[str, floa
             "if d.metadata['Name'].startswith('psycopg')))",
         ).stdout.split("\n")  # fmt: skip
         assert int(driver[0]) >= 130000 and driver[1] == "['psycopg2']", driver
+        # What cloud instances need from an installed control plane: its own wheel (which
+        # it serves on /v1/runner-wheel), the boot scripts and the installer, no setting.
+        shipped = podman.run(
+            "exec", name, "python", "-c",
+            "from jobs.providers.runner_install import INSTALLER_PATH, RunnerInstall; "
+            "from jobs.providers.aws.launch import USER_DATA_TEMPLATE as a; "
+            "from jobs.providers.gcp.launch import STARTUP_SCRIPT_PATH as g; "
+            "print(RunnerInstall().the_wheel().path); "
+            "print(all(p.is_file() for p in (INSTALLER_PATH, a, g)), INSTALLER_PATH)",
+        ).stdout.split("\n")  # fmt: skip
+        assert shipped[0].startswith("/opt/trainbot/share/trainbot/wheels/trainbot-"), shipped
+        assert shipped[1] == "True /opt/trainbot/share/trainbot/deploy/runner-install.py"
         with pytest.raises(urllib.error.HTTPError) as public:  # not on the public port
             urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10)
         assert public.value.code == 404
