@@ -43,6 +43,7 @@ from jobs.providers.base import (
     ProviderError,
     ResourceRequest,
 )
+from jobs.spec.env import code_env
 from jobs.workers import waiting
 from runner.dryrun_report import DRY_RUN_ID_ENV, DryRunReport
 from runner.wire import restore_floats
@@ -201,6 +202,7 @@ class CloudDryRun:
             TRAINBOT_PREEMPTION_SOURCES=ctx.provider.capabilities.preemption_source,
         )
         env[DRY_RUN_ID_ENV] = dry_run_id
+        env.update(code_env(ctx.spec, local=False))  # its code and setup, as the run's
         if self.store_credentials:
             env["TRAINBOT_STORE_CREDENTIALS"] = "broker"
         sample = ctx.spec.dry_run.sample or ctx.spec.data_uri

@@ -22,6 +22,7 @@ from jobs.preflight.findings import DryRunFindings
 from jobs.preflight.interval import checkpoint_interval, interval_choice, interval_text
 from jobs.preflight.report import CheckResult, PreflightContext, PreflightPlan, Status
 from jobs.providers.base import PASSTHROUGH_ENV
+from jobs.spec.env import code_env
 from runner.errors import RunnerError
 from runner.preemption import flush_fits
 
@@ -184,6 +185,8 @@ class DryRunCheck:
             f"{stall}, restored bit-identical in {duration(report.restore_s)}; "
             f"checkpoint interval {interval_text(ctx.spec, interval, choice)}"
         )
+        if report.setup_s is not None:
+            figures = f"code and setup ready in {duration(report.setup_s)}; {figures}"
         if report.sample_objects is not None:
             figures += (
                 f"; the data sample {report.sample_uri} is readable from the instance "
@@ -219,6 +222,8 @@ class DryRunCheck:
         interpreter_dir = str(Path(sys.executable).parent)
         env["PATH"] = os.pathsep.join(p for p in (interpreter_dir, env.get("PATH")) if p)
         env.update(ctx.spec.env)
+        # The run's code and setup: the dry run runs them in the pinned commit, as the run will.
+        env.update(code_env(ctx.spec, local=True))
         env.update(ctx.env)
         sample = ctx.spec.dry_run.sample or ctx.spec.data_uri
         if sample:

@@ -42,6 +42,7 @@ from jobs.runs.rows import (
     spec_of,
 )
 from jobs.spec import JobSpec, Resources, stored_section
+from jobs.spec.env import code_env
 from jobs.spend import remove_cloud_budgets
 from runner import env as contract
 
@@ -148,28 +149,6 @@ def runner_env(deps: Deps, run: Run, attempt: Attempt, spec: JobSpec) -> dict[st
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     return env
-
-
-def code_env(spec: JobSpec, *, local: bool) -> dict[str, str]:
-    """The run's code (the commit pinned at submit, or its archive) and its setup, for the
-    runner to make ready before the command (:mod:`runner.setup`). The deploy key's path
-    is this machine's: it goes only to instances that are this machine (local)."""
-    code = spec.code
-    cache = spec.setup_cache
-    return contract.render(
-        {
-            contract.CODE_REPO: code.repo if code else None,
-            contract.CODE_COMMIT: code.commit if code else None,
-            contract.CODE_ARCHIVE: code.archive if code else None,
-            contract.SETUP: list(spec.setup) or None,
-            contract.SETUP_VENV: cache.venv if code is not None and spec.setup else None,
-            contract.SETUP_CACHE: (cache.enabled and bool(spec.setup)) or None,
-            contract.SETUP_CACHE_PATHS: list(cache.paths) or None,
-            contract.SETUP_KEY_FILES: list(cache.key_files) or None,
-            contract.MACHINE_IMAGE: spec.resources.image_id,
-            contract.GIT_SSH_KEY_FILE: contract.GIT_SSH_KEY_FILE.get() if local else None,
-        }
-    )
 
 
 def measured_write_env(run: Run) -> dict[str, str]:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from pydantic import AfterValidator, BeforeValidator, ValidationInfo
 
 from runner import env as contract
+
+if TYPE_CHECKING:
+    from jobs.spec.model import JobSpec
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -89,3 +92,25 @@ EnvName = Annotated[str, AfterValidator(_env_name)]
 EnvValue = Annotated[str, AfterValidator(_env_value)]
 #: The type of ``JobSpec.env``.
 Env = Annotated[dict[EnvName, EnvValue], BeforeValidator(_stringify_env)]
+
+
+def code_env(spec: JobSpec, *, local: bool) -> dict[str, str]:
+    """The run's code (the commit pinned at submit, or its archive) and its setup, for the
+    runner to make ready before the command (:mod:`runner.setup`). The deploy key's path
+    is this machine's: it goes only to instances that are this machine (local)."""
+    code = spec.code
+    cache = spec.setup_cache
+    return contract.render(
+        {
+            contract.CODE_REPO: code.repo if code else None,
+            contract.CODE_COMMIT: code.commit if code else None,
+            contract.CODE_ARCHIVE: code.archive if code else None,
+            contract.SETUP: list(spec.setup) or None,
+            contract.SETUP_VENV: cache.venv if code is not None and spec.setup else None,
+            contract.SETUP_CACHE: (cache.enabled and bool(spec.setup)) or None,
+            contract.SETUP_CACHE_PATHS: list(cache.paths) or None,
+            contract.SETUP_KEY_FILES: list(cache.key_files) or None,
+            contract.MACHINE_IMAGE: spec.resources.image_id,
+            contract.GIT_SSH_KEY_FILE: contract.GIT_SSH_KEY_FILE.get() if local else None,
+        }
+    )

@@ -231,3 +231,49 @@ def test_a_ref_that_does_not_exist_is_refused_at_submit(team: Team, plane) -> No
         service.submit(cp.deps, spec_name="team", overrides=[unreachable], actor=ADA)
     with session_scope(cp.deps.engine) as session:
         assert session.exec(select(Run)).first() is None  # nothing was created
+
+
+def test_preflights_dry_run_runs_in_the_code_after_setup_and_says_how_long(tmp_path: Path) -> None:
+    """Preflight's dry run gets the run's code and setup, as the launch does: the script
+    exists only in the archive and passes only where setup ran; the check says how long
+    the code and setup took."""
+    from jobs.preflight import DryRunCheck, PreflightContext, resource_request
+    from jobs.preflight.report import Status
+    from jobs.providers.local import LocalProvider
+    from jobs.spec import parse_spec
+    from runner.code import pack
+    from tests.jobs.test_control_plane import ROOT
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "train.py").write_text(
+        "import os, sys\n"
+        "if not os.path.exists('built-by-setup'):\n"
+        "    sys.exit('setup did not run here')\n"
+        "from runner.examples.tiny import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    archive = pack(src, f"file://{tmp_path / 'store'}")
+    job = parse_spec(
+        {
+            "command": "python train.py",
+            "code": {"archive": archive},
+            "setup": "touch built-by-setup",
+            "dry_run": {"steps": 2},
+        },
+        name="coded",
+    )
+    with LocalProvider(tmp_path / "state", gpu_names=[]) as local:
+        ctx = PreflightContext(
+            spec=job,
+            run_id="r-coded",
+            provider=local,
+            request=resource_request(job, local),
+            checkpoint_uri=str(tmp_path / "ck"),
+            mtbp_s=3600.0,
+            env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+            workdir=tmp_path / "work",
+        )
+        got = DryRunCheck(timeout_s=120).run(ctx, prior={})
+    assert got.status is not Status.FAIL, got.detail
+    assert got.detail.startswith("code and setup ready in "), got.detail
