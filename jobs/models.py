@@ -623,3 +623,28 @@ class ApiToken(SQLModel, table=True):
     last_used_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
     #: Set by ``/train token revoke``: the token is refused from then on.
     revoked_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+
+
+class PagerDutyOutbox(SQLModel, table=True):
+    """A PagerDuty event written before it is sent (:mod:`jobs.pagerduty`): a replica
+    that dies leaves what it had queued to the others, or to itself restarted."""
+
+    __tablename__ = "pagerduty_outbox"
+
+    id: int | None = Field(default=None, primary_key=True)
+    #: ``trigger``, ``acknowledge`` or ``resolve``.
+    action: str
+    #: The alert it is about (no foreign key: the row is written while the alert's own
+    #: transaction holds it locked).
+    alert_id: str = Field(index=True)
+    #: The replica sending it, and until when its claim holds unless renewed.
+    owner: str
+    owner_until: datetime = Field(sa_type=UTCDateTime, index=True)
+    #: Failed tries so far, and when the next may be made (the backoff).
+    tries: int = 0
+    next_at: datetime = Field(sa_type=UTCDateTime)
+    created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
+    #: Done: ``sent``, ``refused`` (400), ``gave_up`` or ``not_paged`` (an acknowledge or
+    #: resolve of an alert that never paged); the row stays a day after ``done_at``.
+    done_at: datetime | None = Field(default=None, sa_type=UTCDateTime, index=True)
+    outcome: str | None = None

@@ -61,6 +61,7 @@ TABLES = {
     "slack_pace",
     "dry_runs",
     "api_tokens",
+    "pagerduty_outbox",
 }
 
 
