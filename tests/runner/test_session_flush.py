@@ -311,7 +311,7 @@ def test_a_save_in_flight_at_the_notice_does_not_hold_up_the_notice_step(
 ) -> None:
     """The notice comes while this process's first save (of step 3) is still being
     written: one save at a time, so the flush of the notice's step gives that save up if
-    less than half of it is written (the notice's state supersedes it), or else waits for
+    less than 90 % of it is written (the notice's state supersedes it), or else waits for
     it; then the loop trains on."""
     sink = Recorder()
     session = Session(
