@@ -361,7 +361,10 @@ def run_log(found: RunLog) -> str:
     head = f"Attempt {found.attempt} of {found.run_id}{on} ({found.state})"
     where = f"The whole output: {found.location}" if found.location else ""
     if not found.text:
-        lines = [f"{head}: no output. {found.note or ''}".rstrip()]
+        note = found.note or ""
+        lines = [
+            f"{head}: no output to show." + (f" {note[:1].upper()}{note[1:]}." if note else "")
+        ]
         if found.location:
             lines.append(f"Its log would be in {found.location}")
         return "\n".join(lines)
