@@ -14,6 +14,7 @@ prefix, and only the control plane may assume it (``runner-storage-role.json``).
 from __future__ import annotations
 
 import fnmatch
+import functools
 import io
 import json
 import os
@@ -39,12 +40,11 @@ from sqlmodel import Session
 
 from bot.console import ConsoleNotifier
 from jobs.bootstrap import build_credential_broker
-from jobs.db import make_engine, migrate
 from jobs.deps import Deps
 from jobs.errors import PermissionDenied
 from jobs.ingest import IngestService
 from jobs.lifecycle import AttemptState
-from jobs.models import Attempt, Run, hash_token
+from jobs.models import Attempt, Run
 from jobs.providers.aws import AwsProvider
 from jobs.providers.aws.credentials import (
     OBJECT_ACTIONS,
@@ -57,6 +57,7 @@ from jobs.settings import Settings
 from runner.checkpoint import list_committed, read_manifest
 from runner.store.s3 import S3Store
 from tests.fakes.aws import MOTO_ACCOUNT
+from tests.jobs.rows import add_running_attempt, migrated_sqlite
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy" / "aws"
@@ -214,44 +215,11 @@ class Plane:
             return exc.code, json.loads(exc.read()), exc.headers
 
 
-def add_attempt(
-    engine: Engine,
-    *,
-    run_id: str = "r-1",
-    attempt_id: str = "a-1",
-    token: str | None = TOKEN,
-    checkpoint_uri: str | None,
-) -> None:
-    with Session(engine) as session:
-        session.add(
-            Run(
-                id=run_id,
-                spec_name="tiny",
-                spec={"name": "tiny", "command": ["true"]},
-                requester="U1",
-                checkpoint_uri=checkpoint_uri,
-            )
-        )
-        session.flush()
-        session.add(
-            Attempt(
-                id=attempt_id,
-                run_id=run_id,
-                number=1,
-                state=AttemptState.RUNNING,
-                provider="aws",
-                token_hash=hash_token(token) if token else None,
-            )
-        )
-        session.commit()
+#: A run with one running attempt whose token is TOKEN (pass token=None: revoked).
+add_attempt = functools.partial(add_running_attempt, provider="aws", token=TOKEN)
 
 
-@pytest.fixture
-def engine(tmp_path: Path) -> Iterator[Engine]:
-    made = make_engine(f"sqlite:///{tmp_path / 'plane.db'}")
-    migrate(made)
-    yield made
-    made.dispose()
+engine = pytest.fixture(migrated_sqlite, name="engine")
 
 
 @pytest.fixture

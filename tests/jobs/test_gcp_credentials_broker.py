@@ -13,6 +13,7 @@ actually received, parsing its CEL condition.
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import re
@@ -35,12 +36,11 @@ from sqlmodel import Session
 
 from bot.console import ConsoleNotifier
 from jobs.bootstrap import build_credential_broker
-from jobs.db import make_engine, migrate
 from jobs.deps import Deps
 from jobs.errors import NotFound, PermissionDenied
 from jobs.ingest import IngestService
 from jobs.lifecycle import AttemptState
-from jobs.models import Attempt, Run, hash_token
+from jobs.models import Attempt, Run
 from jobs.providers.gcp import GcpProvider
 from jobs.providers.gcp.credentials import (
     AVAILABLE_PERMISSIONS,
@@ -52,6 +52,7 @@ from jobs.runs import runner_env, spec_of
 from jobs.server import CREDENTIALS_PATH, ControlPlaneApp, CredentialBroker, serve
 from jobs.settings import Settings
 from runner.store import gcs as gcs_store
+from tests.jobs.rows import add_running_attempt, migrated_sqlite
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "tok-live"
@@ -314,46 +315,13 @@ class Plane:
             return exc.code, json.loads(exc.read()), exc.headers
 
 
-def add_attempt(
-    engine: Engine,
-    *,
-    run_id: str = "r-1",
-    attempt_id: str = "a-1",
-    token: str | None = TOKEN,
-    checkpoint_uri: str | None = f"gs://{BUCKET}/ckpt",
-    checkpoint_prefix: str | None = None,
-) -> None:
-    with Session(engine) as session:
-        session.add(
-            Run(
-                id=run_id,
-                spec_name="tiny",
-                spec={"name": "tiny", "command": ["true"]},
-                requester="U1",
-                checkpoint_uri=checkpoint_uri,
-                checkpoint_prefix=checkpoint_prefix,
-            )
-        )
-        session.flush()
-        session.add(
-            Attempt(
-                id=attempt_id,
-                run_id=run_id,
-                number=1,
-                state=AttemptState.RUNNING,
-                provider="gcp",
-                token_hash=hash_token(token) if token else None,
-            )
-        )
-        session.commit()
+#: A run with one running attempt whose token is TOKEN (pass token=None: revoked).
+add_attempt = functools.partial(
+    add_running_attempt, provider="gcp", token=TOKEN, checkpoint_uri=f"gs://{BUCKET}/ckpt"
+)
 
 
-@pytest.fixture
-def engine(tmp_path: Path) -> Iterator[Engine]:
-    made = make_engine(f"sqlite:///{tmp_path / 'plane.db'}")
-    migrate(made)
-    yield made
-    made.dispose()
+engine = pytest.fixture(migrated_sqlite, name="engine")
 
 
 @pytest.fixture

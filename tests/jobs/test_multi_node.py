@@ -292,7 +292,7 @@ def test_a_two_node_run_is_preempted_and_lost_and_resumes_as_a_gang(tmp_path: Pa
             )
             listed = cp.deps.provider.list_instances()
             assert all(i.state.is_terminal() for i in listed), [
-                (i.instance_id, i.state, i.reason) for i in listed
+                (i.instance_id, i.state) for i in listed
             ]
         finally:
             for inst in cp.deps.provider.list_instances():

@@ -1,0 +1,59 @@
+"""Rows the credential brokers' tests start from: a migrated SQLite database and a run
+with one running attempt whose token the broker checks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+from sqlalchemy import Engine
+from sqlmodel import Session
+
+from jobs.db import make_engine, migrate
+from jobs.lifecycle import AttemptState
+from jobs.models import Attempt, Run, hash_token
+
+
+def migrated_sqlite(tmp_path: Path) -> Iterator[Engine]:
+    """A migrated SQLite database in the test's directory (a fixture body)."""
+    made = make_engine(f"sqlite:///{tmp_path / 'plane.db'}")
+    migrate(made)
+    yield made
+    made.dispose()
+
+
+def add_running_attempt(
+    engine: Engine,
+    *,
+    provider: str,
+    token: str | None,
+    checkpoint_uri: str | None,
+    checkpoint_prefix: str | None = None,
+    run_id: str = "r-1",
+    attempt_id: str = "a-1",
+) -> None:
+    """Run ``run_id`` with attempt 1 running on ``provider``; the attempt's token is
+    ``token`` (None: an attempt whose token was revoked)."""
+    with Session(engine) as session:
+        session.add(
+            Run(
+                id=run_id,
+                spec_name="tiny",
+                spec={"name": "tiny", "command": ["true"]},
+                requester="U1",
+                checkpoint_uri=checkpoint_uri,
+                checkpoint_prefix=checkpoint_prefix,
+            )
+        )
+        session.flush()
+        session.add(
+            Attempt(
+                id=attempt_id,
+                run_id=run_id,
+                number=1,
+                state=AttemptState.RUNNING,
+                provider=provider,
+                token_hash=hash_token(token) if token else None,
+            )
+        )
+        session.commit()
