@@ -14,7 +14,7 @@ from tests.runner.test_notice_slow_write import BPS, TRIALS, _judge, busy, trial
 __all__ = ["busy"]  # the module's CPU burners, as a fixture here too
 
 #: moto serves from this process, so each byte also costs the loops' CPU.
-S3_WINDOW_S = 2.0
+S3_WINDOW_S = 4.0
 
 
 @pytest.mark.parametrize("later", [False, True], ids=["first-attempt", "later-attempt"])
