@@ -481,9 +481,10 @@ def test_killing_the_leader_during_a_launch(make_cluster: Callable[..., Cluster]
 
 def test_killing_the_leader_in_the_digest_minute(make_cluster: Callable[..., Cluster]) -> None:
     channels = ("C0ONE", "C0TWO", "C0THREE")
-    # The digest is due a few seconds after the replicas start (or, if they take longer
-    # to start, it is already due and the first leader catches up on it).
-    at = datetime.now(timezone.utc) + timedelta(seconds=10)
+    # The digest is due a few seconds after the replicas start (about 2 s on a quiet
+    # machine; if they take longer to start, it is already due and the first leader
+    # catches up on it).
+    at = datetime.now(timezone.utc) + timedelta(seconds=4)
     finished = [
         Run(
             id=f"r-digest{n}",
