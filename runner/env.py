@@ -130,6 +130,15 @@ def _words(raw: str) -> list[str]:
     return value
 
 
+def _names(raw: str) -> dict[str, str]:
+    value = json.loads(raw)
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        raise _Refused
+    return value
+
+
 def _commit(raw: str) -> str:
     text = raw.strip().lower()
     if len(text) != 40 or any(c not in "0123456789abcdef" for c in text):
@@ -140,6 +149,8 @@ def _commit(raw: str) -> str:
 TEXT: Kind[str] = Kind("text", str, str)
 #: A list of strings, written as JSON (shell commands, paths).
 WORDS: Kind[list[str]] = Kind("a JSON list of strings", _words, list, json.dumps)
+#: A mapping of strings to strings, written as JSON (secret references by variable).
+NAMES: Kind[dict[str, str]] = Kind("a JSON object of strings", _names, dict, json.dumps)
 COMMIT: Kind[str] = Kind("a 40-character git commit sha", _commit, str)
 URL: Kind[str] = Kind("an http:// or https:// URL", _url, str)
 PATH: Kind[Path] = Kind("a path", Path, (str, Path))
@@ -343,6 +354,24 @@ SETUP_KEY_FILES = _var(
 )
 MACHINE_IMAGE = _var(
     "TRAINBOT_MACHINE_IMAGE", TEXT, None, "the machine image, part of the environment's key"
+)
+
+# --- secrets, read on the instance (runner.secrets) -----------------------------------
+
+SECRETS = _var(
+    "TRAINBOT_SECRETS",
+    NAMES,
+    None,
+    "the spec's secrets: variable → reference (aws-sm://, gcp-sm://, local://), never a value",
+)
+LOCAL_SECRETS_DIR = _var(
+    "TRAINBOT_LOCAL_SECRETS_DIR", PATH, None, "the admin's directory of local:// secrets"
+)
+AWS_SECRETS_REGION = _var(
+    "TRAINBOT_AWS_SECRETS_REGION", TEXT, None, "the region of the aws-sm:// secrets"
+)
+GCP_SECRETS_URL = _var(
+    "TRAINBOT_GCP_SECRETS_URL", URL, None, "Secret Manager's API (default: Google's)"
 )
 
 #: Every declared variable, by name.

@@ -36,6 +36,7 @@ from runner import env as contract
 from runner.errors import CheckpointError, RunnerError, StoreError
 from runner.logship import LogShipper, pump
 from runner.preemption import PreemptionFlag, SignalHandlers, start_pollers, write_notice
+from runner.secrets import SecretUnavailable, resolve
 from runner.setup import SetupFailed, SetupInterrupted, Workspace
 from runner.sync import CheckpointSync, open_files
 from runner.telemetry import EventSink, FileFollower, SystemSampler, follow_file
@@ -159,6 +160,10 @@ class Supervisor:
                     extra=self._node_figures if self.node else None,
                 )
                 try:
+                    try:  # before setup: a secret that cannot be read ends it at once
+                        secrets = self._secrets()
+                    except SecretUnavailable as exc:
+                        return self._secret_unavailable(exc)
                     if self.workspace is not None:
                         # Samples while setup runs: a long install is not a silent instance.
                         sampler.start()
@@ -170,6 +175,7 @@ class Supervisor:
                         self._restore()
                     if self.flag.is_set:
                         return self._preempted_before_start()
+                    env |= secrets  # the command's environment only, never setup's
                     return self._supervise(env, events, sampler)
                 finally:
                     sampler.stop()
@@ -219,6 +225,27 @@ class Supervisor:
                 feed(text)
             self.sink.emit("log", {"level": "info", "message": line})
         return None
+
+    def _secrets(self) -> dict[str, str]:
+        """The spec's secrets, read with this machine's identity (:mod:`runner.secrets`);
+        only their names are said anywhere."""
+        refs = contract.SECRETS.get(self.env)
+        if not refs:
+            return {}
+        values = resolve(refs, self.env)
+        names = ", ".join(sorted(values))
+        self.sink.emit("log", {"level": "info", "message": f"secrets read: {names}"})
+        return values
+
+    def _secret_unavailable(self, exc: SecretUnavailable) -> int:
+        """A secret the command needs cannot be read: the attempt fails, before setup,
+        as its own end (another instance with the same role would fail alike)."""
+        log.error("%s", exc)
+        self.sink.emit(
+            "exit", {"code": EXIT_FAILED, "reason": "secret_unavailable", "log_tail": str(exc)}
+        )
+        self._exit_reported = True
+        return EXIT_FAILED
 
     def _restore(self) -> None:
         assert self.sync is not None

@@ -1,4 +1,4 @@
-"""Running the checks: the default six in order, each failure reported, never raised."""
+"""Running the checks: the default seven in order, each failure reported, never raised."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from jobs.preflight.report import (
     PreflightReport,
     Status,
 )
+from jobs.preflight.secrets import SecretsCheck
 from jobs.preflight.shape import InstanceShapeCheck
 from runner.errors import RunnerError
 
@@ -28,12 +29,13 @@ log = logging.getLogger(__name__)
 
 
 def default_checks(*, dry_run_timeout_s: float = 600.0) -> list[Check]:
-    """The six checks, in the order their answers are needed."""
+    """The seven checks, in the order their answers are needed."""
     return [
         QuotaCheck(),
         CapacityCheck(),
         InstanceShapeCheck(),
         DataLocalityCheck(),
+        SecretsCheck(),
         DryRunCheck(timeout_s=dry_run_timeout_s),
         BudgetCheck(),
     ]

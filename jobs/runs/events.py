@@ -112,6 +112,16 @@ def on_attempt_event(deps: Deps, attempt_id: str, type_: str, data: dict[str, An
                     code,
                     f"setup failed: {detail}; fix the spec's setup (or code) and resubmit",
                 )
+            if reason == "secret_unavailable":
+                # Its own end too: the instance's role cannot read a secret of the spec.
+                first = str(data.get("log_tail") or "").partition("\n")[0].strip()
+                detail = first[:300] or "a secret could not be read"
+                ended = (
+                    state,
+                    code,
+                    f"secret unavailable: {detail}; create it or let the instance role "
+                    "read it, then resubmit",
+                )
             tail = data.get("log_tail")
             if isinstance(tail, str) and tail:
                 log_tail = redact_output(tail, env_values(run.spec))

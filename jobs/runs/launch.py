@@ -42,7 +42,7 @@ from jobs.runs.rows import (
     spec_of,
 )
 from jobs.spec import JobSpec, Resources, stored_section
-from jobs.spec.env import code_env
+from jobs.spec.env import code_env, secrets_env
 from jobs.spend import remove_cloud_budgets
 from runner import env as contract
 
@@ -142,6 +142,8 @@ def runner_env(deps: Deps, run: Run, attempt: Attempt, spec: JobSpec) -> dict[st
         }
     )
     env |= code_env(spec, local=local)
+    aws_region = provider.capabilities.default_region if provider.name == "aws" else None
+    env |= secrets_env(spec, local=local, aws_region=aws_region)
     env.update(measured_write_env(run))
     missing = contract.missing_required(env)
     assert not missing, f"the runner's environment lacks {missing}"

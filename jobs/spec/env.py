@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 from pydantic import AfterValidator, BeforeValidator, ValidationInfo
 
 from runner import env as contract
+from runner.secrets import parse_ref
 
 if TYPE_CHECKING:
     from jobs.spec.model import JobSpec
@@ -92,6 +93,31 @@ EnvName = Annotated[str, AfterValidator(_env_name)]
 EnvValue = Annotated[str, AfterValidator(_env_value)]
 #: The type of ``JobSpec.env``.
 Env = Annotated[dict[EnvName, EnvValue], BeforeValidator(_stringify_env)]
+
+
+def _secret_ref(value: str) -> str:
+    return str(parse_ref(value))  # raises ValueError with the grammar in its words
+
+
+#: A secret's reference (``aws-sm://…``, ``gcp-sm://…``, ``local://…``), normalised.
+SecretRefText = Annotated[str, AfterValidator(_secret_ref)]
+#: The type of ``JobSpec.secrets``: variable name → reference. The references are not
+#: secret; the values are read on the instance only (:mod:`runner.secrets`).
+Secrets = dict[EnvName, SecretRefText]
+
+
+def secrets_env(spec: JobSpec, *, local: bool, aws_region: str | None = None) -> dict[str, str]:
+    """The references the runner resolves on the instance, never a value; for the local
+    provider, the admin's secrets directory (its instances are this machine)."""
+    if not spec.secrets:
+        return {}
+    return contract.render(
+        {
+            contract.SECRETS: dict(spec.secrets),
+            contract.LOCAL_SECRETS_DIR: contract.LOCAL_SECRETS_DIR.get() if local else None,
+            contract.AWS_SECRETS_REGION: aws_region,
+        }
+    )
 
 
 def code_env(spec: JobSpec, *, local: bool) -> dict[str, str]:

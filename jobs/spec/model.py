@@ -8,7 +8,7 @@ from typing import Annotated
 
 from pydantic import BeforeValidator, Field, ValidationInfo, field_validator
 
-from jobs.spec.env import FROM_PEOPLE, Env
+from jobs.spec.env import FROM_PEOPLE, Env, Secrets
 from jobs.spec.sections import (
     AlertThresholds,
     BudgetPolicy,
@@ -88,6 +88,10 @@ class JobSpec(Section):
     #: Extra environment variables for the training process.
     #: Names are shell identifiers; ``TRAINBOT_*`` ones are trainbot's own (``TUNABLE_ENV`` aside).
     env: Env = Field(default_factory=dict)
+    #: Secrets for the training process: variable name → a reference to a secret store
+    #: (``aws-sm://NAME``, ``gcp-sm://projects/P/secrets/S``, ``local://NAME``). Only the
+    #: reference is stored; the runner reads the value on the instance (runner.secrets).
+    secrets: Secrets = Field(default_factory=dict, max_length=50)
     #: The run's code (a git repository at a ref, or a packed archive); ``None``: the
     #: command finds its files on the machine image.
     code: Code | None = None
@@ -130,6 +134,17 @@ class JobSpec(Section):
         if found is not None:
             raise ValueError(
                 f"contains {found}, which reverses the text around it in chat: remove it"
+            )
+        return value
+
+    @field_validator("secrets")
+    @classmethod
+    def _secrets_apart_from_env(cls, value: dict[str, str], info: ValidationInfo) -> dict[str, str]:
+        both = sorted(set(value) & set(info.data.get("env") or {}))
+        if both:
+            raise ValueError(
+                f"{', '.join(both)} is set in both env and secrets: keep the secret, "
+                "and remove it from env"
             )
         return value
 

@@ -33,7 +33,11 @@ Count = Annotated[int, msgspec.Meta(ge=0, le=_I64_MAX)]
 UnixTime = Annotated[float, msgspec.Meta(ge=0.0, lt=MAX_UNIX_TIME, description="unix seconds")]
 #: ``setup_failed``: the spec's setup (or fetching its code) failed before the command ran;
 #: the first line of its ``log_tail`` says which command, and how.
-ExitReason = Literal["succeeded", "preempted", "failed", "stopped", "setup_failed"]
+#: ``secret_unavailable``: a secret of the spec could not be read on the instance (the
+#: ``log_tail`` names it and the store's answer, never a value); the command never ran.
+ExitReason = Literal[
+    "succeeded", "preempted", "failed", "stopped", "setup_failed", "secret_unavailable"
+]
 
 
 class Payload(msgspec.Struct, forbid_unknown_fields=True, gc=False):

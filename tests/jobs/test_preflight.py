@@ -847,6 +847,7 @@ def test_resource_request_and_assumed_mtbp(tmp_path: Path, local: LocalProvider)
         "capacity",
         "instances",
         "data",
+        "secrets",
         "dry_run",
         "budget",
     ]
@@ -889,7 +890,7 @@ def test_full_preflight_with_the_real_dry_run(tmp_path: Path) -> None:
         names: list[str] = []
         report = run_preflight(ctx, on_result=lambda r: names.append(r.name))
 
-        assert names == ["quota", "capacity", "instances", "data", "dry_run", "budget"]
+        assert names == ["quota", "capacity", "instances", "data", "secrets", "dry_run", "budget"]
         statuses = {r.name: r.status for r in report.results}
         assert statuses == dict.fromkeys(names, Status.PASS), [r.detail for r in report.results]
         assert report.ok and not report.needs_confirmation

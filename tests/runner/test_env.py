@@ -33,6 +33,7 @@ _SAMPLES: dict[int, list[Any]] = {
     id(contract.FLAG): [True, False],
     id(contract.WORDS): [["pip install -r requirements.txt", "echo 'a b' > c"], []],
     id(contract.COMMIT): ["0123456789abcdef0123456789abcdef01234567"],
+    id(contract.NAMES): [{"WANDB_API_KEY": "aws-sm://trainbot/wandb", "B": "local://b"}, {}],
 }
 #: The variables with a kind of their own (a choice of words).
 _CHOICES = {
