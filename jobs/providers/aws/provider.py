@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import boto3
 
 from jobs.providers import base, gang
-from jobs.providers.aws import budgets, capacity, catalog, launch, placement, status
+from jobs.providers.aws import budgets, capacity, catalog, launch, placement, secrets, status
 from jobs.providers.aws.clients import Clients, utcnow
 from jobs.providers.aws.launch import LaunchConfig
 from jobs.providers.aws.settings import AwsSettings
@@ -27,6 +27,7 @@ from jobs.providers.runner_install import (
     boot_config,
     prepare_in_background,
 )
+from runner.secrets import SecretRef
 
 if TYPE_CHECKING:
     from jobs.settings import Settings
@@ -63,6 +64,7 @@ class AwsProvider:
         budget_emails: Sequence[str] = (),
         budget_sns_topic_arn: str | None = None,
         regions: Sequence[str] = (),
+        secrets_prefix: str = secrets.DEFAULT_SECRETS_PREFIX,
         clock: Callable[[], datetime] = utcnow,
     ) -> None:
         """``instance_profile``: name or ARN of the runner's instance profile (its policy is
@@ -77,7 +79,8 @@ class AwsProvider:
         ``budget_emails`` and ``budget_sns_topic_arn``: who a run's AWS Budget notifies at
         its thresholds (AWS sends nothing without a subscriber). ``regions``: other
         regions whose trainbot instances ``list_instances`` reports from the start (the
-        specs' failover regions), so reconcile finds orphans there after a restart."""
+        specs' failover regions), so reconcile finds orphans there after a restart.
+        ``secrets_prefix``: the names of the only secrets the instance role may read."""
         if not region:
             raise base.ProviderError("the AWS provider needs a region: set TRAINBOT_AWS_REGION")
         self.region = region
@@ -90,6 +93,7 @@ class AwsProvider:
         self.budget_emails = tuple(e.strip() for e in budget_emails if e.strip())
         self.budget_sns_topic_arn = budget_sns_topic_arn or None
         self.regions = tuple(r for r in regions if r and r != region)
+        self.secrets_prefix = secrets_prefix
         self._clients = Clients(
             region=region,
             session=session or boto3.session.Session(),
@@ -187,6 +191,17 @@ class AwsProvider:
         return None if region is None else base.BucketLocation.region(region)
 
     # -- budgets ---------------------------------------------------------------------------
+
+    def secret_problem(self, ref: SecretRef) -> tuple[str, str] | None:
+        """Whether an ``aws-sm://`` secret exists in the home region and the instance role
+        may read it (``DescribeSecret`` and a policy simulation; never its value)."""
+        return secrets.secret_problem(
+            clients=self._clients,
+            region=self.region,
+            ref=ref,
+            prefix=self.secrets_prefix,
+            instance_profile=self.instance_profile,
+        )
 
     def create_budget(
         self,
@@ -376,5 +391,6 @@ def from_settings(settings: Settings) -> AwsProvider:
         "budget_emails": settings.aws_budget_emails or None,
         "budget_sns_topic_arn": settings.aws_budget_sns_topic_arn,
         "regions": settings.aws_regions or None,
+        "secrets_prefix": own.secrets_prefix,
     }
     return make(**{k: v for k, v in options.items() if v is not None})

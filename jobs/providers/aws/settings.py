@@ -30,6 +30,10 @@ class AwsSettings(ProviderSettings):
     #: A built ``trainbot-<version>-py3-none-any.whl`` for ``wheel``; unset: the one the
     #: container image ships, else built from the control plane's source at its start.
     runner_wheel: Path | None = None
+    #: The names of the only Secrets Manager secrets the instance role may read (the
+    #: shipped deploy/aws/runner-instance-policy.json grants ``trainbot/*``): preflight
+    #: refuses an ``aws-sm://`` secret outside it. Change the policy with it.
+    secrets_prefix: str = "trainbot/"
 
     def runner(self) -> RunnerInstall:
         return RunnerInstall(
