@@ -4,6 +4,8 @@ Everything goes to moto's server over HTTP; its placement groups are the fake's 
 (moto has none: ``tests/fakes/moto_server.py``), and a cluster group without room for
 the next node is how a gang's launch is made to fail halfway. Service Quotas and the
 denied dry run go through botocore's Stubber, as in ``test_aws.py``.
+What every cloud's gang does alike (one instance listed once, lost with a node, ended
+whole) is in ``test_gang_contract.py``.
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ from jobs.providers.base import (
     ProviderPermissionError,
     ResourceRequest,
 )
-from runner import EXIT_PREEMPTED
 from tests.fakes import aws as fake
 from tests.jobs.providers.contract import launch_request, wait_for_state
 
@@ -291,53 +292,6 @@ def test_no_room_for_node_0_launches_nothing(
 
 
 # -- status, listing, termination -----------------------------------------------------------
-
-
-def test_a_node_terminated_from_outside_loses_the_gang(
-    make_aws: Callable[..., AwsProvider], moto: dict[str, Any]
-) -> None:
-    aws = make_aws()
-    info = aws.launch(gang_request())
-    running = wait_for_state(aws, info.instance_id, {InstanceState.RUNNING})
-    assert (running.instance_id, running.reason) == (info.instance_id, "2 nodes running")
-    _, second = info.instance_id.split("+")
-    fake.client("ec2", moto["url"]).terminate_instances(InstanceIds=[second])
-    lost = aws.status(info.instance_id)
-    assert lost.state is InstanceState.LOST and lost.exit_code == EXIT_PREEMPTED
-    assert f"node 1 ({second})" in lost.reason and "outside trainbot" in lost.reason
-    [listed] = [i for i in aws.list_instances() if i.instance_id == info.instance_id]
-    assert listed.state is InstanceState.LOST
-    aws.terminate(info.instance_id)
-
-
-def test_list_instances_shows_a_gang_once(
-    make_aws: Callable[..., AwsProvider], moto: dict[str, Any]
-) -> None:
-    aws = make_aws()
-    req = gang_request(nodes=3)
-    info = aws.launch(req)
-    mine = [i for i in aws.list_instances() if i.run_id == req.run_id]
-    assert [(i.instance_id, i.address, i.zone) for i in mine] == [
-        (info.instance_id, info.address, ZONE)
-    ]
-    assert len(info.instance_id.split("+")) == 3
-    assert group(moto["url"], req.placement_group) is not None, "a running gang keeps its group"
-    aws.terminate(info.instance_id)
-
-
-def test_terminating_a_gang_ends_every_node_and_its_group(
-    make_aws: Callable[..., AwsProvider], moto: dict[str, Any]
-) -> None:
-    aws = make_aws()
-    req = gang_request()
-    info = aws.launch(req)
-    aws.terminate(info.instance_id)
-    nodes = described(moto["url"], info.instance_id.split("+"))
-    assert [n["State"]["Name"] for n in nodes] == ["terminated", "terminated"]
-    done = aws.status(info.instance_id)
-    assert done.state is InstanceState.TERMINATED and "by the control plane" in done.reason
-    assert group(moto["url"], req.placement_group) is None
-    aws.terminate(info.instance_id)  # again: nothing left to end, not an error
 
 
 def test_a_group_still_in_use_is_deleted_on_a_later_pass(

@@ -2,6 +2,8 @@
 placement policy, launched all or none, seen by the control plane as one instance. The
 real google-cloud-compute client against the local fake Compute Engine API, as in
 test_gcp.py.
+What every cloud's gang does alike (one instance listed once, lost with a node, ended
+whole) is in ``test_gang_contract.py``.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from google.cloud import compute_v1
 from jobs.providers.base import TAG_NODE, TAG_NODES, CapacityError, InstanceState
 from jobs.providers.gang import MASTER_PORT, node_token
 from jobs.providers.gcp import GcpProvider, instance_name
-from runner import EXIT_PREEMPTED
 from tests.fakes.gce_api import FakeComputeApi
 from tests.jobs.providers.contract import wait_for_state
 from tests.jobs.providers.test_gcp import A100, REGION, RUNNER_SA, TOKEN, ZONE_A, launch
@@ -132,25 +133,6 @@ def test_a_single_instance_carries_its_private_address_and_no_policy(
     assert info.address == inst["networkInterfaces"][0]["networkIP"] != ""
     assert "resourcePolicies" not in inst and fake.resource_policies() == []
     assert not fake.calls("POST", r"/resourcePolicies$")
-
-
-def test_a_gang_runs_until_a_node_is_deleted_from_outside_then_it_is_lost(
-    gcp: GcpProvider, fake: FakeComputeApi
-) -> None:
-    info = launch(gcp, nodes=2)
-    running = gcp.status(info.instance_id)
-    assert (running.instance_id, running.state) == (GANG, InstanceState.RUNNING)
-
-    # Someone deletes node 1 with their own client (the console, gcloud).
-    operator = compute_v1.InstancesClient(
-        credentials=AnonymousCredentials(), client_options=ClientOptions(api_endpoint=fake.url)
-    )
-    operator.delete(project=fake.project, zone=ZONE_A, instance=NODE_1)
-
-    lost = gcp.status(info.instance_id)
-    assert lost.state is InstanceState.LOST and lost.exit_code == EXIT_PREEMPTED
-    assert lost.reason.startswith(f"node 1 ({ZONE_A}/{NODE_1}): deleted outside trainbot")
-    assert lost.state.is_terminal()
 
 
 def test_terminating_a_gang_deletes_every_node_and_then_its_policy(
