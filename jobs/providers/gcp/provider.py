@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jobs.providers import base, gang
+from jobs.providers.gcp import secrets
 from jobs.providers.gcp.api import ComputeApi
 from jobs.providers.gcp.buckets import bucket_location
 from jobs.providers.gcp.catalog import PRICES_PATH, Catalog
@@ -38,6 +39,7 @@ from jobs.providers.runner_install import (
     prepare_in_background,
 )
 from runner.preemption import WINDOWS_S
+from runner.secrets import SecretRef
 
 if TYPE_CHECKING:
     from jobs.settings import Settings
@@ -85,6 +87,8 @@ class GcpProvider:
         stockout_cooldown_s: float = 900.0,
         policy_retry_s: float = 30.0,
         policy_sweep_s: float = 300.0,
+        secrets_prefix: str = secrets.DEFAULT_SECRETS_PREFIX,
+        secrets_endpoint: str | None = None,
     ) -> None:
         """``machine_type_for`` maps ``TYPE:COUNT`` or ``TYPE`` (``A100:8``,
         ``nvidia-l4``; ``cpu`` for CPU-only runs) to a machine type, over the built-in
@@ -120,6 +124,9 @@ class GcpProvider:
         self.prices_path = Path(prices) if prices else PRICES_PATH
         self.storage_endpoint = storage_endpoint or api_endpoint or "https://storage.googleapis.com"
         self.launch_timeout_s = launch_timeout_s
+        #: ``gcp-sm://`` secrets: the ids the runner may read, and Secret Manager's API.
+        self.secrets_prefix = secrets_prefix
+        self.secrets_endpoint = secrets_endpoint or secrets.DEFAULT_SECRETS_ENDPOINT
         self.call_timeout_s = call_timeout_s
         self.stockout_cooldown_s = stockout_cooldown_s
         # The project, endpoint, timeouts, prices and machine types are fixed from here on.
@@ -209,6 +216,18 @@ class GcpProvider:
         """From the shipped table: machine vCPUs and memory plus GPUs, per region."""
         region = region_of_zone(zone) if zone else self._region(req)
         return self._catalog.price(req, region=region)
+
+    def secret_problem(self, ref: SecretRef) -> tuple[str, str] | None:
+        """Whether a ``gcp-sm://`` secret exists and the runner's service account may
+        read it (its metadata and IAM policy; never its value)."""
+        return secrets.secret_problem(
+            session=self._api.storage_session(),
+            endpoint=self.secrets_endpoint,
+            ref=ref,
+            prefix=self.secrets_prefix,
+            service_account=self.template.service_account,
+            timeout_s=self.call_timeout_s,
+        )
 
     def bucket_location(self, uri: str) -> base.BucketLocation | None:
         """Where a ``gs://`` bucket is, a multi- or dual-region with every region it
@@ -382,5 +401,7 @@ def from_settings(settings: Settings) -> GcpProvider:
         "regions": settings.gcp_regions or None,
         "service_account": settings.gcp_service_account,
         "api_endpoint": settings.gcp_api_endpoint,
+        "secrets_prefix": own.secrets_prefix,
+        "secrets_endpoint": own.secrets_endpoint,
     }
     return make(**{k: v for k, v in options.items() if v is not None})

@@ -35,6 +35,12 @@ class GcpSettings(ProviderSettings):
     #: A built ``trainbot-<version>-py3-none-any.whl`` for ``wheel``; unset: the one the
     #: container image ships, else built from the control plane's source at its start.
     runner_wheel: Path | None = None
+    #: The ids of the only Secret Manager secrets the runner's service account may read
+    #: (grant it roles/secretmanager.secretAccessor on each): preflight refuses a
+    #: ``gcp-sm://`` secret outside it.
+    secrets_prefix: str = "trainbot-"
+    #: Secret Manager's API; unset: Google's (a test's fake, else).
+    secrets_endpoint: str | None = None
 
     def runner(self) -> RunnerInstall:
         return RunnerInstall(
