@@ -31,14 +31,13 @@ from jobs.providers import (
     providers_from_settings,
 )
 from jobs.providers.base import Provider
-from jobs.rules import Rule, Signal, Trigger, rules_on
+from jobs.rules import Signal
 from jobs.runs import on_attempt_event, raise_signals
 from jobs.runs.profile import project
 from jobs.scheduler import LeaderElector
 from jobs.server import ControlPlaneApp, CredentialBroker, ServerHandle, serve
 from jobs.service import resume_preflights
 from jobs.settings import Settings
-from jobs.spec import AlertThresholds, stored_section
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import WSGIApplication
@@ -78,13 +77,6 @@ def build_pager(settings: Settings, engine: Engine) -> PagerDutyBridge | None:
 def build_ingest(deps: Deps) -> IngestService:
     """The runner events API, wired to the alert lifecycle and the attempt lifecycle."""
 
-    def rules_for(run: Run) -> list[Rule]:
-        # The rules that say they watch the runner's stream; the others are evaluated
-        # where their trigger happens (an attempt's end, a resubmit, the reconcile job),
-        # and budgets are raised by the spend job.
-        thresholds = stored_section(run.spec, AlertThresholds, run_id=run.id)
-        return rules_on(Trigger.STREAM, thresholds)
-
     def on_signals(run_id: str, signals: list[Signal], now: datetime) -> None:
         if not any(not s.resolved for s in signals) and not _has_open(run_id):
             return
@@ -108,7 +100,6 @@ def build_ingest(deps: Deps) -> IngestService:
 
     return IngestService(
         deps.engine,
-        rules_for=rules_for,
         on_signals=on_signals,
         on_attempt_event=on_event,
         on_profile_due=on_profile_due,

@@ -81,12 +81,12 @@ class IngestService:
     Thread-safe; one instance serves every request thread of the process.
     ``on_profile_due(attempt)`` is told once when an attempt's profile window ends
     (:mod:`jobs.runs.profile`). ``rules_for(run)`` picks a run's alert rules
-    (default: :func:`jobs.rules.default_rules` with the thresholds of the run's spec);
-    it is called when the run's window is built, the first batch after start or after
-    :meth:`forget_run`. ``attempt_token(attempt id)`` is the attempt's runner token as the
-    control plane derives it (``Deps.runner_token``): with it, the nodes after the first
-    of a multi-node attempt are told apart by their own tokens (:mod:`jobs.ingest.auth`);
-    without it, only attempts' own tokens are accepted.
+    (default: the rules on the stream, :func:`jobs.rules.rules_on`, with the thresholds of
+    the run's spec); it is called when the run's window is built, the first batch after
+    start or after :meth:`forget_run`. ``attempt_token(attempt id)`` is the attempt's
+    runner token as the control plane derives it (``Deps.runner_token``): with it, the
+    nodes after the first of a multi-node attempt are told apart by their own tokens
+    (:mod:`jobs.ingest.auth`); without it, only attempts' own tokens are accepted.
     """
 
     def __init__(

@@ -27,9 +27,10 @@ from jobs.rules import (
     Rule,
     RunContext,
     Signal,
+    Trigger,
     TypedWindow,
-    default_rules,
     evaluate_all,
+    rules_on,
 )
 from jobs.spec import AlertThresholds, stored_section
 from runner.wire import restore_floats
@@ -179,9 +180,9 @@ class _Window:
 class Windows:
     """Every reporting run's window and rules, the least recently reporting dropped first.
 
-    Thread-safe. ``rules_for(run)`` picks a run's alert rules (default:
-    :func:`jobs.rules.default_rules` with the thresholds of the run's spec); it is called
-    when the run's window is built.
+    Thread-safe. ``rules_for(run)`` picks a run's alert rules (default: the rules on the
+    stream, :func:`jobs.rules.rules_on`, with the thresholds of the run's spec); it is
+    called when the run's window is built.
     """
 
     def __init__(
@@ -249,7 +250,10 @@ class Windows:
             if self._rules_for is not None:
                 rules: Sequence[Rule] = self._rules_for(run)
             else:
-                rules = default_rules(stored_section(run.spec, AlertThresholds, run_id=run.id))
+                # The rules that watch the runner's stream; the others are evaluated where
+                # their trigger happens (an attempt's end, a resubmit, the reconcile job).
+                thresholds = stored_section(run.spec, AlertThresholds, run_id=run.id)
+                rules = rules_on(Trigger.STREAM, thresholds)
             window = _Window(rules)
             connection = session.connection()
             since = max(since, 0.0)

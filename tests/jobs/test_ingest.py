@@ -276,8 +276,10 @@ def test_side_effects_happen_once_even_when_a_batch_is_retried(db_engine: Engine
     clock = Clock()
     recorder = Recorder()
     svc = service(db_engine, recorder, now=clock)
-    batch = body([("started", {"pid": 7, "host": "h"}), metrics(3)])
+    # A NaN loss: the stream's divergence rule has something to say about this batch.
+    batch = body([("started", {"pid": 7, "host": "h"}), metrics(3, loss=float("nan"))])
     svc.handle(AUTH, batch)
+    assert len(recorder.signals) == 1
     clock.at = NOW + timedelta(minutes=5)
 
     svc.handle(AUTH, batch)
