@@ -75,6 +75,9 @@ class Later(str, Enum):
     RESUBMIT = "resubmit"
     #: ``jobs.runs.launch_attempt(run_id=…)``: a launch retried after no capacity.
     LAUNCH = "launch"
+    #: ``jobs.runs.capacity.try_again(run_id=…, episode=…, tries=…, since=…, ts=…)``:
+    #: the next try of a run waiting for capacity; run by the leader only.
+    CAPACITY = "capacity"
     #: ``jobs.scheduler.digest_day(posted=…, day=…)``: a day's digest, one
     #: ``DIGEST_CHANNEL`` per channel.
     DIGEST = "digest"

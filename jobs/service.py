@@ -49,6 +49,7 @@ from jobs.queries import (
 from jobs.runs import (
     active_attempt,
     budget_then_launch,
+    capacity,
     card,
     channel_of,
     checkpoint_prefix,
@@ -381,6 +382,7 @@ def stop(deps: Deps, run_id: str, actor: Actor, *, reason: str | None = None) ->
             session, run, RunState.STOPPED, now=now, reason=reason or f"stopped by {actor.user}"
         )
         deps.journal.record("run_finished", run.id, state="STOPPED", by=actor.user)
+        capacity.end_wait(deps, session, run, why=f"stopped by {actor.user}")
         say(deps, run, "info", f"{actor.user} stopped {run.id}; the instance is shutting down.")
         refresh_card(deps, session, run)
         attempt_id = attempt.id if attempt else None

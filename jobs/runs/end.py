@@ -22,7 +22,7 @@ from jobs.providers.base import InstanceNotFound, InstanceState, ProviderError
 from jobs.rules import Obs, Trigger, evaluate_all, rules_on
 from jobs.runs.cards import raise_signals, refresh_card, run_context, say
 from jobs.runs.launch import check_fence
-from jobs.runs.resubmit import record_lost_work
+from jobs.runs.resubmit import record_lost_work, restart_on_error
 from jobs.runs.rows import move_run
 from jobs.spec import AlertThresholds, ResubmitPolicy, stored_section
 from jobs.spend import remove_cloud_budgets
@@ -93,6 +93,7 @@ def end_attempt(
         elif state in (AttemptState.PREEMPTED, AttemptState.LOST):
             run.preemptions += 1
             session.add(run)
+            policy = stored_section(run.spec, ResubmitPolicy, run_id=run.id)
             deps.journal.record(
                 "preempted",
                 run.id,
@@ -110,15 +111,44 @@ def end_attempt(
                 f"{'was lost' if state == AttemptState.LOST else 'was preempted'}"
                 f" ({reason}); last committed step {run.last_committed_step}.",
             )
+            ceiling = policy.max_preemptions
+            if ceiling is not None and run.preemptions > ceiling and not run.state.is_terminal():
+                why = (
+                    f"preempted {run.preemptions} times, more than resubmit.max_preemptions="
+                    f"{ceiling}; resubmit it to go on from step {run.last_committed_step}, or "
+                    "move it to another zone or region"
+                )
+                move_run(session, run, RunState.FAILED, now=now, reason=why)
+                deps.journal.record("run_finished", run.id, state="FAILED", reason=why)
+                say(deps, run, "error", f"Run {run.id} failed: {why}.")
             if run.state in (RunState.RUNNING, RunState.LAUNCHING):
                 move_run(session, run, RunState.RECOVERING, now=now)
             if run.state == RunState.RECOVERING:
-                resubmit_after = stored_section(run.spec, ResubmitPolicy).backoff_s
+                resubmit_after = policy.backoff_s
             _preemption_alerts(deps, session, run, attempt, now=now)
         elif state == AttemptState.FAILED and not run.state.is_terminal():
-            move_run(session, run, RunState.FAILED, now=now, reason=reason)
-            deps.journal.record("run_finished", run.id, state="FAILED", reason=reason)
-            say(deps, run, "error", f"Run {run.id} failed: {reason}.", log_tail=log_tail)
+            restart = restart_on_error(session, run, attempt, exit_code)
+            if restart.allowed:
+                record_lost_work(session, run, attempt, now=now)
+                if run.state in (RunState.RUNNING, RunState.LAUNCHING):
+                    move_run(session, run, RunState.RECOVERING, now=now)
+                deps.journal.record(
+                    "restart_on_error",
+                    run.id,
+                    attempt=attempt.number,
+                    exit_code=exit_code,
+                    restart=restart.number,
+                    of=restart.limit,
+                    from_step=run.last_committed_step,
+                )
+                say(deps, run, "error", restart.text, log_tail=log_tail)
+                if run.state == RunState.RECOVERING:
+                    resubmit_after = restart.backoff_s
+            else:
+                why = f"{reason}; {restart.text}" if restart.text else reason
+                move_run(session, run, RunState.FAILED, now=now, reason=why)
+                deps.journal.record("run_finished", run.id, state="FAILED", reason=why)
+                say(deps, run, "error", f"Run {run.id} failed: {why}.", log_tail=log_tail)
         refresh_card(deps, session, run)
         ended_run = run.id if run.state.is_terminal() else None
     if ended_run is not None:

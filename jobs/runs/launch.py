@@ -27,7 +27,7 @@ from jobs.lifecycle import AttemptState, RunState, transition
 from jobs.models import LEADER_LEASE, Attempt, Run, SchedulerLease, hash_token
 from jobs.preflight import resource_request
 from jobs.providers.base import CapacityError, LaunchRequest, ProviderError
-from jobs.runs import price
+from jobs.runs import capacity, price
 from jobs.runs.cards import refresh_card, say
 from jobs.runs.interval import auto_interval_mtbp, follow_measured_cost
 from jobs.runs.placement import NO_CAPACITY, NoPlacement, choose_placement, request_in
@@ -244,7 +244,18 @@ def launch_attempt(deps: Deps, run_id: str) -> Attempt | None:
 
 def _new_attempt(deps: Deps, run_id: str, *, now: datetime) -> tuple[str, str] | None:
     """Record the run's next attempt, REQUESTED, and why it is placed where it is; or
-    say why there is none (None)."""
+    say why there is none (None): it failed, it waits for a price, or for capacity (its
+    next try deferred here, once the wait is committed)."""
+    made = _record_attempt(deps, run_id, now=now)
+    if isinstance(made, capacity.Retry):
+        capacity.defer_retry(deps, made)
+        return None
+    return made
+
+
+def _record_attempt(
+    deps: Deps, run_id: str, *, now: datetime
+) -> tuple[str, str] | capacity.Retry | None:
     with session_scope(deps.engine) as session:
         check_fence(deps, session, action=f"a new attempt of {run_id}")
         run = session.get(Run, run_id)
@@ -252,27 +263,16 @@ def _new_attempt(deps: Deps, run_id: str, *, now: datetime) -> tuple[str, str] |
             return None
         if active_attempt(session, run_id) is not None:
             return None
+        if capacity.not_due(session, run_id, now=now):
+            return None  # waiting for capacity: its next try launches it
         spec = spec_of(run)
-        prev = latest_attempt(session, run_id)
-        number = (prev.number if prev else 0) + 1
-        if number > spec.resubmit.max_attempts:
-            move_run(
-                session,
-                run,
-                RunState.FAILED,
-                now=now,
-                reason=(
-                    f"gave up after {spec.resubmit.max_attempts} attempts; raise "
-                    "resubmit.max_attempts or move the run to another zone or region"
-                ),
-            )
-            deps.journal.record("run_finished", run.id, state="FAILED", reason=run.reason)
-            say(deps, run, "error", f"Run {run.id} failed: {run.reason}.")
-            refresh_card(deps, session, run)
-            return None
         placement = choose_placement(deps, session, run, spec)
         if isinstance(placement, NoPlacement):
-            move_run(session, run, RunState.FAILED, now=now, reason=placement.reason)
+            retry = capacity.wait(deps, session, run, spec, placement, now=now)
+            if retry is not None:
+                return retry
+            reason = placement.reason + capacity.gave_up(deps, session, run, spec)
+            move_run(session, run, RunState.FAILED, now=now, reason=reason)
             deps.journal.record("run_finished", run.id, state="FAILED", reason=run.reason)
             say(deps, run, "error", f"Run {run.id} failed: {run.reason}.")
             refresh_card(deps, session, run)
@@ -283,6 +283,8 @@ def _new_attempt(deps: Deps, run_id: str, *, now: datetime) -> tuple[str, str] |
             return None
         price.met(deps, run, gated)
         placement = gated
+        prev = latest_attempt(session, run_id)
+        number = (prev.number if prev else 0) + 1
         for skipped in placement.skipped:
             say(deps, run, "info", f"Attempt {number} skips region {skipped}.")
         if spec.checkpoint.interval_s is None:
@@ -400,6 +402,7 @@ def provision(deps: Deps, attempt_id: str, *, why: str = "") -> Attempt | None:
             return attempt
         run = session.get(Run, attempt.run_id)
         assert run is not None
+        capacity.found_capacity(deps, session, run, attempt, zone=info.zone, now=now)
         attempt.instance_id = info.instance_id
         attempt.zone = info.zone or attempt.zone
         attempt.state = transition(attempt.state, AttemptState.PROVISIONING, subject_id=attempt.id)
@@ -452,31 +455,34 @@ def provision(deps: Deps, attempt_id: str, *, why: str = "") -> Attempt | None:
 
 
 def _launch_failed(deps: Deps, attempt_id: str, exc: ProviderError, *, now: datetime) -> None:
-    """A refused launch: no capacity retries in the next zone after the backoff; anything
-    else (permissions, quota, a bad request) will not fix itself and fails the run."""
-    capacity = isinstance(exc, CapacityError)
+    """A refused launch: no capacity retries in the next zone at once (said in
+    the thread by the launch that follows, or by the wait for capacity when every zone
+    refused); anything else (permissions, quota, a bad request) will not fix itself and
+    fails the run."""
+    no_room = isinstance(exc, CapacityError)
     with session_scope(deps.engine) as session:
         attempt = session.get(Attempt, attempt_id)
         run = session.get(Run, attempt.run_id) if attempt else None
         if attempt is None or run is None:
             return
         attempt.state = transition(attempt.state, AttemptState.FAILED, subject_id=attempt.id)
-        attempt.end_reason = f"{NO_CAPACITY}: {exc}" if capacity else str(exc)
+        attempt.end_reason = f"{NO_CAPACITY}: {exc}" if no_room else str(exc)
         attempt.ended_at = now
         attempt.token_hash = None
         session.add(attempt)
-        say(deps, run, "error", f"Attempt {attempt.number} of {run.id} could not launch: {exc}")
-        if not capacity:
+        if not no_room:
+            say(deps, run, "error", f"Attempt {attempt.number} of {run.id} could not launch: {exc}")
             move_run(session, run, RunState.FAILED, now=now, reason=str(exc))
             deps.journal.record("run_finished", run.id, state="FAILED", reason=run.reason)
             refresh_card(deps, session, run)
             return
         if run.state == RunState.LAUNCHING:
             move_run(session, run, RunState.RECOVERING, now=now)
-        backoff = spec_of(run).resubmit.backoff_s
         run_id = run.id
-    # A row, not a timer: the retry outlives this replica (jobs.deferred).
-    deps.later(backoff, Later.LAUNCH, key=f"launch-after:{attempt_id}", run_id=run_id)
+    # The next zone at once: one zone's refusal says nothing of the next. Once every zone
+    # has refused, the run waits with a backoff (jobs.runs.capacity). A row, not a timer:
+    # the retry outlives this replica (jobs.deferred).
+    deps.later(0.0, Later.LAUNCH, key=f"launch-after:{attempt_id}", run_id=run_id)
 
 
 def budget_then_launch(

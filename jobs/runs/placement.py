@@ -10,7 +10,10 @@ attempt run on-demand, and only where the spec allows it
 ``resubmit.on_demand_after_preemptions`` switches to on-demand for good after N.
 
 "Refused" means refused since the run last had an instance: the trailing attempts that
-failed for lack of capacity. A preemption or any launched attempt starts the count again.
+failed for lack of capacity. A preemption or any launched attempt starts the count
+again. When every allowed zone has refused, the run waits for capacity
+(:mod:`jobs.runs.capacity`), and the refused launches of that pass are forgotten, so the
+next pass tries every zone again.
 
 :func:`decide` is the policy, given the questions it asks as functions;
 :func:`choose_placement` answers them with the run's provider.
@@ -79,9 +82,14 @@ class Placement:
 
 @dataclass(frozen=True)
 class NoPlacement:
-    """No allowed zone can take the attempt: the run fails with ``reason``."""
+    """No allowed zone can take the attempt: the run fails with ``reason``, or waits
+    for capacity (:mod:`jobs.runs.capacity`) when ``waitable``."""
 
     reason: str
+    #: Launches were refused for lack of capacity, which may come back: waiting may help
+    #: (not so a provider that is not configured, or regions the quota or the data rule
+    #: out).
+    waitable: bool = False
 
 
 def request_in(spec: JobSpec, region: str, *, spot: bool, provider: Provider) -> ResourceRequest:
@@ -173,14 +181,16 @@ def decide(
         return NoPlacement(
             f"no spot capacity in any allowed zone ({'; '.join(said.get(True, []))}); set "
             "resources.on_demand_fallback=true to run on-demand when spot is out, or list "
-            "other zones or regions"
+            "other zones or regions",
+            waitable=bool(refused),
         )
     parts = [
         f"{'spot' if spot else 'on-demand'}: {'; '.join(tried)}" for spot, tried in said.items()
     ]
     return NoPlacement(
         f"no capacity in any allowed zone ({' / '.join(parts)}); try again later, or list "
-        "other zones or regions"
+        "other zones or regions",
+        waitable=bool(refused),
     )
 
 

@@ -8,6 +8,7 @@ next attempt launched and does nothing.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime
 
 from sqlmodel import Session, col, select
@@ -15,12 +16,71 @@ from sqlmodel import Session, col, select
 from jobs.db import session_scope
 from jobs.deferred import Later, deferrable
 from jobs.deps import Deps
-from jobs.lifecycle import RunState
+from jobs.lifecycle import AttemptState, RunState
 from jobs.models import Attempt, Checkpoint, Run
 from jobs.rules import Obs, Trigger, evaluate_all, rules_on
 from jobs.runs.cards import alert_config, raise_signals, run_context
 from jobs.runs.launch import launch_attempt, placement_record
 from jobs.runs.rows import active_attempt, spec_of
+from jobs.spec import ResubmitPolicy, stored_section
+
+
+@dataclass(frozen=True)
+class Restart:
+    """Whether an attempt that exited with an error restarts, and what the thread says."""
+
+    #: True: the run resumes from its newest checkpoint after the backoff.
+    allowed: bool
+    #: Why, for the thread ("exit 134 is listed in …: restart 1 of 2 from step 40");
+    #: "" for an exit code that is not listed (the failure says enough).
+    text: str
+    #: This restart's number, and how many the spec allows.
+    number: int = 0
+    limit: int = 0
+    backoff_s: float = 0.0
+
+
+def restart_on_error(
+    session: Session, run: Run, attempt: Attempt, exit_code: int | None
+) -> Restart:
+    """An attempt failed with ``exit_code``: restart the run when the code is listed in
+    ``resubmit.recover_on_exit_codes`` and fewer than ``max_restarts_on_errors`` restarts
+    were made. Restarts made: the run's other attempts that ran and exited with an error
+    (only a restart follows one, so each is one). Preemptions and capacity refusals are
+    not counted here."""
+    policy = stored_section(run.spec, ResubmitPolicy, run_id=run.id)
+    if exit_code is None or exit_code not in policy.recover_on_exit_codes:
+        return Restart(allowed=False, text="")
+    made = len(
+        session.exec(
+            select(Attempt.id).where(
+                Attempt.run_id == run.id,
+                Attempt.id != attempt.id,
+                Attempt.state == AttemptState.FAILED,
+                col(Attempt.exit_code).is_not(None),
+            )
+        ).all()
+    )
+    limit = policy.max_restarts_on_errors
+    listed = f"exit {exit_code} is listed in resubmit.recover_on_exit_codes"
+    if made >= limit:
+        return Restart(
+            allowed=False,
+            text=f"{listed}, but the {limit} restart(s) resubmit.max_restarts_on_errors "
+            "allows are used",
+            number=made,
+            limit=limit,
+        )
+    step = run.last_committed_step
+    source = f"from step {step}" if step is not None else "from the start (no checkpoint yet)"
+    return Restart(
+        allowed=True,
+        text=f"Attempt {attempt.number} of {run.id} exited {exit_code}: {listed}: restart "
+        f"{made + 1} of {limit} {source}.",
+        number=made + 1,
+        limit=limit,
+        backoff_s=policy.backoff_s,
+    )
 
 
 def record_lost_work(session: Session, run: Run, attempt: Attempt, *, now: datetime) -> None:
@@ -42,7 +102,8 @@ def record_lost_work(session: Session, run: Run, attempt: Attempt, *, now: datet
 
 @deferrable(Later.RESUBMIT)
 def resubmit_if_due(deps: Deps, previous_attempt_id: str) -> bool:
-    """Launch the next attempt after a preemption, reporting the work lost.
+    """Launch the next attempt after a preemption (or a restart after a listed exit code),
+    reporting the work lost.
 
     Called by the backoff timer and by reconcile's backstop; whichever comes second
     finds the attempt launched and does nothing. True when this call launched it.

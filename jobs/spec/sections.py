@@ -373,12 +373,36 @@ class BudgetPolicy(Section):
 
 
 class ResubmitPolicy(Section):
-    """What happens after a preemption or a lost instance (the spec's ``resubmit``)."""
+    """What happens after a preemption, a lost instance, a launch refused for lack of
+    capacity, or an attempt that exits with an error (the spec's ``resubmit``).
 
-    #: Attempts in all, the first included.
-    max_attempts: int = Field(default=10, ge=1)
-    #: Wait before relaunching.
+    The three are counted apart: waiting for capacity uses no attempt; preemptions do not
+    use up a run unless ``max_preemptions`` says so; an error fails the run unless its
+    exit code is listed in ``recover_on_exit_codes`` (a restart, at most
+    ``max_restarts_on_errors`` of them)."""
+
+    #: Deprecated and ignored: it counted capacity refusals and preemptions alike, so a
+    #: run gave up in a busy zone. Use ``max_preemptions`` (a ceiling on preemptions),
+    #: ``max_restarts_on_errors`` and ``wait_for_capacity``. Accepted so that existing
+    #: specs and every stored spec (which carry it) still load; left out of new dumps.
+    max_attempts: int | None = Field(default=None, ge=1, exclude=True)
+    #: Wait before relaunching, and the first wait between tries for capacity.
     backoff_s: Duration = Field(default=30.0, ge=0)
+    #: How long a run waits for capacity when no allowed zone (of any allowed region)
+    #: takes it: tried again with a backoff (from ``backoff_s``, doubling, at most 10
+    #: minutes, jittered), until this long after the first refusal. Waiting costs nothing
+    #: and uses no attempt. ``0``: one pass over the zones, then the run fails.
+    wait_for_capacity: Duration = Field(default=6 * 3600.0, ge=0, le=30 * 86400)
+    #: Preemptions after which the run fails; ``None`` (the default): a preempted run
+    #: always resumes (the budget and ``max_hours`` still bound it).
+    max_preemptions: int | None = Field(default=None, ge=0)
+    #: Restarts after an attempt exits with a code listed in ``recover_on_exit_codes``,
+    #: each from the newest checkpoint; the next such exit fails the run.
+    max_restarts_on_errors: int = Field(default=2, ge=0, le=100)
+    #: Exit codes of a transient fault (an NCCL timeout's abort, 134; a driver's Xid)
+    #: that restart the attempt. Empty (the default): any error fails the run at once,
+    #: since a bug in the script would only fail again.
+    recover_on_exit_codes: tuple[int, ...] = Field(default=(), max_length=50)
     #: Try the next zone when the current one has no capacity.
     zone_failover: bool = True
     #: Deprecated and ignored: listing several ``resources.regions`` is what turns region

@@ -159,7 +159,7 @@ def test_no_spot_capacity_without_the_fallback_fails_naming_the_zones(
     stub_scores(stubbers, aws, url=url, calls=8)
     gate.refuse = _no_spot
     with control_plane(tmp_path, aws, moto["bucket"]) as (cp, records, notes):
-        run = _confirmed(cp)
+        run = _confirmed(cp, "resubmit.wait_for_capacity=0")  # one pass, as it was
         wait_until(lambda: run_row(cp, run.id).state == RunState.FAILED, what="FAILED")
         reason = run_row(cp, run.id).reason or ""
         assert reason.startswith(f"no spot capacity in any allowed zone ({REGION}: ")
@@ -259,7 +259,9 @@ def test_a_region_without_the_checkpoint_bucket_is_skipped_with_a_message(
     stub_scores(stubbers, aws, url=url, calls=8)
     gate.refuse = _east_is_full
     with control_plane(tmp_path, aws, bucket) as (cp, _, notes):
-        run = _confirmed(cp, f"resources.regions=[{REGION}, {WEST}]")
+        run = _confirmed(
+            cp, f"resources.regions=[{REGION}, {WEST}]", "resubmit.wait_for_capacity=0"
+        )
         # Preflight said so already: the run can go to the first region only.
         data = (run_row(cp, run.id).preflight or {})["results"]
         [check] = [r for r in data if r["name"] == "data"]

@@ -73,7 +73,9 @@ def test_defaults_fill_everything_but_the_command(specs_dir: Path) -> None:
     assert spec.budget.usd is None
     assert spec.budget.thresholds == [50, 80, 100]
     assert spec.budget.hard_cap is True
-    assert spec.resubmit.max_attempts == 10
+    assert spec.resubmit.max_attempts is None  # deprecated, ignored
+    assert spec.resubmit.wait_for_capacity == 6 * 3600
+    assert spec.resubmit.max_preemptions is None
     assert spec.resubmit.zone_failover is True
     assert spec.alerts.loss_spike_factor == 3.0
     assert spec.alerts.loss_spike_points == 3
