@@ -11,9 +11,6 @@ from dataclasses import dataclass
 
 from runner.errors import RunnerError
 
-#: Termination windows of the providers: seconds between the notice and the kill. The one
-#: definition of these figures; providers and preflight read them from here.
-WINDOWS_S = {"aws": 120.0, "gcp": 30.0}
 #: Write bandwidth assumed before any save has been measured: a cautious figure for an
 #: object store over the network (25 MB/s), so a first emergency flush of a small state
 #: still happens and one of many gigabytes is not started in a 30 s window.
