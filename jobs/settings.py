@@ -45,6 +45,7 @@ from sqlalchemy.exc import ArgumentError
 from jobs.errors import SettingsError, describe_validation_error
 from jobs.providers import PROVIDERS, known_names, registration
 from jobs.secret_files import read_secret_files
+from runner.env import DEFAULT_TERMINATION_WINDOW_S
 
 __all__ = [
     "ENV_PREFIX",
@@ -167,7 +168,7 @@ class Settings(BaseSettings):
     aws_runner_storage_role_arn: str | None = None
     #: Local provider: seconds between the preemption notice (SIGTERM) and the kill, like
     #: GCP's 30 s window.
-    local_termination_window_s: float = Field(default=30.0, gt=0)
+    local_termination_window_s: float = Field(default=DEFAULT_TERMINATION_WINDOW_S, gt=0)
     #: Local provider: the pretend spot price, so the demo shows spend.
     local_price_per_hour_usd: float = Field(default=1.0, ge=0)
     #: Local provider: mean seconds between simulated preemptions; unset means none.
