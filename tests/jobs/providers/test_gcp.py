@@ -852,7 +852,13 @@ def test_roles_grant_the_control_plane_exactly_what_the_provider_uses() -> None:
         "trainbotMintRunnerStorageTokens",
         "trainbotRunnerStorage",
         "trainbotCleanCheckpoints",
+        "trainbotCheckSecrets",
     }
+    # Secrets: their metadata and policy, never a payload (versions.access).
+    assert defined["trainbotCheckSecrets"]["includedPermissions"] == [
+        "secretmanager.secrets.get",
+        "secretmanager.secrets.getIamPolicy",
+    ]
     # Retention deletes with the control plane's own account: list, read, delete only.
     assert set(defined["trainbotCleanCheckpoints"]["includedPermissions"]) == {
         "storage.objects.list",
