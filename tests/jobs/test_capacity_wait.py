@@ -193,3 +193,37 @@ def test_stop_ends_the_wait_for_capacity(
         assert lead(cp) == 0
         assert len(gate.launches()) == len(refused) == 1
         assert attempts_of(cp, run.id) == []
+
+
+def test_the_wait_outlives_the_control_plane(
+    tmp_path: Any,
+    moto: dict[str, Any],
+    session: boto3.session.Session,
+    stubbers: list[Stubber],
+    gate: Ec2Gate,
+) -> None:
+    """The next try is a row: a control plane started after the one that deferred it
+    makes the try as the leader, and edits the same thread message."""
+    aws = _aws(moto, session, gate)
+    stub_quotas(stubbers, aws, (G_SPOT, 64), (G_ON_DEMAND, 64))
+    stub_scores(stubbers, aws, url=moto["url"], calls=20)
+    refused: list[str] = []
+    gate.refuse = _refuse_spot(2, refused)
+    overrides = ("resubmit.backoff_s=0.1", "resubmit.zone_failover=false")
+    with control_plane(tmp_path, aws, moto["bucket"]) as (cp, records, notes):
+        run = _confirmed(cp, *overrides)
+        wait_until(lambda: len(_waits(records)) == 1, what="the wait")
+        ts, _ = _wait_message(notes, run.id)
+    with control_plane(tmp_path, aws, moto["bucket"]) as (cp, records, notes):
+
+        def launched() -> bool:
+            lead(cp)
+            return attempt_launched(cp, run.id, 1) is not None
+
+        wait_until(launched, what="attempt 1, after the restart")
+        assert refused == [RANKED[0]] * 2
+        assert [w["tries"] for w in _waits(records)] == [2]
+        edits = [m.text for ref, m in notes.updated if ref.ts == ts and isinstance(m, TextMessage)]
+        assert [t.split(". ")[1].split(" at ")[0] for t in edits[:1]] == ["Try 2"]
+        assert "try 3 found it, and attempt 1 launched" in edits[-1]
+        service.stop(cp.deps, run.id, ADA)
