@@ -393,8 +393,8 @@ class ResubmitPolicy(Section):
     #: minutes, jittered), until this long after the first refusal. Waiting costs nothing
     #: and uses no attempt. ``0``: one pass over the zones, then the run fails.
     wait_for_capacity: Duration = Field(default=6 * 3600.0, ge=0, le=30 * 86400)
-    #: Preemptions after which the run fails; ``None`` (the default): a preempted run
-    #: always resumes (the budget and ``max_hours`` still bound it).
+    #: The most preemptions a run resumes from: the one after fails it. ``None`` (the
+    #: default): a preempted run always resumes (its budget and ``max_hours`` bound it).
     max_preemptions: int | None = Field(default=None, ge=0)
     #: Restarts after an attempt exits with a code listed in ``recover_on_exit_codes``,
     #: each from the newest checkpoint; the next such exit fails the run.
