@@ -18,9 +18,13 @@ import pytest
 
 from jobs import service
 from jobs.bootstrap import ControlPlane
+from jobs.db import session_scope
+from jobs.deps import Deps
 from jobs.lifecycle import AttemptState, RunState
+from jobs.models import Attempt, Run
 from jobs.notify import CallbackJournal, TextMessage
-from jobs.runs import reconcile
+from jobs.runs import end_attempt, reconcile
+from tests.jobs import test_runs
 from tests.jobs.test_aws_control_plane import Recorder
 from tests.jobs.test_control_plane import (
     ADA,
@@ -31,6 +35,9 @@ from tests.jobs.test_control_plane import (
     settings_for,
 )
 from tests.waiting import wait_until
+
+# The unit tests' control plane (a database and the local provider), under its name.
+deps = test_runs.deps
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "crash_once.py"
 
@@ -133,3 +140,57 @@ def test_preemptions_beyond_the_old_max_attempts_do_not_fail_the_run(plane: Plan
     assert [r["attempt"] for r in records if r["type"] == "preempted"] == [1, 2]
     assert not [r for r in records if r["type"] == "run_finished"]
     service.stop(cp.deps, run, ADA)
+
+
+def _run_with(deps: Deps, resubmit: dict[str, Any], *, preemptions: int, failed: int) -> str:
+    """A running run with ``resubmit`` in its spec, ``preemptions`` and ``failed`` earlier
+    attempts (those exited 134), and attempt "a-now" running."""
+    spec = {**test_runs._spec(), "resubmit": {"backoff_s": 3600, **resubmit}}
+    with session_scope(deps.engine) as session:
+        run = Run(id="r-count", spec_name="tiny", spec=spec, requester="ada")
+        run.state, run.preemptions, run.last_committed_step = RunState.RUNNING, preemptions, 40
+        session.add(run)
+        session.flush()
+        earlier = [AttemptState.PREEMPTED] * preemptions + [AttemptState.FAILED] * failed
+        for number, state in enumerate(earlier, start=1):
+            code = 134 if state == AttemptState.FAILED else 75
+            session.add(
+                Attempt(run_id=run.id, number=number, provider="local", state=state, exit_code=code)
+            )
+        session.add(
+            Attempt(
+                id="a-now",
+                run_id=run.id,
+                number=len(earlier) + 1,
+                provider="local",
+                state=AttemptState.RUNNING,
+            )
+        )
+    return "r-count"
+
+
+def _reason(deps: Deps, run_id: str) -> tuple[RunState, str]:
+    with session_scope(deps.engine) as session:
+        run = session.get(Run, run_id)
+        assert run is not None
+        return run.state, run.reason or ""
+
+
+def test_the_preemption_past_max_preemptions_fails_the_run(deps: Deps) -> None:
+    run = _run_with(deps, {"max_preemptions": 2}, preemptions=2, failed=0)
+    end_attempt(deps, "a-now", state=AttemptState.PREEMPTED, exit_code=75, reason="preempted")
+    state, reason = _reason(deps, run)
+    assert state == RunState.FAILED
+    assert reason.startswith("preempted 3 times, more than resubmit.max_preemptions=2; ")
+
+
+def test_a_listed_exit_past_max_restarts_on_errors_fails_the_run(deps: Deps) -> None:
+    policy = {"recover_on_exit_codes": [134], "max_restarts_on_errors": 1}
+    run = _run_with(deps, policy, preemptions=3, failed=1)  # preemptions are not counted
+    end_attempt(deps, "a-now", state=AttemptState.FAILED, exit_code=134, reason="exited 134")
+    state, reason = _reason(deps, run)
+    assert state == RunState.FAILED
+    assert reason == (
+        "exited 134; exit 134 is listed in resubmit.recover_on_exit_codes, but the 1 "
+        "restart(s) resubmit.max_restarts_on_errors allows are used"
+    )
