@@ -5,7 +5,6 @@ naming it; one that disappears before the launch fails the attempt as its own en
 from __future__ import annotations
 
 import gzip
-import io
 import logging
 import textwrap
 from collections.abc import Iterator
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 from sqlmodel import select
 
-from bot.console import ConsoleNotifier
+from bot.slack_notifier import SlackNotifier
 from jobs import service
 from jobs.bootstrap import ControlPlane
 from jobs.db import session_scope
@@ -23,6 +22,7 @@ from jobs.lifecycle import AttemptState, RunState
 from jobs.models import Attempt, Run
 from jobs.notify import CallbackJournal
 from jobs.spec import parse_spec
+from tests.fakes.slack_api import FakeSlack
 from tests.jobs.test_control_plane import ADA, run_state, settings_for, wait_until
 
 VALUE = "s3cr3t-Value-9f1c2e"
@@ -69,7 +69,7 @@ def test_a_secret_reference_is_validated_with_a_clear_error() -> None:
 @pytest.fixture
 def plane(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[tuple[ControlPlane, list[dict], io.StringIO, Path]]:
+) -> Iterator[tuple[ControlPlane, list[dict], FakeSlack, Path]]:
     import hashlib
 
     secrets = tmp_path / "admin-secrets"
@@ -95,18 +95,23 @@ def plane(
             )
         )
     records: list[dict] = []
-    out = io.StringIO()
+    slack = FakeSlack(
+        tokens=["xoxb-test"], post_interval_s=0.01, burst=100, whole_second_retry_after=False
+    ).start()
     journal = CallbackJournal(lambda t, run, data: records.append({"type": t, "run": run, **data}))
     settings = settings_for(tmp_path / "state", TRAINBOT_SPECS_DIR=str(specs))
     cp = ControlPlane(
         settings,  # type: ignore[arg-type]
-        notifier=ConsoleNotifier(out),
+        notifier=SlackNotifier(slack.client("xoxb-test")),
         journal=journal,
         scheduler=False,
     )
-    with cp:
-        yield cp, records, out, secrets
-    cp.deps.provider.close()  # type: ignore[attr-defined]
+    try:
+        with cp:
+            yield cp, records, slack, secrets
+        cp.deps.provider.close()  # type: ignore[attr-defined]
+    finally:
+        slack.close()
 
 
 def _attempts(cp: ControlPlane, run_id: str) -> list[Attempt]:
@@ -140,7 +145,7 @@ def test_a_local_secret_reaches_the_command_and_nothing_else(  # type: ignore[no
     plane, caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
     caplog.set_level(logging.DEBUG)
-    cp, records, out, secrets = plane
+    cp, records, slack, secrets = plane
 
     # 1. It reaches the training process: the command exits 0 only if it holds it.
     run = service.submit(cp.deps, spec_name="uses-secret", overrides=[], actor=ADA)
@@ -186,4 +191,9 @@ def test_a_local_secret_reaches_the_command_and_nothing_else(  # type: ignore[no
     assert _files_holding(state, value) == []
     assert VALUE not in repr(records)
     assert VALUE not in caplog.text
-    assert VALUE not in out.getvalue()
+    wait_until(  # the thread heard of the end (the notifier posts in the background)
+        lambda: any("secret unavailable" in repr(c.args) for c in slack.calls),
+        what="the post about the failed attempt",
+    )
+    posted = [call.args for call in slack.calls]
+    assert VALUE not in repr(posted)
