@@ -30,6 +30,7 @@ from runner.layout import delete_steps, scan
 from runner.nodes import Node
 from runner.pidfile import end_stale_dry_run, record_process_group, record_spawn
 from runner.preemption import choose_interval, daly_interval, flush_fits
+from runner.secrets import SecretUnavailable, resolve
 from runner.setup import SetupFailed, Workspace
 from runner.store import open_store, run_store
 from runner.telemetry import follow_file
@@ -150,6 +151,12 @@ def run_dry_run(
             stack.callback(pid_file.unlink, missing_ok=True)
         # The run's code and its setup, as an attempt has them: the dry run runs in the
         # checked-out commit, and its report says how long setup took.
+        # Its secrets, read as an attempt reads them, for the command only (not setup).
+        try:
+            secrets = resolve(contract.SECRETS.get(base) or {}, base)
+        except SecretUnavailable as exc:
+            report.problems.append(f"{exc}: the run would fail alike (secret_unavailable)")
+            return report
         workspace = Workspace.from_env(base)
         cwd: Path | None = None
         if workspace is not None:
@@ -165,6 +172,7 @@ def run_dry_run(
             report.setup_s = round(ready.code_s + ready.prepared.seconds, 3)
             report.setup = ready.lines()
             base, cwd = ready.env, ready.cwd
+        base = base | secrets
         return _run_phases(
             command,
             report,

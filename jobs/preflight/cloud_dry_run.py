@@ -43,7 +43,7 @@ from jobs.providers.base import (
     ProviderError,
     ResourceRequest,
 )
-from jobs.spec.env import code_env
+from jobs.spec.env import code_env, secrets_env
 from jobs.workers import waiting
 from runner.dryrun_report import DRY_RUN_ID_ENV, DryRunReport
 from runner.wire import restore_floats
@@ -203,6 +203,8 @@ class CloudDryRun:
         )
         env[DRY_RUN_ID_ENV] = dry_run_id
         env.update(code_env(ctx.spec, local=False))  # its code and setup, as the run's
+        region = ctx.provider.capabilities.default_region if ctx.provider.name == "aws" else None
+        env.update(secrets_env(ctx.spec, local=False, aws_region=region))  # references only
         if self.store_credentials:
             env["TRAINBOT_STORE_CREDENTIALS"] = "broker"
         sample = ctx.spec.dry_run.sample or ctx.spec.data_uri

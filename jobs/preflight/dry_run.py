@@ -22,7 +22,7 @@ from jobs.preflight.findings import DryRunFindings
 from jobs.preflight.interval import checkpoint_interval, interval_choice, interval_text
 from jobs.preflight.report import CheckResult, PreflightContext, PreflightPlan, Status
 from jobs.providers.base import PASSTHROUGH_ENV
-from jobs.spec.env import code_env
+from jobs.spec.env import code_env, secrets_env
 from runner.errors import RunnerError
 from runner.preemption import flush_fits
 
@@ -224,6 +224,7 @@ class DryRunCheck:
         env.update(ctx.spec.env)
         # The run's code and setup: the dry run runs them in the pinned commit, as the run will.
         env.update(code_env(ctx.spec, local=True))
+        env.update(secrets_env(ctx.spec, local=True))  # references: read by the runner
         env.update(ctx.env)
         sample = ctx.spec.dry_run.sample or ctx.spec.data_uri
         if sample:

@@ -5,7 +5,9 @@ naming it; one that disappears before the launch fails the attempt as its own en
 from __future__ import annotations
 
 import gzip
+import json
 import logging
+import os
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -197,3 +199,50 @@ def test_a_local_secret_reaches_the_command_and_nothing_else(  # type: ignore[no
     )
     posted = [call.args for call in slack.calls]
     assert VALUE not in repr(posted)
+
+
+def test_the_dry_run_reads_the_secrets_as_the_run_will(tmp_path: Path) -> None:
+    """runner.dryrun gives the command its secrets (preflight sends it the references);
+    one it cannot read is a problem of the dry run, named, before anything runs."""
+    import hashlib
+    import sys
+
+    from runner.dryrun import run_dry_run
+
+    folder = tmp_path / "admin-secrets"
+    folder.mkdir()
+    (folder / "token").write_text(VALUE)
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import hashlib, os, sys\n"
+        "from runner.examples.tiny import main\n"
+        f"if hashlib.sha256(os.environ['MY_TOKEN'].encode()).hexdigest() != {hashlib.sha256(VALUE.encode()).hexdigest()!r}:\n"
+        "    sys.exit(3)\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    env = {
+        "PATH": os.environ["PATH"],
+        "PYTHONPATH": str(root),
+        "TRAINBOT_LOCAL_SECRETS_DIR": str(folder),
+        "TRAINBOT_SECRETS": json.dumps({"MY_TOKEN": "local://token"}),
+    }
+    command = [sys.executable, str(script), "--steps", "40", "--dim", "8", "--batch", "4"]
+    log = tmp_path / "dry-run.log"
+    report = run_dry_run(
+        command,
+        checkpoint_uri=str(tmp_path / "ckpt"),
+        run_id="r-dry",
+        steps=2,
+        timeout_s=120,
+        env=env,
+        log_path=log,
+    )
+    assert report.problems == [], report.problems
+    assert VALUE not in log.read_text() and VALUE not in repr(report)
+    env["TRAINBOT_SECRETS"] = json.dumps({"MY_TOKEN": "local://gone"})
+    missing = run_dry_run(
+        command, checkpoint_uri=str(tmp_path / "ckpt"), run_id="r-dry", steps=2, env=env
+    )
+    (problem,) = missing.problems
+    assert problem.startswith("secret MY_TOKEN (local://gone) could not be read: no file gone")
