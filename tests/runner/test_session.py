@@ -98,7 +98,7 @@ def test_stop_file_ends_the_run_with_a_checkpoint(tmp_path: Path) -> None:
     committed = [e.step for e in list_committed(LocalStore(tmp_path / "ck" / "r-test"))]
     assert committed[-1] == run.result["step"] < 5000
     exits = [d for t, _, d in run.events if t == "exit"]
-    assert exits == [{"code": 0, "reason": "stopped", "flush": None}]  # a stop: no report
+    assert exits == [{"code": 0, "reason": "stopped", "flush": None, "log_tail": None}]  # no report
 
 
 def test_a_too_high_learning_rate_diverges_visibly(tmp_path: Path) -> None:
