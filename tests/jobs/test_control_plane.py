@@ -477,6 +477,7 @@ def test_kill_9_at_random_moments_from_submit_to_the_first_step(reaped_state: Pa
         TRAINBOT_STATE_DIR=str(state),
         TRAINBOT_INGEST_PORT=port,
         TRAINBOT_LOCAL_CORES="8",
+        TRAINBOT_LOCAL_NICE="0",  # as settings_for's, for the last control plane
     )
     db = _Db(state)
     killed: dict[str, str] = {}  # run id → the moment it was killed at
@@ -495,8 +496,7 @@ def test_kill_9_at_random_moments_from_submit_to_the_first_step(reaped_state: Pa
         assert proc.stdin is not None
         proc.stdin.write(
             "/train launch tiny checkpoint.every_steps=20 resubmit.backoff_s=0 "
-            + " ".join(overrides)
-            + "\n"
+            "env.OMP_NUM_THREADS=1 " + " ".join(overrides) + "\n"
         )
         proc.stdin.flush()
         deadline = time.monotonic() + 60
