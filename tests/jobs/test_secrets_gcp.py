@@ -122,3 +122,69 @@ def test_the_runner_reads_it_with_the_metadata_token(sm: FakeSecretManager, tmp_
     assert denied.returncode == 1, said
     assert "secret HF_TOKEN (gcp-sm://projects/team-1/secrets/trainbot-db/versions/latest)" in said
     assert "HTTP 403" in said and "secret ok" not in said
+
+
+def test_the_startup_script_s_runner_reads_it_and_the_metadata_holds_only_the_reference(
+    sm: FakeSecretManager, tmp_path: Path
+) -> None:
+    """The instance's whole boot on the fake Compute API: the startup script reads the
+    attempt's environment from the instance metadata and starts this checkout's runner,
+    which reads the secret with the (fake) metadata server's token."""
+    from tests.fakes.gce_api import FakeComputeApi
+    from tests.jobs.providers.contract import launch_request
+
+    (tmp_path / "train.py").write_text(TRAIN)
+    digest = hashlib.sha256(VALUE.encode()).hexdigest()
+    spec = parse_spec(
+        {
+            "command": "x",
+            "secrets": {"HF_TOKEN": f"gcp-sm://projects/{PROJECT}/secrets/trainbot-hf"},
+        },
+        name="s",
+    )
+    env = {
+        "TRAINBOT_TOKEN": "tok",
+        "TRAINBOT_CHECKPOINT_URI": str(tmp_path / "ckpt"),
+        # The instance's metadata server for the token, and Secret Manager: the fake's.
+        "TRAINBOT_GCP_METADATA_URL": sm.url,
+        "TRAINBOT_GCP_SECRETS_URL": sm.url,
+        **secrets_env(spec, local=False),
+    }
+    command = ["trainbot-runner", "exec", "--", sys.executable, str(tmp_path / "train.py"), digest]
+    venv = tmp_path / "venv" / "bin"
+    venv.mkdir(parents=True)
+    for name, body in {
+        "python": f'exec env PYTHONPATH={ROOT} {sys.executable} "$@"',
+        "trainbot-runner": f'exec env PYTHONPATH={ROOT} {sys.executable} -m runner.cli "$@"',
+    }.items():
+        (venv / name).write_text(f"#!/bin/sh\n{body}\n")
+        (venv / name).chmod(0o755)
+    with FakeComputeApi() as gce:
+        gcp = GcpProvider(
+            project=gce.project,
+            region="us-central1",
+            api_endpoint=gce.url,
+            credentials=AnonymousCredentials(),
+            service_account=RUNNER,
+        )
+        zone = "us-central1-a"
+        info = gcp.launch(launch_request(A100, command, zone=zone, env=env))
+        assert VALUE not in repr(gce.instances())  # the metadata holds the reference only
+        with gce.metadata_server(zone, info.instance_id.split("/", 1)[1]) as md_url:
+            done = subprocess.run(
+                ["bash", str(gcp.startup_script)],
+                env={
+                    "PATH": os.environ["PATH"],
+                    "TRAINBOT_GCE_METADATA_URL": md_url,
+                    "TRAINBOT_STATE_DIR": str(tmp_path / "state"),
+                    "TRAINBOT_VENV": str(tmp_path / "venv"),
+                    "TRAINBOT_RUN_AS": "",
+                    "TRAINBOT_HALT": "true",
+                },
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+        said = done.stdout + done.stderr
+        assert "secret ok" in said and "trainbot: runner exited 0" in said, said
+        assert VALUE not in said
