@@ -344,6 +344,8 @@ def test_scratch_env_and_secrets(
     assert env["TRAINBOT_SCRATCH_BYTES"] == "123456789"
     assert (env["TRAINBOT_RUNNER_TOKEN"], env["FOO"]) == (token, "bar")
     assert "PATH" in env
+    # torch's threads: the instance's cores, not every core of the machine.
+    assert env["OMP_NUM_THREADS"] == "1"
     assert "TRAINBOT_SLACK_BOT_TOKEN" not in env, "control-plane secrets stay out"
     for path in provider.state_dir.rglob("*"):
         if path.is_file():
