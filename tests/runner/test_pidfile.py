@@ -25,7 +25,9 @@ def _spawn(run_id: str, *, phase: str | None = "save") -> subprocess.Popen[bytes
     )
     # Its environment is readable once the interpreter has been exec'd.
     deadline = time.monotonic() + 10
-    while f"TRAINBOT_RUN_ID={run_id}".encode() not in Path(f"/proc/{proc.pid}/environ").read_bytes():
+    while (
+        f"TRAINBOT_RUN_ID={run_id}".encode() not in Path(f"/proc/{proc.pid}/environ").read_bytes()
+    ):
         assert time.monotonic() < deadline
         time.sleep(0.01)
     return proc
