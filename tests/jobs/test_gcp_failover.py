@@ -136,7 +136,8 @@ def test_the_checkpoint_bucket_decides_whether_the_run_may_move_region(
         f"  regions: [{CENTRAL}, {EAST}]\n"
         "budget:\n  usd: 50\n"
         "dry_run:\n  enabled: false\n"
-        "resubmit:\n  backoff_s: 0\n"
+        # One pass over the regions, then FAILED: no waiting for capacity to come back.
+        "resubmit:\n  backoff_s: 0\n  wait_for_capacity: 0\n"
     )
     env = {
         "TRAINBOT_GCP_PROJECT": gce.project,

@@ -175,6 +175,7 @@ def preflight_then_launch(cp: ControlPlane, notes: on_aws.Recorder, marker: Path
         "capacity",
         "instances",
         "data",
+        "secrets",
         "dry_run",
         "budget",
     ]
