@@ -173,8 +173,16 @@ def end_attempt(
         # a provider whose terminate waits for them (the local one) would wait on itself
         # until its grace ran out. On the stop lane, never queued behind preflights or
         # launches (the instance bills until it goes). Reconcile retries what is left.
-        # Scripted, not remembered.
-        deps.urgent(terminate_instance, deps, instance_id, provider=provider_name)
+        # Scripted, not remembered. Claimed here, before the lane runs it: a reconcile in
+        # between would otherwise take the instance of a just-ended attempt for an
+        # orphan and terminate it itself.
+        _, mine = deps.claim_termination(instance_id)
+        if mine:
+            try:
+                deps.urgent(_terminate_claimed, deps, instance_id, provider_name)
+            except BaseException:
+                deps.release_termination(instance_id)
+                raise
 
 
 def _preempted_all_the_same(deps: Deps, attempt_id: str) -> str | None:
@@ -211,13 +219,20 @@ def terminate_instance(
 
     Scheduled work (reconcile, a spend stop) is fenced: a deposed leader's call raises
     :class:`~jobs.errors.FencedOut` before it reaches the provider."""
-    check_fence(deps, None, action=f"the termination of {instance_id}")
     done, mine = deps.claim_termination(instance_id)
     if not mine:
         if wait:
             done.wait()
         return False
+    _terminate_claimed(deps, instance_id, provider)
+    return True
+
+
+def _terminate_claimed(deps: Deps, instance_id: str, provider: str | None) -> None:
+    """The termination this thread claimed (:meth:`Deps.claim_termination`), released
+    whatever happens."""
     try:
+        check_fence(deps, None, action=f"the termination of {instance_id}")
         deps.provider_named(provider or deps.provider.name).terminate(instance_id)
     except InstanceNotFound:
         pass
@@ -225,7 +240,6 @@ def terminate_instance(
         log.warning("terminating %s failed (reconcile will retry): %s", instance_id, exc)
     finally:
         deps.release_termination(instance_id)
-    return True
 
 
 def _preemption_alerts(
