@@ -17,6 +17,13 @@ __all__ = ["busy"]  # the module's CPU burners, as a fixture here too
 S3_WINDOW_S = 4.0
 
 
+@pytest.mark.flaky(
+    reruns=2,
+    reason="the report's time before the deadline is a timing: twenty trials at once, with "
+    "moto serving from this same process (its threads take the trials' GIL) and two CPU "
+    "burners, beside CI's other worker; 1 trial in 20 sent its exit 1.7 s late in one of "
+    "five full runs, and once in three runs of the module alone. The notice's step was committed in every trial (asserted first).",
+)
 @pytest.mark.parametrize("later", [False, True], ids=["first-attempt", "later-attempt"])
 def test_s3_slowing_down_4x_at_the_notice_never_costs_the_notice_step(
     moto_server: str, busy: None, later: bool
