@@ -6,7 +6,8 @@ verb declares is refused here before anything runs. No traceback ever reaches a 
 our own errors become their message, anything else a short apology (and a log line
 with the traceback for the operator).
 
-Every reply is clipped to :data:`bot.messages.MAX_REPLY_TEXT` with an honest "N more".
+Every reply is clipped to :data:`bot.messages.MAX_REPLY_TEXT` by
+:func:`bot.replies.fit_lines`, with an honest "N more".
 For Slack (``markup="slack"``, what the Slack listeners get) it is also escaped, so a
 spec named ``<!channel>`` pings nobody; the only markup a reply keeps is the mention of
 an on-call person by id. The console gets the plain text.
@@ -27,7 +28,7 @@ from typing import Any, Literal
 
 from sqlmodel import select
 
-from bot import commands, messages
+from bot import commands, replies
 from bot.auth import Ask, Authorizer, Caller
 from bot.command_types import RunCommand
 from bot.mentions import escape, mention
@@ -71,7 +72,7 @@ def dispatch(
     verb = VERBS.get(type(command))
     if verb is None:  # declared nowhere, so no policy says who may run it: nobody may
         log.error("command %r has no declaration in bot.verbs; refused", command)
-        return _finish(Reply(text=messages.unexpected(), ephemeral=True, outcome="failed"), markup)
+        return _finish(Reply(text=replies.unexpected(), ephemeral=True, outcome="failed"), markup)
     if isinstance(actor, Caller):
         if auth is None:
             raise TypeError("a Caller is authorised: pass the front end's Authorizer")
@@ -88,12 +89,12 @@ def dispatch(
         outcome: Literal["refused", "failed"] = (
             "refused" if isinstance(exc, PermissionDenied) else "failed"
         )
-        reply = Reply(text=messages.error(str(exc)), ephemeral=True, outcome=outcome)
+        reply = Reply(text=replies.error(str(exc)), ephemeral=True, outcome=outcome)
     except Exception as exc:
         # The command as parsed, its env values masked (its repr), and where it failed,
         # without any exception's message: a database error quotes the values it was given.
         log.error("command %r failed: %s", command, bare_traceback(exc))
-        reply = Reply(text=messages.unexpected(), ephemeral=True, outcome="failed")
+        reply = Reply(text=replies.unexpected(), ephemeral=True, outcome="failed")
     return _finish(reply, markup, what=verb.lines)
 
 
@@ -163,4 +164,4 @@ def _finish(reply: Reply, markup: Markup, *, what: str = "lines") -> Reply:
         who = reply.data.get(ONCALL_KEY)
         if isinstance(who, str) and who:
             text = text.replace(escape(who), mention(who), 1)
-    return replace(reply, text=messages.fit_lines(text, what=what))
+    return replace(reply, text=replies.fit_lines(text, what=what))

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Generic, Literal, TypeVar
 
-from bot import commands, messages
+from bot import commands, messages, replies
 from bot.command_types import RunCommand
 from bot.commands import (
     Ack,
@@ -180,23 +180,23 @@ def _submit(deps: Deps, command: Launch | Preflight, actor: Actor, key: str | No
         idempotency_key=key,
         launch=launch,
     )
-    say = messages.submitted if launch else messages.preflight_only
+    say = replies.submitted if launch else replies.preflight_only
     return Reply(text=say(run.id, run.spec_name), run_id=run.id)
 
 
 def _status(deps: Deps, command: StatusCommand, actor: Actor, key: str | None) -> Reply:
     cards = service.status(deps, command.run, actor)
-    return Reply(text=messages.run_list(cards, "active"), run_id=command.run)
+    return Reply(text=replies.run_list(cards, "active"), run_id=command.run)
 
 
 def _list(deps: Deps, command: ListRuns, actor: Actor, key: str | None) -> Reply:
     cards = service.list_runs(deps, command.scope, actor)
-    return Reply(text=messages.run_list(cards, command.scope))
+    return Reply(text=replies.run_list(cards, command.scope))
 
 
 def _stop(deps: Deps, command: Stop, actor: Actor, key: str | None) -> Reply:
     run = service.stop(deps, command.run, actor)
-    return Reply(text=messages.stopped(run.id), run_id=run.id)
+    return Reply(text=replies.stopped(run.id), run_id=run.id)
 
 
 def _resubmit(deps: Deps, command: Resubmit, actor: Actor, key: str | None) -> Reply:
@@ -210,11 +210,11 @@ def _resubmit(deps: Deps, command: Resubmit, actor: Actor, key: str | None) -> R
         max_price=command.max_price,
     )
     if command.from_step is not None:
-        text = messages.resubmitted_from(command.run, run.id, run.last_committed_step)
+        text = replies.resubmitted_from(command.run, run.id, run.last_committed_step)
     elif command.overrides or command.max_price is not None:
-        text = messages.resubmitted_changed(command.run, run.id, command.max_price)
+        text = replies.resubmitted_changed(command.run, run.id, command.max_price)
     else:
-        text = messages.resubmitted(command.run, run.id)
+        text = replies.resubmitted(command.run, run.id)
     return Reply(text=text, run_id=run.id)
 
 
@@ -225,21 +225,21 @@ def _logs(deps: Deps, command: Logs, actor: Actor, key: str | None) -> Reply:
 
 def _ack(deps: Deps, command: Ack, actor: Actor, key: str | None) -> Reply:
     alert = service.acknowledge(deps, command.alert, actor)
-    return Reply(text=messages.acked(alert.id, alert.acked_by or actor.user), alert_id=alert.id)
+    return Reply(text=replies.acked(alert.id, alert.acked_by or actor.user), alert_id=alert.id)
 
 
 def _snooze(deps: Deps, command: Snooze, actor: Actor, key: str | None) -> Reply:
     alert = service.snooze(deps, command.alert, command.seconds, actor)
-    return Reply(text=messages.snoozed(alert.id, alert.snoozed_until), alert_id=alert.id)
+    return Reply(text=replies.snoozed(alert.id, alert.snoozed_until), alert_id=alert.id)
 
 
 def _spend(deps: Deps, command: Spend, actor: Actor, key: str | None) -> Reply:
     report = service.spend_report(deps, command.period, actor)
-    return Reply(text=messages.spend_report(report), data=report)
+    return Reply(text=replies.spend_report(report), data=report)
 
 
 def _budget(deps: Deps, command: BudgetCommand, actor: Actor, key: str | None) -> Reply:
-    return Reply(text=messages.budget_table(service.budgets(deps, actor)))
+    return Reply(text=replies.budget_table(service.budgets(deps, actor)))
 
 
 def _oncall(deps: Deps, command: Oncall, actor: Actor, key: str | None) -> Reply:
@@ -249,27 +249,27 @@ def _oncall(deps: Deps, command: Oncall, actor: Actor, key: str | None) -> Reply
         user = f"<@{ref.user_id}>" if ref.user_id else f"@{ref.name}"
     current = service.oncall(deps, user, actor)
     return Reply(
-        text=messages.oncall(current, changed=user is not None),
+        text=replies.oncall(current, changed=user is not None),
         data={ONCALL_KEY: current} if current else {},
     )
 
 
 def _cleanup(deps: Deps, command: Cleanup, actor: Actor, key: str | None) -> Reply:
     summary = service.cleanup(deps, command.run, actor, dry_run=command.dry_run)
-    return Reply(text=messages.cleanup(summary), run_id=command.run, data=summary)
+    return Reply(text=replies.cleanup(summary), run_id=command.run, data=summary)
 
 
 def _token(deps: Deps, command: Token, actor: Actor, key: str | None) -> Reply:
     if command.action == "list":
         rows = api_tokens.tokens(deps, actor)
         listed = [(row.id, row.name, row.expires_at, row.last_used_at) for row in rows]
-        return Reply(text=messages.token_list(listed))
+        return Reply(text=replies.token_list(listed))
     if command.action == "revoke":
         return Reply(
-            text=messages.tokens_revoked(api_tokens.revoke(deps, actor, command.name or ""))
+            text=replies.tokens_revoked(api_tokens.revoke(deps, actor, command.name or ""))
         )
     issued = api_tokens.issue(deps, actor, name=command.name or "cli")
-    text = messages.token_issued(
+    text = replies.token_issued(
         issued.id,
         issued.token,
         name=issued.name,

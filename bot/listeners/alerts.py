@@ -22,7 +22,7 @@ from typing import Any
 from slack_bolt import Ack, App
 from slack_sdk import WebClient
 
-from bot import messages, views
+from bot import replies, views
 from bot.auth import Ask, Caller
 from bot.commands import CommandError, parse_duration
 from bot.listeners import ListenerContext, action_key, caller_from_action, first_time, reply
@@ -68,7 +68,7 @@ def _acknowledge(ctx: ListenerContext, caller: Caller, alert_id: str) -> str | N
 def _snooze(ctx: ListenerContext, caller: Caller, value: str) -> str | None:
     alert_id, seconds = _snooze_choice(value)
     alert = service.snooze(ctx.deps, alert_id, seconds, ctx.auth.actor(caller))
-    return messages.snoozed(alert.id, alert.snoozed_until)
+    return replies.snoozed(alert.id, alert.snoozed_until)
 
 
 def _snooze_choice(value: str) -> tuple[str, int]:
@@ -85,18 +85,18 @@ def _snooze_choice(value: str) -> tuple[str, int]:
 
 def _stop(ctx: ListenerContext, caller: Caller, run_id: str) -> str | None:
     run = service.stop(ctx.deps, run_id, ctx.auth.actor(caller))
-    return messages.stopped(run.id)
+    return replies.stopped(run.id)
 
 
 def _resubmit(ctx: ListenerContext, caller: Caller, run_id: str) -> str | None:
     run = service.resubmit(ctx.deps, run_id, ctx.auth.actor(caller))
-    return messages.resubmitted(run_id, run.id)
+    return replies.resubmitted(run_id, run.id)
 
 
 def _resubmit_from(ctx: ListenerContext, caller: Caller, value: str) -> str | None:
     run_id, step = _resubmit_from_choice(value)
     run = service.resubmit(ctx.deps, run_id, ctx.auth.actor(caller), from_step=step)
-    return messages.resubmitted_from(run_id, run.id, run.last_committed_step)
+    return replies.resubmitted_from(run_id, run.id, run.last_committed_step)
 
 
 def _resubmit_from_choice(value: str) -> tuple[str, int]:
@@ -121,7 +121,7 @@ def _continue_profiled(ctx: ListenerContext, caller: Caller, value: str) -> str 
             f"the Continue button sent {value[:60]!r}, which names no run and budget"
         ) from None
     run = service.continue_profiled(ctx.deps, run_id, ctx.auth.actor(caller), budget_usd=budget)
-    return messages.resubmitted(run_id, run.id)
+    return replies.resubmitted(run_id, run.id)
 
 
 def _stop_profiled(ctx: ListenerContext, caller: Caller, run_id: str) -> str | None:
@@ -188,7 +188,7 @@ def handle_action(
             log.info("ignored a repeated %s press", action_id)
             return
     except TrainbotError as exc:  # the database is unavailable: say so, change nothing
-        reply(client, body, caller, escape(messages.error(str(exc))))
+        reply(client, body, caller, escape(replies.error(str(exc))))
         return
     button = ACTIONS[action_id]
     value = _value(action)
@@ -212,14 +212,14 @@ def handle_action(
     try:
         text = button.handler(ctx, caller, value)
     except TrainbotError as exc:
-        reply(client, body, caller, escape(messages.error(str(exc))))
+        reply(client, body, caller, escape(replies.error(str(exc))))
         return
     except CommandError as exc:  # escaped once, from its unescaped message
-        reply(client, body, caller, escape(messages.error(exc.plain)))
+        reply(client, body, caller, escape(replies.error(exc.plain)))
         return
     except Exception:
         log.exception("the %s button failed", action_id)
-        reply(client, body, caller, messages.unexpected())
+        reply(client, body, caller, replies.unexpected())
         return
     if text:
         reply(client, body, caller, text)

@@ -24,7 +24,7 @@ from slack_bolt import Ack, App, BoltRequest
 from slack_sdk import WebClient
 from slack_sdk.errors import SlackApiError, SlackRequestError
 
-from bot import messages, views
+from bot import replies, views
 from bot.auth import (
     CHANNEL_DENIED,
     EXTERNAL_DENIED,
@@ -158,7 +158,7 @@ def run_command(
     try:
         first = first_time(deps, key, command.verb)
     except TrainbotError as exc:  # the database is unavailable: say so, change nothing
-        reply(client, body, caller, escape(messages.error(str(exc))))
+        reply(client, body, caller, escape(replies.error(str(exc))))
         return
     verb = VERBS.get(type(command))
     if not first and not (verb is not None and verb.keyed):
@@ -201,7 +201,7 @@ def _open_modal(
             client,
             body,
             caller,
-            messages.error(
+            replies.error(
                 "the launch form could not be opened; type /train launch <spec> instead. "
                 f"Specs: {', '.join(service.specs(ctx.deps)) or 'none'}"
             ),

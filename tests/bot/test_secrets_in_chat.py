@@ -19,7 +19,7 @@ from sqlalchemy.exc import IntegrityError
 
 from bot.commands import MAX_COMMAND_CHARS, CommandError, parse, summary
 from bot.dispatch import handle_text
-from bot.messages import unexpected
+from bot.replies import unexpected
 from jobs.db import session_scope
 from jobs.lifecycle import RunState
 from jobs.logs import make_handler

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from bot import messages
+from bot import replies
 from bot.auth import Ask, Caller, LocalAuthorizer, Policy
 from bot.command_types import RunCommand
 from bot.commands import Command, Stop, grammar, help_text, parse
@@ -132,7 +132,7 @@ def test_a_new_verb_cannot_be_dispatched_without_a_declaration(
     ada = Caller(team=None, user="ada", channel="console")
 
     reply = dispatch(deps, Frobnicate(run=run_id), ada, auth=auth, markup="plain")
-    assert reply.ephemeral and reply.text == messages.unexpected()
+    assert reply.ephemeral and reply.text == replies.unexpected()
     with pytest.raises(TypeError, match="declared nowhere"):
         ask_for(deps, Frobnicate(run=run_id))
 
@@ -141,9 +141,9 @@ def test_a_new_verb_cannot_be_dispatched_without_a_declaration(
         """Stop without a checkpoint."""
 
     reply = dispatch(deps, ForceStop(run=run_id), ada, auth=auth, markup="plain")
-    assert reply.text == messages.unexpected()
+    assert reply.text == replies.unexpected()
     reply = dispatch(deps, ForceStop(run=run_id), Actor(user="ada", channel="console"))
-    assert reply.text == messages.unexpected()
+    assert reply.text == replies.unexpected()
     assert _state(deps, run_id) == RunState.PENDING
     assert not [r for r in records if r["type"] == "denied"]
 

@@ -18,7 +18,7 @@ import torch
 from sqlalchemy import Engine
 from sqlmodel import Session, select
 
-from bot import messages
+from bot import messages, replies
 from bot.console import ConsoleNotifier
 from bot.views.digest import digest as digest_blocks
 from jobs.db import session_scope
@@ -347,7 +347,7 @@ def test_cleanup_reports_the_bytes_and_dollars_a_month_it_freed(
     assert summary["usd_per_month_freed"] == pytest.approx(freed / GIB * 0.026)
     assert "us-west-1" in summary["storage_price"]
     assert preview["usd_per_month_freed"] == summary["usd_per_month_freed"]
-    text = messages.cleanup(summary)
+    text = replies.cleanup(summary)
     assert f"({freed:,} bytes, ${freed / GIB * 0.026:.4f} a month)" in text
     with Session(db_engine) as session:
         found = session.exec(select(Checkpoint).where(Checkpoint.run_id == "r-c")).all()
