@@ -1,7 +1,8 @@
 """The team's code and its environment on the instance, end to end on the local provider
 (issue 25, points 1 to 3): a git repository served over loopback HTTP, pinned at submit,
 checked out by the runner on each fresh instance directory; ``setup`` installing from a
-package index served on loopback; the environment it built restored by the next attempt
+package index served on loopback; preflight's dry run running setup and the script (which
+saves and restores through the session API) in the pinned commit; the environment it built restored by the next attempt
 instead of rebuilt, and rebuilt when the requirements change; a failing setup is a setup
 failure with its last lines in the thread; a missing ref is refused at submit."""
 
@@ -28,23 +29,35 @@ from runner.store import run_store
 from tests.fakes.code_servers import GitRepo, build_wheel, serve_directory, write_simple_index
 from tests.jobs.test_control_plane import ADA, run_state, settings_for, wait_until
 
-#: A script that writes its own checkpoints (``--sync-dir``), and says which version of
-#: the package setup installed it sees.
+#: The team's training script, as a team writes one: it saves and restores through the
+#: runner's session API (so preflight's dry run can kill it and check the restore), and
+#: says which commit it runs (the checkout is detached: ``.git/HEAD`` holds the commit) and
+#: which version of the package setup installed it sees.
 TRAIN = """\
-import os, pathlib, sys, time
+import pathlib, sys, time
+import torch
 import tinydep
+from runner.session import EverySteps, Session
 
-folder = pathlib.Path(os.environ["TRAINBOT_CHECKPOINT_DIR"])
-folder.mkdir(parents=True, exist_ok=True)
+commit = pathlib.Path(".git/HEAD").read_text().strip()
 total = int(sys.argv[1])
-step = max((int(p.name[5:-4]) for p in folder.glob("ckpt-*.txt")), default=0)
-print(f"tinydep {tinydep.VERSION} from step {step}", flush=True)
-while step < total:
-    step += 1
-    time.sleep(0.1)
-    if step % 5 == 0:
-        (folder / f"ckpt-{step}.txt").write_text(str(step))
-print("finished", flush=True)
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+with Session.from_env(decision=EverySteps(5)) as s:
+    s.track(model=model, optimizer=opt)
+    s.restore()
+    print(f"train.py at {commit} with tinydep {tinydep.VERSION} from step {s.step}", flush=True)
+    for step in s.steps(total):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+        loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        s.log(loss=float(loss))
+        time.sleep(0.1)
+print("finished" if s.stop_reason == "finished" else f"stopped: {s.stop_reason}", flush=True)
+sys.exit(s.exit_code)
 """
 
 
@@ -60,7 +73,8 @@ class Team:
         self.setup_runs = root / "setup-runs.txt"
 
     def spec(self, name: str, *, setup: list[str], steps: int = 60) -> None:
-        marker = f"echo $TRAINBOT_ATTEMPT_ID >> {self.setup_runs}"
+        # Who ran setup: an attempt, or preflight's dry run (which has no attempt).
+        marker = f"echo ${{TRAINBOT_ATTEMPT_ID:-dry-run}} >> {self.setup_runs}"
         lines = "".join(f"  - {command!r}\n" for command in [*setup, marker])
         (self.specs / f"{name}.yaml").write_text(
             textwrap.dedent(
@@ -72,10 +86,8 @@ class Team:
                 env:
                   PIP_INDEX_URL: {self.base}/simple/
                   PIP_FIND_LINKS: ""
-                checkpoint:
-                  sync_dir: ckpt
                 dry_run:
-                  enabled: false
+                  steps: 3
                 resubmit:
                   backoff_s: 0
                 setup:
@@ -138,6 +150,14 @@ def _stored_spec(cp: ControlPlane, run_id: str) -> dict:
         return dict(run.spec)
 
 
+def _dry_run_result(cp: ControlPlane, run_id: str) -> dict:
+    with session_scope(cp.deps.engine) as session:
+        run = session.get(Run, run_id)
+        assert run is not None and run.preflight is not None
+        [found] = [r for r in run.preflight["results"] if r["name"] == "dry_run"]
+        return dict(found)
+
+
 def _log(cp: ControlPlane, run_id: str, attempt: Attempt) -> str:
     with session_scope(cp.deps.engine) as session:
         run = session.get(Run, run_id)
@@ -155,11 +175,25 @@ def test_pinned_code_setup_restored_environment_and_a_moved_ref(team: Team, plan
     run = service.submit(cp.deps, spec_name="team", overrides=[], actor=ADA)
     # Pinned at submit: a push to main from here on does not move this run.
     assert _stored_spec(cp, run.id)["code"]["commit"] == first
-    wait_until(lambda: run_state(cp, run.id) == RunState.AWAITING_CONFIRMATION, what="preflight")
+    wait_until(
+        lambda: run_state(cp, run.id) == RunState.AWAITING_CONFIRMATION,
+        timeout=90,
+        what="preflight",
+    )
+    # Preflight's dry run ran setup, then the script, in the pinned commit's checkout: the
+    # script itself says which commit and which tinydep it saw, and it restored for real.
+    dry = _dry_run_result(cp, run.id)
+    assert dry["status"] != "fail", dry["detail"]
+    assert dry["detail"].startswith("code and setup ready in "), dry["detail"]
+    assert any(line.startswith(f"code {first[:12]} in ") for line in dry["data"]["setup"])
+    assert any(line.startswith("setup ran in ") for line in dry["data"]["setup"])
+    dry_log = (cp.deps.settings.state_dir / "preflight" / run.id / "dry-run.log").read_text()
+    assert f"train.py at {first} with tinydep 1.0 from step 0" in dry_log
+    assert team.attempts_that_ran_setup() == ["dry-run"]
     service.confirm(cp.deps, run.id, ADA)
     wait_until(lambda: any(r["type"] == "checkpoint_committed" for r in records), what="a commit")
     one = _attempts(cp, run.id)[0]
-    assert team.attempts_that_ran_setup() == [one.id]
+    assert team.attempts_that_ran_setup() == ["dry-run", one.id]
     cp.deps.provider.preempt(one.instance_id)  # type: ignore[attr-defined]
     wait_until(
         lambda: (
@@ -171,17 +205,25 @@ def test_pinned_code_setup_restored_environment_and_a_moved_ref(team: Team, plan
     two = _attempts(cp, run.id)[1]
     assert two.instance_id != one.instance_id  # a fresh instance directory
     # Attempt 2 restored the environment from the store instead of running setup.
-    assert team.attempts_that_ran_setup() == [one.id]
+    assert team.attempts_that_ran_setup() == ["dry-run", one.id]
+
+    wait_until(
+        lambda: any(r["type"] == "resumed" and r["attempt"] == 2 for r in records),
+        what="attempt 2 to resume from attempt 1's checkpoint",
+    )
 
     # The team pushes new requirements; the run is stopped and moved to the new commit.
     second = team.repo.commit({"requirements.txt": "tinydep==2.0\n"}, message="tinydep 2")
     service.stop(cp.deps, run.id, ADA)
     wait_until(lambda: _attempts(cp, run.id)[-1].state.is_terminal(), what="the stop")
-    wait_until(lambda: "tinydep 1.0 from step" in _log(cp, run.id, two), what="attempt 2's log")
+    wait_until(
+        lambda: "with tinydep 1.0 from step" in _log(cp, run.id, two), what="attempt 2's log"
+    )
     log_two = _log(cp, run.id, two)
     assert "environment restored from the store" in log_two
     assert f"code {first[:12]}" in log_two
     assert "from step 0" not in log_two  # it resumed
+    assert f"train.py at {first} with tinydep 1.0 from step" in log_two
     moved = service.resubmit(cp.deps, run.id, ADA, overrides=["code.ref=main"])
     assert _stored_spec(cp, moved.id)["code"]["commit"] == second
     assert f"code: {first[:7]} → {second[:7]}" in out.getvalue()
@@ -189,9 +231,10 @@ def test_pinned_code_setup_restored_environment_and_a_moved_ref(team: Team, plan
     assert run_state(cp, moved.id) == RunState.SUCCEEDED
     three = _attempts(cp, moved.id)[0]
     # A changed requirements file: a new key, so setup ran again, and installed 2.0.
-    assert team.attempts_that_ran_setup() == [one.id, three.id]
+    assert team.attempts_that_ran_setup() == ["dry-run", one.id, three.id]
     log_three = _log(cp, moved.id, three)
-    assert "tinydep 2.0 from step" in log_three and "finished" in log_three
+    assert f"train.py at {second} with tinydep 2.0 from step" in log_three
+    assert "finished" in log_three
     assert "from step 0" not in log_three
 
 
@@ -202,7 +245,10 @@ def test_a_failing_setup_ends_the_attempt_as_a_setup_failure(team: Team, plane) 
     team.spec(
         "broken", setup=["echo installing the broken set", "pip install -q -r requirements.txt"]
     )
-    run = service.submit(cp.deps, spec_name="broken", overrides=[], actor=ADA)
+    # Without the dry run, whose setup would fail the same way: the attempt's is under test.
+    run = service.submit(
+        cp.deps, spec_name="broken", overrides=["dry_run.enabled=false"], actor=ADA
+    )
     wait_until(lambda: run_state(cp, run.id) == RunState.AWAITING_CONFIRMATION, what="preflight")
     service.confirm(cp.deps, run.id, ADA)
     wait_until(lambda: run_state(cp, run.id).is_terminal(), timeout=90, what="the failure")
