@@ -78,6 +78,9 @@ class Later(str, Enum):
     #: ``jobs.runs.capacity.try_again(run_id=…, episode=…, tries=…, since=…, ts=…)``:
     #: the next try of a run waiting for capacity; run by the leader only.
     CAPACITY = "capacity"
+    #: ``jobs.staging.work.copy_staging(staging_id=…)``: a dataset's copy into another
+    #: region's staging bucket, resumed where its row says; run by the leader only.
+    STAGING = "staging"
     #: ``jobs.scheduler.digest_day(posted=…, day=…)``: a day's digest, one
     #: ``DIGEST_CHANNEL`` per channel.
     DIGEST = "digest"

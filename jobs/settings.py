@@ -162,6 +162,15 @@ class Settings(BaseSettings):
     #: means ``checkpoint_uri`` alone. A run's own directory under the root is always
     #: its id, chosen by trainbot.
     checkpoint_locations: CommaList = Field(default_factory=list)
+    #: Staging buckets, one per region, where a dataset in another region is copied for
+    #: a run (``region=URI`` pairs: ``us-west-2=s3://team-stage-usw2,europe-west4=gs://…``).
+    #: A region without one is offered no copy.
+    staging_buckets: CommaList = Field(default_factory=list)
+    #: Days a staged copy is kept after the last run that used it finished (or after the
+    #: copy finished, if none has); the scheduled cleanup deletes it then.
+    staging_keep_days: float = Field(default=7.0, gt=0)
+    #: Bytes per part of an S3 multipart staging copy (5 MiB to 5 GiB).
+    staging_part_bytes: int = Field(default=64 * 2**20, ge=5 * 2**20, le=5 * 2**30)
     #: AWS provider: the role runners assume, through the control plane, for their own
     #: run's checkpoint prefix only (a session policy narrows it). Unset: the instance
     #: profile's own permissions are used.
@@ -297,6 +306,17 @@ class Settings(BaseSettings):
     def _absolute_state_dir(cls, value: Path) -> Path:
         return value.expanduser().absolute()
 
+    @field_validator("staging_buckets", mode="after")
+    @classmethod
+    def _staging_pairs(cls, value: list[str]) -> list[str]:
+        for pair in value:
+            region, _, uri = pair.partition("=")
+            if not region.strip() or not uri.strip().startswith(("s3://", "gs://")):
+                raise ValueError(
+                    f"{pair!r} is not REGION=BUCKET_URI (us-west-2=s3://team-stage-usw2)"
+                )
+        return value
+
     @field_validator("specs_dir", mode="after")
     @classmethod
     def _absolute_specs_dir(cls, value: Path) -> Path:
@@ -308,6 +328,7 @@ class Settings(BaseSettings):
         "admins",
         "slack_team_ids",
         "checkpoint_locations",
+        "staging_buckets",
         "gcp_zones",
         "gcp_regions",
         "aws_budget_emails",

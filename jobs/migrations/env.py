@@ -11,6 +11,7 @@ from alembic import context
 from sqlmodel import SQLModel
 
 import jobs.models  # noqa: F401  (registers the tables on SQLModel.metadata)
+from jobs.staging import models as _staging  # noqa: F401  (and the staging copies')
 
 config = context.config
 target_metadata = SQLModel.metadata

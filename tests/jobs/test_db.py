@@ -62,6 +62,7 @@ TABLES = {
     "dry_runs",
     "api_tokens",
     "pagerduty_outbox",
+    "staging",
 }
 
 

@@ -1,0 +1,202 @@
+"""Staging a dataset into another region's bucket, in process: on moto's S3 across two
+regions (CopyObject for small objects, UploadPartCopy for a large one), on the GCS
+emulator with the JSON API's rewrite, the offer's size, cost and time, and the errors a
+person gets. The copy killed with SIGKILL and resumed is ``test_staging_killed``."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+from sqlalchemy import Engine
+
+from jobs.db import session_scope
+from jobs.deps import Deps
+from jobs.providers.local import LocalProvider
+from jobs.settings import Settings, load_settings
+from jobs.staging import Staging, StagingError, StagingState
+from jobs.staging.prices import estimate
+from jobs.staging.work import copy_staging, offer, staged_copy, start
+from tests.fakes.gcs_emulator import create_bucket as create_gcs_bucket
+from tests.fakes.gcs_emulator import gcs_emulator
+from tests.jobs.test_alerts import RecordingNotifier
+
+__all__ = ["gcs_emulator"]  # the session's emulator, a fixture
+
+NOW = datetime(2026, 12, 6, 10, 0, tzinfo=timezone.utc)
+MiB = 2**20
+
+
+def s3_bucket(endpoint: str, region: str) -> str:
+    """A new bucket in ``region`` on moto."""
+    name = f"stage-{os.urandom(6).hex()}"
+    client = boto3.client("s3", endpoint_url=endpoint, region_name=region)
+    extra: dict[str, Any] = {}
+    if region != "us-east-1":
+        extra["CreateBucketConfiguration"] = {"LocationConstraint": region}
+    client.create_bucket(Bucket=name, **extra)
+    return name
+
+
+def staging_settings(tmp_path: Path, **env: str) -> Settings:
+    return load_settings({"TRAINBOT_STATE_DIR": str(tmp_path / "state"), **env})
+
+
+@pytest.fixture
+def make_deps(db_engine: Engine, tmp_path: Path) -> Iterator[Any]:
+    made: list[Deps] = []
+
+    def make(settings: Settings) -> Deps:
+        deps = Deps(
+            settings=settings,
+            engine=db_engine,
+            provider=LocalProvider(tmp_path / "local"),
+            notifier=RecordingNotifier(),
+            replica="test",
+        )
+        made.append(deps)
+        return deps
+
+    yield make
+    for deps in made:
+        deps.close()
+        deps.provider.close()
+
+
+def test_s3_copy_across_regions(moto_server: str, make_deps: Any, tmp_path: Path) -> None:
+    s3 = boto3.client("s3", endpoint_url=moto_server, region_name="us-east-1")
+    source = s3_bucket(moto_server, "us-east-1")
+    stage = s3_bucket(moto_server, "us-west-2")
+    big = os.urandom(12 * MiB + 1234)  # three parts of 5 MiB, the last shorter
+    files = {"data/a.bin": b"alpha" * 1000, "data/sub/b.bin": b"", "data/z.bin": big}
+    for key, body in files.items():
+        s3.put_object(Bucket=source, Key=key, Body=body)
+    s3.put_object(Bucket=source, Key="data2/other.bin", Body=b"not under data/")
+    settings = staging_settings(
+        tmp_path,
+        TRAINBOT_AWS_ENDPOINT_URL=moto_server,
+        TRAINBOT_STAGING_BUCKETS=f"us-west-2=s3://{stage}/copies, europe-west4=gs://x",
+        TRAINBOT_STAGING_PART_BYTES=str(5 * MiB),
+    )
+    deps = make_deps(settings)
+
+    found = offer(settings, f"s3://{source}/data", "us-west-2")
+    assert (found.objects, found.estimate.n_bytes) == (3, sum(map(len, files.values())))
+    assert found.source_region == "us-east-1"
+    assert found.target == f"s3://{stage}/copies/{source}/data/"
+    assert found.estimate.usd_per_gb == 0.02
+    assert "AWS S3 pricing page" in found.text() and "3 objects" in found.text()
+
+    row, new = start(
+        deps.engine, found, requested_by="U0ADA", channel="C0TRAIN", thread_ts="1.0", now=NOW
+    )
+    assert new
+    again, new = start(deps.engine, found, requested_by="U0BOB", channel="C0TRAIN", now=NOW)
+    assert (again.id, new) == (row.id, False)  # the same copy, not a second one
+
+    copy_staging(deps, staging_id=row.id)
+
+    for key, body in files.items():
+        copied = s3.get_object(Bucket=stage, Key=f"copies/{source}/{key}")["Body"].read()
+        assert hashlib.sha256(copied).digest() == hashlib.sha256(body).digest(), key
+    listed = s3.list_objects_v2(Bucket=stage, Prefix="copies/")["Contents"]
+    assert len(listed) == 3  # data2/ is another dataset
+    with session_scope(deps.engine) as session:
+        done = session.get(Staging, row.id)
+        assert done is not None and done.state is StagingState.DONE
+        assert (done.objects_done, done.bytes_done) == (3, found.estimate.n_bytes)
+        assert done.part_copies == 2 + 3  # two CopyObject, three UploadPartCopy
+        assert done.upload_id is None and done.parts == []
+        assert staged_copy(session, found.source, "us-west-2") is not None
+        assert staged_copy(session, found.source, "us-east-2") is None
+    notifier: RecordingNotifier = deps.notifier
+    assert len(notifier.posts) == 1  # one message, edited in place
+    ref, first = notifier.posts[0]
+    assert first.thread_ts == "1.0"  # type: ignore[attr-defined]
+    assert all(r == ref for r, _ in notifier.updates)
+    assert "is copied to" in notifier.updates[-1][1].text  # type: ignore[attr-defined]
+
+
+def test_offer_errors(moto_server: str, tmp_path: Path) -> None:
+    source = s3_bucket(moto_server, "us-east-1")
+    settings = staging_settings(
+        tmp_path,
+        TRAINBOT_AWS_ENDPOINT_URL=moto_server,
+        TRAINBOT_STAGING_BUCKETS="us-west-2=s3://stage-usw2,europe-west4=gs://stage-euw4",
+    )
+    with pytest.raises(StagingError, match="no staging bucket is set for eu-west-1"):
+        offer(settings, f"s3://{source}/data", "eu-west-1")
+    with pytest.raises(StagingError, match="within one cloud"):
+        offer(settings, f"s3://{source}/data", "europe-west4")
+    with pytest.raises(StagingError, match="holds no objects"):
+        offer(settings, f"s3://{source}/empty", "us-west-2")
+    with pytest.raises(StagingError, match="not a bucket URI"):
+        offer(settings, "/local/data", "us-west-2")
+    with pytest.raises(StagingError, match="does not exist"):
+        offer(settings, "s3://no-such-bucket-for-staging/data", "us-west-2")
+
+
+def test_staging_buckets_setting_is_checked(tmp_path: Path) -> None:
+    with pytest.raises(Exception, match="REGION=BUCKET_URI"):
+        staging_settings(tmp_path, TRAINBOT_STAGING_BUCKETS="us-west-2:s3://b")
+
+
+def test_estimate_prices_by_continent() -> None:
+    near = estimate(
+        "gs://b/d", n_bytes=10 * 2**30, source_region="us-central1", target_region="us-east4"
+    )
+    far = estimate(
+        "gs://b/d", n_bytes=10 * 2**30, source_region="us-central1", target_region="europe-west4"
+    )
+    assert (near.usd, far.usd) == pytest.approx((0.2, 0.8))
+    assert "Google Cloud Storage pricing page" in far.source and "another continent" in far.source
+    asia = estimate(
+        "s3://b/d", n_bytes=2**30, source_region="ap-northeast-1", target_region="us-west-2"
+    )
+    assert asia.usd == pytest.approx(0.09)
+    assert (
+        estimate(
+            "s3://b/d", n_bytes=2**30, source_region="us-east-1", target_region="us-east-1"
+        ).usd
+        == 0.0
+    )
+    assert near.seconds == pytest.approx(10 * 2**30 / (100 * MiB))
+
+
+def test_gcs_rewrite(
+    gcs_emulator: str, monkeypatch: pytest.MonkeyPatch, make_deps: Any, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_emulator)
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import storage
+
+    client = storage.Client(
+        project="trainbot-test",
+        credentials=AnonymousCredentials(),
+        client_options={"api_endpoint": gcs_emulator},
+    )
+    source = create_gcs_bucket(gcs_emulator)
+    stage = create_gcs_bucket(gcs_emulator)
+    files = {"ds/x.txt": b"x" * 3000, "ds/y/z.bin": os.urandom(300_000)}
+    for key, body in files.items():
+        client.bucket(source).blob(key).upload_from_string(body)
+    settings = staging_settings(tmp_path, TRAINBOT_STAGING_BUCKETS=f"europe-west4=gs://{stage}")
+    deps = make_deps(settings)
+    found = offer(settings, f"gs://{source}/ds/", "europe-west4")
+    assert (found.objects, found.estimate.n_bytes) == (2, 303_000)
+    row, _ = start(deps.engine, found, requested_by="U0ADA", channel="C0TRAIN", now=NOW)
+
+    copy_staging(deps, staging_id=row.id)
+
+    for key, body in files.items():
+        assert client.bucket(stage).blob(f"{source}/{key}").download_as_bytes() == body
+    with session_scope(deps.engine) as session:
+        done = session.get(Staging, row.id)
+        assert done is not None and done.state is StagingState.DONE
+        assert done.bytes_done == 303_000 and done.part_copies >= 2
