@@ -63,7 +63,9 @@ from jobs.runs import (
     say,
     spec_of,
 )
-from jobs.spec import JobSpec, Resources, load_spec, spec_from_text, stored_section
+from jobs.spec import JobSpec, Resources, spec_from_text, stored_section
+from jobs.spec.origin import SpecOrigin
+from jobs.spec.sources import load_spec_for
 
 log = logging.getLogger(__name__)
 
@@ -83,12 +85,15 @@ def submit(
 ) -> Run:
     """Create a run and start its preflight in the background; a repeated key returns
     the run the first request created, so a retried command launches once. ``spec_text``:
-    a spec file's text (the command-line client's), named ``spec_name``, instead of the
-    specs directory's file of that name."""
+    a spec file's text (the command-line client's, or pasted in the Slack modal), named
+    ``spec_name``, instead of the spec of that name in the configured sources."""
     if spec_text is not None:
         spec = spec_from_text(spec_text, name=spec_name, overrides=overrides)
+        spec = spec.model_copy(update={"origin": SpecOrigin(kind="text")})
     else:
-        spec = load_spec(spec_name, specs_dir=deps.settings.specs_dir, overrides=overrides)
+        # From the configured sources; a repository's branch is fetched now, and the
+        # commit read is recorded in the spec's origin.
+        spec = load_spec_for(deps.settings, spec_name, overrides=overrides)
     # The code's ref, pinned to its commit now: every attempt and node runs that one.
     spec = pin_code(spec)
     checkpoint_uri = checkpoint_root(

@@ -118,6 +118,14 @@ class Settings(BaseSettings):
     checkpoint_uri: str = ""
     #: Directory of job specs (``<name>.yaml``). Defaults to the examples shipped in the package.
     specs_dir: Path = SHIPPED_SPECS_DIR
+    #: Where specs are read from, in order, instead of ``specs_dir``: directories
+    #: (``/etc/trainbot/specs``) and git repositories fetched at every launch
+    #: (``git+https://host/specs.git#branch=main&path=specs``), each ``[label=]location``,
+    #: comma-separated. The first source holding a name wins; ``label/name`` picks one.
+    #: See jobs/spec/sources.py.
+    spec_sources: CommaList = Field(default_factory=list)
+    #: Seconds a spec repository's fetch may take before the launch is refused.
+    spec_git_timeout_s: float = Field(default=30.0, gt=0, le=600)
     #: Where alerts and run updates are posted.
     notifier: Literal["console", "slack"] = "console"
     #: Address the HTTP server (Slack endpoints, runner ingest API) listens on.
@@ -322,6 +330,14 @@ class Settings(BaseSettings):
     def _absolute_specs_dir(cls, value: Path) -> Path:
         return value.expanduser().absolute()
 
+    @field_validator("spec_sources", mode="after")
+    @classmethod
+    def _known_spec_sources(cls, value: list[str]) -> list[str]:
+        from jobs.spec.sources import parse_sources
+
+        parse_sources(value)  # a ValueError says what is wrong and how to write it
+        return value
+
     @field_validator(
         "allowed_channels",
         "launchers",
@@ -335,6 +351,7 @@ class Settings(BaseSettings):
         "aws_regions",
         "dry_run_instance_types",
         "providers",
+        "spec_sources",
         mode="before",
     )
     @classmethod

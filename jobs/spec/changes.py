@@ -17,6 +17,7 @@ from jobs.errors import SpecError, clip
 from jobs.spec.env import is_secret_path
 from jobs.spec.load import parse_spec
 from jobs.spec.model import JobSpec
+from jobs.spec.origin import SpecOrigin
 
 __all__ = [
     "CHANGEABLE",
@@ -129,7 +130,12 @@ def apply_changes(stored: Mapping[str, Any], overrides: Sequence[str], *, name: 
         if "resources.zones" not in keys:
             resources.pop("zones", None)
     base["resources"] = resources
-    return parse_spec(base, name=name, overrides=overrides)
+    # Where the spec was read is trainbot's record, not something people wrote: kept as is.
+    origin = base.pop("origin", None)
+    spec = parse_spec(base, name=name, overrides=overrides)
+    if origin is None:
+        return spec
+    return spec.model_copy(update={"origin": SpecOrigin.model_validate(origin)})
 
 
 def changed_paths(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Change]:

@@ -64,10 +64,10 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         raise SpecError(f"cannot read the spec file {path}: {exc.strerror}") from None
     except UnicodeDecodeError:
         raise SpecError(f"{path} is not UTF-8 text: save it as UTF-8") from None
-    return _spec_mapping(text, where=str(path))
+    return spec_mapping(text, where=str(path))
 
 
-def _spec_mapping(text: str, *, where: str) -> dict[str, Any]:
+def spec_mapping(text: str, *, where: str) -> dict[str, Any]:
     """A spec file's text as a mapping, within the file bounds; ``where`` names it."""
     path = where
     if len(text) > MAX_SPEC_FILE_CHARS:
@@ -154,13 +154,14 @@ def load_spec(
     return parse_spec(_read_yaml(path), name=name, overrides=overrides, source=str(path))
 
 
-def spec_from_text(text: str, *, name: str, overrides: Sequence[str] = ()) -> JobSpec:
+def spec_from_text(
+    text: str, *, name: str, overrides: Sequence[str] = (), where: str | None = None
+) -> JobSpec:
     """A spec file's text sent by the command-line client (``trainbot launch
-    spec.yaml``): read, bounded and validated exactly as a file in the specs directory."""
-    where = f"the spec file sent ({clip(name)}.yaml)"
-    return parse_spec(
-        _spec_mapping(text, where=where), name=name, overrides=overrides, source=where
-    )
+    spec.yaml``) or pasted into the Slack modal: read, bounded and validated exactly as a
+    file in the specs directory. ``where`` names it in errors (default: the file sent)."""
+    where = where or f"the spec file sent ({clip(name)}.yaml)"
+    return parse_spec(spec_mapping(text, where=where), name=name, overrides=overrides, source=where)
 
 
 # --- the spec stored on a run ---------------------------------------------------------

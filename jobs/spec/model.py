@@ -9,6 +9,7 @@ from typing import Annotated
 from pydantic import BeforeValidator, Field, ValidationInfo, field_validator
 
 from jobs.spec.env import FROM_PEOPLE, Env, Secrets
+from jobs.spec.origin import SpecOrigin
 from jobs.spec.sections import (
     AlertThresholds,
     BudgetPolicy,
@@ -113,6 +114,9 @@ class JobSpec(Section):
     notify: Notify = Field(default_factory=Notify)
     dry_run: DryRun = Field(default_factory=DryRun)
     profile: Profile = Field(default_factory=Profile)
+    #: Where trainbot read this spec (a directory, a repository at a commit, pasted text):
+    #: set by trainbot when it loads the spec, never by the spec itself.
+    origin: SpecOrigin | None = None
 
     @field_validator("name")
     @classmethod
@@ -124,6 +128,15 @@ class JobSpec(Section):
                 f"contains {found}, which is invisible or reverses the text around it, so "
                 "the run would read as another in chat: remove it (letters, digits, "
                 "punctuation and plain spaces are fine)"
+            )
+        return value
+
+    @field_validator("origin")
+    @classmethod
+    def _origin_is_trainbots(cls, value: SpecOrigin | None, info: ValidationInfo) -> object:
+        if value is not None and _from_people(info):
+            raise ValueError(
+                "is set by trainbot (where it read the spec, and at which commit): remove it"
             )
         return value
 

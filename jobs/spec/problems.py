@@ -63,7 +63,8 @@ def describe_problem(error: Any) -> tuple[str, str]:
     path = dotted(loc)
     if error["type"] == "extra_forbidden":
         section = _model_at(loc[:-1])
-        known = list(section.model_fields) if section else []
+        # ``origin`` is trainbot's record of where it read the spec, never a key to write.
+        known = [k for k in (section.model_fields if section else ()) if k != "origin"]
         close = difflib.get_close_matches(str(loc[-1]), known, n=1)
         if close:
             hint = f" (did you mean {dotted((*loc[:-1], close[0]))!r}?)"

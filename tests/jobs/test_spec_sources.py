@@ -1,0 +1,247 @@
+"""Specs from the places an admin sets (issue 26, point 2): a directory (as a ConfigMap
+is mounted) and a git repository served over loopback HTTP, fetched at every launch.
+
+The repository is a real one (tests/fakes/code_servers.py: git's dumb HTTP protocol over
+a loopback server) and the control plane is the real one on the local provider.
+"""
+
+from __future__ import annotations
+
+import io
+import socket
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from bot.console import ConsoleNotifier
+from jobs import service
+from jobs.bootstrap import ControlPlane
+from jobs.db import session_scope
+from jobs.errors import SettingsError, SpecError
+from jobs.lifecycle import RunState
+from jobs.models import Run
+from jobs.notify import CallbackJournal
+from jobs.spec.sources import catalog_for, configured, load_spec_for
+from tests.fakes.code_servers import GitRepo, serve_directory
+from tests.jobs.test_control_plane import ADA, settings_for, wait_until
+
+
+def spec_text(command: str, description: str) -> str:
+    """A spec that runs ``command`` and asks nothing of preflight (no dry run)."""
+    return textwrap.dedent(
+        f"""\
+        description: {description}
+        command: {command}
+        dry_run:
+          enabled: false
+        """
+    )
+
+
+class Sources:
+    """A mounted directory and a team repository served on loopback."""
+
+    def __init__(self, root: Path, base: str, repo: GitRepo) -> None:
+        self.root = root
+        self.repo = repo
+        self.url = repo.url(base)
+        self.mounted = root / "mounted"
+        self.mounted.mkdir()
+
+    def env(self, **extra: str) -> dict[str, str]:
+        return {
+            "TRAINBOT_SPEC_SOURCES": (
+                f"mounted={self.mounted},team=git+{self.url}#branch=main&path=specs"
+            ),
+            **extra,
+        }
+
+
+@pytest.fixture
+def sources(tmp_path: Path) -> Iterator[Sources]:
+    repo = GitRepo(tmp_path, name="team-specs")
+    with serve_directory(repo.served) as base:
+        yield Sources(tmp_path, base, repo)
+
+
+def test_a_git_spec_is_fetched_at_each_launch_and_its_commit_recorded(
+    sources: Sources,
+) -> None:
+    first = sources.repo.commit(
+        {"specs/gpt.yaml": spec_text("python -c print(1)", "GPT, first cut")}
+    )
+    settings = settings_for(sources.root / "state", **sources.env())
+    cp = ControlPlane(
+        settings,  # type: ignore[arg-type]
+        notifier=ConsoleNotifier(io.StringIO()),
+        journal=CallbackJournal(lambda *_: None),
+        scheduler=False,
+    )
+    with cp:
+        run1 = service.submit(cp.deps, spec_name="gpt", overrides=(), actor=ADA)
+        second = sources.repo.commit(
+            {"specs/gpt.yaml": spec_text("python -c print(2)", "GPT, second cut")}
+        )
+        run2 = service.submit(cp.deps, spec_name="gpt", overrides=(), actor=ADA)
+        stored = {}
+        with session_scope(cp.deps.engine) as session:
+            for run in (run1, run2):
+                row = session.get(Run, run.id)
+                assert row is not None
+                stored[run.id] = dict(row.spec)
+        # Each launch read the branch as it stood then, and says at which commit.
+        assert stored[run1.id]["command"] == ["python", "-c", "print(1)"]
+        assert stored[run1.id]["origin"]["commit"] == first
+        assert stored[run2.id]["command"] == ["python", "-c", "print(2)"]
+        assert stored[run2.id]["origin"] == {
+            "kind": "git",
+            "source": "team",
+            "location": sources.url,
+            "path": "specs/gpt.yaml",
+            "branch": "main",
+            "commit": second,
+        }
+        # The launched run goes on from the stored spec (the origin travels with it).
+        wait_until(
+            lambda: (
+                service.status(cp.deps, run2.id, ADA)[0].state
+                not in (RunState.PREFLIGHT.value, RunState.PENDING.value)
+            ),
+            what="run 2 past preflight",
+        )
+        for run in (run1, run2):
+            if service.status(cp.deps, run.id, ADA)[0].state not in _ENDED:
+                service.stop(cp.deps, run.id, ADA)
+    for inst in cp.deps.provider.list_instances():
+        if not inst.state.is_terminal():
+            cp.deps.provider.terminate(inst.instance_id)
+    cp.deps.provider.close()  # type: ignore[attr-defined]
+
+
+_ENDED = {s.value for s in RunState if s.is_terminal()}
+
+
+def test_the_mounted_directory_wins_a_clash_and_a_qualified_name_picks_the_repo(
+    sources: Sources,
+) -> None:
+    commit = sources.repo.commit(
+        {
+            "specs/gpt.yaml": spec_text("python team.py", "the repository's GPT"),
+            "specs/bert.yml": spec_text("python bert.py", "BERT <!channel> & co"),
+            "README.md": "not a spec\n",
+        }
+    )
+    (sources.mounted / "gpt.yaml").write_text(spec_text("python mounted.py", "the mounted GPT"))
+    settings = settings_for(sources.root / "state", **sources.env())
+
+    mounted = load_spec_for(settings, "gpt")  # type: ignore[arg-type]
+    assert mounted.command == ["python", "mounted.py"]
+    assert mounted.origin is not None
+    assert (mounted.origin.kind, mounted.origin.source) == ("directory", "mounted")
+    assert mounted.origin.location == str(sources.mounted)
+    team = load_spec_for(settings, "team/gpt", overrides=["budget.usd=5"])  # type: ignore[arg-type]
+    assert team.command == ["python", "team.py"]
+    assert team.budget.usd == 5
+    assert team.origin is not None and team.origin.commit == commit
+    assert team.name == "gpt"
+
+    listed = catalog_for(settings)  # type: ignore[arg-type]
+    assert listed.problems == []
+    assert [(s.name, s.description, s.where) for s in listed.specs] == [
+        ("gpt", "the mounted GPT", "directory mounted"),
+        ("bert", "BERT <!channel> & co", f"team@{commit[:7]}"),
+        ("team/gpt", "the repository's GPT", f"team@{commit[:7]}"),
+    ]
+
+    with pytest.raises(SpecError) as missing:
+        load_spec_for(settings, "gtp")  # type: ignore[arg-type]
+    assert "Did you mean 'gpt'?" in str(missing.value)
+    assert "Available: gpt, bert, team/gpt." in str(missing.value)
+    with pytest.raises(SpecError, match="no spec source is labelled 'nope'"):
+        load_spec_for(settings, "nope/gpt")  # type: ignore[arg-type]
+
+
+def test_a_spec_in_the_repo_is_validated_like_a_file(sources: Sources) -> None:
+    sources.repo.commit({"specs/bad.yaml": "command: python x.py\nbudget: {usd: -3}\nfoo: 1\n"})
+    settings = settings_for(sources.root / "state", **sources.env())
+    with pytest.raises(SpecError) as bad:
+        load_spec_for(settings, "bad")  # type: ignore[arg-type]
+    text = str(bad.value)
+    assert text.startswith("spec 'bad' (team@") and "has 2 problems" in text
+    assert "unknown key 'foo'" in text and "budget.usd: must be greater than 0" in text
+    assert "origin" not in text
+    # Only trainbot says where a spec came from.
+    sources.repo.commit(
+        {"specs/sly.yaml": "command: python x.py\norigin: {kind: directory, source: x}\n"}
+    )
+    with pytest.raises(SpecError, match="origin: is set by trainbot"):
+        load_spec_for(settings, "sly")  # type: ignore[arg-type]
+
+
+def test_an_unreachable_repository_is_a_clear_error_within_the_time_bound(
+    sources: Sources,
+) -> None:
+    (sources.mounted / "local.yaml").write_text(spec_text("python local.py", "here"))
+    # A port nobody answers on: the connection is refused.
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        refused_port = closed.getsockname()[1]
+    settings = settings_for(
+        sources.root / "state",
+        TRAINBOT_SPEC_SOURCES=(
+            f"gone=git+http://user:pw@127.0.0.1:{refused_port}/x.git,{sources.mounted}"
+        ),
+    )
+    with pytest.raises(SpecError) as gone:
+        load_spec_for(settings, "local")  # type: ignore[arg-type]
+    message = str(gone.value)
+    assert message.startswith("the spec repository gone (http://127.0.0.1:")
+    assert "could not be fetched" in message and "pw" not in message
+    # The listing names the source it could not read and lists the others.
+    listed = catalog_for(settings)  # type: ignore[arg-type]
+    assert [p.label for p in listed.problems] == ["gone"]
+    assert [s.name for s in listed.specs] == ["local"]
+
+    # A server that takes the connection and never answers: bounded by the timeout.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        settings = settings_for(
+            sources.root / "state2",
+            TRAINBOT_SPEC_SOURCES=f"slow=git+http://127.0.0.1:{silent.getsockname()[1]}/x.git",
+            TRAINBOT_SPEC_GIT_TIMEOUT_S="1",
+        )
+        started = time.monotonic()
+        with pytest.raises(SpecError, match=r"slow .* did not answer within 1 s"):
+            load_spec_for(settings, "anything")  # type: ignore[arg-type]
+        assert time.monotonic() - started < 10
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ("relative/dir", "neither an absolute directory nor git+URL"),
+        ("git+ftp://h/x.git", "is not a repository URL"),
+        ("git+https://h/x.git#tag=v1", "unknown option 'tag'"),
+        ("git+https://h/x.git#path=../etc", "is not a folder inside the repository"),
+        ("a=/x,a=/y", "the label 'a' names two sources"),
+    ],
+)
+def test_bad_sources_are_refused_at_start_saying_how_to_write_them(
+    tmp_path: Path, value: str, problem: str
+) -> None:
+    with pytest.raises(SettingsError) as bad:
+        settings_for(tmp_path, TRAINBOT_SPEC_SOURCES=value)
+    assert "TRAINBOT_SPEC_SOURCES" in str(bad.value)
+    assert problem in str(bad.value)
+
+
+def test_without_sources_the_specs_directory_is_the_one_source(tmp_path: Path) -> None:
+    settings = settings_for(tmp_path)
+    (only,) = configured(settings)  # type: ignore[arg-type]
+    assert only.kind == "directory" and only.directory == settings.specs_dir  # type: ignore[attr-defined]
+    tiny = load_spec_for(settings, "tiny")  # type: ignore[arg-type]
+    assert tiny.origin is not None and tiny.origin.path == "tiny.yaml"
