@@ -38,6 +38,7 @@ from jobs.scheduler import LeaderElector
 from jobs.server import ControlPlaneApp, CredentialBroker, ServerHandle, serve
 from jobs.service import resume_preflights
 from jobs.settings import Settings
+from jobs.staging import work as _staging  # noqa: F401  (binds Later.STAGING)
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import WSGIApplication

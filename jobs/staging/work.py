@@ -20,6 +20,7 @@ import secrets
 import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Protocol, runtime_checkable
 
 from sqlalchemy import Engine
 from sqlmodel import Session, col, select
@@ -59,6 +60,17 @@ log = logging.getLogger(__name__)
 #: The progress message is edited at most this often (Slack allows about one call a
 #: second per channel, and other messages share it).
 PROGRESS_EVERY_S = 3.0
+
+
+#: How long the first post may take to get its message id.
+RESOLVE_S = 10.0
+
+
+@runtime_checkable
+class _Resolves(Protocol):
+    """A notifier that queues posts and can say a queued post's real id (Slack's)."""
+
+    def resolve(self, ref: MessageRef, *, timeout: float = 0.0) -> MessageRef | None: ...
 
 
 class StagingInterrupted(StagingError):
@@ -312,7 +324,12 @@ class _Run:
             channel=row.channel, thread_ts=row.thread_ts, kind="info", text=text, run_id=row.run_id
         )
         if row.message_ts is None:
-            self._save(message_ts=self.deps.notifier.post(msg).ts)
+            ref = self.deps.notifier.post(msg)
+            if isinstance(self.deps.notifier, _Resolves):
+                # The message's own id, not the notifier's handle for it: a control plane
+                # started after this one edits it.
+                ref = self.deps.notifier.resolve(ref, timeout=RESOLVE_S) or ref
+            self._save(message_ts=ref.ts)
         else:
             self.deps.notifier.update(MessageRef(channel=row.channel, ts=row.message_ts), msg)
 

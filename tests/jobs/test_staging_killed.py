@@ -1,0 +1,229 @@
+"""A staging copy of 300 MiB across two regions on moto, its control plane killed with
+SIGKILL in the middle of the large object's multipart copy, and the copy finishing
+after a restart without starting over.
+
+The control plane is :mod:`tests.jobs.replica_process` (what ``trainbot serve`` builds
+with Slack), on SQLite, talking to moto's server in this process and to the fake Slack
+Web API. moto's request log (werkzeug's, one line per request answered) shows what was
+copied: each part of the large object is requested once, none of those done before the
+kill is requested after it, its multipart upload is created once, and the progress
+message posted by the first process is the one the second edits to its end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+from sqlalchemy import Engine
+
+from jobs.db import make_engine, migrate, session_scope
+from jobs.deps import load_secret
+from jobs.models import utcnow
+from jobs.settings import load_settings
+from jobs.staging import Staging, StagingState
+from jobs.staging.work import offer, start
+from tests.fakes.slack_api import FakeSlack
+from tests.jobs.test_staging import s3_bucket
+from tests.waiting import wait_until
+
+pytestmark = [pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKEN = "xoxb-staging"
+CHANNEL = "C0TRAIN"
+ADA = "U0ADA"
+MiB = 2**20
+PART = 8 * MiB
+#: The dataset: a large object copied in 32 parts first (keys sort so), a multipart
+#: one of 40 MiB, and two under the part size (CopyObject).
+SIZES = {"a-big.bin": 256 * MiB, "b-mid.bin": 40 * MiB, "c-small.bin": 4 * MiB, "d-tiny.txt": 700}
+
+
+class RequestLog(logging.Handler):
+    """moto's requests for one bucket, in the order answered."""
+
+    def __init__(self, bucket: str) -> None:
+        super().__init__(logging.INFO)
+        self.bucket = bucket
+        self.lines: list[str] = []
+        self._lock = threading.Lock()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        line = record.getMessage()
+        if f"/{self.bucket}/" in line:
+            with self._lock:
+                self.lines.append(line)
+
+    def snapshot(self) -> list[str]:
+        with self._lock:
+            return list(self.lines)
+
+
+@pytest.fixture
+def request_log() -> Iterator[Any]:
+    logger = logging.getLogger("werkzeug")
+    made: list[RequestLog] = []
+    level = logger.level
+
+    def watch(bucket: str) -> RequestLog:
+        handler = RequestLog(bucket)
+        logger.addHandler(handler)
+        made.append(handler)
+        return handler
+
+    logger.setLevel(logging.INFO)
+    yield watch
+    logger.setLevel(level)
+    for handler in made:
+        logger.removeHandler(handler)
+
+
+def part_numbers(lines: list[str], key: str) -> list[int]:
+    return [
+        int(m.group(1))
+        for line in lines
+        if f"/{key}?" in line and line.split('"')[1].startswith("PUT")
+        for m in [re.search(r"partNumber=(\d+)", line)]
+        if m
+    ]
+
+
+def staging_row(engine: Engine, staging_id: str) -> Staging:
+    with session_scope(engine) as session:
+        row = session.get(Staging, staging_id)
+        assert row is not None
+        session.expunge(row)
+        return row
+
+
+def test_a_copy_killed_mid_part_resumes_after_restart(
+    moto_server: str, request_log: Any, tmp_path: Path
+) -> None:
+    s3 = boto3.client("s3", endpoint_url=moto_server, region_name="us-east-1")
+    source = s3_bucket(moto_server, "us-east-1")
+    stage = s3_bucket(moto_server, "us-west-2")
+    bodies: dict[str, bytes] = {}
+    for name, size in SIZES.items():
+        bodies[name] = os.urandom(size)
+        s3.put_object(Bucket=source, Key=f"data/{name}", Body=bodies[name])
+    moto_log = request_log(stage)
+
+    url = f"sqlite:///{tmp_path / 'trainbot.db'}"
+    engine = make_engine(url)
+    migrate(engine)
+    state = tmp_path / "state"
+    load_secret(state)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "TRAINBOT_STATE_DIR": str(state),
+        "TRAINBOT_DATABASE_URL": url,
+        "TRAINBOT_INGEST_PORT": "0",
+        "TRAINBOT_NOTIFIER": "slack",
+        "TRAINBOT_SLACK_SIGNING_SECRET": "8f742231b10e8888abcd99yyyzzz85a5",
+        "TRAINBOT_SLACK_BOT_TOKEN": TOKEN,
+        "TRAINBOT_ALLOWED_CHANNELS": CHANNEL,
+        "TRAINBOT_LAUNCHERS": ADA,
+        "TRAINBOT_TIMEZONE": "UTC",
+        "TRAINBOT_LOG_FORMAT": "text",
+        "TRAINBOT_AWS_ENDPOINT_URL": moto_server,
+        "TRAINBOT_STAGING_BUCKETS": f"us-west-2=s3://{stage}/staged",
+        "TRAINBOT_STAGING_PART_BYTES": str(PART),
+        "REPLICA_LEASE_S": "2",
+        "REPLICA_POST_INTERVAL_S": "0.2",
+    }
+    settings = load_settings({k: v for k, v in env.items() if k.startswith("TRAINBOT_")})
+    fake = FakeSlack(tokens=[TOKEN]).start()
+    fake.add_channel(CHANNEL, "ml-training", members=[ADA])
+    env["REPLICA_SLACK_API"] = fake.api_url
+    procs: list[subprocess.Popen[str]] = []
+
+    def control_plane(name: str) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.jobs.replica_process"],
+            cwd=ROOT,
+            env={**env, "REPLICA_NAME": name},
+            stdout=subprocess.PIPE,
+            stderr=(tmp_path / f"{name}.log").open("w"),
+            text=True,
+        )
+        procs.append(proc)
+        assert proc.stdout is not None
+        assert proc.stdout.readline(), (tmp_path / f"{name}.log").read_text()[-3000:]
+        return proc
+
+    try:
+        found = offer(settings, f"s3://{source}/data", "us-west-2")
+        assert found.estimate.n_bytes == sum(SIZES.values())
+        row, _ = start(engine, found, requested_by=ADA, channel=CHANNEL, now=utcnow())
+        big = f"staged/{source}/data/a-big.bin"
+        first = control_plane("first")
+
+        def mid_copy() -> Staging | None:
+            now = staging_row(engine, row.id)
+            return now if now.current_key == "data/a-big.bin" and len(now.parts) >= 3 else None
+
+        wait_until(mid_copy, 60, "the large object's copy under way", every=0.01)
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+        killed_at = len(moto_log.snapshot())
+        before = staging_row(engine, row.id)
+        assert before.state is StagingState.COPYING and before.upload_id
+        done_before = {int(p["n"]) for p in before.parts}
+        assert 3 <= len(done_before) < 32, "killed after the large object, not during it"
+        message_ts = before.message_ts
+        assert message_ts and not message_ts.startswith("pending-")
+
+        control_plane("second")
+        finished: Staging = wait_until(
+            lambda: (r := staging_row(engine, row.id)).state is StagingState.DONE and r,
+            120,
+            "the copy finished after the restart",
+        )
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        fake.close()
+        engine.dispose()
+
+    lines = moto_log.snapshot()
+    # Each part of the large object copied once, over both processes; the upload
+    # created once and completed once: the copy went on, it did not start over.
+    parts = part_numbers(lines, big)
+    assert Counter(parts) == Counter(range(1, 33)), sorted(parts)
+    assert not done_before & set(part_numbers(lines[killed_at:], big))
+    creates = [ln for ln in lines if f"/{big}?uploads" in ln]
+    assert len(creates) == 1, creates
+    assert finished.part_copies <= 32 + 5 + 2  # each part once (one may be copied, unsaved)
+    assert (finished.objects_done, finished.bytes_done) == (4, sum(SIZES.values()))
+    # The small objects were single CopyObject requests (no upload for them).
+    assert not [ln for ln in lines if "c-small.bin?uploads" in ln or "d-tiny.txt?uploads" in ln]
+    for name, body in bodies.items():
+        copied = s3.get_object(Bucket=stage, Key=f"staged/{source}/data/{name}")["Body"].read()
+        assert hashlib.sha256(copied).digest() == hashlib.sha256(body).digest(), name
+
+    # One progress message, posted by the first process, edited by both to the end.
+    posts = [c for c in fake.calls_to("chat.postMessage") if row.id in json.dumps(c.args)]
+    assert len(posts) == 1
+    shown = fake.message(CHANNEL, message_ts)
+    assert shown is not None and "is copied to" in shown.text
+    assert any("%" in text for text, _ in shown.edits), shown.edits
