@@ -91,10 +91,11 @@ say "starting the runner"
 cd "$SCRATCH_DIR" || exit 1
 # A clean environment: the file's variables, a PATH with the runner, nothing inherited.
 # The command is the attempt's own (normally trainbot-runner exec -- <spec command>).
+# Its scratch directory (where the run's code is checked out) is the one made above.
 runuser -u "$RUNNER_USER" -- env -i \
   PATH="$TRAINBOT_HOME/bin:/usr/local/bin:/usr/bin:/bin" \
   HOME=/var/lib/trainbot LANG=C.UTF-8 TRAINBOT_ENV_FILE="$ENV_FILE" \
-  bash -c 'set -a; . "$TRAINBOT_ENV_FILE"; set +a; unset TRAINBOT_ENV_FILE; exec "$@"' \
+  bash -c 'set -a; . "$TRAINBOT_ENV_FILE"; TRAINBOT_SCRATCH_DIR=$PWD; set +a; unset TRAINBOT_ENV_FILE; exec "$@"' \
   trainbot-boot @@COMMAND@@
 RUNNER_RC=$?
 exit "$RUNNER_RC"

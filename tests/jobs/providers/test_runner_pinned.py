@@ -1,4 +1,5 @@
-"""Issue 25, points 5 and 6: the machine image, and the runner pinned on the instance.
+"""Issue 25, points 1 to 3, 5 and 6: the run's code and environment, the machine image, and
+the runner pinned on the instance.
 
 The boot script the provider really sent (the EC2 user data read back from moto; the GCP
 startup script with its instance's metadata server) runs under bash as a played
@@ -8,7 +9,11 @@ dependencies but, on a fresh instance, no runner. The runner's installer is the 
 and pip is real; the public index is a closed port and pip's own configuration is off,
 so trainbot can only come from the control plane's own wheel, served by a real control
 plane (its WSGI app on waitress, over loopback HTTP) to the attempt's token, or, in
-``index`` mode, from an index served on loopback. The instance has no bucket access.
+``index`` mode, from an index served on loopback. The instance has no bucket access,
+except where the run's code is under test: there it checks the pinned commit out of a git
+repository served over loopback HTTP, runs setup against the team's own loopback index,
+and archives the environment to the run's store (moto's S3, the GCS emulator), which the
+next attempt's instance restores.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from google.auth.credentials import AnonymousCredentials
 from sqlalchemy import Engine
 from sqlmodel import Session
 
+from jobs.code_pin import pin_code
 from jobs.db import make_engine, migrate
 from jobs.ingest import IngestService
 from jobs.lifecycle import AttemptState
@@ -65,11 +71,17 @@ from jobs.providers.runner_install import (
     control_plane_version,
 )
 from jobs.server import RUNNER_WHEEL_PATH, ControlPlaneApp, ServerHandle, serve
-from jobs.spec import parse_spec
+from jobs.spec import JobSpec, parse_spec
+from jobs.spec.env import code_env
+from runner.store import run_store
 from tests.fakes import aws as fake
+from tests.fakes.code_servers import GitRepo, build_wheel, serve_directory, write_simple_index
 from tests.fakes.gce_api import FakeComputeApi
+from tests.fakes.gcs_emulator import create_bucket, gcs_emulator
 from tests.fakes.moto_server import closed_port
 from tests.jobs.providers.contract import launch_request
+
+__all__ = ["gcs_emulator"]  # the session's emulator, a fixture
 
 REGION = "us-east-1"
 T4 = ResourceRequest(cloud="aws", region=REGION, accelerator_type="T4", accelerator_count=1)
@@ -138,22 +150,25 @@ class Plane:
         self.url = self.server.url
         self.ingest_url = self.url + "/v1/events"
 
-    def add_attempt(self, run_id: str, attempt_id: str = "attempt-1", token: str = TOKEN) -> None:
+    def add_attempt(
+        self, run_id: str, attempt_id: str = "attempt-1", token: str = TOKEN, *, number: int = 1
+    ) -> None:
         with Session(self.engine) as session:
-            session.add(
-                Run(
-                    id=run_id,
-                    spec_name="tiny",
-                    spec={"name": "tiny", "command": ["true"]},
-                    requester="U1",
+            if session.get(Run, run_id) is None:
+                session.add(
+                    Run(
+                        id=run_id,
+                        spec_name="tiny",
+                        spec={"name": "tiny", "command": ["true"]},
+                        requester="U1",
+                    )
                 )
-            )
-            session.flush()
+                session.flush()
             session.add(
                 Attempt(
                     id=attempt_id,
                     run_id=run_id,
-                    number=1,
+                    number=number,
                     state=AttemptState.RUNNING,
                     provider="aws",
                     token_hash=hash_token(token),
@@ -671,6 +686,187 @@ def test_gcp_image_the_spec_names_must_exist(gce: FakeComputeApi) -> None:
     assert gcp.capacity(missing), "there once the team has published it"
     info = gcp.launch(launch_request(missing, ["true"], zone=GCP_ZONE))
     assert gce.boot_image(*info.instance_id.split("/", 1)) == missing.image_id
+
+
+# -- the run's code and its environment on the instance ------------------------------------------
+
+#: The team's script: which commit it runs in, and the package its setup installed.
+CODE_PROBE = """\
+import json, os, pathlib, sys
+import tinydep
+
+json.dump(
+    {
+        "commit": pathlib.Path(".git/HEAD").read_text().strip(),
+        "cwd": os.getcwd(),
+        "tinydep": tinydep.VERSION,
+        "python": sys.prefix,
+    },
+    open(sys.argv[1], "w"),
+)
+"""
+
+
+class TeamCode:
+    """The team's repository (git over loopback HTTP) and its own package index (loopback,
+    holding tinydep only), a spec naming them, pinned as ``submit`` pins it, and then a
+    push to ``main`` that the run must not follow."""
+
+    def __init__(self, root: Path, base: str, repo: GitRepo) -> None:
+        self.setup_runs = root / "setup-runs.txt"
+        self.pinned = repo.commit(
+            {"train.py": CODE_PROBE, "requirements.txt": "tinydep==1.0\n"}, message="first"
+        )
+        spec = parse_spec(
+            {
+                "command": "python train.py",
+                "code": {"repo": repo.url(base), "ref": "main"},
+                "setup": [
+                    "pip install -q -r requirements.txt",
+                    f"echo $TRAINBOT_ATTEMPT_ID >> {self.setup_runs}",
+                ],
+                # The team's index: pip on the instance asks it, and no other.
+                "env": {"PIP_INDEX_URL": f"{base}/simple/", "PIP_CONFIG_FILE": os.devnull},
+            },
+            name="team",
+        )
+        self.spec: JobSpec = pin_code(spec)
+        self.head = repo.commit({"train.py": "raise SystemExit('not this commit')\n"})
+
+    def env(self, plane: Plane, attempt: str, token: str, **store: str) -> dict[str, str]:
+        """The attempt's environment as the service renders it for a cloud instance: the
+        code and setup variables (``code_env``), the run's store, the attempt's token."""
+        return attempt_env(
+            plane,
+            token,
+            TRAINBOT_RUN_ID="r-code",
+            TRAINBOT_ATTEMPT_ID=attempt,
+            **self.spec.env,
+            **code_env(self.spec, local=False),
+            **store,
+        )
+
+    def command(self, out: Path) -> list[str]:
+        return ["trainbot-runner", "exec", "--", "python", "train.py", str(out)]
+
+    def attempts_that_ran_setup(self) -> list[str]:
+        return self.setup_runs.read_text().split() if self.setup_runs.exists() else []
+
+
+@pytest.fixture
+def team_code(tmp_path: Path) -> Iterator[TeamCode]:
+    repo = GitRepo(tmp_path / "team")
+    tinydep = build_wheel(tmp_path / "team" / "wheels", "tinydep", "1.0", "VERSION = '1.0'\n")
+    write_simple_index(repo.served, [tinydep])
+    with serve_directory(repo.served) as base:
+        yield TeamCode(tmp_path / "team", base, repo)
+
+
+def code_ran(team: TeamCode, out: Path, log: str, scratch: Path) -> None:
+    """The probe ran in the pinned commit's checkout, with setup's package, in the
+    code's own virtual environment."""
+    got = ran(out, log)
+    assert got["commit"] == team.pinned != team.head, "the commit pinned at submit"
+    assert got["tinydep"] == "1.0"
+    assert Path(got["cwd"]) == scratch / "code"
+    assert Path(got["python"]) == scratch / "code" / ".venv"
+
+
+@pytest.mark.slow
+def test_aws_boot_checks_out_the_pinned_commit_and_builds_then_restores_its_environment(
+    moto: dict[str, Any], plane: Plane, wheel: Wheel, team_code: TeamCode, tmp_path: Path
+) -> None:
+    """Attempt 1's instance installs the runner from the control plane's wheel, checks
+    out the pinned commit, runs setup against the team's index and archives what it built
+    to the run's bucket; attempt 2's (fresh scratch disk: no code, no environment; the
+    runner already on its image, to keep the test short) restores the archive instead.
+    The instance reaches S3 with static credentials standing in for its role."""
+    url, bucket = moto["url"], moto["bucket"]
+    aws = aws_provider(moto, RunnerInstall(mode="wheel"))
+    s3 = {
+        "TRAINBOT_CHECKPOINT_URI": f"s3://{bucket}/ckpt",
+        "AWS_ENDPOINT_URL_S3": url,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": REGION,
+    }
+    imds = {"TRAINBOT_BOOT_IMDS_URL": f"http://127.0.0.1:{closed_port()}", **no_index()}
+    logs: list[str] = []
+    for number in (1, 2):
+        attempt, token = f"attempt-{number}", f"tok-code-{number}"
+        out = tmp_path / f"ran-{number}.json"
+        req = launch_request(
+            T4,
+            team_code.command(out),
+            zone="us-east-1a",
+            run_id="r-code",
+            attempt_id=attempt,
+            env=team_code.env(plane, attempt, token, **s3),
+        )
+        plane.add_attempt(req.run_id, attempt, token, number=number)
+        info = aws.launch(req)
+        root = tmp_path / f"instance-{number}"
+        image = {"TRAINBOT_BOOT_HOME": str(tmp_path / "instance-1" / "opt")} if number > 1 else {}
+        log = play_aws(user_data(url, info.instance_id), root, {**imds, **image})
+        code_ran(team_code, out, log, root / "scratch")
+        logs.append(log)
+    first, second = logs
+    assert "fetching the runner wheel from" in first
+    assert "trainbot-runner: setup: pip install -q -r requirements.txt" in first
+    assert "setup ran in" in first and "archived the environment" in first
+    assert f"code {team_code.pinned[:12]}" in second
+    assert "environment restored from the store" in second
+    assert "trainbot-runner: setup:" not in second
+    assert team_code.attempts_that_ran_setup() == ["attempt-1"]
+    listed = fake.client("s3", url).list_objects_v2(Bucket=bucket, Prefix="ckpt/r-code/env/")
+    names = sorted(o["Key"].rsplit("/", 1)[1] for o in listed.get("Contents", []))
+    assert len(names) == 2 and names[0].endswith(".json") and names[1].endswith(".tar.gz")
+
+
+@pytest.mark.slow
+def test_gcp_boot_checks_out_the_pinned_commit_and_builds_then_restores_its_environment(
+    gce: FakeComputeApi,
+    plane: Plane,
+    wheel: Wheel,
+    team_code: TeamCode,
+    gcs_emulator: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As on AWS, with the startup script reading the attempt from the instance's
+    metadata server and the environment archived to the GCS emulator."""
+    bucket = create_bucket(gcs_emulator, prefix="ckpt")
+    gcp = gcp_provider(gce, RunnerInstall(mode="wheel"))
+    gcs = {"TRAINBOT_CHECKPOINT_URI": f"gs://{bucket}/ckpt", "STORAGE_EMULATOR_HOST": gcs_emulator}
+    logs: list[str] = []
+    for number in (1, 2):
+        attempt, token = f"attempt-{number}", f"tok-code-{number}"
+        out = tmp_path / f"ran-{number}.json"
+        req = launch_request(
+            A100,
+            team_code.command(out),
+            zone=GCP_ZONE,
+            run_id="r-code",
+            attempt_id=attempt,
+            env=team_code.env(plane, attempt, token, **gcs),
+        )
+        plane.add_attempt(req.run_id, attempt, token, number=number)
+        info = gcp.launch(req)
+        root = tmp_path / f"instance-{number}"
+        image = {"TRAINBOT_VENV": str(tmp_path / "instance-1" / "venv")} if number > 1 else {}
+        log = play_gcp(gce, gcp, info.instance_id, root, {**no_index(), **image})
+        code_ran(team_code, out, log, root / "state" / "scratch")
+        logs.append(log)
+    first, second = logs
+    assert "installing the runner" in first
+    assert "setup ran in" in first and "archived the environment" in first
+    assert f"code {team_code.pinned[:12]}" in second
+    assert "environment restored from the store" in second
+    assert "trainbot-runner: setup:" not in second
+    assert team_code.attempts_that_ran_setup() == ["attempt-1"]
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_emulator)
+    names = sorted(o.key for o in run_store(f"gs://{bucket}/ckpt", "r-code").list("env/"))
+    assert len(names) == 2 and names[0].endswith(".json") and names[1].endswith(".tar.gz")
 
 
 # -- settings, the spec, and the installer's signature --------------------------------------------
