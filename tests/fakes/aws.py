@@ -28,18 +28,16 @@ state in which EC2 still refuses to delete its group.
 from __future__ import annotations
 
 import functools
-import threading
 import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, suppress
 from datetime import datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import boto3
 from botocore.exceptions import ClientError
 
-from tests.fakes.moto_server import PLACEMENT_GROUPS
+from tests.fakes.moto_server import PLACEMENT_GROUPS, refusing_s3
 
 #: The account moto answers as when given test credentials.
 MOTO_ACCOUNT = "123456789012"
@@ -193,47 +191,11 @@ def placement_scores(scores: Mapping[str, int], *, region: str = "us-east-1") ->
 # -- an S3 that refuses but tells the region -------------------------------------------------
 
 
-class _RegionTellingHandler(BaseHTTPRequestHandler):
-    """403 to everything; HEAD carries ``x-amz-bucket-region`` like S3's real refusals."""
-
-    protocol_version = "HTTP/1.1"
-    region = "eu-west-1"
-
-    def _refuse(self) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
-        if length:
-            self.rfile.read(length)
-        body = (
-            b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>AccessDenied</Code>'
-            b"<Message>Access Denied</Message><RequestId>fake</RequestId></Error>"
-        )
-        self.send_response(403)
-        self.send_header("Content-Type", "application/xml")
-        self.send_header("x-amz-bucket-region", self.region)
-        self.send_header("Content-Length", "0" if self.command == "HEAD" else str(len(body)))
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
-
-    do_GET = do_HEAD = do_PUT = do_POST = _refuse
-
-    def log_message(self, format: str, *args: object) -> None:
-        pass
-
-
 @contextmanager
 def region_telling_s3(region: str) -> Iterator[str]:
     """An S3 endpoint that denies GetBucketLocation but names the region on HEAD."""
-    handler = type("Handler", (_RegionTellingHandler,), {"region": region})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
+    with refusing_s3(region=region) as url:
+        yield url
 
 
 def public_parameter(name: str, value: str, *, region: str = "us-east-1") -> None:

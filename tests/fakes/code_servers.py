@@ -13,32 +13,25 @@ import functools
 import hashlib
 import http.server
 import subprocess
-import threading
 import zipfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
+from tests.fakes.loopback import QuietHandler, serving
+
 __all__ = ["GitRepo", "build_wheel", "serve_directory", "write_simple_index"]
 
 
-class _Quiet(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, format: str, *args: object) -> None:
-        pass
+class _Quiet(QuietHandler, http.server.SimpleHTTPRequestHandler):
+    pass
 
 
 @contextmanager
 def serve_directory(root: Path) -> Iterator[str]:
     """Serve ``root`` on a loopback port; yields its base URL."""
-    handler = functools.partial(_Quiet, directory=str(root))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(functools.partial(_Quiet, directory=str(root))) as url:
+        yield url
 
 
 _GIT_ENV = {

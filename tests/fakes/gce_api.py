@@ -39,14 +39,15 @@ import itertools
 import json
 import re
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from types import TracebackType
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
+
+from tests.fakes.loopback import ClosedOnExit, LoopbackServer, QuietHandler, read_body, reply
 
 __all__ = ["GCE_PERMISSIONS", "FakeComputeApi", "Seen"]
 
@@ -128,37 +129,32 @@ def _last(url: str) -> str:
     return url.rstrip("/").rsplit("/", 1)[-1]
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    handle: Any
+#: What answers a request: (handler, body) -> (status, payload, content type).
+Route = Callable[[BaseHTTPRequestHandler, bytes], tuple[int, bytes, str]]
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
+class _Handler(QuietHandler):
     protocol_version = "HTTP/1.1"
     disable_nagle_algorithm = True
+    route: Route
 
     def _any(self) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
-        body = self.rfile.read(length) if length else b""
-        status, payload, content_type = self.server.handle(self, body)
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
+        status, payload, content_type = self.route(self, read_body(self))
+        reply(self, status, payload, content_type)
 
     do_GET = do_POST = do_DELETE = do_PUT = _any
 
-    def log_message(self, format: str, *args: object) -> None:
-        pass
+
+def _serve(route: Route) -> LoopbackServer:
+    handler = type("Handler", (_Handler,), {"route": staticmethod(route)})
+    return LoopbackServer(handler, poll_interval=0.02)
 
 
 def _json(status: int, data: Any) -> tuple[int, bytes, str]:
     return status, json.dumps(data).encode(), "application/json; charset=UTF-8"
 
 
-class FakeComputeApi:
+class FakeComputeApi(ClosedOnExit):
     """One project's Compute Engine, served over HTTP on 127.0.0.1."""
 
     def __init__(
@@ -207,14 +203,8 @@ class FakeComputeApi:
         self._boot_images: dict[tuple[str, str], str] = {}
         for image_project, name, family in _DEFAULT_IMAGES:
             self.add_image(image_project, name, family=family)
-        self._server = _Server(("127.0.0.1", 0), _Handler)
-        self._server.handle = self._handle
-        host, port = self._server.server_address[:2]
-        self.url = f"http://{host!s}:{port}"
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, args=(0.02,), name="fake-gce-api", daemon=True
-        )
-        self._thread.start()
+        self._server = _serve(self._handle)
+        self.url = self._server.url
 
     # -- images -----------------------------------------------------------------------------
 
@@ -274,19 +264,7 @@ class FakeComputeApi:
     # -- lifetime ---------------------------------------------------------------------------
 
     def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-
-    def __enter__(self) -> FakeComputeApi:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
+        self._server.close()
 
     # -- test hooks -------------------------------------------------------------------------
 
@@ -391,22 +369,12 @@ class FakeComputeApi:
     def metadata_server(self, zone: str, name: str) -> Iterator[str]:
         """The metadata server of one instance (attributes from its metadata, guest
         attributes written back here); yields its base URL."""
-        server = _Server(("127.0.0.1", 0), _Handler)
 
         def handle(req: BaseHTTPRequestHandler, body: bytes) -> tuple[int, bytes, str]:
             return self._metadata_request(zone, name, req, body)
 
-        server.handle = handle
-        thread = threading.Thread(
-            target=server.serve_forever, args=(0.02,), name="fake-gce-md", daemon=True
-        )
-        thread.start()
-        try:
-            host, port = server.server_address[:2]
-            yield f"http://{host!s}:{port}"
-        finally:
-            server.shutdown()
-            server.server_close()
+        with _serve(handle) as server:
+            yield server.url
 
     # -- the HTTP front ---------------------------------------------------------------------
 

@@ -12,19 +12,18 @@ and serves one request at a time. Those paths are covered by unit tests of the p
 
 from __future__ import annotations
 
-import json
 import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import requests
+
+from tests.fakes.loopback import QuietHandler, read_body, reply_json, serving
 
 #: The fake project the emulator's buckets belong to.
 PROJECT = "trainbot-test"
@@ -150,42 +149,23 @@ def create_bucket(host: str, *, prefix: str = "test") -> str:
     return name
 
 
-class _RefusingHandler(BaseHTTPRequestHandler):
+class _RefusingHandler(QuietHandler):
     protocol_version = "HTTP/1.1"
 
     def _refuse(self) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
-        if length:
-            self.rfile.read(length)
-        body = json.dumps(
-            {
-                "error": {
-                    "code": 403,
-                    "message": "refused by the test: the caller does not have permission",
-                    "errors": [{"reason": "forbidden", "domain": "global"}],
-                }
-            }
-        ).encode()
-        self.send_response(403)
-        self.send_header("Content-Type", "application/json; charset=UTF-8")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        read_body(self)
+        refusal = {
+            "code": 403,
+            "message": "refused by the test: the caller does not have permission",
+            "errors": [{"reason": "forbidden", "domain": "global"}],
+        }
+        reply_json(self, 403, {"error": refusal})
 
     do_GET = do_PUT = do_POST = do_DELETE = do_PATCH = _refuse
-
-    def log_message(self, format: str, *args: object) -> None:
-        pass
 
 
 @contextmanager
 def refusing_gcs() -> Iterator[str]:
     """A Cloud Storage JSON API that answers 403 to everything; yields its address."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _RefusingHandler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(_RefusingHandler) as url:
+        yield url

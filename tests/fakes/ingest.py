@@ -15,13 +15,12 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from time import monotonic
-from types import TracebackType
 from typing import Any
 
 from runner.errors import WireError
 from runner.wire import Event, decode_batch
+from tests.fakes.loopback import JSON, ClosedOnExit, LoopbackServer, QuietHandler, read_body, reply
 
 INGEST_PATH = "/v1/events"
 
@@ -44,37 +43,15 @@ class RequestLog:
     status: int
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
+class _Handler(QuietHandler):
+    fake: FakeIngest
 
     def do_POST(self) -> None:
-        fake = self.server.fake
-        length = int(self.headers.get("Content-Length") or 0)
-        body = self.rfile.read(length)
-        status, payload, headers = fake._handle(self.path, self.headers, body)
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        for name, value in headers.items():
-            self.send_header(name, value)
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        return None
+        status, payload, headers = self.fake._handle(self.path, self.headers, read_body(self))
+        reply(self, status, json.dumps(payload).encode(), JSON, headers=headers.items())
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-
-    def __init__(self, port: int, fake: FakeIngest) -> None:
-        self.fake = fake
-        super().__init__(("127.0.0.1", port), _Handler)
-
-
-class FakeIngest:
+class FakeIngest(ClosedOnExit):
     """The ingest API on 127.0.0.1:<port>; use as a context manager."""
 
     def __init__(
@@ -96,8 +73,7 @@ class FakeIngest:
         self.requests: list[RequestLog] = []
         self._seen: set[tuple[str, int]] = set()
         self._injected: deque[Injected] = deque()
-        self._server: _Server | None = None
-        self._thread: threading.Thread | None = None
+        self._server: LoopbackServer | None = None
 
     @property
     def url(self) -> str:
@@ -105,20 +81,15 @@ class FakeIngest:
 
     def start(self) -> FakeIngest:
         """Listen (again) — on the same port as before, once one was chosen."""
-        server = _Server(self.port, self)
-        self.port = server.server_address[1]
-        self._server = server
-        self._thread = threading.Thread(
-            target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
-        )
-        self._thread.start()
+        handler = type("Handler", (_Handler,), {"fake": self})
+        self._server = LoopbackServer(handler, port=self.port, poll_interval=0.02)
+        self.port = self._server.port
         return self
 
     def go_down(self) -> None:
         """Close the listening socket: clients get connection refused until come_up()."""
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+            self._server.close()
             self._server = None
 
     def come_up(self) -> None:
@@ -192,11 +163,3 @@ class FakeIngest:
 
     def __enter__(self) -> FakeIngest:
         return self.start() if self._server is None else self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

@@ -15,9 +15,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from types import TracebackType
 from urllib.parse import parse_qs, urlsplit
+
+from tests.fakes.loopback import ClosedOnExit, LoopbackServer, QuietHandler, reply
 
 __all__ = ["FakeGceMetadata", "FakeImds", "Seen"]
 
@@ -41,33 +41,20 @@ class Seen:
     had_token: bool = False
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
+class _Handler(QuietHandler):
     fake: _FakeServer
 
-
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
-
     def do_GET(self) -> None:
-        self.server.fake._handle(self, "GET")
+        self.fake._handle(self, "GET")
 
     def do_PUT(self) -> None:
-        self.server.fake._handle(self, "PUT")
-
-    def log_message(self, format: str, *args: object) -> None:
-        pass
+        self.fake._handle(self, "PUT")
 
     def reply(self, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
-        self.send_response(status)
-        for name, value in (headers or {}).items():
-            self.send_header(name, value)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        reply(self, status, body, None, headers=(headers or {}).items())
 
 
-class _FakeServer:
+class _FakeServer(ClosedOnExit):
     """A threaded HTTP server with a request log and injectable failures."""
 
     def __init__(self) -> None:
@@ -75,14 +62,8 @@ class _FakeServer:
         self.seen: list[Seen] = []
         self._failures: list[int] = []
         self._closing = False
-        self._server = _Server(("127.0.0.1", 0), _Handler)
-        self._server.fake = self
-        host, port = self._server.server_address[:2]
-        self.url = f"http://{host!s}:{port}"
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
-        )
-        self._thread.start()
+        self._server = LoopbackServer(type("Handler", (_Handler,), {"fake": self}))
+        self.url = self._server.url
 
     def fail_next(self, count: int, *, status: int = 500) -> None:
         """Answer the next ``count`` requests with ``status`` and no body."""
@@ -93,19 +74,7 @@ class _FakeServer:
         with self._lock:
             self._closing = True
             self._lock.notify_all()
-        self._server.shutdown()
-        self._server.server_close()
-
-    def __enter__(self) -> _FakeServer:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
+        self._server.close()
 
     def _record(self, seen: Seen) -> None:
         with self._lock:
@@ -137,9 +106,6 @@ class FakeImds(_FakeServer):
         self._action: bytes | None = None
         self._role: tuple[str, bytes] | None = None
         super().__init__()
-
-    def __enter__(self) -> FakeImds:
-        return self
 
     def schedule_interruption(self, action: str, at_wallclock: float | str) -> None:
         """Publish an interruption notice. ``at_wallclock``: seconds since the epoch, or
@@ -247,9 +213,6 @@ class FakeGceMetadata(_FakeServer):
         self._etag = self._new_etag()
         self.pending = 0
         super().__init__()
-
-    def __enter__(self) -> FakeGceMetadata:
-        return self
 
     def preempt(self) -> None:
         """Flip ``preempted`` to TRUE and answer every pending long poll."""

@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import boto3
@@ -23,6 +22,8 @@ from moto.ec2.exceptions import EC2ClientError
 from moto.ec2.responses import EC2Response
 from moto.ec2.responses.instances import InstanceResponse
 from moto.server import ThreadedMotoServer
+
+from tests.fakes.loopback import QuietHandler, read_body, reply, serving
 
 
 class MotoServer:
@@ -59,46 +60,35 @@ def closed_port() -> int:
         return int(sock.getsockname()[1])
 
 
-class _RefusingHandler(BaseHTTPRequestHandler):
+class _RefusingHandler(QuietHandler):
     protocol_version = "HTTP/1.1"
     status = 403
     code = "AccessDenied"
+    #: The region S3 names on a refusal (``x-amz-bucket-region``), or None: no header.
+    region: str | None = None
 
     def _refuse(self) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
-        if length:
-            self.rfile.read(length)
+        read_body(self)
         body = (
             '<?xml version="1.0" encoding="UTF-8"?>\n'
             f"<Error><Code>{self.code}</Code><Message>refused by the test</Message>"
             "<RequestId>fake</RequestId></Error>"
         ).encode()
-        self.send_response(self.status)
-        self.send_header("Content-Type", "application/xml")
-        self.send_header("Content-Length", "0" if self.command == "HEAD" else str(len(body)))
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
+        region = () if self.region is None else [("x-amz-bucket-region", self.region)]
+        reply(self, self.status, body, "application/xml", headers=region)
 
     do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _refuse
 
-    def log_message(self, format: str, *args: object) -> None:
-        pass
-
 
 @contextmanager
-def refusing_s3(*, status: int = 403, code: str = "AccessDenied") -> Iterator[str]:
-    """An S3 endpoint that answers every request with one error; yields its URL."""
-    handler = type("Handler", (_RefusingHandler,), {"status": status, "code": code})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
+def refusing_s3(
+    *, status: int = 403, code: str = "AccessDenied", region: str | None = None
+) -> Iterator[str]:
+    """An S3 endpoint that answers every request with one error (naming ``region`` in
+    the ``x-amz-bucket-region`` header when given); yields its URL."""
+    attrs = {"status": status, "code": code, "region": region}
+    with serving(type("Handler", (_RefusingHandler,), attrs)) as url:
+        yield url
 
 
 # -- EC2 placement groups, which moto lacks ------------------------------------------------

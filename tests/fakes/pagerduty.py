@@ -16,8 +16,9 @@ import threading
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from tests.fakes.loopback import LoopbackServer, QuietHandler, read_body, reply_json
 
 SEVERITIES = ("critical", "error", "warning", "info")
 ACTIONS = ("trigger", "acknowledge", "resolve")
@@ -49,13 +50,12 @@ class FakePagerDuty:
     incidents: dict[str, str] = field(default_factory=dict)
     _inject: deque[int] = field(default_factory=deque)
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    _server: ThreadingHTTPServer | None = None
+    _server: LoopbackServer | None = None
 
     @property
     def url(self) -> str:
         assert self._server is not None, "start the fake first"
-        host, port = self._server.server_address[:2]
-        return f"http://{host!s}:{port}"
+        return self._server.url
 
     def fail_next(self, status: int, times: int = 1) -> None:
         """Answer the next ``times`` requests with ``status`` (429, 500 …)."""
@@ -70,28 +70,17 @@ class FakePagerDuty:
     def start(self) -> FakePagerDuty:
         fake = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_POST(self) -> None:
-                raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                status, answer = fake._answer(self.path, self.headers.get("Content-Type"), raw)
-                data = json.dumps(answer).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                content_type = self.headers.get("Content-Type")
+                reply_json(self, *fake._answer(self.path, content_type, read_body(self)))
 
-            def log_message(self, format: str, *args: Any) -> None:
-                return None
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        self._server = LoopbackServer(Handler)
         return self
 
     def close(self) -> None:
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+            self._server.close()
             self._server = None
 
     def __enter__(self) -> FakePagerDuty:

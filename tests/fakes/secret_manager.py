@@ -16,13 +16,13 @@ Errors have Google's JSON shape (``{"error": {"code", "message", "status"}}``).
 from __future__ import annotations
 
 import base64
-import json
 import re
 import secrets
 import threading
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from types import TracebackType
+from http.server import BaseHTTPRequestHandler
+
+from tests.fakes.loopback import ClosedOnExit, LoopbackServer, QuietHandler, reply_json
 
 __all__ = ["ACCESSOR", "FakeSecretManager"]
 
@@ -39,7 +39,7 @@ class _Secret:
     bindings: dict[str, set[str]] = field(default_factory=dict)
 
 
-class FakeSecretManager:
+class FakeSecretManager(ClosedOnExit):
     """Secrets by resource name (``projects/P/secrets/S``), and the instance's account."""
 
     def __init__(self, *, instance_account: str = "runner@p.iam.gserviceaccount.com") -> None:
@@ -51,30 +51,18 @@ class FakeSecretManager:
         self.seen: list[tuple[str, str, int]] = []
         fake = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_GET(self) -> None:
                 fake._handle(self, "GET")
 
             def do_POST(self) -> None:
                 fake._handle(self, "POST")
 
-            def log_message(self, format: str, *args: object) -> None:
-                pass
+        self._server = LoopbackServer(Handler)
+        self.url = self._server.url
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
-
-    def __enter__(self) -> FakeSecretManager:
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+    def close(self) -> None:
+        self._server.close()
 
     def add(self, name: str, value: str, *, readers: tuple[str, ...] = ()) -> None:
         """A secret with one version holding ``value``; ``readers`` may access it."""
@@ -92,12 +80,7 @@ class FakeSecretManager:
         status, body = self._answer(req, method)
         with self._lock:
             self.seen.append((method, req.path, status))
-        data = json.dumps(body).encode()
-        req.send_response(status)
-        req.send_header("Content-Type", "application/json")
-        req.send_header("Content-Length", str(len(data)))
-        req.end_headers()
-        req.wfile.write(data)
+        reply_json(req, status, body)
 
     def _answer(self, req: BaseHTTPRequestHandler, method: str) -> tuple[int, dict]:
         if req.path == _TOKEN_PATH and method == "GET":

@@ -36,10 +36,10 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from tests.fakes.loopback import ClosedOnExit
 from tests.fakes.slack_api import FakeSlack
 
 __all__ = ["FakeSocketMode", "SocketConnection"]
@@ -110,7 +110,7 @@ class SocketConnection:
         self.ended.set()
 
 
-class FakeSocketMode:
+class FakeSocketMode(ClosedOnExit):
     """Slack's Socket Mode WebSocket server; attaches itself to ``fake``'s
     ``apps.connections.open``. Use as a context manager."""
 
@@ -151,14 +151,6 @@ class FakeSocketMode:
 
     def __enter__(self) -> FakeSocketMode:
         return self.start() if self._listener is None else self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def open_url(self) -> str:
         """A fresh one-time URL, as ``apps.connections.open`` answers."""

@@ -23,7 +23,6 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import datetime, timezone
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlparse
@@ -50,6 +49,7 @@ from jobs.settings import load_settings
 from jobs.spec import JobSpec, parse_spec
 from runner.wire import Event, encode_batch
 from tests.fakes import aws as fake
+from tests.fakes.loopback import LoopbackServer, QuietHandler, read_body, reply
 from tests.waiting import wait_until
 
 REGION = "us-east-1"
@@ -88,12 +88,11 @@ class Ec2Gate:
         self._lock = threading.Lock()
         gate = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             protocol_version = "HTTP/1.1"
 
             def _relay(self) -> None:
-                length = int(self.headers.get("Content-Length") or 0)
-                body = self.rfile.read(length) if length else b""
+                body = read_body(self)
                 if "x-www-form-urlencoded" in (self.headers.get("Content-Type") or ""):
                     form = dict(parse_qsl(body.decode()))
                     if form.get("Action") == "RunInstances":
@@ -111,11 +110,7 @@ class Ec2Gate:
                     f"<Code>{code}</Code><Message>{message}</Message></Error></Errors>"
                     f"<RequestID>{uuid.uuid4()}</RequestID></Response>"
                 ).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "text/xml;charset=UTF-8")
-                self.send_header("Content-Length", str(len(xml)))
-                self.end_headers()
-                self.wfile.write(xml)
+                reply(self, status, xml, "text/xml;charset=UTF-8")
 
             def _forward(self, body: bytes) -> None:
                 hop = {"connection", "keep-alive", "transfer-encoding", "content-length"}
@@ -142,14 +137,8 @@ class Ec2Gate:
 
             do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _relay
 
-            def log_message(self, format: str, *args: object) -> None:
-                pass
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
+        self._server = LoopbackServer(Handler)
+        self.url = self._server.url
 
     def launches(self) -> list[dict[str, str]]:
         """The RunInstances requests that would start an instance (not dry runs)."""
@@ -157,9 +146,7 @@ class Ec2Gate:
             return [f for f in self.run_instances if f.get("DryRun") != "true"]
 
     def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)
+        self._server.close()
 
 
 @pytest.fixture

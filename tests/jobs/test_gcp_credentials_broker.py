@@ -17,14 +17,13 @@ import functools
 import io
 import json
 import re
-import threading
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +51,7 @@ from jobs.runs import runner_env, spec_of
 from jobs.server import CREDENTIALS_PATH, ControlPlaneApp, CredentialBroker, serve
 from jobs.settings import Settings
 from runner.store import gcs as gcs_store
+from tests.fakes.loopback import LoopbackServer, QuietHandler, read_body, reply_json
 from tests.jobs.rows import add_running_attempt, migrated_sqlite
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,9 +89,9 @@ class FakeGoogle:
 
 
 def _handler(google: FakeGoogle) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         def do_POST(self) -> None:
-            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            body = read_body(self)
             minting = re.fullmatch(
                 r"/v1/projects/-/serviceAccounts/(.+):generateAccessToken", self.path
             )
@@ -157,15 +157,7 @@ def _handler(google: FakeGoogle) -> type[BaseHTTPRequestHandler]:
             )
 
         def _answer(self, status: int, body: dict[str, Any]) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, format: str, *args: object) -> None:
-            pass
+            reply_json(self, status, body)
 
     return Handler
 
@@ -173,14 +165,9 @@ def _handler(google: FakeGoogle) -> type[BaseHTTPRequestHandler]:
 @pytest.fixture
 def google() -> Iterator[FakeGoogle]:
     fake = FakeGoogle()
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(fake))
-    fake.url = f"http://127.0.0.1:{server.server_address[1]}"
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield fake
-    server.shutdown()
-    server.server_close()
-    thread.join(5)
+    with LoopbackServer(_handler(fake)) as server:
+        fake.url = server.url
+        yield fake
 
 
 def control_plane_credentials() -> Any:

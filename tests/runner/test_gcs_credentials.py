@@ -15,11 +15,9 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -30,98 +28,50 @@ from google.auth import _helpers as auth_helpers
 from runner.checkpoint import CheckpointWriter, list_committed, read_manifest, restore_latest
 from runner.errors import StoreError
 from runner.store.gcs import GCSStore
+from tests.fakes.broker import TOKEN, FakeBroker
 from tests.fakes.gcs_emulator import create_bucket, gcs_emulator
 
 __all__ = ["gcs_emulator"]  # the session's emulator, a fixture
 
 ROOT = Path(__file__).resolve().parents[2]
-TOKEN = "tok-runner"
 
 
-class FakeBroker:
-    """``POST /v1/credentials`` with a bearer token; each answer a fresh token expiring
-    after the next of ``lifetimes`` (the last one repeats). Events are acknowledged."""
+class FakeGcpBroker(FakeBroker):
+    """Answers ``gcp-access-token`` credentials (or, with ``answer_aws``, an AWS answer
+    the GCS store must refuse)."""
 
-    def __init__(self, *, lifetimes: list[timedelta] | None = None) -> None:
-        self.lifetimes = list(lifetimes or [timedelta(hours=1)])
-        self.issued: list[dict[str, Any]] = []
-        self.requests: list[tuple[str, str | None]] = []
-        self.answer_aws = False
-        broker = self
+    answer_aws = False
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                if self.path == "/v1/events":  # the runner's telemetry: acknowledged
-                    return self._answer(200, {})
-                broker.requests.append((self.path, self.headers.get("Authorization")))
-                if self.path != "/v1/credentials":
-                    return self._answer(404, {"error": f"no such endpoint {self.path!r}"})
-                if self.headers.get("Authorization") != f"Bearer {TOKEN}":
-                    return self._answer(401, {"error": "unknown or revoked runner token"})
-                return self._answer(200, broker.issue())
-
-            def _answer(self, status: int, body: dict[str, Any]) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, format: str, *args: object) -> None:
-                pass
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
-
-    def issue(self) -> dict[str, Any]:
-        lifetime = self.lifetimes.pop(0) if len(self.lifetimes) > 1 else self.lifetimes[0]
-        expires = (datetime.now(timezone.utc) + lifetime).isoformat()
-        answer: dict[str, Any]
+    def credentials(self, expires: datetime) -> dict[str, Any]:
         if self.answer_aws:
-            answer = {
+            return {
                 "Version": 1,
                 "AccessKeyId": "AKIA",
                 "SecretAccessKey": "s",
                 "SessionToken": "t",
-                "Expiration": expires,
+                "Expiration": expires.isoformat(),
             }
-        else:
-            token = f"ya29.brokered-{len(self.issued) + 1}"
-            answer = {
-                "Version": 1,
-                "Kind": "gcp-access-token",
-                "AccessToken": token,
-                "Expiration": expires,
-            }
-        self.issued.append(answer)
-        return answer
+        return {
+            "Version": 1,
+            "Kind": "gcp-access-token",
+            "AccessToken": f"ya29.brokered-{len(self.issued) + 1}",
+            "Expiration": expires.isoformat(),
+        }
 
     def tokens(self) -> list[str]:
         return [a["AccessToken"] for a in self.issued]
 
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(5)
+
+@pytest.fixture
+def broker() -> Iterator[FakeGcpBroker]:
+    with FakeGcpBroker() as made:
+        yield made
 
 
 @pytest.fixture
-def broker() -> Iterator[FakeBroker]:
-    made = FakeBroker()
-    yield made
-    made.close()
-
-
-@pytest.fixture
-def runner_env(broker: FakeBroker, monkeypatch: pytest.MonkeyPatch) -> FakeBroker:
-    """What the control plane puts in a GCP runner's environment with a storage account."""
-    monkeypatch.setenv("TRAINBOT_INGEST_URL", broker.url + "/v1/events")
-    monkeypatch.setenv("TRAINBOT_TOKEN", TOKEN)
-    monkeypatch.setenv("TRAINBOT_STORE_CREDENTIALS", "broker")
+def runner_env(broker: FakeGcpBroker, monkeypatch: pytest.MonkeyPatch) -> FakeGcpBroker:
+    """A GCP runner's environment with a storage account."""
+    broker.runner_env(monkeypatch)
     return broker
 
 
@@ -144,7 +94,7 @@ def authorizations(store: GCSStore, *, objects_only: bool = False) -> list[str |
 
 
 def test_the_store_checkpoints_with_the_brokered_token_and_leaves_the_environment_alone(
-    gcs_emulator: str, runner_env: FakeBroker
+    gcs_emulator: str, runner_env: FakeGcpBroker
 ) -> None:
     before = dict(os.environ)
     bucket = create_bucket(gcs_emulator)
@@ -169,7 +119,7 @@ def test_the_store_checkpoints_with_the_brokered_token_and_leaves_the_environmen
 
 
 def test_without_the_broker_the_emulator_store_sends_no_token(
-    gcs_emulator: str, runner_env: FakeBroker, monkeypatch: pytest.MonkeyPatch
+    gcs_emulator: str, runner_env: FakeGcpBroker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("TRAINBOT_STORE_CREDENTIALS")
     store = GCSStore(create_bucket(gcs_emulator), "ckpt/r-1", emulator_host=gcs_emulator)
@@ -179,7 +129,7 @@ def test_without_the_broker_the_emulator_store_sends_no_token(
 
 
 def test_the_token_is_refreshed_before_it_expires(
-    gcs_emulator: str, runner_env: FakeBroker
+    gcs_emulator: str, runner_env: FakeGcpBroker
 ) -> None:
     # google-auth renews a token REFRESH_THRESHOLD (3 min 45 s) before it expires: the
     # first token enters that window a second after it is issued, an hour before expiry.
@@ -202,7 +152,7 @@ def test_the_token_is_refreshed_before_it_expires(
 
 
 def test_a_refused_token_or_a_wrong_answer_is_a_store_error_that_says_so(
-    gcs_emulator: str, runner_env: FakeBroker, monkeypatch: pytest.MonkeyPatch
+    gcs_emulator: str, runner_env: FakeGcpBroker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TRAINBOT_TOKEN", "tok-revoked")
     with pytest.raises(StoreError, match=r"refused checkpoint credentials \(401") as caught:
@@ -229,7 +179,7 @@ WRITER = textwrap.dedent(
 
 
 def test_the_runner_checkpoints_with_the_token_and_the_child_never_sees_it(
-    gcs_emulator: str, broker: FakeBroker, tmp_path: Path
+    gcs_emulator: str, broker: FakeGcpBroker, tmp_path: Path
 ) -> None:
     bucket = create_bucket(gcs_emulator)
     sync = tmp_path / "sync"

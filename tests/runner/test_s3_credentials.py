@@ -9,10 +9,8 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
-from datetime import datetime, timedelta, timezone
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -24,17 +22,16 @@ from runner.cli import main
 from runner.errors import StoreError
 from runner.store.broker import credentials_url
 from runner.store.s3 import S3Store
+from tests.fakes.broker import TOKEN, FakeBroker
 from tests.fakes.moto_server import create_bucket
 
 ROOT = Path(__file__).resolve().parents[2]
-TOKEN = "tok-runner"
 
 
-class FakeBroker:
-    """``POST /v1/credentials`` with a bearer token; each answer is a fresh STS session
-    from moto, expiring after the next of ``lifetimes`` (the last one repeats)."""
+class FakeAwsBroker(FakeBroker):
+    """Each answer a fresh STS session from moto."""
 
-    def __init__(self, moto_url: str, *, lifetimes: list[timedelta] | None = None) -> None:
+    def __init__(self, moto_url: str) -> None:
         self.sts = boto3.client(
             "sts",
             endpoint_url=moto_url,
@@ -42,73 +39,28 @@ class FakeBroker:
             aws_access_key_id="testing",
             aws_secret_access_key="testing",
         )
-        self.lifetimes = list(lifetimes or [timedelta(hours=1)])
-        self.issued: list[dict[str, Any]] = []
-        self.requests: list[tuple[str, str | None]] = []
-        broker = self
+        super().__init__()
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                broker.requests.append((self.path, self.headers.get("Authorization")))
-                if self.path != "/v1/credentials":
-                    return self._answer(404, {"error": f"no such endpoint {self.path!r}"})
-                if self.headers.get("Authorization") != f"Bearer {TOKEN}":
-                    return self._answer(401, {"error": "unknown or revoked runner token"})
-                return self._answer(200, broker.issue())
-
-            def _answer(self, status: int, body: dict[str, Any]) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, format: str, *args: object) -> None:
-                pass
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
-
-    def issue(self) -> dict[str, Any]:
-        lifetime = self.lifetimes.pop(0) if len(self.lifetimes) > 1 else self.lifetimes[0]
+    def credentials(self, expires: datetime) -> dict[str, Any]:
         credentials = self.sts.assume_role(
             RoleArn="arn:aws:iam::123456789012:role/trainbot-runner-storage",
             RoleSessionName="trainbot-r-1-a-1",
         )["Credentials"]
-        answer = {
+        return {
             "Version": 1,
             "AccessKeyId": credentials["AccessKeyId"],
             "SecretAccessKey": credentials["SecretAccessKey"],
             "SessionToken": credentials["SessionToken"],
-            "Expiration": (datetime.now(timezone.utc) + lifetime).isoformat(),
+            "Expiration": expires.isoformat(),
         }
-        self.issued.append(answer)
-        return answer
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(5)
 
 
 @pytest.fixture
-def broker(moto_server: str) -> Iterator[FakeBroker]:
-    made = FakeBroker(moto_server)
-    yield made
-    made.close()
-
-
-@pytest.fixture
-def runner_env(broker: FakeBroker, monkeypatch: pytest.MonkeyPatch) -> FakeBroker:
-    """What the control plane puts in an AWS runner's environment with a storage role."""
-    monkeypatch.setenv("TRAINBOT_INGEST_URL", broker.url + "/v1/events")
-    monkeypatch.setenv("TRAINBOT_TOKEN", TOKEN)
-    monkeypatch.setenv("TRAINBOT_STORE_CREDENTIALS", "broker")
-    return broker
+def runner_env(moto_server: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeAwsBroker]:
+    """An AWS runner's environment with a storage role."""
+    with FakeAwsBroker(moto_server) as broker:
+        broker.runner_env(monkeypatch)
+        yield broker
 
 
 def signing_keys(store: S3Store) -> list[str]:
@@ -132,7 +84,7 @@ def test_the_url_is_the_control_planes_next_to_the_events_route() -> None:
 
 
 def test_the_store_checkpoints_with_broker_credentials_and_leaves_the_environment_alone(
-    moto_server: str, runner_env: FakeBroker
+    moto_server: str, runner_env: FakeAwsBroker
 ) -> None:
     before = dict(os.environ)
     bucket = create_bucket(moto_server)
@@ -155,7 +107,7 @@ def test_the_store_checkpoints_with_broker_credentials_and_leaves_the_environmen
 
 
 def test_credentials_are_refreshed_before_they_expire(
-    moto_server: str, runner_env: FakeBroker
+    moto_server: str, runner_env: FakeAwsBroker
 ) -> None:
     # Inside botocore's mandatory window (10 minutes): refreshed before the next request.
     runner_env.lifetimes = [timedelta(minutes=5), timedelta(hours=1)]
@@ -169,7 +121,7 @@ def test_credentials_are_refreshed_before_they_expire(
 
 
 def test_a_refused_token_is_a_store_error_that_says_so(
-    moto_server: str, runner_env: FakeBroker, monkeypatch: pytest.MonkeyPatch
+    moto_server: str, runner_env: FakeAwsBroker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TRAINBOT_TOKEN", "tok-revoked")
     with pytest.raises(StoreError, match=r"refused checkpoint credentials \(401") as caught:
@@ -181,7 +133,7 @@ def test_a_refused_token_is_a_store_error_that_says_so(
 
 
 def test_the_credentials_command_follows_the_credential_process_contract(
-    runner_env: FakeBroker, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    runner_env: FakeAwsBroker, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # As botocore runs it: a process, JSON on stdout.
     done = subprocess.run(
