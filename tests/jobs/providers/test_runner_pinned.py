@@ -746,8 +746,39 @@ class TeamCode:
             **store,
         )
 
-    def command(self, out: Path) -> list[str]:
-        return ["trainbot-runner", "exec", "--", "python", "train.py", str(out)]
+    def launch(
+        self,
+        provider: AwsProvider | GcpProvider,
+        plane: Plane,
+        request: ResourceRequest,
+        *,
+        zone: str,
+        number: int,
+        out: Path,
+        store: dict[str, str],
+    ) -> str:
+        """Launch attempt ``number`` of the run, its command writing what it saw to
+        ``out``; its instance id."""
+        attempt, token = f"attempt-{number}", f"tok-code-{number}"
+        req = launch_request(
+            request,
+            ["trainbot-runner", "exec", "--", "python", "train.py", str(out)],
+            zone=zone,
+            run_id="r-code",
+            attempt_id=attempt,
+            env=self.env(plane, attempt, token, **store),
+        )
+        plane.add_attempt(req.run_id, attempt, token, number=number)
+        return provider.launch(req).instance_id
+
+    def built_then_restored(self, first: str, second: str) -> None:
+        """Attempt 1 ran setup and archived what it built; attempt 2 restored it."""
+        assert "trainbot-runner: setup: pip install -q -r requirements.txt" in first
+        assert "setup ran in" in first and "archived the environment" in first
+        assert f"code {self.pinned[:12]}" in second
+        assert "environment restored from the store" in second
+        assert "trainbot-runner: setup:" not in second
+        assert self.attempts_that_ran_setup() == ["attempt-1"]
 
     def attempts_that_ran_setup(self) -> list[str]:
         return self.setup_runs.read_text().split() if self.setup_runs.exists() else []
@@ -793,31 +824,17 @@ def test_aws_boot_checks_out_the_pinned_commit_and_builds_then_restores_its_envi
     imds = {"TRAINBOT_BOOT_IMDS_URL": f"http://127.0.0.1:{closed_port()}", **no_index()}
     logs: list[str] = []
     for number in (1, 2):
-        attempt, token = f"attempt-{number}", f"tok-code-{number}"
         out = tmp_path / f"ran-{number}.json"
-        req = launch_request(
-            T4,
-            team_code.command(out),
-            zone="us-east-1a",
-            run_id="r-code",
-            attempt_id=attempt,
-            env=team_code.env(plane, attempt, token, **s3),
+        instance_id = team_code.launch(
+            aws, plane, T4, zone="us-east-1a", number=number, out=out, store=s3
         )
-        plane.add_attempt(req.run_id, attempt, token, number=number)
-        info = aws.launch(req)
         root = tmp_path / f"instance-{number}"
         image = {"TRAINBOT_BOOT_HOME": str(tmp_path / "instance-1" / "opt")} if number > 1 else {}
-        log = play_aws(user_data(url, info.instance_id), root, {**imds, **image})
+        log = play_aws(user_data(url, instance_id), root, {**imds, **image})
         code_ran(team_code, out, log, root / "scratch")
         logs.append(log)
-    first, second = logs
-    assert "fetching the runner wheel from" in first
-    assert "trainbot-runner: setup: pip install -q -r requirements.txt" in first
-    assert "setup ran in" in first and "archived the environment" in first
-    assert f"code {team_code.pinned[:12]}" in second
-    assert "environment restored from the store" in second
-    assert "trainbot-runner: setup:" not in second
-    assert team_code.attempts_that_ran_setup() == ["attempt-1"]
+    assert "fetching the runner wheel from" in logs[0]
+    team_code.built_then_restored(*logs)
     listed = fake.client("s3", url).list_objects_v2(Bucket=bucket, Prefix="ckpt/r-code/env/")
     names = sorted(o["Key"].rsplit("/", 1)[1] for o in listed.get("Contents", []))
     assert len(names) == 2 and names[0].endswith(".json") and names[1].endswith(".tar.gz")
@@ -840,30 +857,17 @@ def test_gcp_boot_checks_out_the_pinned_commit_and_builds_then_restores_its_envi
     gcs = {"TRAINBOT_CHECKPOINT_URI": f"gs://{bucket}/ckpt", "STORAGE_EMULATOR_HOST": gcs_emulator}
     logs: list[str] = []
     for number in (1, 2):
-        attempt, token = f"attempt-{number}", f"tok-code-{number}"
         out = tmp_path / f"ran-{number}.json"
-        req = launch_request(
-            A100,
-            team_code.command(out),
-            zone=GCP_ZONE,
-            run_id="r-code",
-            attempt_id=attempt,
-            env=team_code.env(plane, attempt, token, **gcs),
+        instance_id = team_code.launch(
+            gcp, plane, A100, zone=GCP_ZONE, number=number, out=out, store=gcs
         )
-        plane.add_attempt(req.run_id, attempt, token, number=number)
-        info = gcp.launch(req)
         root = tmp_path / f"instance-{number}"
         image = {"TRAINBOT_VENV": str(tmp_path / "instance-1" / "venv")} if number > 1 else {}
-        log = play_gcp(gce, gcp, info.instance_id, root, {**no_index(), **image})
+        log = play_gcp(gce, gcp, instance_id, root, {**no_index(), **image})
         code_ran(team_code, out, log, root / "state" / "scratch")
         logs.append(log)
-    first, second = logs
-    assert "installing the runner" in first
-    assert "setup ran in" in first and "archived the environment" in first
-    assert f"code {team_code.pinned[:12]}" in second
-    assert "environment restored from the store" in second
-    assert "trainbot-runner: setup:" not in second
-    assert team_code.attempts_that_ran_setup() == ["attempt-1"]
+    assert "installing the runner" in logs[0]
+    team_code.built_then_restored(*logs)
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_emulator)
     names = sorted(o.key for o in run_store(f"gs://{bucket}/ckpt", "r-code").list("env/"))
     assert len(names) == 2 and names[0].endswith(".json") and names[1].endswith(".tar.gz")
