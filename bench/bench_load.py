@@ -80,19 +80,10 @@ from bench.bench_ingest import postgres_engine
 from jobs.deps import load_secret
 from jobs.errors import TrainbotError
 from jobs.lifecycle import AttemptState, RunState
-from jobs.models import (
-    LEADER_LEASE,
-    Attempt,
-    EventRow,
-    MetricBlock,
-    Run,
-    SchedulerLease,
-    hash_token,
-    table_of,
-    utcnow,
-)
+from jobs.models import Attempt, EventRow, MetricBlock, Run, hash_token, table_of, utcnow
 from jobs.providers.base import LaunchRequest, ResourceRequest
 from jobs.providers.local import LocalProvider
+from jobs.replica_tables import LEADER_LEASE, SchedulerLease
 from jobs.settings import SHIPPED_SPECS_DIR
 from jobs.spec import load_spec
 from tests.fakes.slack_api import FakeSlack

@@ -41,7 +41,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from bot.slack_queue import DROPPED, HANDLE_PREFIX, ChannelQueues, Op
 from jobs.db import claim_rows, delete_before, session_scope
 from jobs.errors import DatabaseError
-from jobs.models import SlackOutbox, SlackPace, table_of, utcnow
+from jobs.models import table_of, utcnow
 from jobs.notify import (
     AlertMessage,
     CheckLine,
@@ -51,6 +51,7 @@ from jobs.notify import (
     RunCard,
     TextMessage,
 )
+from jobs.replica_tables import SlackOutbox, SlackPace
 
 log = logging.getLogger(__name__)
 

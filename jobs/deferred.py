@@ -1,7 +1,7 @@
 """Deferred work: what is due later lives in a row, not in one process's timer.
 
 A resubmit after its backoff, a launch retry after no capacity, a day's digest: each is
-a row of ``deferred_work`` (:class:`jobs.models.DeferredWork`) holding a :class:`Later`
+a row of ``deferred_work`` (:class:`jobs.replica_tables.DeferredWork`) holding a :class:`Later`
 kind, its keyword arguments as JSON, its due time and who has claimed it. The kinds are
 named here and each is bound to one function by :func:`deferrable`; a row names its
 kind, never a pickled callable, so a row written by one version of trainbot is run by
@@ -46,7 +46,8 @@ from sqlmodel import col
 
 from jobs.db import claim_rows, delete_before, session_scope
 from jobs.errors import DatabaseError, FencedOut
-from jobs.models import DeferredWork, table_of
+from jobs.models import table_of
+from jobs.replica_tables import DeferredWork
 
 if TYPE_CHECKING:
     from jobs.deps import Deps

@@ -12,6 +12,9 @@ Conventions that keep both databases alike:
 - Constraint and index names follow :data:`NAMING_CONVENTION`, so migrations can
   refer to them on both databases.
 
+The tables the replicas coordinate through (the leader's lease, deferred work, the
+outboxes) are in :mod:`jobs.replica_tables`, on the same conventions.
+
 The schema is created by the migrations in ``jobs/migrations`` (:func:`jobs.db.migrate`),
 never by ``create_all``; a test checks the two agree.
 """
@@ -39,27 +42,23 @@ from sqlalchemy.types import TypeDecorator
 from sqlmodel import Field, SQLModel
 
 from jobs.lifecycle import AttemptState, RunState
-from jobs.severity import Severity  # re-exported: the alerts' column and its rules share it
+from jobs.severity import Severity
 
 __all__ = [
-    "LEADER_LEASE",
+    "BIG_INT",
     "NAMING_CONVENTION",
     "Alert",
     "AlertState",
+    "ApiToken",
     "Attempt",
     "Budget",
     "Checkpoint",
-    "CommandLog",
-    "DeferredWork",
     "DryRunInstance",
     "EnumText",
     "EventRow",
     "MetricBlock",
+    "OnCall",
     "Run",
-    "SchedulerLease",
-    "Severity",
-    "SlackOutbox",
-    "SlackPace",
     "SpendRecord",
     "UTCDateTime",
     "alert_dedupe_key",
@@ -81,7 +80,7 @@ SQLModel.metadata.naming_convention = NAMING_CONVENTION
 
 #: Steps, sequence numbers and byte counts: BIGINT on PostgreSQL, whose INTEGER is 32-bit
 #: (a 3 GiB checkpoint overflows it); INTEGER on SQLite, which is 64-bit already.
-_BIG_INT = BigInteger().with_variant(Integer(), "sqlite")
+BIG_INT = BigInteger().with_variant(Integer(), "sqlite")
 
 
 def table_of(model: type[SQLModel]) -> Table:
@@ -199,10 +198,10 @@ class Run(SQLModel, table=True):
     #: When its cloud budget (AWS Budgets) was removed; NULL while it may still exist.
     cloud_budget_removed_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
     #: Steps the training is expected to take, when known (progress).
-    target_steps: int | None = Field(default=None, sa_type=_BIG_INT)
+    target_steps: int | None = Field(default=None, sa_type=BIG_INT)
     #: Latest step reported by any attempt, and latest committed checkpoint step.
-    last_step: int | None = Field(default=None, sa_type=_BIG_INT)
-    last_committed_step: int | None = Field(default=None, sa_type=_BIG_INT)
+    last_step: int | None = Field(default=None, sa_type=BIG_INT)
+    last_committed_step: int | None = Field(default=None, sa_type=BIG_INT)
     #: Attempts ended by preemption so far (the resubmit policy reads it).
     preemptions: int = 0
     #: Key of the chat command that created it: a retried command finds this run.
@@ -255,22 +254,22 @@ class Attempt(SQLModel, table=True):
     #: Why it ended, for people ("spot interruption notice", "no heartbeat for 15 min").
     end_reason: str | None = None
     last_heartbeat: datetime | None = Field(default=None, sa_type=UTCDateTime)
-    last_step: int | None = Field(default=None, sa_type=_BIG_INT)
+    last_step: int | None = Field(default=None, sa_type=BIG_INT)
     #: Highest event sequence number stored, so the ingest API can acknowledge batches.
-    last_seq: int | None = Field(default=None, sa_type=_BIG_INT)
+    last_seq: int | None = Field(default=None, sa_type=BIG_INT)
     #: When the runner or the provider first reported the preemption notice.
     preemption_notice_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
     #: Step this attempt resumed from (the newest committed checkpoint at launch).
-    resumed_from_step: int | None = Field(default=None, sa_type=_BIG_INT)
+    resumed_from_step: int | None = Field(default=None, sa_type=BIG_INT)
     #: Steps done after the last committed checkpoint and lost when the attempt ended.
-    lost_steps: int = Field(default=0, sa_type=_BIG_INT)
+    lost_steps: int = Field(default=0, sa_type=BIG_INT)
     #: Paid seconds whose work was lost (since the last commit, plus start-up to restore).
     lost_seconds: float = 0.0
     #: Seconds the runner measured per step (median of recent steps), for lost-work figures.
     step_time_s: float | None = None
     #: Where the attempt's profile window ends: at this step, or this many seconds after
     #: launch, whichever comes first (``jobs.runs.profile``); NULL: it is not profiled.
-    profile_until_step: int | None = Field(default=None, sa_type=_BIG_INT)
+    profile_until_step: int | None = Field(default=None, sa_type=BIG_INT)
     profile_until_s: float | None = None
     #: When the ingest API saw the window end (the projection is made once).
     profiled_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
@@ -332,7 +331,7 @@ class EventRow(SQLModel, table=True):
     id: int | None = Field(default=None, primary_key=True)
     attempt_id: str = Field(foreign_key="attempts.id")
     run_id: str = Field(foreign_key="runs.id")
-    seq: int = Field(sa_type=_BIG_INT)
+    seq: int = Field(sa_type=BIG_INT)
     #: The wire event type (``metrics``, ``checkpoint``, ``preempted``…).
     type: str
     #: When the runner says it happened.
@@ -363,8 +362,8 @@ class MetricBlock(SQLModel, table=True):
     id: int | None = Field(default=None, primary_key=True)
     attempt_id: str = Field(foreign_key="attempts.id")
     run_id: str = Field(foreign_key="runs.id")
-    first_seq: int = Field(sa_type=_BIG_INT)
-    last_seq: int = Field(sa_type=_BIG_INT)
+    first_seq: int = Field(sa_type=BIG_INT)
+    last_seq: int = Field(sa_type=BIG_INT)
     count: int
     first_time: datetime = Field(sa_type=UTCDateTime)
     last_time: datetime = Field(sa_type=UTCDateTime)
@@ -385,10 +384,10 @@ class Checkpoint(SQLModel, table=True):
     id: int | None = Field(default=None, primary_key=True)
     run_id: str = Field(foreign_key="runs.id")
     attempt_id: str | None = Field(default=None, foreign_key="attempts.id")
-    step: int = Field(sa_type=_BIG_INT)
+    step: int = Field(sa_type=BIG_INT)
     #: The checkpoint's directory in the store (``…/{run_id}/step-0000000100``).
     uri: str
-    bytes: int = Field(default=0, sa_type=_BIG_INT)
+    bytes: int = Field(default=0, sa_type=BIG_INT)
     committed_at: datetime = Field(sa_type=UTCDateTime)
     #: Metrics at that step, for keep-best retention.
     metrics: dict[str, Any] = Field(default_factory=dict, sa_type=JSON)
@@ -447,14 +446,14 @@ class Alert(SQLModel, table=True):
     #: When the alert was first said to be flapping (said once per flap window).
     flapping_since: datetime | None = Field(default=None, sa_type=UTCDateTime)
     #: The step at which the problem began (the divergence's first bad step).
-    began_step: int | None = Field(default=None, sa_type=_BIG_INT)
+    began_step: int | None = Field(default=None, sa_type=BIG_INT)
     #: When trainbot stops the run if this is still unresolved (and, unless a member
     #: stops at once, unacknowledged); NULL: never.
     stop_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
     #: When trainbot stopped the run for this alert, and the checkpoint step it offers
     #: to resubmit from (the newest one before the problem began); retention keeps it.
     stopped_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
-    resume_step: int | None = Field(default=None, sa_type=_BIG_INT)
+    resume_step: int | None = Field(default=None, sa_type=BIG_INT)
 
 
 class SpendRecord(SQLModel, table=True):
@@ -493,37 +492,6 @@ class Budget(SQLModel, table=True):
     updated_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
 
 
-#: The lease the scheduler's leader holds (``SchedulerLease.name``).
-LEADER_LEASE = "leader"
-
-
-class SchedulerLease(SQLModel, table=True):
-    """A named lease: the replica holding an unexpired one runs the scheduled jobs."""
-
-    __tablename__ = "scheduler_leases"
-
-    name: str = Field(primary_key=True)
-    holder: str
-    acquired_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
-    expires_at: datetime = Field(sa_type=UTCDateTime)
-    #: The fencing token: raised by one each time the lease changes holder, so work a
-    #: deposed leader started carries a token that is no longer current and is refused.
-    token: int = Field(default=0, sa_type=_BIG_INT)
-
-
-class CommandLog(SQLModel, table=True):
-    """Commands already handled, by idempotency key: a retried command counts once."""
-
-    __tablename__ = "command_log"
-
-    key: str = Field(primary_key=True)
-    #: What kind of command it was (``launch``, ``stop``, ``ack``…).
-    kind: str = ""
-    created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
-    #: What the first handling produced, returned again to a retry.
-    result: dict[str, Any] | None = Field(default=None, sa_type=JSON)
-
-
 class OnCall(SQLModel, table=True):
     """Who is on call for a channel: mentioned when a critical alert escalates."""
 
@@ -534,70 +502,6 @@ class OnCall(SQLModel, table=True):
     user: str
     set_by: str
     set_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
-
-
-class DeferredWork(SQLModel, table=True):
-    """Work due later (a resubmit after its backoff, a launch retry, a day's digest),
-    kept in a row so that it outlives the replica that deferred it (``jobs.deferred``)."""
-
-    __tablename__ = "deferred_work"
-
-    #: What the work is for (``resubmit:<attempt>``): deferring it twice keeps one row.
-    key: str = Field(primary_key=True)
-    #: The registered function that does it (``jobs.deferred.Later``), never a pickle.
-    kind: str
-    #: Its keyword arguments, JSON.
-    args: dict[str, Any] = Field(default_factory=dict, sa_type=JSON)
-    due_at: datetime = Field(sa_type=UTCDateTime, index=True)
-    created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
-    #: The fencing token of the scheduled work that deferred it (NULL: a person's or a
-    #: runner's), which it runs under when its own replica's timer runs it.
-    fence: int | None = Field(default=None, sa_type=_BIG_INT)
-    #: Who is running it, until when; a leader's claim also holds its token, so the
-    #: next leader takes back at once what a dead one left half done.
-    claimed_by: str | None = None
-    claimed_until: datetime | None = Field(default=None, sa_type=UTCDateTime)
-    claimed_fence: int | None = Field(default=None, sa_type=_BIG_INT)
-    attempts: int = 0
-    #: The last failure, for whoever looks at the table.
-    error: str | None = None
-    #: Done (kept a week, so the same key is not deferred again meanwhile).
-    done_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
-
-
-class SlackOutbox(SQLModel, table=True):
-    """A Slack post or update written before it is sent (``bot.slack_outbox``): a
-    replica that dies leaves what it had queued to the others."""
-
-    __tablename__ = "slack_outbox"
-
-    id: int | None = Field(default=None, primary_key=True)
-    channel: str
-    #: ``post`` or ``update``.
-    op: str
-    #: post: the message's handle (``pending-…``); update: the message it edits.
-    target: str = Field(index=True)
-    #: The message: its type and fields as JSON.
-    payload: dict[str, Any] = Field(sa_type=JSON)
-    #: Posted once per key (a digest's channel and day); NULL: no such promise.
-    key: str | None = Field(default=None, unique=True)
-    #: The replica sending it, and until when its claim holds unless renewed.
-    owner: str
-    owner_until: datetime = Field(sa_type=UTCDateTime, index=True)
-    created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
-    #: Sent (or refused for good); the row stays a day for the handle below.
-    sent_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
-    #: post: Slack's ts for the handle ("" when refused), so any replica can resolve it.
-    ts: str | None = None
-
-
-class SlackPace(SQLModel, table=True):
-    """When each channel may next be sent to: one pace for every replica together."""
-
-    __tablename__ = "slack_pace"
-
-    channel: str = Field(primary_key=True)
-    next_at: datetime = Field(sa_type=UTCDateTime)
 
 
 class ApiToken(SQLModel, table=True):
@@ -623,28 +527,3 @@ class ApiToken(SQLModel, table=True):
     last_used_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
     #: Set by ``/train token revoke``: the token is refused from then on.
     revoked_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
-
-
-class PagerDutyOutbox(SQLModel, table=True):
-    """A PagerDuty event written before it is sent (:mod:`jobs.pagerduty`): a replica
-    that dies leaves what it had queued to the others, or to itself restarted."""
-
-    __tablename__ = "pagerduty_outbox"
-
-    id: int | None = Field(default=None, primary_key=True)
-    #: ``trigger``, ``acknowledge`` or ``resolve``.
-    action: str
-    #: The alert it is about (no foreign key: the row is written while the alert's own
-    #: transaction holds it locked).
-    alert_id: str = Field(index=True)
-    #: The replica sending it, and until when its claim holds unless renewed.
-    owner: str
-    owner_until: datetime = Field(sa_type=UTCDateTime, index=True)
-    #: Failed tries so far, and when the next may be made (the backoff).
-    tries: int = 0
-    next_at: datetime = Field(sa_type=UTCDateTime)
-    created_at: datetime = Field(default_factory=utcnow, sa_type=UTCDateTime)
-    #: Done: ``sent``, ``refused`` (400), ``gave_up`` or ``not_paged`` (an acknowledge or
-    #: resolve of an alert that never paged); the row stays a day after ``done_at``.
-    done_at: datetime | None = Field(default=None, sa_type=UTCDateTime, index=True)
-    outcome: str | None = None

@@ -17,7 +17,7 @@ already records to, and never blocks it on PagerDuty: :meth:`PagerDutyBridge.rec
 only queues. Acknowledge and resolve are sent only for alerts that paged.
 
 **Queued in the database, so a replica's death loses nothing.** Each event is a row of
-``pagerduty_outbox`` (:class:`jobs.models.PagerDutyOutbox`), written before anything is
+``pagerduty_outbox`` (:class:`jobs.replica_tables.PagerDutyOutbox`), written before anything is
 sent, in its own short transaction (on PostgreSQL at once; on SQLite, whose one writer
 the caller's transaction holds, by the worker just after it). A row is its owner's while
 the owner renews ``owner_until``; a replica killed with its rows unsent stops renewing,
@@ -59,7 +59,9 @@ from sqlmodel import Session
 from jobs.backoff import Backoff
 from jobs.db import claim_rows, session_scope
 from jobs.errors import TrainbotError
-from jobs.models import Alert, PagerDutyOutbox, Severity, table_of, utcnow
+from jobs.models import Alert, table_of, utcnow
+from jobs.replica_tables import PagerDutyOutbox
+from jobs.severity import Severity
 
 __all__ = [
     "EventsClient",

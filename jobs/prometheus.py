@@ -65,18 +65,9 @@ from prometheus_client.registry import Collector
 from sqlalchemy import Connection, Engine, func, or_, select
 
 from jobs.lifecycle import AttemptState, RunState
-from jobs.models import (
-    Alert,
-    AlertState,
-    Attempt,
-    Budget,
-    Run,
-    SchedulerLease,
-    Severity,
-    SpendRecord,
-    table_of,
-    utcnow,
-)
+from jobs.models import Alert, AlertState, Attempt, Budget, Run, SpendRecord, table_of, utcnow
+from jobs.replica_tables import LEADER_LEASE, SchedulerLease
+from jobs.severity import Severity
 
 if TYPE_CHECKING:
     from apscheduler.schedulers.base import BaseScheduler
@@ -104,7 +95,6 @@ _ALERTS = table_of(Alert)
 _SPEND = table_of(SpendRecord)
 _BUDGETS = table_of(Budget)
 _LEASES = table_of(SchedulerLease)
-_LEADER_LEASE = "leader"  # jobs.scheduler.LEASE; not imported, to keep this module light
 _ACTIVE_RUN_STATES = [s for s in RunState if not s.is_terminal()]
 
 
@@ -562,7 +552,7 @@ class DatabaseCollector(Collector):
 
     def _leader(self, c: Connection, *, now: datetime) -> Metric:
         lease = c.execute(
-            select(_LEASES.c.holder, _LEASES.c.expires_at).where(_LEASES.c.name == _LEADER_LEASE)
+            select(_LEASES.c.holder, _LEASES.c.expires_at).where(_LEASES.c.name == LEADER_LEASE)
         ).first()
         holder = self._holder if self._holder is not None else _scheduler_holder()
         leads = lease is not None and lease.holder == holder and lease.expires_at > now

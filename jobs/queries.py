@@ -19,8 +19,9 @@ from jobs.db import detach, session_scope
 from jobs.deps import Deps
 from jobs.errors import ConflictError
 from jobs.lifecycle import RunState
-from jobs.models import Alert, CommandLog, OnCall, Run, utcnow
+from jobs.models import Alert, OnCall, Run, utcnow
 from jobs.notify import RunCard
+from jobs.replica_tables import CommandLog
 from jobs.run_logs import RunLog, run_log
 from jobs.runs import (
     card,

@@ -48,7 +48,7 @@ from jobs.deferred import (
 )
 from jobs.deps import PROCESS_REPLICA, Deps
 from jobs.errors import DatabaseError
-from jobs.models import LEADER_LEASE, SchedulerLease
+from jobs.replica_tables import LEADER_LEASE, SchedulerLease
 from jobs.settings import SCHEDULER_LEASE_S, Settings
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from jobs.errors import SpecError, TrainbotError
 from jobs.format import usd
 from jobs.lifecycle import AttemptState, RunState
 from jobs.locations import check_prefix, checkpoint_root
-from jobs.models import Alert, Attempt, Checkpoint, OnCall, Run, Severity
+from jobs.models import Alert, Attempt, Checkpoint, OnCall, Run
 from jobs.notify import DigestMessage
 from jobs.providers.base import ProviderError
 from jobs.rules import Signal
@@ -44,6 +44,7 @@ from jobs.runs import (
 )
 from jobs.runs.placement import request_in
 from jobs.runs.price import watch_prices
+from jobs.severity import Severity
 from jobs.spec import Notify, Retention, stored_section
 from runner.errors import RunnerError
 from runner.retention import RetentionPolicy, prune

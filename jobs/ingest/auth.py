@@ -25,8 +25,9 @@ from datetime import datetime
 from sqlalchemy import Engine, select
 
 from jobs.errors import SettingsError
-from jobs.models import LEADER_LEASE, Attempt, SchedulerLease, hash_token, table_of
+from jobs.models import Attempt, hash_token, table_of
 from jobs.providers.gang import node_token, parse_node_token
+from jobs.replica_tables import LEADER_LEASE, SchedulerLease
 
 log = logging.getLogger(__name__)
 

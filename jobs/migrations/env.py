@@ -10,7 +10,8 @@ from __future__ import annotations
 from alembic import context
 from sqlmodel import SQLModel
 
-import jobs.models  # noqa: F401  (registers the tables on SQLModel.metadata)
+import jobs.models  # registers the tables on SQLModel.metadata
+import jobs.replica_tables  # noqa: F401  (and the replicas' own)
 from jobs.staging import models as _staging  # noqa: F401  (and the staging copies')
 
 config = context.config

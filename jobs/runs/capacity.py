@@ -33,8 +33,9 @@ from jobs.db import session_scope
 from jobs.deferred import Later, current_fence, defer, deferrable
 from jobs.deps import Deps
 from jobs.lifecycle import AttemptState, RunState
-from jobs.models import Attempt, DeferredWork, Run
+from jobs.models import Attempt, Run
 from jobs.notify import MessageRef, TextMessage
+from jobs.replica_tables import DeferredWork
 from jobs.runs.cards import refresh_card
 from jobs.runs.placement import NO_CAPACITY, NoPlacement
 from jobs.runs.rows import channel_of

@@ -24,9 +24,10 @@ from jobs.deferred import Later, deferrable
 from jobs.deps import Deps, current_fence
 from jobs.errors import ConflictError, FencedOut
 from jobs.lifecycle import AttemptState, RunState, transition
-from jobs.models import LEADER_LEASE, Attempt, Run, SchedulerLease, hash_token
+from jobs.models import Attempt, Run, hash_token
 from jobs.preflight import resource_request
 from jobs.providers.base import CapacityError, LaunchRequest, ProviderError
+from jobs.replica_tables import LEADER_LEASE, SchedulerLease
 from jobs.runs import capacity, price
 from jobs.runs.cards import refresh_card, say
 from jobs.runs.interval import auto_interval_mtbp, follow_measured_cost

@@ -36,8 +36,9 @@ from jobs import alerts, tasks
 from jobs.bootstrap import ControlPlane
 from jobs.db import session_scope
 from jobs.lifecycle import RunState
-from jobs.models import Alert, Attempt, CommandLog, Run
+from jobs.models import Alert, Attempt, Run
 from jobs.notify import CallbackJournal, MessageRef
+from jobs.replica_tables import CommandLog
 from jobs.rules import Severity, Signal
 from jobs.runs import active_attempt, alert_target
 from jobs.settings import Settings, load_settings

@@ -23,7 +23,7 @@ from bot.slack_notifier import SlackNotifier
 from jobs import alerts
 from jobs.db import session_scope
 from jobs.lifecycle import RunState
-from jobs.models import Alert, AlertState, Run, Severity
+from jobs.models import Alert, AlertState, Run
 from jobs.notify import (
     AlertMessage,
     CallbackJournal,
@@ -32,6 +32,7 @@ from jobs.notify import (
     PreflightMessage,
     TextMessage,
 )
+from jobs.severity import Severity
 from tests.bot.test_slack_app import CHANNEL, Slack
 from tests.bot.test_slack_app import slack as slack  # the fixture
 from tests.fakes.slack_api import FakeSlack

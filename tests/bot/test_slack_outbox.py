@@ -24,7 +24,6 @@ from bot import views
 from bot.slack_notifier import SlackNotifier
 from bot.slack_outbox import Outbox, decode, encode
 from jobs.db import session_scope
-from jobs.models import SlackOutbox
 from jobs.notify import (
     AlertMessage,
     CheckLine,
@@ -33,6 +32,7 @@ from jobs.notify import (
     RunCard,
     TextMessage,
 )
+from jobs.replica_tables import SlackOutbox
 from tests.fakes.slack_api import FakeSlack
 from tests.waiting import wait_until
 

@@ -22,9 +22,10 @@ from jobs.alerts import (
 )
 from jobs.db import session_scope
 from jobs.errors import ConflictError, NotFound, TrainbotError
-from jobs.models import Alert, AlertState, Run, Severity
+from jobs.models import Alert, AlertState, Run
 from jobs.notify import AlertMessage, Message, MessageRef
 from jobs.rules import Signal
+from jobs.severity import Severity
 
 T0 = datetime(2024, 5, 14, 9, 0, tzinfo=timezone.utc)
 TARGET = AlertTarget(channel="C-ml", thread_ts="1715677200.000100", oncall_group="S-oncall")

@@ -21,8 +21,9 @@ from jobs.bootstrap import ControlPlane
 from jobs.db import session_scope
 from jobs.deferred import claim_due, run_claimed
 from jobs.lifecycle import RunState
-from jobs.models import DeferredWork, Run
+from jobs.models import Run
 from jobs.notify import Message, TextMessage
+from jobs.replica_tables import DeferredWork
 from jobs.scheduler import take_lease
 from tests.jobs import test_aws_control_plane as base
 from tests.jobs.test_aws_control_plane import (

@@ -30,16 +30,15 @@ from jobs.models import (
     Attempt,
     Budget,
     Checkpoint,
-    CommandLog,
     EventRow,
     MetricBlock,
     Run,
-    SchedulerLease,
     SpendRecord,
     alert_dedupe_key,
     hash_token,
     table_of,
 )
+from jobs.replica_tables import CommandLog, SchedulerLease
 from jobs.settings import load_settings
 from jobs.spec import JobSpec, load_spec
 

@@ -28,9 +28,10 @@ from jobs.deferred import DeferredRunner, Later, claim, current_fence, fenced, p
 from jobs.deps import Deps
 from jobs.errors import FencedOut
 from jobs.lifecycle import RunState
-from jobs.models import DeferredWork, Run
+from jobs.models import Run
 from jobs.notify import DigestMessage
 from jobs.providers.local import LocalProvider
+from jobs.replica_tables import DeferredWork
 from jobs.scheduler import catch_up_digest, take_lease
 from jobs.settings import Settings, load_settings
 from tests.waiting import wait_until

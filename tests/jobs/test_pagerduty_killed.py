@@ -24,7 +24,8 @@ import pytest
 from sqlalchemy import Engine, select
 
 from jobs.db import session_scope
-from jobs.models import Alert, PagerDutyOutbox
+from jobs.models import Alert
+from jobs.replica_tables import PagerDutyOutbox
 from tests.fakes.pagerduty import FakePagerDuty
 from tests.jobs.test_alerts import ListJournal, RecordingNotifier
 from tests.jobs.test_escalation import open_critical

@@ -27,8 +27,9 @@ from jobs.db import current_revision, head_revision, migrate, session_scope
 from jobs.deferred import fenced
 from jobs.deps import Deps
 from jobs.errors import FencedOut
-from jobs.models import LEADER_LEASE, SchedulerLease, utcnow
+from jobs.models import utcnow
 from jobs.providers.local import LocalProvider
+from jobs.replica_tables import LEADER_LEASE, SchedulerLease
 from jobs.runs import launch_attempt, provision, terminate_instance
 from jobs.settings import load_settings
 from tests.waiting import wait_until

@@ -43,17 +43,10 @@ from sqlmodel import col, select
 from jobs.db import make_engine, migrate, session_scope
 from jobs.deps import load_secret
 from jobs.lifecycle import AttemptState, RunState
-from jobs.models import (
-    LEADER_LEASE,
-    Alert,
-    Attempt,
-    DeferredWork,
-    Run,
-    SchedulerLease,
-    SlackOutbox,
-)
+from jobs.models import Alert, Attempt, Run
 from jobs.providers.base import InstanceInfo, InstanceState
 from jobs.providers.local import LocalProvider
+from jobs.replica_tables import LEADER_LEASE, DeferredWork, SchedulerLease, SlackOutbox
 from tests.bot.test_slack_app import ResponseUrls, sign
 from tests.fakes.slack_api import FakeSlack
 from tests.jobs.conftest import POSTGRES_URL_ENV, _with_search_path

@@ -15,8 +15,9 @@ from sqlalchemy import delete, inspect
 
 from bot.console import ConsoleNotifier
 from jobs.deps import Deps
-from jobs.models import SchedulerLease, utcnow
+from jobs.models import utcnow
 from jobs.providers.local import LocalProvider
+from jobs.replica_tables import SchedulerLease
 from jobs.scheduler import (
     INTERVALS_S,
     release_lease,

@@ -19,9 +19,10 @@ from jobs.db import session_scope
 from jobs.deps import Deps
 from jobs.errors import TrainbotError
 from jobs.lifecycle import AttemptState, RunState
-from jobs.models import Alert, Attempt, Budget, Run, Severity, SpendRecord
+from jobs.models import Alert, Attempt, Budget, Run, SpendRecord
 from jobs.providers.local import LocalProvider
 from jobs.settings import Settings
+from jobs.severity import Severity
 from jobs.spec import JobSpec
 from jobs.spend import (
     BudgetStatus,

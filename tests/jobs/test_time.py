@@ -37,12 +37,13 @@ from jobs import scheduler as scheduler_module
 from jobs.db import session_scope
 from jobs.deps import Deps
 from jobs.lifecycle import AttemptState, RunState
-from jobs.models import Alert, Attempt, Budget, OnCall, Run, Severity, SpendRecord
+from jobs.models import Alert, Attempt, Budget, OnCall, Run, SpendRecord
 from jobs.notify import AlertMessage, DigestMessage
 from jobs.providers.local import LocalProvider
 from jobs.rules import Signal
 from jobs.scheduler import JOBS, DailyTrigger, start_scheduler
 from jobs.settings import load_settings
+from jobs.severity import Severity
 from tests.jobs.test_alerts import ListJournal
 
 NEW_YORK = ZoneInfo("America/New_York")
