@@ -66,6 +66,7 @@ from jobs.runs import (
 from jobs.spec import JobSpec, Resources, spec_from_text, stored_section
 from jobs.spec.origin import SpecOrigin
 from jobs.spec.sources import load_spec_for
+from jobs.staging.runs import for_preflight as staging_for_preflight
 
 log = logging.getLogger(__name__)
 
@@ -243,6 +244,7 @@ def _preflight_then_launch(
         workdir=workdir,
         cloud=_cloud_dry_run(deps, run_id, provider, owner=requester),
     )
+    ctx = staging_for_preflight(deps, ctx)  # a staged copy of its data, or the offer of one
 
     def on_result(result: preflight.CheckResult) -> None:
         deps.journal.record(

@@ -189,13 +189,20 @@ def _dataset(ctx: PreflightContext, region: str, buckets: BucketLookup) -> _Find
             "(resources.allow_cross_region_data: slower, and billed per GB)",
             data=data,
         )
+    staging = ctx.staging.offer(uri, region) if ctx.staging is not None else None
+    if staging is not None:
+        data["stage"] = staging
+    stage = (
+        f"stage it: {staging}"
+        if staging is not None
+        else f"stage the data into a bucket in {region} and point data_uri at it"
+    )
     return _Finding(
         Status.FAIL,
         f"the dataset {uri} is in {bucket_region} but the accelerators run in "
         f"{region}: every read would cross regions (slow, and billed per GB)",
-        f"stage the data into a bucket in {region} and point data_uri at it, list "
-        f"{bucket_region} in resources.regions if the accelerators are available there, "
-        "or set resources.allow_cross_region_data=true",
+        f"{stage}; or list {bucket_region} in resources.regions if the accelerators are "
+        "available there, or set resources.allow_cross_region_data=true",
         data,
     )
 

@@ -72,6 +72,15 @@ class CheckResult(CheckLine):
         }
 
 
+class StagingLookup(Protocol):
+    """What the data check asks of staging (:class:`jobs.staging.runs.StagingView`)."""
+
+    def offer(self, source: str, region: str) -> str | None:
+        """How to copy ``source`` into ``region``'s staging bucket, with its size, cost
+        and time; None when no copy can be offered there."""
+        ...
+
+
 @dataclass(frozen=True)
 class PreflightContext:
     """What every check of one run's preflight shares."""
@@ -92,6 +101,9 @@ class PreflightContext:
     #: With a cloud provider: what launching the dry run on a cheap instance needs (the
     #: database, tokens, the URL instances report to); None: the check cannot, and warns.
     cloud: CloudDryRun | None = None
+    #: Staging (None: no staging bucket is set, and a dataset in another region is
+    #: offered no copy).
+    staging: StagingLookup | None = None
 
     def __post_init__(self) -> None:
         if not self.mtbp_s > 0 or not math.isfinite(self.mtbp_s):

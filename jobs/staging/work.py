@@ -159,7 +159,7 @@ def offer(settings: Settings, source: str, region: str, *, copier: Copier | None
     if count == 0:
         raise StagingError(f"nothing to copy: {source} holds no objects")
     return Offer(
-        source=source,
+        source=src.uri(src.prefix),
         target=target_for(root, source),
         region=region,
         source_region=where,

@@ -18,11 +18,17 @@ from sqlalchemy import Engine
 
 from jobs.db import session_scope
 from jobs.deps import Deps
+from jobs.models import Run
+from jobs.preflight import DataLocalityCheck, PreflightContext, Status, resource_request
+from jobs.providers.aws import AwsProvider
 from jobs.providers.local import LocalProvider
 from jobs.settings import Settings, load_settings
+from jobs.spec import parse_spec
 from jobs.staging import Staging, StagingError, StagingState
 from jobs.staging.prices import estimate
+from jobs.staging.runs import for_preflight, staged_from
 from jobs.staging.work import copy_staging, offer, staged_copy, start
+from runner.store import open_store
 from tests.fakes.gcs_emulator import create_bucket as create_gcs_bucket
 from tests.fakes.gcs_emulator import gcs_emulator
 from tests.jobs.test_alerts import RecordingNotifier
@@ -200,3 +206,86 @@ def test_gcs_rewrite(
         done = session.get(Staging, row.id)
         assert done is not None and done.state is StagingState.DONE
         assert done.bytes_done == 303_000 and done.part_copies >= 2
+
+
+def test_a_run_in_another_region_is_offered_a_copy_then_reads_it(
+    moto_server: str,
+    make_deps: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Preflight's data check offers the copy (size, cost, time, the command); once it
+    is done, the run's preflight rewrites its data_uri to the copy, the check passes in
+    the run's region, and the runner's store reads the copy."""
+    s3 = boto3.client("s3", endpoint_url=moto_server, region_name="eu-west-1")
+    source = s3_bucket(moto_server, "eu-west-1")
+    stage = s3_bucket(moto_server, "us-west-2")
+    checkpoints = s3_bucket(moto_server, "us-west-2")
+    s3.put_object(Bucket=source, Key="data/shard-0.bin", Body=b"tokens" * 500_000)
+    settings = staging_settings(
+        tmp_path,
+        TRAINBOT_AWS_ENDPOINT_URL=moto_server,
+        TRAINBOT_STAGING_BUCKETS=f"us-west-2=s3://{stage}",
+    )
+    deps = make_deps(settings)
+    aws = AwsProvider(
+        region="us-west-2",
+        endpoint_url=moto_server,
+        image_id="ami-12345678",
+        instance_profile="trainbot-runner",
+        session=boto3.session.Session(),
+    )
+    spec = parse_spec(
+        {"command": "true", "data_uri": f"s3://{source}/data", "resources": {"cloud": "aws"}},
+        name="t",
+    )
+    with session_scope(deps.engine) as session:
+        session.add(
+            Run(id="r-stage", spec_name="t", spec=spec.model_dump(mode="json"), requester="U0ADA")
+        )
+    ctx = PreflightContext(
+        spec=spec,
+        run_id="r-stage",
+        provider=aws,
+        request=resource_request(spec, aws),
+        checkpoint_uri=f"s3://{checkpoints}/runs",
+        mtbp_s=6 * 3600.0,
+        env={},
+        workdir=tmp_path / "work",
+    )
+
+    offered = DataLocalityCheck().run(for_preflight(deps, ctx), prior={})
+    assert offered.status is Status.FAIL
+    assert f"the dataset s3://{source}/data is in eu-west-1" in offered.detail
+    assert f"stage it: `/train stage s3://{source}/data us-west-2` copies 1 objects" in (
+        offered.remedy
+    )
+    assert "3.0 MB" in offered.remedy and "about $0.0001 of transfer" in offered.remedy
+    assert "$0.02/GB" in offered.remedy and "AWS S3 pricing page" in offered.remedy
+
+    row, _ = start(
+        deps.engine,
+        offer(settings, f"s3://{source}/data", "us-west-2"),
+        requested_by="U0ADA",
+        channel="C0TRAIN",
+        now=NOW,
+    )
+    copy_staging(deps, staging_id=row.id)
+    staged = for_preflight(deps, ctx)
+
+    assert staged.spec.data_uri == row.target == f"s3://{stage}/{source}/data/"
+    with session_scope(deps.engine) as session:
+        stored = session.get(Run, "r-stage")
+        assert stored is not None and stored.spec["data_uri"] == row.target
+        assert staged_from(session, stored.spec["data_uri"]).source == f"s3://{source}/data/"
+    said = [m.text for _, m in deps.notifier.posts if getattr(m, "run_id", None) == "r-stage"]
+    assert any(f"reads its dataset from the staged copy {row.target}" in t for t in said)
+    passed = DataLocalityCheck().run(staged, prior={})
+    assert passed.status is Status.PASS, passed.detail
+    assert f"dataset {row.target} is in us-west-2" in passed.detail
+    # The runner reads the copy with the store the training script's sample check uses.
+    monkeypatch.setenv("TRAINBOT_S3_ENDPOINT_URL", moto_server)
+    store = open_store(staged.spec.data_uri, credentials="default")
+    (found,) = store.list()
+    with store.open_read(found.key) as stream:
+        assert stream.read() == b"tokens" * 500_000
