@@ -12,6 +12,9 @@ The client of a team's ``trainbot serve`` (TRAINBOT_URL, and TRAINBOT_TOKEN from
     trainbot status [RUN]   trainbot logs RUN [ATTEMPT [NODE]]   trainbot stop RUN
     trainbot resubmit RUN [from=STEP] [key.path=value …]   trainbot ack ALERT
 
+    trainbot pack DIR STORE_URI     pack a code directory for ``code.archive`` (as
+                                    ``trainbot-runner pack``)
+
 Settings come from ``TRAINBOT_*`` environment variables; every one has an embedded
 default (SQLite in ~/.trainbot, the local spot provider, a local checkpoint store, the
 terminal as chat).
@@ -84,6 +87,16 @@ def build_parser() -> argparse.ArgumentParser:
         "TRAINBOT_ADMIN_PORT, else the port + 1)",
     )
     _client_commands(sub)
+    pack = sub.add_parser(
+        "pack",
+        help="pack a code directory into a content-addressed archive in the store",
+        description="Pack DIR (without .git, .venv, __pycache__ and the patterns of its "
+        ".trainbotignore) into code-<sha256>.tar.gz under STORE_URI (s3://…, gs://…, a "
+        "path or file://…), and print the spec line that runs it: code.archive: URI. "
+        "The same as trainbot-runner pack.",
+    )
+    pack.add_argument("dir", type=Path)
+    pack.add_argument("store_uri")
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     return p
 
@@ -136,6 +149,21 @@ def _client(args: argparse.Namespace) -> int:
         return client.run("launch", [args.spec], sets=args.sets, key=args.key, as_json=args.json)
     words = args.args if isinstance(args.args, list) else [args.args] if args.args else []
     return client.run(args.cmd, words, as_json=args.json)
+
+
+def _pack(root: Path, store_uri: str) -> int:
+    """``trainbot-runner pack``'s work (:func:`runner.code.pack`), for whoever has only
+    the control plane's command at hand; the spec line to use, or one line why not."""
+    from runner.code import pack
+    from runner.errors import RunnerError
+
+    try:
+        uri = pack(root, store_uri)
+    except RunnerError as exc:
+        print(f"trainbot: {exc}", file=sys.stderr)
+        return 2
+    print(f"code.archive: {uri}")
+    return 0
 
 
 class _Terminated(Exception):
@@ -469,6 +497,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.cmd in CLIENT_COMMANDS:  # the client: standard library only, no settings
         return _client(args)
+    if args.cmd == "pack":  # the runner's own code: the base install runs it
+        return _pack(args.dir, args.store_uri)
     missing = missing_server_extra()
     if missing:
         print(

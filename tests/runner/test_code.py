@@ -56,6 +56,28 @@ def test_pack_is_deterministic_and_content_addressed(tmp_path: Path) -> None:
     assert pack(two, str(store)) != uri
 
 
+def test_the_control_planes_pack_command_is_the_runners(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``trainbot pack DIR STORE`` packs as ``trainbot-runner pack`` does (the same
+    archive, the same spec line); a folder that is not there is one line, no traceback."""
+    from bot.cli import main
+
+    src = tmp_path / "src"
+    _tree(src)
+    store = f"file://{tmp_path / 'store'}"
+    assert main(["pack", str(src), store]) == 0
+    out, _ = capsys.readouterr()
+    assert out == f"code.archive: {pack(src, store)}\n"
+    assert main(["pack", str(tmp_path / "nowhere"), store]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == (
+        f"trainbot: {tmp_path / 'nowhere'} is not a directory: give the folder that holds "
+        "your code\n"
+    )
+
+
 def test_a_corrupt_code_archive_is_refused(tmp_path: Path) -> None:
     src = tmp_path / "src"
     _tree(src)
