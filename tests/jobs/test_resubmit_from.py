@@ -15,7 +15,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import torch
 from sqlmodel import col, select
 
 from bot import views
@@ -33,6 +32,7 @@ from runner.session import EverySteps, Session, SessionConfig
 from runner.store import run_store
 from tests.bot import test_slack_app
 from tests.bot.test_slack_app import ADA, BOB, CAROL, CHANNEL, Slack, wait_until
+from tests.runner.stand_ins import Counter
 
 #: The control plane with the Slack app over real HTTP, as the Slack app's tests have it.
 slack = test_slack_app.slack
@@ -60,17 +60,6 @@ with Session.from_env() as s:
     for _ in s.steps(step):
         pass
 """
-
-
-class Counter:
-    def __init__(self) -> None:
-        self.step = -1
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "w": torch.full((4,), float(self.step))}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step = int(state["step"])
 
 
 def write_checkpoints(run_id: str, root: str, *, last: int) -> None:

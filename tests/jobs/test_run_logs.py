@@ -55,6 +55,7 @@ from tests.jobs.test_aws_control_plane import (
     user_data_env,
     wait_until,
 )
+from tests.runner.stand_ins import Recorder as EventSink
 
 ADA = Actor(user="ada", channel="#ml")
 #: Prints the configuration, 300 lines of progress, then fails with a message holding
@@ -217,19 +218,6 @@ def test_a_failure_cards_tail_is_escaped_and_clipped() -> None:
 # -- AWS, on moto's server ---------------------------------------------------------------
 
 
-class Events:
-    """The runner's events, kept to be sent to the control plane as its Reporter would."""
-
-    def __init__(self) -> None:
-        self.kept: list[tuple[str, dict[str, Any]]] = []
-
-    def emit(self, type: str, data: Mapping[str, Any], *, time: float | None = None) -> None:
-        self.kept.append((type, dict(data)))
-
-    def close(self, timeout: float = 10.0) -> None:
-        return None
-
-
 @pytest.fixture
 def moto(moto_server: str) -> dict[str, Any]:
     """moto's server with an AMI, the runner's instance profile and a checkpoint bucket."""
@@ -288,7 +276,7 @@ def test_logs_of_a_failed_aws_run_are_read_from_s3_after_ec2_terminated_it(
         store = run_store(env["TRAINBOT_CHECKPOINT_URI"], env["TRAINBOT_CHECKPOINT_PREFIX"])
         script = tmp_path / "train.py"
         script.write_text(FAILING)
-        events = Events()
+        events = EventSink()
         code = Supervisor(
             [sys.executable, str(script)],
             sink=events,
@@ -301,7 +289,7 @@ def test_logs_of_a_failed_aws_run_are_read_from_s3_after_ec2_terminated_it(
         # Its events reach the control plane with its token, as its Reporter sends them.
         batch = [
             Event(attempt=third.id, seq=i, type=t, time=time.time(), run=run, data=d)
-            for i, (t, d) in enumerate(events.kept)
+            for i, (t, d) in enumerate(events.events)
         ]
         token = env["TRAINBOT_TOKEN"]
         assert cp.ingest.handle(f"Bearer {token}", encode_batch(batch)).status == 200

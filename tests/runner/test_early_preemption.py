@@ -21,7 +21,6 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -31,25 +30,13 @@ from runner.preemption import Notice, PreemptionFlag
 from runner.store import LocalStore
 from runner.supervisor import Supervisor
 from runner.sync import CheckpointSync
+from tests.runner.stand_ins import Recorder
 from tests.runner.tinyproc import TINY, tiny_env
 
 EXEC = [sys.executable, "-m", "runner.cli", "exec"]
 SCRIPTS = Path(__file__).parent / "scripts"
 PLAIN = [sys.executable, str(SCRIPTS / "plain_counter.py")]
 MOMENTS = ["start", "before_first", "mid_write", "before_last"]
-
-
-class Recorder:
-    """An event sink that keeps what it is given."""
-
-    def __init__(self) -> None:
-        self.events: list[tuple[str, dict[str, Any]]] = []
-
-    def emit(self, type: str, data: Mapping[str, Any], *, time: float | None = None) -> None:
-        self.events.append((type, dict(data)))
-
-    def close(self, timeout: float = 10.0) -> None:
-        return None
 
 
 def _env(tmp: Path, run_id: str) -> dict[str, str]:

@@ -14,7 +14,6 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -23,21 +22,11 @@ from runner.layout import list_committed, read_manifest
 from runner.store import LocalStore
 from runner.supervisor import Supervisor
 from runner.sync import FILES_LABEL, CheckpointSync, file_step
+from tests.runner.stand_ins import Recorder
 from tests.runner.tinyproc import tiny_env
 
 EXEC = [sys.executable, "-m", "runner.cli", "exec"]
 SCRIPTS = Path(__file__).parent / "scripts"
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.events: list[tuple[str, dict[str, Any]]] = []
-
-    def emit(self, type: str, data: Mapping[str, Any], *, time: float | None = None) -> None:
-        self.events.append((type, dict(data)))
-
-    def close(self, timeout: float = 10.0) -> None:
-        return None
 
 
 @pytest.mark.parametrize(

@@ -32,7 +32,8 @@ from runner.store import LocalStore
 from runner.wire import Event
 from tests.fakes.ingest import FakeIngest
 from tests.runner.paced_store import PacedStore
-from tests.runner.test_notice_slow_write import Recorder, Weights
+from tests.runner.stand_ins import Recorder, Weights
+from tests.runner.test_notice_slow_write import FLOATS
 from tests.runner.tinyproc import TINY, tiny_env
 
 #: 8 MiB at 32 MiB/s: a quarter of a second before the notice.
@@ -75,7 +76,7 @@ def _noticed(
         prefetch=False,
     )
     deadline = 0.0
-    weights = Weights()
+    weights = Weights(FLOATS)
     with session as s:
         s.track(weights=weights)
         for step in s.steps(100_000):
@@ -100,7 +101,7 @@ def test_a_flush_that_cannot_land_in_the_window_does_not_hold_back_the_exit(
         tmp_path, window_s=2.5, slowdown=40.0, train_through=train_through
     )
     assert session.exit_code == EXIT_PREEMPTED
-    [(exit_data, exited_at)] = sink.of("exit")
+    [(exit_data, exited_at)] = sink.timed("exit")
     assert exited_at <= deadline - REPORT_S / 2, exited_at - deadline
     report = exit_data["flush"]
     assert report["committed_step"] is None
@@ -118,7 +119,7 @@ def test_the_exit_leaves_its_report_time_before_the_deadline(tmp_path: Path) -> 
         tmp_path, window_s=1.5, slowdown=1.0, train_through=True, bps=256 << 20
     )
     assert session.exit_code == EXIT_PREEMPTED
-    [(exit_data, exited_at)] = sink.of("exit")
+    [(exit_data, exited_at)] = sink.timed("exit")
     report = exit_data["flush"]
     assert report["flushes"][0]["landed"], report["summary"]
     assert len(report["flushes"]) == 2 and report["committed_step"] >= 4, report["summary"]

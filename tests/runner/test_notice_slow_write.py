@@ -19,20 +19,20 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from runner import EXIT_PREEMPTED
 from runner.preemption import Notice, PreemptionFlag
 from runner.session import EverySteps, Session, SessionConfig
 from runner.store import LocalStore
 from tests.runner.paced_store import PacedStore
+from tests.runner.stand_ins import Recorder, Weights
 
 TRIALS = int(os.environ.get("TRAINBOT_NOTICE_TRIALS", "20"))
 #: The state the notice-window trials write: 1 MiB.
@@ -48,35 +48,8 @@ AT_ONCE = 5
 FLOATS = 2 << 20
 
 
-class Recorder:
-    """An event sink that keeps what it is given, with when (``time.monotonic()``)."""
-
-    def __init__(self) -> None:
-        self.events: list[tuple[str, dict[str, Any], float]] = []
-
-    def emit(self, type: str, data: Mapping[str, Any], *, time: float | None = None) -> None:
-        self.events.append((type, dict(data), _now()))
-
-    def close(self, timeout: float = 10.0) -> None:
-        return None
-
-    def of(self, type_: str) -> list[tuple[dict[str, Any], float]]:
-        return [(d, at) for t, d, at in self.events if t == type_]
-
-
 def _now() -> float:
     return time.monotonic()
-
-
-class Weights:
-    def __init__(self, floats: int = FLOATS) -> None:
-        self.t = torch.zeros(floats)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"w": self.t}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor], /) -> None:
-        self.t.copy_(state["w"])
 
 
 @pytest.fixture(scope="module")
@@ -155,8 +128,8 @@ def _trial(
                 deadline = now + window_s
                 s.flag.set(Notice("signal", "test", received_at=now, deadline=deadline))
     assert session.exit_code == EXIT_PREEMPTED
-    commits = sink.of("checkpoint_committed")
-    [(exit_data, exited_at)] = sink.of("exit")
+    commits = sink.timed("checkpoint_committed")
+    [(exit_data, exited_at)] = sink.timed("exit")
     return Outcome(
         notice_step=notice_at + 1,  # the loop sees the notice when that step is done
         in_time=[d["step"] for d, at in commits if at <= deadline],

@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
 
 from runner.layout import copy_step, list_committed, read_manifest
 from runner.session import EverySteps, Session, SessionConfig
@@ -19,32 +16,9 @@ from runner.store import LocalStore
 from runner.supervisor import Supervisor
 from runner.sync import CheckpointSync
 from runner.telemetry import FileSink
+from tests.runner.stand_ins import Counter, Recorder
 
 RUN = "r-diverged"
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.events: list[tuple[str, dict[str, Any]]] = []
-
-    def emit(self, type: str, data: Mapping[str, Any], *, time: float | None = None) -> None:
-        self.events.append((type, dict(data)))
-
-    def close(self, timeout: float = 10.0) -> None:
-        return None
-
-
-class Counter:
-    """A tracked object whose state says which step saved it."""
-
-    def __init__(self) -> None:
-        self.step = -1
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "w": torch.full((4,), float(self.step))}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step = int(state["step"])
 
 
 def _train_to_30(root: Path) -> None:

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from runner import EXIT_PREEMPTED
 from runner.checkpoint import list_committed
@@ -18,39 +17,13 @@ from runner.errors import RunnerError
 from runner.preemption import Notice, PreemptionFlag, write_notice
 from runner.session import EverySeconds, EverySteps, Session, SessionConfig
 from runner.store import LocalStore
+from tests.runner.stand_ins import Recorder, Weights
 
 #: Large enough that writing it takes clearly longer than a step that does nothing.
 STATE_FLOATS = 8 << 20  # 32 MiB
 #: For the tests that train on through a window of a few seconds: small enough that a
 #: flush at the notice and a second one (with its margin) fit, even on a loaded machine.
 TRAIN_ON_FLOATS = 2 << 20  # 8 MiB
-
-
-class Recorder:
-    """An event sink that keeps what it is given."""
-
-    def __init__(self) -> None:
-        self.events: list[tuple[str, dict[str, Any]]] = []
-
-    def emit(self, type_: str, data: dict[str, Any], *, time: float | None = None) -> None:
-        self.events.append((type_, dict(data)))
-
-    def close(self, timeout: float = 10.0) -> None:
-        return None
-
-    def of(self, type_: str) -> list[dict[str, Any]]:
-        return [d for t, d in self.events if t == type_]
-
-
-class Weights:
-    def __init__(self, floats: int = STATE_FLOATS) -> None:
-        self.t = torch.zeros(floats)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"w": self.t}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor], /) -> None:
-        self.t.copy_(state["w"])
 
 
 def _notice(window_s: float = 60.0) -> Notice:
@@ -72,7 +45,7 @@ def _session(root: Path, sink: Recorder, flag: PreemptionFlag, **config: Any) ->
 
 def _train(session: Session, *, notice_at: int, step_s: float) -> None:
     """Steps of ``step_s`` each; the notice arrives during step ``notice_at``."""
-    weights = Weights()
+    weights = Weights(STATE_FLOATS)
     with session as s:
         s.track(weights=weights)
         for step in s.steps(100):
@@ -105,7 +78,7 @@ def test_flush_when_the_work_since_the_newest_checkpoint_outweighs_a_write(
     # Write the state once alone first, to know how long a write takes on this machine.
     probe = Recorder()
     with _session(tmp_path / "probe", probe, PreemptionFlag()) as s:
-        s.track(weights=Weights())
+        s.track(weights=Weights(STATE_FLOATS))
         for _ in s.steps(3):
             pass
     write_s = max(d["write_s"] for d in probe.of("checkpoint_committed"))
@@ -121,7 +94,7 @@ def test_a_stop_request_always_flushes(tmp_path: Path) -> None:
     previous one: its exit code says whether it did."""
     sink, flag = Recorder(), PreemptionFlag()
     session = _session(tmp_path, sink, flag)
-    weights = Weights()
+    weights = Weights(STATE_FLOATS)
     with session as s:
         s.track(weights=weights)
         for step in s.steps(100):
@@ -135,7 +108,7 @@ def test_a_stop_request_always_flushes(tmp_path: Path) -> None:
 def test_the_commit_event_carries_the_stall(tmp_path: Path) -> None:
     sink = Recorder()
     with _session(tmp_path, sink, PreemptionFlag()) as s:
-        s.track(weights=Weights())
+        s.track(weights=Weights(STATE_FLOATS))
         for _ in s.steps(6):
             pass
     commits = sink.of("checkpoint_committed")
