@@ -7,38 +7,17 @@ line is checked, never ``met`` or the values.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.running import last_line
+
 TINY = ["--quick", "--rounds", "1", "--concurrency", "5", "--no-training"]
 
 
 def test_bench_ack_latency_prints_its_figures_as_the_last_line(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "bench" / "bench_ack_latency.py"),
-            *TINY,
-            "--dir",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        check=False,
+    result = last_line(
+        "bench_ack_latency.py", *TINY, "--dir", str(tmp_path), bench="ack_latency", goal=1.0
     )
-
-    assert done.returncode == 0, done.stderr[-2000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["bench"] == "ack_latency"
-    assert result["goal"] == 1.0
-    assert isinstance(result["met"], bool)
-    assert isinstance(result["ratio"], float)
     figures = result["figures"]
     for contender in ("http", "bolt_dispatch"):
         assert set(figures[contender]) >= {"p50_ms", "p99_ms", "requests"}

@@ -9,11 +9,7 @@ rows, is checked exactly on made-up attempts.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -30,8 +26,8 @@ from bench.bench_goodput import (
     preemption_gaps,
     run_costs,
 )
+from tests.bench.running import last_line, run_bench
 
-ROOT = Path(__file__).resolve().parents[2]
 # Seed 2 draws a first gap longer than the run: one attempt each, the quickest story.
 SMALLEST = [
     *("--quick", "--progress-s", "240", "--contenders", "auto,short", "--seed", "2"),
@@ -41,27 +37,15 @@ SMALLEST = [
 
 @pytest.mark.slow
 def test_bench_goodput_prints_its_figures_as_the_last_line(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "bench" / "bench_goodput.py"),
-            *SMALLEST,
-            "--dir",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
+    result = last_line(
+        "bench_goodput.py",
+        *SMALLEST,
+        "--dir",
+        str(tmp_path),
+        bench="goodput",
+        goal=0.99,
         timeout=150,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        check=False,
     )
-
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["bench"] == "goodput"
-    assert result["goal"] == 0.99
-    assert isinstance(result["met"], bool)
-    assert isinstance(result["ratio"], float)
     assert result["met"] == all(c["met"] for c in result["checks"])
     figures = result["figures"]
     assert figures["headline"] == "base/notice/auto"
@@ -376,14 +360,7 @@ def test_a_run_measured_by_the_ledger_stays_under_the_ceiling_of_its_own_costs()
 
 @pytest.mark.slow
 def test_bench_goodput_rejects_a_bad_option_in_one_line() -> None:
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "bench_goodput.py"), "--contenders", "short"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        check=False,
-    )
+    done = run_bench("bench_goodput.py", "--contenders", "short", timeout=60)
 
     assert done.returncode == 2
     assert "--contenders: give auto" in done.stderr

@@ -7,32 +7,16 @@ figures' values.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.running import last_line
+
 TINY = ["--quick", "--batches", "2", "--batch-size", "50", "--repeats", "1", "--alert-trials", "1"]
 
 
 def test_bench_ingest_prints_its_figures_as_the_last_line(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "bench_ingest.py"), *TINY, "--dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        check=False,
-    )
-
-    assert done.returncode == 0, done.stderr[-2000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["bench"] == "ingest"
-    assert result["goal"] == 1.0
-    assert isinstance(result["met"], bool)
-    assert isinstance(result["ratio"], float)
+    result = last_line("bench_ingest.py", *TINY, "--dir", str(tmp_path), bench="ingest", goal=1.0)
     figures = result["figures"]
     assert isinstance(figures["sqlite_events_per_s"], float)
     assert isinstance(figures["alert_latency_s"], float)

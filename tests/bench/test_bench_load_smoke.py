@@ -9,18 +9,15 @@ killed leader is replaced and the survivor stops cleanly, and nothing is left be
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from sqlalchemy import text
 
 from jobs.db import make_engine
+from tests.bench.running import last_line
 
-ROOT = Path(__file__).resolve().parents[2]
 SMALLEST = [
     "--quick",
     "--runners",
@@ -44,21 +41,9 @@ def test_bench_load_prints_its_figures_as_the_last_line(tmp_path: Path) -> None:
             f"{POSTGRES_ENV} is not set: the load benchmark runs two replicas on PostgreSQL; "
             "set it to a URL such as postgresql://postgres@127.0.0.1:5432/test"
         )
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "bench_load.py"), *SMALLEST, "--dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=150,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        check=False,
+    result = last_line(
+        "bench_load.py", *SMALLEST, "--dir", str(tmp_path), bench="load", goal=1.0, timeout=150
     )
-
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["bench"] == "load"
-    assert result["goal"] == 1.0
-    assert isinstance(result["met"], bool)
-    assert isinstance(result["ratio"], float)
     assert result["met"] == all(c["met"] for c in result["checks"])
     assert [c["check"] for c in result["checks"]] == [
         "events lost",
