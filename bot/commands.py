@@ -34,6 +34,7 @@ from bot.command_types import (
     Resubmit,
     Snooze,
     Spend,
+    Stage,
     StatusCommand,
     Stop,
     Token,
@@ -61,6 +62,7 @@ __all__ = [
     "Resubmit",
     "Snooze",
     "Spend",
+    "Stage",
     "StatusCommand",
     "Stop",
     "Token",
@@ -411,6 +413,23 @@ _TOKEN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]{0,39}", re.ASCII)
 _TOKEN_ID = re.compile(r"tk-[a-z0-9]{1,64}", re.ASCII)
 
 
+_REGION = re.compile(r"[a-z]{2,}(-[a-z0-9]+)+", re.ASCII)
+
+
+def _parse_stage(args: Sequence[str]) -> Command:
+    if len(args) == 1 and args[0].lower() == "status":
+        return Stage()
+    if len(args) != 2:
+        raise _fail(Stage, "Name the dataset and the region to copy it to.")
+    # Slack may wrap a link in <…> or <…|label>.
+    source, region = args[0].strip("<>").split("|")[0], args[1].lower()
+    if not re.fullmatch(r"(s3|gs)://[a-z0-9][a-z0-9._\-]{1,221}(/\S*)?", source, re.ASCII):
+        raise _fail(Stage, f"{_show(source)} is not a bucket URI: write s3://BUCKET/PREFIX.")
+    if not _REGION.fullmatch(region):
+        raise _fail(Stage, f"{_show(args[1])} is not a region such as us-west-2.")
+    return Stage(source=source, region=region)
+
+
 def _parse_token(args: Sequence[str]) -> Command:
     if not args:
         return Token()
@@ -457,6 +476,7 @@ _PARSERS: dict[str, tuple[type[Command], Callable[[Sequence[str]], Command]]] = 
     "budget": (BudgetCommand, _parse_budget),
     "oncall": (Oncall, _parse_oncall),
     "cleanup": (Cleanup, _parse_cleanup),
+    "stage": (Stage, _parse_stage),
     "token": (Token, _parse_token),
     "help": (Help, _parse_help),
 }

@@ -33,6 +33,7 @@ from bot.commands import (
     Resubmit,
     Snooze,
     Spend,
+    Stage,
     StatusCommand,
     Stop,
     Token,
@@ -40,6 +41,7 @@ from bot.commands import (
 from jobs import api_tokens, service
 from jobs.deps import Deps
 from jobs.service import Actor
+from jobs.staging import service as staging
 
 __all__ = [
     "ANYONE",
@@ -259,6 +261,12 @@ def _cleanup(deps: Deps, command: Cleanup, actor: Actor, key: str | None) -> Rep
     return Reply(text=replies.cleanup(summary), run_id=command.run, data=summary)
 
 
+def _stage(deps: Deps, command: Stage, actor: Actor, key: str | None) -> Reply:
+    if command.source is None or command.region is None:
+        return Reply(text=staging.stage_status(deps))
+    return Reply(text=staging.stage(deps, command.source, command.region, actor))
+
+
 def _token(deps: Deps, command: Token, actor: Actor, key: str | None) -> Reply:
     if command.action == "list":
         rows = api_tokens.tokens(deps, actor)
@@ -325,6 +333,13 @@ _DECLARED: tuple[Verb[Any], ...] = (
     # A token acts as the person who asked, in their channel, with what they may do there:
     # it gives nothing chat does not, so anyone of the team may have one. Private: the
     # reply holds the token.
+    # It moves data at the team's cost: launchers only; the list is anyone's.
+    Verb(
+        Stage,
+        policy=Permission(starts_compute=True, reads_only=lambda command: command.source is None),
+        private=False,
+        handle=_stage,
+    ),
     Verb(Token, policy=ANYONE, private=True, handle=_token),
     Verb(
         Help,

@@ -21,21 +21,24 @@ import signal
 import subprocess
 import sys
 import threading
+import time
+import uuid
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import boto3
 import pytest
+import requests
 from sqlalchemy import Engine
+from sqlmodel import select
 
 from jobs.db import make_engine, migrate, session_scope
 from jobs.deps import load_secret
-from jobs.models import utcnow
-from jobs.settings import load_settings
 from jobs.staging import Staging, StagingState
-from jobs.staging.work import offer, start
+from tests.bot.test_slack_app import ResponseUrls, sign
 from tests.fakes.slack_api import FakeSlack
 from tests.jobs.test_staging import s3_bucket
 from tests.waiting import wait_until
@@ -46,6 +49,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "xoxb-staging"
 CHANNEL = "C0TRAIN"
 ADA = "U0ADA"
+SECRET = "8f742231b10e8888abcd99yyyzzz85a5"
 MiB = 2**20
 PART = 8 * MiB
 #: The dataset: a large object copied in 32 parts first (keys sort so), a multipart
@@ -102,6 +106,40 @@ def part_numbers(lines: list[str], key: str) -> list[int]:
     ]
 
 
+def command(url: str, hooks: str, text: str) -> None:
+    """``/train <text>`` from Ada in the channel, signed as Slack signs it."""
+    form = {
+        "team_id": "T0TEST",
+        "channel_id": CHANNEL,
+        "channel_name": "ml-training",
+        "user_id": ADA,
+        "user_name": "ada",
+        "command": "/train",
+        "text": text,
+        "api_app_id": "A0TRAIN",
+        "response_url": f"{hooks}/commands/stage",
+        "trigger_id": f"trg-{uuid.uuid4().hex[:12]}",
+    }
+    body = urlencode(form).encode()
+    ts = str(int(time.time()))
+    headers = {
+        "Content-Type": "application/x-www-form-urlencoded",
+        "X-Slack-Request-Timestamp": ts,
+        "X-Slack-Signature": sign(body, ts, SECRET),
+    }
+    answer = requests.post(f"{url}/slack/events", data=body, headers=headers, timeout=30)
+    assert answer.status_code == 200, answer.text
+
+
+def _only_row(engine: Engine) -> Staging | None:
+    with session_scope(engine) as session:
+        rows = session.exec(select(Staging)).all()
+        for row in rows:
+            session.expunge(row)
+    assert len(rows) <= 1
+    return rows[0] if rows else None
+
+
 def staging_row(engine: Engine, staging_id: str) -> Staging:
     with session_scope(engine) as session:
         row = session.get(Staging, staging_id)
@@ -134,7 +172,7 @@ def test_a_copy_killed_mid_part_resumes_after_restart(
         "TRAINBOT_DATABASE_URL": url,
         "TRAINBOT_INGEST_PORT": "0",
         "TRAINBOT_NOTIFIER": "slack",
-        "TRAINBOT_SLACK_SIGNING_SECRET": "8f742231b10e8888abcd99yyyzzz85a5",
+        "TRAINBOT_SLACK_SIGNING_SECRET": SECRET,
         "TRAINBOT_SLACK_BOT_TOKEN": TOKEN,
         "TRAINBOT_ALLOWED_CHANNELS": CHANNEL,
         "TRAINBOT_LAUNCHERS": ADA,
@@ -146,13 +184,13 @@ def test_a_copy_killed_mid_part_resumes_after_restart(
         "REPLICA_LEASE_S": "2",
         "REPLICA_POST_INTERVAL_S": "0.2",
     }
-    settings = load_settings({k: v for k, v in env.items() if k.startswith("TRAINBOT_")})
     fake = FakeSlack(tokens=[TOKEN]).start()
+    hooks = ResponseUrls()
     fake.add_channel(CHANNEL, "ml-training", members=[ADA])
     env["REPLICA_SLACK_API"] = fake.api_url
     procs: list[subprocess.Popen[str]] = []
 
-    def control_plane(name: str) -> subprocess.Popen[str]:
+    def control_plane(name: str) -> tuple[subprocess.Popen[str], str]:
         proc = subprocess.Popen(
             [sys.executable, "-m", "tests.jobs.replica_process"],
             cwd=ROOT,
@@ -163,15 +201,19 @@ def test_a_copy_killed_mid_part_resumes_after_restart(
         )
         procs.append(proc)
         assert proc.stdout is not None
-        assert proc.stdout.readline(), (tmp_path / f"{name}.log").read_text()[-3000:]
-        return proc
+        line = proc.stdout.readline()
+        assert line, (tmp_path / f"{name}.log").read_text()[-3000:]
+        return proc, json.loads(line)["url"]
 
     try:
-        found = offer(settings, f"s3://{source}/data", "us-west-2")
-        assert found.estimate.n_bytes == sum(SIZES.values())
-        row, _ = start(engine, found, requested_by=ADA, channel=CHANNEL, now=utcnow())
+        first, url = control_plane("first")
+        # Ada asks in the channel, as Slack sends it: a signed slash command.
+        command(url, hooks.url, f"stage s3://{source}/data us-west-2")
+        answer = hooks.wait("/commands/stage", timeout=60)["text"]
+        row: Staging = wait_until(lambda: _only_row(engine), 10, "the staging row")
+        assert f"Staging {row.id}: copy s3://{source}/data/ (us-east-1) to " in answer
+        assert "4 objects, 314.6 MB, about $0.0059 of transfer at $0.02/GB" in answer
         big = f"staged/{source}/data/a-big.bin"
-        first = control_plane("first")
 
         def mid_copy() -> Staging | None:
             now = staging_row(engine, row.id)
@@ -203,6 +245,7 @@ def test_a_copy_killed_mid_part_resumes_after_restart(
                 except subprocess.TimeoutExpired:
                     proc.kill()
         fake.close()
+        hooks.close()
         engine.dispose()
 
     lines = moto_log.snapshot()

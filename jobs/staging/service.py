@@ -1,0 +1,74 @@
+"""``/train stage``: a person's copy of a dataset into a region's staging bucket, outside
+a run, and the list of copies. The caller (the bot's verb) has checked that the person
+may start compute (``TRAINBOT_LAUNCHERS``)."""
+
+from __future__ import annotations
+
+from sqlmodel import col, select
+
+from jobs import format as fmt
+from jobs.actor import Actor
+from jobs.db import session_scope
+from jobs.deps import Deps
+from jobs.staging.models import Staging, StagingState
+from jobs.staging.work import offer, start
+
+__all__ = ["stage", "stage_status"]
+
+#: The most copies ``/train stage status`` lists.
+LISTED = 20
+
+
+def stage(deps: Deps, source: str, region: str, actor: Actor) -> str:
+    """Start copying ``source`` into ``region``'s staging bucket (or say the copy done or
+    under way); the reply's text. Raises :class:`jobs.staging.StagingError` saying why
+    not. The progress goes to the person's channel."""
+    found = offer(deps.settings, source, region)
+    row, new = start(
+        deps.engine,
+        found,
+        requested_by=actor.user,
+        channel=actor.channel or None,
+        now=deps.clock(),
+    )
+    if not new:
+        if row.state is StagingState.DONE:
+            return (
+                f"{found.source} is staged in {region} already: {row.target} (staging "
+                f"{row.id}). Runs in {region} with data_uri={found.source} read the copy."
+            )
+        return f"{found.source} is being staged into {region} already (staging {row.id})."
+    deps.journal.record("staging_started", None, staging=row.id, source=row.source)
+    return (
+        f"Staging {row.id}: {found.text()}. It runs on the control plane's leader and "
+        "survives a restart; its progress is posted here. Runs in "
+        f"{region} with data_uri={found.source} then read the copy."
+    )
+
+
+def stage_status(deps: Deps) -> str:
+    """The copies, newest first: what each is, how far it got."""
+    with session_scope(deps.engine) as session:
+        rows = session.exec(
+            select(Staging)
+            .where(Staging.state != StagingState.DELETED)
+            .order_by(col(Staging.created_at).desc())
+            .limit(LISTED)
+        ).all()
+        lines = [_line(row) for row in rows]
+    if not lines:
+        return "No staged datasets. /train stage s3://BUCKET/PREFIX REGION copies one."
+    return "Staged datasets, newest first:\n" + "\n".join(lines)
+
+
+def _line(row: Staging) -> str:
+    done = row.bytes_done + sum(int(p.get("size", 0)) for p in row.parts)
+    share = fmt.percent(done / row.total_bytes) if row.total_bytes else "n/a"
+    what = {
+        StagingState.QUEUED: "queued",
+        StagingState.COPYING: f"copying, {share} of {fmt.size(row.total_bytes)}",
+        StagingState.DONE: f"done, {fmt.size(row.bytes_done)}",
+        StagingState.FAILED: f"failed: {row.error}",
+        StagingState.DELETED: "deleted",
+    }[row.state]
+    return f"  {row.id} {row.source} → {row.target} ({row.region}): {what}"
