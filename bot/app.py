@@ -29,6 +29,7 @@ from bot.listeners import ListenerContext
 from bot.listeners import alerts as alert_listeners
 from bot.listeners import home as home_listeners
 from bot.listeners import runs as run_listeners
+from bot.listeners import spec_yaml as spec_yaml_listeners
 from bot.workpool import WORK_THREADS, WorkPool
 from jobs.deps import Deps
 from jobs.settings import Settings
@@ -104,6 +105,7 @@ def build_app(
     run_listeners.register(app, ctx)
     alert_listeners.register(app, ctx)
     home_listeners.register(app, ctx)
+    spec_yaml_listeners.register(app, ctx)
     return app
 
 

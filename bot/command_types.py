@@ -130,6 +130,15 @@ class Preflight(Command, usage="/train preflight <spec> [key.path=value …]"):
     overrides: tuple[str, ...] = ()
 
 
+class Specs(Command, usage="/train specs"):
+    """List the specs you can launch, each with its description and where it comes from.
+
+    Specs come from the directories and git repositories an admin set; a name in more
+    than one of them is launched from the first, and source/name picks another.
+    Example: /train specs
+    """
+
+
 class StatusCommand(Command, usage="/train status [<run>]"):
     """Show a run's state, step, spend and alerts; without a run, a summary of yours.
 

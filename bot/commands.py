@@ -33,6 +33,7 @@ from bot.command_types import (
     Preflight,
     Resubmit,
     Snooze,
+    Specs,
     Spend,
     Stage,
     StatusCommand,
@@ -61,6 +62,7 @@ __all__ = [
     "Preflight",
     "Resubmit",
     "Snooze",
+    "Specs",
     "Spend",
     "Stage",
     "StatusCommand",
@@ -86,7 +88,10 @@ _SHOW_CHARS = 40
 _RUN_ID = re.compile(r"r-[a-z0-9]{1,64}", re.ASCII)
 _ALERT_ID = re.compile(r"al-[a-z0-9]{1,64}", re.ASCII)
 # The same names jobs/spec.py accepts, so a bad one fails here, with the usage line.
-_SPEC = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]{0,127}", re.ASCII)
+# A name may follow its source's label (team/gpt-small: jobs/spec/sources.py).
+_SPEC = re.compile(
+    r"(?:[A-Za-z0-9][A-Za-z0-9._\-]{0,63}/)?[A-Za-z0-9][A-Za-z0-9._\-]{0,127}", re.ASCII
+)
 _OVERRIDE_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_\-]*(\.[A-Za-z0-9_\-]+)*", re.ASCII)
 _MENTION = re.compile(r"<@([A-Za-z0-9]+)(?:\|([^<>|]+))?>", re.ASCII)
 _AT_NAME = re.compile(r"@([A-Za-z0-9][A-Za-z0-9._\-]{0,79})", re.ASCII)
@@ -146,7 +151,9 @@ def _spec_and_overrides(
         raise _fail(cls, f"Name the spec before the overrides: {_show(spec)} is an override.")
     if not _SPEC.fullmatch(spec):
         raise _fail(
-            cls, f"{_show(spec)} is not a spec name; use letters, digits, '-', '_' and '.'."
+            cls,
+            f"{_show(spec)} is not a spec name; use letters, digits, '-', '_' and '.' "
+            "(source/name picks one source's spec).",
         )
     return spec, _overrides(cls, rest)
 
@@ -210,6 +217,11 @@ def _parse_preflight(args: Sequence[str]) -> Command:
     if spec is None:
         raise _fail(Preflight, "`preflight` needs a spec name.")
     return Preflight(spec=spec, overrides=overrides)
+
+
+def _parse_specs(args: Sequence[str]) -> Command:
+    _no_args(Specs, args)
+    return Specs()
 
 
 def _parse_status(args: Sequence[str]) -> Command:
@@ -465,6 +477,7 @@ def _parse_help(args: Sequence[str]) -> Command:
 _PARSERS: dict[str, tuple[type[Command], Callable[[Sequence[str]], Command]]] = {
     "launch": (Launch, _parse_launch),
     "preflight": (Preflight, _parse_preflight),
+    "specs": (Specs, _parse_specs),
     "status": (StatusCommand, _parse_status),
     "list": (ListRuns, _parse_list),
     "stop": (Stop, lambda args: Stop(run=_one_run(Stop, args))),

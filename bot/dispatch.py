@@ -39,7 +39,8 @@ from jobs.errors import PermissionDenied, TrainbotError
 from jobs.logs import bare_traceback
 from jobs.models import Run
 from jobs.service import Actor
-from jobs.spec import load_spec, spec_from_text
+from jobs.spec import spec_from_text
+from jobs.spec.sources import load_spec_for
 
 __all__ = ["Markup", "Reply", "ask_for", "dispatch", "handle_text"]
 
@@ -148,9 +149,7 @@ def _notify_channel(deps: Deps, command: commands.Launch | commands.Preflight) -
         if text is not None:
             spec = spec_from_text(text, name=command.spec, overrides=command.overrides)
         else:
-            spec = load_spec(
-                command.spec, specs_dir=deps.settings.specs_dir, overrides=command.overrides
-            )
+            spec = load_spec_for(deps.settings, command.spec, overrides=command.overrides)
     except TrainbotError:
         return None
     return spec.notify.channel or None

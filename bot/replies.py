@@ -13,6 +13,7 @@ from typing import Any
 from bot.messages import MAX_REPLY_TEXT, more_not_shown, run_card
 from jobs.format import clock, percent, usd
 from jobs.notify import RunCard
+from jobs.spec.sources import Catalog
 
 
 def fit_lines(text: str, *, limit: int = MAX_REPLY_TEXT, what: str = "lines") -> str:
@@ -95,7 +96,12 @@ def run_list(cards: Sequence[RunCard], scope: str) -> str:
         return (
             f"No {'' if scope == 'all' else scope + ' '}runs. Start one with /train launch <spec>."
         )
-    return "\n".join(run_card(c) for c in cards)
+    return "\n".join(run_card(c) + _spec_from(c) for c in cards)
+
+
+def _spec_from(card: RunCard) -> str:
+    """Where the run's spec was read: the repository's commit, the directory's file."""
+    return f" · spec from {card.spec_from}" if card.spec_from else ""
 
 
 def spend_report(report: Mapping[str, Any]) -> str:
@@ -183,3 +189,24 @@ def tokens_revoked(ids: Sequence[str]) -> str:
         return "You held no live tokens; nothing was revoked."
     them = "it" if len(ids) == 1 else "them"
     return f"Revoked {', '.join(ids)}: requests with {them} are refused from now on."
+
+
+def spec_list(found: Catalog) -> str:
+    """``/train specs``: each launchable name with its description and its source."""
+    lines = []
+    if found.specs:
+        lines.append("Specs you can launch (/train launch <name> [key.path=value …]):")
+    for spec in found.specs:
+        about = f": {spec.description}" if spec.description else ""
+        lines.append(f"  {spec.name}{about} · {spec.where}")
+    if found.more:
+        lines.append(f"  … and {found.more} more not listed (a source holds over 200).")
+    for problem in found.problems:
+        lines.append(f"Could not read the source {problem.label}: {problem.problem}")
+    if not found.specs:
+        lines.insert(
+            0,
+            "No specs to launch: an admin adds <name>.yaml files to a directory or "
+            "repository listed in TRAINBOT_SPEC_SOURCES.",
+        )
+    return "\n".join(lines)

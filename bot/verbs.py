@@ -32,6 +32,7 @@ from bot.commands import (
     Preflight,
     Resubmit,
     Snooze,
+    Specs,
     Spend,
     Stage,
     StatusCommand,
@@ -186,6 +187,10 @@ def _submit(deps: Deps, command: Launch | Preflight, actor: Actor, key: str | No
     return Reply(text=say(run.id, run.spec_name), run_id=run.id)
 
 
+def _specs(deps: Deps, command: Specs, actor: Actor, key: str | None) -> Reply:
+    return Reply(text=replies.spec_list(service.spec_catalog(deps)))
+
+
 def _status(deps: Deps, command: StatusCommand, actor: Actor, key: str | None) -> Reply:
     cards = service.status(deps, command.run, actor)
     return Reply(text=replies.run_list(cards, "active"), run_id=command.run)
@@ -304,6 +309,7 @@ _DECLARED: tuple[Verb[Any], ...] = (
         wants_form=lambda command: command.spec is None,
     ),
     Verb(Preflight, policy=_NEW_RUN, private=True, handle=_submit, keyed=True),
+    Verb(Specs, policy=ANYONE, private=True, handle=_specs),
     Verb(StatusCommand, policy=ANYONE, private=False, handle=_status, lines="runs"),
     Verb(ListRuns, policy=ANYONE, private=False, handle=_list, lines="runs"),
     Verb(Stop, policy=Permission(changes_run=True), private=True, handle=_stop),

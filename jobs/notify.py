@@ -69,6 +69,8 @@ class RunCard(Message):
     #: The provider the attempt runs on ("aws", "local"), by its registry name.
     provider: str | None = None
     reason: str | None = None
+    #: Where the spec was read (``ml@1a2b3c4 (specs/gpt.yaml)``); None for older runs.
+    spec_from: str | None = None
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,6 @@ from jobs.queries import (
     oncall,
     remember_command,
     snooze,
-    specs,
     spend_report,
     status,
     wait_for,
@@ -65,7 +64,7 @@ from jobs.runs import (
 )
 from jobs.spec import JobSpec, Resources, spec_from_text, stored_section
 from jobs.spec.origin import SpecOrigin
-from jobs.spec.sources import load_spec_for
+from jobs.spec.sources import Catalog, catalog_for, load_spec_for, names_for
 from jobs.staging.runs import for_preflight as staging_for_preflight
 
 log = logging.getLogger(__name__)
@@ -148,6 +147,16 @@ def submit(
     deps.journal.record("submitted", run.id, spec=spec.name, requester=actor.user)
     deps.background(preflight_then_launch, deps, run.id, launch=launch)
     return run
+
+
+def specs(deps: Deps) -> list[str]:
+    """The names the launch form offers, asking no repository (the form must open at once)."""
+    return names_for(deps.settings)
+
+
+def spec_catalog(deps: Deps) -> Catalog:
+    """``/train specs``: what each configured source holds now (repositories fetched)."""
+    return catalog_for(deps.settings)
 
 
 #: The reason a run in PREFLIGHT carries when it was asked for the checks alone

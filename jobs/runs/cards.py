@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import datetime
 
+from pydantic import ValidationError
 from sqlmodel import Session, select
 
 from jobs import alerts
@@ -21,6 +22,7 @@ from jobs.notify import MessageRef, RunCard, TextMessage
 from jobs.rules import RunContext, Severity, Signal
 from jobs.runs.rows import channel_of, latest_attempt
 from jobs.spec import AlertThresholds, JobSpec, Notify, stored_section
+from jobs.spec.origin import SpecOrigin
 from jobs.spend import run_spent
 
 
@@ -46,7 +48,20 @@ def card(session: Session, run: Run) -> RunCard:
         region=att.region if att else None,
         provider=att.provider if att else None,
         reason=run.reason,
+        spec_from=_spec_from(run),
     )
+
+
+def _spec_from(run: Run) -> str | None:
+    """Where the run's spec was read, from the copy stored on it (None before trainbot
+    recorded it, or if the record does not validate: the card shows the rest)."""
+    stored = run.spec.get("origin") if isinstance(run.spec, dict) else None
+    if not isinstance(stored, dict):
+        return None
+    try:
+        return SpecOrigin.model_validate(stored).shown()
+    except ValidationError:
+        return None
 
 
 def refresh_card(deps: Deps, session: Session, run: Run) -> None:

@@ -30,9 +30,9 @@ class SpecOrigin(Section):
     commit: str | None = Field(default=None, pattern=r"^[0-9a-f]{40}$")
 
     def shown(self) -> str:
-        """One line for people: ``team-specs@1a2b3c4 (gpt.yaml)``, ``/etc/specs/gpt.yaml``."""
+        """One line for people: ``ml@1a2b3c4 (specs/gpt.yaml)``, ``team/gpt.yaml``."""
         if self.kind == "git":
             return f"{self.source}@{(self.commit or '')[:7]} ({self.path})"
         if self.kind == "directory":
-            return f"{self.source}: {self.path}"
+            return f"{self.source}/{self.path}"
         return f"pasted ({self.location})" if self.location else "pasted"

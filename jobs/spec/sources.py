@@ -55,6 +55,7 @@ __all__ = [
     "find_spec",
     "load_named_spec",
     "load_spec_for",
+    "names_for",
     "parse_sources",
 ]
 
@@ -251,6 +252,17 @@ class _Git:
             )
             return self._run("rev-parse", "--verify", f"{ref}^{{commit}}").strip()
 
+    def cached(self) -> str | None:
+        """The commit the last fetch found, without asking the repository; None before one."""
+        if not (self.repo / "HEAD").is_file():
+            return None
+        try:
+            return self._run(
+                "rev-parse", "--verify", f"refs/trainbot/{self.source.branch}^{{commit}}"
+            ).strip()
+        except SpecError:
+            return None
+
     def names(self, commit: str) -> dict[str, str]:
         """Spec names at ``commit`` → the file's path in the repository."""
         tree = f"{commit}:{self.source.subdir}" if self.source.subdir else commit
@@ -297,15 +309,22 @@ class _Git:
         env = {**os.environ, "GIT_TERMINAL_PROMPT": "0", "GIT_ASKPASS": "/bin/false"}
         where = _without_credentials(self.source.url or "")
         # Its own process group, so a timeout ends git's transport helpers too.
-        process = subprocess.Popen(
-            [*command, *args],
-            cwd=cwd,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-        )
+        try:
+            process = subprocess.Popen(
+                [*command, *args],
+                cwd=cwd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+            )
+        except FileNotFoundError:
+            raise SpecError(
+                f"the spec repository {self.source.label} cannot be read: git is not "
+                "installed on the control plane (install it, or list directories only "
+                "in TRAINBOT_SPEC_SOURCES)"
+            ) from None
         try:
             out, err = process.communicate(timeout=self.timeout_s)
         except subprocess.TimeoutExpired:
@@ -351,7 +370,9 @@ class _Snapshot:
     commit: str | None = None
 
 
-def _snapshot(source: SpecSource, *, cache_dir: Path, timeout_s: float) -> _Snapshot:
+def _snapshot(
+    source: SpecSource, *, cache_dir: Path, timeout_s: float, fetch: bool = True
+) -> _Snapshot:
     if source.kind == "directory":
         assert source.directory is not None
         if not source.directory.is_dir():
@@ -365,7 +386,9 @@ def _snapshot(source: SpecSource, *, cache_dir: Path, timeout_s: float) -> _Snap
                 names.setdefault(path.stem, str(path))
         return _Snapshot(source, names)
     git = _Git(source, cache_dir=cache_dir, timeout_s=timeout_s)
-    commit = git.fetch()
+    commit = git.fetch() if fetch else git.cached()
+    if commit is None:
+        raise SpecError(f"the spec repository {source.label} has not been fetched yet")
     return _Snapshot(source, git.names(commit), commit)
 
 
@@ -527,3 +550,24 @@ def catalog_for(settings: Settings) -> Catalog:
     return catalog(
         configured(settings), cache_dir=_cache_dir(settings), timeout_s=settings.spec_git_timeout_s
     )
+
+
+def names_for(settings: Settings) -> list[str]:
+    """Launchable names without asking any repository (the launch form, which Slack must
+    be shown within 3 s): a repository's as of its last fetch. The launch fetches anew."""
+    names: list[str] = []
+    taken: set[str] = set()
+    for source in configured(settings):
+        try:
+            snap = _snapshot(
+                source,
+                cache_dir=_cache_dir(settings),
+                timeout_s=settings.spec_git_timeout_s,
+                fetch=False,
+            )
+        except SpecError:
+            continue
+        for name in sorted(snap.names):
+            names.append(name if name not in taken else f"{source.label}/{name}")
+            taken.add(name)
+    return names

@@ -45,7 +45,7 @@ def _example(verb: str) -> str:
 
 def test_every_verb_of_help_has_exactly_one_declaration() -> None:
     listed = _listed_verbs()
-    assert len(listed) == 16 and len(set(listed)) == len(listed)
+    assert len(listed) == 17 and len(set(listed)) == len(listed)
     assert Counter(v.name for v in declared()) == Counter(listed)
     assert [v.name for v in declared()] == listed  # in the order help lists them
     for verb in declared():
@@ -197,6 +197,7 @@ def test_a_private_verbs_reply_is_for_the_caller_alone(
     assert private == {
         "launch",
         "preflight",
+        "specs",
         "stop",
         "resubmit",
         "logs",

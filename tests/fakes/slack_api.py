@@ -878,6 +878,39 @@ def _block_problem(block: Any) -> bool:
         if not isinstance(elements, list) or not elements or len(elements) > MAX_ACTIONS_ELEMENTS:
             return True
         return any(_element_problem(e) for e in elements)
+    if kind == "input":
+        return _input_problem(block)
+    return False
+
+
+#: Slack's limits on an input block: its label, and a text input's length and placeholder.
+MAX_INPUT_LABEL = 2000
+MAX_TEXT_INPUT = 3000
+MAX_INPUT_PLACEHOLDER = 150
+_INPUT_ELEMENTS = frozenset(
+    {"plain_text_input", "static_select", "conversations_select", "channels_select"}
+)
+
+
+def _input_problem(block: dict[str, Any]) -> bool:
+    """An input block Slack refuses: no plain-text label, an element of a kind it does not
+    take, a text input longer than 3,000 characters, a placeholder over 150."""
+    label = block.get("label")
+    if not isinstance(label, dict) or label.get("type") != "plain_text":
+        return True
+    if _too_long(label, MAX_INPUT_LABEL):
+        return True
+    element = block.get("element")
+    if not isinstance(element, dict) or element.get("type") not in _INPUT_ELEMENTS:
+        return True
+    if not element.get("action_id"):
+        return True
+    placeholder = element.get("placeholder")
+    if placeholder is not None and _too_long(placeholder, MAX_INPUT_PLACEHOLDER):
+        return True
+    if element["type"] == "plain_text_input":
+        most = element.get("max_length", MAX_TEXT_INPUT)
+        return not isinstance(most, int) or not 1 <= most <= MAX_TEXT_INPUT
     return False
 
 

@@ -245,3 +245,38 @@ def test_without_sources_the_specs_directory_is_the_one_source(tmp_path: Path) -
     assert only.kind == "directory" and only.directory == settings.specs_dir  # type: ignore[attr-defined]
     tiny = load_spec_for(settings, "tiny")  # type: ignore[arg-type]
     assert tiny.origin is not None and tiny.origin.path == "tiny.yaml"
+
+
+def test_the_shipped_kubernetes_specs_configmap_is_a_source_the_pod_mounts(
+    tmp_path: Path,
+) -> None:
+    """deploy/kubernetes: the trainbot-specs ConfigMap is mounted where the settings'
+    TRAINBOT_SPEC_SOURCES looks, and each of its files is a spec that loads (written out
+    one file per key, as the kubelet mounts it)."""
+    from tests.deploy.kube import KUBERNETES, render_here
+
+    docs = {(o["kind"], o["metadata"]["name"]): o for o in render_here(KUBERNETES)}
+    sources = docs[("ConfigMap", "trainbot")]["data"]["TRAINBOT_SPEC_SOURCES"]
+    pod = docs[("Deployment", "trainbot")]["spec"]["template"]["spec"]
+    (volume,) = [
+        v for v in pod["volumes"] if v.get("configMap", {}).get("name") == "trainbot-specs"
+    ]
+    (container,) = pod["containers"]
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+    assert mount["readOnly"] is True
+    assert sources.split(",")[0] == f"team={mount['mountPath']}"
+
+    mounted = tmp_path / "mounted"
+    mounted.mkdir()
+    files = docs[("ConfigMap", "trainbot-specs")]["data"]
+    for key, text in files.items():
+        (mounted / key).write_text(text)
+    settings = settings_for(
+        tmp_path / "state",
+        TRAINBOT_SPEC_SOURCES=sources.replace(mount["mountPath"], str(mounted)),
+    )
+    listed = catalog_for(settings)  # type: ignore[arg-type]
+    assert sorted(s.name for s in listed.specs) == sorted(k.removesuffix(".yaml") for k in files)
+    for spec in listed.specs:
+        loaded = load_spec_for(settings, spec.name)  # type: ignore[arg-type]
+        assert loaded.origin is not None and loaded.origin.source == "team"
