@@ -17,29 +17,22 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from sqlmodel import select
 
 from bot import client
-from bot.slack_notifier import SlackNotifier
-from bot.slack_wsgi import attach
-from jobs.bootstrap import ControlPlane
 from jobs.db import session_scope
 from jobs.lifecycle import RunState
 from jobs.models import ApiToken, Run
-from jobs.notify import CallbackJournal
-from jobs.settings import load_settings
 from tests.bot.test_slack_app import (
     ADA,
     BOB,
     CHANNEL,
-    SECRET,
     TOKEN,
-    ResponseUrls,
     Slack,
-    terminate_instances,
+    slack_plane,
+    slack_settings,
     wait_until,
 )
 from tests.fakes.slack_api import FakeSlack
@@ -68,35 +61,11 @@ def served(tmp_path: Path) -> Iterator[Slack]:
     fake.add_usergroup("S0LEADS", "ml-leads", [])
     fake.add_channel(CHANNEL, "ml-training", members=[ADA, BOB])
     fake.add_channel(ELSEWHERE, "ml-vision", members=[ERIN])
-    hooks = ResponseUrls()
-    notifier = SlackNotifier(fake.client(TOKEN), min_interval_s=0.02, backoff_s=0.05)
-    records: list[dict[str, Any]] = []
-    journal = CallbackJournal(lambda t, run, data: records.append({"type": t, "run": run, **data}))
-    settings = load_settings(
-        {
-            "TRAINBOT_STATE_DIR": str(tmp_path / "state"),
-            "TRAINBOT_INGEST_PORT": "0",
-            "TRAINBOT_LOCAL_TERMINATION_WINDOW_S": "5",
-            "TRAINBOT_NOTIFIER": "slack",
-            "TRAINBOT_SLACK_SIGNING_SECRET": SECRET,
-            "TRAINBOT_SLACK_BOT_TOKEN": TOKEN,
-            "TRAINBOT_ALLOWED_CHANNELS": f"{CHANNEL},{ELSEWHERE}",
-            "TRAINBOT_LAUNCHERS": ADA,
-            "TRAINBOT_ADMINS": "@ml-leads",
-        }
+    settings = slack_settings(
+        tmp_path / "state", channels=f"{CHANNEL},{ELSEWHERE}", launchers=ADA, local_cores=None
     )
-    cp = ControlPlane(settings, notifier=notifier, journal=journal, scheduler=False)
-    front = attach(cp, client=fake.client(TOKEN), notifier=notifier)
-    cp.start()
-    try:
-        yield Slack(cp=cp, fake=fake, hooks=hooks, notifier=notifier, front=front, records=records)
-    finally:
-        front.close()
-        cp.close()
-        terminate_instances(cp)
-        notifier.close(timeout=5)
-        hooks.close()
-        fake.close()
+    with slack_plane(fake, settings) as slack:
+        yield slack
 
 
 def token_from_slack(s: Slack, user: str, *, channel: str = CHANNEL, name: str = "cli") -> str:

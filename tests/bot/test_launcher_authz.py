@@ -53,11 +53,11 @@ from tests.bot.test_security import (
 )
 from tests.bot.test_slack_app import (
     FAST,
-    SECRET,
     TEAM,
     TOKEN,
     ResponseUrls,
     Slack,
+    slack_settings,
     terminate_instances,
     wait_until,
 )
@@ -91,18 +91,8 @@ class Deployment:
         journal = CallbackJournal(
             lambda t, run, data: self.records.append({"type": t, "run": run, **data})
         )
-        settings = load_settings(
-            {
-                "TRAINBOT_STATE_DIR": str(self.state),
-                "TRAINBOT_INGEST_PORT": "0",
-                "TRAINBOT_LOCAL_TERMINATION_WINDOW_S": "5",
-                "TRAINBOT_NOTIFIER": "slack",
-                "TRAINBOT_SLACK_SIGNING_SECRET": SECRET,
-                "TRAINBOT_SLACK_BOT_TOKEN": TOKEN,
-                "TRAINBOT_ALLOWED_CHANNELS": f"{TRAIN},{PRIVATE}",
-                "TRAINBOT_LAUNCHERS": launchers,
-                "TRAINBOT_ADMINS": "@ml-leads",
-            }
+        settings = slack_settings(
+            self.state, channels=f"{TRAIN},{PRIVATE}", launchers=launchers, local_cores=None
         )
         cp = ControlPlane(settings, notifier=notifier, journal=journal, scheduler=False)
         front = attach(cp, client=self.fake.client(TOKEN), notifier=notifier)

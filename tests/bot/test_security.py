@@ -25,10 +25,7 @@ from sqlmodel import select
 
 from bot.auth import Authorizer, Caller, Policy, redact_command
 from bot.listeners.runs import EXTERNAL_DENIED, LAUNCH_DENIED, ONCALL_DENIED
-from bot.slack_notifier import SlackNotifier
-from bot.slack_wsgi import attach
 from jobs import alerts
-from jobs.bootstrap import ControlPlane
 from jobs.db import session_scope
 from jobs.lifecycle import RunState
 from jobs.models import Alert, AlertState, OnCall, Run
@@ -43,9 +40,9 @@ from tests.bot.test_slack_app import (
     SECRET,
     TEAM,
     TOKEN,
-    ResponseUrls,
     Slack,
-    terminate_instances,
+    slack_plane,
+    slack_settings,
     wait_until,
 )
 from tests.fakes.slack_api import FakeSlack
@@ -68,35 +65,14 @@ def slack(tmp_path: Path) -> Iterator[Slack]:
     fake.add_channel(TRAIN, "ml-training", members=[ADA, CAROL, EVE, MALLORY])
     fake.add_channel(VISION, "vision", members=[BOB])
     fake.add_channel(RANDOM, "random", members=[ADA, BOB])
-    hooks = ResponseUrls()
-    notifier = SlackNotifier(fake.client(TOKEN), min_interval_s=0.02, backoff_s=0.05)
-    records: list[dict[str, Any]] = []
-    journal = CallbackJournal(lambda t, run, data: records.append({"type": t, "run": run, **data}))
-    settings = load_settings(
-        {
-            "TRAINBOT_STATE_DIR": str(tmp_path / "state"),
-            "TRAINBOT_INGEST_PORT": "0",
-            "TRAINBOT_LOCAL_TERMINATION_WINDOW_S": "5",
-            "TRAINBOT_NOTIFIER": "slack",
-            "TRAINBOT_SLACK_SIGNING_SECRET": SECRET,
-            "TRAINBOT_SLACK_BOT_TOKEN": TOKEN,
-            "TRAINBOT_ALLOWED_CHANNELS": f"{TRAIN},{VISION}",
-            "TRAINBOT_LAUNCHERS": f"{ADA},{BOB},@ml-leads",
-            "TRAINBOT_ADMINS": "@ml-leads",
-        }
+    settings = slack_settings(
+        tmp_path / "state",
+        channels=f"{TRAIN},{VISION}",
+        launchers=f"{ADA},{BOB},@ml-leads",
+        local_cores=None,
     )
-    cp = ControlPlane(settings, notifier=notifier, journal=journal, scheduler=False)
-    front = attach(cp, client=fake.client(TOKEN), notifier=notifier)
-    cp.start()
-    try:
-        yield Slack(cp=cp, fake=fake, hooks=hooks, notifier=notifier, front=front, records=records)
-    finally:
-        front.close()
-        cp.close()
-        terminate_instances(cp)
-        notifier.close(timeout=5)
-        hooks.close()
-        fake.close()
+    with slack_plane(fake, settings) as slack:
+        yield slack
 
 
 def command(

@@ -17,9 +17,9 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
@@ -42,6 +42,7 @@ from jobs.replica_tables import CommandLog
 from jobs.rules import Severity, Signal
 from jobs.runs import active_attempt, alert_target
 from jobs.settings import Settings, load_settings
+from tests.fakes.loopback import LoopbackServer, QuietHandler, read_body, reply
 from tests.fakes.slack_api import FakeMessage, FakeSlack
 from tests.waiting import wait_until
 
@@ -72,25 +73,16 @@ class ResponseUrls:
         self.posts: list[tuple[str, dict[str, Any]]] = []
         outer = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_POST(self) -> None:
-                length = int(self.headers.get("Content-Length") or 0)
-                body = json.loads(self.rfile.read(length) or b"{}")
+                body = json.loads(read_body(self) or b"{}")
                 with outer.cond:
                     outer.posts.append((self.path, body))
                     outer.cond.notify_all()
-                self.send_response(200)
-                self.send_header("Content-Length", "2")
-                self.end_headers()
-                self.wfile.write(b"ok")
+                reply(self, 200, b"ok", None)
 
-            def log_message(self, format: str, *args: Any) -> None:
-                return None
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.server = LoopbackServer(Handler)
+        self.url = self.server.url
 
     def to(self, path: str) -> list[dict[str, Any]]:
         with self.cond:
@@ -103,8 +95,7 @@ class ResponseUrls:
             return next(body for p, body in self.posts if p == path)
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.server.close()
 
 
 @dataclass
@@ -275,20 +266,30 @@ class Slack:
             return runs[0].id
 
 
-def slack_settings(state: Path) -> Settings:
-    return load_settings(
-        {
-            "TRAINBOT_STATE_DIR": str(state),
-            "TRAINBOT_INGEST_PORT": "0",
-            "TRAINBOT_LOCAL_TERMINATION_WINDOW_S": "5",
-            "TRAINBOT_LOCAL_CORES": "8",
-            "TRAINBOT_NOTIFIER": "slack",
-            "TRAINBOT_SLACK_SIGNING_SECRET": SECRET,
-            "TRAINBOT_SLACK_BOT_TOKEN": TOKEN,
-            "TRAINBOT_ALLOWED_CHANNELS": f"{CHANNEL},#ml-training",
-            "TRAINBOT_ADMINS": "@ml-leads",
-        }
-    )
+def slack_settings(
+    state: Path,
+    *,
+    channels: str = f"{CHANNEL},#ml-training",
+    launchers: str | None = None,
+    local_cores: str | None = "8",
+) -> Settings:
+    """A local control plane that answers Slack with this app's secret and token; admins
+    through @ml-leads; ``launchers`` (None: everyone) may launch."""
+    env = {
+        "TRAINBOT_STATE_DIR": str(state),
+        "TRAINBOT_INGEST_PORT": "0",
+        "TRAINBOT_LOCAL_TERMINATION_WINDOW_S": "5",
+        "TRAINBOT_NOTIFIER": "slack",
+        "TRAINBOT_SLACK_SIGNING_SECRET": SECRET,
+        "TRAINBOT_SLACK_BOT_TOKEN": TOKEN,
+        "TRAINBOT_ALLOWED_CHANNELS": channels,
+        "TRAINBOT_ADMINS": "@ml-leads",
+    }
+    if launchers is not None:
+        env["TRAINBOT_LAUNCHERS"] = launchers
+    if local_cores is not None:
+        env["TRAINBOT_LOCAL_CORES"] = local_cores
+    return load_settings(env)
 
 
 def terminate_instances(cp: ControlPlane) -> None:
@@ -300,21 +301,15 @@ def terminate_instances(cp: ControlPlane) -> None:
             provider.terminate(instance.instance_id)
 
 
-@pytest.fixture
-def slack(tmp_path: Path) -> Iterator[Slack]:
-    fake = FakeSlack(
-        tokens=[TOKEN], post_interval_s=0.02, burst=5, whole_second_retry_after=False
-    ).start()
-    fake.add_usergroup("S0LEADS", "ml-leads", [CAROL])
-    fake.add_channel(CHANNEL, "ml-training", members=[ADA, BOB, CAROL])
-    fake.add_channel(OTHER_CHANNEL, "random", members=[ADA, BOB, CAROL])
+@contextmanager
+def slack_plane(fake: FakeSlack, settings: Settings) -> Iterator[Slack]:
+    """The control plane of ``settings`` with the Slack app on ``fake``, started; at the
+    end stopped, the instances it left terminated and ``fake`` closed."""
     hooks = ResponseUrls()
     notifier = SlackNotifier(fake.client(TOKEN), min_interval_s=0.02, backoff_s=0.05)
     records: list[dict[str, Any]] = []
     journal = CallbackJournal(lambda t, run, data: records.append({"type": t, "run": run, **data}))
-    cp = ControlPlane(
-        slack_settings(tmp_path / "state"), notifier=notifier, journal=journal, scheduler=False
-    )
+    cp = ControlPlane(settings, notifier=notifier, journal=journal, scheduler=False)
     front = attach(cp, client=fake.client(TOKEN), notifier=notifier)
     cp.start()
     try:
@@ -326,6 +321,18 @@ def slack(tmp_path: Path) -> Iterator[Slack]:
         notifier.close(timeout=5)
         hooks.close()
         fake.close()
+
+
+@pytest.fixture
+def slack(tmp_path: Path) -> Iterator[Slack]:
+    fake = FakeSlack(
+        tokens=[TOKEN], post_interval_s=0.02, burst=5, whole_second_retry_after=False
+    ).start()
+    fake.add_usergroup("S0LEADS", "ml-leads", [CAROL])
+    fake.add_channel(CHANNEL, "ml-training", members=[ADA, BOB, CAROL])
+    fake.add_channel(OTHER_CHANNEL, "random", members=[ADA, BOB, CAROL])
+    with slack_plane(fake, slack_settings(tmp_path / "state")) as slack:
+        yield slack
 
 
 # ----------------------------------------------------------------------------- tests

@@ -25,12 +25,10 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime, timedelta, timezone
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode, urlsplit
@@ -48,6 +46,7 @@ from jobs.providers.base import InstanceInfo, InstanceState
 from jobs.providers.local import LocalProvider
 from jobs.replica_tables import LEADER_LEASE, DeferredWork, SchedulerLease, SlackOutbox
 from tests.bot.test_slack_app import ResponseUrls, sign
+from tests.fakes.loopback import LoopbackServer, QuietHandler, read_body, reply
 from tests.fakes.slack_api import FakeSlack
 from tests.jobs.conftest import POSTGRES_URL_ENV, _with_search_path
 from tests.waiting import wait_until
@@ -94,12 +93,11 @@ class FirstAlive:
         self.backends: list[str] = []
         outer = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             protocol_version = "HTTP/1.1"
 
             def _forward(self) -> None:
-                length = int(self.headers.get("Content-Length") or 0)
-                body = self.rfile.read(length) if length else b""
+                body = read_body(self)
                 headers = {
                     k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")
                 }
@@ -114,31 +112,18 @@ class FirstAlive:
                         continue  # dead: the next one
                     finally:
                         conn.close()
-                    self.send_response(answer.status)
-                    for k, v in answer.getheaders():
-                        if k.lower() not in ("transfer-encoding", "connection", "content-length"):
-                            self.send_header(k, v)
-                    self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    self.wfile.write(data)
-                    return
-                self.send_response(503)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
+                    skip = ("transfer-encoding", "connection", "content-length")
+                    headers = [(k, v) for k, v in answer.getheaders() if k.lower() not in skip]
+                    return reply(self, answer.status, data, None, headers=headers)
+                reply(self, 503, b"", None)
 
             do_GET = do_POST = _forward
 
-            def log_message(self, format: str, *args: Any) -> None:
-                return None
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.server = LoopbackServer(Handler)
+        self.url = self.server.url
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.server.close()
 
 
 class Cluster:
