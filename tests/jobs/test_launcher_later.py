@@ -7,7 +7,6 @@ provider starts the real processes.
 
 from __future__ import annotations
 
-import io
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,19 +15,18 @@ import pytest
 from sqlalchemy import Engine
 from sqlmodel import select
 
-from bot.console import ConsoleNotifier
 from jobs import tasks
 from jobs.db import session_scope
 from jobs.deps import Deps
 from jobs.lifecycle import AttemptState, RunState
 from jobs.models import Attempt, Run
-from jobs.notify import CallbackJournal
 from jobs.providers.local import LocalProvider
 from jobs.runs import resubmit_if_due
 from jobs.runs.launch import LAUNCHER_REMOVED
 from jobs.service import preflight_then_launch
 from jobs.settings import Settings
 from jobs.spec import JobSpec
+from tests.jobs.local_plane import local_deps
 
 CHANNEL = "C0TRAIN"
 
@@ -55,30 +53,10 @@ def deps(
     db_engine: Engine, settings: Settings, tmp_path: Path, launchers: LauncherList
 ) -> Iterator[Deps]:
     """The use-cases with background work run at once, and ``launchers`` as the list."""
-    records: list[dict[str, Any]] = []
-    provider = LocalProvider(tmp_path / "local", gpu_names=[])
-    deps = Deps(
-        settings=settings,
-        engine=db_engine,
-        provider=provider,
-        notifier=ConsoleNotifier(io.StringIO()),
-        journal=CallbackJournal(
-            lambda t, run, data: records.append({"type": t, "run": run, **data})
-        ),
-        may_launch=launchers,
-    )
-    deps.records = records  # type: ignore[attr-defined]
-
-    def background(fn: Any, /, *args: Any, **kwargs: Any) -> None:
-        fn(*args, **kwargs)
-
-    deps.background = background  # type: ignore[method-assign,assignment]
-    yield deps
-    deps.close()
-    for instance in provider.list_instances():
-        if not instance.state.is_terminal():
-            provider.terminate(instance.instance_id)
-    provider.close()
+    with local_deps(
+        settings, db_engine, tmp_path, gpu_names=[], at_once=True, may_launch=launchers
+    ) as made:
+        yield made
 
 
 def new_run(deps: Deps, *, requester: str, state: RunState, **spec: Any) -> str:

@@ -13,7 +13,6 @@ the price drops.
 
 from __future__ import annotations
 
-import io
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,14 +22,12 @@ import pytest
 from sqlalchemy import Engine
 from sqlmodel import col, select
 
-from bot.console import ConsoleNotifier
 from bot.dispatch import handle_text
 from jobs import tasks
 from jobs.db import session_scope
 from jobs.deps import Deps
 from jobs.lifecycle import AttemptState, RunState
 from jobs.models import Attempt, Run
-from jobs.notify import CallbackJournal
 from jobs.providers.local import LocalProvider
 from jobs.runs import resubmit_if_due
 from jobs.service import Actor
@@ -39,6 +36,7 @@ from jobs.spec import JobSpec
 from tests.bot import test_slack_app
 from tests.bot.test_slack_app import ADA, BOB, CHANNEL, Slack, wait_until
 from tests.jobs import test_resubmit_from
+from tests.jobs.local_plane import local_deps
 from tests.jobs.test_resubmit_from import write_checkpoints
 
 slack = test_slack_app.slack
@@ -179,24 +177,8 @@ def test_max_price_waits_until_the_price_drops_then_launches(slack: Slack, tmp_p
 def deps(db_engine: Engine, settings: Settings, tmp_path: Path) -> Iterator[Deps]:
     """The control plane's use-cases through the console's dispatcher; background work
     runs at once (the checks), and the local provider has no GPU."""
-    records: list[dict[str, Any]] = []
-    deps = Deps(
-        settings=settings,
-        engine=db_engine,
-        provider=LocalProvider(tmp_path / "local", gpu_names=[]),
-        notifier=ConsoleNotifier(io.StringIO()),
-        journal=CallbackJournal(
-            lambda t, run, data: records.append({"type": t, "run": run, **data})
-        ),
-    )
-    deps.records = records  # type: ignore[attr-defined]
-
-    def background(fn: Any, /, *args: Any, **kwargs: Any) -> None:
-        fn(*args, **kwargs)
-
-    deps.background = background  # type: ignore[method-assign,assignment]
-    yield deps
-    deps.close()
+    with local_deps(settings, db_engine, tmp_path, gpu_names=[], at_once=True) as made:
+        yield made
 
 
 def test_a_resources_change_runs_quota_capacity_and_locality_again(

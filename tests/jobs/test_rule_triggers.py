@@ -8,7 +8,6 @@ in this file, through the real ingest path (signed batches to the service that
 
 from __future__ import annotations
 
-import io
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,6 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine
 
-from bot.console import ConsoleNotifier
 from jobs import alerts
 from jobs.bootstrap import build_ingest
 from jobs.db import session_scope
@@ -25,7 +23,6 @@ from jobs.errors import TrainbotError
 from jobs.ingest import IngestService
 from jobs.lifecycle import AttemptState, RunState
 from jobs.models import Attempt, Run, hash_token
-from jobs.providers.local import LocalProvider
 from jobs.rules import (
     RULES,
     AlertThresholds,
@@ -42,6 +39,7 @@ from jobs.rules.base import Thresholded, Verdict, of_type
 from jobs.settings import Settings
 from runner.wire import Event as WireEvent
 from runner.wire import encode_batch
+from tests.jobs.local_plane import local_deps
 
 TOKEN = "tok-trigger"
 
@@ -93,14 +91,8 @@ def registered() -> Iterator[Callable[[Any], None]]:
 
 @pytest.fixture
 def deps(db_engine: Engine, settings: Settings, tmp_path: Path) -> Iterator[Deps]:
-    built = Deps(
-        settings=settings,
-        engine=db_engine,
-        provider=LocalProvider(tmp_path / "local"),
-        notifier=ConsoleNotifier(io.StringIO()),
-    )
-    yield built
-    built.close()
+    with local_deps(settings, db_engine, tmp_path) as made:
+        yield made
 
 
 def running_attempt(deps: Deps) -> tuple[str, str]:
@@ -162,10 +154,12 @@ def test_every_registered_rule_says_when_it_is_evaluated() -> None:
     # built-in rules are evaluated where they always were.
     by_trigger = {t: {r.name for r in rules_on(t, AlertThresholds())} for t in Trigger}
     assert by_trigger == {
-        Trigger.STREAM: {"divergent_loss", "low_utilisation", "disk"},
+        Trigger.STREAM: {"divergent_loss", "low_utilisation", "disk", "metric_threshold"},
         Trigger.PREEMPTED: {"preemption", "repeated_preemptions"},
         Trigger.RESUBMITTED: {"auto_resubmit"},
         Trigger.SILENT: {"lost_heartbeat"},
+        Trigger.PERIODIC: {"hung"},
+        Trigger.SCRIPT: {"script_alert"},
     }
     assert [r.name for r in default_rules(AlertThresholds())] == list(RULES)
 

@@ -4,7 +4,6 @@ and reads back (runner.env)."""
 
 from __future__ import annotations
 
-import io
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,16 +11,14 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine
 
-from bot.console import ConsoleNotifier
 from jobs.deps import Deps
 from jobs.models import Attempt, Run
-from jobs.notify import CallbackJournal
-from jobs.providers.local import LocalProvider
 from jobs.runs.launch import runner_env
 from jobs.settings import Settings
 from jobs.spec import parse_spec
 from runner import env as contract
 from runner.session.config import SessionConfig
+from tests.jobs.local_plane import local_deps
 
 #: What a person may put in a spec's env: any text, and the one tunable runner knob.
 SPEC_ENV = {
@@ -34,17 +31,8 @@ SPEC_ENV = {
 
 @pytest.fixture
 def deps(db_engine: Engine, settings: Settings, tmp_path: Path) -> Iterator[Deps]:
-    provider = LocalProvider(tmp_path / "local")
-    d = Deps(
-        settings=settings,
-        engine=db_engine,
-        provider=provider,
-        notifier=ConsoleNotifier(io.StringIO()),
-        journal=CallbackJournal(lambda t, run, data: None),
-    )
-    yield d
-    d.close()
-    provider.close()
+    with local_deps(settings, db_engine, tmp_path) as made:
+        yield made
 
 
 def test_the_spec_env_passes_through_and_every_runner_variable_is_the_contracts(

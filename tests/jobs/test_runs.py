@@ -20,9 +20,7 @@ from jobs.deps import Deps
 from jobs.errors import SpecError
 from jobs.lifecycle import AttemptState, RunState
 from jobs.models import Alert, Attempt, EventRow, Run
-from jobs.notify import CallbackJournal
 from jobs.providers.base import ZoneCapacity
-from jobs.providers.local import LocalProvider
 from jobs.runs import (
     end_attempt,
     launch_attempt,
@@ -34,38 +32,15 @@ from jobs.runs.placement import NO_CAPACITY, NoPlacement, Placement, decide
 from jobs.settings import Settings
 from jobs.spec import JobSpec, parse_spec
 from jobs.tasks import run_summary
+from tests.jobs.local_plane import Clock, local_deps
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
 
 
-class Clock:
-    """The control plane's clock, moved by the test."""
-
-    def __init__(self, now: datetime) -> None:
-        self.now = now
-
-    def __call__(self) -> datetime:
-        return self.now
-
-
 @pytest.fixture
 def deps(db_engine: Engine, settings: Settings, tmp_path: Path) -> Iterator[Deps]:
-    records: list[dict[str, Any]] = []
-    provider = LocalProvider(tmp_path / "local")
-    d = Deps(
-        settings=settings,
-        engine=db_engine,
-        provider=provider,
-        notifier=ConsoleNotifier(io.StringIO()),
-        journal=CallbackJournal(lambda t, run, data: records.append({"type": t, **data})),
-    )
-    d.records = records  # type: ignore[attr-defined]
-    yield d
-    d.close()
-    for inst in provider.list_instances():
-        if not inst.state.is_terminal():
-            provider.terminate(inst.instance_id)
-    provider.close()
+    with local_deps(settings, db_engine, tmp_path) as made:
+        yield made
 
 
 def _spec(**extra: Any) -> dict[str, Any]:

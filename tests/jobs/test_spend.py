@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 from collections.abc import Iterator
 from datetime import date, datetime, timedelta, timezone
@@ -14,13 +13,11 @@ import pytest
 from sqlalchemy import Engine
 from sqlmodel import Session, select
 
-from bot.console import ConsoleNotifier
 from jobs.db import session_scope
 from jobs.deps import Deps
 from jobs.errors import TrainbotError
 from jobs.lifecycle import AttemptState, RunState
 from jobs.models import Alert, Attempt, Budget, Run, SpendRecord
-from jobs.providers.local import LocalProvider
 from jobs.settings import Settings
 from jobs.severity import Severity
 from jobs.spec import JobSpec
@@ -35,6 +32,7 @@ from jobs.spend import (
     team_spent,
 )
 from jobs.tasks import spend_job
+from tests.jobs.local_plane import local_deps
 
 T0 = datetime(2024, 5, 14, 10, 0, tzinfo=timezone.utc)
 NEW_YORK = ZoneInfo("America/New_York")  # UTC-4 in May
@@ -507,15 +505,9 @@ def spec_with(**budget: Any) -> dict[str, Any]:
 
 @pytest.fixture
 def deps(db_engine: Engine, settings: Settings, tmp_path: Path) -> Iterator[Deps]:
-    deps = Deps(
-        settings=settings,
-        engine=db_engine,
-        provider=LocalProvider(tmp_path / "local"),
-        notifier=ConsoleNotifier(io.StringIO()),
-        clock=lambda: T0,  # the attempts start at T0: accrual adds nothing to the spend
-    )
-    yield deps
-    deps.close()
+    # The attempts start at T0: accrual adds nothing to the spend.
+    with local_deps(settings, db_engine, tmp_path, clock=lambda: T0) as made:
+        yield made
 
 
 def budget_alerts(engine: Engine, run_id: str) -> dict[str, Alert]:

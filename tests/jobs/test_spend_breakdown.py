@@ -34,6 +34,7 @@ from jobs.tasks import prune_run, run_summary
 from runner.checkpoint import CheckpointWriter
 from runner.store import run_store
 from tests.fakes import aws as fake_aws
+from tests.jobs.local_plane import local_deps
 
 GIB = BILLED_GB
 NOW = datetime(2024, 5, 15, 13, 0, tzinfo=timezone.utc)
@@ -258,15 +259,8 @@ def test_an_on_demand_attempt_without_a_spot_price_is_counted_as_unknown(
 
 @pytest.fixture
 def deps(db_engine: Engine, settings: Settings, tmp_path: Path) -> Iterator[Deps]:
-    deps = Deps(
-        settings=settings,
-        engine=db_engine,
-        provider=LocalProvider(tmp_path / "local"),
-        notifier=ConsoleNotifier(io.StringIO()),
-        clock=lambda: utc(15, 0),
-    )
-    yield deps
-    deps.close()
+    with local_deps(settings, db_engine, tmp_path, clock=lambda: utc(15, 0)) as made:
+        yield made
 
 
 def test_the_final_summary_splits_the_runs_badput_and_its_storage(

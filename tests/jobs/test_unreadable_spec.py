@@ -3,7 +3,6 @@ by hand) is skipped and flagged by the passes over every run; the others go on."
 
 from __future__ import annotations
 
-import io
 import sys
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
@@ -14,49 +13,24 @@ import pytest
 from sqlalchemy import Engine
 from sqlmodel import select
 
-from bot.console import ConsoleNotifier
 from jobs.db import session_scope
 from jobs.deps import Deps
 from jobs.lifecycle import AttemptState, RunState
 from jobs.models import Alert, Attempt, Run, SpendRecord
-from jobs.notify import CallbackJournal
-from jobs.providers.local import LocalProvider
 from jobs.runs import end_attempt, reconcile
 from jobs.settings import Settings
 from jobs.tasks import cleanup_job, spend_job
+from tests.jobs.local_plane import Clock, local_deps
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
 #: A spec that once validated: its command is empty now, its budget section is a string.
 BROKEN: dict[str, Any] = {"name": "old", "command": [], "budget": "lots"}
 
 
-class Clock:
-    def __init__(self, now: datetime) -> None:
-        self.now = now
-
-    def __call__(self) -> datetime:
-        return self.now
-
-
 @pytest.fixture
 def deps(db_engine: Engine, settings: Settings, tmp_path: Path) -> Iterator[Deps]:
-    records: list[dict[str, Any]] = []
-    provider = LocalProvider(tmp_path / "local")
-    d = Deps(
-        settings=settings,
-        engine=db_engine,
-        provider=provider,
-        notifier=ConsoleNotifier(io.StringIO()),
-        journal=CallbackJournal(lambda t, run, data: records.append({"type": t, "run": run})),
-        clock=Clock(T0),
-    )
-    d.records = records  # type: ignore[attr-defined]
-    yield d
-    d.close()
-    for inst in provider.list_instances():
-        if not inst.state.is_terminal():
-            provider.terminate(inst.instance_id)
-    provider.close()
+    with local_deps(settings, db_engine, tmp_path, clock=Clock(T0)) as made:
+        yield made
 
 
 def _good_spec(**extra: Any) -> dict[str, Any]:
