@@ -372,32 +372,26 @@ def save_environment(plan: SetupPlan, store: Store, key: str, *, setup_s: float)
 
 def restore_environment(plan: SetupPlan, store: Store, key: str) -> str | None:
     """Restore the archive for ``key``; None when restored, else why it could not be
-    (then setup runs)."""
+    (then setup runs). Nothing is moved into the code directory before the archive's
+    sha256 matches its manifest."""
     try:
         manifest = json.loads(store.get_bytes(f"{ENV_DIR}/{key}.json"))
     except (StoreError, ValueError, OSError):
         return "no archived environment for this key yet"
-    digest = hashlib.sha256()
-    size = 0
     parent = plan.code_dir.parent
+    parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".trainbot-env-", dir=parent) as tmp:
-        blob = Path(tmp) / "env.tar.gz"
+        unpacked = Path(tmp) / "x"
+        unpacked.mkdir()
         try:
-            with store.open_read(f"{ENV_DIR}/{key}.tar.gz") as stream, open(blob, "wb") as out:
-                while chunk := stream.read(1 << 20):
-                    digest.update(chunk)
-                    size += len(chunk)
-                    out.write(chunk)
+            with store.open_read(f"{ENV_DIR}/{key}.tar.gz") as stream:
+                digest, size, unpack_error = _unpack(stream, unpacked, Path(tmp))
         except (StoreError, OSError) as exc:
             return f"the archived environment could not be read ({exc})"
-        if digest.hexdigest() != manifest.get("sha256") or size != manifest.get("bytes"):
+        if digest != manifest.get("sha256") or size != manifest.get("bytes"):
             return "the archived environment is corrupt (its sha256 does not match its manifest)"
-        unpacked = Path(tmp) / "x"
-        try:
-            with tarfile.open(blob, mode="r:gz") as tar:
-                tar.extractall(unpacked, filter="tar")
-        except (tarfile.TarError, OSError, EOFError) as exc:
-            return f"the archived environment could not be unpacked ({exc})"
+        if unpack_error is not None:
+            return f"the archived environment could not be unpacked ({unpack_error})"
         for member in manifest.get("members", []):
             source = unpacked / member
             where, _, rest = str(member).partition("/")
@@ -412,6 +406,60 @@ def restore_environment(plan: SetupPlan, store: Store, key: str) -> str | None:
             if old and old != str(plan.code_dir):
                 _relocate(target, old.encode(), str(plan.code_dir).encode())
     return None
+
+
+def _unpack(stream: IO[bytes], dest: Path, tmp: Path) -> tuple[str, int, str | None]:
+    """Unpack the tar.gz ``stream`` into ``dest`` as it is read: (its sha256, its bytes,
+    why it could not be unpacked or None). GNU tar, where there is one, unpacks while the
+    archive downloads (C, and the download and the unpacking overlap); otherwise the
+    archive is downloaded to ``tmp`` first and unpacked by :mod:`tarfile`."""
+    digest = hashlib.sha256()
+    size = 0
+    tar = shutil.which("tar")
+    if tar is None:
+        blob = tmp / "env.tar.gz"
+        with open(blob, "wb") as out:
+            while chunk := stream.read(1 << 20):
+                digest.update(chunk)
+                size += len(chunk)
+                out.write(chunk)
+        try:
+            with tarfile.open(blob, mode="r:gz") as archive:
+                archive.extractall(dest, filter="tar")
+        except (tarfile.TarError, OSError, EOFError) as exc:
+            return digest.hexdigest(), size, str(exc)
+        return digest.hexdigest(), size, None
+    # tar's messages go to a file, not a pipe, so that tar never waits on them.
+    with tempfile.TemporaryFile(dir=tmp) as said:
+        proc = subprocess.Popen(
+            [tar, "-x", "-z", "-f", "-", "-C", str(dest), "--no-same-owner"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=said,
+        )
+        assert proc.stdin is not None
+        feeding = True
+        try:
+            while chunk := stream.read(1 << 20):
+                digest.update(chunk)
+                size += len(chunk)
+                if feeding:
+                    try:
+                        proc.stdin.write(chunk)
+                    except BrokenPipeError:
+                        feeding = False  # tar gave up; the digest is still read to the end
+            with contextlib.suppress(BrokenPipeError):
+                proc.stdin.close()
+            code = proc.wait()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        said.seek(0)
+        errors = said.read().decode("utf-8", errors="replace").strip()
+    if code != 0 or not feeding:
+        return digest.hexdigest(), size, f"tar exited {code}: {errors[-300:] or 'no message'}"
+    return digest.hexdigest(), size, None
 
 
 def _relocate(root: Path, old: bytes, new: bytes) -> None:

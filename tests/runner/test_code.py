@@ -88,11 +88,17 @@ def test_a_corrupt_code_archive_is_refused(tmp_path: Path) -> None:
         fetch_archive(uri, tmp_path / "out")
 
 
+@pytest.mark.parametrize("unpacker", ["gnu-tar", "tarfile"])
 def test_the_environment_falls_back_to_setup_when_its_archive_is_corrupt_or_gone(
-    tmp_path: Path,
+    tmp_path: Path, unpacker: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """With GNU tar (fed as the archive downloads) and without it (Python's tarfile)."""
     runs = tmp_path / "runs.txt"
     store = open_store(tmp_path / "store")
+    environ = dict(os.environ)  # setup's own PATH, whatever the runner's is
+    if unpacker == "tarfile":  # a machine without tar: the runner's PATH finds none
+        (tmp_path / "no-tar").mkdir()
+        monkeypatch.setenv("PATH", str(tmp_path / "no-tar"))
 
     def plan(code: Path) -> SetupPlan:
         code.mkdir(parents=True, exist_ok=True)
@@ -104,20 +110,20 @@ def test_the_environment_falls_back_to_setup_when_its_archive_is_corrupt_or_gone
             paths=("built",),
         )
 
-    first = prepare_environment(plan(tmp_path / "i1"), os.environ, store=lambda: store)
+    first = prepare_environment(plan(tmp_path / "i1"), environ, store=lambda: store)
     assert first.how == "ran" and runs.read_text().count("x") == 1
     second = plan(tmp_path / "i2")
-    assert prepare_environment(second, os.environ, store=lambda: store).how == "restored"
+    assert prepare_environment(second, environ, store=lambda: store).how == "restored"
     # The restored files' absolute paths moved to the new code directory.
     assert (second.code_dir / "built" / "where").read_text().strip() == str(second.code_dir)
     key = environment_key(second)
     archive = tmp_path / "store" / ENV_DIR / f"{key}.tar.gz"
     archive.write_bytes(archive.read_bytes()[:-5] + b"xxxxx")
-    third = prepare_environment(plan(tmp_path / "i3"), os.environ, store=lambda: store)
+    third = prepare_environment(plan(tmp_path / "i3"), environ, store=lambda: store)
     assert third.how == "ran" and third.why is not None and "corrupt" in third.why
     archive.unlink()
     (tmp_path / "store" / ENV_DIR / f"{key}.json").unlink()
-    fourth = prepare_environment(plan(tmp_path / "i4"), os.environ, store=lambda: store)
+    fourth = prepare_environment(plan(tmp_path / "i4"), environ, store=lambda: store)
     assert fourth.how == "ran" and runs.read_text().count("x") == 3
     # Another requirements file is another key: setup runs.
     fifth = plan(tmp_path / "i5")
