@@ -44,7 +44,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from http.server import BaseHTTPRequestHandler
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from tests.fakes.loopback import ClosedOnExit, LoopbackServer, QuietHandler, read_body, reply
@@ -150,6 +150,29 @@ def _serve(route: Route) -> LoopbackServer:
     return LoopbackServer(handler, poll_interval=0.02)
 
 
+_T = TypeVar("_T")
+
+
+def _found(found: _T | None, resource: str) -> _T:
+    """``found``, or Compute's 404 for ``resource`` when it is not there."""
+    if found is None:
+        raise ApiError(404, "notFound", f"The resource '{resource}' was not found")
+    return found
+
+
+def _named(body: Mapping[str, Any], rule: str) -> str:
+    """The body's ``name``, or the 400 Compute answers for one it refuses, quoting
+    ``rule`` (the regex of the resource's kind, as its message says it)."""
+    name = str(body.get("name", ""))
+    if not _NAME.fullmatch(name):
+        raise ApiError(
+            400,
+            "invalid",
+            f"Invalid value for field 'resource.name': '{name}'. Must be a match of regex '{rule}'",
+        )
+    return name
+
+
 def _json(status: int, data: Any) -> tuple[int, bytes, str]:
     return status, json.dumps(data).encode(), "application/json; charset=UTF-8"
 
@@ -236,30 +259,17 @@ class FakeComputeApi(ClosedOnExit):
 
     def _image(self, project: str, rest: str) -> dict[str, Any]:
         """``images.get`` (``NAME``) and ``images.getFromFamily`` (``family/FAMILY``)."""
+        resource = f"projects/{project}/global/images/{rest}"
         with self._lock:
-            if rest.startswith("family/"):
-                family = rest[len("family/") :]
-                found = [
-                    i
-                    for (p, _), i in self.images.items()
-                    if p == project and i.get("family") == family and "deprecated" not in i
-                ]
-                if not found:
-                    raise ApiError(
-                        404,
-                        "notFound",
-                        f"The resource 'projects/{project}/global/images/family/{family}' "
-                        "was not found",
-                    )
-                return copy.deepcopy(found[-1])
-            image = self.images.get((project, rest))
-            if image is None:
-                raise ApiError(
-                    404,
-                    "notFound",
-                    f"The resource 'projects/{project}/global/images/{rest}' was not found",
-                )
-            return copy.deepcopy(image)
+            if not rest.startswith("family/"):
+                return copy.deepcopy(_found(self.images.get((project, rest)), resource))
+            family = rest[len("family/") :]
+            found = [
+                i
+                for (p, _), i in self.images.items()
+                if p == project and i.get("family") == family and "deprecated" not in i
+            ]
+            return copy.deepcopy(_found(found[-1] if found else None, resource))
 
     # -- lifetime ---------------------------------------------------------------------------
 
@@ -472,13 +482,7 @@ class FakeComputeApi(ClosedOnExit):
             ops = [o for (z, _), o in self._operations.items() if z == zone]
             return 200, self._list("compute#operationList", ops, query)
         if m := re.fullmatch(r"/operations/([^/]+)(/wait)?", sub):
-            self._check(["compute.zoneOperations.get"], f"{zp}/operations/{m.group(1)}")
-            op = self._operations.get((zone, m.group(1)))
-            if op is None:
-                raise ApiError(
-                    404, "notFound", f"The resource '{zp}/operations/{m.group(1)}' was not found"
-                )
-            return 200, copy.deepcopy(op)
+            return 200, self._get_operation("zone", zp, self._operations, (zone, m.group(1)))
         raise ApiError(404, "notFound", f"The requested URL /compute/v1/{p}{rest} was not found.")
 
     # -- permissions ------------------------------------------------------------------------
@@ -671,14 +675,7 @@ class FakeComputeApi(ClosedOnExit):
         return answer
 
     def _validate(self, zone: str, body: dict[str, Any]) -> None:
-        name = str(body.get("name", ""))
-        if not _NAME.fullmatch(name):
-            raise ApiError(
-                400,
-                "invalid",
-                f"Invalid value for field 'resource.name': '{name}'. Must be a match of regex "
-                "'(?:[a-z](?:[-a-z0-9]{0,61}[a-z0-9])?|[1-9][0-9]{0,19})'",
-            )
+        _named(body, "(?:[a-z](?:[-a-z0-9]{0,61}[a-z0-9])?|[1-9][0-9]{0,19})")
         for key, value in (body.get("labels") or {}).items():
             if not _LABEL_KEY.fullmatch(key) or not _LABEL_VALUE.fullmatch(str(value)):
                 raise ApiError(
@@ -805,27 +802,18 @@ class FakeComputeApi(ClosedOnExit):
         self._instances[(zone, name)] = inst
         return inst
 
+    def _instance(self, zone: str, name: str) -> dict[str, Any]:
+        resource = f"projects/{self.project}/zones/{zone}/instances/{name}"
+        return _found(self._instances.get((zone, name)), resource)
+
     def _get_instance(self, zone: str, name: str) -> dict[str, Any]:
         self._settle((zone, name))
-        inst = self._instances.get((zone, name))
-        if inst is None:
-            raise ApiError(
-                404,
-                "notFound",
-                f"The resource 'projects/{self.project}/zones/{zone}/instances/{name}' was not found",
-            )
-        return copy.deepcopy(inst)
+        return copy.deepcopy(self._instance(zone, name))
 
     def _delete(self, zone: str, name: str, request_id: str | None) -> dict[str, Any]:
         if request_id and request_id in self._request_ids:
             return copy.deepcopy(self._operations[self._request_ids[request_id]])
-        inst = self._instances.get((zone, name))
-        if inst is None:
-            raise ApiError(
-                404,
-                "notFound",
-                f"The resource 'projects/{self.project}/zones/{zone}/instances/{name}' was not found",
-            )
+        inst = self._instance(zone, name)
         op = self._operation(zone, inst, "delete", when=datetime.now(timezone.utc))
         if request_id:
             self._request_ids[request_id] = (zone, op["name"])
@@ -902,35 +890,16 @@ class FakeComputeApi(ClosedOnExit):
                 self._check(["compute.resourcePolicies.delete"], f"{rp}/resourcePolicies/{name}")
                 return 200, self._delete_policy(region, name)
         if m := re.fullmatch(r"/operations/([^/]+)(/wait)?", sub):
-            self._check(["compute.regionOperations.get"], f"{rp}/operations/{m.group(1)}")
-            op = self._region_operations.get((region, m.group(1)))
-            if op is None:
-                raise ApiError(
-                    404, "notFound", f"The resource '{rp}/operations/{m.group(1)}' was not found"
-                )
-            return 200, copy.deepcopy(op)
+            ops = self._region_operations
+            return 200, self._get_operation("region", rp, ops, (region, m.group(1)))
         raise ApiError(404, "notFound", f"The requested URL /compute/v1/{rp}{sub} was not found.")
 
     def _policy(self, region: str, name: str) -> dict[str, Any]:
-        policy = self._policies.get((region, name))
-        if policy is None:
-            raise ApiError(
-                404,
-                "notFound",
-                f"The resource 'projects/{self.project}/regions/{region}/resourcePolicies/"
-                f"{name}' was not found",
-            )
-        return policy
+        resource = f"projects/{self.project}/regions/{region}/resourcePolicies/{name}"
+        return _found(self._policies.get((region, name)), resource)
 
     def _insert_policy(self, region: str, body: dict[str, Any]) -> dict[str, Any]:
-        name = str(body.get("name", ""))
-        if not _NAME.fullmatch(name):
-            raise ApiError(
-                400,
-                "invalid",
-                f"Invalid value for field 'resource.name': '{name}'. Must be a match of regex "
-                "'[a-z](?:[-a-z0-9]{0,61}[a-z0-9])?'",
-            )
+        name = _named(body, "[a-z](?:[-a-z0-9]{0,61}[a-z0-9])?")
         group = body.get("groupPlacementPolicy") or {}
         collocation = group.get("collocation", "UNSPECIFIED_COLLOCATION")
         if collocation not in ("COLLOCATED", "UNSPECIFIED_COLLOCATION"):
@@ -1025,23 +994,8 @@ class FakeComputeApi(ClosedOnExit):
         self, region: str, target: str, kind: str, *, when: datetime
     ) -> dict[str, Any]:
         region_url = f"{_BASE}projects/{self.project}/regions/{region}"
-        name = f"operation-{int(when.timestamp() * 1000)}-{next(self._ids):x}"
-        op: dict[str, Any] = {
-            "kind": "compute#operation",
-            "id": str(next(self._ids)),
-            "name": name,
-            "region": region_url,
-            "operationType": kind,
-            "targetLink": target,
-            "status": "DONE",
-            "user": "trainbot-cp@trainbot-test.iam.gserviceaccount.com",
-            "progress": 100,
-            "insertTime": _stamp(when),
-            "startTime": _stamp(when),
-            "endTime": _stamp(when),
-            "selfLink": f"{region_url}/operations/{name}",
-        }
-        self._region_operations[(region, name)] = op
+        op = self._done("region", region_url, kind, target, when=when)
+        self._region_operations[(region, op["name"])] = op
         return op
 
     # -- operations and quota ---------------------------------------------------------------
@@ -1060,23 +1014,9 @@ class FakeComputeApi(ClosedOnExit):
         target_name: str | None = None,
     ) -> dict[str, Any]:
         zone_url = f"{_BASE}projects/{self.project}/zones/{zone}"
-        name = name or f"operation-{int(when.timestamp() * 1000)}-{next(self._ids):x}"
-        op: dict[str, Any] = {
-            "kind": "compute#operation",
-            "id": str(next(self._ids)),
-            "name": name,
-            "zone": zone_url,
-            "operationType": kind,
-            "targetLink": f"{zone_url}/instances/{target_name or inst['name']}",
-            "targetId": str(inst.get("id", "")),
-            "status": "DONE",
-            "user": user,
-            "progress": 100,
-            "insertTime": _stamp(when),
-            "startTime": _stamp(when),
-            "endTime": _stamp(when),
-            "selfLink": f"{zone_url}/operations/{name}",
-        }
+        target = f"{zone_url}/instances/{target_name or inst['name']}"
+        op = self._done("zone", zone_url, kind, target, when=when, user=user, name=name)
+        op["targetId"] = str(inst.get("id", ""))
         if status_message:
             op["statusMessage"] = status_message
         if error is not None:
@@ -1085,8 +1025,51 @@ class FakeComputeApi(ClosedOnExit):
             op["httpErrorMessage"] = (
                 "SERVICE UNAVAILABLE" if "EXHAUSTED" in error["code"] else "FORBIDDEN"
             )
-        self._operations[(zone, name)] = op
+        self._operations[(zone, op["name"])] = op
         return op
+
+    def _done(
+        self,
+        scope: str,
+        scope_url: str,
+        kind: str,
+        target: str,
+        *,
+        when: datetime,
+        user: str = "trainbot-cp@trainbot-test.iam.gserviceaccount.com",
+        name: str | None = None,
+    ) -> dict[str, Any]:
+        """A finished operation of ``kind`` on ``target``, in a zone or a region
+        (``scope``) whose URL is ``scope_url``."""
+        name = name or f"operation-{int(when.timestamp() * 1000)}-{next(self._ids):x}"
+        return {
+            "kind": "compute#operation",
+            "id": str(next(self._ids)),
+            "name": name,
+            scope: scope_url,
+            "operationType": kind,
+            "targetLink": target,
+            "status": "DONE",
+            "user": user,
+            "progress": 100,
+            "insertTime": _stamp(when),
+            "startTime": _stamp(when),
+            "endTime": _stamp(when),
+            "selfLink": f"{scope_url}/operations/{name}",
+        }
+
+    def _get_operation(
+        self,
+        scope: str,
+        path: str,
+        operations: Mapping[tuple[str, str], dict[str, Any]],
+        key: tuple[str, str],
+    ) -> dict[str, Any]:
+        """``zoneOperations.get`` or ``regionOperations.get`` (``scope``) of the operation
+        ``key`` (place, name) under ``path``."""
+        resource = f"{path}/operations/{key[1]}"
+        self._check([f"compute.{scope}Operations.get"], resource)
+        return copy.deepcopy(_found(operations.get(key), resource))
 
     def _region_of(self, zone: str) -> str:
         return next(r for r, zones in self.regions.items() if zone in zones)
