@@ -307,18 +307,22 @@ def emit(
     op: str,
     figures: dict[str, Any],
     opts: Options,
+    checks: Sequence[Mapping[str, Any]] = (),
 ) -> None:
     """Print the result as the last line: ``ratio`` is judged against ``goal`` with ``op``
-    ("<=" or ">="); ``met`` is false when the ratio could not be measured."""
+    ("<=" or ">="); ``met`` is false when the ratio could not be measured, or when one of
+    ``checks`` (more goals, each with its own ``met``) is not met."""
     if op not in ("<=", ">="):
         raise ValueError(f"op must be '<=' or '>=', got {op!r}")
     met = ratio is not None and (ratio <= goal if op == "<=" else ratio >= goal)
+    met = met and all(bool(c["met"]) for c in checks)
     doc = {
         "bench": name,
         "ratio": rounded(ratio),
         "goal": goal,
         "goal_is": f"ratio {op} {goal}",
         "met": met,
+        **({"checks": [dict(c) for c in checks]} if checks else {}),
         "figures": figures,
         "quick": opts.quick,
         "size_mib": round(opts.size_bytes / MiB, 1),
