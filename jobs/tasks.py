@@ -46,6 +46,7 @@ from jobs.runs.placement import request_in
 from jobs.runs.price import watch_prices
 from jobs.severity import Severity
 from jobs.spec import Notify, Retention, stored_section
+from jobs.staging.retention import expire_staged
 from runner.errors import RunnerError
 from runner.retention import RetentionPolicy, prune
 from runner.store import run_store
@@ -436,6 +437,7 @@ def cleanup_job(deps: Deps) -> list[dict[str, Any]]:
     the cloud budgets of runs ended ``cloud_budget_keep_days`` ago (and any whose
     removal when the run ended failed)."""
     spend.remove_cloud_budgets(deps, now=deps.clock())
+    expire_staged(deps, now=deps.clock())  # staged datasets past TRAINBOT_STAGING_KEEP_DAYS
     with session_scope(deps.engine) as session:
         run_ids = session.exec(
             select(Run.id).where(col(Run.last_committed_step).is_not(None))

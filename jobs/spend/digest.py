@@ -178,6 +178,10 @@ def digest_figures(
     storage = storage_figures(session, channel=channel, since=since, until=until)
     month_storage = storage_figures(session, channel=channel, since=month_start, until=now)
     storage["month_to_date_usd"] = month_storage["usd"]
+    # Imported here: jobs.staging reads the storage prices from this package.
+    from jobs.staging.figures import staged_figures
+
+    storage["staged"] = staged_figures(session, channel=channel, since=since, until=until)
     return {
         "channel": channel,
         "timezone": str(tz),

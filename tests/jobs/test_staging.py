@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Iterator
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -18,14 +18,18 @@ from sqlalchemy import Engine
 
 from jobs.db import session_scope
 from jobs.deps import Deps
+from jobs.lifecycle import RunState
 from jobs.models import Run
 from jobs.preflight import DataLocalityCheck, PreflightContext, Status, resource_request
 from jobs.providers.aws import AwsProvider
 from jobs.providers.local import LocalProvider
 from jobs.settings import Settings, load_settings
 from jobs.spec import parse_spec
+from jobs.spend import digest_figures
 from jobs.staging import Staging, StagingError, StagingState
+from jobs.staging.figures import staged_figures
 from jobs.staging.prices import estimate
+from jobs.staging.retention import expire_staged
 from jobs.staging.runs import for_preflight, staged_from
 from jobs.staging.work import copy_staging, offer, staged_copy, start
 from runner.store import open_store
@@ -289,3 +293,66 @@ def test_a_run_in_another_region_is_offered_a_copy_then_reads_it(
     (found,) = store.list()
     with store.open_read(found.key) as stream:
         assert stream.read() == b"tokens" * 500_000
+
+
+def test_retention_and_the_digest(moto_server: str, make_deps: Any, tmp_path: Path) -> None:
+    """A copy is kept while a run reads it and TRAINBOT_STAGING_KEEP_DAYS after the run
+    ended, then the cleanup deletes its objects; the digest's storage counts it meanwhile."""
+    s3 = boto3.client("s3", endpoint_url=moto_server, region_name="us-east-1")
+    source = s3_bucket(moto_server, "us-east-1")
+    stage = s3_bucket(moto_server, "us-west-2")
+    for i in range(3):
+        s3.put_object(Bucket=source, Key=f"data/{i}.bin", Body=b"x" * 100_000)
+    settings = staging_settings(
+        tmp_path,
+        TRAINBOT_AWS_ENDPOINT_URL=moto_server,
+        TRAINBOT_STAGING_BUCKETS=f"us-west-2=s3://{stage}",
+        TRAINBOT_STAGING_KEEP_DAYS="7",
+    )
+    deps = make_deps(settings)
+    deps.clock = lambda: NOW
+    found = offer(settings, f"s3://{source}/data", "us-west-2")
+    row, _ = start(deps.engine, found, requested_by="U0ADA", channel="C0TRAIN", now=NOW)
+    copy_staging(deps, staging_id=row.id)
+    with session_scope(deps.engine) as session:
+        session.add(
+            Run(
+                id="r-reads",
+                spec_name="t",
+                spec={"data_uri": row.target},
+                requester="U0ADA",
+                channel="C0TRAIN",
+                state=RunState.RUNNING,
+                created_at=NOW,
+            )
+        )
+    day = timedelta(days=1)
+
+    def copies() -> int:
+        listed = s3.list_objects_v2(Bucket=stage, Prefix=f"{source}/data/")
+        return len(listed.get("Contents", []))
+
+    assert expire_staged(deps, now=NOW + 30 * day) == []  # its run is not over
+    with session_scope(deps.engine) as session:
+        run = session.get(Run, "r-reads")
+        assert run is not None
+        run.state, run.ended_at = RunState.SUCCEEDED, NOW + day
+        session.add(run)
+        kept = staged_figures(session, channel="C0TRAIN", since=NOW, until=NOW + day)
+        assert (kept["bytes_kept"], kept["copies"]) == (300_000, 1)
+        assert kept["usd_per_month"] == pytest.approx(300_000 / 2**30 * 0.023, abs=1e-4)
+        assert staged_figures(session, channel="C0OTHER", since=NOW, until=NOW + day)["copies"] == 0
+        digest = digest_figures(session, channel="C0TRAIN", now=NOW + day, tz=timezone.utc)
+        assert digest["storage"]["staged"]["bytes_kept"] == 300_000
+    assert expire_staged(deps, now=NOW + 7 * day) == []  # 6 days after the run ended
+    assert copies() == 3
+    assert expire_staged(deps, now=NOW + 8 * day) == [row.id]
+    assert copies() == 0
+    with session_scope(deps.engine) as session:
+        gone = session.get(Staging, row.id)
+        assert gone is not None and gone.state is StagingState.DELETED
+        assert staged_copy(session, found.source, "us-west-2") is None  # runs no longer use it
+        later = staged_figures(
+            session, channel="C0TRAIN", since=NOW + 9 * day, until=NOW + 10 * day
+        )
+        assert later["copies"] == 0 and later["bytes_kept"] == 0
