@@ -280,3 +280,18 @@ def test_the_shipped_kubernetes_specs_configmap_is_a_source_the_pod_mounts(
     for spec in listed.specs:
         loaded = load_spec_for(settings, spec.name)  # type: ignore[arg-type]
         assert loaded.origin is not None and loaded.origin.source == "team"
+
+
+def test_a_resubmit_keeps_the_origin_and_no_override_can_set_one(sources: Sources) -> None:
+    from jobs.spec.changes import apply_changes
+
+    commit = sources.repo.commit({"specs/gpt.yaml": spec_text("python gpt.py", "GPT")})
+    settings = settings_for(sources.root / "state", **sources.env())
+    stored = load_spec_for(settings, "gpt").model_dump(mode="json")  # type: ignore[arg-type]
+    changed = apply_changes(stored, ["max_hours=9"], name="gpt")
+    assert changed.max_hours == 9
+    assert changed.origin is not None and changed.origin.commit == commit
+    with pytest.raises(SpecError, match=r"'origin\.commit' cannot change on a resubmit"):
+        apply_changes(stored, ["origin.commit=" + "0" * 40], name="gpt")
+    with pytest.raises(SpecError, match="origin: is set by trainbot"):
+        load_spec_for(settings, "gpt", overrides=["origin.kind=text"])  # type: ignore[arg-type]
