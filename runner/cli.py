@@ -160,6 +160,14 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--run-id", help="namespace for the dry run's checkpoints")
     dr.add_argument("--report", type=Path, help="write the report as JSON here")
     dr.add_argument("--timeout", type=_duration_arg, default=600.0)
+    dr.add_argument(
+        "--sync-dir",
+        type=Path,
+        help="the script writes its own checkpoints into $TRAINBOT_CHECKPOINT_DIR, as under "
+        "exec --sync-dir: it runs until they are synced, is killed, and must continue from "
+        "the newest one restored into a fresh folder (the dry run's own folders take DIR's "
+        "place)",
+    )
     dr.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD…")
 
     ck = sub.add_parser("checkpoints", help="list, verify or prune one run's checkpoints")
@@ -339,6 +347,7 @@ def _dry_run(args: argparse.Namespace) -> int:
             timeout_s=args.timeout,
             on_saved=(lambda: reports.progress("saved")) if reports is not None else None,
             read_sample=reports is not None,
+            sync=args.sync_dir is not None,
         )
     except RunnerError as exc:
         if reports is None:

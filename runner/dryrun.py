@@ -38,7 +38,7 @@ from runner.telemetry import follow_file
 __all__ = ["DryRunReport", "daly_interval", "end_stale_dry_run", "run_dry_run"]
 
 
-class _Phase:
+class Phase:
     """One process of the dry run, with its events collected."""
 
     def __init__(
@@ -101,6 +101,7 @@ def run_dry_run(
     pid_file: Path | None = None,
     on_saved: Callable[[], None] | None = None,
     read_sample: bool = False,
+    sync: bool = False,
 ) -> DryRunReport:
     """Run both phases and report. The run id should be the dry run's own namespace.
 
@@ -111,6 +112,8 @@ def run_dry_run(
     ``on_saved`` is called once the first phase has committed its checkpoint and died.
     ``read_sample``: first list ``TRAINBOT_DATA_URI`` and read a byte of it with this
     machine's own credentials, as the script will (:func:`read_sample`).
+    ``sync``: the command writes its own checkpoints into ``$TRAINBOT_CHECKPOINT_DIR``
+    (``exec --sync-dir``) instead of using the session API (:mod:`runner.dryrun_sync`).
     """
     if not command:
         raise RunnerError("no command: write `trainbot-runner dry-run -- python train.py …`")
@@ -173,6 +176,21 @@ def run_dry_run(
             report.setup = ready.lines()
             base, cwd = ready.env, ready.cwd
         base = base | secrets
+        if sync:
+            from runner.dryrun_sync import run_sync_phases
+
+            return run_sync_phases(
+                command,
+                report,
+                base,
+                deadline,
+                Path(tmp),
+                log,
+                store=store,
+                pid_file=pid_file,
+                on_saved=on_saved,
+                cwd=cwd,
+            )
         return _run_phases(
             command,
             report,
@@ -202,7 +220,7 @@ def _run_phases(
     on_saved: Callable[[], None] | None = None,
     cwd: Path | None = None,
 ) -> DryRunReport:
-    first = _Phase(
+    first = Phase(
         command,
         base
         | contract.render(
@@ -235,7 +253,7 @@ def _run_phases(
     if on_saved is not None:
         on_saved()
 
-    second = _Phase(
+    second = Phase(
         command,
         base
         | contract.render(
@@ -276,6 +294,12 @@ def _run_phases(
         report.problems.append(f"after the restore the command exited {second.proc.returncode}")
     elif report.steps_after_restore < 2:
         report.problems.append("the command did not run two steps after the restore")
+    return finish_report(report, mtbp_s=mtbp_s)
+
+
+def finish_report(report: DryRunReport, *, mtbp_s: float) -> DryRunReport:
+    """Daly's interval and the termination windows an emergency checkpoint fits, from
+    the measured write; ``ok`` when no problem was found."""
     if report.write_s is not None and report.write_s > 0:
         report.daly_interval_s = choose_interval(
             write_s=report.write_s, stall_s=report.stall_s, mtbp_s=mtbp_s, flush_fits_window=False
@@ -304,7 +328,7 @@ def _read_sample(uri: str) -> tuple[int, int]:
     return len(found), sum(o.size for o in found)
 
 
-def _read_commits(phase: _Phase, report: DryRunReport) -> None:
+def _read_commits(phase: Phase, report: DryRunReport) -> None:
     """Size, write time and stall of the saved step's commits (the session saves it more
     than once; the first save also allocates the staging buffers, so its stall is not
     counted unless it is the only one)."""
@@ -322,7 +346,7 @@ def _read_commits(phase: _Phase, report: DryRunReport) -> None:
         report.stall_s = statistics.median(stalls[1:] or stalls)
 
 
-def _wait_for(proc: _Phase, type_: str, deadline: float, **match: Any) -> dict[str, Any] | None:
+def _wait_for(proc: Phase, type_: str, deadline: float, **match: Any) -> dict[str, Any] | None:
     while time.monotonic() < deadline:
         proc.pump()
         found = proc.find(type_, **match)
@@ -335,7 +359,7 @@ def _wait_for(proc: _Phase, type_: str, deadline: float, **match: Any) -> dict[s
     return None
 
 
-def _why_not(phase: _Phase, what: str, deadline: float) -> str:
+def _why_not(phase: Phase, what: str, deadline: float) -> str:
     code = phase.proc.poll()
     if time.monotonic() >= deadline:
         return f"timed out before the command could {what}"

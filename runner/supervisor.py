@@ -34,6 +34,7 @@ from typing import Any
 from runner import EXIT_FAILED, EXIT_PREEMPTED, EXIT_SUCCEEDED
 from runner import env as contract
 from runner.errors import CheckpointError, RunnerError, StoreError
+from runner.frameworks import FrameworkMetrics
 from runner.logship import LogShipper, pump
 from runner.preemption import PreemptionFlag, SignalHandlers, start_pollers, write_notice
 from runner.secrets import SecretUnavailable, resolve
@@ -127,6 +128,10 @@ class Supervisor:
         self._announced = False
         #: Where the child reads the notice's real deadline (runner.preemption.relay).
         self._notice_file: Path | None = None
+        #: A script without the session API: its framework's logged steps (set at restore).
+        self._framework: FrameworkMetrics | None = None
+        #: Whether the child reported metrics itself (session API): then those win.
+        self._child_metrics = False
 
     def run(self) -> int:
         # The handlers go in first: a notice during the restore or the start-up is a
@@ -251,8 +256,21 @@ class Supervisor:
         assert self.sync is not None
         self.sync.root.mkdir(parents=True, exist_ok=True)
         max_step = contract.RESUME_MAX_STEP.get(self.env)
+        t0 = time.perf_counter()
         restored = self.sync.restore(stop=lambda: self.flag.is_set, max_step=max_step)
+        self._framework = FrameworkMetrics(
+            self.sync.root, after_step=restored.step if restored is not None else -1
+        )
         if restored is not None:
+            # The step the attempt resumes from, as a session says it (the run's resume).
+            self.sink.emit(
+                "restored",
+                {
+                    "step": restored.step,
+                    "fallback_from": None,
+                    "restore_s": time.perf_counter() - t0,
+                },
+            )
             names = ", ".join(restored.names)
             self.sink.emit(
                 "log", {"level": "info", "message": f"restored step {restored.step}: {names}"}
@@ -300,7 +318,7 @@ class Supervisor:
                 if self.sync is not None:
                     # One look before the script is told: what it has closed by now is
                     # whole, so it is committed even if it has not settled yet.
-                    self._sync(final=False)
+                    self._sync(final=False, notice=True)
                 self._relay_notice()
                 child.send_signal(signal.SIGTERM)
                 if self.logs is not None:
@@ -309,6 +327,7 @@ class Supervisor:
                 break
             if self.sync is not None:
                 self._sync(final=False)
+                self._framework_metrics(force=False)
             # Wakes as soon as the child exits: its teardown is paid time that makes no
             # progress, so the exit is reported without a poll's delay.
             try:
@@ -320,6 +339,7 @@ class Supervisor:
             self._announce()  # a notice between the last look and the exit
         if self.sync is not None:
             self._sync(final=True, clean=code == 0)
+            self._framework_metrics(force=True)
             self._warn_if_nothing_synced(preempted=noticed)
         self.child_code = code
         result = self._exit_code(code, noticed=noticed)
@@ -401,6 +421,7 @@ class Supervisor:
                 continue
             if type_ in ("checkpoint_committed", "restored"):
                 self._child_checkpoints = True
+            self._child_metrics = self._child_metrics or type_ == "metrics"
             self.sink.emit(type_, data, time=when)
 
     def _node_figures(self) -> dict[str, Any]:
@@ -435,7 +456,15 @@ class Supervisor:
         )
         return True
 
-    def _sync(self, *, final: bool, clean: bool = True) -> None:
+    def _framework_metrics(self, *, force: bool) -> None:
+        """Send the steps a framework logged into the sync dir (:mod:`runner.frameworks`)
+        as metrics events, unless the script reports its own (node 0 only)."""
+        if self._framework is None or self._child_metrics or self.node:
+            return
+        for when, data in self._framework.poll(now=time.monotonic(), force=force):
+            self.sink.emit("metrics", data, time=when)
+
+    def _sync(self, *, final: bool, clean: bool = True, notice: bool = False) -> None:
         assert self.sync is not None
         child = self.child
 
@@ -444,7 +473,11 @@ class Supervisor:
 
         try:
             for info in self.sync.poll(
-                now=time.monotonic(), final=final, clean=clean, open_paths=open_paths
+                now=time.monotonic(),
+                final=final,
+                clean=clean,
+                open_paths=open_paths,
+                notice=notice,
             ):
                 self.sink.emit(
                     "checkpoint_committed",

@@ -61,6 +61,23 @@ _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12
 _TEMP_SUFFIXES = (".tmp", ".temp", ".part", ".partial", ".lock", ".swp", "~")
 #: How a restore names a file until it is complete (hidden, so never synced back).
 _RESTORING = ".trainbot-restoring"
+#: Hugging Face Trainer's state file, written last into each ``checkpoint-N/`` folder.
+HF_STATE = "trainer_state.json"
+#: Files only a Trainer checkpoint folder holds: such a folder is complete once it has
+#: HF_STATE.
+_HF_FILES = frozenset(
+    {
+        HF_STATE,
+        "training_args.bin",
+        "optimizer.pt",
+        "scheduler.pt",
+        "rng_state.pth",
+        "model.safetensors",
+        "model.safetensors.index.json",
+        "pytorch_model.bin",
+        "adapter_model.safetensors",
+    }
+)
 
 
 def dir_step(name: str) -> int | None:
@@ -236,6 +253,7 @@ class CheckpointSync:
         final: bool = False,
         clean: bool = True,
         open_paths: Callable[[], set[str] | None] = lambda: None,
+        notice: bool = False,
     ) -> list[CommitInfo]:
         """Commit every settled checkpoint not committed yet.
 
@@ -243,6 +261,10 @@ class CheckpointSync:
         committed, otherwise only what had settled or was closed at the scan before.
         ``open_paths``: the files open in the script's processes now (asked only while
         something waits to settle).
+        ``notice``: the last look before the script is stopped: what is complete now is
+        committed without waiting to settle (a file none of the script's processes holds
+        open). A Hugging Face folder is committed as soon as its trainer_state.json is
+        written and nothing in it is open, notice or not.
         """
         out: list[CommitInfo] = []
         pending = [c for c in self._scan() if c.step not in self.done]
@@ -261,7 +283,14 @@ class CheckpointSync:
                 previous.closed = not any(str(p) in opened for p in _paths(c))
             seen = self._seen[c.key]
             settled = same and seen.closed is not False and now - seen.since >= self.settle_s
-            if final and clean:
+            if _hf_unfinished(c):
+                # Trainer writes trainer_state.json last: without it the folder is torn
+                # (model written, optimizer not yet), however long it has been quiet.
+                ready = False
+                if final:
+                    self.torn.add(c.label)
+                    log.warning("not syncing %s/: it has no %s", c.label, HF_STATE)
+            elif final and clean:
                 ready = True
             elif final:
                 # Died: what was open at the last scan was being written, so it is torn.
@@ -272,8 +301,12 @@ class CheckpointSync:
                         "not syncing %s: the script ended while writing it",
                         ", ".join(c.files) if c.label == FILES_LABEL else c.label + "/",
                     )
+            elif notice:
+                ready = settled or (seen.closed is True and (c.label == FILES_LABEL or _hf(c)))
             else:
-                ready = settled
+                # A Trainer folder with its state written and closed is whole at once: the
+                # Trainer may delete it (save_total_limit) before it would have settled.
+                ready = settled or (seen.closed is True and _hf(c))
             if not ready:
                 continue
             try:
@@ -345,6 +378,15 @@ class CheckpointSync:
         return CommitInfo(
             step=c.step, bytes=total, write_s=write_s, stall_s=0.0, uri=f"{self.store.uri}/{sd}"
         )
+
+
+def _hf(c: _Candidate) -> bool:
+    """Whether a folder is a Hugging Face Trainer checkpoint (one of its file names)."""
+    return c.label != FILES_LABEL and not _HF_FILES.isdisjoint(c.files)
+
+
+def _hf_unfinished(c: _Candidate) -> bool:
+    return _hf(c) and HF_STATE not in c.files
 
 
 def _candidate(step: int, label: str, files: dict[str, Path]) -> _Candidate:

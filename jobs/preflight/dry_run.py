@@ -96,6 +96,7 @@ class DryRunCheck:
                 env=self._environment(ctx),
                 log_path=ctx.workdir / "dry-run.log",
                 pid_file=ctx.workdir / DRY_RUN_PID_FILE,
+                sync=ctx.spec.checkpoint.sync_dir is not None,
             )
         except RunnerError as exc:
             return CheckResult(
@@ -139,12 +140,18 @@ class DryRunCheck:
         data["store"] = where
         if not report.ok:
             problems = "; ".join(report.problems) or "it did not complete"
+            how = (
+                "save its checkpoints into $TRAINBOT_CHECKPOINT_DIR and resume from the "
+                "newest one found there"
+                if ctx.spec.checkpoint.sync_dir is not None
+                else "save and restore all of its state through the session API "
+                "(runner.session.Session)"
+            )
             return CheckResult(
                 self.name,
                 Status.FAIL,
                 f"the dry run of `{' '.join(ctx.spec.command)}` failed: {problems}",
-                "fix the training script so it saves and restores all of its state through "
-                "the session API (runner.session.Session), run it with `trainbot-runner "
+                f"fix the training script so it {how}, run it with `trainbot-runner "
                 f"dry-run -- …` until it passes, then run preflight again; its checkpoints "
                 f"are kept in {where}",
                 data=data,
@@ -265,6 +272,8 @@ def dry_run_command(ctx: PreflightContext) -> str:
 def dry_run_args(ctx: PreflightContext, *, timeout_s: float | None = None) -> list[str]:
     """``trainbot-runner dry-run``'s words for this context, the spec's command last."""
     timeout = ["--timeout", f"{timeout_s:g}"] if timeout_s is not None else []
+    sync_dir = ctx.spec.checkpoint.sync_dir
+    sync = ["--sync-dir", sync_dir] if sync_dir is not None else []
     return [
         "trainbot-runner",
         "dry-run",
@@ -273,6 +282,7 @@ def dry_run_args(ctx: PreflightContext, *, timeout_s: float | None = None) -> li
         "--mtbp",
         f"{ctx.mtbp_s:g}",
         *timeout,
+        *sync,
         "--checkpoint-uri",
         ctx.checkpoint_uri,
         "--run-id",
