@@ -356,6 +356,16 @@ MACHINE_IMAGE = _var(
     "TRAINBOT_MACHINE_IMAGE", TEXT, None, "the machine image, part of the environment's key"
 )
 
+# --- the command's container image (runner.container) -------------------------------
+
+IMAGE = _var("TRAINBOT_IMAGE", TEXT, None, "the container image the command runs in")
+CONTAINER_RUNTIME = _var(
+    "TRAINBOT_CONTAINER_RUNTIME", TEXT, "docker", "what runs the image: docker or podman"
+)
+CONTAINER_GPUS = _var(
+    "TRAINBOT_CONTAINER_GPUS", FLAG, False, "give the container the instance's GPUs"
+)
+
 # --- secrets, read on the instance (runner.secrets) -----------------------------------
 
 SECRETS = _var(

@@ -33,6 +33,7 @@ from typing import Any
 
 from runner import EXIT_FAILED, EXIT_PREEMPTED, EXIT_SUCCEEDED
 from runner import env as contract
+from runner.container import Container, ContainerError
 from runner.errors import CheckpointError, RunnerError, StoreError
 from runner.frameworks import FrameworkMetrics
 from runner.logship import LogShipper, pump
@@ -128,6 +129,10 @@ class Supervisor:
         self._announced = False
         #: Where the child reads the notice's real deadline (runner.preemption.relay).
         self._notice_file: Path | None = None
+        #: The spec's image the command runs in (runner.container), once checked.
+        self.container: Container | None = None
+        #: The container's first process as this machine sees it, once known.
+        self._container_pid: int | None = None
         #: A script without the session API: its framework's logged steps (set at restore).
         self._framework: FrameworkMetrics | None = None
         #: Whether the child reported metrics itself (session API): then those win.
@@ -169,6 +174,10 @@ class Supervisor:
                         secrets = self._secrets()
                     except SecretUnavailable as exc:
                         return self._secret_unavailable(exc)
+                    try:  # before the code and setup: a missing image ends it at once
+                        self.container = self._container()
+                    except (ContainerError, contract.EnvError) as exc:
+                        return self._image_unavailable(exc)
                     if self.workspace is not None:
                         # Samples while setup runs: a long install is not a silent instance.
                         sampler.start()
@@ -252,6 +261,54 @@ class Supervisor:
         self._exit_reported = True
         return EXIT_FAILED
 
+    def _container(self) -> Container | None:
+        """The spec's image, checked (its runtime, the image pulled, its Python)."""
+        container = Container.from_env(self.env)
+        if container is None:
+            return None
+        facts = container.check()
+        library = (
+            f"its own trainbot {facts.trainbot}" if facts.trainbot else "the runner's, mounted"
+        )
+        self.sink.emit(
+            "log",
+            {
+                "level": "info",
+                "message": f"the command runs in {container.image} ({container.runtime}, "
+                f"Python {facts.python}, runner library: {library})",
+            },
+        )
+        return container
+
+    def _image_unavailable(self, exc: RunnerError) -> int:
+        """The spec's image cannot run here: the attempt fails before anything started,
+        as its own end (another instance would fail alike)."""
+        log.error("%s", exc)
+        self.sink.emit(
+            "exit", {"code": EXIT_FAILED, "reason": "image_unavailable", "log_tail": str(exc)}
+        )
+        self._exit_reported = True
+        return EXIT_FAILED
+
+    def _container_paths(self, events: Path) -> list[Path | None]:
+        """The run's paths the command works with, mounted into its container."""
+        env = self.env
+        paths: list[Path | None] = [
+            events.parent,  # the events and notice files
+            self.sync.root if self.sync is not None else None,
+            contract.SCRATCH_DIR.get(env),
+            contract.SPOOL_DIR.get(env),
+        ]
+        stop = contract.STOP_FILE.get(env)
+        paths.append(stop.parent if stop is not None else None)
+        for uri in (contract.CHECKPOINT_URI.get(env), contract.DATA_URI.get(env)):
+            text = str(uri or "")
+            if text.startswith("file://"):
+                text = text.removeprefix("file://")
+            if text.startswith("/"):
+                paths.append(Path(text))
+        return paths
+
     def _restore(self) -> None:
         assert self.sync is not None
         self.sync.root.mkdir(parents=True, exist_ok=True)
@@ -295,12 +352,33 @@ class Supervisor:
             env.setdefault("PYTHONUNBUFFERED", "1")
         piped = subprocess.PIPE if self.logs is not None else None
         joined = subprocess.STDOUT if self.logs is not None else None
+        command = self.command
+        if self.container is not None:
+            command = self.container.command(
+                self.command,
+                env=env,
+                cwd=self.cwd or Path.cwd(),
+                paths=self._container_paths(events),
+            )
         try:
             child = self.child = subprocess.Popen(
-                self.command, env=env, stdout=piped, stderr=joined, cwd=self.cwd
+                command, env=env, stdout=piped, stderr=joined, cwd=self.cwd
             )
         except OSError as exc:
-            raise RunnerError(f"cannot start {self.command[0]!r}: {exc.strerror}") from exc
+            raise RunnerError(f"cannot start {command[0]!r}: {exc.strerror}") from exc
+        try:
+            return self._watch(child, events, sampler, follower)
+        finally:
+            if self.container is not None:
+                self.container.remove()  # left behind where the runtime was killed
+
+    def _watch(
+        self,
+        child: subprocess.Popen[bytes],
+        events: Path,
+        sampler: SystemSampler,
+        follower: FileFollower,
+    ) -> int:
         if self.logs is not None:
             self._capture(child)
         # The attempt is running from here, whatever the command: a plain script never
@@ -469,7 +547,14 @@ class Supervisor:
         child = self.child
 
         def open_paths() -> set[str] | None:
-            return open_files(child.pid) if child is not None else None
+            if child is None:
+                return None
+            if self.container is not None:  # the runtime's client holds none of them
+                if self._container_pid is None:
+                    self._container_pid = self.container.host_pid()
+                pid = self._container_pid
+                return open_files(pid) if pid is not None else None
+            return open_files(child.pid)
 
         try:
             for info in self.sync.poll(

@@ -87,6 +87,19 @@ TRAINBOT_INSTALLER_END
   [ -x "$TRAINBOT_HOME/bin/trainbot-runner" ] || { say "the install left no trainbot-runner"; exit 1; }
 fi
 
+# The spec's container image (TRAINBOT_IMAGE): the runner starts the command in it with
+# docker (runner/container.py), as its own user, who joins the docker group for that. The
+# runner checks docker and the image itself and reports what is missing (image_unavailable).
+if grep -qx 'TRAINBOT_CONTAINER_RUNTIME=docker' "$ENV_FILE"; then
+  if command -v docker >/dev/null 2>&1; then
+    systemctl start docker >/dev/null 2>&1 || true
+    usermod -aG docker "$RUNNER_USER" || say "cannot add $RUNNER_USER to the docker group"
+    say "the command runs in a container (docker)"
+  else
+    say "the spec's image needs docker, which this machine image lacks"
+  fi
+fi
+
 say "starting the runner"
 cd "$SCRATCH_DIR" || exit 1
 # A clean environment: the file's variables, a PATH with the runner, nothing inherited.

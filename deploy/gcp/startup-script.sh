@@ -96,6 +96,21 @@ else
   AS_USER=()
 fi
 
+# The spec's container image (TRAINBOT_IMAGE): the runner starts the command in it with
+# docker (runner/container.py), as its own user, who joins the docker group for that. The
+# runner checks docker and the image itself and reports what is missing (image_unavailable).
+if md attributes/trainbot-env | grep -q '"TRAINBOT_CONTAINER_RUNTIME": "docker"'; then
+  if command -v docker >/dev/null 2>&1; then
+    systemctl start docker >/dev/null 2>&1 || true
+    if [ -n "${RUN_AS}" ]; then
+      usermod -aG docker "${RUN_AS}" || echo "trainbot: cannot add ${RUN_AS} to the docker group"
+    fi
+    echo "trainbot: the command runs in a container (docker)"
+  else
+    echo "trainbot: the spec's image needs docker, which this machine image lacks"
+  fi
+fi
+
 # The launcher reads the command and the environment from the metadata server itself and
 # execs the command: the token never passes through a shell variable, file or argv.
 LAUNCH_PY="${VENV}/bin/python"

@@ -1,4 +1,4 @@
-"""Running the checks: the default seven in order, each failure reported, never raised."""
+"""Running the checks: the default eight in order, each failure reported, never raised."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from jobs.preflight.budget import BudgetCheck
 from jobs.preflight.capacity import CapacityCheck
 from jobs.preflight.data import DataLocalityCheck
 from jobs.preflight.dry_run import DryRunCheck
+from jobs.preflight.image import ImageCheck
 from jobs.preflight.quota import QuotaCheck
 from jobs.preflight.report import (
     Check,
@@ -29,13 +30,14 @@ log = logging.getLogger(__name__)
 
 
 def default_checks(*, dry_run_timeout_s: float = 600.0) -> list[Check]:
-    """The seven checks, in the order their answers are needed."""
+    """The eight checks, in the order their answers are needed."""
     return [
         QuotaCheck(),
         CapacityCheck(),
         InstanceShapeCheck(),
         DataLocalityCheck(),
         SecretsCheck(),
+        ImageCheck(),
         DryRunCheck(timeout_s=dry_run_timeout_s),
         BudgetCheck(),
     ]

@@ -122,6 +122,11 @@ def on_attempt_event(deps: Deps, attempt_id: str, type_: str, data: dict[str, An
                     f"secret unavailable: {detail}; create it or let the instance role "
                     "read it, then resubmit",
                 )
+            if reason == "image_unavailable":
+                # Its own end: the spec's image cannot run on such an instance.
+                first = str(data.get("log_tail") or "").partition("\n")[0].strip()
+                detail = first[:300] or "the container image could not run"
+                ended = (state, code, f"image unavailable: {detail}")
             tail = data.get("log_tail")
             if isinstance(tail, str) and tail:
                 log_tail = redact_output(tail, env_values(run.spec))

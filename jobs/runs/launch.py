@@ -95,7 +95,9 @@ def runner_command(deps: Deps, spec: JobSpec) -> list[str]:
     local = deps.provider_for(spec).capabilities.runs_on_this_machine
     # With the code's own virtual environment, ``python`` is that one's (first on PATH).
     own_venv = spec.code is not None and spec.setup and spec.setup_cache.venv
-    if local and command and command[0] in ("python", "python3") and not own_venv:
+    # In the spec's image, ``python`` is the image's.
+    shared = local and not own_venv and spec.image is None
+    if shared and command and command[0] in ("python", "python3"):
         command[0] = sys.executable  # the local "instance" shares this machine's interpreter
     runner = [sys.executable, "-m", "runner.cli"] if local else ["trainbot-runner"]
     sync = spec.checkpoint.sync_dir

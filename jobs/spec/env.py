@@ -139,4 +139,18 @@ def code_env(spec: JobSpec, *, local: bool) -> dict[str, str]:
             contract.MACHINE_IMAGE: spec.resources.image_id,
             contract.GIT_SSH_KEY_FILE: contract.GIT_SSH_KEY_FILE.get() if local else None,
         }
+    ) | image_env(spec, local=local)
+
+
+def image_env(spec: JobSpec, *, local: bool) -> dict[str, str]:
+    """The spec's container image (:mod:`runner.container`): podman where the instance
+    is this machine (the local provider), docker on the cloud images."""
+    if spec.image is None:
+        return {}
+    return contract.render(
+        {
+            contract.IMAGE: spec.image,
+            contract.CONTAINER_RUNTIME: "podman" if local else "docker",
+            contract.CONTAINER_GPUS: spec.resources.accelerator is not None or None,
+        }
     )

@@ -6,7 +6,7 @@ import shlex
 import unicodedata
 from typing import Annotated
 
-from pydantic import BeforeValidator, Field, ValidationInfo, field_validator
+from pydantic import AfterValidator, BeforeValidator, Field, ValidationInfo, field_validator
 
 from jobs.spec.env import FROM_PEOPLE, Env, Secrets
 from jobs.spec.origin import SpecOrigin
@@ -25,6 +25,11 @@ from jobs.spec.sections import (
     SetupCache,
     SetupCommands,
 )
+from runner.container import check_image_ref
+
+
+def _image_ref(value: str | None) -> str | None:
+    return None if value is None else check_image_ref(value)
 
 
 def _split_command(value: object) -> object:
@@ -93,6 +98,11 @@ class JobSpec(Section):
     #: (``aws-sm://NAME``, ``gcp-sm://projects/P/secrets/S``, ``local://NAME``). Only the
     #: reference is stored; the runner reads the value on the instance (runner.secrets).
     secrets: Secrets = Field(default_factory=dict, max_length=50)
+    #: The container image the command runs in (docker on cloud instances, podman on the
+    #: local provider), with the code, the scratch disk and the GPUs mounted; the runner
+    #: stays outside it. ``None``: the command runs on the machine image
+    #: (``resources.image_id``, which is another thing).
+    image: Annotated[str | None, AfterValidator(_image_ref)] = None
     #: The run's code (a git repository at a ref, or a packed archive); ``None``: the
     #: command finds its files on the machine image.
     code: Code | None = None
@@ -158,6 +168,18 @@ class JobSpec(Section):
             raise ValueError(
                 f"{', '.join(both)} is set in both env and secrets: keep the secret, "
                 "and remove it from env"
+            )
+        return value
+
+    @field_validator("setup")
+    @classmethod
+    def _setup_outside_image(cls, value: list[str], info: ValidationInfo) -> list[str]:
+        image = info.data.get("image")
+        if value and image:
+            raise ValueError(
+                f"setup does not run inside the image yet ({image}): install what it "
+                "installs in the image itself (RUN pip install -r requirements.txt in its "
+                "Dockerfile), or remove image to run setup on the machine image"
             )
         return value
 

@@ -35,8 +35,16 @@ UnixTime = Annotated[float, msgspec.Meta(ge=0.0, lt=MAX_UNIX_TIME, description="
 #: the first line of its ``log_tail`` says which command, and how.
 #: ``secret_unavailable``: a secret of the spec could not be read on the instance (the
 #: ``log_tail`` names it and the store's answer, never a value); the command never ran.
+#: ``image_unavailable``: the spec's container image cannot run on the instance (no
+#: runtime, an image it cannot pull, no usable Python); the ``log_tail`` says what to do.
 ExitReason = Literal[
-    "succeeded", "preempted", "failed", "stopped", "setup_failed", "secret_unavailable"
+    "succeeded",
+    "preempted",
+    "failed",
+    "stopped",
+    "setup_failed",
+    "secret_unavailable",
+    "image_unavailable",
 ]
 
 

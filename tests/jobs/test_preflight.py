@@ -848,6 +848,7 @@ def test_resource_request_and_assumed_mtbp(tmp_path: Path, local: LocalProvider)
         "instances",
         "data",
         "secrets",
+        "image",
         "dry_run",
         "budget",
     ]

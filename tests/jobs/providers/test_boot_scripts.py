@@ -25,6 +25,8 @@ from jobs.providers.aws import AwsProvider
 from jobs.providers.base import ProviderError, ResourceRequest
 from jobs.providers.gcp import GcpProvider
 from jobs.providers.runner_install import RunnerInstall, installer_source
+from jobs.spec import JobSpec
+from jobs.spec.env import image_env
 from tests.fakes.gce_api import FakeComputeApi
 from tests.jobs.providers.contract import launch_request
 
@@ -231,6 +233,31 @@ def gcp(gce: FakeComputeApi) -> GcpProvider:
     )
 
 
+def run_startup_script(
+    gcp: GcpProvider, gce: FakeComputeApi, instance_id: str, tmp_path: Path, *, path: str = ""
+) -> subprocess.CompletedProcess[bytes]:
+    """Run the startup script as the instance would, its metadata from the fake server,
+    with an installed runner in ``tmp_path/venv`` and ``path`` first on PATH."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    stand_in(venv / "bin" / "trainbot-runner", "#!/bin/sh\n")
+    with gce.metadata_server(GCP_ZONE, instance_id.split("/", 1)[1]) as md_url:
+        return subprocess.run(
+            ["bash", str(gcp.startup_script)],
+            env={
+                "PATH": os.pathsep.join(p for p in (path, os.environ["PATH"]) if p),
+                "TRAINBOT_GCE_METADATA_URL": md_url,
+                "TRAINBOT_STATE_DIR": str(tmp_path / "state"),
+                "TRAINBOT_VENV": str(venv),
+                "TRAINBOT_RUN_AS": "",
+                "TRAINBOT_HALT": "true",
+            },
+            capture_output=True,
+            timeout=60,
+        )
+
+
 def test_gcp_startup_script_carries_hostile_values_as_data(
     gcp: GcpProvider, gce: FakeComputeApi, tmp_path: Path
 ) -> None:
@@ -244,24 +271,7 @@ def test_gcp_startup_script_carries_hostile_values_as_data(
         mode="index", index_url=f"https://pypi.example/ $(touch {owned / 'x'}-index)"
     )
     info = gcp.launch(launch_request(GCP_A100, command, zone=GCP_ZONE, run_id="r-1", env=env))
-    venv = tmp_path / "venv"
-    (venv / "bin").mkdir(parents=True)
-    (venv / "bin" / "python").symlink_to(sys.executable)
-    stand_in(venv / "bin" / "trainbot-runner", "#!/bin/sh\n")
-    with gce.metadata_server(GCP_ZONE, info.instance_id.split("/", 1)[1]) as md_url:
-        done = subprocess.run(
-            ["bash", str(gcp.startup_script)],
-            env={
-                "PATH": os.environ["PATH"],
-                "TRAINBOT_GCE_METADATA_URL": md_url,
-                "TRAINBOT_STATE_DIR": str(tmp_path / "state"),
-                "TRAINBOT_VENV": str(venv),
-                "TRAINBOT_RUN_AS": "",
-                "TRAINBOT_HALT": "true",
-            },
-            capture_output=True,
-            timeout=60,
-        )
+    done = run_startup_script(gcp, gce, info.instance_id, tmp_path)
     assert sorted(os.listdir(owned)) == [], "a value ran as shell"
     assert ran.exists(), done.stderr.decode(errors="replace")
     got = json.loads(ran.read_text())
@@ -294,3 +304,73 @@ def test_gcp_refuses_a_nul(
     with pytest.raises(ProviderError, match="NUL"):
         gcp.launch(req)
     assert gce.instances() == [], "refused before anything was started"
+
+
+# -- a spec's container image (runner/container.py) -------------------------------------
+
+IMAGE = "nvcr.io/nvidia/pytorch:24.05-py3"
+
+
+def _docker_stand_ins(bin_dir: Path, calls: Path) -> None:
+    for name in ("docker", "usermod", "systemctl"):
+        stand_in(bin_dir / name, f'#!/bin/sh\necho "{name} $*" >> {calls}\n')
+
+
+def test_aws_user_data_readies_docker_for_the_runners_user(
+    aws: AwsProvider, tmp_path: Path
+) -> None:
+    spec = JobSpec(
+        name="t", command=["python", "t.py"], image=IMAGE, resources={"accelerator": "T4:1"}
+    )
+    calls = tmp_path / "calls"
+    _docker_stand_ins(tmp_path / "bin", calls)
+    command = ["trainbot-runner", "exec", "--", "python", "t.py"]
+    req = launch_request(AWS_T4, command, zone="us-east-1a", env=image_env(spec, local=False))
+
+    stderr = run_user_data(aws.render_user_data(req), tmp_path, installed=True)
+
+    ran = json.loads((tmp_path / "ran.json").read_text())
+    assert ran["argv"] == command[1:], stderr
+    assert ran["env"]["TRAINBOT_IMAGE"] == IMAGE
+    assert ran["env"]["TRAINBOT_CONTAINER_RUNTIME"] == "docker"
+    assert ran["env"]["TRAINBOT_CONTAINER_GPUS"] == "1"
+    assert calls.read_text().splitlines() == [
+        "systemctl start docker",
+        "usermod -aG docker trainbot",
+    ]
+    assert "the command runs in a container (docker)" in (tmp_path / "console").read_text()
+
+
+def test_aws_user_data_without_docker_says_so_and_lets_the_runner_report_it(
+    aws: AwsProvider, tmp_path: Path
+) -> None:
+    spec = JobSpec(name="t", command=["python", "t.py"], image=IMAGE)
+    req = launch_request(
+        AWS_T4,
+        ["trainbot-runner", "exec", "--", "x"],
+        zone="us-east-1a",
+        env=image_env(spec, local=False),
+    )
+    run_user_data(aws.render_user_data(req), tmp_path, installed=True)
+    console = (tmp_path / "console").read_text()
+    assert "the spec's image needs docker, which this machine image lacks" in console
+    assert (tmp_path / "ran.json").exists(), "the runner starts and reports image_unavailable"
+
+
+def test_gcp_startup_script_readies_docker(
+    gcp: GcpProvider, gce: FakeComputeApi, tmp_path: Path
+) -> None:
+    spec = JobSpec(name="t", command=["python", "t.py"], image=IMAGE)
+    ran, calls = tmp_path / "ran.json", tmp_path / "calls"
+    stand_in(tmp_path / "runner", RECORDER.format(python=sys.executable, out=str(ran)))
+    _docker_stand_ins(tmp_path / "bin", calls)
+    command = [str(tmp_path / "runner"), "exec", "--", "python", "t.py"]
+    req = launch_request(GCP_A100, command, zone=GCP_ZONE, env=image_env(spec, local=False))
+    info = gcp.launch(req)
+    done = run_startup_script(gcp, gce, info.instance_id, tmp_path, path=str(tmp_path / "bin"))
+    out = done.stdout.decode(errors="replace")
+    assert "the command runs in a container (docker)" in out, done.stderr
+    assert calls.read_text().splitlines() == ["systemctl start docker"]
+    got = json.loads(ran.read_text())
+    assert got["env"]["TRAINBOT_IMAGE"] == IMAGE
+    assert got["env"]["TRAINBOT_CONTAINER_RUNTIME"] == "docker"
