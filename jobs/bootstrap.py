@@ -33,10 +33,10 @@ from jobs.providers import (
 from jobs.providers.base import Provider
 from jobs.rules import Signal
 from jobs.runs import on_attempt_event, raise_signals
-from jobs.runs.profile import project
+from jobs.runs.end import project_then_stop
+from jobs.runs.start import resume_preflights
 from jobs.scheduler import LeaderElector
 from jobs.server import ControlPlaneApp, CredentialBroker, ServerHandle, serve
-from jobs.service import resume_preflights
 from jobs.settings import Settings
 from jobs.staging import work as _staging  # noqa: F401  (binds Later.STAGING)
 
@@ -97,7 +97,7 @@ def build_ingest(deps: Deps) -> IngestService:
     def on_profile_due(attempt_id: str) -> None:
         # Off the request thread: a projection past the budget stops the run, and the
         # runner whose batch ended the window waits for this request's answer.
-        deps.background(project, deps, attempt_id)
+        deps.background(project_then_stop, deps, attempt_id)
 
     return IngestService(
         deps.engine,

@@ -76,7 +76,7 @@ class Later(str, Enum):
     RESUBMIT = "resubmit"
     #: ``jobs.runs.launch_attempt(run_id=…)``: a launch retried after no capacity.
     LAUNCH = "launch"
-    #: ``jobs.runs.capacity.try_again(run_id=…, episode=…, tries=…, since=…, ts=…)``:
+    #: ``jobs.runs.relaunch.try_again(run_id=…, episode=…, tries=…, since=…, ts=…)``:
     #: the next try of a run waiting for capacity; run by the leader only.
     CAPACITY = "capacity"
     #: ``jobs.staging.work.copy_staging(staging_id=…)``: a dataset's copy into another

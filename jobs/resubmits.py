@@ -38,6 +38,7 @@ from jobs.runs import (
     say,
     spec_of,
 )
+from jobs.runs.start import preflight_then_launch
 from jobs.spec.changes import (
     Change,
     apply_changes,
@@ -355,8 +356,6 @@ def resubmit_changed(
         say(deps, old, "info", f"{actor.user} resubmitted {old.id} as {run.id} with {what}.")
         detach(session, run)
     if checks:
-        from jobs.service import preflight_then_launch  # the service's preflight, a subset
-
         deps.background(preflight_then_launch, deps, run.id, checks=checks)
     else:
         # A new run: its own cloud budget, as every way into LAUNCHING gets.

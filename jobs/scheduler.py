@@ -7,7 +7,7 @@ not be shared by running schedulers, so the leader's jobs live in memory: they a
 same fixed list on every replica, and the leader that wins the lease registers them
 anew. When the lease changes holder its fencing token rises by one; the leader's jobs
 run under the token of the tenure they started in, and their launches and terminations
-check it is still current before the provider call (:func:`jobs.runs.launch.check_fence`),
+check it is still current before the provider call (:func:`jobs.runs.fence.check_fence`),
 so a deposed leader's late call is refused.
 
 The leader also runs the deferred work that nobody else ran (:mod:`jobs.deferred`: a

@@ -25,6 +25,7 @@ from jobs.lifecycle import AttemptState, RunState
 from jobs.locations import check_prefix, checkpoint_root
 from jobs.models import Alert, Attempt, Checkpoint, OnCall, Run
 from jobs.notify import DigestMessage
+from jobs.preflight.interval import request_in
 from jobs.providers.base import ProviderError
 from jobs.rules import Signal
 from jobs.runs import (
@@ -42,8 +43,7 @@ from jobs.runs import (
     say,
     watched_spec,
 )
-from jobs.runs.placement import request_in
-from jobs.runs.price import watch_prices
+from jobs.runs.relaunch import watch_prices
 from jobs.severity import Severity
 from jobs.spec import Notify, Retention, stored_section
 from jobs.staging.retention import expire_staged

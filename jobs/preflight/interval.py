@@ -8,6 +8,7 @@ The interval is Daly's optimum from the dry run's measured costs
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from jobs.format import duration
 from jobs.providers.base import Provider, ProviderError, ResourceRequest
@@ -40,9 +41,16 @@ def resource_request(
     """The spec's resources in ``provider``'s terms (the provider the spec runs on), in
     the first of ``resources.regions``, or the provider's own default region (its
     ``TRAINBOT_AWS_REGION``…) when the spec names none; each region's own request is
-    :func:`jobs.runs.placement.request_in`, which the checks ask with several regions.
+    :func:`request_in`, which the checks ask with several regions.
     ``spot`` overrides the spec's market (an on-demand fallback attempt)."""
     return resources_request(spec.resources, provider, spot=spot)
+
+
+def request_in(spec: JobSpec, region: str, *, spot: bool, provider: Provider) -> ResourceRequest:
+    """The spec's request on ``provider`` for one region: its listed zones there, or any
+    zone of it."""
+    base = resources_request(spec.resources, provider, spot=spot, region=region)
+    return replace(base, zones=tuple(spec.resources.zones_in(region)))
 
 
 def resources_request(

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
+from jobs.preflight.interval import request_in
 from jobs.preflight.report import PreflightContext
 from jobs.providers.base import ResourceRequest
 
@@ -31,10 +32,6 @@ def request_for(ctx: PreflightContext, region: str, *, spot: bool | None = None)
     market = ctx.request.spot if spot is None else spot
     if region == ctx.request.region and len(ctx.spec.resources.regions) <= 1:
         return replace(ctx.request, spot=market)
-    # Imported here: jobs.runs imports jobs.preflight, and placement is where the
-    # per-region request is defined once for both.
-    from jobs.runs.placement import request_in
-
     return request_in(ctx.spec, region, spot=market, provider=ctx.provider)
 
 

@@ -15,6 +15,8 @@ holds the chat use-cases that call it; ``jobs.tasks`` the scheduled jobs that ca
 - ``end``: ending an attempt, terminating its instance.
 - ``resubmit``: the work a preemption lost, and the next attempt after the backoff.
 - ``reconcile``: the provider's instances against the database, repaired.
+- ``fence``: refusing a deposed leader's late launch or termination.
+- ``capacity``, ``relaunch``: a run waiting for capacity or a price, and its next try.
 """
 
 from jobs.preflight import resource_request
@@ -41,6 +43,7 @@ from jobs.runs.launch import (
 )
 from jobs.runs.placement import NO_CAPACITY, Placement, choose_placement
 from jobs.runs.reconcile import ADOPT_AFTER_S, reconcile
+from jobs.runs.relaunch import watch_prices
 from jobs.runs.resubmit import record_lost_work, resubmit_if_due
 from jobs.runs.rows import (
     active_attempt,
@@ -89,5 +92,6 @@ __all__ = [
     "say",
     "spec_of",
     "terminate_instance",
+    "watch_prices",
     "watched_spec",
 ]

@@ -3,7 +3,8 @@
 A pass over the zones (and regions) the spec allows ends in :class:`NoPlacement` when
 every one refused the launch for lack of capacity. Rather than fail, the run waits, as
 long as ``resubmit.wait_for_capacity`` allows from the first refusal: the next pass is
-a row of deferred work (:data:`Later.CAPACITY`), due after a backoff that starts at
+a row of deferred work (:data:`Later.CAPACITY`, run by
+:func:`jobs.runs.relaunch.try_again`), due after a backoff that starts at
 ``resubmit.backoff_s``, doubles, is capped at :data:`MAX_BACKOFF_S` and jittered, and
 only the scheduler's leader runs it (no replica's timer), so it survives a restart.
 
@@ -29,10 +30,9 @@ from typing import Any
 from sqlmodel import Session, col, select
 
 from jobs import format as fmt
-from jobs.db import session_scope
-from jobs.deferred import Later, current_fence, defer, deferrable
+from jobs.deferred import Later, current_fence, defer
 from jobs.deps import Deps
-from jobs.lifecycle import AttemptState, RunState
+from jobs.lifecycle import AttemptState
 from jobs.models import Attempt, Run
 from jobs.notify import MessageRef, TextMessage
 from jobs.replica_tables import DeferredWork
@@ -50,7 +50,6 @@ __all__ = [
     "end_wait",
     "found_capacity",
     "not_due",
-    "try_again",
     "wait",
 ]
 
@@ -241,25 +240,6 @@ def defer_retry(deps: Deps, retry: Retry) -> None:
         fence=current_fence(),
         now=deps.clock(),
     )
-
-
-@deferrable(Later.CAPACITY)
-def try_again(
-    deps: Deps, run_id: str, episode: str, tries: int, since: str, ts: str | None
-) -> None:
-    """The next pass of a waiting run (the leader's deferred work). A run stopped
-    meanwhile is not launched; its message says the wait ended."""
-    from jobs.runs.launch import launch_attempt  # the launch calls this module's wait
-
-    with session_scope(deps.engine) as session:
-        run = session.get(Run, run_id)
-        if run is None:
-            return
-        if run.state not in (RunState.LAUNCHING, RunState.RECOVERING):
-            end_wait(deps, session, run, why=f"{run.id} is {run.state.value.lower()}")
-            return
-    log.info("capacity: try %d for %s (waiting since %s)", tries + 1, run_id, since)
-    launch_attempt(deps, run_id)
 
 
 def end_wait(deps: Deps, session: Session, run: Run, *, why: str) -> None:

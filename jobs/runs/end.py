@@ -18,10 +18,12 @@ from jobs.deferred import Later
 from jobs.deps import Deps
 from jobs.lifecycle import AttemptState, RunState, transition
 from jobs.models import Attempt, Run
+from jobs.notify import ProjectionMessage
 from jobs.providers.base import InstanceNotFound, InstanceState, ProviderError
 from jobs.rules import Obs, Trigger, evaluate_all, rules_on
 from jobs.runs.cards import raise_signals, refresh_card, run_context, say
-from jobs.runs.launch import check_fence
+from jobs.runs.fence import check_fence
+from jobs.runs.profile import project
 from jobs.runs.resubmit import record_lost_work, restart_on_error
 from jobs.runs.rows import move_run
 from jobs.spec import AlertThresholds, ResubmitPolicy, stored_section
@@ -255,3 +257,13 @@ def _preemption_alerts(
     obs = [Obs(time=now.timestamp(), type="exit", data=data)]
     signals = evaluate_all(rules_on(Trigger.PREEMPTED, cfg), obs, now=now.timestamp(), ctx=ctx)
     raise_signals(deps, session, run, signals, now=now)
+
+
+def project_then_stop(deps: Deps, attempt_id: str) -> ProjectionMessage | None:
+    """The projection of a profiled attempt (:func:`jobs.runs.profile.project`); when it
+    asks whether to go on, the attempt ends as the hard cap ends one: the runner gets
+    the notice and flushes a checkpoint."""
+    msg = project(deps, attempt_id)
+    if msg is not None and msg.stopped:
+        end_attempt(deps, attempt_id, state=AttemptState.TERMINATED, reason="profile")
+    return msg

@@ -17,21 +17,20 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlmodel import Session
-
 from jobs.db import detach, session_scope
 from jobs.deferred import Later, deferrable
-from jobs.deps import Deps, current_fence
-from jobs.errors import ConflictError, FencedOut
+from jobs.deps import Deps
+from jobs.errors import ConflictError
 from jobs.lifecycle import AttemptState, RunState, transition
 from jobs.models import Attempt, Run, hash_token
 from jobs.preflight import resource_request
+from jobs.preflight.interval import request_in
 from jobs.providers.base import CapacityError, LaunchRequest, ProviderError
-from jobs.replica_tables import LEADER_LEASE, SchedulerLease
 from jobs.runs import capacity, price
 from jobs.runs.cards import refresh_card, say
+from jobs.runs.fence import check_fence
 from jobs.runs.interval import auto_interval_mtbp, follow_measured_cost
-from jobs.runs.placement import NO_CAPACITY, NoPlacement, choose_placement, request_in
+from jobs.runs.placement import NO_CAPACITY, NoPlacement, choose_placement
 from jobs.runs.profile import window
 from jobs.runs.rows import (
     active_attempt,
@@ -57,36 +56,6 @@ LAUNCHER_REMOVED = (
 
 #: The states in which a run's next attempt is launched on its own.
 _LAUNCHABLE = (RunState.LAUNCHING, RunState.RECOVERING)
-
-
-def check_fence(deps: Deps, session: Session | None, *, action: str) -> None:
-    """Refuse ``action`` (a provider call) when it is scheduled work whose fencing token
-    is no longer the lease's: a deposed leader's late call. Checked in the caller's
-    transaction (``session``; None: a transaction of its own), with the lease row
-    share-locked on PostgreSQL, so a takeover commits either before the check (refused)
-    or after the caller's transaction."""
-    token = current_fence()
-    if token is None:
-        return
-    if session is None:
-        with session_scope(deps.engine) as own:
-            check_fence(deps, own, action=action)
-        return
-    lease = session.get(SchedulerLease, LEADER_LEASE, with_for_update={"read": True})
-    if lease is not None and lease.token == token and lease.expires_at > deps.clock():
-        return
-    current = "none" if lease is None else f"{lease.token} held by {lease.holder}"
-    log.warning(
-        "refused %s: this replica's scheduler lease (token %d) is no longer current "
-        "(lease: %s); the leader redoes it",
-        action,
-        token,
-        current,
-    )
-    raise FencedOut(
-        f"refused {action}: this replica is no longer the scheduler's leader (fencing "
-        f"token {token}, lease {current}); the current leader's reconcile takes it over"
-    )
 
 
 def runner_command(deps: Deps, spec: JobSpec) -> list[str]:

@@ -30,10 +30,9 @@ from sqlmodel import Session, col, select
 from jobs.deps import Deps
 from jobs.lifecycle import AttemptState
 from jobs.models import Attempt, Run
-from jobs.preflight import resource_request
 from jobs.preflight.data import BucketLookup, region_refusal
-from jobs.preflight.interval import resources_request
-from jobs.providers.base import Provider, ProviderError, ResourceRequest, ZoneCapacity
+from jobs.preflight.interval import request_in, resource_request
+from jobs.providers.base import Provider, ProviderError, ZoneCapacity
 from jobs.spec import JobSpec
 
 __all__ = [
@@ -44,7 +43,6 @@ __all__ = [
     "Placement",
     "choose_placement",
     "decide",
-    "request_in",
     "run_provider",
 ]
 
@@ -90,13 +88,6 @@ class NoPlacement:
     #: (not so a provider that is not configured, or regions the quota or the data rule
     #: out).
     waitable: bool = False
-
-
-def request_in(spec: JobSpec, region: str, *, spot: bool, provider: Provider) -> ResourceRequest:
-    """The spec's request on ``provider`` for one region: its listed zones there, or any
-    zone of it."""
-    base = resources_request(spec.resources, provider, spot=spot, region=region)
-    return replace(base, zones=tuple(spec.resources.zones_in(region)))
 
 
 def run_provider(deps: Deps, spec: JobSpec, attempts: Sequence[Attempt]) -> Provider:

@@ -5,8 +5,8 @@ preemption) asks the provider's price for the zone the placement chose, and for 
 region's other available zones when the placement may move; the cheapest at or below
 the limit gets the attempt. When none is, no attempt is made: the run keeps its state
 (LAUNCHING or RECOVERING), records what it waits for in ``Run.price_wait`` (the card
-shows it), and the scheduled price job (:func:`watch_prices`) launches it once the
-price drops.
+shows it), and the scheduled price job (:func:`jobs.runs.relaunch.watch_prices`)
+launches it once the price drops.
 """
 
 from __future__ import annotations
@@ -15,19 +15,17 @@ import logging
 from dataclasses import dataclass, replace
 from datetime import datetime
 
-from sqlmodel import Session, col, select
+from sqlmodel import Session
 
-from jobs.db import session_scope
 from jobs.deps import Deps
-from jobs.lifecycle import RunState
 from jobs.models import Run
+from jobs.preflight.interval import request_in
 from jobs.providers.base import ProviderError
 from jobs.runs.cards import refresh_card, say
-from jobs.runs.placement import Placement, request_in
-from jobs.runs.rows import active_attempt
+from jobs.runs.placement import Placement
 from jobs.spec import JobSpec
 
-__all__ = ["PriceWait", "gate", "waiting_text", "watch_prices"]
+__all__ = ["PriceWait", "gate", "waiting_text"]
 
 log = logging.getLogger(__name__)
 
@@ -120,19 +118,3 @@ def met(deps: Deps, run: Run, placement: Placement) -> None:
     )
     run.price_wait = None
     run.reason = None
-
-
-def watch_prices(deps: Deps) -> list[str]:
-    """The scheduled price job: launch each waiting run whose price is met now (the
-    launch asks the price again). Returns the runs it launched."""
-    from jobs.runs.launch import launch_attempt  # the launch calls this module's gate
-
-    with session_scope(deps.engine) as session:
-        live = session.exec(
-            select(Run)
-            .where(col(Run.state).in_([RunState.LAUNCHING, RunState.RECOVERING]))
-            .order_by(col(Run.id))
-        ).all()
-        # Filtered here: a JSON column set back to None may hold JSON null, not SQL NULL.
-        waiting = [r.id for r in live if r.price_wait and active_attempt(session, r.id) is None]
-    return [run_id for run_id in waiting if launch_attempt(deps, run_id) is not None]

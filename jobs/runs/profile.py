@@ -28,7 +28,7 @@ from sqlmodel import Session, select
 from jobs import preflight
 from jobs.db import session_scope
 from jobs.deps import Deps
-from jobs.lifecycle import AttemptState, RunState
+from jobs.lifecycle import RunState
 from jobs.metrics import run_metrics
 from jobs.models import Attempt, EventRow, Run
 from jobs.notify import ProjectionMessage
@@ -109,7 +109,8 @@ def projection_reasons(
 
 def project(deps: Deps, attempt_id: str) -> ProjectionMessage | None:
     """Make the run's projection from its profiled attempt, post it, and stop the run at
-    a checkpoint to ask when it should not go on. None when there is nothing to project
+    a checkpoint to ask when it should not go on (``stopped``: the caller ends the
+    attempt, :func:`jobs.runs.end.project_then_stop`). None when there is nothing to project
     (the run ended, or has its projection)."""
     now = deps.clock()
     with session_scope(deps.engine) as session:
@@ -134,11 +135,6 @@ def project(deps: Deps, attempt_id: str) -> ProjectionMessage | None:
             )
             refresh_card(deps, session, run)
         session.add(run)
-    if ask:
-        from jobs.runs.end import end_attempt  # end → launch → this module's window
-
-        # As the hard cap stops a run: the runner gets the notice and flushes a checkpoint.
-        end_attempt(deps, attempt_id, state=AttemptState.TERMINATED, reason="profile")
     return msg
 
 

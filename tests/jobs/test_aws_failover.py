@@ -19,10 +19,10 @@ from jobs.bootstrap import ControlPlane
 from jobs.lifecycle import AttemptState, RunState
 from jobs.models import Run
 from jobs.notify import TextMessage
+from jobs.preflight.interval import request_in
 from jobs.providers.aws import AwsProvider
 from jobs.providers.base import InstanceState
 from jobs.runs import reconcile, spec_of
-from jobs.runs.placement import request_in
 from tests.fakes import aws as fake
 from tests.jobs import test_aws_control_plane as base
 from tests.jobs.test_aws_control_plane import (

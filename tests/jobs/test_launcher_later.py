@@ -23,7 +23,7 @@ from jobs.models import Attempt, Run
 from jobs.providers.local import LocalProvider
 from jobs.runs import resubmit_if_due
 from jobs.runs.launch import LAUNCHER_REMOVED
-from jobs.service import preflight_then_launch
+from jobs.runs.start import preflight_then_launch
 from jobs.settings import Settings
 from jobs.spec import JobSpec
 from tests.jobs.local_plane import local_deps
