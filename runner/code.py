@@ -246,11 +246,15 @@ def archive_digest(uri: str) -> str | None:
 
 def fetch_archive(uri: str, dest: Path) -> str:
     """Unpack the archive at ``uri`` into ``dest`` (emptied first); returns its sha256,
-    checked against the one in its name."""
+    checked against the one in its name.
+
+    It is read with the instance's own identity, as the training script reads its data:
+    the checkpoint store's brokered credentials (``TRAINBOT_STORE_CREDENTIALS=broker``)
+    reach the run's own prefix only, and the archive lives outside it."""
     from runner.store import open_store
 
     folder, name = _split_uri(uri)
-    store = open_store(folder)
+    store = open_store(folder, credentials="default")
     digest = hashlib.sha256()
     with tempfile.TemporaryFile() as tmp:
         with store.open_read(name) as stream:

@@ -78,6 +78,26 @@ def test_the_control_planes_pack_command_is_the_runners(
     )
 
 
+def test_a_code_archive_is_read_with_the_instances_own_credentials(
+    tmp_path: Path, moto_server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On an instance whose checkpoint store signs with the broker's credentials (its
+    run's prefix only), the code archive, outside that prefix, is read as the training
+    script reads its data: with the instance's own (here moto's static ones)."""
+    from tests.fakes.moto_server import create_bucket
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", moto_server)
+    src = tmp_path / "src"
+    _tree(src)
+    uri = pack(src, f"s3://{create_bucket(moto_server, prefix='code')}/code")
+    # No control plane to broker anything: a brokered read would fail.
+    monkeypatch.setenv("TRAINBOT_STORE_CREDENTIALS", "broker")
+    monkeypatch.delenv("TRAINBOT_INGEST_URL", raising=False)
+    digest = fetch_archive(uri, tmp_path / "out")
+    assert uri.endswith(f"/code-{digest}.tar.gz")
+    assert (tmp_path / "out" / "train.py").read_text() == "print('hi')\n"
+
+
 def test_a_corrupt_code_archive_is_refused(tmp_path: Path) -> None:
     src = tmp_path / "src"
     _tree(src)
