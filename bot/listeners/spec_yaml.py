@@ -11,6 +11,7 @@ only for its members), keyed by the view so a retried submission launches once.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -23,6 +24,7 @@ from bot.auth import CHANNEL_DENIED, EXTERNAL_DENIED, LAUNCH_DENIED
 from bot.commands import Launch
 from bot.listeners import ListenerContext, caller_from_view, reply
 from bot.listeners.runs import run_command
+from bot.views.modal import PASTE_YAML_ACTION
 from bot.views.spec_yaml import (
     CHANNEL_BLOCK,
     SPEC_BLOCK,
@@ -86,12 +88,22 @@ def register(app: App, ctx: ListenerContext) -> None:
         ack()
         ctx.later(_launch, ctx, client, body, spec.name, text, channel)
 
+    def paste_button(ack: Ack, body: dict[str, Any], client: WebClient) -> None:
+        ack()
+        ctx.later(_open, ctx, client, body, push=True)
+
     app.shortcut(YAML_SHORTCUT)(shortcut)
+    app.action(PASTE_YAML_ACTION)(paste_button)
     app.view(YAML_MODAL_CALLBACK)(submitted)
 
 
-def _open(ctx: ListenerContext, client: WebClient, body: Mapping[str, Any]) -> None:
+def _open(
+    ctx: ListenerContext, client: WebClient, body: Mapping[str, Any], *, push: bool = False
+) -> None:
+    """Open the modal: from the shortcut, or (``push``) over the launch form, from its
+    button, with the form's channel chosen for the run."""
     caller = caller_from_view(body, channel=None)
+    channel = _launch_form_channel(body) if push else None
     # The form only asks (its submission is decided again, in full): someone who may not
     # launch is told now, not after pasting a spec.
     refusal = None
@@ -103,8 +115,12 @@ def _open(ctx: ListenerContext, client: WebClient, body: Mapping[str, Any]) -> N
         ctx.auth.deny(caller, action="launch (YAML form)", reason=refusal[0])
         reply(client, body, caller, refusal[1])
         return
+    trigger = str(body.get("trigger_id") or "")
     try:
-        client.views_open(trigger_id=str(body.get("trigger_id") or ""), view=yaml_modal())
+        if push:
+            client.views_push(trigger_id=trigger, view=yaml_modal(channel=channel))
+        else:
+            client.views_open(trigger_id=trigger, view=yaml_modal())
     except (SlackApiError, SlackRequestError, OSError) as exc:
         log.warning("could not open the YAML form: %s", exc)
         reply(client, body, caller, NOT_OPENED)
@@ -122,6 +138,16 @@ def _launch(
     caller = caller_from_view(body, channel=channel)
     key = f"slack:{caller.team or '-'}:{view.get('id', '')}"
     run_command(ctx, client, body, caller, Launch(spec=name, spec_text=text), key=key)
+
+
+def _launch_form_channel(body: Mapping[str, Any]) -> str | None:
+    """The channel the launch form was opened in (its private metadata, which we wrote)."""
+    try:
+        meta = json.loads((body.get("view") or {}).get("private_metadata") or "{}")
+    except json.JSONDecodeError:
+        return None
+    channel = meta.get("channel") if isinstance(meta, dict) else None
+    return str(channel) if channel else None
 
 
 def _fit(message: str) -> str:

@@ -1,4 +1,7 @@
-"""The launch modal `/train launch` opens when given no spec, and reading its submission."""
+"""The launch modal `/train launch` opens when given no spec, and reading its submission.
+
+Its last block is a button that opens "New run from YAML" over it (a spec pasted whole:
+:mod:`bot.views.spec_yaml`)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from bot.views.blocks import (
     MAX_OPTIONS,
     MAX_PLACEHOLDER,
     MAX_PRIVATE_METADATA,
+    button,
     context,
     option,
     plain,
@@ -20,6 +24,16 @@ from bot.views.blocks import (
 )
 
 LAUNCH_MODAL_CALLBACK = "launch_modal"
+#: ``action_id`` of the launch modal's button that opens "New run from YAML" over it.
+PASTE_YAML_ACTION = "paste_yaml"
+
+
+def _paste_yaml() -> dict[str, Any]:
+    return {
+        "type": "actions",
+        "block_id": PASTE_YAML_ACTION,
+        "elements": [button("Paste a spec (YAML)", action_id=PASTE_YAML_ACTION, value="yaml")],
+    }
 
 
 def launch_modal(spec_names: Sequence[str], *, private_metadata: str = "") -> dict[str, Any]:
@@ -38,7 +52,7 @@ def launch_modal(spec_names: Sequence[str], *, private_metadata: str = "") -> di
     every = [n for n in spec_names if n]
     names = every[:MAX_OPTIONS]
     if not names:
-        view["blocks"] = [section(escape(messages.launch_modal_no_specs()))]
+        view["blocks"] = [section(escape(messages.launch_modal_no_specs())), _paste_yaml()]
         return view
     view["submit"] = plain("Launch", MAX_MODAL_TITLE)
     view["blocks"] = [
@@ -70,6 +84,7 @@ def launch_modal(spec_names: Sequence[str], *, private_metadata: str = "") -> di
     if len(every) > len(names):
         hidden = messages.more_not_shown(len(every) - len(names), "specs")
         view["blocks"].append(context(escape(f"{hidden} {messages.launch_modal_more_specs()}")))
+    view["blocks"].append(_paste_yaml())
     return view
 
 

@@ -252,3 +252,32 @@ def test_a_non_launcher_gets_no_form_and_a_forged_submission_launches_nothing(
     )
     assert (refused[0].args["user"], refused[0].args["text"]) == (BOB, LAUNCH_DENIED)
     assert team.runs() == []
+
+
+def test_the_launch_form_offers_the_yaml_form_over_it(team: Team) -> None:
+    slack = team.slack
+    response, _ = slack.command("launch")
+    assert response.status_code == 200
+    assert slack.fake.wait_for(lambda: bool(slack.fake.views), 10)
+    (form,) = slack.fake.views.values()
+    assert form["blocks"][-1]["elements"][0]["action_id"] == "paste_yaml"
+    payload = {
+        "type": "block_actions",
+        "team": {"id": TEAM, "domain": "fake"},
+        "user": {"id": ADA, "username": "ada", "team_id": TEAM},
+        "api_app_id": "A0TRAIN",
+        "container": {"type": "view", "view_id": form["id"]},
+        "trigger_id": f"trg-{uuid.uuid4().hex[:12]}",
+        "view": form,
+        "actions": [
+            {"action_id": "paste_yaml", "block_id": "paste_yaml", "type": "button",
+             "value": "yaml", "action_ts": f"{time.time():.6f}"}
+        ],
+    }  # fmt: skip
+    assert slack.send(urlencode({"payload": json.dumps(payload)}).encode()).status_code == 200
+    (pushed,) = wait_until(lambda: slack.fake.calls_to("views.push"), what="the YAML form")
+    view = pushed.args["view"]
+    view = json.loads(view) if isinstance(view, str) else view
+    assert view["callback_id"] == YAML_MODAL_CALLBACK
+    (channel,) = [b for b in view["blocks"] if b.get("block_id") == "channel"]
+    assert channel["element"]["initial_conversation"] == CHANNEL

@@ -409,7 +409,8 @@ def test_launch_modal_picks_a_spec_and_takes_overrides() -> None:
     assert len(view["title"]["text"]) <= 24 and view["submit"]["text"] == "Launch"
     assert view["private_metadata"] == "C0RUNS"
     assert_valid(view["blocks"], limit=100)
-    spec, overrides = view["blocks"]
+    spec, overrides, paste = view["blocks"]
+    assert paste["elements"][0]["action_id"] == "paste_yaml"
     assert spec["element"]["type"] == "static_select"
     assert [o["value"] for o in spec["element"]["options"]] == ["tiny", "gpt-small"]
     assert overrides["element"]["type"] == "plain_text_input" and overrides["optional"] is True

@@ -532,6 +532,11 @@ class FakeSlack:
             return _error("expired_trigger_id")
         return self._store_view(args.get("view"), view_id=None)
 
+    def _views_push(self, args: dict[str, Any], now: float) -> _Answer:
+        """A view pushed over an open modal: the same checks and answer as views.open (the
+        stack itself is Slack's client's business)."""
+        return self._views_open(args, now)
+
     def _views_update(self, args: dict[str, Any], now: float) -> _Answer:
         view_id = args.get("view_id")
         if not view_id and args.get("external_id"):
@@ -690,6 +695,7 @@ _METHODS: dict[str, Callable[[FakeSlack, dict[str, Any], float], _Answer]] = {
     "chat.update": FakeSlack._update,
     "chat.postEphemeral": FakeSlack._post_ephemeral,
     "views.open": FakeSlack._views_open,
+    "views.push": FakeSlack._views_push,
     "views.update": FakeSlack._views_update,
     "views.publish": FakeSlack._views_publish,
     "files.getUploadURLExternal": FakeSlack._get_upload_url,
