@@ -279,6 +279,8 @@ def stop_diverged(deps: Deps, *, now: datetime) -> list[str]:
             why = (
                 "the loss is not finite"
                 if nan
+                else "its step stood still and nobody acknowledged the hung alert in time"
+                if alert.rule == "hung"
                 else "the loss diverged and nobody acknowledged the alert in time"
             )
             reason = f"stopped by trainbot: {why}{began}; alert {alert.id}"

@@ -311,6 +311,10 @@ SCRATCH_BYTES = _var("TRAINBOT_SCRATCH_BYTES", INDEX, None, "the scratch disk's 
 SYSTEM_SAMPLE_S = _var(
     "TRAINBOT_SYSTEM_SAMPLE_S", SECONDS, 10.0, "seconds between system samples", tunable=True
 )
+# A step standing still past max(factor × its median time, floor) is a hung run; the
+# supervisor dumps its stacks a little before (runner.stacks; the spec's alerts.hung).
+HANG_FACTOR = _var("TRAINBOT_HANG_FACTOR", RATE, 20.0, "a hung step: this many median step times")
+HANG_FLOOR_S = _var("TRAINBOT_HANG_FLOOR_S", SECONDS, 600.0, "a hung step: at least this long")
 
 # --- several processes, several nodes (runner.nodes) ----------------------------------
 

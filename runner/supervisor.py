@@ -40,6 +40,7 @@ from runner.logship import LogShipper, pump
 from runner.preemption import PreemptionFlag, SignalHandlers, start_pollers, write_notice
 from runner.secrets import SecretUnavailable, resolve
 from runner.setup import SetupFailed, SetupInterrupted, Workspace
+from runner.stacks import StackDumper, StallWatch
 from runner.sync import CheckpointSync, open_files
 from runner.telemetry import EventSink, FileFollower, SystemSampler, follow_file
 
@@ -129,6 +130,8 @@ class Supervisor:
         self._announced = False
         #: Where the child reads the notice's real deadline (runner.preemption.relay).
         self._notice_file: Path | None = None
+        #: Dumps the child's stacks when its step stands still (runner.stacks).
+        self.stacks: StackDumper | None = None
         #: The spec's image the command runs in (runner.container), once checked.
         self.container: Container | None = None
         #: The container's first process as this machine sees it, once known.
@@ -162,6 +165,15 @@ class Supervisor:
                     }
                 )
                 env.pop(contract.PREEMPTION_SOURCES.name, None)  # we poll, then signal
+                self.stacks = StackDumper(
+                    Path(tmp) / "stacks",
+                    sink=self.sink,
+                    feed=self.logs.feed if self.logs is not None else None,
+                    watch=StallWatch(
+                        factor=contract.HANG_FACTOR.get(self.env),
+                        floor_s=contract.HANG_FLOOR_S.get(self.env),
+                    ),
+                )
                 sampler = SystemSampler(
                     self.sink,
                     disk_path=self.scratch_dir,
@@ -190,6 +202,7 @@ class Supervisor:
                     if self.flag.is_set:
                         return self._preempted_before_start()
                     env |= secrets  # the command's environment only, never setup's
+                    env |= self.stacks.env(env)
                     return self._supervise(env, events, sampler)
                 finally:
                     sampler.stop()
@@ -392,6 +405,8 @@ class Supervisor:
             # does not change how it ended.
             noticed = self.flag.is_set
             self._forward(follower)
+            if code is None and self.stacks is not None:
+                self.stacks.poll()
             if noticed and code is None and self._announce():
                 if self.sync is not None:
                     # One look before the script is told: what it has closed by now is
@@ -492,6 +507,8 @@ class Supervisor:
                 continue  # the supervisor reports the exit itself, once
             if type_ in ("preemption_notice", "started"):
                 continue
+            if self.stacks is not None:
+                self.stacks.saw(type_, data)
             if self.node and type_ in _RANK_ZEROS:
                 if type_ == "metrics" and data.get("data_wait_fraction") is not None:
                     with self._waits_lock:

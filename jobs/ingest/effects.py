@@ -44,6 +44,8 @@ class Applied:
     lifecycle: list[Event] = field(default_factory=list)
     #: New observations for the rules, per event type: (time, data), in seq order.
     observations: dict[str, list[Point]] = field(default_factory=dict)
+    #: New alerts the training script raised (``session.alert``): (time, data).
+    script_alerts: list[Point] = field(default_factory=list)
     last_step: int | None = None
     last_committed_step: int | None = None
     budget_usd: float | None = None

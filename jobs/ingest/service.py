@@ -18,7 +18,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from jobs.ingest.auth import REVOKED, Principal, Tokens, bearer
 from jobs.ingest.effects import Applied, Effects
 from jobs.ingest.postgres import write_batch
-from jobs.ingest.windows import WINDOW_EVENTS, Point, Windows
+from jobs.ingest.windows import WINDOW_EVENTS, Point, Windows, script_signals
 from jobs.ingest.writers import Kinds, SqliteWriter, event_writes
 from jobs.logs import log_context
 from jobs.models import Attempt, EventRow, MetricBlock, Run, table_of, utcnow
@@ -352,6 +352,8 @@ class IngestService:
             applied.observations.setdefault(kind, []).append(
                 (event.time, {**data, "attempt": attempt_number})
             )
+        elif kind == "alert":
+            applied.script_alerts.append((event.time, {**data, "attempt": attempt_number}))
         if kind in LIFECYCLE_EVENTS or (kind == "log" and data.get("level") in LOUD_LOG_LEVELS):
             applied.lifecycle.append(event)
 
@@ -392,6 +394,8 @@ class IngestService:
                 log.exception("on_profile_due(%s) failed", attempt_id)
         try:
             signals = self._windows.evaluate(applied, now=now)
+            if applied.script_alerts:
+                signals = [*signals, *script_signals(applied, now=now)]
         except Exception:
             log.exception("alert rules of run %s failed on a batch", applied.run_id)
             return

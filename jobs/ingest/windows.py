@@ -177,6 +177,26 @@ class _Window:
         )
 
 
+def script_signals(applied: Applied, *, now: datetime) -> list[Signal]:
+    """The batch's new ``alert`` events (``session.alert``), each seen once, through the
+    rules of :attr:`Trigger.SCRIPT`: they need no window and no thresholds."""
+    window = [Obs(time, "alert", data) for time, data in applied.script_alerts]
+    rules = rules_on(Trigger.SCRIPT, AlertThresholds())
+    return evaluate_all(rules, window, now=now.timestamp(), ctx=_context(applied, now=now))
+
+
+def _context(applied: Applied, *, now: datetime) -> RunContext:
+    """The run's facts as a committed batch left them; it was heard from just now."""
+    return RunContext(
+        run_id=applied.run_id,
+        last_heartbeat=now.timestamp(),
+        preemption_times=applied.preemption_times,
+        attempt_number=applied.attempt_number,
+        last_committed_step=applied.last_committed_step,
+        current_step=applied.last_step,
+    )
+
+
 class Windows:
     """Every reporting run's window and rules, the least recently reporting dropped first.
 
@@ -207,14 +227,7 @@ class Windows:
         with window.lock:
             if not fresh:
                 window.extend(applied.observations)
-            ctx = RunContext(
-                run_id=run_id,
-                last_heartbeat=now.timestamp(),
-                preemption_times=applied.preemption_times,
-                attempt_number=applied.attempt_number,
-                last_committed_step=applied.last_committed_step,
-                current_step=applied.last_step,
-            )
+            ctx = _context(applied, now=now)
             return evaluate_all(window.rules, window.observations(), now=now.timestamp(), ctx=ctx)
 
     def _window(self, run_id: str, applied: Applied) -> tuple[_Window | None, bool]:

@@ -26,8 +26,11 @@ from jobs.rules.base import (
 )
 from jobs.rules.disk import Disk
 from jobs.rules.heartbeat import LostHeartbeat
+from jobs.rules.hung import Hung
 from jobs.rules.loss import DivergentLoss
 from jobs.rules.preemption import AutoResubmit, Preemption, RepeatedPreemptions
+from jobs.rules.script import ScriptAlert
+from jobs.rules.thresholds import MetricThresholds
 from jobs.rules.utilisation import LowUtilisation
 
 __all__ = [
@@ -36,14 +39,17 @@ __all__ = [
     "AutoResubmit",
     "Disk",
     "DivergentLoss",
+    "Hung",
     "LostHeartbeat",
     "LowUtilisation",
+    "MetricThresholds",
     "Obs",
     "Preemption",
     "RepeatedPreemptions",
     "Rule",
     "RuleType",
     "RunContext",
+    "ScriptAlert",
     "Severity",
     "Signal",
     "Trigger",
@@ -87,6 +93,9 @@ for _rule in (
     AutoResubmit,
     RepeatedPreemptions,
     LostHeartbeat,
+    Hung,
+    MetricThresholds,
+    ScriptAlert,
 ):
     register(_rule)
 

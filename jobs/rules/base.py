@@ -199,6 +199,13 @@ class Trigger(str, enum.Enum):
     #: The reconcile job found an attempt silent past its heartbeat deadline
     #: (``jobs.runs.reconcile``): an empty window and the run's facts.
     SILENT = "silent"
+    #: Each reconcile pass, for every attempt that runs and is heard from
+    #: (``jobs.runs.watch``): its recent metrics and its newest ``stacks`` dump. For what
+    #: no event announces, such as a step that stopped moving.
+    PERIODIC = "periodic"
+    #: The training script raised alerts itself (``session.alert``; the ingest API):
+    #: the window is the batch's new ``alert`` events, each seen once.
+    SCRIPT = "script"
 
 
 class Rule(Protocol):

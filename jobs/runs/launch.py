@@ -109,6 +109,9 @@ def runner_env(deps: Deps, run: Run, attempt: Attempt, spec: JobSpec) -> dict[st
             contract.CHECKPOINT_EVERY_STEPS: spec.checkpoint.every_steps or None,
             contract.TRAIN_THROUGH_NOTICE: spec.checkpoint.train_through_notice or None,
             contract.RESUME_MAX_STEP: resume_max_step or None,
+            # When a standing step gets its stacks dumped (runner.stacks; the hung rule).
+            contract.HANG_FACTOR: spec.alerts.hung.factor,
+            contract.HANG_FLOOR_S: spec.alerts.hung.floor,
             # The notices of the cloud the instance really is on, not the one a spec names.
             contract.PREEMPTION_SOURCES: None if local else provider.capabilities.preemption_source,
         }

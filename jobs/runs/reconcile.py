@@ -3,7 +3,8 @@
 The scheduled backstop for everything the event path can miss: it adopts instances a
 crash left unrecorded, ends attempts whose instance ended or went silent, terminates
 instances no live attempt owns, moves to RUNNING the runs whose attempt runs, and
-launches runs whose backoff is over.
+launches runs whose backoff is over. It also evaluates the rules that no event triggers
+(:mod:`jobs.runs.watch`: a hung run).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from jobs.runs.end import end_attempt, terminate_instance
 from jobs.runs.launch import launch_attempt, provision
 from jobs.runs.resubmit import resubmit_if_due
 from jobs.runs.rows import active_attempt, latest_attempt, move_run, watched_spec
+from jobs.runs.watch import watch_running
 from jobs.spec import AlertThresholds, stored_section
 
 log = logging.getLogger(__name__)
@@ -99,6 +101,7 @@ def reconcile(deps: Deps) -> dict[str, int]:
             ", ".join(strays),
         )
     counts["running"] = _running_runs(deps, now=now)
+    counts["watched"] = watch_running(deps, now=now)
     counts["launched"] += _launch_due(deps, now=now)
     return counts
 

@@ -12,6 +12,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 
 from jobs.errors import clip
 from jobs.providers import PROVIDERS, known_names
+from runner import env as contract
 from runner.duration import parse_duration
 
 _ACCELERATOR_TYPE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -417,6 +418,44 @@ class ResubmitPolicy(Section):
     max_price: float | None = Field(default=None, gt=0, le=10_000)
 
 
+class HungWatch(Section):
+    """A hung run: heartbeats go on, the step stands still (the spec's ``alerts.hung``)."""
+
+    #: The step standing still for this many times its recent median step time...
+    factor: float = Field(default=contract.HANG_FACTOR.default, gt=1, le=10_000)
+    #: ...and at least this long is a hung run; a run that pauses longer between steps
+    #: (a long evaluation, a large checkpoint) sets a longer floor.
+    floor: Duration = Field(default=contract.HANG_FLOOR_S.default, gt=0, le=7 * 24 * 3600)
+    #: Stop the run (with a last checkpoint sync) when nobody acknowledges the alert
+    #: within this long; ``None``: only alert.
+    stop_after: Duration | None = Field(default=None, ge=0)
+
+
+class MetricThreshold(Section):
+    """An alert on a reported metric: ``{metric: val_loss, above: 2.5, for: 5m}``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    #: ``loss``, ``step_time_s``, ``data_wait_fraction`` or a metric the script logs.
+    metric: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_./:-]+$")
+    #: Alert while the metric is above this...
+    above: float | None = None
+    #: ...or below this.
+    below: float | None = None
+    #: ...for this long without a break (0: at the first point).
+    for_s: Duration = Field(default=0.0, ge=0, alias="for")
+    severity: Literal["info", "warning", "critical"] = "warning"
+
+    @model_validator(mode="after")
+    def _one_side(self) -> MetricThreshold:
+        if (self.above is None) == (self.below is None):
+            raise ValueError(
+                f"give the threshold of {self.metric} one of above or below "
+                "(as in {metric: val_loss, above: 2.5, for: 5m})"
+            )
+        return self
+
+
 class AlertThresholds(Section):
     """Per-run thresholds for the alert rules."""
 
@@ -453,6 +492,10 @@ class AlertThresholds(Section):
     flap_count: int = Field(default=3, ge=1)
     #: ...within this window is flapping: said once, not repeated.
     flap_window: Duration = Field(default=600.0, gt=0)
+    #: When a step standing still is a hung run, and whether to stop it.
+    hung: HungWatch = HungWatch()
+    #: Alerts on reported metrics, each over a value for a while.
+    thresholds: list[MetricThreshold] = Field(default_factory=list, max_length=20)
 
 
 class Notify(Section):

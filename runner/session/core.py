@@ -20,6 +20,7 @@ from types import TracebackType
 from typing import Any, Protocol, Self
 
 from runner import EXIT_FAILED, EXIT_PREEMPTED, EXIT_SUCCEEDED
+from runner._site import sitecustomize as stack_hook
 from runner.checkpoint import CheckpointWriter, CommitInfo, Prefetch, Restored, restore_latest
 from runner.errors import NoCheckpointError, RunnerError
 from runner.preemption import (
@@ -31,6 +32,7 @@ from runner.preemption import (
     start_pollers,
 )
 from runner.session import phases
+from runner.session.alerts import alert_payload
 from runner.session.config import SessionConfig, default_sink
 from runner.session.notice import NoticeWindow
 from runner.session.on_notice import OnNotice
@@ -147,6 +149,9 @@ class Session(OnNotice):
             self._signals = SignalHandlers(self.flag, window_s=self.config.window_s)
             self._signals.__enter__()
         self._pollers = start_pollers(self.flag, sources=self.config.preemption_sources)
+        # Ready to dump its stacks when the supervisor asks (runner.stacks), even when
+        # started with ``python -I``, which skips the site hook; a no-op outside it.
+        stack_hook.install()
         self.sink.emit("started", {"pid": os.getpid(), "host": socket.gethostname()})
         return self
 
@@ -325,6 +330,12 @@ class Session(OnNotice):
             return next(it)
         finally:
             self._wait_s += time.perf_counter() - t0
+
+    def alert(self, title: str, text: str = "", severity: str = "warning") -> None:
+        """Raise an alert of the run from the training code (as ``wandb.alert``):
+        ``severity`` is info, warning or critical. It reaches the run's thread as the
+        built-in alerts do; a repeat of the same title updates that alert."""
+        self.sink.emit("alert", alert_payload(title, text, severity, step=self.step))
 
     def log(self, loss: float | None = None, **metrics: float) -> None:
         """Metrics of the current step."""

@@ -89,6 +89,12 @@ def expected(info: Info, value: Any) -> str:
     if isinstance(first, msgspec.inspect.LiteralType):
         return f"expected one of {', '.join(sorted(map(str, first.values)))}, got {got}"
     if isinstance(first, msgspec.inspect.StrType):
+        if (
+            isinstance(value, str)
+            and first.max_length is not None
+            and len(value) > first.max_length
+        ):
+            return f"expected at most {first.max_length} characters, got {len(value)}"
         return f"expected a {'non-empty ' if first.min_length else ''}string, got {got}"
     if isinstance(first, msgspec.inspect.DictType):
         if floats_in(first.value_type):

@@ -151,6 +151,40 @@ class StartedData(Payload):
     host: str
 
 
+#: Bounds of a script's alert (``session.alert``; the session clips to them) and of a
+#: stacks dump (the supervisor clips it): they are shown in a chat message.
+ALERT_TITLE_MAX = 200
+ALERT_TEXT_MAX = 4000
+STACKS_TEXT_MAX = 12_000
+#: How loudly a script's alert asks (the control plane's severities).
+AlertSeverity = Literal["info", "warning", "critical"]
+
+
+class AlertData(Payload):
+    """An alert the training script raised itself (``session.alert``, as ``wandb.alert``)."""
+
+    #: One line; a repeat of the same title updates one alert instead of posting again.
+    title: Annotated[str, msgspec.Meta(min_length=1, max_length=ALERT_TITLE_MAX)]
+    text: Annotated[str, msgspec.Meta(max_length=ALERT_TEXT_MAX)]
+    severity: AlertSeverity
+    #: The step the script was at; None: before training.
+    step: Count | None = None
+
+
+class StacksData(Payload):
+    """The training processes' Python stacks, dumped when the step stood still
+    (:mod:`runner.stacks`)."""
+
+    #: The step that stopped moving; None: before any.
+    step: Count | None
+    #: Seconds it had stood still.
+    stalled_s: Annotated[float, msgspec.Meta(ge=0.0)]
+    #: Processes that answered with their stacks.
+    processes: Count
+    #: Their stacks, one section per process (clipped in the middle).
+    text: Annotated[str, msgspec.Meta(max_length=STACKS_TEXT_MAX)]
+
+
 #: Each event type's payload.
 PAYLOADS: dict[str, type[Payload]] = {
     "metrics": MetricsData,
@@ -164,6 +198,8 @@ PAYLOADS: dict[str, type[Payload]] = {
     "log": LogData,
     "dry_run": DryRunData,
     "started": StartedData,
+    "alert": AlertData,
+    "stacks": StacksData,
 }
 EVENT_TYPES = frozenset(PAYLOADS)
 EXIT_REASONS = frozenset(get_args(ExitReason))

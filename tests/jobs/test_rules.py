@@ -485,6 +485,9 @@ def test_default_rules_cover_every_rule_once() -> None:
         "auto_resubmit",
         "repeated_preemptions",
         "lost_heartbeat",
+        "hung",
+        "metric_threshold",
+        "script_alert",
     ]
 
 

@@ -24,6 +24,7 @@ from runner.wire import (
     validate_payload,
 )
 from runner.wire.decode import _decode_general, _decode_typed
+from runner.wire.schema import ALERT_TITLE_MAX, STACKS_TEXT_MAX
 
 PAYLOADS: dict[str, dict[str, Any]] = {
     "metrics": {
@@ -75,6 +76,13 @@ PAYLOADS: dict[str, dict[str, Any]] = {
     "log": {"level": "warning", "message": "data loader slow"},
     "dry_run": {"report": {"step_time_s": 0.3, "checkpoint_bytes": 1024, "ok": True}},
     "started": {"pid": 4242, "host": "ip-10-0-0-1"},
+    "alert": {
+        "title": "val_loss stuck",
+        "text": "no better in 3 evals",
+        "severity": "warning",
+        "step": 7,
+    },
+    "stacks": {"step": 50, "stalled_s": 61.5, "processes": 1, "text": 'File "t.py", line 9'},
 }
 
 
@@ -99,6 +107,22 @@ def wire_event(seq: int = 0, type: str = "heartbeat", **data: Any) -> dict[str, 
 
 def test_every_type_has_a_sample() -> None:
     assert set(PAYLOADS) == EVENT_TYPES
+
+
+def test_alert_and_stacks_are_bounded() -> None:
+    long_title = wire_event(0, "alert", title="x" * (ALERT_TITLE_MAX + 1))
+    with pytest.raises(WireError, match=f"title: expected at most {ALERT_TITLE_MAX} characters"):
+        decode_batch(body([long_title]))
+    with pytest.raises(WireError, match="severity: expected one of critical, info, warning"):
+        decode_batch(body([wire_event(0, "alert", severity="page-everyone")]))
+    with pytest.raises(WireError, match="title: expected a non-empty string"):
+        decode_batch(body([wire_event(0, "alert", title="")]))
+    with pytest.raises(WireError, match=f"text: expected at most {STACKS_TEXT_MAX} characters"):
+        decode_batch(body([wire_event(0, "stacks", text="y" * (STACKS_TEXT_MAX + 1))]))
+    # An older runner's alert without a step is read (the field has a default).
+    old = wire_event(0, "alert")
+    del old["data"]["step"]
+    assert decode_batch(body([old]))[0].data["step"] is None
 
 
 def test_round_trip_of_every_type() -> None:

@@ -1,0 +1,100 @@
+"""Issue 27, point 4, on the local provider: a hung run is found, shown and stopped.
+
+A script trains 50 steps with the session and then blocks for good, as a collective
+waiting for a dead rank does; its runner goes on reporting. The supervisor dumps the
+script's Python stacks once the step has stood still (:mod:`runner.stacks`), into the
+shipped logs and to the control plane; the reconcile pass's ``hung`` rule alerts with
+the last step and those stacks, and, as the spec asks, trainbot stops the run when
+nobody acknowledges it. The thresholds are seconds here (a floor of minutes by default).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from sqlmodel import col, select
+
+from bot.dispatch import dispatch
+from jobs import alerts, tasks
+from jobs.db import session_scope
+from jobs.lifecycle import AttemptState, RunState
+from jobs.models import Alert, EventRow
+from jobs.notify import AlertMessage
+from jobs.runs import reconcile
+from tests.jobs import test_restarts
+from tests.jobs.test_control_plane import ADA, attempts_of, run_state
+from tests.jobs.test_restarts import Plane, _launch, _thread
+from tests.waiting import wait_until
+
+# The restart tests' control plane: the local provider, a notifier that keeps everything.
+plane = test_restarts.plane
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "hang_after.py"
+
+
+def _hung(cp_deps: object, run_id: str) -> Alert | None:
+    with session_scope(cp_deps.engine) as session:  # type: ignore[attr-defined]
+        for alert in alerts.open_alerts(session, run_id=run_id):
+            if alert.rule == "hung":
+                session.expunge(alert)
+                return alert
+    return None
+
+
+def _stacks_stored(cp_deps: object, run_id: str) -> bool:
+    with session_scope(cp_deps.engine) as session:  # type: ignore[attr-defined]
+        return (
+            session.exec(
+                select(EventRow.id).where(EventRow.run_id == run_id, col(EventRow.type) == "stacks")
+            ).first()
+            is not None
+        )
+
+
+@pytest.mark.slow
+def test_a_script_hung_after_step_50_alerts_with_its_stack_and_is_stopped(plane: Plane) -> None:
+    cp, _records, notes = plane
+    run = _launch(
+        cp,
+        f"command=python {SCRIPT} 100000 50",
+        "alerts.hung.floor=3s",
+        "alerts.hung.factor=5",
+        "alerts.hung.stop_after=1s",
+    )
+    wait_until(lambda: _stacks_stored(cp.deps, run), timeout=90, what="the runner's stacks dump")
+    # The step stands still past the floor, heartbeats go on: the next pass alerts.
+    wait_until(
+        lambda: reconcile(cp.deps) is not None and _hung(cp.deps, run) is not None,
+        timeout=30,
+        what="the hung alert",
+    )
+    hung = _hung(cp.deps, run)
+    assert hung is not None and hung.severity == "CRITICAL"
+    assert hung.title.startswith(f"Run {run} looks hung: step 49 has not moved for")
+    assert "in wait_for_peers" in hung.detail and "hang_after.py" in hung.detail
+    # The thread's alert message carries the stack, the loop's frame first.
+    shown = [m for m in notes.posted if isinstance(m, AlertMessage) and m.rule == "hung"]
+    assert shown and "in wait_for_peers" in shown[-1].detail
+    current = shown[-1].detail.index("Current thread")
+    assert current < shown[-1].detail.index("in wait_for_peers")
+    assert run_state(cp, run) == RunState.RUNNING  # alerted, not yet stopped
+
+    # Nobody acknowledges it: trainbot stops the run after alerts.hung.stop_after.
+    later = cp.deps.clock() + timedelta(seconds=2)
+    assert tasks.stop_diverged(cp.deps, now=later) == [run]
+    assert run_state(cp, run) == RunState.STOPPED
+    [attempt] = attempts_of(cp, run)
+    assert attempt.state == AttemptState.TERMINATED
+    said = [m.text for m in _thread(notes, run) if m.text.startswith(f"trainbot stopped {run}")]
+    assert said and "its step stood still" in said[0]
+    wait_until(
+        lambda: cp.deps.provider.status(attempt.instance_id).state.is_terminal(),  # type: ignore[arg-type]
+        timeout=30,
+        what="the hung process ended",
+    )
+    # The dump is in the shipped logs, which outlive the instance.
+    logs = dispatch(cp.deps, f"logs {run}", ADA, markup="plain").text
+    assert "Python stacks of 1 process(es) follow" in logs
+    assert "in wait_for_peers" in logs
