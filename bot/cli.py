@@ -321,7 +321,8 @@ def _serve(
 ) -> int:
     from bot.console import ConsoleNotifier
     from jobs.bootstrap import ControlPlane
-    from jobs.settings import ENV_PREFIX, google_credentials_environ, load_settings
+    from jobs.google_env import google_credentials_environ
+    from jobs.settings import ENV_PREFIX, load_settings
 
     # The flags win over the environment, as in uvicorn and gunicorn; the settings are
     # validated with them (a public URL derived from the port, for one).
@@ -480,8 +481,8 @@ def _configure_logging(*, verbose: bool) -> None:
     """Logs to stderr as TRAINBOT_LOG_FORMAT says (jobs.logs), the settings' secrets
     redacted by value. Settings that do not validate are reported by the command itself;
     the logs then use the defaults and redact by pattern only."""
-    from jobs.logs import configure_logging, secret_values
-    from jobs.settings import load_settings, parse_log_level
+    from jobs.logs import configure_logging, parse_log_level, secret_values
+    from jobs.settings import load_settings
 
     # Raises SettingsError (one line, shown by main) for a value that is not a level.
     level = logging.INFO if verbose else parse_log_level(os.environ.get("TRAINBOT_LOG_LEVEL"))

@@ -39,6 +39,8 @@ from typing import IO, TYPE_CHECKING, Literal
 
 from pydantic import SecretStr
 
+from jobs.errors import SettingsError
+
 if TYPE_CHECKING:
     from jobs.settings import Settings
 
@@ -282,3 +284,30 @@ def _is_terminal(stream: IO[str]) -> bool:
         return stream.isatty()
     except (AttributeError, ValueError):
         return False
+
+
+#: ``TRAINBOT_LOG_LEVEL``'s values, any case; ``warn`` and ``fatal`` are read as their
+#: long names.
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+_LEVEL_ALIASES = {"warn": "warning", "fatal": "critical"}
+
+
+def level_name(raw: str) -> str | None:
+    level = raw.strip().lower()
+    level = _LEVEL_ALIASES.get(level, level)
+    return level if level in LOG_LEVELS else None
+
+
+def parse_log_level(raw: str | None) -> int:
+    """``TRAINBOT_LOG_LEVEL``'s value as a :mod:`logging` level (unset: WARNING), read
+    before the other settings, since logging starts first. Raises :class:`SettingsError`,
+    one line, for a value that is not a level."""
+    if not raw:
+        return logging.WARNING
+    level = level_name(raw)
+    if level is None:
+        raise SettingsError(
+            f"bad setting: TRAINBOT_LOG_LEVEL={raw!r}: expected one of "
+            f"{', '.join(LOG_LEVELS)} (any case)"
+        )
+    return int(logging.getLevelName(level.upper()))

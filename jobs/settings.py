@@ -20,7 +20,6 @@ directory of them, ``TRAINBOT_SECRETS_DIR`` (:mod:`jobs.secret_files`).
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import typing
@@ -43,19 +42,17 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
 from jobs.errors import SettingsError, describe_validation_error
+from jobs.logs import LOG_LEVELS, level_name
 from jobs.providers import PROVIDERS, known_names, registration
 from jobs.secret_files import read_secret_files
 from runner.env import DEFAULT_TERMINATION_WINDOW_S
 
 __all__ = [
     "ENV_PREFIX",
-    "LOG_LEVELS",
     "SHIPPED_SPECS_DIR",
     "Settings",
     "env_name",
-    "google_credentials_environ",
     "load_settings",
-    "parse_log_level",
 ]
 
 #: Every variable this module reads starts with this.
@@ -72,11 +69,6 @@ _LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 _ANY_HOSTS = ("0.0.0.0", "::", "")
 
 CommaList = Annotated[list[str], NoDecode]
-
-#: ``TRAINBOT_LOG_LEVEL``'s values, any case; ``warn`` and ``fatal`` are read as their
-#: long names.
-LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-_LEVEL_ALIASES = {"warn": "warning", "fatal": "critical"}
 
 # Set while load_settings() builds a Settings from a mapping it has already read, so the
 # model does not read os.environ a second time behind the mapping's back.
@@ -304,7 +296,7 @@ class Settings(BaseSettings):
     @field_validator("log_level", mode="before")
     @classmethod
     def _known_level(cls, value: Any) -> Any:
-        level = _level_name(str(value))
+        level = level_name(str(value))
         if level is None:
             raise ValueError(f"expected one of {', '.join(LOG_LEVELS)} (any case)")
         return level
@@ -493,27 +485,6 @@ class Settings(BaseSettings):
         return zoneinfo.ZoneInfo(self.timezone)
 
 
-def _level_name(raw: str) -> str | None:
-    level = raw.strip().lower()
-    level = _LEVEL_ALIASES.get(level, level)
-    return level if level in LOG_LEVELS else None
-
-
-def parse_log_level(raw: str | None) -> int:
-    """``TRAINBOT_LOG_LEVEL``'s value as a :mod:`logging` level (unset: WARNING), read
-    before the other settings, since logging starts first. Raises :class:`SettingsError`,
-    one line, for a value that is not a level."""
-    if not raw:
-        return logging.WARNING
-    level = _level_name(raw)
-    if level is None:
-        raise SettingsError(
-            f"bad setting: {env_name('log_level')}={raw!r}: expected one of "
-            f"{', '.join(LOG_LEVELS)} (any case)"
-        )
-    return int(logging.getLevelName(level.upper()))
-
-
 def _registered(names: list[str]) -> list[str]:
     """``names``, lower-cased, each a provider of the registry (``jobs.providers``)."""
     wanted = [name.strip().lower() for name in names]
@@ -544,20 +515,6 @@ def _file_fields() -> tuple[str, ...]:
         if info.annotation is SecretStr or SecretStr in typing.get_args(info.annotation)
     ]
     return ("database_url", *secret)
-
-
-def google_credentials_environ(
-    settings: Settings, environ: Mapping[str, str] | None = None
-) -> dict[str, str]:
-    """What to add to the environment for Google's clients: ``GOOGLE_APPLICATION_CREDENTIALS``
-    pointing at ``gcp_credentials_file`` when that file is there and nothing else names a
-    key; else nothing, and the clients find the pod's Workload Identity or the instance's
-    account through the metadata server."""
-    source = os.environ if environ is None else environ
-    wanted = settings.gcp_credentials_file
-    if source.get("GOOGLE_APPLICATION_CREDENTIALS") or wanted is None or not wanted.is_file():
-        return {}
-    return {"GOOGLE_APPLICATION_CREDENTIALS": str(wanted)}
 
 
 def _google_key_problem(by_upper: Mapping[str, str]) -> str | None:

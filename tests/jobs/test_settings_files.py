@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from jobs.errors import SettingsError
-from jobs.settings import google_credentials_environ, load_settings, parse_log_level
+from jobs.google_env import google_credentials_environ
+from jobs.logs import parse_log_level
+from jobs.settings import load_settings
 
 SLACK = {"TRAINBOT_NOTIFIER": "slack"}
 
