@@ -51,9 +51,10 @@ CHANNEL = "C0TRAIN"
 ADA = "U0ADA"
 SECRET = "8f742231b10e8888abcd99yyyzzz85a5"
 MiB = 2**20
-PART = 8 * MiB
-#: The dataset: a large object copied in 32 parts first (keys sort so), a multipart
-#: one of 40 MiB, and two under the part size (CopyObject).
+PART = 32 * MiB
+#: The dataset: a large object copied in 8 parts first (keys sort so), a multipart
+#: one of 40 MiB, and two under the part size (CopyObject). Parts are large because
+#: moto reads the whole source object for each part it copies.
 SIZES = {"a-big.bin": 256 * MiB, "b-mid.bin": 40 * MiB, "c-small.bin": 4 * MiB, "d-tiny.txt": 700}
 
 
@@ -217,7 +218,7 @@ def test_a_copy_killed_mid_part_resumes_after_restart(
 
         def mid_copy() -> Staging | None:
             now = staging_row(engine, row.id)
-            return now if now.current_key == "data/a-big.bin" and len(now.parts) >= 3 else None
+            return now if now.current_key == "data/a-big.bin" and len(now.parts) >= 2 else None
 
         wait_until(mid_copy, 60, "the large object's copy under way", every=0.01)
         first.send_signal(signal.SIGKILL)
@@ -226,7 +227,7 @@ def test_a_copy_killed_mid_part_resumes_after_restart(
         before = staging_row(engine, row.id)
         assert before.state is StagingState.COPYING and before.upload_id
         done_before = {int(p["n"]) for p in before.parts}
-        assert 3 <= len(done_before) < 32, "killed after the large object, not during it"
+        assert 2 <= len(done_before) < 8, "killed after the large object, not during it"
         message_ts = before.message_ts
         assert message_ts and not message_ts.startswith("pending-")
 
@@ -252,11 +253,11 @@ def test_a_copy_killed_mid_part_resumes_after_restart(
     # Each part of the large object copied once, over both processes; the upload
     # created once and completed once: the copy went on, it did not start over.
     parts = part_numbers(lines, big)
-    assert Counter(parts) == Counter(range(1, 33)), sorted(parts)
+    assert Counter(parts) == Counter(range(1, 9)), sorted(parts)
     assert not done_before & set(part_numbers(lines[killed_at:], big))
     creates = [ln for ln in lines if f"/{big}?uploads" in ln]
     assert len(creates) == 1, creates
-    assert finished.part_copies <= 32 + 5 + 2  # each part once (one may be copied, unsaved)
+    assert finished.part_copies <= 8 + 2 + 2  # each part once (one may be copied, unsaved)
     assert (finished.objects_done, finished.bytes_done) == (4, sum(SIZES.values()))
     # The small objects were single CopyObject requests (no upload for them).
     assert not [ln for ln in lines if "c-small.bin?uploads" in ln or "d-tiny.txt?uploads" in ln]
