@@ -192,6 +192,12 @@ class DryRunCheck:
             f"{stall}, restored bit-identical in {duration(report.restore_s)}; "
             f"checkpoint interval {interval_text(ctx.spec, interval, choice)}"
         )
+        if ctx.spec.checkpoint.sync_dir is not None:
+            # The runner cannot move a plain script's saves: the script's own setting does.
+            figures += (
+                " (the script saves on its own schedule: set its save interval, such as "
+                "save_steps or every_n_train_steps, near it)"
+            )
         if report.setup_s is not None:
             figures = f"code and setup ready in {duration(report.setup_s)}; {figures}"
         if report.sample_objects is not None:

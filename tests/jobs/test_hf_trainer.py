@@ -91,6 +91,7 @@ def test_an_unmodified_hf_trainer_script_is_first_class(plane: Plane) -> None:  
     [dry] = [c for c in report.checks if c.name == "dry_run"]
     assert dry.status == "pass", dry.detail
     assert "restored bit-identical" in dry.detail and "steps at" in dry.detail
+    assert "the script saves on its own schedule" in dry.detail
     # Every check passed, so it launches without asking.
     assert run_state(cp, run) not in (RunState.PREFLIGHT_FAILED, RunState.AWAITING_CONFIRMATION)
 
