@@ -40,7 +40,7 @@ from jobs.logs import bare_traceback
 from jobs.models import Run
 from jobs.service import Actor
 from jobs.spec import spec_from_text
-from jobs.spec.sources import load_spec_for
+from jobs.spec.sources import load_spec_for, one_fetch_per_repository
 
 __all__ = ["Markup", "Reply", "ask_for", "dispatch", "handle_text"]
 
@@ -63,6 +63,22 @@ def dispatch(
     """Run one command, parsed or as its `/train …` text, for ``actor``: a front end's
     :class:`Caller`, whom ``auth`` authorises first (a refusal is audited unless
     ``audit`` is False, for a repeated delivery), or an already trusted :class:`Actor`."""
+    # A spec repository is read once per command: the spec authorised (where its run
+    # reports) is the spec launched, even if its branch moves in between.
+    with one_fetch_per_repository():
+        return _dispatch(deps, command, actor, auth=auth, key=key, markup=markup, audit=audit)
+
+
+def _dispatch(
+    deps: Deps,
+    command: commands.Command | str,
+    actor: Actor | Caller,
+    *,
+    auth: Authorizer | None,
+    key: str | None,
+    markup: Markup,
+    audit: bool,
+) -> Reply:
     if isinstance(command, str):
         text = command
         try:

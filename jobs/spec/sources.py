@@ -28,7 +28,9 @@ import signal
 import subprocess
 import threading
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Literal
@@ -56,6 +58,7 @@ __all__ = [
     "load_named_spec",
     "load_spec_for",
     "names_for",
+    "one_fetch_per_repository",
     "parse_sources",
 ]
 
@@ -67,6 +70,8 @@ _SUFFIXES = (".yaml", ".yml")
 MAX_PER_SOURCE = 200
 #: Characters of a description kept in a listing.
 MAX_DESCRIPTION = 200
+#: Within :func:`one_fetch_per_repository`: each repository's commit, once fetched.
+_FETCHED: ContextVar[dict[Path, str] | None] = ContextVar("spec_fetches", default=None)
 _FETCH_LOCKS: dict[Path, threading.Lock] = {}
 _LOCKS_LOCK = threading.Lock()
 
@@ -235,6 +240,15 @@ class _Git:
     def fetch(self) -> str:
         """Fetch the branch; its commit now. Raises SpecError when the repository cannot
         be reached in time or has no such branch."""
+        fetched = _FETCHED.get()
+        if fetched is not None and self.repo in fetched:
+            return fetched[self.repo]
+        commit = self._fetch()
+        if fetched is not None:
+            fetched[self.repo] = commit
+        return commit
+
+    def _fetch(self) -> str:
         with _lock_for(self.repo):
             if not (self.repo / "HEAD").is_file():
                 self.repo.mkdir(parents=True, exist_ok=True)
@@ -350,6 +364,18 @@ class _Git:
                 )
             raise SpecError(f"the spec repository {self.source.label} could not be read ({said})")
         return out
+
+
+@contextmanager
+def one_fetch_per_repository() -> Iterator[None]:
+    """Within it, each repository is fetched once and its commit reused: one command reads
+    the same spec when it is authorised (where the run reports) and when it is launched,
+    however the branch moves in between."""
+    token = _FETCHED.set({})
+    try:
+        yield
+    finally:
+        _FETCHED.reset(token)
 
 
 def _lock_for(repo: Path) -> threading.Lock:

@@ -295,3 +295,20 @@ def test_a_resubmit_keeps_the_origin_and_no_override_can_set_one(sources: Source
         apply_changes(stored, ["origin.commit=" + "0" * 40], name="gpt")
     with pytest.raises(SpecError, match="origin: is set by trainbot"):
         load_spec_for(settings, "gpt", overrides=["origin.kind=text"])  # type: ignore[arg-type]
+
+
+def test_one_command_reads_each_repository_once(sources: Sources) -> None:
+    """What the dispatcher does around a command: the spec it authorises (where the run
+    reports) is the one it launches, though the branch moves in between."""
+    from jobs.spec.sources import one_fetch_per_repository
+
+    first = sources.repo.commit({"specs/gpt.yaml": spec_text("python one.py", "one")})
+    settings = settings_for(sources.root / "state", **sources.env())
+    with one_fetch_per_repository():
+        checked = load_spec_for(settings, "gpt")  # type: ignore[arg-type]
+        sources.repo.commit({"specs/gpt.yaml": spec_text("python two.py", "two")})
+        launched = load_spec_for(settings, "gpt")  # type: ignore[arg-type]
+    assert checked == launched and launched.command == ["python", "one.py"]
+    assert launched.origin is not None and launched.origin.commit == first
+    after = load_spec_for(settings, "gpt")  # type: ignore[arg-type]
+    assert after.command == ["python", "two.py"]
