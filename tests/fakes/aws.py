@@ -36,6 +36,7 @@ from typing import Any
 
 import boto3
 from botocore.exceptions import ClientError
+from botocore.stub import Stubber
 
 from tests.fakes.moto_server import PLACEMENT_GROUPS, refusing_s3
 
@@ -159,6 +160,15 @@ def limit_placement_group(name: str, *, instances: int, region: str = "us-east-1
 
 
 # -- Stubber responses, shaped as the real APIs answer ----------------------------------------
+
+
+def stub(stubbers: list[Stubber], client: Any) -> Stubber:
+    """Botocore's Stubber on one of the provider's own clients, active until the test's
+    ``stubbers`` fixture deactivates it."""
+    stubber = Stubber(client)
+    stubber.activate()
+    stubbers.append(stubber)
+    return stubber
 
 
 def quota(code: str, value: float, *, region: str = "us-east-1") -> dict[str, Any]:

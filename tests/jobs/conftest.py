@@ -13,13 +13,17 @@ import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import boto3
 import pytest
+from botocore.stub import Stubber
 from sqlalchemy import Engine, text
 from sqlalchemy.engine import make_url
 
 from jobs.db import make_engine, migrate
 from jobs.settings import Settings, load_settings
+from tests.fakes import aws as fake_aws
 
 POSTGRES_URL_ENV = "TRAINBOT_TEST_POSTGRES_URL"
 
@@ -73,3 +77,34 @@ def db_engine(empty_engine: Engine) -> Engine:
 def settings(tmp_path: Path) -> Settings:
     """The embedded defaults, with the state directory under the test's tmp_path."""
     return load_settings({"TRAINBOT_STATE_DIR": str(tmp_path / "state")})
+
+
+# -- AWS on moto's server ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def moto(moto_server: str) -> dict[str, Any]:
+    """What the AWS tests need from moto's server: its URL, an AMI, the runner's instance
+    profile, the zones' ids and a checkpoint bucket of the module's own (us-east-1)."""
+    return {
+        "url": moto_server,
+        "image": fake_aws.image_id(moto_server),
+        "profile": fake_aws.instance_profile(moto_server),
+        "zone_ids": fake_aws.zone_ids(moto_server),
+        "bucket": fake_aws.unique_bucket(moto_server, region="us-east-1", prefix="ckpt"),
+    }
+
+
+@pytest.fixture(scope="module")
+def session() -> boto3.session.Session:
+    """One boto3 session for the module: each service's API model is parsed once."""
+    return boto3.session.Session()
+
+
+@pytest.fixture
+def stubbers() -> Iterator[list[Stubber]]:
+    """Stubbers attached during a test (``tests.fakes.aws.stub``); deactivated at its end."""
+    made: list[Stubber] = []
+    yield made
+    for stubber in made:
+        stubber.deactivate()

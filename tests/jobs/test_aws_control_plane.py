@@ -49,6 +49,7 @@ from jobs.settings import load_settings
 from jobs.spec import JobSpec, parse_spec
 from runner.wire import Event, encode_batch
 from tests.fakes import aws as fake
+from tests.fakes.aws import stub
 from tests.fakes.loopback import LoopbackServer, QuietHandler, read_body, reply
 from tests.waiting import wait_until
 
@@ -154,38 +155,6 @@ def gate(moto: dict[str, Any]) -> Iterator[Ec2Gate]:
     proxy = Ec2Gate(moto["url"])
     yield proxy
     proxy.close()
-
-
-@pytest.fixture(scope="module")
-def moto(moto_server: str) -> dict[str, Any]:
-    """moto's server with an AMI, the runner's instance profile and a checkpoint bucket."""
-    return {
-        "url": moto_server,
-        "image": fake.image_id(moto_server),
-        "profile": fake.instance_profile(moto_server),
-        "bucket": fake.unique_bucket(moto_server, region=REGION, prefix="ckpt"),
-    }
-
-
-@pytest.fixture(scope="module")
-def session() -> boto3.session.Session:
-    """One boto3 session for the module: each service's API model is parsed once."""
-    return boto3.session.Session()
-
-
-@pytest.fixture
-def stubbers() -> Iterator[list[Stubber]]:
-    made: list[Stubber] = []
-    yield made
-    for stubber in made:
-        stubber.deactivate()
-
-
-def stub(stubbers: list[Stubber], client: Any) -> Stubber:
-    stubber = Stubber(client)
-    stubber.activate()
-    stubbers.append(stubber)
-    return stubber
 
 
 def stub_quotas(stubbers: list[Stubber], aws: AwsProvider, *pairs: tuple[str, float]) -> Stubber:

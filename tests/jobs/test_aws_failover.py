@@ -46,7 +46,7 @@ from tests.jobs.test_aws_control_plane import (
 )
 
 # The control-plane tests' fixtures, under their own names.
-moto, session, stubbers, gate = base.moto, base.session, base.stubbers, base.gate
+gate = base.gate
 
 WEST = "us-west-2"
 NO_ROOM = "We currently do not have sufficient g5.xlarge capacity in the zone you requested"

@@ -45,7 +45,7 @@ from tests.jobs.test_aws_control_plane import (
 from tests.jobs.test_aws_failover import NO_ROOM, _aws
 
 # The control-plane tests' fixtures, under their own names.
-moto, session, stubbers, gate = base.moto, base.session, base.stubbers, base.gate
+gate = base.gate
 
 
 def _refuse_spot(times: int, refused: list[str]) -> Any:

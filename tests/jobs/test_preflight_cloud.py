@@ -61,25 +61,6 @@ RUNNER_SA = "trainbot-runner@trainbot-test.iam.gserviceaccount.com"
 # -- the network edges -------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def moto(moto_server: str) -> dict[str, Any]:
-    """moto's server with an AMI, the runner's instance profile and a checkpoint bucket."""
-    return {
-        "url": moto_server,
-        "image": fake_aws.image_id(moto_server),
-        "profile": fake_aws.instance_profile(moto_server),
-        "bucket": fake_aws.unique_bucket(moto_server, region=on_aws.REGION, prefix="ckpt"),
-    }
-
-
-@pytest.fixture
-def stubbers() -> Iterator[list[Stubber]]:
-    made: list[Stubber] = []
-    yield made
-    for stubber in made:
-        stubber.deactivate()
-
-
 @pytest.fixture
 def aws(moto: dict[str, Any], stubbers: list[Stubber]) -> AwsProvider:
     """The AWS provider on moto, with the answers moto lacks (quotas, placement scores)."""

@@ -57,9 +57,6 @@ from tests.jobs.test_aws_control_plane import (
 )
 from tests.jobs.test_preflight_cloud import RUNNER_SA
 
-# The control-plane tests' fixtures, under their own names.
-moto, session, stubbers = on_aws.moto, on_aws.session, on_aws.stubbers
-
 #: Not the region any table of defaults would pick.
 EU = "eu-west-1"
 GCP_EU = "europe-west4"

@@ -35,12 +35,10 @@ from runner.logship import LogLimits, LogShipper, read_tail
 from runner.store import run_store
 from runner.supervisor import Supervisor
 from runner.wire import Event, encode_batch
-from tests.fakes import aws as fake
 from tests.jobs.test_aws_control_plane import (
     G_ON_DEMAND,
     G_SPOT,
     RANKED,
-    REGION,
     Ec2Gate,
     Recorder,
     Refusal,
@@ -219,29 +217,10 @@ def test_a_failure_cards_tail_is_escaped_and_clipped() -> None:
 
 
 @pytest.fixture
-def moto(moto_server: str) -> dict[str, Any]:
-    """moto's server with an AMI, the runner's instance profile and a checkpoint bucket."""
-    return {
-        "url": moto_server,
-        "image": fake.image_id(moto_server),
-        "profile": fake.instance_profile(moto_server),
-        "bucket": fake.unique_bucket(moto_server, region=REGION, prefix="ckpt"),
-    }
-
-
-@pytest.fixture
 def gate(moto: dict[str, Any]) -> Iterator[Ec2Gate]:
     proxy = Ec2Gate(moto["url"])
     yield proxy
     proxy.close()
-
-
-@pytest.fixture
-def stubbers() -> Iterator[list[Stubber]]:
-    made: list[Stubber] = []
-    yield made
-    for stubber in made:
-        stubber.deactivate()
 
 
 def test_logs_of_a_failed_aws_run_are_read_from_s3_after_ec2_terminated_it(

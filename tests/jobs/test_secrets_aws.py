@@ -28,6 +28,7 @@ from jobs.spec.env import secrets_env
 from runner import env as contract
 from tests.fakes import aws as fake
 from tests.fakes.iam_simulation import serve_policy_simulation
+from tests.jobs.boot import aws_boot_env, stand_in
 from tests.jobs.providers.contract import launch_request
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -133,16 +134,8 @@ def _play(script: str, root: Path) -> subprocess.CompletedProcess[str]:
         ),
     }
     for path, body in stand_ins.items():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(f"#!/bin/sh\n{body}\n")
-        path.chmod(0o755)
-    env = {
-        "PATH": f"{bin_dir}:{os.environ['PATH']}",
-        "TRAINBOT_BOOT_HOME": str(home),
-        "TRAINBOT_BOOT_ENV_FILE": str(root / "etc" / "runner.env"),
-        "TRAINBOT_BOOT_SCRATCH_DIR": str(root / "scratch"),
-        "TRAINBOT_BOOT_CONSOLE": str(root / "console"),
-    }
+        stand_in(path, f"#!/bin/sh\n{body}\n")
+    env = aws_boot_env(root, home, path=f"{bin_dir}:{os.environ['PATH']}")
     return subprocess.run(
         ["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60
     )

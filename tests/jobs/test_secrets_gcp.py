@@ -23,6 +23,7 @@ from jobs.providers.gcp import GcpProvider
 from jobs.spec import parse_spec
 from jobs.spec.env import secrets_env
 from tests.fakes.secret_manager import FakeSecretManager
+from tests.jobs.boot import gcp_boot_env
 
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT = "team-1"
@@ -173,14 +174,7 @@ def test_the_startup_script_s_runner_reads_it_and_the_metadata_holds_only_the_re
         with gce.metadata_server(zone, info.instance_id.split("/", 1)[1]) as md_url:
             done = subprocess.run(
                 ["bash", str(gcp.startup_script)],
-                env={
-                    "PATH": os.environ["PATH"],
-                    "TRAINBOT_GCE_METADATA_URL": md_url,
-                    "TRAINBOT_STATE_DIR": str(tmp_path / "state"),
-                    "TRAINBOT_VENV": str(tmp_path / "venv"),
-                    "TRAINBOT_RUN_AS": "",
-                    "TRAINBOT_HALT": "true",
-                },
+                env=gcp_boot_env(tmp_path, md_url),
                 capture_output=True,
                 text=True,
                 timeout=60,

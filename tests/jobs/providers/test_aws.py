@@ -58,7 +58,9 @@ from jobs.providers.base import (
 from jobs.providers.runner_install import RunnerInstall
 from jobs.spec import JobSpec, parse_spec
 from tests.fakes import aws as fake
+from tests.fakes.aws import stub
 from tests.fakes.moto_server import refusing_s3
+from tests.jobs.boot import aws_boot_env
 from tests.jobs.providers.contract import ProviderContract, launch_request, wait_for_state
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -67,32 +69,6 @@ T4 = ResourceRequest(cloud="aws", region=REGION, accelerator_type="T4", accelera
 A10G = ResourceRequest(cloud="aws", region=REGION, accelerator_type="A10G", accelerator_count=1)
 WORKLOAD = ["trainbot-runner", "exec", "--", "python", "train.py", "--steps", "100"]
 G_SPOT, G_ON_DEMAND = "L-3819A6DF", "L-DB2E81BA"
-
-
-@pytest.fixture(scope="module")
-def moto(moto_server: str) -> dict[str, Any]:
-    """What every provider here needs from moto: an AMI, the runner's profile, zone ids."""
-    return {
-        "url": moto_server,
-        "image": fake.image_id(moto_server),
-        "profile": fake.instance_profile(moto_server),
-        "zone_ids": fake.zone_ids(moto_server),
-    }
-
-
-@pytest.fixture
-def stubbers() -> Iterator[list[Stubber]]:
-    """Stubbers attached during a test; deactivated at teardown."""
-    made: list[Stubber] = []
-    yield made
-    for stubber in made:
-        stubber.deactivate()
-
-
-@pytest.fixture(scope="module")
-def session() -> boto3.session.Session:
-    """One boto3 session for the module: it parses each service's API model once."""
-    return boto3.session.Session()
 
 
 @pytest.fixture
@@ -110,14 +86,6 @@ def make_aws(
         return AwsProvider(**options)
 
     return build
-
-
-def stub(stubbers: list[Stubber], client: Any) -> Stubber:
-    """Botocore's Stubber on one of the provider's clients, active until teardown."""
-    stubber = Stubber(client)
-    stubber.activate()
-    stubbers.append(stubber)
-    return stubber
 
 
 def quotas(stubber: Stubber, *pairs: tuple[str, float]) -> None:
@@ -984,13 +952,7 @@ def test_user_data_installs_runs_reports_and_shuts_down(
         f" open({str(tmp_path / 'ran.json')!r}, 'w'))\nsys.exit(3)\n"
     )
     runner.chmod(0o755)
-    env = {
-        "PATH": f"{bin_dir}:{os.environ['PATH']}",
-        "TRAINBOT_BOOT_HOME": str(home),
-        "TRAINBOT_BOOT_ENV_FILE": str(tmp_path / "etc" / "runner.env"),
-        "TRAINBOT_BOOT_SCRATCH_DIR": str(tmp_path / "scratch"),
-        "TRAINBOT_BOOT_CONSOLE": str(tmp_path / "console"),
-    }
+    env = aws_boot_env(tmp_path, home, path=f"{bin_dir}:{os.environ['PATH']}")
     done = subprocess.run(
         ["bash", "-c", script], env=env, capture_output=True, text=True, timeout=30
     )

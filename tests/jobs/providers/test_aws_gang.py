@@ -16,7 +16,7 @@ import logging
 import re
 import shlex
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from fnmatch import fnmatchcase
@@ -39,6 +39,7 @@ from jobs.providers.base import (
     ResourceRequest,
 )
 from tests.fakes import aws as fake
+from tests.fakes.aws import stub
 from tests.jobs.providers.contract import launch_request, wait_for_state
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -47,20 +48,6 @@ ZONE = "us-east-1b"
 A10G = ResourceRequest(cloud="aws", region=REGION, accelerator_type="A10G", accelerator_count=1)
 WORKLOAD = ["trainbot-runner", "exec", "--", "python", "train.py"]
 G_SPOT, G_ON_DEMAND = "L-3819A6DF", "L-DB2E81BA"
-
-
-@pytest.fixture(scope="module")
-def moto(moto_server: str) -> dict[str, Any]:
-    return {
-        "url": moto_server,
-        "image": fake.image_id(moto_server),
-        "profile": fake.instance_profile(moto_server),
-    }
-
-
-@pytest.fixture(scope="module")
-def session() -> boto3.session.Session:
-    return boto3.session.Session()
 
 
 @pytest.fixture
@@ -74,21 +61,6 @@ def make_aws(moto: dict[str, Any], session: boto3.session.Session) -> Callable[.
         return AwsProvider(**options)
 
     return build
-
-
-@pytest.fixture
-def stubbers() -> Iterator[list[Stubber]]:
-    made: list[Stubber] = []
-    yield made
-    for stubber in made:
-        stubber.deactivate()
-
-
-def stub(stubbers: list[Stubber], client: Any) -> Stubber:
-    stubber = Stubber(client)
-    stubber.activate()
-    stubbers.append(stubber)
-    return stubber
 
 
 def gang_request(nodes: int = 2, *, key: str | None = None, zone: str = ZONE) -> LaunchRequest:

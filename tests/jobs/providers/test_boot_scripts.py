@@ -28,6 +28,7 @@ from jobs.providers.runner_install import RunnerInstall, installer_source
 from jobs.spec import JobSpec
 from jobs.spec.env import image_env
 from tests.fakes.gce_api import FakeComputeApi
+from tests.jobs.boot import aws_boot_env, gcp_boot_env, runner_venv, stand_in
 from tests.jobs.providers.contract import launch_request
 
 AWS_T4 = ResourceRequest(
@@ -83,12 +84,6 @@ def hostile_env(owned: Path) -> dict[str, str]:
     env["SPLICE"] = f"a';touch {x}-splice;'b"
     env["TRAINBOT_TOKEN"] = "tok-@@COMMAND@@-$(touch " + str(x) + "-token)"
     return env
-
-
-def stand_in(path: Path, body: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(body)
-    path.chmod(0o755)
 
 
 RECORDER = (
@@ -147,13 +142,7 @@ def run_user_data(script: str, tmp_path: Path, *, installed: bool) -> str:
     stand_in(bin_dir / "python3", installer)
     if installed:
         stand_in(home / "bin" / "trainbot-runner", runner)
-    env = {
-        "PATH": f"{bin_dir}:/usr/bin:/bin",
-        "TRAINBOT_BOOT_HOME": str(home),
-        "TRAINBOT_BOOT_ENV_FILE": str(tmp_path / "etc" / "runner.env"),
-        "TRAINBOT_BOOT_SCRATCH_DIR": str(tmp_path / "scratch"),
-        "TRAINBOT_BOOT_CONSOLE": str(tmp_path / "console"),
-    }
+    env = aws_boot_env(tmp_path, home, path=f"{bin_dir}:/usr/bin:/bin")
     done = subprocess.run(["bash", "-c", script], env=env, capture_output=True, timeout=60)
     return done.stderr.decode(errors="replace")
 
@@ -238,21 +227,13 @@ def run_startup_script(
 ) -> subprocess.CompletedProcess[bytes]:
     """Run the startup script as the instance would, its metadata from the fake server,
     with an installed runner in ``tmp_path/venv`` and ``path`` first on PATH."""
-    venv = tmp_path / "venv"
-    (venv / "bin").mkdir(parents=True)
-    (venv / "bin" / "python").symlink_to(sys.executable)
-    stand_in(venv / "bin" / "trainbot-runner", "#!/bin/sh\n")
+    runner_venv(tmp_path)
     with gce.metadata_server(GCP_ZONE, instance_id.split("/", 1)[1]) as md_url:
         return subprocess.run(
             ["bash", str(gcp.startup_script)],
-            env={
-                "PATH": os.pathsep.join(p for p in (path, os.environ["PATH"]) if p),
-                "TRAINBOT_GCE_METADATA_URL": md_url,
-                "TRAINBOT_STATE_DIR": str(tmp_path / "state"),
-                "TRAINBOT_VENV": str(venv),
-                "TRAINBOT_RUN_AS": "",
-                "TRAINBOT_HALT": "true",
-            },
+            env=gcp_boot_env(
+                tmp_path, md_url, path=os.pathsep.join(p for p in (path, os.environ["PATH"]) if p)
+            ),
             capture_output=True,
             timeout=60,
         )

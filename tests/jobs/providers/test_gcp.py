@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import re
 import shutil
 import subprocess
@@ -61,6 +60,7 @@ from jobs.providers.gcp import (
 from jobs.settings import load_settings
 from jobs.spec import JobSpec, parse_spec
 from tests.fakes.gce_api import FakeComputeApi
+from tests.jobs.boot import gcp_boot_env, runner_venv
 from tests.jobs.providers.contract import ProviderContract, launch_request, wait_for_state
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -954,21 +954,10 @@ def test_startup_script_runs_the_command_reports_its_exit_and_halts(
     ]
     req = launch_request(A100, command, zone=ZONE_A, run_id="r-1", env={"TRAINBOT_TOKEN": TOKEN})
     info = gcp.launch(req)
-    venv = tmp_path / "venv"
-    (venv / "bin").mkdir(parents=True)
-    (venv / "bin" / "python").symlink_to(sys.executable)
-    (venv / "bin" / "trainbot-runner").write_text("#!/bin/sh\n")
-    (venv / "bin" / "trainbot-runner").chmod(0o755)
+    runner_venv(tmp_path)
     halted = tmp_path / "halted"
     with fake.metadata_server(ZONE_A, name_of(info.instance_id)) as md_url:
-        env = {
-            "PATH": os.environ["PATH"],
-            "TRAINBOT_GCE_METADATA_URL": md_url,
-            "TRAINBOT_STATE_DIR": str(tmp_path / "state"),
-            "TRAINBOT_VENV": str(venv),
-            "TRAINBOT_RUN_AS": "",
-            "TRAINBOT_HALT": f"touch {halted}",
-        }
+        env = gcp_boot_env(tmp_path, md_url, halt=f"touch {halted}")
         done = subprocess.run(
             ["bash", str(STARTUP_SCRIPT_PATH)], env=env, capture_output=True, text=True, timeout=60
         )
@@ -996,20 +985,9 @@ def test_a_command_that_cannot_start_is_reported_as_failed(
 ) -> None:
     req = launch_request(A100, [str(tmp_path / "no-such-runner")], zone=ZONE_A, run_id="r-1")
     info = gcp.launch(req)
-    venv = tmp_path / "venv"
-    (venv / "bin").mkdir(parents=True)
-    (venv / "bin" / "python").symlink_to(sys.executable)
-    (venv / "bin" / "trainbot-runner").write_text("#!/bin/sh\n")
-    (venv / "bin" / "trainbot-runner").chmod(0o755)
+    runner_venv(tmp_path)
     with fake.metadata_server(ZONE_A, name_of(info.instance_id)) as md_url:
-        env = {
-            "PATH": os.environ["PATH"],
-            "TRAINBOT_GCE_METADATA_URL": md_url,
-            "TRAINBOT_STATE_DIR": str(tmp_path / "state"),
-            "TRAINBOT_VENV": str(venv),
-            "TRAINBOT_RUN_AS": "",
-            "TRAINBOT_HALT": "true",
-        }
+        env = gcp_boot_env(tmp_path, md_url)
         subprocess.run(
             ["bash", str(STARTUP_SCRIPT_PATH)], env=env, capture_output=True, timeout=60, check=True
         )
