@@ -104,14 +104,22 @@ def test_a_git_spec_is_fetched_at_each_launch_and_its_commit_recorded(
             "branch": "main",
             "commit": second,
         }
-        # The launched run goes on from the stored spec (the origin travels with it).
-        wait_until(
+        # The run goes on from the spec stored on it: run 2 runs the pushed command.
+        state = wait_until(
             lambda: (
                 service.status(cp.deps, run2.id, ADA)[0].state
                 not in (RunState.PREFLIGHT.value, RunState.PENDING.value)
+                and service.status(cp.deps, run2.id, ADA)[0].state
             ),
             what="run 2 past preflight",
         )
+        if state == RunState.AWAITING_CONFIRMATION.value:  # no dry run: "Launch anyway"
+            service.resubmit(cp.deps, run2.id, ADA)
+        wait_until(
+            lambda: service.status(cp.deps, run2.id, ADA)[0].state == RunState.SUCCEEDED.value,
+            what="run 2 to succeed",
+        )
+        assert service.logs(cp.deps, run2.id, ADA).text.strip().splitlines()[-1] == "2"
         for run in (run1, run2):
             if service.status(cp.deps, run.id, ADA)[0].state not in _ENDED:
                 service.stop(cp.deps, run.id, ADA)
