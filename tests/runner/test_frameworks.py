@@ -244,3 +244,22 @@ def test_the_dry_run_of_a_sync_dir_script(tmp_path: Path, mode: str) -> None:
     assert report.write_s is not None and report.restore_s is not None
     assert report.step_time_s is not None and 0.04 < report.step_time_s < 1.0
     assert report.daly_interval_s is not None
+
+
+@pytest.mark.slow  # importing lightning takes seconds
+def test_a_lightning_scripts_csv_loss_is_sent(tmp_path: Path) -> None:
+    """Lightning's own CSVLogger, under the supervisor: its train_loss is the loss."""
+    pytest.importorskip("lightning")
+    env = tiny_env(tmp_path)
+    env.pop("TRAINBOT_EVENTS_FILE")
+    sink = Recorder()
+    sync = CheckpointSync(store=LocalStore(tmp_path / "ck"), root=tmp_path / "out", settle_s=0.5)
+    script = Path(__file__).parent / "scripts" / "lightning_train.py"
+    command = [sys.executable, str(script), "--steps", "30", "--step-s", "0", "--csv"]
+    code = Supervisor(command, sink=sink, sync=sync, install_signals=False, env=env).run()
+    assert code == 0
+    metrics = [d for t, d in sink.events if t == "metrics"]
+    assert [d["step"] for d in metrics] == [4, 9, 14, 19, 24, 29]  # every 5 steps
+    assert all(isinstance(d["loss"], float) and d["loss"] > 0 for d in metrics)
+    assert all("epoch" in d["metrics"] for d in metrics)
+    assert [e.step for e in list_committed(sync.store)] == [10, 20, 30]

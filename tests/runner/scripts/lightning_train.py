@@ -2,7 +2,8 @@
 ``epoch=E-step=S.ckpt`` into ``--ckpt-dir`` (by default ``$TRAINBOT_CHECKPOINT_DIR``)
 every ``--every`` steps, and a restart resumes with ``ckpt_path`` set to the newest one
 found there, as a user would write it. Prints ``resumed from step N`` when training
-starts and a JSON line with the final ``step`` last.
+starts and a JSON line with the final ``step`` last. With ``--csv`` it logs its loss
+with a ``CSVLogger`` under the same directory (``lightning_logs/version_0/metrics.csv``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -30,7 +32,9 @@ class Regression(L.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> torch.Tensor:
         x, y = batch
         time.sleep(self.step_s)
-        return nn.functional.mse_loss(self.layer(x), y)
+        loss = nn.functional.mse_loss(self.layer(x), y)
+        self.log("train_loss", loss)
+        return loss
 
     def on_train_start(self) -> None:
         print(f"resumed from step {self.trainer.global_step}", flush=True)
@@ -54,6 +58,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--every", type=int, default=10)
     p.add_argument("--step-s", type=float, default=0.02)
+    p.add_argument("--csv", action="store_true", help="log the loss to metrics.csv")
     args = p.parse_args()
     torch.manual_seed(0)
     x = torch.randn(512, 8)
@@ -62,7 +67,8 @@ def main() -> None:
         max_steps=args.steps,
         accelerator="cpu",
         devices=1,
-        logger=False,
+        logger=CSVLogger(args.ckpt_dir, flush_logs_every_n_steps=10) if args.csv else False,
+        log_every_n_steps=5,
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[
