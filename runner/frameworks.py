@@ -27,7 +27,7 @@ import logging
 import math
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +47,9 @@ _NOT_METRICS = frozenset({"step", "global_step", "loss", "epoch_end"})
 #: Which column is the loss, in order of preference (the first one present).
 _LOSS_KEYS = ("loss", "train_loss", "train_loss_step", "training_loss")
 _HF_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+#: Reads one file's text into its points.
+Reader = Callable[[str], list["Point"]]
 
 
 @dataclass(frozen=True)
@@ -222,10 +225,10 @@ class FrameworkMetrics:
                 },
             )
 
-    def _files(self) -> list[tuple[Path, Any]]:
+    def _files(self) -> list[tuple[Path, Reader]]:
         """The files to look at: the newest Hugging Face state (the highest checkpoint
         folder's, or the output dir's own), and each Lightning metrics.csv."""
-        found: list[tuple[Path, Any]] = []
+        found: list[tuple[Path, Reader]] = []
         best: tuple[int, Path] | None = None
         with contextlib.suppress(OSError):
             for entry in os.scandir(self.root):
@@ -236,11 +239,15 @@ class FrameworkMetrics:
                         best = (int(m.group(1)), state)
         top = self.root / HF_STATE
         if best is not None:
-            found.append((best[1], lambda text: hf_points(text)[1]))
+            found.append((best[1], _hf_reader))
         if top.is_file():
-            found.append((top, lambda text: hf_points(text)[1]))
+            found.append((top, _hf_reader))
         found.extend((p, lightning_points) for p in _csv_files(self.root, _CSV_DEPTH))
         return found
+
+
+def _hf_reader(text: str) -> list[Point]:
+    return hf_points(text)[1]
 
 
 def _csv_files(root: Path, depth: int) -> Iterator[Path]:
