@@ -45,7 +45,10 @@ class GCSCopier:
 
     def list_after(self, src: StoreURI, after: str | None) -> Iterator[ObjectRef]:
         try:
-            for blob in self._client.list_blobs(src.bucket, prefix=src.prefix or None):
+            blobs = self._client.list_blobs(
+                src.bucket, prefix=src.prefix or None, start_offset=after or None
+            )
+            for blob in blobs:
                 if after is not None and blob.name <= after:
                     continue
                 if not blob.name.endswith("/"):

@@ -27,7 +27,7 @@ from sqlmodel import Session, col, select
 
 from jobs import format as fmt
 from jobs.db import session_scope
-from jobs.deferred import Later, current_fence, defer, deferrable
+from jobs.deferred import Later, current_fence, defer, deferrable, pending
 from jobs.deps import Deps
 from jobs.notify import MessageRef, TextMessage
 from jobs.settings import Settings
@@ -153,6 +153,8 @@ def offer(settings: Settings, source: str, region: str, *, copier: Copier | None
         )
     copier = copier or copier_for(settings, src.scheme, region=region)
     where = copier.region(src.bucket) or "an unknown region"
+    if where == region:
+        raise StagingError(f"{source} is in {region} already: runs there read it without a copy")
     count = total = 0
     for obj in copier.list_after(src, None):
         count, total = count + 1, total + obj.size
@@ -207,7 +209,12 @@ def start(
         existing = _under_way(session, found.source, found.region)
         if existing is not None:
             session.expunge(existing)
-            return existing, False
+    if existing is not None:
+        if existing.state is not StagingState.DONE and not _scheduled(engine, existing.id):
+            # Its work gave up (a store that kept failing): asking again resumes it.
+            _defer(engine, existing.id, key=f"staging:{existing.id}:{now.timestamp():.0f}", now=now)
+        return existing, False
+    with session_scope(engine) as session:
         row = Staging(
             id=f"st-{secrets.token_hex(4)}",
             source=found.source,
@@ -226,16 +233,29 @@ def start(
         session.add(row)
         session.flush()
         session.expunge(row)
+    _defer(engine, row.id, key=f"staging:{row.id}", now=now)
+    return row, True
+
+
+def _defer(engine: Engine, staging_id: str, *, key: str, now: datetime) -> None:
+    """The copy as deferred work: a row only, which the scheduler's leader runs."""
     defer(
         engine,
         kind=Later.STAGING,
-        key=f"staging:{row.id}",
-        args={"staging_id": row.id},
+        key=key,
+        args={"staging_id": staging_id},
         due_at=now,
         fence=current_fence(),
         now=now,
     )
-    return row, True
+
+
+def _scheduled(engine: Engine, staging_id: str) -> bool:
+    """Whether the copy has deferred work not done (it runs, or will)."""
+    return any(
+        w.key == f"staging:{staging_id}" or w.key.startswith(f"staging:{staging_id}:")
+        for w in pending(engine)
+    )
 
 
 class _Run:

@@ -17,6 +17,7 @@ import pytest
 from sqlalchemy import Engine
 
 from jobs.db import session_scope
+from jobs.deferred import finish, pending
 from jobs.deps import Deps
 from jobs.lifecycle import RunState
 from jobs.models import Run
@@ -109,6 +110,11 @@ def test_s3_copy_across_regions(moto_server: str, make_deps: Any, tmp_path: Path
     assert new
     again, new = start(deps.engine, found, requested_by="U0BOB", channel="C0TRAIN", now=NOW)
     assert (again.id, new) == (row.id, False)  # the same copy, not a second one
+    assert [w.key for w in pending(deps.engine)] == [f"staging:{row.id}"]
+    # Its deferred work gave up (a store that kept failing): asking again resumes it.
+    finish(deps.engine, f"staging:{row.id}", now=NOW, error="gave up after 8 attempts")
+    start(deps.engine, found, requested_by="U0BOB", channel="C0TRAIN", now=NOW)
+    assert [w.key for w in pending(deps.engine)] == [f"staging:{row.id}:{NOW.timestamp():.0f}"]
 
     copy_staging(deps, staging_id=row.id)
 
@@ -144,6 +150,10 @@ def test_offer_errors(moto_server: str, tmp_path: Path) -> None:
         offer(settings, f"s3://{source}/data", "eu-west-1")
     with pytest.raises(StagingError, match="within one cloud"):
         offer(settings, f"s3://{source}/data", "europe-west4")
+    near = s3_bucket(moto_server, "us-west-2")
+    boto3.client("s3", endpoint_url=moto_server).put_object(Bucket=near, Key="d/x", Body=b"1")
+    with pytest.raises(StagingError, match="is in us-west-2 already"):
+        offer(settings, f"s3://{near}/d", "us-west-2")
     with pytest.raises(StagingError, match="holds no objects"):
         offer(settings, f"s3://{source}/empty", "us-west-2")
     with pytest.raises(StagingError, match="not a bucket URI"):
