@@ -22,7 +22,9 @@ from jobs.db import session_scope
 from jobs.lifecycle import AttemptState, RunState
 from jobs.models import Alert, EventRow
 from jobs.notify import AlertMessage
+from jobs.rules import AlertThresholds, Hung, Obs, RunContext
 from jobs.runs import reconcile
+from jobs.spec.sections import HungWatch
 from tests.jobs import test_restarts
 from tests.jobs.test_control_plane import ADA, attempts_of, run_state
 from tests.jobs.test_restarts import Plane, _launch, _thread
@@ -98,3 +100,34 @@ def test_a_script_hung_after_step_50_alerts_with_its_stack_and_is_stopped(plane:
     logs = dispatch(cp.deps, f"logs {run}", ADA, markup="plain").text
     assert "Python stacks of 1 process(es) follow" in logs
     assert "in wait_for_peers" in logs
+
+
+def _ctx(attempt: int = 2) -> RunContext:
+    return RunContext(
+        run_id="r-h", last_heartbeat=NOW, preemption_times=(), attempt_number=attempt,
+        last_committed_step=40, current_step=49,
+    )  # fmt: skip
+
+
+NOW = 1_800_000_000.0
+
+
+def test_the_rule_alerts_past_the_runs_own_limit_and_clears_when_the_step_moves() -> None:
+    rule = Hung(AlertThresholds(hung=HungWatch(factor=10, floor=60, stop_after=900)))
+    # Attempt 2's steps take 12 s: its limit is 120 s, not the 60 s floor.
+    window = [Obs(NOW - 300 + 12 * i, "metrics", {"step": i, "step_time_s": 12.0, "attempt": 2})
+              for i in range(10)]  # fmt: skip
+    last = window[-1].time
+    stacks = {"text": "Current thread 0x1 (most recent call first):\n  File \"t.py\", line 3 in "
+              "all_reduce\n```", "attempt": 2}  # fmt: skip
+    window.append(Obs(last + 100, "stacks", stacks))
+    assert rule.evaluate(window, now=last + 119, ctx=_ctx())[0].resolved
+    [fired] = rule.evaluate(window, now=last + 121, ctx=_ctx())
+    assert not fired.resolved and fired.stop_after_s == 900 and fired.began_step == 9
+    assert fired.title == "Run r-h looks hung: step 9 has not moved for 2 min"
+    assert "in all_reduce" in fired.detail and "ˋˋˋ" in fired.detail  # a fence cannot end the block
+    # The previous attempt's steps say nothing about this one, which has not stepped.
+    assert rule.evaluate(window, now=last + 121, ctx=_ctx(attempt=3)) == []
+    # Without a dump, the alert says so.
+    [bare] = rule.evaluate(window[:-1], now=last + 121, ctx=_ctx())
+    assert "No stacks" in bare.detail
