@@ -7,6 +7,8 @@ import re
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import requests
@@ -14,23 +16,38 @@ import requests
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+def trainbot_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """This environment without its TRAINBOT_ settings, the state under ``tmp_path``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINBOT_")}
     env.update(PYTHONPATH=str(ROOT), TRAINBOT_STATE_DIR=str(tmp_path / "state"), **extra)
     return env
 
 
-def test_serve_takes_host_and_port_flags_over_the_environment(tmp_path: Path) -> None:
+@contextmanager
+def serving(tmp_path: Path, **env: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """`trainbot serve --host 127.0.0.1 --port 0` with ``env``; yields the process and the
+    first line it printed (the banner). At the end it gets SIGTERM and must exit 0
+    without a traceback."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "bot.cli", "serve", "--host", "127.0.0.1", "--port", "0"],
-        env=_env(tmp_path, TRAINBOT_INGEST_HOST="192.0.2.1", TRAINBOT_INGEST_PORT="1"),
+        env=trainbot_env(tmp_path, **env),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
         assert proc.stdout is not None
-        line = proc.stdout.readline()
+        yield proc, proc.stdout.readline()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
+
+
+def test_serve_takes_host_and_port_flags_over_the_environment(tmp_path: Path) -> None:
+    served = serving(tmp_path, TRAINBOT_INGEST_HOST="192.0.2.1", TRAINBOT_INGEST_PORT="1")
+    with served as (proc, line):
         match = re.search(
             r"on (http://127\.0\.0\.1:(\d+)).*metrics on (http://127\.0\.0\.1:\d+)", line
         )
@@ -38,17 +55,12 @@ def test_serve_takes_host_and_port_flags_over_the_environment(tmp_path: Path) ->
         assert int(match.group(2)) not in (0, 1)
         assert requests.get(f"{match.group(3)}/healthz", timeout=10).status_code == 200
         assert requests.get(f"{match.group(1)}/healthz", timeout=10).status_code == 404
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=30)
-    assert proc.returncode == 0, err
-    assert "Traceback" not in err
 
 
 def test_serve_refuses_a_bad_port_with_a_usage_message(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "bot.cli", "serve", "--port", "80000"],
-        env=_env(tmp_path),
+        env=trainbot_env(tmp_path),
         capture_output=True,
         text=True,
         timeout=60,

@@ -25,13 +25,11 @@ from sqlmodel import select
 
 from bot.auth import Authorizer, Caller, Policy, redact_command
 from bot.listeners.runs import EXTERNAL_DENIED, LAUNCH_DENIED, ONCALL_DENIED
-from jobs import alerts
 from jobs.db import session_scope
 from jobs.lifecycle import RunState
 from jobs.models import Alert, AlertState, OnCall, Run
 from jobs.notify import CallbackJournal
 from jobs.rules import Severity, Signal
-from jobs.runs import alert_target
 from jobs.settings import load_settings
 from runner.checkpoint import CheckpointWriter, list_committed
 from runner.store import LocalStore
@@ -41,6 +39,7 @@ from tests.bot.test_slack_app import (
     TEAM,
     TOKEN,
     Slack,
+    raise_alert,
     slack_plane,
     slack_settings,
     wait_until,
@@ -159,19 +158,11 @@ def run_ids(slack: Slack) -> list[str]:
 
 
 def open_alert(slack: Slack, run_id: str) -> str:
-    deps = slack.cp.deps
     signal = Signal(
         rule="loss", key="nan", severity=Severity.CRITICAL, title="Loss is NaN",
         detail="step 12", hint="Stop the run",
     )  # fmt: skip
-    with session_scope(deps.engine) as session:
-        run = session.get(Run, run_id)
-        assert run is not None
-        (alert,) = alerts.process_signals(
-            session, run=run, signals=[signal], now=deps.clock(), target=alert_target(run),
-            notifier=deps.notifier, journal=deps.journal,
-        )  # fmt: skip
-        return alert.id
+    return raise_alert(slack, run_id, signal)
 
 
 def alert_row(slack: Slack, alert_id: str) -> Alert:

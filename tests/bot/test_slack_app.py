@@ -301,6 +301,19 @@ def terminate_instances(cp: ControlPlane) -> None:
             provider.terminate(instance.instance_id)
 
 
+def raise_alert(slack: Slack, run_id: str, signal: Signal) -> str:
+    """``signal`` processed for ``run_id`` as the ingest path does; the alert's id."""
+    deps = slack.cp.deps
+    with session_scope(deps.engine) as session:
+        run = session.get(Run, run_id)
+        assert run is not None
+        (alert,) = alerts.process_signals(
+            session, run=run, signals=[signal], now=deps.clock(), target=alert_target(run),
+            notifier=deps.notifier, journal=deps.journal,
+        )  # fmt: skip
+        return alert.id
+
+
 @contextmanager
 def slack_plane(fake: FakeSlack, settings: Settings) -> Iterator[Slack]:
     """The control plane of ``settings`` with the Slack app on ``fake``, started; at the
@@ -560,14 +573,7 @@ def test_the_alert_buttons_snooze_stop_and_resubmit(slack: Slack) -> None:
         rule="disk", key="full", severity=Severity.WARNING, title="Scratch disk 93% full",
         detail="93% of 1 GB", hint="Free space or resubmit with a bigger disk",
     )  # fmt: skip
-    with session_scope(deps.engine) as session:
-        run = session.get(Run, run_id)
-        assert run is not None
-        (alert,) = alerts.process_signals(
-            session, run=run, signals=[signal], now=deps.clock(), target=alert_target(run),
-            notifier=deps.notifier, journal=deps.journal,
-        )  # fmt: skip
-        alert_id = alert.id
+    alert_id = raise_alert(slack, run_id, signal)
     slack.notifier.flush(10)
     message = next(m for m in slack.thread(run_id) if alert_id in json.dumps(m.blocks))
 

@@ -403,25 +403,6 @@ def test_a_dataset_in_another_region_fails_preflight_naming_both(
     assert not report.ok
 
 
-@pytest.fixture
-def no_credentials(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """No AWS credentials anywhere boto3 looks (moto's own clients carry theirs)."""
-    for name in (
-        "AWS_ACCESS_KEY_ID",
-        "AWS_SECRET_ACCESS_KEY",
-        "AWS_SESSION_TOKEN",
-        "AWS_PROFILE",
-        "AWS_DEFAULT_PROFILE",
-        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
-        "AWS_CONTAINER_CREDENTIALS_FULL_URI",
-        "AWS_WEB_IDENTITY_TOKEN_FILE",
-    ):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-
-
 def submit_and_wait_for_preflight(cp: ControlPlane) -> Run:
     run = service.submit(cp.deps, spec_name="gpu", overrides=[], actor=ADA)
     wait_until(lambda: run_row(cp, run.id).state != RunState.PREFLIGHT, what="preflight")

@@ -5,27 +5,21 @@ traceback, and `trainbot migrate` with no Slack secret (issue 28, points 1 and 2
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import requests
 
+from tests.bot.test_cli import serving, trainbot_env
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINBOT_")}
-    env.update(PYTHONPATH=str(ROOT), TRAINBOT_STATE_DIR=str(tmp_path / "state"), **extra)
-    return env
 
 
 def _trainbot(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "bot.cli", *args],
-        env=_env(tmp_path, **env),
+        env=trainbot_env(tmp_path, **env),
         capture_output=True,
         text=True,
         timeout=120,
@@ -59,16 +53,10 @@ def test_a_bad_log_level_is_one_line_and_no_traceback(tmp_path: Path) -> None:
 
 
 def test_serve_banner_is_a_json_record_in_json_mode(tmp_path: Path) -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "bot.cli", "serve", "--host", "127.0.0.1", "--port", "0"],
-        env=_env(tmp_path, TRAINBOT_LOG_FORMAT="json", TRAINBOT_LOG_LEVEL="WARNING"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
+    with serving(tmp_path, TRAINBOT_LOG_FORMAT="json", TRAINBOT_LOG_LEVEL="WARNING") as (
+        proc,
+        line,
+    ):
         try:
             banner = json.loads(line)
         except json.JSONDecodeError:
@@ -79,8 +67,3 @@ def test_serve_banner_is_a_json_record_in_json_mode(tmp_path: Path) -> None:
         assert banner["version"]
         assert banner["url"] in banner["message"]
         assert requests.get(f"{banner['admin_url']}/healthz", timeout=10).status_code == 200
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err
-    assert "Traceback" not in err

@@ -359,22 +359,7 @@ def test_access_denied_names_the_action_and_resource(moto_server: str) -> None:
             s3.exists("k")
 
 
-def test_no_credentials_says_how_to_get_some(
-    moto_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    for name in (
-        "AWS_ACCESS_KEY_ID",
-        "AWS_SECRET_ACCESS_KEY",
-        "AWS_SESSION_TOKEN",
-        "AWS_PROFILE",
-        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
-        "AWS_CONTAINER_CREDENTIALS_FULL_URI",
-        "AWS_WEB_IDENTITY_TOKEN_FILE",
-    ):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+def test_no_credentials_says_how_to_get_some(moto_server: str, no_credentials: None) -> None:
     # Signing fails before anything is sent, so the bucket need not exist.
     s3 = S3Store("any-bucket", endpoint_url=moto_server)
     with pytest.raises(StoreError, match="no AWS credentials for s3://any-bucket: set AWS_PROFILE"):
