@@ -54,6 +54,7 @@ from tests.fakes import aws as fake
 from tests.fakes.gce_api import FakeComputeApi
 from tests.fakes.gcs_emulator import create_bucket, gcs_emulator
 from tests.jobs import test_aws_control_plane as on_aws
+from tests.jobs.boot import aws_boot_env, gcp_boot_env, stand_in
 
 __all__ = ["gcs_emulator"]  # the session's emulator, a fixture
 
@@ -66,12 +67,6 @@ GCP_ZONES = ("us-central1-a", "us-central1-c")
 
 
 # -- the played instance ---------------------------------------------------------------------
-
-
-def stand_in(path: Path, body: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(body)
-    path.chmod(0o755)
 
 
 def install_runner(bin_dir: Path) -> None:
@@ -103,13 +98,7 @@ def play_aws(url: str, instance_id: str, tmp_path: Path) -> subprocess.Popen[byt
     }.items():
         stand_in(bin_dir / name, f"#!/bin/sh\n{body}\n")
     install_runner(home / "bin")
-    env = {
-        "PATH": f"{bin_dir}:/usr/bin:/bin",
-        "TRAINBOT_BOOT_HOME": str(home),
-        "TRAINBOT_BOOT_ENV_FILE": str(root / "etc" / "runner.env"),
-        "TRAINBOT_BOOT_SCRATCH_DIR": str(root / "scratch"),
-        "TRAINBOT_BOOT_CONSOLE": str(root / "console"),
-    }
+    env = aws_boot_env(root, home, path=f"{bin_dir}:/usr/bin:/bin")
     log = open(root / "boot.log", "wb")  # noqa: SIM115 (closed with the process)
     return subprocess.Popen(
         ["bash", "-c", script], env=env, stdout=log, stderr=log, start_new_session=True
@@ -451,14 +440,7 @@ def play_gcp(gce: FakeComputeApi, inst: dict[str, Any], tmp_path: Path) -> None:
     with gce.metadata_server(zone, name) as md_url:
         done = subprocess.run(
             ["bash", str(ROOT / "deploy" / "gcp" / "startup-script.sh")],
-            env={
-                "PATH": os.environ["PATH"],
-                "TRAINBOT_GCE_METADATA_URL": md_url,
-                "TRAINBOT_STATE_DIR": str(root / "state"),
-                "TRAINBOT_VENV": str(root / "venv"),
-                "TRAINBOT_RUN_AS": "",
-                "TRAINBOT_HALT": "true",
-            },
+            env=gcp_boot_env(root, md_url),
             capture_output=True,
             timeout=180,
         )
