@@ -21,26 +21,22 @@ with ``git cat-file``, so there is no work tree to go stale.
 from __future__ import annotations
 
 import difflib
-import hashlib
-import os
 import re
-import signal
-import subprocess
-import threading
 import unicodedata
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Literal
-from urllib.parse import parse_qs, urlsplit, urlunsplit
+from urllib.parse import parse_qs, urlsplit
 
 from jobs.errors import SpecError, clip
 from jobs.spec.load import parse_spec, spec_mapping
 from jobs.spec.model import JobSpec
 from jobs.spec.origin import SpecOrigin
-from jobs.spec.strict_yaml import MAX_SPEC_FILE_CHARS
+from jobs.spec.spec_repo import SPEC_NAME as _NAME
+from jobs.spec.spec_repo import SPEC_SUFFIXES as _SUFFIXES
+from jobs.spec.spec_repo import SpecRepo, one_fetch_per_repository
+from jobs.spec.spec_repo import without_credentials as _without_credentials
 
 if TYPE_CHECKING:
     from jobs.settings import Settings
@@ -63,17 +59,11 @@ __all__ = [
 ]
 
 _LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _BRANCH = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,199}")
-_SUFFIXES = (".yaml", ".yml")
 #: Specs listed from one source, at most; the rest are counted.
 MAX_PER_SOURCE = 200
 #: Characters of a description kept in a listing.
 MAX_DESCRIPTION = 200
-#: Within :func:`one_fetch_per_repository`: each repository's commit, once fetched.
-_FETCHED: ContextVar[dict[Path, str] | None] = ContextVar("spec_fetches", default=None)
-_FETCH_LOCKS: dict[Path, threading.Lock] = {}
-_LOCKS_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -217,173 +207,19 @@ def _label_from(name: str) -> str:
     return label or "specs"
 
 
-def _without_credentials(url: str) -> str:
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
-
-
-# ----------------------------------------------------------------------------- git
-
-
-class _Git:
-    """A source repository's bare clone under the state directory, fetched in place."""
-
-    def __init__(self, source: SpecSource, *, cache_dir: Path, timeout_s: float) -> None:
-        assert source.url is not None
-        self.source = source
-        digest = hashlib.sha256(source.url.encode()).hexdigest()[:12]
-        self.repo = cache_dir / f"{source.label}-{digest}.git"
-        self.timeout_s = timeout_s
-
-    def fetch(self) -> str:
-        """Fetch the branch; its commit now. Raises SpecError when the repository cannot
-        be reached in time or has no such branch."""
-        fetched = _FETCHED.get()
-        if fetched is not None and self.repo in fetched:
-            return fetched[self.repo]
-        commit = self._fetch()
-        if fetched is not None:
-            fetched[self.repo] = commit
-        return commit
-
-    def _fetch(self) -> str:
-        with _lock_for(self.repo):
-            if not (self.repo / "HEAD").is_file():
-                self.repo.mkdir(parents=True, exist_ok=True)
-                self._run("init", "--quiet", "--bare", str(self.repo), cwd=self.repo.parent)
-            ref = f"refs/trainbot/{self.source.branch}"
-            self._run(
-                "fetch",
-                "--quiet",
-                "--no-tags",
-                "--force",
-                "--",
-                str(self.source.url),
-                f"+refs/heads/{self.source.branch}:{ref}",
-                what="fetch",
-            )
-            return self._run("rev-parse", "--verify", f"{ref}^{{commit}}").strip()
-
-    def cached(self) -> str | None:
-        """The commit the last fetch found, without asking the repository; None before one."""
-        if not (self.repo / "HEAD").is_file():
-            return None
-        try:
-            return self._run(
-                "rev-parse", "--verify", f"refs/trainbot/{self.source.branch}^{{commit}}"
-            ).strip()
-        except SpecError:
-            return None
-
-    def names(self, commit: str) -> dict[str, str]:
-        """Spec names at ``commit`` → the file's path in the repository."""
-        tree = f"{commit}:{self.source.subdir}" if self.source.subdir else commit
-        try:
-            listing = self._run("ls-tree", "-z", tree)
-        except SpecError:
-            raise SpecError(
-                f"the spec repository {self.source.label} has no folder "
-                f"{self.source.subdir!r} on {self.source.branch}: fix path= in "
-                "TRAINBOT_SPEC_SOURCES, or add the folder"
-            ) from None
-        found: dict[str, str] = {}
-        for entry in listing.split("\0"):
-            meta, _, name = entry.partition("\t")
-            if not name or meta.split(" ")[1:2] != ["blob"]:
-                continue
-            stem, suffix = os.path.splitext(name)
-            if suffix in _SUFFIXES and _NAME.fullmatch(stem):
-                found.setdefault(stem, f"{self.source.subdir}/{name}".lstrip("/"))
-        return found
-
-    def read(self, commit: str, path: str) -> str:
-        size = int(self._run("cat-file", "-s", f"{commit}:{path}").strip() or 0)
-        if size > MAX_SPEC_FILE_CHARS * 4:
-            raise SpecError(
-                f"{path} in {self.source.label} is too big ({size:,} bytes, the most is "
-                f"{MAX_SPEC_FILE_CHARS:,} characters): a spec describes a run"
-            )
-        data = self._run_bytes("cat-file", "blob", f"{commit}:{path}")
-        try:
-            return data.decode("utf-8")
-        except UnicodeDecodeError:
-            raise SpecError(
-                f"{path} in {self.source.label} is not UTF-8 text: save it as UTF-8"
-            ) from None
-
-    def _run(self, *args: str, cwd: Path | None = None, what: str = "read") -> str:
-        return self._run_bytes(*args, cwd=cwd, what=what).decode("utf-8", "replace")
-
-    def _run_bytes(self, *args: str, cwd: Path | None = None, what: str = "read") -> bytes:
-        command = ["git", "-c", "credential.interactive=false"]
-        if cwd is None:
-            command += ["--git-dir", str(self.repo)]
-        env = {**os.environ, "GIT_TERMINAL_PROMPT": "0", "GIT_ASKPASS": "/bin/false"}
-        where = _without_credentials(self.source.url or "")
-        # Its own process group, so a timeout ends git's transport helpers too.
-        try:
-            process = subprocess.Popen(
-                [*command, *args],
-                cwd=cwd,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,
-            )
-        except FileNotFoundError:
-            raise SpecError(
-                f"the spec repository {self.source.label} cannot be read: git is not "
-                "installed on the control plane (install it, or list directories only "
-                "in TRAINBOT_SPEC_SOURCES)"
-            ) from None
-        try:
-            out, err = process.communicate(timeout=self.timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
-            raise SpecError(
-                f"the spec repository {self.source.label} ({where}) did not answer within "
-                f"{self.timeout_s:g} s: check that it is reachable from the control plane, "
-                "or raise TRAINBOT_SPEC_GIT_TIMEOUT_S"
-            ) from None
-        if process.returncode != 0:
-            lines = [ln for ln in err.decode("utf-8", "replace").splitlines() if ln.strip()]
-            said = (
-                clip(lines[-1].replace(self.source.url or "\0", where), limit=300)
-                if lines
-                else "no reason given"
-            )
-            if what == "fetch":
-                raise SpecError(
-                    f"the spec repository {self.source.label} ({where}) could not be fetched "
-                    f"({said}): check the URL and the branch {self.source.branch!r} in "
-                    "TRAINBOT_SPEC_SOURCES, and that the control plane may read it"
-                )
-            raise SpecError(f"the spec repository {self.source.label} could not be read ({said})")
-        return out
-
-
-@contextmanager
-def one_fetch_per_repository() -> Iterator[None]:
-    """Within it, each repository is fetched once and its commit reused: one command reads
-    the same spec when it is authorised (where the run reports) and when it is launched,
-    however the branch moves in between."""
-    token = _FETCHED.set({})
-    try:
-        yield
-    finally:
-        _FETCHED.reset(token)
-
-
-def _lock_for(repo: Path) -> threading.Lock:
-    with _LOCKS_LOCK:
-        return _FETCH_LOCKS.setdefault(repo, threading.Lock())
-
-
 # ----------------------------------------------------------------------------- lookup
+
+
+def _repo(source: SpecSource, *, cache_dir: Path, timeout_s: float) -> SpecRepo:
+    assert source.url is not None
+    return SpecRepo(
+        label=source.label,
+        url=source.url,
+        branch=source.branch,
+        subdir=source.subdir,
+        cache_dir=cache_dir,
+        timeout_s=timeout_s,
+    )
 
 
 @dataclass(frozen=True)
@@ -411,7 +247,7 @@ def _snapshot(
             if path.suffix in _SUFFIXES and _NAME.fullmatch(path.stem) and path.is_file():
                 names.setdefault(path.stem, str(path))
         return _Snapshot(source, names)
-    git = _Git(source, cache_dir=cache_dir, timeout_s=timeout_s)
+    git = _repo(source, cache_dir=cache_dir, timeout_s=timeout_s)
     commit = git.fetch() if fetch else git.cached()
     if commit is None:
         raise SpecError(f"the spec repository {source.label} has not been fetched yet")
@@ -433,7 +269,7 @@ def _read(snap: _Snapshot, name: str, *, cache_dir: Path, timeout_s: float) -> F
         )
         return FoundSpec(name, text, origin)
     assert snap.commit is not None
-    text = _Git(source, cache_dir=cache_dir, timeout_s=timeout_s).read(snap.commit, file)
+    text = _repo(source, cache_dir=cache_dir, timeout_s=timeout_s).read(snap.commit, file)
     origin = SpecOrigin(
         kind="git",
         source=source.label,
@@ -511,14 +347,19 @@ def catalog(sources: Sequence[SpecSource], *, cache_dir: Path, timeout_s: float)
         if len(names) > MAX_PER_SOURCE:
             result.more += len(names) - MAX_PER_SOURCE
             names = names[:MAX_PER_SOURCE]
+        try:
+            texts = _texts(snap, names, cache_dir=cache_dir, timeout_s=timeout_s)
+        except SpecError as exc:
+            result.problems.append(SourceProblem(source.label, str(exc)))
+            continue
         for name in names:
             shown = name if name not in taken else f"{source.label}/{name}"
             taken.add(name)
-            try:
-                found = _read(snap, name, cache_dir=cache_dir, timeout_s=timeout_s)
-                description = _description(found)
-            except SpecError as exc:
-                description = f"(cannot be read: {_cut(str(exc), 120)})"
+            text = texts[name]
+            if isinstance(text, SpecError):
+                description = f"(cannot be read: {_cut(str(text), 120)})"
+            else:
+                description = _description(text, where=snap.names[name])
             origin = (
                 f"{source.label}@{(snap.commit or '')[:7]}"
                 if source.kind == "git"
@@ -528,16 +369,40 @@ def catalog(sources: Sequence[SpecSource], *, cache_dir: Path, timeout_s: float)
     return result
 
 
-def _description(found: FoundSpec) -> str:
+def _texts(
+    snap: _Snapshot, names: Sequence[str], *, cache_dir: Path, timeout_s: float
+) -> dict[str, str | SpecError]:
+    """The files of ``names``, each its text or why it cannot be read; a repository's in
+    two git commands, however many there are."""
+    if snap.source.kind == "git":
+        assert snap.commit is not None
+        repo = _repo(snap.source, cache_dir=cache_dir, timeout_s=timeout_s)
+        by_path = repo.read_many(snap.commit, [snap.names[n] for n in names])
+        return {name: by_path[snap.names[name]] for name in names}
+    texts: dict[str, str | SpecError] = {}
+    for name in names:
+        try:
+            texts[name] = _read(snap, name, cache_dir=cache_dir, timeout_s=timeout_s).text
+        except SpecError as exc:
+            texts[name] = exc
+    return texts
+
+
+def _description(text: str, *, where: str) -> str:
     try:
-        data = spec_mapping(found.text, where=found.origin.path)
+        data = spec_mapping(text, where=where)
     except SpecError as exc:
         return f"(invalid: {_cut(str(exc).splitlines()[0], 120)})"
-    text = data.get("description")
-    if not isinstance(text, str) or not text.strip():
+    described = data.get("description")
+    if not isinstance(described, str) or not described.strip():
         return ""
-    # Shown in chat: no control or format characters (a direction override, a newline).
-    visible = "".join(ch for ch in text if unicodedata.category(ch) not in ("Cc", "Cf"))
+    # Shown in chat on one line: no format characters (a direction override), and control
+    # characters (a line break) as spaces.
+    visible = "".join(
+        " " if unicodedata.category(ch) == "Cc" else ch
+        for ch in described
+        if unicodedata.category(ch) != "Cf"
+    )
     return _cut(" ".join(visible.split()), MAX_DESCRIPTION)
 
 

@@ -172,6 +172,22 @@ def test_the_mounted_directory_wins_a_clash_and_a_qualified_name_picks_the_repo(
         load_spec_for(settings, "nope/gpt")  # type: ignore[arg-type]
 
 
+def test_the_listing_reads_a_repository_in_one_go_and_says_which_files_are_broken(
+    sources: Sources,
+) -> None:
+    files = {f"specs/s{i:02d}.yaml": spec_text("python s.py", f"spec {i}") for i in range(12)}
+    files["specs/broken.yaml"] = "command: [python\n"
+    files["specs/quiet.yml"] = 'command: python q.py\ndescription: "\\u202eevil\\nline"\n'
+    commit = sources.repo.commit(files)
+    settings = settings_for(sources.root / "state", **sources.env())
+    listed = {s.name: s for s in catalog_for(settings).specs}  # type: ignore[arg-type]
+    assert [listed[f"s{i:02d}"].description for i in range(12)] == [f"spec {i}" for i in range(12)]
+    assert listed["broken"].description.startswith("(invalid: specs/broken.yaml is not valid YAML")
+    assert listed["broken"].where == f"team@{commit[:7]}"
+    # A direction override or a line break in a description is not shown in chat.
+    assert listed["quiet"].description == "evil line"
+
+
 def test_a_spec_in_the_repo_is_validated_like_a_file(sources: Sources) -> None:
     sources.repo.commit({"specs/bad.yaml": "command: python x.py\nbudget: {usd: -3}\nfoo: 1\n"})
     settings = settings_for(sources.root / "state", **sources.env())
