@@ -14,15 +14,18 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from runner import EXIT_PREEMPTED
 from runner.dryrun import run_dry_run
 from runner.frameworks import FrameworkMetrics, hf_points, lightning_points
 from runner.layout import list_committed
+from runner.preemption import Notice, PreemptionFlag
 from runner.store import LocalStore
 from runner.supervisor import Supervisor
 from runner.sync import CheckpointSync
@@ -263,3 +266,55 @@ def test_a_lightning_scripts_csv_loss_is_sent(tmp_path: Path) -> None:
     assert all(isinstance(d["loss"], float) and d["loss"] > 0 for d in metrics)
     assert all("epoch" in d["metrics"] for d in metrics)
     assert [e.step for e in list_committed(sync.store)] == [10, 20, 30]
+
+
+#: Told to stop, it replaces its older checkpoint (as save_top_k=1 does at a last save).
+WRITES_THEN_WAITS = """\
+import os, pathlib, signal, time
+root = pathlib.Path(os.environ["TRAINBOT_CHECKPOINT_DIR"])
+(root / "epoch=0-step=40.ckpt").write_bytes(b"c" * 64)
+f = open(root / "epoch=0-step=50.ckpt", "wb"); f.write(b"half"); f.flush()
+def stop(*_):
+    (root / "epoch=0-step=40.ckpt").unlink()
+    os._exit(1)
+signal.signal(signal.SIGTERM, stop)
+(root / "written").touch()
+time.sleep(60)
+"""
+
+
+def test_at_the_notice_what_is_whole_is_synced_before_the_script_is_stopped(
+    tmp_path: Path,
+) -> None:
+    """A checkpoint far from settled (an hour's settle) is committed when the notice
+    comes, before the script is signalled, because the script has closed it (the script
+    then deletes it); the one it still writes is not."""
+    env = tiny_env(tmp_path)
+    env.pop("TRAINBOT_EVENTS_FILE")
+    sync = CheckpointSync(store=LocalStore(tmp_path / "ck"), root=tmp_path / "out", settle_s=3600)
+    flag = PreemptionFlag()
+
+    def notice_once_written() -> None:
+        deadline = time.monotonic() + 60
+        while not (sync.root / "written").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        now = time.monotonic()
+        flag.set(Notice(source="aws", reason="test", received_at=now, deadline=now + 120))
+
+    notifier = threading.Thread(target=notice_once_written)
+    notifier.start()
+    sink = Recorder()
+    code = Supervisor(
+        [sys.executable, "-c", WRITES_THEN_WAITS],
+        sink=sink,
+        sync=sync,
+        flag=flag,
+        install_signals=False,
+        env=env,
+        poll_s=0.05,
+    ).run()
+    notifier.join()
+    assert code == EXIT_PREEMPTED
+    assert [e.step for e in list_committed(sync.store)] == [40]
+    types = [t for t, _ in sink.events]
+    assert types.index("checkpoint_committed") < types.index("exit")
