@@ -20,14 +20,7 @@ from sqlmodel import select
 from jobs import format as fmt
 from jobs import preflight, resubmits, spend
 from jobs.actor import Actor, may_touch, report_channel
-from jobs.code_pin import pin_code
-from jobs.db import detach, session_scope
-from jobs.deps import Deps
-from jobs.errors import ConflictError, SpecError
-from jobs.lifecycle import AttemptState, RunState
-from jobs.locations import checkpoint_root
-from jobs.models import Run, new_id
-from jobs.queries import (
+from jobs.channel_ops import (
     LIST_LIMIT,
     acknowledge,
     budgets,
@@ -41,6 +34,13 @@ from jobs.queries import (
     status,
     wait_for,
 )
+from jobs.code_pin import pin_code
+from jobs.db import detach, session_scope
+from jobs.deps import Deps
+from jobs.errors import ConflictError, SpecError
+from jobs.lifecycle import AttemptState, RunState
+from jobs.locations import checkpoint_root
+from jobs.models import Run, new_id
 from jobs.runs import (
     active_attempt,
     budget_then_launch,

@@ -1,7 +1,8 @@
-"""The read side of the chat commands, and the small actions on alerts: what a person
-may see of runs, alerts, spend and on-call, always scoped to their channels
-(:mod:`jobs.actor`). The use-cases that change runs live in :mod:`jobs.service`, which
-re-exports these for the front ends.
+"""What a person does in their channels besides driving a run: seeing runs, logs, spend,
+budgets and on-call; acknowledging and snoozing alerts, setting who is on call, cleaning
+up checkpoints; and the command log that makes a retried command count once. Always
+scoped to the person's channels (:mod:`jobs.actor`). The use-cases that move a run
+through its states live in :mod:`jobs.service`, which re-exports these for the front ends.
 """
 
 from __future__ import annotations
