@@ -79,3 +79,17 @@ def test_the_watch_asks_once_per_stall_at_three_quarters_of_the_limit() -> None:
     assert watch.due(now=120 + limit * 5) is None  # once per stall
     watch.saw(11, 2.0, now=2000)  # it moved: the next stall is asked about again
     assert watch.due(now=2000 + DUMP_AT * limit) is not None
+
+
+def test_the_environments_own_sitecustomize_still_runs(tmp_path: Path) -> None:
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "sitecustomize.py").write_text("import os\nos.environ['THEIRS_RAN'] = '1'\n")
+    dumper = StackDumper(tmp_path / "stacks", sink=Recorder(), feed=None, watch=StallWatch())
+    env = dumper.env({"PATH": "/usr/bin:/bin", "PYTHONPATH": str(theirs)})
+    code = (
+        "import os, sys; print(os.environ.get('THEIRS_RAN'), sys.modules['sitecustomize'].__file__)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.split() == ["1", str(theirs / "sitecustomize.py")], out.stderr
+    assert len(list((tmp_path / "stacks").glob("*.pid"))) == 1  # and ours registered
