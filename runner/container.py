@@ -55,6 +55,7 @@ __all__ = [
     "ImageFacts",
     "check_image_ref",
     "library_paths",
+    "run_paths",
 ]
 
 #: The runtimes an instance may have, and how each is given the instance's GPUs.
@@ -342,6 +343,9 @@ class Container:
             "--network", "host", "--ipc", "host",
             "--user", f"{os.getuid()}:{os.getgid()}", "--workdir", str(cwd),
         ]  # fmt: skip
+        # Whose container it is, for a person (and a test) listing them.
+        args += ["--label", f"trainbot.run={contract.RUN_ID.get(env)}"]
+        args += ["--label", f"trainbot.attempt={contract.ATTEMPT_ID.get(env)}"]
         if self.runtime == "docker":
             args += ["--sig-proxy=true"]
         else:
@@ -376,6 +380,25 @@ class Container:
         """Remove the container if the runtime left it (the runtime itself was killed)."""
         with contextlib.suppress(ContainerError):
             self._run("rm", "--force", self.name, timeout=60)
+
+
+def run_paths(environ: Mapping[str, str], *more: Path | None) -> list[Path | None]:
+    """The run's paths a command works with, to mount into its container: ``more``, the
+    scratch disk, the synced checkpoint directory, the event spool, the stop file's
+    folder, and a checkpoint store or data sample on this machine."""
+    paths: list[Path | None] = [
+        *more,
+        contract.SCRATCH_DIR.get(environ),
+        contract.CHECKPOINT_DIR.get(environ),
+        contract.SPOOL_DIR.get(environ),
+    ]
+    stop = contract.STOP_FILE.get(environ)
+    paths.append(stop.parent if stop is not None else None)
+    for uri in (contract.CHECKPOINT_URI.get(environ), contract.DATA_URI.get(environ)):
+        text = str(uri or "").removeprefix("file://")
+        if text.startswith("/"):
+            paths.append(Path(text))
+    return paths
 
 
 def _passed(name: str) -> bool:

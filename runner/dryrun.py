@@ -13,7 +13,9 @@ preemptions M, with C the stall and the write time as the floor
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+import secrets as tokens
 import signal
 import statistics
 import subprocess
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from runner import env as contract
+from runner.container import Container, ContainerError, run_paths
 from runner.dryrun_report import DryRunReport
 from runner.errors import RunnerError
 from runner.layout import delete_steps, scan
@@ -49,8 +52,18 @@ class Phase:
         log: IO[bytes] | None,
         pid_file: Path | None = None,
         cwd: Path | None = None,
+        container: Container | None = None,
     ) -> None:
+        """``container``: the spec's image, checked; the phase runs in a container of
+        its own, removed when the phase is killed."""
         events.touch()
+        self.container: Container | None = None
+        self._watched_pid: int | None = None
+        if container is not None:
+            self.container = dataclasses.replace(container, name=f"trainbot-{tokens.token_hex(6)}")
+            command = self.container.command(
+                command, env=env, cwd=cwd or Path.cwd(), paths=run_paths(env, events.parent)
+            )
         self.follower = follow_file(events)
         self.events: list[tuple[str, float, dict[str, Any]]] = []
         if pid_file is not None:
@@ -86,6 +99,17 @@ class Phase:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
+        if self.container is not None:  # killing the runtime's client leaves it running
+            self.container.remove()
+
+    def watched_pid(self) -> int | None:
+        """The process whose open files tell what is still being written: the command,
+        or the container's first process (the runtime's client holds none of them)."""
+        if self.container is None:
+            return self.proc.pid
+        if self._watched_pid is None:
+            self._watched_pid = self.container.host_pid()
+        return self._watched_pid
 
 
 def run_dry_run(
@@ -160,6 +184,13 @@ def run_dry_run(
         except SecretUnavailable as exc:
             report.problems.append(f"{exc}: the run would fail alike (secret_unavailable)")
             return report
+        try:  # the spec's image, checked as an attempt checks it
+            container = Container.from_env(base)
+            if container is not None:
+                container.check()
+        except (ContainerError, contract.EnvError) as exc:
+            report.problems.append(f"{exc} (the run would fail alike: image_unavailable)")
+            return report
         workspace = Workspace.from_env(base)
         cwd: Path | None = None
         if workspace is not None:
@@ -190,6 +221,7 @@ def run_dry_run(
                 pid_file=pid_file,
                 on_saved=on_saved,
                 cwd=cwd,
+                container=container,
             )
         return _run_phases(
             command,
@@ -203,6 +235,7 @@ def run_dry_run(
             pid_file=pid_file,
             on_saved=on_saved,
             cwd=cwd,
+            container=container,
         )
 
 
@@ -219,6 +252,7 @@ def _run_phases(
     pid_file: Path | None = None,
     on_saved: Callable[[], None] | None = None,
     cwd: Path | None = None,
+    container: Container | None = None,
 ) -> DryRunReport:
     first = Phase(
         command,
@@ -234,6 +268,7 @@ def _run_phases(
         log,
         pid_file,
         cwd,
+        container,
     )
     try:
         saved = _wait_for(first, "dry_run", deadline, phase="saved")
@@ -263,6 +298,7 @@ def _run_phases(
         log,
         pid_file,
         cwd,
+        container,
     )
     try:
         while second.proc.poll() is None and time.monotonic() < deadline:

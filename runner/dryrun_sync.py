@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from runner import env as contract
+from runner.container import Container
 from runner.dryrun import Phase, finish_report
 from runner.dryrun_report import DryRunReport
 from runner.errors import CheckpointError, StoreError
@@ -63,6 +64,7 @@ class _Watched:
         after_step: int,
         pid_file: Path | None,
         cwd: Path | None,
+        container: Container | None = None,
     ) -> None:
         self.sync = sync
         self.metrics = FrameworkMetrics(sync.root, after_step=after_step, every_s=0.2)
@@ -83,17 +85,18 @@ class _Watched:
             log,
             pid_file,
             cwd,
+            container,
         )
 
     def look(self, *, final: bool = False) -> None:
         now = time.monotonic()
-        pid = self.phase.proc.pid
+        pid = self.phase.watched_pid()
         code = self.phase.proc.poll()
         found = self.sync.poll(
             now=now,
             final=final,
             clean=code == 0,
-            open_paths=lambda: open_files(pid),
+            open_paths=lambda: open_files(pid) if pid is not None else None,
         )
         self.commits.extend((now, c) for c in found)
         self.points.extend(d for _, d in self.metrics.poll(now=now, force=final))
@@ -129,8 +132,10 @@ def run_sync_phases(
     pid_file: Path | None = None,
     on_saved: Callable[[], None] | None = None,
     cwd: Path | None = None,
+    container: Container | None = None,
 ) -> DryRunReport:
-    """Both phases of a sync-dir script's dry run, into ``report``."""
+    """Both phases of a sync-dir script's dry run, into ``report``; ``container``: the
+    spec's image the command runs in."""
     save_dir, restore_dir = tmp / "save", tmp / "restore"
     save_dir.mkdir()
     restore_dir.mkdir()
@@ -144,6 +149,7 @@ def run_sync_phases(
         after_step=-1,
         pid_file=pid_file,
         cwd=cwd,
+        container=container,
     )
 
     def saved_enough() -> bool:
@@ -198,6 +204,7 @@ def run_sync_phases(
         after_step=synced,
         pid_file=pid_file,
         cwd=cwd,
+        container=container,
     )
     second.run(until=lambda: bool(second.commits), deadline=deadline)
     after = [c.step for _, c in second.commits]

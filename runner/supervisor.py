@@ -33,7 +33,7 @@ from typing import Any
 
 from runner import EXIT_FAILED, EXIT_PREEMPTED, EXIT_SUCCEEDED
 from runner import env as contract
-from runner.container import Container, ContainerError
+from runner.container import Container, ContainerError, run_paths
 from runner.errors import CheckpointError, RunnerError, StoreError
 from runner.frameworks import FrameworkMetrics
 from runner.logship import LogShipper, pump
@@ -303,25 +303,6 @@ class Supervisor:
         self._exit_reported = True
         return EXIT_FAILED
 
-    def _container_paths(self, events: Path) -> list[Path | None]:
-        """The run's paths the command works with, mounted into its container."""
-        env = self.env
-        paths: list[Path | None] = [
-            events.parent,  # the events and notice files
-            self.sync.root if self.sync is not None else None,
-            contract.SCRATCH_DIR.get(env),
-            contract.SPOOL_DIR.get(env),
-        ]
-        stop = contract.STOP_FILE.get(env)
-        paths.append(stop.parent if stop is not None else None)
-        for uri in (contract.CHECKPOINT_URI.get(env), contract.DATA_URI.get(env)):
-            text = str(uri or "")
-            if text.startswith("file://"):
-                text = text.removeprefix("file://")
-            if text.startswith("/"):
-                paths.append(Path(text))
-        return paths
-
     def _restore(self) -> None:
         assert self.sync is not None
         self.sync.root.mkdir(parents=True, exist_ok=True)
@@ -371,7 +352,8 @@ class Supervisor:
                 self.command,
                 env=env,
                 cwd=self.cwd or Path.cwd(),
-                paths=self._container_paths(events),
+                # The events and notice files, the synced directory, the run's own.
+                paths=run_paths(self.env, events.parent, self.sync.root if self.sync else None),
             )
         try:
             child = self.child = subprocess.Popen(

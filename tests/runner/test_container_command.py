@@ -14,6 +14,7 @@ import pytest
 from runner import EXIT_FAILED
 from runner import env as contract
 from runner.container import LIBRARY_DIR, Container, ImageFacts, check_image_ref
+from runner.dryrun import run_dry_run
 from runner.supervisor import Supervisor
 from runner.telemetry.events_file import FileSink
 
@@ -40,6 +41,8 @@ def test_docker_gets_the_runs_paths_its_environment_by_name_and_the_gpus(tmp_pat
         "TRAINBOT_TOKEN": "tok-not-on-argv",
         "WANDB_API_KEY": "secret-not-on-argv",
         "OMP_NUM_THREADS": "4",
+        "TRAINBOT_RUN_ID": "r-7",
+        "TRAINBOT_ATTEMPT_ID": "a-2",
     }
     argv = container.command(
         ["python", "train.py", "--lr", "3e-4"],
@@ -58,6 +61,7 @@ def test_docker_gets_the_runs_paths_its_environment_by_name_and_the_gpus(tmp_pat
     assert _pairs(options, "--ipc") == ["host"]
     assert _pairs(options, "--workdir") == [str(code)]
     assert _pairs(options, "--name") == [container.name]
+    assert _pairs(options, "--label") == ["trainbot.run=r-7", "trainbot.attempt=a-2"]
     volumes = _pairs(options, "--volume")
     # The run's paths at the same paths inside, one under another not twice; one not
     # made yet is made (what the command writes there outlives the container).
@@ -153,3 +157,27 @@ def test_without_the_runtime_the_attempt_ends_image_unavailable_before_the_comma
     said = end["data"]["log_tail"]
     assert f"the spec's image {IMAGE} needs docker, which is not installed" in said
     assert "Deep Learning images" in said
+
+
+def test_the_dry_run_of_an_image_without_its_runtime_says_what_to_install(
+    tmp_path: Path,
+) -> None:
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    report = run_dry_run(
+        [sys.executable, "-c", "print('never runs')"],
+        checkpoint_uri=str(tmp_path / "ck"),
+        run_id="r-image",
+        steps=3,
+        timeout_s=30,
+        env={
+            "PATH": str(empty),
+            **contract.render(
+                {contract.IMAGE: "localhost/train:dev", contract.CONTAINER_RUNTIME: "podman"}
+            ),
+        },
+    )
+    assert not report.ok
+    [problem] = report.problems
+    assert problem.startswith("the spec's image localhost/train:dev needs podman")
+    assert "apt-get install podman" in problem and "image_unavailable" in problem

@@ -34,6 +34,7 @@ from runner import EXIT_PREEMPTED
 from runner import env as contract
 from runner.checkpoint import list_committed
 from runner.container import Container, ContainerError
+from runner.dryrun import run_dry_run
 from runner.store import LocalStore
 from tests.deploy.test_container import (
     BASE_IMAGE,
@@ -57,7 +58,7 @@ _TORCH_FILES = (
     "torch", "torchgen", "numpy", "numpy.libs", "typing_extensions.py", "tqdm", "sympy",
     "mpmath", "filelock", "networkx", "jinja2", "markupsafe", "fsspec",
 )  # fmt: skip
-STEPS = 60
+STEPS = 40
 TOKEN = "container-token"
 
 
@@ -111,14 +112,13 @@ def test_tiny_example_in_podman_is_preempted_exits_75_and_resumes_bit_identical(
     podman: Podman, torch_image: str, tmp_path: Path
 ) -> None:
     store = tmp_path / "store"
-    # The parameters of an uninterrupted run, on this machine without a container.
-    reference = subprocess.run(
+    # The parameters of an uninterrupted run, on this machine without a container (beside
+    # the first attempt: it only has to be done by the end).
+    reference = subprocess.Popen(
         [sys.executable, *_tiny()[1:]],
         env={**os.environ, "OMP_NUM_THREADS": "1", contract.CHECKPOINT_URI.name: str(tmp_path / "ref")},
-        capture_output=True, text=True, timeout=300, check=True, cwd=ROOT,
+        stdout=subprocess.PIPE, text=True, cwd=ROOT,
     )  # fmt: skip
-    expected = _last_json(reference.stdout)
-    assert expected["step"] == STEPS
 
     spec = JobSpec(name="tiny-in-a-container", command=_tiny(), image=torch_image)
     provider = LocalProvider(tmp_path / "instances", termination_window_s=30)
@@ -180,7 +180,7 @@ def test_tiny_example_in_podman_is_preempted_exits_75_and_resumes_bit_identical(
         committed = [c.step for c in list_committed(LocalStore(store / "run-image"))]
         assert committed and 0 < max(committed) < STEPS, committed
         # --rm, and the runner's own removal: nothing is left behind.
-        left = podman.run("ps", "-a", "--format", "{{.Names}}", "--filter", "name=trainbot-").stdout
+        left = podman.run("ps", "-a", "-q", "--filter", "label=trainbot.run=run-image").stdout
         assert left.split() == [], left
 
         # Attempt 2, on a fresh instance: restores the newest step and finishes.
@@ -194,7 +194,34 @@ def test_tiny_example_in_podman_is_preempted_exits_75_and_resumes_bit_identical(
         assert restored and int(str(restored[0]["step"])) == max(committed), restored
         result = _last_json(log2)
         assert result["step"] == STEPS
+        out, _ = reference.communicate(timeout=120)
+        expected = _last_json(out)
+        assert expected["step"] == STEPS
         assert result["params_sha256"] == expected["params_sha256"], "not bit-identical"
+
+
+def test_the_dry_run_runs_in_the_image(podman: Podman, torch_image: str, tmp_path: Path) -> None:
+    spec = JobSpec(name="tiny-dry-run", command=_tiny(), image=torch_image)
+    report = run_dry_run(
+        spec.command,
+        checkpoint_uri=str(tmp_path / "store"),
+        run_id="tiny-dry-run",
+        steps=3,
+        timeout_s=120,
+        env={
+            "PATH": os.environ["PATH"],
+            "PYTHONPATH": str(ROOT),
+            "OMP_NUM_THREADS": "1",
+            "CONTAINERS_CONF": podman.env["CONTAINERS_CONF"],
+            **image_env(spec, local=True),
+        },
+    )
+    assert report.ok, report.problems
+    assert report.steps_before_kill == 3 and report.steps_after_restore >= 2
+    assert report.restored_sha256 == report.saved_sha256
+    # The killed first phase's container went with it.
+    left = podman.run("ps", "-a", "-q", "--filter", "label=trainbot.run=tiny-dry-run").stdout
+    assert left.split() == [], left
 
 
 def test_a_missing_image_is_refused_with_what_to_do(podman: Podman) -> None:
