@@ -113,6 +113,9 @@ def test_an_unmodified_hf_trainer_script_is_first_class(plane: Plane) -> None:  
     cp.deps.provider.preempt(first.instance_id)  # type: ignore[attr-defined]
     one, two = _preempted_then_resubmitted(cp, run)
     assert one.state == AttemptState.PREEMPTED
+    # Its step time, measured between two writes of trainer_state.json (the profile's and
+    # the measured interval's input): at least the script's 50 ms pause.
+    assert one.step_time_s is not None and 0.05 <= one.step_time_s < 5, one.step_time_s
     synced = run_row(cp, run).last_committed_step
     assert synced is not None and synced >= 20 and synced % 10 == 0
     assert two.resumed_from_step == synced
