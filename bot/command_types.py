@@ -280,19 +280,25 @@ class Cleanup(RunCommand, usage="/train cleanup <run> [--dry-run]"):
     dry_run: bool = False
 
 
-class Stage(Command, usage="/train stage <s3://…|gs://…> <region> | /train stage status"):
+class Stage(
+    Command,
+    usage="/train stage <s3://…|gs://…> <region> | /train stage <run> | /train stage status",
+):
     """Copy a dataset into the staging bucket of a region, so runs there read it locally.
 
     Shows the size, the transfer cost and the time, then copies server-side (S3 multipart
     copy, Cloud Storage rewrite), resuming after a restart; the progress is posted here.
-    Runs in that region whose data_uri is the dataset then read the copy. `status` lists
-    the copies.
+    Runs in that region whose data_uri is the dataset then read the copy. With a run whose
+    preflight found its data in another region: its dataset, into its region, with the
+    progress in its thread. `status` lists the copies.
     Example: /train stage s3://team-data/tokens us-west-2
     """
 
-    #: The dataset (``s3://bucket/prefix``); None: list the copies.
+    #: The dataset (``s3://bucket/prefix``); None: the run's, or list the copies.
     source: str | None = None
     region: str | None = None
+    #: The run whose dataset to copy.
+    run: str | None = None
 
 
 class Token(Command, usage="/train token [new [<name>]|list|revoke <id>|revoke all]"):

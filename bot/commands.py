@@ -431,6 +431,8 @@ _REGION = re.compile(r"[a-z]{2,}(-[a-z0-9]+)+", re.ASCII)
 def _parse_stage(args: Sequence[str]) -> Command:
     if len(args) == 1 and args[0].lower() == "status":
         return Stage()
+    if len(args) == 1 and _RUN_ID.fullmatch(args[0]):
+        return Stage(run=args[0])
     if len(args) != 2:
         raise _fail(Stage, "Name the dataset and the region to copy it to.")
     # Slack may wrap a link in <…> or <…|label>.

@@ -267,6 +267,8 @@ def _cleanup(deps: Deps, command: Cleanup, actor: Actor, key: str | None) -> Rep
 
 
 def _stage(deps: Deps, command: Stage, actor: Actor, key: str | None) -> Reply:
+    if command.run is not None:
+        return Reply(text=staging.stage_run(deps, command.run, actor), run_id=command.run)
     if command.source is None or command.region is None:
         return Reply(text=staging.stage_status(deps))
     return Reply(text=staging.stage(deps, command.source, command.region, actor))
@@ -342,7 +344,9 @@ _DECLARED: tuple[Verb[Any], ...] = (
     # It moves data at the team's cost: launchers only; the list is anyone's.
     Verb(
         Stage,
-        policy=Permission(starts_compute=True, reads_only=lambda command: command.source is None),
+        policy=Permission(
+            starts_compute=True, reads_only=lambda c: c.source is None and c.run is None
+        ),
         private=False,
         handle=_stage,
     ),

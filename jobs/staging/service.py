@@ -7,13 +7,15 @@ from __future__ import annotations
 from sqlmodel import col, select
 
 from jobs import format as fmt
-from jobs.actor import Actor
+from jobs.actor import Actor, may_touch
 from jobs.db import session_scope
 from jobs.deps import Deps
+from jobs.models import Run
+from jobs.staging.copier import StagingError
 from jobs.staging.models import Staging, StagingState
 from jobs.staging.work import offer, start
 
-__all__ = ["stage", "stage_status"]
+__all__ = ["stage", "stage_run", "stage_status"]
 
 #: The most copies ``/train stage status`` lists.
 LISTED = 20
@@ -44,6 +46,52 @@ def stage(deps: Deps, source: str, region: str, actor: Actor) -> str:
         "survives a restart; its progress is posted here. Runs in "
         f"{region} with data_uri={found.source} then read the copy."
     )
+
+
+def stage_run(deps: Deps, run_id: str, actor: Actor) -> str:
+    """Copy the dataset of ``run_id`` (its preflight found it in another region) into
+    the run's region; the progress goes to the run's thread. Only its requester or an
+    admin may."""
+    with session_scope(deps.engine) as session:
+        run = session.get(Run, run_id)
+        if run is None or not actor.sees(run.channel):
+            raise StagingError(f"no run {run_id} in this channel")
+        may_touch(actor, run)
+        source = (run.spec or {}).get("data_uri")
+        region = _data_region(run)
+        channel, thread_ts, spec_name = run.channel, run.thread_ts, run.spec_name
+    if not source:
+        raise StagingError(f"{run_id} declares no dataset (its spec has no data_uri)")
+    if region is None:
+        raise StagingError(f"cannot tell {run_id}'s region: write /train stage {source} REGION")
+    found = offer(deps.settings, source, region)
+    row, new = start(
+        deps.engine,
+        found,
+        requested_by=actor.user,
+        channel=channel,
+        thread_ts=thread_ts,
+        run_id=run_id,
+        now=deps.clock(),
+    )
+    if not new:
+        return f"{found.source} is staged (or being staged) into {region} already: {row.id}."
+    deps.journal.record("staging_started", run_id, staging=row.id, source=row.source)
+    return (
+        f"Staging {row.id} for {run_id}: {found.text()}. Its progress is in the run's "
+        f"thread; once it is done, /train launch {spec_name} reads the copy."
+    )
+
+
+def _data_region(run: Run) -> str | None:
+    """The region preflight's data check judged the dataset against."""
+    for result in (run.preflight or {}).get("results", []):
+        if result.get("name") == "data":
+            region = (result.get("data") or {}).get("region")
+            if region:
+                return str(region)
+    regions = ((run.spec or {}).get("resources") or {}).get("regions") or []
+    return str(regions[0]) if regions else None
 
 
 def stage_status(deps: Deps) -> str:

@@ -15,10 +15,13 @@ from typing import Any
 import boto3
 import pytest
 from sqlalchemy import Engine
+from sqlmodel import select
 
+from jobs.actor import Actor
 from jobs.db import session_scope
 from jobs.deferred import finish, pending
 from jobs.deps import Deps
+from jobs.errors import PermissionDenied
 from jobs.lifecycle import RunState
 from jobs.models import Run
 from jobs.preflight import DataLocalityCheck, PreflightContext, Status, resource_request
@@ -32,6 +35,7 @@ from jobs.staging.figures import staged_figures
 from jobs.staging.prices import estimate
 from jobs.staging.retention import expire_staged
 from jobs.staging.runs import for_preflight, staged_from
+from jobs.staging.service import stage_run, stage_status
 from jobs.staging.work import copy_staging, offer, staged_copy, start
 from runner.store import open_store
 from tests.fakes.gcs_emulator import create_bucket as create_gcs_bucket
@@ -366,3 +370,53 @@ def test_retention_and_the_digest(moto_server: str, make_deps: Any, tmp_path: Pa
             session, channel="C0TRAIN", since=NOW + 9 * day, until=NOW + 10 * day
         )
         assert later["copies"] == 0 and later["bytes_kept"] == 0
+
+
+def test_stage_a_runs_data_into_its_region_with_progress_in_its_thread(
+    moto_server: str, make_deps: Any, tmp_path: Path
+) -> None:
+    """/train stage <run>: the dataset of a run whose preflight found it in another
+    region, into the region the check judged, the progress in the run's thread; only its
+    requester or an admin may."""
+    s3 = boto3.client("s3", endpoint_url=moto_server, region_name="eu-west-1")
+    source = s3_bucket(moto_server, "eu-west-1")
+    stage = s3_bucket(moto_server, "us-west-2")
+    s3.put_object(Bucket=source, Key="data/0.bin", Body=b"y" * 1000)
+    settings = staging_settings(
+        tmp_path,
+        TRAINBOT_AWS_ENDPOINT_URL=moto_server,
+        TRAINBOT_STAGING_BUCKETS=f"us-west-2=s3://{stage}",
+    )
+    deps = make_deps(settings)
+    found_there = {"name": "data", "status": "fail", "data": {"region": "us-west-2"}}
+    with session_scope(deps.engine) as session:
+        session.add(
+            Run(
+                id="r-far",
+                spec_name="gpt",
+                spec={"data_uri": f"s3://{source}/data"},
+                requester="U0ADA",
+                channel="C0TRAIN",
+                thread_ts="1700.0001",
+                state=RunState.PREFLIGHT_FAILED,
+                preflight={"results": [found_there]},
+            )
+        )
+    with pytest.raises(PermissionDenied, match="only they or an admin"):
+        stage_run(deps, "r-far", Actor(user="U0BOB", channel="C0TRAIN"))
+    with pytest.raises(StagingError, match="no run r-none"):
+        stage_run(deps, "r-none", Actor(user="U0ADA", channel="C0TRAIN"))
+
+    said = stage_run(deps, "r-far", Actor(user="U0ADA", channel="C0TRAIN"))
+
+    assert "for r-far: copy" in said and "/train launch gpt reads the copy" in said
+    with session_scope(deps.engine) as session:
+        (row,) = session.exec(select(Staging)).all()
+        assert (row.run_id, row.region, row.thread_ts) == ("r-far", "us-west-2", "1700.0001")
+    copy_staging(deps, staging_id=row.id)
+    notifier: RecordingNotifier = deps.notifier
+    ((ref, first),) = notifier.posts
+    assert first.thread_ts == "1700.0001"  # type: ignore[attr-defined]
+    assert notifier.updates and all(r == ref for r, _ in notifier.updates)
+    listed = f"{row.id} s3://{source}/data/ → s3://{stage}/{source}/data/ (us-west-2): done"
+    assert listed in stage_status(deps)
