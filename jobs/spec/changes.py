@@ -61,6 +61,8 @@ CHANGEABLE: Mapping[str, frozenset[str] | None] = {
     "code": frozenset({"ref", "archive"}),
     "setup": frozenset(),
     "setup_cache": None,
+    # Another container image (a fixed tag), resumed from the newest checkpoint.
+    "image": frozenset(),
 }
 #: The keys of :data:`CHANGEABLE` that are values, not sections.
 TOP_LEVEL_CHANGES = tuple(k for k, v in CHANGEABLE.items() if v == frozenset())
@@ -118,7 +120,7 @@ def apply_changes(stored: Mapping[str, Any], overrides: Sequence[str], *, name: 
                 "command, env.*, resources (region, regions, zones, instance_type, "
                 "accelerator, spot …), data_uri, max_hours, checkpoint.interval, "
                 "resubmit.*, alerts.*, retention.*, profile.*, code.ref, code.archive, "
-                "setup and setup_cache.*",
+                "setup, setup_cache.* and image",
                 problems=[(key, why)],
             )
     keys = {text.partition("=")[0].strip() for text in overrides}
@@ -179,7 +181,9 @@ def change_record(change: Change) -> dict[str, Any]:
 
 def checks_for(changes: Sequence[Change]) -> tuple[str, ...]:
     """The preflight checks a set of changes needs again: a move (region, zones,
-    instance type, market, dataset) asks quota, capacity and data locality again; a
-    change of the command or the environment needs none of them."""
+    instance type, market, dataset) asks quota, capacity and data locality again; another
+    container image, the image check; a change of the command or the environment needs
+    none of them."""
     moved = any(key.startswith("resources.") or key == "data_uri" for key, _, _ in changes)
-    return ("quota", "capacity", "data") if moved else ()
+    imaged = any(key == "image" for key, _, _ in changes)
+    return (("quota", "capacity", "data") if moved else ()) + (("image",) if imaged else ())

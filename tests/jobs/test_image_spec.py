@@ -15,6 +15,7 @@ from jobs.preflight.image import ImageCheck
 from jobs.preflight.report import PreflightPlan, Status
 from jobs.providers.local import LocalProvider
 from jobs.spec import JobSpec, spec_from_text
+from jobs.spec.changes import apply_changes, changed_paths, checks_for
 from jobs.spec.env import code_env, image_env
 from tests.jobs.test_preflight import context
 
@@ -75,3 +76,17 @@ def test_preflight_on_the_local_provider_says_to_install_podman(
             ImageCheck().run(context(tmp_path, plain, local), prior=PreflightPlan()).status
             is Status.PASS
         )
+
+
+def test_a_resubmit_moves_the_run_to_another_image_and_says_so() -> None:
+    stored = JobSpec(name="t", command=["python", "t.py"], image="ghcr.io/team/train:1.2")
+    old = stored.model_dump(mode="json")
+    moved = apply_changes(old, ["image=ghcr.io/team/train:1.3"], name="t")
+    assert moved.image == "ghcr.io/team/train:1.3"
+    assert ("image", "ghcr.io/team/train:1.2", "ghcr.io/team/train:1.3") in changed_paths(
+        old, moved.model_dump(mode="json")
+    )
+    assert checks_for(changed_paths(old, moved.model_dump(mode="json"))) == ("image",)
+    with pytest.raises(SpecError) as refused:
+        apply_changes(old, ["image=Not An Image"], name="t")
+    assert "is not a container image reference" in str(refused.value)
