@@ -9,7 +9,6 @@ timeout of hours, so each preflight waits on its instance.
 
 from __future__ import annotations
 
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -28,7 +27,6 @@ from jobs import service, spend
 from jobs.bootstrap import ControlPlane
 from jobs.db import session_scope
 from jobs.lifecycle import RunState
-from jobs.models import Attempt
 from jobs.notify import CallbackJournal
 from jobs.server import CREDENTIALS_PATH
 from jobs.settings import load_settings
@@ -133,82 +131,6 @@ def start_dry_run(
 
 def gone(url: str, instance_id: str) -> bool:
     return state_of(url, instance_id) in ("shutting-down", "terminated")
-
-
-def test_four_long_dry_runs_leave_another_launch_and_a_stop_unaffected(
-    tmp_path: Path, moto: dict[str, Any]
-) -> None:
-    url = moto["url"]
-    with plane(tmp_path, moto) as (cp, notes):
-        # Four six-hour dry runs, two per channel (the default bound), as many as the
-        # control plane has general workers.
-        waiting = [start_dry_run(cp, who, url) for who in (ADA, ADA, BOB, BOB)]
-        for run_id, instance_id in waiting:
-            assert state(cp, run_id) == RunState.PREFLIGHT
-            assert state_of(url, instance_id) in ("pending", "running")
-
-        # A fifth in a channel at its bound is refused at once, saying why and what to do.
-        fifth = service.submit(cp.deps, spec_name="gpu", overrides=[], actor=ADA, launch=False)
-        wait_for(lambda: state(cp, fifth.id) != RunState.PREFLIGHT, what="the fifth's reply")
-        refused = dry_check(notes, fifth.id)
-        assert refused.status == "fail"
-        assert "#ml has 2 dry runs under way" in refused.detail
-        assert "TRAINBOT_DRY_RUNS_PER_CHANNEL=2" in refused.detail
-        assert "/train stop" in refused.remedy
-        assert not dry_run_instances(url, fifth.id), "nothing launched for it"
-
-        # Another person's launch goes through its checks and launches meanwhile.
-        other = service.submit(cp.deps, spec_name="quick", overrides=[], actor=CAROL)
-        wait_for(
-            lambda: state(cp, other.id) == RunState.AWAITING_CONFIRMATION,
-            what="carol's preflight",
-            timeout=30,
-        )
-        service.confirm(cp.deps, other.id, CAROL)
-        attempt = wait_for(
-            lambda: on_aws.attempt_launched(cp, other.id, 1), what="carol's launch", timeout=30
-        )
-        assert isinstance(attempt, Attempt) and attempt.instance_id is not None
-
-        # Every general worker busy, and more work queued behind them: stops have a lane
-        # of their own.
-        busy = threading.Event()
-        stuck = [cp.deps.background(busy.wait, 120) for _ in range(6)]
-
-        # Her stop ends her instance within seconds, dry runs or not.
-        service.stop(cp.deps, other.id, CAROL)
-        wait_for(
-            lambda: gone(url, str(attempt.instance_id)),
-            what="carol's instance to end",
-            timeout=STOP_WITHIN_S,
-        )
-
-        # A stop of a run in its dry run ends the dry run: instance and token.
-        run_id, instance_id = waiting[0]
-        [row] = dry_rows(cp, run_id)
-        token = cp.deps.runner_token(row.id)
-        assert credentials_status(cp, token) == 200
-        stopped_at = time.monotonic()
-        service.stop(cp.deps, run_id, ADA)
-        wait_for(lambda: gone(url, instance_id), what="the dry run's end", timeout=STOP_WITHIN_S)
-        assert credentials_status(cp, token) == 401
-        assert time.monotonic() - stopped_at < STOP_WITHIN_S
-        wait_for(lambda: dry_rows(cp, run_id)[0].ended_at is not None, what="the row closed")
-        [row] = dry_rows(cp, run_id)
-        assert row.token_hash is None and row.end_reason is not None
-        assert "stopped by ada" in row.end_reason
-        assert state(cp, run_id) == RunState.STOPPED
-
-        assert not any(f.done() for f in stuck), "the general workers were busy throughout"
-        busy.set()
-
-        # The other three still wait on their instances, which still run.
-        for other_run, other_instance in waiting[1:]:
-            assert state(cp, other_run) == RunState.PREFLIGHT
-            assert state_of(url, other_instance) in ("pending", "running")
-    # Closing the control plane ends them.
-    for _, other_instance in waiting[1:]:
-        assert gone(url, other_instance)
 
 
 def test_a_dry_run_type_outside_the_admin_list_or_over_the_ceiling_is_refused(
