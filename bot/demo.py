@@ -143,7 +143,7 @@ def run_demo(
     if jsonl is not None:
         journals.append(jsonl)
     notifier = ConsoleNotifier(out, channel="#ml-training")
-    progress = Progress(13, out)
+    progress = Progress(14, out)
     try:
         with ControlPlane(
             _settings(root),
@@ -208,12 +208,25 @@ def _story(
     if resumed["step"] != resub["resume_from_step"]:
         raise DemoError(f"resumed at step {resumed['step']}, expected {resub['resume_from_step']}")
 
-    progress.step("A two-node run: preempting one node stops both; the gang resumes")
-    run4 = _two_nodes(deps, shell, story, of, out, t)
-
-    progress.step("A second run diverges; nobody acknowledges it, so trainbot stops it")
+    progress.step("Three more runs at once: two nodes, a diverging loss, a slow input")
+    # A team launches several runs side by side; so does the demo, and each of the next
+    # steps follows one of them. Each launch is typed first and confirmed once its own
+    # preflight (dry run included) has settled, so their preflights run together.
     # stop_after is 30 min by default; the demo cannot wait that long.
-    run2 = _launch(deps, shell, f"/train launch diverge alerts.stop_after={DIVERGE_STOP_AFTER}", t)
+    lines = (
+        "/train launch tiny-ddp",
+        f"/train launch diverge alerts.stop_after={DIVERGE_STOP_AFTER}",
+        # Its budget is below the estimate: preflight warns and waits for a person.
+        "/train launch slow-input",
+    )
+    run4, run2, run3 = (_launch(deps, shell, line, t, confirm=False) for line in lines)
+    for run in (run4, run2, run3):
+        _confirm_if_asked(deps, shell, run, t)
+
+    progress.step("The two-node run: preempting one node stops both; the gang resumes")
+    _two_nodes(deps, story, run4, of, out, t)
+
+    progress.step("The second run diverges; nobody acknowledges it, so trainbot stops it")
     opened = story.wait(
         "the divergent-loss alert", of(run2, "alert_opened", rule="divergent_loss"), t
     )
@@ -225,9 +238,7 @@ def _story(
     shell.run_line(f"/train ack {opened['alert_id']}")
     story.wait("the acknowledgement", of(run2, "alert_acknowledged"), t)
 
-    progress.step("A slow input pipeline: low utilisation, named by its data-wait")
-    # Its budget is below the estimate: preflight warns and waits for a person.
-    run3 = _launch(deps, shell, "/train launch slow-input", t)
+    progress.step("The slow input pipeline: low utilisation, named by its data-wait")
     low = story.wait(
         "the low-utilisation alert", of(run3, "alert_opened", rule="low_utilisation"), t
     )
@@ -299,15 +310,14 @@ def _story(
 
 def _two_nodes(
     deps: Deps,
-    shell: Shell,
     story: Story,
+    run: str,
     of: Callable[..., Callable[[dict[str, Any]], bool]],
     out: TextIO,
     t: float,
-) -> str:
-    """``tiny-ddp`` on two local nodes: node 1 is preempted, both stop at one step, and
-    the gang is resubmitted and resumes there. Returns the run's id."""
-    run = _launch(deps, shell, "/train launch tiny-ddp", t)
+) -> None:
+    """``tiny-ddp`` (``run``) on two local nodes: node 1 is preempted, both stop at one
+    step, and the gang is resubmitted and resumes there."""
     story.wait("the gang's launch", of(run, "launched"), t)
     story.wait("the gang's first checkpoint", of(run, "checkpoint_committed"), t)
     with session_scope(deps.engine) as session:
@@ -327,7 +337,6 @@ def _two_nodes(
         f"{preempted['committed_step']}; the new gang resumed there",
         file=out,
     )
-    return run
 
 
 def _launch(deps: Deps, shell: Shell, line: str, timeout: float, *, confirm: bool = True) -> str:
