@@ -1,12 +1,14 @@
-"""Resubmitting a finished run: a new run that resumes its checkpoints under its budget.
+"""Resubmitting a run: ``/train resubmit``, in one place.
 
-The chat use-case :func:`jobs.service.resubmit` comes here for a run that is over
-(stopped, failed, stopped at its budget cap): the new run (:func:`successor`) carries
-the spend so far, resumes the newest checkpoint, or a copy of the one at or before a
-step (:func:`resubmit_from`), and may change its spec on the way
-(:func:`resubmit_changed`): the changes are validated as a launch's overrides are, the
-checks they need run again, and both threads record old → new and who changed it (an
-``env`` key only as changed, added or removed: its value may be a credential).
+:func:`resubmit` is the use-case the front ends call (through :mod:`jobs.service`). A run
+awaiting confirmation is confirmed, a recovering one gets its next attempt now, and a
+run that is over (stopped, failed, stopped at its budget cap) gets a new run
+(:func:`successor`) that carries the spend so far and resumes the newest checkpoint, or
+a copy of the one at or before a step (:func:`resubmit_from`), and may change its spec
+on the way (:func:`resubmit_changed`): the changes are validated as a launch's overrides
+are, the checks they need run again, and both threads record old → new and who changed
+it (an ``env`` key only as changed, added or removed: its value may be a credential).
+The next attempt after a preemption, within one run, is :mod:`jobs.runs.resubmit`.
 """
 
 from __future__ import annotations
@@ -32,13 +34,14 @@ from jobs.runs import (
     card,
     checkpoint_prefix,
     get_run,
+    launch_attempt,
     move_run,
     refresh_card,
     run_hours,
     say,
     spec_of,
 )
-from jobs.runs.start import preflight_then_launch
+from jobs.runs.start import confirm, preflight_then_launch
 from jobs.spec.changes import (
     Change,
     apply_changes,
@@ -56,6 +59,7 @@ __all__ = [
     "copy_then_launch",
     "describe_changes",
     "raise_budget",
+    "resubmit",
     "resubmit_changed",
     "resubmit_from",
     "successor",
@@ -63,6 +67,98 @@ __all__ = [
 
 #: The states a run is over in, that a resubmit starts a successor of.
 FINISHED = (RunState.STOPPED, RunState.FAILED, RunState.BUDGET_EXCEEDED)
+
+
+def resubmit(
+    deps: Deps,
+    run_id: str,
+    actor: Actor,
+    *,
+    budget_usd: float | None = None,
+    from_step: int | None = None,
+    overrides: Sequence[str] = (),
+    max_price: float | None = None,
+) -> Run:
+    """Launch a run again from its newest checkpoint (or confirm one awaiting it).
+
+    The budget goes on: a finished run's resubmit carries its spend, and one whose hard
+    cap is reached stays stopped unless ``budget_usd`` raises the budget, which is
+    recorded with who raised it (the cap would otherwise be walked around by resubmitting).
+
+    ``from_step``: resume from the newest committed checkpoint at or before that step
+    instead (the offer after a divergence); see :func:`resubmit_from`.
+
+    ``overrides`` (``key.path=value``) and ``max_price`` (``resubmit.max_price``) change
+    the spec of the new run; see :func:`resubmit_changed`.
+    """
+    if budget_usd is not None and not 0 < budget_usd < float("inf"):
+        raise SpecError(f"budget.usd must be a positive number of dollars (got {budget_usd})")
+    with session_scope(deps.engine) as session:
+        run = get_run(session, run_id)
+        may_touch(actor, run)
+        state = run.state
+    changes = [*overrides, *([f"resubmit.max_price={max_price}"] if max_price else [])]
+    if from_step is not None and changes:
+        raise SpecError(
+            "from= and changes go one at a time: resubmit from the step first, then stop "
+            "that run and resubmit it with the changes"
+        )
+    if from_step is not None:
+        return resubmit_from(deps, run_id, actor, from_step=from_step, budget_usd=budget_usd)
+    if changes:
+        return resubmit_changed(deps, run_id, actor, overrides=changes, budget_usd=budget_usd)
+    if state in (RunState.AWAITING_CONFIRMATION, RunState.RECOVERING) and budget_usd is not None:
+        with session_scope(deps.engine) as session:
+            run = get_run(session, run_id)
+            spent = spend.run_spent(session, run_id)
+            raise_budget(deps, run, budget_usd, actor=actor, was=run.budget_usd, spent=spent)
+            session.add(run)
+    if state == RunState.AWAITING_CONFIRMATION:
+        return confirm(deps, run_id, actor)
+    if state not in (
+        RunState.STOPPED,
+        RunState.FAILED,
+        RunState.BUDGET_EXCEEDED,
+        RunState.RECOVERING,
+    ):
+        raise ConflictError(
+            f"{run_id} is {state.value}; only a stopped, failed or recovering run "
+            "can be resubmitted"
+        )
+    if state != RunState.RECOVERING:
+        # A finished run is final: resubmitting starts a new run that resumes its checkpoints.
+        with session_scope(deps.engine) as session:
+            old = get_run(session, run_id)
+            run, carried = successor(
+                deps,
+                session,
+                old,
+                actor=actor,
+                budget_usd=budget_usd,
+                # The new run resumes the old run's checkpoints: same store directory.
+                prefix=checkpoint_prefix(old),
+                step=old.last_committed_step,
+                reason=f"resubmit of {old.id}",
+            )
+            budget = run.budget_usd
+            if budget_usd is None and budget is not None and carried > 0:
+                say(
+                    deps,
+                    run,
+                    "info",
+                    f"{run.id} continues {old.id}: {fmt.usd(carried)} of its "
+                    f"{fmt.usd(budget)} budget is already spent.",
+                )
+            thresholds = spec_of(run).budget.thresholds
+            detach(session, run)
+        # A new run: its own cloud budget, as every way into LAUNCHING gets.
+        deps.background(budget_then_launch, deps, run.id, budget=budget, thresholds=thresholds)
+        return run
+    deps.background(launch_attempt, deps, run_id)
+    with session_scope(deps.engine) as session:
+        run = get_run(session, run_id)
+        detach(session, run)
+        return run
 
 
 def resubmit_from(

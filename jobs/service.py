@@ -17,8 +17,7 @@ from collections.abc import Sequence
 
 from sqlmodel import select
 
-from jobs import format as fmt
-from jobs import preflight, resubmits, spend
+from jobs import preflight, spend
 from jobs.actor import Actor, may_touch, report_channel
 from jobs.channel_ops import (
     LIST_LIMIT,
@@ -41,21 +40,18 @@ from jobs.errors import ConflictError, SpecError
 from jobs.lifecycle import AttemptState, RunState
 from jobs.locations import checkpoint_root
 from jobs.models import Run, new_id
+from jobs.resubmits import resubmit
 from jobs.runs import (
     active_attempt,
-    budget_then_launch,
     capacity,
     card,
-    checkpoint_prefix,
     end_attempt,
     get_run,
-    launch_attempt,
     move_run,
     refresh_card,
     say,
-    spec_of,
 )
-from jobs.runs.start import PREFLIGHT_ONLY, preflight_then_launch
+from jobs.runs.start import PREFLIGHT_ONLY, confirm, preflight_then_launch
 from jobs.spec import Resources, spec_from_text, stored_section
 from jobs.spec.origin import SpecOrigin
 from jobs.spec.sources import Catalog, catalog_for, load_spec_for, names_for
@@ -152,23 +148,6 @@ def spec_catalog(deps: Deps) -> Catalog:
     return catalog_for(deps.settings)
 
 
-def confirm(deps: Deps, run_id: str, actor: Actor) -> Run:
-    """ "Launch anyway" after preflight warnings."""
-    now = deps.clock()
-    with session_scope(deps.engine) as session:
-        run = get_run(session, run_id)
-        may_touch(actor, run)
-        if run.state != RunState.AWAITING_CONFIRMATION:
-            raise ConflictError(f"{run.id} is {run.state.value}, not waiting for confirmation")
-        move_run(session, run, RunState.LAUNCHING, now=now)
-        say(deps, run, "info", f"{actor.user} confirmed the launch despite the warnings.")
-        refresh_card(deps, session, run)
-        budget, thresholds = run.budget_usd, spec_of(run).budget.thresholds
-        detach(session, run)
-    deps.background(budget_then_launch, deps, run_id, budget=budget, thresholds=thresholds)
-    return run
-
-
 def stop(deps: Deps, run_id: str, actor: Actor, *, reason: str | None = None) -> Run:
     """Stop a run deliberately: its runner flushes a checkpoint, the instance goes away."""
     now = deps.clock()
@@ -208,104 +187,6 @@ def stop(deps: Deps, run_id: str, actor: Actor, *, reason: str | None = None) ->
         # end_attempt would have it go.
         deps.background(spend.remove_cloud_budgets, deps, now=now, run_ids=[run_id])
     return run
-
-
-def resubmit(
-    deps: Deps,
-    run_id: str,
-    actor: Actor,
-    *,
-    budget_usd: float | None = None,
-    from_step: int | None = None,
-    overrides: Sequence[str] = (),
-    max_price: float | None = None,
-) -> Run:
-    """Launch a run again from its newest checkpoint (or confirm one awaiting it).
-
-    The budget goes on: a finished run's resubmit carries its spend, and one whose hard
-    cap is reached stays stopped unless ``budget_usd`` raises the budget, which is
-    recorded with who raised it (the cap would otherwise be walked around by resubmitting).
-
-    ``from_step``: resume from the newest committed checkpoint at or before that step
-    instead (the offer after a divergence); see :func:`jobs.resubmits.resubmit_from`.
-
-    ``overrides`` (``key.path=value``) and ``max_price`` (``resubmit.max_price``) change
-    the spec of the new run; see :func:`jobs.resubmits.resubmit_changed`.
-    """
-    if budget_usd is not None and not 0 < budget_usd < float("inf"):
-        raise SpecError(f"budget.usd must be a positive number of dollars (got {budget_usd})")
-    with session_scope(deps.engine) as session:
-        run = get_run(session, run_id)
-        may_touch(actor, run)
-        state = run.state
-    changes = [*overrides, *([f"resubmit.max_price={max_price}"] if max_price else [])]
-    if from_step is not None and changes:
-        raise SpecError(
-            "from= and changes go one at a time: resubmit from the step first, then stop "
-            "that run and resubmit it with the changes"
-        )
-    if from_step is not None:
-        return resubmits.resubmit_from(
-            deps, run_id, actor, from_step=from_step, budget_usd=budget_usd
-        )
-    if changes:
-        return resubmits.resubmit_changed(
-            deps, run_id, actor, overrides=changes, budget_usd=budget_usd
-        )
-    if state in (RunState.AWAITING_CONFIRMATION, RunState.RECOVERING) and budget_usd is not None:
-        with session_scope(deps.engine) as session:
-            run = get_run(session, run_id)
-            spent = spend.run_spent(session, run_id)
-            resubmits.raise_budget(
-                deps, run, budget_usd, actor=actor, was=run.budget_usd, spent=spent
-            )
-            session.add(run)
-    if state == RunState.AWAITING_CONFIRMATION:
-        return confirm(deps, run_id, actor)
-    if state not in (
-        RunState.STOPPED,
-        RunState.FAILED,
-        RunState.BUDGET_EXCEEDED,
-        RunState.RECOVERING,
-    ):
-        raise ConflictError(
-            f"{run_id} is {state.value}; only a stopped, failed or recovering run "
-            "can be resubmitted"
-        )
-    if state != RunState.RECOVERING:
-        # A finished run is final: resubmitting starts a new run that resumes its checkpoints.
-        with session_scope(deps.engine) as session:
-            old = get_run(session, run_id)
-            run, carried = resubmits.successor(
-                deps,
-                session,
-                old,
-                actor=actor,
-                budget_usd=budget_usd,
-                # The new run resumes the old run's checkpoints: same store directory.
-                prefix=checkpoint_prefix(old),
-                step=old.last_committed_step,
-                reason=f"resubmit of {old.id}",
-            )
-            budget = run.budget_usd
-            if budget_usd is None and budget is not None and carried > 0:
-                say(
-                    deps,
-                    run,
-                    "info",
-                    f"{run.id} continues {old.id}: {fmt.usd(carried)} of its "
-                    f"{fmt.usd(budget)} budget is already spent.",
-                )
-            thresholds = spec_of(run).budget.thresholds
-            detach(session, run)
-        # A new run: its own cloud budget, as every way into LAUNCHING gets.
-        deps.background(budget_then_launch, deps, run.id, budget=budget, thresholds=thresholds)
-        return run
-    deps.background(launch_attempt, deps, run_id)
-    with session_scope(deps.engine) as session:
-        run = get_run(session, run_id)
-        detach(session, run)
-        return run
 
 
 def continue_profiled(

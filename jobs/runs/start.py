@@ -1,6 +1,7 @@
 """A run's start: its preflight checks, then its launch, its budget first.
 
-:func:`jobs.service.submit` records the run and hands it here in the background; a
+:func:`jobs.service.submit` records the run and hands it here in the background;
+"Launch anyway" after warnings is :func:`confirm`; a
 resubmit with changes (:mod:`jobs.resubmits`) runs the checks its changes need; a
 control plane that restarts mid-preflight runs them again (:func:`resume_preflights`).
 """
@@ -16,8 +17,10 @@ from sqlmodel import select
 
 from jobs import format as fmt
 from jobs import preflight
-from jobs.db import session_scope
+from jobs.actor import Actor, may_touch
+from jobs.db import detach, session_scope
 from jobs.deps import Deps
+from jobs.errors import ConflictError
 from jobs.lifecycle import RunState
 from jobs.logs import log_context
 from jobs.models import Run
@@ -29,7 +32,7 @@ from jobs.runs.rows import channel_of, get_run, move_run, spec_of
 from jobs.spec import JobSpec, Resources, stored_section
 from jobs.staging.runs import for_preflight as staging_for_preflight
 
-__all__ = ["PREFLIGHT_ONLY", "preflight_then_launch", "resume_preflights"]
+__all__ = ["PREFLIGHT_ONLY", "confirm", "preflight_then_launch", "resume_preflights"]
 
 log = logging.getLogger(__name__)
 
@@ -241,3 +244,20 @@ def _code_root() -> str:
     """Where this checkout's packages live, for local processes (dry run, local instances)."""
     root = str(Path(__file__).resolve().parents[2])
     return os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+
+
+def confirm(deps: Deps, run_id: str, actor: Actor) -> Run:
+    """ "Launch anyway" after preflight warnings."""
+    now = deps.clock()
+    with session_scope(deps.engine) as session:
+        run = get_run(session, run_id)
+        may_touch(actor, run)
+        if run.state != RunState.AWAITING_CONFIRMATION:
+            raise ConflictError(f"{run.id} is {run.state.value}, not waiting for confirmation")
+        move_run(session, run, RunState.LAUNCHING, now=now)
+        say(deps, run, "info", f"{actor.user} confirmed the launch despite the warnings.")
+        refresh_card(deps, session, run)
+        budget, thresholds = run.budget_usd, spec_of(run).budget.thresholds
+        detach(session, run)
+    deps.background(budget_then_launch, deps, run_id, budget=budget, thresholds=thresholds)
+    return run
