@@ -10,9 +10,11 @@ machine (a fresh instance has neither). Then, interleaved and repeated:
 - attempt 1: a fresh code directory, no archive in the store: the code is unpacked,
   setup runs (a virtual environment, the wheels installed into it) and what it built is
   archived to the store (``runner.setup``, as the runner does before the command);
-- attempt 2: another fresh code directory, the archive in the store: the code is
-  unpacked and the environment restored (read from the store, checked against its
-  manifest's sha256, unpacked, its paths moved to the new directory);
+- attempt 2: a fresh code directory (attempt 1's removed: the same path, as on every
+  cloud instance; with ``--moved`` another path, as the local provider's instances have),
+  the archive in the store: the code is unpacked and the environment restored (read from
+  the store and unpacked by tar as it arrives, checked against its manifest's sha256,
+  and with ``--moved`` its absolute paths moved to the new directory);
 - raw: the same archive read from the same store and unpacked with ``tar`` into an
   empty directory: what restoring it costs at the store's and the disk's own speed.
 
@@ -86,6 +88,13 @@ def _extra(p: argparse.ArgumentParser) -> None:
         default=None,
         help="comma-separated requirements to install (default: "
         f"{','.join(FULL_PACKAGES)}; --quick: without numpy)",
+    )
+    p.add_argument(
+        "--moved",
+        action="store_true",
+        help="attempt 2's code directory is another path than attempt 1's (the local "
+        "provider's instances), so the restored environment's paths are moved too; by "
+        "default it is the same path, as on every cloud instance",
     )
     p.add_argument(
         "--store",
@@ -262,7 +271,11 @@ def main(argv: list[str] | None = None) -> None:
                 order = ("ours", "raw") if r % 2 == 0 else ("raw", "ours")
                 for contender in order:
                     if contender == "ours":
-                        code_dir = root / f"r{r}-attempt-2" / "code"
+                        if args.moved:
+                            code_dir = root / f"r{r}-attempt-2" / "code"
+                        else:  # a fresh instance, the same scratch path: nothing there yet
+                            code_dir = root / f"r{r}-attempt-1" / "code"
+                            shutil.rmtree(code_dir)
                         second = attempt(base, archive, code_dir, store)
                         if second.prepared.how != "restored":
                             raise BenchError(f"attempt 2 did not restore: {second.lines()}")
@@ -321,6 +334,7 @@ def main(argv: list[str] | None = None) -> None:
         "attempt2_ready_all_s": [rounded(v) for v in ready_s],
         "raw_all_s": [rounded(a + b) for a, b in zip(read_s, unpack_s, strict=True)],
         "store": args.store,
+        "moved": bool(args.moved),
     }
     # The headline ratio is the one against raw; both goals must hold for ``met``.
     emit(

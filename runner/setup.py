@@ -31,6 +31,7 @@ import platform
 import shutil
 import signal
 import site
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -464,23 +465,41 @@ def _unpack(stream: IO[bytes], dest: Path, tmp: Path) -> tuple[str, int, str | N
 
 def _relocate(root: Path, old: bytes, new: bytes) -> None:
     """Move absolute paths into the old code directory (shebangs, activate scripts,
-    links) to the new one."""
-    paths = [root] if not root.is_dir() or root.is_symlink() else [root, *root.rglob("*")]
-    for path in paths:
-        if path.is_symlink():
-            target = os.readlink(path).encode()
-            if old in target:
-                path.unlink()
-                os.symlink(target.replace(old, new), path)
-            continue
-        if not path.is_file() or path.stat().st_size > _RELOCATE_MAX_BYTES:
-            continue
-        data = path.read_bytes()
-        if old not in data or b"\0" in data[:8192]:
-            continue
-        mode = path.stat().st_mode
-        path.write_bytes(data.replace(old, new))
-        path.chmod(mode)
+    links) to the new one. Binary files (a NUL in their first 8 KiB: compiled modules,
+    ``.pyc``) are left alone, their rest unread."""
+    if root.is_symlink() or not root.is_dir():
+        _relocate_one(str(root), old, new)
+        return
+    folders = [str(root)]
+    while folders:
+        with os.scandir(folders.pop()) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    folders.append(entry.path)
+                else:
+                    _relocate_one(entry.path, old, new)
+
+
+def _relocate_one(path: str, old: bytes, new: bytes) -> None:
+    if os.path.islink(path):
+        target = os.readlink(path).encode()
+        if old in target:
+            os.unlink(path)
+            os.symlink(target.replace(old, new), path)
+        return
+    info = os.stat(path)
+    if not stat.S_ISREG(info.st_mode) or info.st_size > _RELOCATE_MAX_BYTES:
+        return
+    with open(path, "rb") as f:
+        head = f.read(8192)
+        if b"\0" in head:
+            return
+        data = head + f.read()
+    if old not in data:
+        return
+    with open(path, "wb") as f:
+        f.write(data.replace(old, new))
+    os.chmod(path, stat.S_IMODE(info.st_mode))
 
 
 def prepare_environment(
