@@ -197,3 +197,20 @@ def test_four_long_dry_runs_leave_another_launch_and_a_stop_unaffected_over_slac
     # Closing the control plane ends them.
     for _, other_instance in waiting[1:]:
         assert gone(url, other_instance)
+
+
+def test_the_spec_cannot_pick_a_costly_dry_run_instance_over_slack(
+    tmp_path: Path, moto: dict[str, Any]
+) -> None:
+    """Issue 23.8's reproduction, typed in the channel: the dry run's type comes from the
+    admin's list, so a p5.48xlarge on demand is refused at preflight and nothing runs."""
+    url = moto["url"]
+    with slack_on_moto(tmp_path, moto) as slack:
+        text = "preflight gpu dry_run.instance_type=p5.48xlarge resources.spot=false"
+        run_id, _ = new_run(slack, text, user=ADA, channel=ML)
+        wait_until(lambda: slack.state(run_id) == RunState.PREFLIGHT_FAILED, 30, "preflight")
+        said = channel_text(slack, ML)
+        assert "dry_run.instance_type=p5.48xlarge is not a dry-run type" in said
+        assert "TRAINBOT_DRY_RUN_INSTANCE_TYPES" in said
+        assert not dry_run_instances(url, run_id), "nothing was launched"
+        assert not dry_rows(slack.cp, run_id)
