@@ -46,6 +46,11 @@ SETTLE_S = 0.5
 #: times the time the first took, and at least MIN_SECOND_WAIT_S.
 SECOND_WAIT_RATIO = 1.0
 MIN_SECOND_WAIT_S = 10.0
+#: After the restart, how long a checkpoint past the synced step is waited for at most:
+#: this many times the time the first phase took to its first, and at least
+#: MIN_VERIFY_S (the restart pays the start-up again, and the restore on top).
+VERIFY_RATIO = 3.0
+MIN_VERIFY_S = 60.0
 _POLL_S = 0.1
 
 
@@ -165,6 +170,7 @@ def run_sync_phases(
     if not first.commits:
         report.problems.append(_nothing_synced(first, deadline))
         return report
+    to_first = first.commits[0][0] - first.started
     synced = max(c.step for _, c in first.commits)
     newest = next(c for _, c in first.commits if c.step == synced)
     report.steps_before_kill = synced
@@ -206,7 +212,8 @@ def run_sync_phases(
         cwd=cwd,
         container=container,
     )
-    second.run(until=lambda: bool(second.commits), deadline=deadline)
+    verify_by = min(deadline, time.monotonic() + max(MIN_VERIFY_S, VERIFY_RATIO * to_first))
+    second.run(until=lambda: bool(second.commits), deadline=verify_by)
     after = [c.step for _, c in second.commits]
     if after and min(after) <= synced:
         report.problems.append(
@@ -220,8 +227,12 @@ def run_sync_phases(
     steps = [int(d["step"]) for d in second.points] + after
     report.steps_after_restore = max(steps, default=synced) - synced
     if report.steps_after_restore < 1:
-        if time.monotonic() >= deadline:
-            report.problems.append(f"timed out before the restarted command got past step {synced}")
+        if time.monotonic() >= verify_by:
+            report.problems.append(
+                f"the restarted command neither wrote a checkpoint nor logged a step past "
+                f"{synced} within {verify_by - second.started:.0f} s (its first checkpoint "
+                f"took {to_first:.0f} s)"
+            )
         else:
             report.problems.append(
                 f"after the restore of step {synced} the command exited {second.code} "
