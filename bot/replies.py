@@ -96,7 +96,12 @@ def run_list(cards: Sequence[RunCard], scope: str) -> str:
         return (
             f"No {'' if scope == 'all' else scope + ' '}runs. Start one with /train launch <spec>."
         )
-    return "\n".join(run_card(c) + _spec_from(c) for c in cards)
+    return "\n".join(run_card(c) + _spec_from(c) + _data_from(c) for c in cards)
+
+
+def _data_from(card: RunCard) -> str:
+    """The staged copy the run reads, and the dataset it is a copy of."""
+    return f" · data {card.data_from}" if card.data_from else ""
 
 
 def _spec_from(card: RunCard) -> str:

@@ -71,6 +71,9 @@ class RunCard(Message):
     reason: str | None = None
     #: Where the spec was read (``ml@1a2b3c4 (specs/gpt.yaml)``); None for older runs.
     spec_from: str | None = None
+    #: The staged copy the run reads and the dataset it copies
+    #: (``s3://stage/… (staged copy of s3://data/…)``); None: it reads its data_uri as written.
+    data_from: str | None = None
 
 
 @dataclass(frozen=True)

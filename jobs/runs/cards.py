@@ -24,6 +24,7 @@ from jobs.runs.rows import channel_of, latest_attempt
 from jobs.spec import AlertThresholds, JobSpec, Notify, stored_section
 from jobs.spec.origin import SpecOrigin
 from jobs.spend import run_spent
+from jobs.staging.models import Staging, StagingState
 
 
 def card(session: Session, run: Run) -> RunCard:
@@ -49,7 +50,19 @@ def card(session: Session, run: Run) -> RunCard:
         provider=att.provider if att else None,
         reason=run.reason,
         spec_from=_spec_from(run),
+        data_from=_data_from(session, run),
     )
+
+
+def _data_from(session: Session, run: Run) -> str | None:
+    """The staged copy the run reads, beside the dataset it copies (jobs.staging)."""
+    uri = run.spec.get("data_uri") if isinstance(run.spec, dict) else None
+    if not uri:
+        return None
+    copy = session.exec(
+        select(Staging.source).where(Staging.target == uri, Staging.state == StagingState.DONE)
+    ).first()
+    return f"{uri} (staged copy of {copy})" if copy else None
 
 
 def _spec_from(run: Run) -> str | None:

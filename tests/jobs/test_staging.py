@@ -17,6 +17,7 @@ import pytest
 from sqlalchemy import Engine
 from sqlmodel import select
 
+from bot.replies import run_list
 from jobs.actor import Actor
 from jobs.db import session_scope
 from jobs.deferred import finish, pending
@@ -27,6 +28,7 @@ from jobs.models import Run
 from jobs.preflight import DataLocalityCheck, PreflightContext, Status, resource_request
 from jobs.providers.aws import AwsProvider
 from jobs.providers.local import LocalProvider
+from jobs.runs.cards import card
 from jobs.settings import Settings, load_settings
 from jobs.spec import parse_spec
 from jobs.spend import digest_figures
@@ -296,6 +298,9 @@ def test_a_run_in_another_region_is_offered_a_copy_then_reads_it(
         stored = session.get(Run, "r-stage")
         assert stored is not None and stored.spec["data_uri"] == row.target
         assert staged_from(session, stored.spec["data_uri"]).source == f"s3://{source}/data/"
+        # The card shows the copy beside the dataset it copies.
+        shown = run_list([card(session, stored)], "all")
+        assert f" · data {row.target} (staged copy of s3://{source}/data/)" in shown
     said = [m.text for _, m in deps.notifier.posts if getattr(m, "run_id", None) == "r-stage"]
     assert any(f"reads its dataset from the staged copy {row.target}" in t for t in said)
     passed = DataLocalityCheck().run(staged, prior={})
