@@ -284,11 +284,13 @@ def stop_diverged(deps: Deps, *, now: datetime) -> list[str]:
                 else "the loss diverged and nobody acknowledged the alert in time"
             )
             reason = f"stopped by trainbot: {why}{began}; alert {alert.id}"
+            hung = alert.rule == "hung"
+            problem = "the step stopped" if hung else "the divergence"
             offer = (
-                f"Resubmit from step {resume}, the newest checkpoint from before the "
-                "divergence; it is kept while this alert is open."
+                f"Resubmit from step {resume}, the newest checkpoint from before "
+                f"{problem}; it is kept while this alert is open."
                 if resume is not None
-                else "No checkpoint predates the divergence: fix it and launch again."
+                else f"No checkpoint predates {problem}: fix it and launch again."
             )
             attempt = active_attempt(session, run.id)
             if not move_run(session, run, RunState.STOPPED, now=now, reason=reason):
@@ -298,7 +300,12 @@ def stop_diverged(deps: Deps, *, now: datetime) -> list[str]:
                 alert,
                 now=now,
                 resume_step=resume,
-                hint=f"trainbot stopped the run after a flush. {offer}",
+                # A hung process cannot save: what it committed before is what there is.
+                hint=(
+                    f"trainbot stopped the run; its last commits were synced. {offer}"
+                    if hung
+                    else f"trainbot stopped the run after a flush. {offer}"
+                ),
                 notifier=deps.notifier,
             )
             deps.journal.record(

@@ -91,6 +91,7 @@ def test_a_script_hung_after_step_50_alerts_with_its_stack_and_is_stopped(plane:
     assert attempt.state == AttemptState.TERMINATED
     said = [m.text for m in _thread(notes, run) if m.text.startswith(f"trainbot stopped {run}")]
     assert said and "its step stood still" in said[0]
+    assert "the newest checkpoint from before the step stopped" in said[0]
     wait_until(
         lambda: cp.deps.provider.status(attempt.instance_id).state.is_terminal(),  # type: ignore[arg-type]
         timeout=30,
