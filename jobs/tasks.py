@@ -302,7 +302,7 @@ def stop_diverged(deps: Deps, *, now: datetime) -> list[str]:
                 resume_step=resume,
                 # A hung process cannot save: what it committed before is what there is.
                 hint=(
-                    f"trainbot stopped the run; its last commits were synced. {offer}"
+                    f"trainbot stopped the run (a hung process cannot save). {offer}"
                     if hung
                     else f"trainbot stopped the run after a flush. {offer}"
                 ),
