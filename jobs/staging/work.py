@@ -30,6 +30,7 @@ from jobs.db import session_scope
 from jobs.deferred import Later, current_fence, defer, deferrable, pending
 from jobs.deps import Deps
 from jobs.notify import MessageRef, TextMessage
+from jobs.runs.fence import check_fence
 from jobs.settings import Settings
 from jobs.staging.copier import (
     Copier,
@@ -275,6 +276,8 @@ class _Run:
 
     def _save(self, **values: object) -> None:
         with session_scope(self.deps.engine) as session:
+            # A deposed leader stops here: the current one has taken the copy over.
+            check_fence(self.deps, session, action=f"staging {self.row.id}")
             row = session.get(Staging, self.row.id)
             if row is None:
                 raise StagingError(f"staging {self.row.id} was deleted while it copied")
