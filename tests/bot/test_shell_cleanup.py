@@ -37,13 +37,16 @@ def shell_env(state: Path, **extra: str) -> dict[str, str]:
     return {**env, "TRAINBOT_STATE_DIR": str(state), **extra}
 
 
-def start_shell(env: dict[str, str]) -> subprocess.Popen[str]:
+def start_shell(env: dict[str, str], *, quiet: bool = False) -> subprocess.Popen[str]:
+    """`trainbot shell` reading commands from a pipe; its output piped, or dropped when
+    ``quiet``."""
+    out = subprocess.DEVNULL if quiet else subprocess.PIPE
     return subprocess.Popen(
         [sys.executable, "-m", "bot.cli", "shell"],
         env=env,
         stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stdout=out,
+        stderr=out,
         text=True,
     )
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -52,15 +53,25 @@ def empty_engine(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Eng
             f"{POSTGRES_URL_ENV} is not set: set it to a PostgreSQL URL such as "
             "postgresql://postgres@127.0.0.1:5432/test to run the PostgreSQL variant"
         )
-    schema = f"trainbot_test_{uuid.uuid4().hex[:12]}"
+    with fresh_schema(url, "trainbot_test") as schema_url:
+        engine = make_engine(schema_url)
+        try:
+            yield engine
+        finally:
+            engine.dispose()
+
+
+@contextmanager
+def fresh_schema(url: str, prefix: str) -> Iterator[str]:
+    """A URL whose connections use a new PostgreSQL schema (``prefix`` and a random
+    suffix) of the database at ``url``; the schema is dropped at the end."""
+    schema = f"{prefix}_{uuid.uuid4().hex[:12]}"
     admin = make_engine(url)
     with admin.begin() as connection:
         connection.execute(text(f'CREATE SCHEMA "{schema}"'))
-    engine = make_engine(_with_search_path(url, schema))
     try:
-        yield engine
+        yield _with_search_path(url, schema)
     finally:
-        engine.dispose()
         with admin.begin() as connection:
             connection.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
         admin.dispose()
@@ -71,6 +82,13 @@ def db_engine(empty_engine: Engine) -> Engine:
     """An engine on a database migrated to the newest revision."""
     migrate(empty_engine)
     return empty_engine
+
+
+@pytest.fixture
+def database_url(empty_engine: Engine) -> str:
+    """A URL of an empty database (SQLite file, or a fresh PostgreSQL schema), for
+    control planes that each open their own engine as replicas do."""
+    return empty_engine.url.render_as_string(hide_password=False)
 
 
 @pytest.fixture

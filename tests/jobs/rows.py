@@ -1,4 +1,4 @@
-"""Rows the credential brokers' tests start from: a migrated SQLite database and a run
+"""Rows the credential brokers' and the ingest tests start from: a migrated SQLite database and a run
 with one running attempt whose token the broker checks."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from sqlalchemy import Engine
 from sqlmodel import Session
 
 from jobs.db import make_engine, migrate
-from jobs.lifecycle import AttemptState
+from jobs.lifecycle import AttemptState, RunState
 from jobs.models import Attempt, Run, hash_token
 
 
@@ -31,9 +31,12 @@ def add_running_attempt(
     checkpoint_prefix: str | None = None,
     run_id: str = "r-1",
     attempt_id: str = "a-1",
+    instances: int = 1,
+    run_state: RunState | None = None,
 ) -> None:
-    """Run ``run_id`` with attempt 1 running on ``provider``; the attempt's token is
-    ``token`` (None: an attempt whose token was revoked)."""
+    """Run ``run_id`` with attempt 1 running on ``provider`` (``instances`` nodes); the
+    attempt's token is ``token`` (None: an attempt whose token was revoked); the run in
+    ``run_state`` (None: as a new row is)."""
     with Session(engine) as session:
         session.add(
             Run(
@@ -43,6 +46,7 @@ def add_running_attempt(
                 requester="U1",
                 checkpoint_uri=checkpoint_uri,
                 checkpoint_prefix=checkpoint_prefix,
+                **({} if run_state is None else {"state": run_state}),
             )
         )
         session.flush()
@@ -53,6 +57,7 @@ def add_running_attempt(
                 number=1,
                 state=AttemptState.RUNNING,
                 provider=provider,
+                instances=instances,
                 token_hash=hash_token(token) if token else None,
             )
         )

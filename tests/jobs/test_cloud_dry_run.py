@@ -50,6 +50,7 @@ from jobs.server import CREDENTIALS_PATH, ControlPlaneApp, serve
 from jobs.settings import load_settings
 from runner.store.gcs import GCSStore
 from runner.wire import DRY_RUN_ROUTE, encode_dry_run_post
+from tests.bot.test_shell_cleanup import start_shell
 from tests.fakes import aws as fake
 from tests.fakes.gce_api import FakeComputeApi
 from tests.fakes.gcs_emulator import create_bucket, gcs_emulator
@@ -362,14 +363,7 @@ def test_aws_kill_9_during_the_dry_run_then_restart_terminates_its_instance(
         AWS_EC2_METADATA_DISABLED="true",
     )
     before = {i["InstanceId"] for i in dry_run_instances(url)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "bot.cli", "shell"],
-        env=env,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
+    proc = start_shell(env, quiet=True)
     assert proc.stdin is not None
     proc.stdin.write("/train preflight gpu\n")
     proc.stdin.flush()

@@ -30,6 +30,7 @@ from jobs.providers.base import InstanceState, LaunchRequest
 from jobs.runs import reconcile, resource_request, spec_of
 from jobs.service import Actor
 from jobs.settings import load_settings
+from tests.bot.test_shell_cleanup import start_shell
 from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -485,14 +486,7 @@ def test_kill_9_at_random_moments_from_submit_to_the_first_step(reaped_state: Pa
     for moment, (overrides, confirm, reached) in _MOMENTS.items():
         jitter = rng.uniform(0.0, 1.5 if moment in ("dry_run", "first_step") else 0.3)
         before = db.run_ids()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "bot.cli", "shell"],
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
+        proc = start_shell(env, quiet=True)
         assert proc.stdin is not None
         proc.stdin.write(
             "/train launch tiny checkpoint.every_steps=20 resubmit.backoff_s=0 "

@@ -22,13 +22,14 @@ from jobs.bootstrap import ControlPlane
 from jobs.db import session_scope
 from jobs.ingest import IngestService
 from jobs.lifecycle import AttemptState, RunState
-from jobs.models import Attempt, EventRow, Run, hash_token
+from jobs.models import Attempt, EventRow, Run
 from jobs.providers import gang
 from jobs.providers.base import LaunchRequest, ResourceRequest
 from jobs.providers.local import LocalProvider
 from jobs.runs import launch_attempt
 from jobs.settings import load_settings
 from runner.wire import NODE_SEQ_SPAN, Event, encode_batch
+from tests.jobs.rows import add_running_attempt
 
 ATTEMPT_TOKEN = "0" * 63 + "1"  # the attempt's own token: node 0's
 OTHER_TOKEN = "0" * 63 + "2"  # another attempt's
@@ -36,23 +37,16 @@ TOKENS = {"a-1": ATTEMPT_TOKEN, "a-2": OTHER_TOKEN}
 
 
 def add_attempt(engine: Engine, attempt_id: str = "a-1", run_id: str = "r-1") -> None:
-    with Session(engine) as session:
-        session.add(
-            Run(id=run_id, spec_name="tiny", spec={}, requester="U1", state=RunState.RUNNING)
-        )
-        session.flush()
-        session.add(
-            Attempt(
-                id=attempt_id,
-                run_id=run_id,
-                number=1,
-                state=AttemptState.RUNNING,
-                provider="local",
-                instances=2,
-                token_hash=hash_token(TOKENS[attempt_id]),
-            )
-        )
-        session.commit()
+    add_running_attempt(
+        engine,
+        provider="local",
+        token=TOKENS[attempt_id],
+        checkpoint_uri=None,
+        run_id=run_id,
+        attempt_id=attempt_id,
+        instances=2,
+        run_state=RunState.RUNNING,
+    )
 
 
 def node_envs() -> list[dict[str, str]]:

@@ -55,12 +55,6 @@ class RecordingProvider(LocalProvider):
 
 
 @pytest.fixture
-def database_url(empty_engine: Engine) -> str:
-    """A URL of an empty database (SQLite file, or a fresh PostgreSQL schema)."""
-    return empty_engine.url.render_as_string(hide_password=False)
-
-
-@pytest.fixture
 def make_replica(database_url: str, tmp_path: Path) -> Iterator[Callable[..., ControlPlane]]:
     planes: list[ControlPlane] = []
 

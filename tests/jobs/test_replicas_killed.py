@@ -35,7 +35,7 @@ from urllib.parse import urlencode, urlsplit
 
 import pytest
 import requests
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 from sqlmodel import col, select
 
 from jobs.db import make_engine, migrate, session_scope
@@ -48,7 +48,7 @@ from jobs.replica_tables import LEADER_LEASE, DeferredWork, SchedulerLease, Slac
 from tests.bot.test_slack_app import ResponseUrls, sign
 from tests.fakes.loopback import LoopbackServer, QuietHandler, read_body, reply
 from tests.fakes.slack_api import FakeSlack
-from tests.jobs.conftest import POSTGRES_URL_ENV, _with_search_path
+from tests.jobs.conftest import POSTGRES_URL_ENV, fresh_schema
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
@@ -353,16 +353,8 @@ def postgres_url() -> Iterator[str]:
             f"{POSTGRES_URL_ENV} is not set: replicas share one PostgreSQL (SQLite is one "
             "process's file); set it to e.g. postgresql://postgres@127.0.0.1:5432/test"
         )
-    schema = f"trainbot_replicas_{uuid.uuid4().hex[:12]}"
-    admin = make_engine(url)
-    with admin.begin() as connection:
-        connection.execute(text(f'CREATE SCHEMA "{schema}"'))
-    try:
-        yield _with_search_path(url, schema)
-    finally:
-        with admin.begin() as connection:
-            connection.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
-        admin.dispose()
+    with fresh_schema(url, "trainbot_replicas") as schema_url:
+        yield schema_url
 
 
 @pytest.fixture

@@ -61,11 +61,6 @@ class LocalCloud(LocalProvider):
 
 
 @pytest.fixture
-def database_url(empty_engine: Engine) -> str:
-    return empty_engine.url.render_as_string(hide_password=False)
-
-
-@pytest.fixture
 def make_replica(database_url: str, tmp_path: Path) -> Iterator[Callable[..., ControlPlane]]:
     planes: list[ControlPlane] = []
 

@@ -74,6 +74,21 @@ sys.meta_path.insert(0, Blocked())
 """
 
 
+def _python(script: str) -> str:
+    """What ``script`` printed, run by a fresh interpreter with this checkout on its path;
+    it must exit 0."""
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
 def test_no_runner_module_imports_the_control_plane() -> None:
     """Each runner module, imported alone in a fresh interpreter, with ``jobs``, ``bot`` and
     the server extra's libraries made unimportable."""
@@ -91,16 +106,8 @@ def test_no_runner_module_imports_the_control_plane() -> None:
             """
         )
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == f"imported {len(modules)}"
+    out = _python(script)
+    assert out == f"imported {len(modules)}"
 
 
 def test_a_local_store_imports_no_cloud_sdk(tmp_path: Path) -> None:
@@ -116,16 +123,8 @@ def test_a_local_store_imports_no_cloud_sdk(tmp_path: Path) -> None:
         print(sorted(m for m in sys.modules if m.split(".")[0] in sdks))
         """
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "[]"
+    out = _python(script)
+    assert out == "[]"
 
 
 # -- a fresh environment with the base install ------------------------------------------

@@ -35,19 +35,26 @@ def _exec(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
     )
 
 
+def _reporting_env(tmp_path: Path, ingest: FakeIngest, run_id: str, **extra: str) -> dict[str, str]:
+    """The tiny run's environment, its events sent to ``ingest`` (with its token) as
+    attempt ``{run_id}-1`` instead of written to a file."""
+    env = tiny_env(tmp_path, run_id=run_id)
+    env.pop("TRAINBOT_EVENTS_FILE")
+    env.update(
+        TRAINBOT_INGEST_URL=ingest.url,
+        TRAINBOT_TOKEN=ingest.token,
+        TRAINBOT_ATTEMPT_ID=f"{run_id}-1",
+        TRAINBOT_SPOOL_DIR=str(tmp_path / "spool"),
+        **extra,
+    )
+    return env
+
+
 def test_sigterm_to_the_supervisor_flushes_the_child_and_reports_everything(
     tmp_path: Path,
 ) -> None:
     with FakeIngest(token="tok-1").start() as ingest:
-        env = tiny_env(tmp_path, run_id="r-sup")
-        env.pop("TRAINBOT_EVENTS_FILE")
-        env.update(
-            TRAINBOT_INGEST_URL=ingest.url,
-            TRAINBOT_TOKEN="tok-1",
-            TRAINBOT_ATTEMPT_ID="r-sup-1",
-            TRAINBOT_SPOOL_DIR=str(tmp_path / "spool"),
-            TRAINBOT_CHECKPOINT_EVERY_STEPS="1000",
-        )
+        env = _reporting_env(tmp_path, ingest, "r-sup", TRAINBOT_CHECKPOINT_EVERY_STEPS="1000")
         proc = _exec(
             ["--", sys.executable, "-m", "runner.examples.tiny", *TINY, "--steps", "100000"], env
         )
@@ -236,14 +243,7 @@ def test_a_preempted_session_is_reported_ended_before_its_process_tears_down(
     the supervisor reports the exit at once, so the control plane can release the
     instance without paying for the interpreter's teardown; it reports it once."""
     with FakeIngest(token="tok-2").start() as ingest:
-        env = tiny_env(tmp_path, run_id="r-slow")
-        env.pop("TRAINBOT_EVENTS_FILE")
-        env.update(
-            TRAINBOT_INGEST_URL=ingest.url,
-            TRAINBOT_TOKEN="tok-2",
-            TRAINBOT_ATTEMPT_ID="r-slow-1",
-            TRAINBOT_SPOOL_DIR=str(tmp_path / "spool"),
-        )
+        env = _reporting_env(tmp_path, ingest, "r-slow")
         proc = subprocess.Popen(
             [*EXEC, "--", sys.executable, "-c", SLOW_TEARDOWN, "30"],  # 30 s of teardown
             env=env,
