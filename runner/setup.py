@@ -31,7 +31,6 @@ import platform
 import shutil
 import signal
 import site
-import stat
 import subprocess
 import sys
 import sysconfig
@@ -48,6 +47,7 @@ from typing import IO, Literal
 from runner import env as contract
 from runner.code import CodeError, prepare_code
 from runner.errors import RunnerError, StoreError
+from runner.relocate import relocate
 from runner.store.base import Store, WriteStream
 
 __all__ = [
@@ -80,8 +80,6 @@ ENV_DIR = "env"
 #: Lines of a failed setup's output shown in the run's thread.
 TAIL_LINES = 20
 _POLL_S = 0.2
-#: The biggest file whose absolute paths are moved when an archive is restored elsewhere.
-_RELOCATE_MAX_BYTES = 8 << 20
 
 
 class SetupFailed(RunnerError):
@@ -405,7 +403,7 @@ def restore_environment(plan: SetupPlan, store: Store, key: str) -> str | None:
             os.replace(source, target)
             old = str(manifest.get("root") or "")
             if old and old != str(plan.code_dir):
-                _relocate(target, old.encode(), str(plan.code_dir).encode())
+                relocate(target, old.encode(), str(plan.code_dir).encode())
     return None
 
 
@@ -461,45 +459,6 @@ def _unpack(stream: IO[bytes], dest: Path, tmp: Path) -> tuple[str, int, str | N
     if code != 0 or not feeding:
         return digest.hexdigest(), size, f"tar exited {code}: {errors[-300:] or 'no message'}"
     return digest.hexdigest(), size, None
-
-
-def _relocate(root: Path, old: bytes, new: bytes) -> None:
-    """Move absolute paths into the old code directory (shebangs, activate scripts,
-    links) to the new one. Binary files (a NUL in their first 8 KiB: compiled modules,
-    ``.pyc``) are left alone, their rest unread."""
-    if root.is_symlink() or not root.is_dir():
-        _relocate_one(str(root), old, new)
-        return
-    folders = [str(root)]
-    while folders:
-        with os.scandir(folders.pop()) as entries:
-            for entry in entries:
-                if entry.is_dir(follow_symlinks=False):
-                    folders.append(entry.path)
-                else:
-                    _relocate_one(entry.path, old, new)
-
-
-def _relocate_one(path: str, old: bytes, new: bytes) -> None:
-    if os.path.islink(path):
-        target = os.readlink(path).encode()
-        if old in target:
-            os.unlink(path)
-            os.symlink(target.replace(old, new), path)
-        return
-    info = os.stat(path)
-    if not stat.S_ISREG(info.st_mode) or info.st_size > _RELOCATE_MAX_BYTES:
-        return
-    with open(path, "rb") as f:
-        head = f.read(8192)
-        if b"\0" in head:
-            return
-        data = head + f.read()
-    if old not in data:
-        return
-    with open(path, "wb") as f:
-        f.write(data.replace(old, new))
-    os.chmod(path, stat.S_IMODE(info.st_mode))
 
 
 def prepare_environment(

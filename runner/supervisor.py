@@ -35,13 +35,14 @@ from runner import EXIT_FAILED, EXIT_PREEMPTED, EXIT_SUCCEEDED
 from runner import env as contract
 from runner.container import Container, ContainerError, run_paths
 from runner.errors import CheckpointError, RunnerError, StoreError
+from runner.exits import exit_code
 from runner.frameworks import FrameworkMetrics
 from runner.logship import LogShipper, pump
 from runner.preemption import PreemptionFlag, SignalHandlers, start_pollers, write_notice
 from runner.secrets import SecretUnavailable, resolve
 from runner.setup import SetupFailed, SetupInterrupted, Workspace
 from runner.stacks import StackDumper, StallWatch
-from runner.sync import CheckpointSync, open_files
+from runner.sync import CheckpointSync, nothing_synced, open_files
 from runner.telemetry import EventSink, FileFollower, SystemSampler, follow_file
 
 log = logging.getLogger(__name__)
@@ -582,37 +583,14 @@ class Supervisor:
         assert sync is not None
         if sync.done or self._child_checkpoints:
             return
-        found = sorted(sync.ignored)
-        if found:
-            shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
-            what = f"it holds {shown}, with no step in the name"
-        else:
-            what = "the script wrote nothing there"
-        if sync.torn:
-            what += f"; {', '.join(sorted(sync.torn))} was still being written when it ended"
-        then = " The next attempt starts from step 0." if preempted else ""
-        msg = (
-            f"no checkpoint was synced from {sync.root} ($TRAINBOT_CHECKPOINT_DIR): {what}."
-            f"{then} Save checkpoints there as files or folders whose names hold the step "
-            "(ckpt-500.pt, epoch=0-step=500.ckpt, checkpoint-500/), or use the session API."
-        )
+        msg = nothing_synced(sync, preempted=preempted)
         log.warning(msg)
         self.sink.emit("log", {"level": "warning", "message": msg})
 
     def _exit_code(self, code: int, *, noticed: bool) -> int:
-        if self.under_torchrun and code > 0 and self._child_reported is not None:
-            # A worker's 75 (its node was told to stop by another's notice) is torchrun's 1.
-            code = self._child_reported
-        if code < 0 and self._child_reported is not None:
-            # The child decided its exit code and said so, then a second SIGTERM (sent to
-            # the whole process group as well as forwarded by us) ended it first.
-            code = self._child_reported
-        if noticed:
-            # Preempted, whatever the child made of it (143 or -15 before it had a handler,
-            # 1 from a KeyboardInterrupt, 0 from a script that stops on SIGTERM): resumable,
-            # unless the session says it finished with its last step committed.
-            finished = code == EXIT_SUCCEEDED and self._child_reported == EXIT_SUCCEEDED
-            return EXIT_SUCCEEDED if finished else EXIT_PREEMPTED
-        if code < 0:
-            return 128 - code  # killed by signal N: the shell's 128 + N
-        return code
+        return exit_code(
+            code,
+            reported=self._child_reported,
+            under_torchrun=self.under_torchrun,
+            noticed=noticed,
+        )

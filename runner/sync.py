@@ -439,3 +439,23 @@ def _same(path: Path, entry: FileEntry) -> bool:
         return sha.hexdigest() == entry.sha256
     except OSError:
         return False
+
+
+def nothing_synced(sync: CheckpointSync, *, preempted: bool) -> str:
+    """What to tell the person whose script left nothing in ``$TRAINBOT_CHECKPOINT_DIR``
+    the sync could commit: what is there, and how to name a checkpoint."""
+    found = sorted(sync.ignored)
+    if found:
+        shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+        what = f"it holds {shown}, with no step in the name"
+    else:
+        what = "the script wrote nothing there"
+    if sync.torn:
+        what += f"; {', '.join(sorted(sync.torn))} was still being written when it ended"
+    then = " The next attempt starts from step 0." if preempted else ""
+    msg = (
+        f"no checkpoint was synced from {sync.root} ($TRAINBOT_CHECKPOINT_DIR): {what}."
+        f"{then} Save checkpoints there as files or folders whose names hold the step "
+        "(ckpt-500.pt, epoch=0-step=500.ckpt, checkpoint-500/), or use the session API."
+    )
+    return msg
