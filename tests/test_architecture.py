@@ -226,6 +226,20 @@ def test_the_layers_import_only_downwards() -> None:
     assert not wrong, "\n".join(wrong)
 
 
+def test_the_rules_reach_no_table() -> None:
+    """Alert rules are pure functions of events and ``now``: nothing they import, however
+    indirectly, defines or opens the database (their Severity is jobs.severity)."""
+    graph = import_graph(runtime_only=True)
+    seen: set[str] = set()
+    stack = [name for name in graph if name.split(".")[:2] == ["jobs", "rules"]]
+    while stack:
+        name = stack.pop()
+        if name not in seen:
+            seen.add(name)
+            stack.extend(graph.get(name, {}))
+    assert not seen & {"jobs.models", "jobs.replica_tables", "jobs.db"}, sorted(seen)
+
+
 # --- the checker itself --------------------------------------------------------------
 
 
