@@ -11,6 +11,8 @@ starts is removed when it ends, whatever happens; the images stay, as a build ca
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import resource
@@ -131,12 +133,30 @@ def _debian_mirror() -> str:
     return "http://deb.debian.org/debian"
 
 
+@contextlib.contextmanager
+def build_lock(name: str) -> Iterator[None]:
+    """One build of ``name`` at a time on this machine: a test on another worker waits for
+    it (then finds the image) instead of building its own copy."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "trainbot"
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def _build_base(podman: Podman) -> float:
     """debootstrap a Debian root with Python and import it (containers.md, steps 3-5)."""
     if shutil.which("debootstrap") is None:
         pytest.skip(f"{BASE_IMAGE} is missing and debootstrap is not installed to build it")
     if os.geteuid() != 0:
         pytest.skip(f"{BASE_IMAGE} is missing and debootstrap needs root to build it")
+    with build_lock("base-image"):
+        if podman.image_exists(BASE_IMAGE):  # another worker built it meanwhile
+            return 0.0
+        return _debootstrap_base(podman)
+
+
+def _debootstrap_base(podman: Podman) -> float:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="trainbot-base-") as tmp:
         rootfs = Path(tmp) / "rootfs"

@@ -42,6 +42,7 @@ from tests.deploy.test_container import (
     Podman,
     _build_base,
     _containers_conf,
+    build_lock,
 )
 from tests.fakes.ingest import FakeIngest
 from tests.jobs.providers.contract import launch_request, wait_for_state
@@ -78,6 +79,13 @@ def torch_image(podman: Podman) -> str:
         return TORCH_IMAGE
     if not podman.image_exists(BASE_IMAGE):
         _build_base(podman)
+    with build_lock("torch-image"):
+        if not podman.image_exists(TORCH_IMAGE):  # not built by another worker meanwhile
+            _build_torch_image(podman)
+    return TORCH_IMAGE
+
+
+def _build_torch_image(podman: Podman) -> None:
     site = Path(torch.__file__).resolve().parents[1]
     infos = [
         p.name for p in site.glob("*.dist-info") if p.name.split("-")[0].lower() in _TORCH_FILES
@@ -96,7 +104,6 @@ def torch_image(podman: Podman) -> str:
             timeout=900,
         )  # fmt: skip
         print(f"built {TORCH_IMAGE} in {time.monotonic() - started:.0f} s")
-    return TORCH_IMAGE
 
 
 def _tiny(*args: str) -> list[str]:
