@@ -60,6 +60,9 @@ DUMP_AT = 0.75
 SITE_DIR = Path(site_hook.__file__).parent
 #: Recent step times the median is taken over.
 RECENT_STEPS = 50
+#: Steps that arrive in bursts (a framework's files, read at each save: runner.frameworks)
+#: may stand still this many times the usual gap between bursts.
+BURST_GAPS = 1.5
 #: Seconds a dump may take to be written by every process asked.
 DUMP_WAIT_S = 3.0
 
@@ -83,16 +86,27 @@ class StallWatch:
         #: Monotonic time the step last moved.
         self.moved_at: float | None = None
         self._times: deque[float] = deque(maxlen=RECENT_STEPS)
+        #: Seconds between the recent moves of the step, as they arrived.
+        self._gaps: deque[float] = deque(maxlen=10)
         self._dumped = False
 
     def saw(self, step: int, step_time_s: float, *, now: float) -> None:
         """A metrics event: the step it reached and how long it took."""
         if step != self.step:
+            # A gap shorter than half a step is inside a burst: the steps of one read.
+            if self.moved_at is not None and now - self.moved_at >= 0.5 * step_time_s:
+                self._gaps.append(now - self.moved_at)
             self.step, self.moved_at, self._dumped = step, now, False
         self._times.append(step_time_s)
 
     def limit_s(self) -> float:
-        return stall_limit_s(self._times, factor=self.factor, floor_s=self.floor_s)
+        """The run's own limit; for steps that arrive in bursts, at least
+        :data:`BURST_GAPS` of the usual gap between them (a session reports every step,
+        so there the gap is the step time and changes nothing)."""
+        limit = stall_limit_s(self._times, factor=self.factor, floor_s=self.floor_s)
+        if self._gaps:
+            limit = max(limit, BURST_GAPS * statistics.median(self._gaps))
+        return limit
 
     def due(self, *, now: float) -> float | None:
         """Seconds the step has stood still when its stacks are due now (once per stall),

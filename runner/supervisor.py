@@ -541,6 +541,8 @@ class Supervisor:
             return
         for when, data in self._framework.poll(now=time.monotonic(), force=force):
             self.sink.emit("metrics", data, time=when)
+            if self.stacks is not None:
+                self.stacks.saw("metrics", data)
 
     def _sync(self, *, final: bool, clean: bool = True, notice: bool = False) -> None:
         assert self.sync is not None

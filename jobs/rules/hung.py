@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
+from itertools import pairwise
 
 from jobs import format as fmt
 from jobs.rules.base import (
@@ -33,6 +34,10 @@ from runner.stacks import stall_limit_s
 
 __all__ = ["STACKS_SHOWN", "Hung"]
 
+#: A script without the session API whose metrics the runner reads from a framework's
+#: files (``runner.frameworks``: the Trainer writes them at each save) reports steps in
+#: bursts, one per save: its step may stand still this many save intervals before it is hung.
+SAVE_INTERVALS = 1.5
 #: Characters of the stacks the alert's message shows (a Slack section holds 3,000);
 #: each process's innermost frames come first, and the whole dump is in the run's logs.
 STACKS_SHOWN = 1800
@@ -65,6 +70,9 @@ class Hung(Thresholded):
         times = [t for t in (number(o.data, "step_time_s") for o in metrics) if t is not None]
         cfg = self.cfg.hung
         limit = stall_limit_s(times, factor=cfg.factor, floor_s=cfg.floor)
+        bursts = self._save_interval(window, ctx, first=metrics[0].time)
+        if bursts is not None:
+            limit = max(limit, SAVE_INTERVALS * bursts)
         stalled = now - last.time
         verdict = Verdict(self.name, "step", Severity.CRITICAL, {"step": step, "limit_s": limit})
         if stalled <= limit:
@@ -112,6 +120,23 @@ class Hung(Thresholded):
                 began_step=step,
             )
         ]
+
+    @staticmethod
+    def _save_interval(window: Sequence[Obs], ctx: RunContext, *, first: float) -> float | None:
+        """The median interval between this attempt's saves when its checkpoints are
+        files the runner synced (no ``stall_s``: not the session's) and its steps come in
+        bursts with them; None for a session's checkpoints. The first interval runs from
+        its first step."""
+        saves = [
+            o.time
+            for o in of_type(window, "checkpoint_committed")
+            if attempt_of(o, ctx) == ctx.attempt_number and o.data.get("stall_s") is None
+        ]
+        if not saves:
+            return None
+        marks = [first, *sorted(saves)]
+        gaps = [b - a for a, b in pairwise(marks) if b > a]
+        return statistics.median(gaps) if gaps else None
 
     @staticmethod
     def _stacks(window: Sequence[Obs], ctx: RunContext, *, since: float) -> str | None:

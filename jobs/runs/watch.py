@@ -27,6 +27,9 @@ from runner.wire import restore_floats
 
 log = logging.getLogger(__name__)
 
+#: The saves a run's save interval is judged from.
+RECENT_SAVES = 10
+
 __all__ = ["watch_running"]
 
 
@@ -68,11 +71,27 @@ def _watch(deps: Deps, attempt_id: str, *, now: datetime) -> None:
 
 
 def _window(session: Session, attempt: Attempt) -> list[Obs]:
-    """The attempt's recent metrics and its newest stacks dump."""
+    """The attempt's recent metrics and saves, and its newest stacks dump."""
     points = run_metrics(
         session.connection(), attempt.run_id, limit=RECENT_STEPS, attempt_id=attempt.id
     )
     window = [Obs(p.time, "metrics", {**p.data, "attempt": p.attempt_number}) for p in points]
+    # The recent saves: a script whose steps come with them is judged by their interval.
+    saves = session.exec(
+        select(EventRow.time, EventRow.data)
+        .where(
+            EventRow.run_id == attempt.run_id,
+            EventRow.type == "checkpoint_committed",
+            EventRow.attempt_id == attempt.id,
+        )
+        .order_by(col(EventRow.time).desc(), col(EventRow.id).desc())
+        .limit(RECENT_SAVES)
+    ).all()
+    for when, data in saves:
+        payload = data if isinstance(data, Mapping) else {}
+        window.append(
+            Obs(when.timestamp(), "checkpoint_committed", {**payload, "attempt": attempt.number})
+        )
     stacks = session.exec(
         select(EventRow.time, EventRow.data)
         .where(

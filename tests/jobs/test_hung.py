@@ -132,3 +132,20 @@ def test_the_rule_alerts_past_the_runs_own_limit_and_clears_when_the_step_moves(
     # Without a dump, the alert says so.
     [bare] = rule.evaluate(window[:-1], now=last + 121, ctx=_ctx())
     assert "No stacks" in bare.detail
+
+
+def test_steps_that_come_with_synced_saves_may_stand_still_between_saves() -> None:
+    """A Trainer script under checkpoint.sync_dir: its steps are read at each save."""
+    rule = Hung(AlertThresholds(hung=HungWatch(factor=20, floor=600)))
+    start = NOW - 10_000
+    window = [Obs(start + 5 * i, "metrics", {"step": i, "step_time_s": 5.0, "attempt": 2})
+              for i in range(0, 720)]  # fmt: skip
+    saves = [Obs(start + 1800 * k, "checkpoint_committed", {"step": 360 * k, "stall_s": None,
+             "attempt": 2}) for k in (1, 2)]  # fmt: skip
+    last = window[-1].time
+    # Synced files every 30 min: 45 min without a step is hung, 40 is not.
+    assert rule.evaluate([*window, *saves], now=last + 2400, ctx=_ctx())[0].resolved
+    assert not rule.evaluate([*window, *saves], now=last + 2701, ctx=_ctx())[0].resolved
+    # The session's own saves (a stall measured) leave its limit at the floor.
+    own = [o._replace(data={**o.data, "stall_s": 0.2}) for o in saves]
+    assert not rule.evaluate([*window, *own], now=last + 601, ctx=_ctx())[0].resolved

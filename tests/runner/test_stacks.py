@@ -93,3 +93,16 @@ def test_the_environments_own_sitecustomize_still_runs(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.stdout.split() == ["1", str(theirs / "sitecustomize.py")], out.stderr
     assert len(list((tmp_path / "stacks").glob("*.pid"))) == 1  # and ours registered
+
+
+def test_steps_read_in_bursts_stand_still_for_their_usual_gap() -> None:
+    # A framework's steps, read from its files at each save: 100 steps of 5 s every 500 s.
+    watch = StallWatch(factor=20, floor_s=120)
+    for burst in range(3):
+        for step in range(burst * 100, burst * 100 + 100):
+            watch.saw(step, 5.0, now=500.0 * burst)  # one read: all at once
+    assert watch.limit_s() == 750.0  # 1.5 x the 500 s between bursts, past 20 x 5 s
+    last = watch.moved_at
+    assert last is not None
+    assert watch.due(now=last + 500) is None  # the next burst is simply not due yet
+    assert watch.due(now=last + DUMP_AT * 750) is not None
