@@ -26,6 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from jobs.preflight.image import ImageCheck
+from jobs.preflight.report import PreflightPlan, Status
 from jobs.providers.base import InstanceState, ResourceRequest
 from jobs.providers.local import REGION, ZONE, LocalProvider
 from jobs.spec import JobSpec
@@ -46,6 +48,7 @@ from tests.deploy.test_container import (
 )
 from tests.fakes.ingest import FakeIngest
 from tests.jobs.providers.contract import launch_request, wait_for_state
+from tests.jobs.test_preflight import context
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.container, pytest.mark.timeout(900)]
@@ -241,3 +244,16 @@ def test_a_missing_image_is_refused_with_what_to_do(podman: Podman) -> None:
     assert "localhost/trainbot-test-absent:none is not in podman's storage" in said
     assert "podman pull localhost/trainbot-test-absent:none" in said
     assert "podman build -t" in said
+
+
+def test_preflight_passes_an_image_podman_can_run(
+    podman: Podman, torch_image: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CONTAINERS_CONF", podman.env["CONTAINERS_CONF"])
+    spec = JobSpec(name="t", command=["python", "t.py"], image=torch_image)
+    with LocalProvider(tmp_path / "state", gpu_names=[]) as local:
+        found = ImageCheck().run(context(tmp_path, spec, local), prior=PreflightPlan())
+    assert found.status is Status.PASS, found
+    assert found.detail == (
+        f"{torch_image} runs here with podman: Python {PY}, the runner's library, mounted"
+    )
