@@ -398,8 +398,9 @@ def more_not_shown(count: int, what: str) -> str:
 
 def launch_modal_no_specs() -> str:
     return (
-        "No job specs found: add a <name>.yaml file to the specs directory "
-        "(TRAINBOT_SPECS_DIR), then try again."
+        "No job specs found: add a <name>.yaml file to a spec source (a directory or "
+        "repository in TRAINBOT_SPEC_SOURCES; unset, the directory TRAINBOT_SPECS_DIR), "
+        "then try again, or paste a spec below."
     )
 
 
