@@ -269,12 +269,21 @@ def _dry_run_share(row: Mapping[str, Any]) -> str:
 
 def digest_storage_line(storage: Mapping[str, Any], day_label: str) -> str:
     """Storage beside compute: what the checkpoints cost in the day and the month, and
-    what those kept now cost a month."""
-    return (
+    what those kept now cost a month; and the staged datasets kept (``/train stage``)."""
+    line = (
         f"storage {usd(storage.get('usd'))} {day_label} · month to date "
         f"{usd(storage.get('month_to_date_usd'))} · {size(storage.get('bytes_kept'))} of "
         f"checkpoints kept, {usd(storage.get('usd_per_month'))} a month"
     )
+    staged = storage.get("staged") or {}
+    copies = int(staged.get("copies") or 0)
+    if copies or staged.get("usd"):
+        line += (
+            f" · staged data {size(staged.get('bytes_kept'))} in {copies} "
+            f"cop{'y' if copies == 1 else 'ies'}, {usd(staged.get('usd'))} {day_label}, "
+            f"{usd(staged.get('usd_per_month'))} a month"
+        )
+    return line
 
 
 def storage_run_line(row: Mapping[str, Any]) -> str:

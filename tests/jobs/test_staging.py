@@ -17,6 +17,7 @@ import pytest
 from sqlalchemy import Engine
 from sqlmodel import select
 
+from bot.messages import digest_storage_line
 from bot.replies import run_list
 from jobs.actor import Actor
 from jobs.db import session_scope
@@ -363,6 +364,8 @@ def test_retention_and_the_digest(moto_server: str, make_deps: Any, tmp_path: Pa
         assert staged_figures(session, channel="C0OTHER", since=NOW, until=NOW + day)["copies"] == 0
         digest = digest_figures(session, channel="C0TRAIN", now=NOW + day, tz=timezone.utc)
         assert digest["storage"]["staged"]["bytes_kept"] == 300_000
+        line = digest_storage_line(digest["storage"], "yesterday")
+        assert "· staged data 300.0 KB in 1 copy, " in line and line.endswith(" a month")
     assert expire_staged(deps, now=NOW + 7 * day) == []  # 6 days after the run ended
     assert copies() == 3
     assert expire_staged(deps, now=NOW + 8 * day) == [row.id]
