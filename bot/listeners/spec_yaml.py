@@ -85,7 +85,8 @@ def register(app: App, ctx: ListenerContext) -> None:
         if errors or spec is None:
             ack(response_action="errors", errors=errors)
             return
-        ack()
+        # Closes this form and, when it was opened over the launch form, that one too.
+        ack(response_action="clear")
         ctx.later(_launch, ctx, client, body, spec.name, text, channel)
 
     def paste_button(ack: Ack, body: dict[str, Any], client: WebClient) -> None:

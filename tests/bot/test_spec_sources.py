@@ -218,7 +218,7 @@ def test_new_run_from_yaml_validates_like_a_file_and_launches_as_the_command_doe
     assert team.runs() == []
 
     good = team.submit(view, "name: pasted-gpt\n" + GPT)
-    assert good.status_code == 200 and good.text == ""
+    assert good.status_code == 200 and good.json() == {"response_action": "clear"}
     (run,) = wait_until(team.runs, what="the run from the modal")
     assert (run.requester, run.channel, run.spec_name) == (ADA, CHANNEL, "pasted-gpt")
     assert run.spec["command"] == ["python", "-c", "print(1)"]
