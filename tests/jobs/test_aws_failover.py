@@ -9,9 +9,11 @@ reuse the fixtures of :mod:`tests.jobs.test_aws_control_plane`.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import boto3
+import pytest
 from botocore.stub import Stubber
 
 from jobs import service
@@ -66,6 +68,34 @@ def _aws(moto: dict[str, Any], session: boto3.session.Session, gate: Ec2Gate) ->
     )
 
 
+@dataclass
+class Gated:
+    """moto behind the EC2 gate: the provider (an AMI both regions have, 64 vCPUs of spot
+    and of on-demand quota), the test's Stubbers, and moto's URL and checkpoint bucket."""
+
+    aws: AwsProvider
+    gate: Ec2Gate
+    stubbers: list[Stubber]
+    url: str
+    bucket: str
+
+    def scores(self, calls: int) -> None:
+        """Spot placement scores for up to ``calls`` capacity questions."""
+        stub_scores(self.stubbers, self.aws, url=self.url, calls=calls)
+
+
+@pytest.fixture
+def gated(
+    moto: dict[str, Any],
+    session: boto3.session.Session,
+    stubbers: list[Stubber],
+    gate: Ec2Gate,
+) -> Gated:
+    aws = _aws(moto, session, gate)
+    stub_quotas(stubbers, aws, (G_SPOT, 64), (G_ON_DEMAND, 64))
+    return Gated(aws, gate, stubbers, moto["url"], moto["bucket"])
+
+
 def _no_spot(form: Mapping[str, str]) -> Refusal | None:
     """EC2 has no spot capacity in any zone (a 400, so botocore does not retry it)."""
     spot = form.get("InstanceMarketOptions.MarketType") == "spot"
@@ -91,18 +121,12 @@ def _market(form: Mapping[str, str]) -> str:
 
 
 def test_no_spot_capacity_falls_back_to_on_demand_and_the_next_attempt_tries_spot(
-    tmp_path: Any,
-    moto: dict[str, Any],
-    session: boto3.session.Session,
-    stubbers: list[Stubber],
-    gate: Ec2Gate,
+    tmp_path: Any, gated: Gated
 ) -> None:
-    url = moto["url"]
-    aws = _aws(moto, session, gate)
-    stub_quotas(stubbers, aws, (G_SPOT, 64), (G_ON_DEMAND, 64))
-    stub_scores(stubbers, aws, url=url, calls=12)
+    aws, gate, url = gated.aws, gated.gate, gated.url
+    gated.scores(12)
     gate.refuse = _no_spot
-    with control_plane(tmp_path, aws, moto["bucket"]) as (cp, records, notes):
+    with control_plane(tmp_path, aws, gated.bucket) as (cp, records, notes):
         run = _confirmed(cp, "resources.on_demand_fallback=true")
         # Spot is refused in each zone in turn; the fourth attempt runs on-demand.
         wait_until(lambda: attempt_launched(cp, run.id, 4), what="attempt 4")
@@ -147,18 +171,12 @@ def test_no_spot_capacity_falls_back_to_on_demand_and_the_next_attempt_tries_spo
 
 
 def test_no_spot_capacity_without_the_fallback_fails_naming_the_zones(
-    tmp_path: Any,
-    moto: dict[str, Any],
-    session: boto3.session.Session,
-    stubbers: list[Stubber],
-    gate: Ec2Gate,
+    tmp_path: Any, gated: Gated
 ) -> None:
-    url = moto["url"]
-    aws = _aws(moto, session, gate)
-    stub_quotas(stubbers, aws, (G_SPOT, 64), (G_ON_DEMAND, 64))
-    stub_scores(stubbers, aws, url=url, calls=8)
+    aws, gate, url = gated.aws, gated.gate, gated.url
+    gated.scores(8)
     gate.refuse = _no_spot
-    with control_plane(tmp_path, aws, moto["bucket"]) as (cp, records, notes):
+    with control_plane(tmp_path, aws, gated.bucket) as (cp, records, notes):
         run = _confirmed(cp, "resubmit.wait_for_capacity=0")  # one pass, as it was
         wait_until(lambda: run_row(cp, run.id).state == RunState.FAILED, what="FAILED")
         reason = run_row(cp, run.id).reason or ""
@@ -182,16 +200,10 @@ def _east_is_full(form: Mapping[str, str]) -> Refusal | None:
 
 
 def test_a_region_out_of_capacity_moves_the_run_to_the_next_region(
-    tmp_path: Any,
-    moto: dict[str, Any],
-    session: boto3.session.Session,
-    stubbers: list[Stubber],
-    gate: Ec2Gate,
+    tmp_path: Any, gated: Gated
 ) -> None:
-    url = moto["url"]
-    aws = _aws(moto, session, gate)
-    stub_quotas(stubbers, aws, (G_SPOT, 64), (G_ON_DEMAND, 64))
-    stub_scores(stubbers, aws, url=url, calls=8)
+    aws, gate, stubbers, url = gated.aws, gated.gate, gated.stubbers, gated.url
+    gated.scores(8)
     # The second region's quota is read before anything launches there.
     west_quotas = Stubber(aws.client("service-quotas", region=WEST))
     west_quotas.activate()
@@ -203,7 +215,7 @@ def test_a_region_out_of_capacity_moves_the_run_to_the_next_region(
             {"ServiceCode": "ec2", "QuotaCode": code},
         )
     gate.refuse = _east_is_full
-    with control_plane(tmp_path, aws, moto["bucket"]) as (cp, records, notes):
+    with control_plane(tmp_path, aws, gated.bucket) as (cp, records, notes):
         # The checkpoint bucket is in the first region: the spec accepts saving across.
         run = _confirmed(
             cp,
@@ -243,20 +255,14 @@ def test_a_region_out_of_capacity_moves_the_run_to_the_next_region(
 
 
 def test_a_region_without_the_checkpoint_bucket_is_skipped_with_a_message(
-    tmp_path: Any,
-    moto: dict[str, Any],
-    session: boto3.session.Session,
-    stubbers: list[Stubber],
-    gate: Ec2Gate,
+    tmp_path: Any, gated: Gated
 ) -> None:
     """The first region is out of capacity; the second does not hold the run's checkpoint
     bucket (S3: one region), so the failover skips it, saying why, as it would for the
     dataset: nothing launches there, and the run fails naming both."""
-    url = moto["url"]
-    bucket = moto["bucket"]
-    aws = _aws(moto, session, gate)
-    stub_quotas(stubbers, aws, (G_SPOT, 64), (G_ON_DEMAND, 64))
-    stub_scores(stubbers, aws, url=url, calls=8)
+    aws, gate = gated.aws, gated.gate
+    bucket = gated.bucket
+    gated.scores(8)
     gate.refuse = _east_is_full
     with control_plane(tmp_path, aws, bucket) as (cp, _, notes):
         run = _confirmed(

@@ -12,8 +12,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import boto3
-from botocore.stub import Stubber
 from sqlmodel import col, select
 
 from jobs import service
@@ -26,26 +24,22 @@ from jobs.notify import Message, TextMessage
 from jobs.replica_tables import DeferredWork
 from jobs.scheduler import take_lease
 from tests.jobs import test_aws_control_plane as base
+from tests.jobs import test_aws_failover as failover
 from tests.jobs.test_aws_control_plane import (
     ADA,
-    G_ON_DEMAND,
-    G_SPOT,
     RANKED,
-    Ec2Gate,
     Recorder,
     Refusal,
     attempt_launched,
     attempts_of,
     control_plane,
     run_row,
-    stub_quotas,
-    stub_scores,
     wait_until,
 )
-from tests.jobs.test_aws_failover import NO_ROOM, _aws
+from tests.jobs.test_aws_failover import NO_ROOM, Gated
 
 # The control-plane tests' fixtures, under their own names.
-gate = base.gate
+gate, gated = base.gate, failover.gated
 
 
 def _refuse_spot(times: int, refused: list[str]) -> Any:
@@ -110,18 +104,13 @@ def _capacity_rows(cp: ControlPlane, run_id: str) -> list[DeferredWork]:
 
 
 def test_a_run_with_no_capacity_for_three_tries_launches_on_the_fourth_using_no_attempt(
-    tmp_path: Any,
-    moto: dict[str, Any],
-    session: boto3.session.Session,
-    stubbers: list[Stubber],
-    gate: Ec2Gate,
+    tmp_path: Any, gated: Gated
 ) -> None:
-    aws = _aws(moto, session, gate)
-    stub_quotas(stubbers, aws, (G_SPOT, 64), (G_ON_DEMAND, 64))
-    stub_scores(stubbers, aws, url=moto["url"], calls=40)
+    aws, gate = gated.aws, gated.gate
+    gated.scores(40)
     refused: list[str] = []
     gate.refuse = _refuse_spot(3 * len(RANKED), refused)
-    with control_plane(tmp_path, aws, moto["bucket"]) as (cp, records, notes):
+    with control_plane(tmp_path, aws, gated.bucket) as (cp, records, notes):
         # One attempt is all it may use: the tries for capacity are not attempts.
         run = _confirmed(cp, "resubmit.backoff_s=0.1", "resubmit.max_attempts=1")
         for tries in (1, 2, 3):
@@ -168,19 +157,12 @@ def test_a_run_with_no_capacity_for_three_tries_launches_on_the_fourth_using_no_
         service.stop(cp.deps, run.id, ADA)
 
 
-def test_stop_ends_the_wait_for_capacity(
-    tmp_path: Any,
-    moto: dict[str, Any],
-    session: boto3.session.Session,
-    stubbers: list[Stubber],
-    gate: Ec2Gate,
-) -> None:
-    aws = _aws(moto, session, gate)
-    stub_quotas(stubbers, aws, (G_SPOT, 64), (G_ON_DEMAND, 64))
-    stub_scores(stubbers, aws, url=moto["url"], calls=20)
+def test_stop_ends_the_wait_for_capacity(tmp_path: Any, gated: Gated) -> None:
+    aws, gate = gated.aws, gated.gate
+    gated.scores(20)
     refused: list[str] = []
     gate.refuse = _refuse_spot(1000, refused)
-    with control_plane(tmp_path, aws, moto["bucket"]) as (cp, records, notes):
+    with control_plane(tmp_path, aws, gated.bucket) as (cp, records, notes):
         # The first wait is a minute: the stop comes during it.
         run = _confirmed(cp, "resubmit.backoff_s=60", "resubmit.zone_failover=false")
         wait_until(lambda: len(_waits(records)) == 1, what="the wait")
@@ -196,26 +178,19 @@ def test_stop_ends_the_wait_for_capacity(
         assert attempts_of(cp, run.id) == []
 
 
-def test_the_wait_outlives_the_control_plane(
-    tmp_path: Any,
-    moto: dict[str, Any],
-    session: boto3.session.Session,
-    stubbers: list[Stubber],
-    gate: Ec2Gate,
-) -> None:
+def test_the_wait_outlives_the_control_plane(tmp_path: Any, gated: Gated) -> None:
     """The next try is a row: a control plane started after the one that deferred it
     makes the try as the leader, and edits the same thread message."""
-    aws = _aws(moto, session, gate)
-    stub_quotas(stubbers, aws, (G_SPOT, 64), (G_ON_DEMAND, 64))
-    stub_scores(stubbers, aws, url=moto["url"], calls=20)
+    aws, gate = gated.aws, gated.gate
+    gated.scores(20)
     refused: list[str] = []
     gate.refuse = _refuse_spot(2, refused)
     overrides = ("resubmit.backoff_s=0.1", "resubmit.zone_failover=false")
-    with control_plane(tmp_path, aws, moto["bucket"]) as (cp, records, notes):
+    with control_plane(tmp_path, aws, gated.bucket) as (cp, records, notes):
         run = _confirmed(cp, *overrides)
         wait_until(lambda: len(_waits(records)) == 1, what="the wait")
         ts, _ = _wait_message(notes, run.id)
-    with control_plane(tmp_path, aws, moto["bucket"]) as (cp, records, notes):
+    with control_plane(tmp_path, aws, gated.bucket) as (cp, records, notes):
 
         def launched() -> bool:
             lead(cp)

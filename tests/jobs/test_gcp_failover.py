@@ -41,9 +41,19 @@ def gce() -> Iterator[FakeComputeApi]:
         yield api
 
 
-def test_a_region_out_of_capacity_moves_the_run_to_the_next_region(
-    tmp_path: Path, gce: FakeComputeApi
-) -> None:
+#: An A100 run allowed both regions, without a dry run.
+SPEC = (
+    "command: ['python', 'train.py']\n"
+    "resources:\n  cloud: gcp\n  accelerator: A100:1\n"
+    f"  regions: [{CENTRAL}, {EAST}]\n"
+    "budget:\n  usd: 50\n"
+    "dry_run:\n  enabled: false\n"
+)
+
+
+def _central_full(gce: FakeComputeApi) -> GcpProvider:
+    """The provider in us-central1, allowed us-east1, with every A100 zone of
+    us-central1 out of capacity."""
     gcp = GcpProvider(
         project=gce.project,
         region=CENTRAL,
@@ -54,14 +64,14 @@ def test_a_region_out_of_capacity_moves_the_run_to_the_next_region(
     )
     for zone in CENTRAL_A100:
         gce.exhaust(zone)
-    spec_yaml = (
-        "command: ['python', 'train.py']\n"
-        "resources:\n  cloud: gcp\n  accelerator: A100:1\n"
-        f"  regions: [{CENTRAL}, {EAST}]\n"
-        "budget:\n  usd: 50\n"
-        "dry_run:\n  enabled: false\n"
-        "resubmit:\n  backoff_s: 0\n"
-    )
+    return gcp
+
+
+def test_a_region_out_of_capacity_moves_the_run_to_the_next_region(
+    tmp_path: Path, gce: FakeComputeApi
+) -> None:
+    gcp = _central_full(gce)
+    spec_yaml = SPEC + "resubmit:\n  backoff_s: 0\n"
     env = {
         "TRAINBOT_GCP_PROJECT": gce.project,
         "TRAINBOT_CHECKPOINT_URI": "gs://ckpt-bucket/default",
@@ -120,25 +130,9 @@ def test_the_checkpoint_bucket_decides_whether_the_run_may_move_region(
     is: a dual-region (NAM4: us-central1 and us-east1) covers it; a us-central1 bucket
     does not, so the region is skipped with a message and the run fails naming it."""
     gce.buckets["ckpt-here"] = location
-    gcp = GcpProvider(
-        project=gce.project,
-        region=CENTRAL,
-        regions=[EAST],
-        api_endpoint=gce.url,
-        credentials=AnonymousCredentials(),
-        service_account=RUNNER_SA,
-    )
-    for zone in CENTRAL_A100:
-        gce.exhaust(zone)
-    spec_yaml = (
-        "command: ['python', 'train.py']\n"
-        "resources:\n  cloud: gcp\n  accelerator: A100:1\n"
-        f"  regions: [{CENTRAL}, {EAST}]\n"
-        "budget:\n  usd: 50\n"
-        "dry_run:\n  enabled: false\n"
-        # One pass over the regions, then FAILED: no waiting for capacity to come back.
-        "resubmit:\n  backoff_s: 0\n  wait_for_capacity: 0\n"
-    )
+    gcp = _central_full(gce)
+    # One pass over the regions, then FAILED: no waiting for capacity to come back.
+    spec_yaml = SPEC + "resubmit:\n  backoff_s: 0\n  wait_for_capacity: 0\n"
     env = {
         "TRAINBOT_GCP_PROJECT": gce.project,
         "TRAINBOT_CHECKPOINT_URI": "gs://ckpt-here/default",

@@ -31,14 +31,25 @@ def _notice(window_s: float = 60.0) -> Notice:
     return Notice(source="signal", reason="SIGTERM", received_at=now, deadline=now + window_s)
 
 
-def _session(root: Path, sink: Recorder, flag: PreemptionFlag, **config: Any) -> Session:
+def _session(
+    root: Path,
+    sink: Recorder,
+    flag: PreemptionFlag,
+    *,
+    run_id: str = "r-flush",
+    store: LocalStore | None = None,
+    decision: EverySteps | None = None,
+    **config: Any,
+) -> Session:
+    """Run ``run_id``'s session in ``root`` (its store, unless given, a LocalStore there),
+    saving every 3 steps unless ``decision`` says otherwise; a 60 s window by default."""
     config.setdefault("window_s", 60.0)
     return Session(
-        SessionConfig(run_id="r-flush", checkpoint_uri=str(root), **config),
+        SessionConfig(run_id=run_id, checkpoint_uri=str(root), **config),
         sink=sink,
-        store=LocalStore(root / "r-flush"),
+        store=store or LocalStore(root / run_id),
         flag=flag,
-        decision=EverySteps(3),
+        decision=decision or EverySteps(3),
         install_signals=False,
     )
 
@@ -186,15 +197,13 @@ def test_a_resumed_session_saves_at_the_notice_then_trains_on(tmp_path: Path) ->
         for _ in s.steps(3):
             pass
     sink = Recorder()
-    session = Session(
-        SessionConfig(
-            run_id="r-flush", checkpoint_uri=str(tmp_path), window_s=6.0, train_through_notice=True
-        ),
-        sink=sink,
-        store=LocalStore(tmp_path / "r-flush"),
-        flag=PreemptionFlag(),
+    session = _session(
+        tmp_path,
+        sink,
+        PreemptionFlag(),
         decision=EverySteps(100_000),  # no save of its own before the notice
-        install_signals=False,
+        window_s=6.0,
+        train_through_notice=True,
     )
     _noticed_at_step_3(session)  # step 3: the first step after the restore
     assert session.exit_code == EXIT_PREEMPTED
@@ -213,19 +222,15 @@ def test_a_resumed_session_saves_at_the_notice_then_trains_on(tmp_path: Path) ->
 
 def _first_attempt(root: Path, *, measured_write_bps: float | None) -> Session:
     """A first attempt (an empty store) with a 6 s notice at step 3, before any save."""
-    session = Session(
-        SessionConfig(
-            run_id="r-first",
-            checkpoint_uri=str(root),
-            window_s=6.0,
-            train_through_notice=True,
-            measured_write_bps=measured_write_bps,
-        ),
-        sink=Recorder(),
-        store=LocalStore(root / "r-first"),
-        flag=PreemptionFlag(),
+    session = _session(
+        root,
+        Recorder(),
+        PreemptionFlag(),
+        run_id="r-first",
         decision=EverySteps(100_000),
-        install_signals=False,
+        window_s=6.0,
+        train_through_notice=True,
+        measured_write_bps=measured_write_bps,
     )
     return _noticed_at_step_3(session)
 
@@ -287,15 +292,13 @@ def test_a_save_in_flight_at_the_notice_does_not_hold_up_the_notice_step(
     less than 90 % of it is written (the notice's state supersedes it), or else waits for
     it; then the loop trains on."""
     sink = Recorder()
-    session = Session(
-        SessionConfig(
-            run_id="r-flush", checkpoint_uri=str(tmp_path), window_s=6.0, train_through_notice=True
-        ),
-        sink=sink,
+    session = _session(
+        tmp_path,
+        sink,
+        PreemptionFlag(),
         store=SlowStore(tmp_path / "r-flush"),
-        flag=PreemptionFlag(),
-        decision=EverySteps(3),
-        install_signals=False,
+        window_s=6.0,
+        train_through_notice=True,
     )
     _noticed_at_step_3(session)  # just after the save of step 3 started
     assert session.exit_code == EXIT_PREEMPTED
