@@ -99,6 +99,9 @@ class PreflightMessage(Message):
     needs_confirmation: bool
     estimate_usd: float | None = None
     interval_s: float | None = None
+    #: The data check's offer to copy the dataset into the run's region (size, cost,
+    #: time), for a "Stage the data" button; None: none.
+    stage: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

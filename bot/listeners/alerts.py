@@ -1,7 +1,7 @@
 """The buttons: Acknowledge, Snooze, Stop run, Resubmit (and Resubmit from step N on an
 alert whose run trainbot stopped) on alerts; Launch anyway on a preflight report with
-warnings; Continue (optionally with a raised budget) and Stop on a projection that
-stopped its run to ask.
+warnings, Stage the data on one whose dataset is in another region; Continue
+(optionally with a raised budget) and Stop on a projection that stopped its run to ask.
 
 Each press is acknowledged at once (an empty 200) and handled on the work pool: the
 caller and channel come from the signed payload, the button's value names the alert or
@@ -32,6 +32,7 @@ from jobs import service
 from jobs.db import session_scope
 from jobs.errors import TrainbotError
 from jobs.models import Alert, Run
+from jobs.staging import service as staging
 
 __all__ = ["ACTIONS", "DEFAULT_SNOOZE_S", "register"]
 
@@ -113,6 +114,10 @@ def _launch_anyway(ctx: ListenerContext, caller: Caller, run_id: str) -> str | N
     return None  # the thread says who confirmed; the card shows the launch
 
 
+def _stage_data(ctx: ListenerContext, caller: Caller, run_id: str) -> str | None:
+    return staging.stage_run(ctx.deps, run_id, ctx.auth.actor(caller))
+
+
 def _continue_profiled(ctx: ListenerContext, caller: Caller, value: str) -> str | None:
     try:
         run_id, budget = views.parse_continue_value(value)
@@ -154,6 +159,7 @@ ACTIONS: dict[str, Button] = {
     "run_resubmit": Button("run", _resubmit, _OWNER_STARTS),
     "run_resubmit_from": Button("run", _resubmit_from, _OWNER_STARTS),
     "launch_anyway": Button("run", _launch_anyway, _OWNER_STARTS),
+    "run_stage": Button("run", _stage_data, _OWNER_STARTS),
     "profile_continue": Button("run", _continue_profiled, _OWNER_STARTS),
     "profile_stop": Button("run", _stop_profiled, _OWNER),
 }

@@ -13,6 +13,7 @@ Interactive elements, for the listeners:
 action_id           element                  value
 ==================  =======================  ==========================================
 ``launch_anyway``   button (preflight)       run id
+``run_stage``       button (preflight)       run id: copy its dataset into its region
 ``alert_ack``       button (alert)           alert id
 ``alert_snooze``    static_select (alert)    ``"<alert id>|<1h|4h|1d>"``, see
                                              :func:`parse_snooze_value`

@@ -21,6 +21,7 @@ from bot.views.text import clip
 from jobs.notify import PreflightMessage
 
 LAUNCH_ANYWAY = "launch_anyway"
+STAGE_DATA = "run_stage"
 _CHECK_EMOJI = {"pass": ":white_check_mark:", "warn": ":warning:", "fail": ":x:"}
 
 
@@ -54,6 +55,14 @@ def preflight_report(msg: PreflightMessage) -> list[Block]:
                         "Launch anyway", action_id=LAUNCH_ANYWAY, value=msg.run_id, style="primary"
                     )
                 ],
+            }
+        )
+    elif msg.stage is not None and not msg.ok:
+        blocks.append(
+            {
+                "type": "actions",
+                "block_id": clip(f"stage:{msg.run_id}", MAX_BLOCK_ID),
+                "elements": [button("Stage the data", action_id=STAGE_DATA, value=msg.run_id)],
             }
         )
     return fit(blocks)

@@ -243,6 +243,7 @@ class PreflightReport:
             needs_confirmation=self.needs_confirmation,
             estimate_usd=self.estimate_usd,
             interval_s=self.interval_s,
+            stage=next((str(r.data["stage"]) for r in self.results if r.data.get("stage")), None),
         )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Iterator
+from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from sqlmodel import select
 
 from bot.messages import digest_storage_line
 from bot.replies import run_list
+from bot.views.preflight import preflight_report
 from jobs.actor import Actor
 from jobs.db import session_scope
 from jobs.deferred import finish, pending
@@ -26,7 +28,14 @@ from jobs.deps import Deps
 from jobs.errors import PermissionDenied
 from jobs.lifecycle import RunState
 from jobs.models import Run
-from jobs.preflight import DataLocalityCheck, PreflightContext, Status, resource_request
+from jobs.notify import CheckLine, PreflightMessage
+from jobs.preflight import (
+    DataLocalityCheck,
+    PreflightContext,
+    Status,
+    resource_request,
+    run_preflight,
+)
 from jobs.providers.aws import AwsProvider
 from jobs.providers.local import LocalProvider
 from jobs.runs.cards import card
@@ -41,8 +50,10 @@ from jobs.staging.runs import for_preflight, staged_from
 from jobs.staging.service import stage_run, stage_status
 from jobs.staging.work import copy_staging, offer, staged_copy, start
 from runner.store import open_store
+from tests.bot.test_slack_app import ADA, BOB, CHANNEL, TOKEN, slack_plane, slack_settings
 from tests.fakes.gcs_emulator import create_bucket as create_gcs_bucket
 from tests.fakes.gcs_emulator import gcs_emulator
+from tests.fakes.slack_api import FakeSlack
 from tests.jobs.test_alerts import RecordingNotifier
 
 __all__ = ["gcs_emulator"]  # the session's emulator, a fixture
@@ -275,8 +286,12 @@ def test_a_run_in_another_region_is_offered_a_copy_then_reads_it(
         workdir=tmp_path / "work",
     )
 
-    offered = DataLocalityCheck().run(for_preflight(deps, ctx), prior={})
+    report = run_preflight(for_preflight(deps, ctx), [DataLocalityCheck()])
+    (offered,) = report.results
     assert offered.status is Status.FAIL
+    # The report's message carries the offer, for its "Stage the data" button.
+    shown = report.to_message(channel="C0TRAIN", thread_ts=None, run_id="r-stage")
+    assert shown.stage is not None and shown.stage == offered.data["stage"]
     assert f"the dataset s3://{source}/data is in eu-west-1" in offered.detail
     assert f"stage it: `/train stage s3://{source}/data us-west-2` copies 1 objects" in (
         offered.remedy
@@ -428,3 +443,52 @@ def test_stage_a_runs_data_into_its_region_with_progress_in_its_thread(
     assert notifier.updates and all(r == ref for r, _ in notifier.updates)
     listed = f"{row.id} s3://{source}/data/ → s3://{stage}/{source}/data/ (us-west-2): done"
     assert listed in stage_status(deps)
+
+
+def test_the_stage_button_on_a_preflight_report(moto_server: str, tmp_path: Path) -> None:
+    """A report whose data check offers a copy has a "Stage the data" button; pressed
+    over signed HTTP by the run's requester it starts the copy for the run, by anyone
+    else it is refused."""
+    report = PreflightMessage(
+        channel=CHANNEL,
+        thread_ts="1.0",
+        run_id="r-far",
+        checks=(CheckLine("data", "fail", "the dataset … is in eu-west-1", "stage it: …"),),
+        ok=False,
+        needs_confirmation=False,
+        stage="`/train stage s3://d/data us-west-2` copies 1 objects …",
+    )
+    (buttons,) = [b for b in preflight_report(report) if b["type"] == "actions"]
+    assert [(e["action_id"], e["value"]) for e in buttons["elements"]] == [("run_stage", "r-far")]
+    assert not [b for b in preflight_report(replace(report, stage=None)) if b["type"] == "actions"]
+
+    s3 = boto3.client("s3", endpoint_url=moto_server, region_name="eu-west-1")
+    source = s3_bucket(moto_server, "eu-west-1")
+    stage = s3_bucket(moto_server, "us-west-2")
+    s3.put_object(Bucket=source, Key="data/0.bin", Body=b"z" * 1000)
+    settings = slack_settings(tmp_path / "state").model_copy(
+        update={"aws_endpoint_url": moto_server, "staging_buckets": [f"us-west-2=s3://{stage}"]}
+    )
+    fake = FakeSlack(tokens=[TOKEN], post_interval_s=0.02, burst=5).start()
+    fake.add_channel(CHANNEL, "ml-training", members=[ADA, BOB])
+    with slack_plane(fake, settings) as slack:
+        with session_scope(slack.cp.deps.engine) as session:
+            session.add(
+                Run(
+                    id="r-far",
+                    spec_name="gpt",
+                    spec={"data_uri": f"s3://{source}/data"},
+                    requester=ADA,
+                    channel=CHANNEL,
+                    thread_ts="1700.0001",
+                    state=RunState.PREFLIGHT_FAILED,
+                    preflight={"results": [{"name": "data", "data": {"region": "us-west-2"}}]},
+                )
+            )
+        _, path = slack.action("run_stage", "r-far", user=BOB)
+        assert "only they or an admin" in slack.hooks.wait(path)["text"]
+        _, path = slack.action("run_stage", "r-far", user=ADA)
+        assert "Staging st-" in slack.hooks.wait(path)["text"]
+        with session_scope(slack.cp.deps.engine) as session:
+            (row,) = session.exec(select(Staging)).all()
+            assert (row.run_id, row.requested_by, row.thread_ts) == ("r-far", ADA, "1700.0001")
