@@ -7,12 +7,18 @@ acknowledged, escalated when critical and unacknowledged.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any, get_args
 
 from runner.errors import RunnerError
 from runner.wire.schema import ALERT_TEXT_MAX, ALERT_TITLE_MAX, AlertSeverity
 
-__all__ = ["SEVERITIES", "alert_payload"]
+__all__ = ["DEFAULT_WAIT_S", "SEVERITIES", "AlertGate", "alert_payload"]
+
+#: A repeat of a title within this many seconds is not sent (``wait_s``, as
+#: ``wandb.alert``'s ``wait_duration``): a loop that alerts every step sends one.
+DEFAULT_WAIT_S = 60.0
 
 SEVERITIES = frozenset(get_args(AlertSeverity))
 #: wandb's levels (``wandb.AlertLevel``), so a script moving over keeps its calls.
@@ -45,3 +51,20 @@ def alert_payload(
         "severity": level,
         "step": step if step and step > 0 else None,
     }
+
+
+class AlertGate:
+    """Which of a script's alerts to send: a title's repeat only after its wait."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._sent: dict[str, float] = {}
+
+    def admit(self, title: str, *, wait_s: float) -> bool:
+        """Whether to send an alert with this title now (and count it sent)."""
+        now = self._clock()
+        last = self._sent.get(title)
+        if last is not None and now - last < wait_s:
+            return False
+        self._sent[title] = now
+        return True

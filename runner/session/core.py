@@ -32,7 +32,7 @@ from runner.preemption import (
     start_pollers,
 )
 from runner.session import phases
-from runner.session.alerts import alert_payload
+from runner.session.alerts import DEFAULT_WAIT_S, AlertGate, alert_payload
 from runner.session.config import SessionConfig, default_sink
 from runner.session.notice import NoticeWindow
 from runner.session.on_notice import OnNotice
@@ -117,6 +117,8 @@ class Session(OnNotice):
         self._window: NoticeWindow | None = None
         #: What the flushes of a preempted exit did (the exit event's ``flush``).
         self._flush_report: dict[str, Any] | None = None
+        #: The script's alerts sent, per title (session.alert's wait).
+        self._alerts = AlertGate()
         #: Whether the supervisor's notice (with the real deadline) has been read.
         self._relayed = False
         #: (bandwidth in bytes/s, stall in s) of the recent writes, newest last: this
@@ -331,11 +333,23 @@ class Session(OnNotice):
         finally:
             self._wait_s += time.perf_counter() - t0
 
-    def alert(self, title: str, text: str = "", severity: str = "warning") -> None:
+    def alert(
+        self,
+        title: str,
+        text: str = "",
+        severity: str = "warning",
+        *,
+        wait_s: float = DEFAULT_WAIT_S,
+    ) -> bool:
         """Raise an alert of the run from the training code (as ``wandb.alert``):
         ``severity`` is info, warning or critical. It reaches the run's thread as the
-        built-in alerts do; a repeat of the same title updates that alert."""
-        self.sink.emit("alert", alert_payload(title, text, severity, step=self.step))
+        built-in alerts do; a repeat of the same title updates that alert, and is not
+        sent at all within ``wait_s`` of the last. Whether it was sent."""
+        payload = alert_payload(title, text, severity, step=self.step)
+        if not self._alerts.admit(payload["title"], wait_s=wait_s):
+            return False
+        self.sink.emit("alert", payload)
+        return True
 
     def log(self, loss: float | None = None, **metrics: float) -> None:
         """Metrics of the current step."""

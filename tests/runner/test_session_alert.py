@@ -97,8 +97,13 @@ def test_a_scripts_alert_reaches_slack_and_is_acknowledged(
     ingest = build_ingest(deps)
     session, sink = script_session(tmp_path, run_id)
     session.step = 120
-    session.alert("val_loss stopped improving", "no better in 3 evals: <lr> & <wd>", "critical")
-    session.alert("val_loss stopped improving", "still no better after 4 evals", "critical")
+    assert session.alert(
+        "val_loss stopped improving", "no better in 3 evals: <lr> & <wd>", "critical"
+    )
+    # A loop that alerts every step sends one per minute (wait_s), unless told otherwise.
+    assert not session.alert("val_loss stopped improving", "again", "critical")
+    assert session.alert("val_loss stopped improving", "still no better after 4 evals",
+                         "critical", wait_s=0)  # fmt: skip
     assert deliver(ingest, run_id, attempt_id, sink) == {"accepted": 2, "duplicates": 0}
 
     # One alert per title: the repeat updates it.
