@@ -64,6 +64,7 @@ def run_card(card: RunCard) -> list[Block]:
         f"*Spend*\n{spend}",
         f"*Instance*\n{where}",
         *([f"*Market*\n{escape(market)}"] if market else []),
+        *([f"*Data*\n{escape(card.data_from)}"] if card.data_from else []),
     ]
     return [section(head, fields=fields, block_id=f"run:{card.run_id}")]
 

@@ -20,6 +20,7 @@ from sqlmodel import select
 
 from bot.messages import digest_storage_line
 from bot.replies import run_list
+from bot.views.cards import run_card as card_blocks
 from bot.views.preflight import preflight_report
 from jobs.actor import Actor
 from jobs.db import session_scope
@@ -315,8 +316,13 @@ def test_a_run_in_another_region_is_offered_a_copy_then_reads_it(
         assert stored is not None and stored.spec["data_uri"] == row.target
         assert staged_from(session, stored.spec["data_uri"]).source == f"s3://{source}/data/"
         # The card shows the copy beside the dataset it copies.
-        shown = run_list([card(session, stored)], "all")
-        assert f" · data {row.target} (staged copy of s3://{source}/data/)" in shown
+        listed = run_list([card(session, stored)], "all")
+        assert f" · data {row.target} (staged copy of s3://{source}/data/)" in listed
+        (root,) = card_blocks(card(session, stored))
+        assert (
+            f"*Data*\n{row.target} (staged copy of s3://{source}/data/)"
+            in root["fields"][-1]["text"]
+        )
     said = [m.text for _, m in deps.notifier.posts if getattr(m, "run_id", None) == "r-stage"]
     assert any(f"reads its dataset from the staged copy {row.target}" in t for t in said)
     passed = DataLocalityCheck().run(staged, prior={})
