@@ -34,6 +34,7 @@ import contextlib
 import importlib.metadata as metadata
 import importlib.util
 import json
+import logging
 import os
 import re
 import secrets
@@ -55,8 +56,11 @@ __all__ = [
     "ImageFacts",
     "check_image_ref",
     "library_paths",
+    "remove_labelled",
     "run_paths",
 ]
+
+log = logging.getLogger(__name__)
 
 #: The runtimes an instance may have, and how each is given the instance's GPUs.
 RUNTIMES: Mapping[str, tuple[str, ...]] = {
@@ -346,6 +350,9 @@ class Container:
         # Whose container it is, for a person (and a test) listing them.
         args += ["--label", f"trainbot.run={contract.RUN_ID.get(env)}"]
         args += ["--label", f"trainbot.attempt={contract.ATTEMPT_ID.get(env)}"]
+        instance = contract.INSTANCE_ID.get(env)
+        if instance:  # the local provider's: it removes what a killed runner left
+            args += ["--label", f"trainbot.instance={instance}"]
         if self.runtime == "docker":
             args += ["--sig-proxy=true"]
         else:
@@ -380,6 +387,24 @@ class Container:
         """Remove the container if the runtime left it (the runtime itself was killed)."""
         with contextlib.suppress(ContainerError):
             self._run("rm", "--force", self.name, timeout=60)
+
+
+def remove_labelled(runtime: str, label: str, *, env: Mapping[str, str] | None = None) -> int:
+    """Remove every container labelled ``label`` (``trainbot.instance=…``), running or
+    not: what a runner killed with SIGKILL left, whose runtime client died with it while
+    the container ran on. How many there were; 0 where the runtime is missing."""
+    container = Container("unused", runtime=runtime, runtime_env=dict(env or os.environ))
+    if shutil.which(runtime, path=container.runtime_env.get("PATH")) is None:
+        return 0
+    try:
+        found = container._run("ps", "--all", "--quiet", "--filter", f"label={label}", timeout=60)
+        ids = found.stdout.split() if found.returncode == 0 else []
+        if ids:
+            container._run("rm", "--force", *ids, timeout=120)
+    except ContainerError as exc:
+        log.warning("could not remove the containers labelled %s: %s", label, exc)
+        return 0
+    return len(ids)
 
 
 def run_paths(environ: Mapping[str, str], *more: Path | None) -> list[Path | None]:

@@ -43,6 +43,7 @@ def test_docker_gets_the_runs_paths_its_environment_by_name_and_the_gpus(tmp_pat
         "OMP_NUM_THREADS": "4",
         "TRAINBOT_RUN_ID": "r-7",
         "TRAINBOT_ATTEMPT_ID": "a-2",
+        "TRAINBOT_INSTANCE_ID": "local-0123456789ab",
     }
     argv = container.command(
         ["python", "train.py", "--lr", "3e-4"],
@@ -61,7 +62,11 @@ def test_docker_gets_the_runs_paths_its_environment_by_name_and_the_gpus(tmp_pat
     assert _pairs(options, "--ipc") == ["host"]
     assert _pairs(options, "--workdir") == [str(code)]
     assert _pairs(options, "--name") == [container.name]
-    assert _pairs(options, "--label") == ["trainbot.run=r-7", "trainbot.attempt=a-2"]
+    assert _pairs(options, "--label") == [
+        "trainbot.run=r-7",
+        "trainbot.attempt=a-2",
+        "trainbot.instance=local-0123456789ab",
+    ]
     volumes = _pairs(options, "--volume")
     # The run's paths at the same paths inside, one under another not twice; one not
     # made yet is made (what the command writes there outlives the container).

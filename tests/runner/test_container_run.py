@@ -257,3 +257,41 @@ def test_preflight_passes_an_image_podman_can_run(
     assert found.detail == (
         f"{torch_image} runs here with podman: Python {PY}, the runner's library, mounted"
     )
+
+
+def test_a_runner_killed_past_the_window_leaves_no_container(
+    podman: Podman, torch_image: str, tmp_path: Path
+) -> None:
+    """podman's client dies with the runner's group; the container would train on beside
+    the next attempt. The local provider removes it by its instance's label."""
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    stubborn += "print('ready', flush=True); time.sleep(120)"
+    spec = JobSpec(name="stubborn", command=["python", "-c", stubborn], image=torch_image)
+    with LocalProvider(tmp_path / "instances", termination_window_s=1) as provider:
+        env = {
+            **image_env(spec, local=True),
+            "CONTAINERS_CONF": podman.env["CONTAINERS_CONF"],
+            **contract.render({contract.CHECKPOINT_URI: str(tmp_path / "store")}),
+        }
+        request = launch_request(
+            ResourceRequest(cloud="local", region=REGION, cpus=1),
+            [sys.executable, "-m", "runner.cli", "exec", "--", *spec.command],
+            zone=ZONE,
+            env={**env, "PYTHONPATH": str(ROOT)},
+        )
+        instance = provider.launch(request).instance_id
+        label = f"label=trainbot.instance={instance}"
+        wait_until(
+            lambda: "ready" in provider.instance_log(instance, lines=20),
+            timeout=60,
+            what="the command to start in its container",
+        )
+        assert podman.run("ps", "-q", "--filter", label).stdout.split(), "not in a container"
+        provider.preempt(instance)
+        ended = wait_for_state(provider, instance, {InstanceState.PREEMPTED}, timeout_s=60)
+        assert "termination window" in ended.reason, ended
+        wait_until(
+            lambda: not podman.run("ps", "-aq", "--filter", label).stdout.split(),
+            timeout=30,
+            what="the killed runner's container to be removed",
+        )

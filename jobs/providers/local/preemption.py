@@ -15,7 +15,7 @@ import time
 from datetime import datetime
 
 from jobs.providers.base import ProviderError
-from jobs.providers.local.processes import read_process
+from jobs.providers.local.processes import kill_instance, read_process
 from jobs.providers.local.records import PREEMPTED, Instances, utc
 
 __all__ = ["Preemptions"]
@@ -135,7 +135,7 @@ class Preemptions:
         process = read_process(self._instances, instance_id)
         if process is not None and process.alive():
             log.info("local instance %s outlived its termination window: SIGKILL", instance_id)
-            process.signal_group(signal.SIGKILL)
+            kill_instance(self._instances, instance_id, process)
 
     def _run(self) -> None:
         while True:

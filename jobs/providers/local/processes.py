@@ -29,11 +29,13 @@ from jobs.providers.local.records import (
     write_json,
 )
 from runner import env as contract
+from runner.container import remove_labelled
 
 __all__ = [
     "DEFAULT_NICE",
     "KILL_WAIT_S",
     "Process",
+    "kill_instance",
     "process_stat",
     "read_process",
     "spawn",
@@ -114,6 +116,26 @@ class Process:
             return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pgid, sig)
+
+
+#: The tag of an instance whose runner starts its command in a container (podman).
+CONTAINER_TAG = "trainbot-container"
+
+
+def kill_instance(instances: Instances, instance_id: str, process: Process) -> None:
+    """SIGKILL the instance's group, then remove the container its runner started
+    (runner.container): podman's client dies with the group, and the container would
+    run on, writing to the run's store beside the next attempt."""
+    process.signal_group(signal.SIGKILL)
+    try:
+        tags = instances.load(instance_id).tags
+    except ProviderError:  # its directory is gone: nothing recorded to look for
+        return
+    if CONTAINER_TAG in tags:
+        wait_until_dead(process, KILL_WAIT_S)
+        removed = remove_labelled("podman", f"trainbot.instance={instance_id}")
+        if removed:
+            log.info("removed %d container(s) local instance %s left", removed, instance_id)
 
 
 def read_process(instances: Instances, instance_id: str) -> Process | None:

@@ -23,7 +23,7 @@ from jobs.providers import base, gang
 from jobs.providers.local import machine, status
 from jobs.providers.local.machine import Machine
 from jobs.providers.local.preemption import Preemptions
-from jobs.providers.local.processes import DEFAULT_NICE, spawn
+from jobs.providers.local.processes import CONTAINER_TAG, DEFAULT_NICE, spawn
 from jobs.providers.local.records import (
     EXIT,
     LOG,
@@ -243,6 +243,8 @@ class LocalProvider:
             if record is None:
                 port = req.env.get(contract.MASTER_PORT.name)
                 rendezvous = {MASTER_PORT_TAG: port} if port and req.node_rank == 0 else {}
+                if req.env.get(contract.IMAGE.name):  # killed, it leaves a container
+                    rendezvous[CONTAINER_TAG] = "podman"
                 record = instances.create(req, key, extra_tags=rendezvous)
             elif any(instances.has(record.instance_id, f) for f in (PROCESS, EXIT, TERMINATED)):
                 return status.info(instances, record)

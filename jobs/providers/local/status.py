@@ -14,7 +14,12 @@ import time
 from typing import Any
 
 from jobs.providers.base import InstanceInfo, InstanceState, InstanceStatus, ProviderError
-from jobs.providers.local.processes import KILL_WAIT_S, read_process, wait_until_dead
+from jobs.providers.local.processes import (
+    KILL_WAIT_S,
+    kill_instance,
+    read_process,
+    wait_until_dead,
+)
 from jobs.providers.local.records import (
     EXIT,
     LOG,
@@ -57,7 +62,7 @@ def state_of(instances: Instances, record: Record) -> InstanceStatus:
     if process is not None and process.alive():
         if preempted is not None and time.time() >= preempted["kill_at"]:
             # Its timer died with an earlier control plane: enforce the window now.
-            process.signal_group(signal.SIGKILL)
+            kill_instance(instances, instance_id, process)
             wait_until_dead(process, KILL_WAIT_S)
         if process.alive():
             return _running(instance_id, preempted, terminated)
@@ -136,7 +141,7 @@ def end(instances: Instances, record: Record, *, grace_s: float) -> None:
             process.signal_group(signal.SIGTERM)
             wait_until_dead(process, grace_s)
         # Also reaches stragglers in the group after the wrapper has gone.
-        process.signal_group(signal.SIGKILL)
+        kill_instance(instances, instance_id, process)
         if not wait_until_dead(process, KILL_WAIT_S):
             raise ProviderError(
                 f"local instance {instance_id} (pid {process.pid}) is still running after"
