@@ -203,6 +203,26 @@ def spent(engine: Engine, run_id: str) -> float:
 # --- resubmitting a capped run ---------------------------------------------------------
 
 
+def _running_at_t0(engine: Engine, run_id: str) -> None:
+    """The resubmitted run running since T0 on the local provider, at its price (the
+    spend job refreshes the price), as attempt a-new."""
+    with session_scope(engine) as session:
+        session.add(
+            Attempt(
+                id="a-new",
+                run_id=run_id,
+                number=1,
+                provider="local",
+                price_per_hour=1.0,
+                started_at=T0,
+                state=AttemptState.RUNNING,
+            )
+        )
+        run = session.get(Run, run_id)
+        assert run is not None
+        run.state = RunState.RUNNING
+
+
 def test_a_capped_run_resubmitted_without_a_raise_stays_stopped(
     db_engine: Engine, deps: Deps, launched: list[str]
 ) -> None:
@@ -249,21 +269,7 @@ def test_with_a_raised_budget_it_launches_and_its_spend_carries_on(
     assert spent(db_engine, new.id) == pytest.approx(101.0)  # not zero
 
     # Its own spend adds to what it carries, and the raised cap stops it.
-    with session_scope(db_engine) as session:
-        session.add(
-            Attempt(
-                id="a-new",
-                run_id=new.id,
-                number=1,
-                provider="local",
-                price_per_hour=1.0,  # the local provider's price: the spend job refreshes it
-                started_at=T0,
-                state=AttemptState.RUNNING,
-            )
-        )
-        run = session.get(Run, new.id)
-        assert run is not None
-        run.state = RunState.RUNNING
+    _running_at_t0(db_engine, new.id)
     clock.now = T0 + timedelta(hours=30)
     assert spend_job(deps) == []
     assert spent(db_engine, new.id) == pytest.approx(131.0)
@@ -363,21 +369,7 @@ def test_a_resubmit_carries_the_hours_its_runs_used_into_max_hours(
     )
     new = service.resubmit(deps, "r-1", ADA)
     assert new.carried_hours == pytest.approx(1.5)
-    with session_scope(db_engine) as session:
-        session.add(
-            Attempt(
-                id="a-new",
-                run_id=new.id,
-                number=1,
-                provider="local",
-                price_per_hour=1.0,
-                started_at=T0,
-                state=AttemptState.RUNNING,
-            )
-        )
-        run = session.get(Run, new.id)
-        assert run is not None
-        run.state = RunState.RUNNING
+    _running_at_t0(db_engine, new.id)
     clock.now = T0 + timedelta(minutes=29)
     assert spend_job(deps) == []
     clock.now = T0 + timedelta(minutes=30)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-import io
 import json
 import os
 import subprocess
@@ -38,25 +37,23 @@ from moto.sts.models import sts_backends
 from sqlalchemy import Engine
 from sqlmodel import Session
 
-from bot.console import ConsoleNotifier
 from jobs.bootstrap import build_credential_broker
-from jobs.deps import Deps
 from jobs.errors import PermissionDenied
 from jobs.ingest import IngestService
 from jobs.lifecycle import AttemptState
-from jobs.models import Attempt, Run
+from jobs.models import Attempt
 from jobs.providers.aws import AwsProvider
 from jobs.providers.aws.credentials import (
     OBJECT_ACTIONS,
     StorageCredentialBroker,
     session_policy,
 )
-from jobs.runs import runner_env, spec_of
 from jobs.server import CREDENTIALS_PATH, EVENTS_PATH, ControlPlaneApp, CredentialBroker, serve
 from jobs.settings import Settings
 from runner.checkpoint import list_committed, read_manifest
 from runner.store.s3 import S3Store
 from tests.fakes.aws import MOTO_ACCOUNT
+from tests.jobs.broker_contract import assert_store_credentials
 from tests.jobs.rows import add_running_attempt, migrated_sqlite
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -522,25 +519,12 @@ def test_the_broker_is_built_and_announced_to_runners_only_on_aws_with_the_role(
     add_attempt(engine, checkpoint_uri="s3://b/ckpt")
     # The attempt's own provider (its env is its provider's); built without a call to AWS.
     provider = AwsProvider(region=REGION)
-    try:
-        with Session(engine) as session:
-            run, attempt = session.get(Run, "r-1"), session.get(Attempt, "a-1")
-            assert run is not None and attempt is not None
-            for settings, expected in (
-                (Settings(**base, **aws, aws_runner_storage_role_arn=role), "broker"),
-                (Settings(**base, **aws), None),
-                (Settings(**base, aws_runner_storage_role_arn=role), None),
-            ):
-                deps = Deps(
-                    settings=settings,
-                    engine=engine,
-                    provider=provider,
-                    notifier=ConsoleNotifier(io.StringIO()),
-                    # As ControlPlane wires it: brokered only where a broker was built.
-                    store_credentials=build_credential_broker(settings) is not None,
-                )
-                env = runner_env(deps, run, attempt, spec_of(run))
-                assert env.get("TRAINBOT_STORE_CREDENTIALS") == expected
-                deps.close()
-    finally:
-        provider.close()
+    assert_store_credentials(
+        engine,
+        provider,
+        [
+            (Settings(**base, **aws, aws_runner_storage_role_arn=role), "broker"),
+            (Settings(**base, **aws), None),
+            (Settings(**base, aws_runner_storage_role_arn=role), None),
+        ],
+    )

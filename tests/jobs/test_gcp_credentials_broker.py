@@ -14,7 +14,6 @@ actually received, parsing its CEL condition.
 from __future__ import annotations
 
 import functools
-import io
 import json
 import re
 import urllib.error
@@ -33,13 +32,11 @@ from google.auth.credentials import AnonymousCredentials
 from sqlalchemy import Engine
 from sqlmodel import Session
 
-from bot.console import ConsoleNotifier
 from jobs.bootstrap import build_credential_broker
-from jobs.deps import Deps
 from jobs.errors import NotFound, PermissionDenied
 from jobs.ingest import IngestService
 from jobs.lifecycle import AttemptState
-from jobs.models import Attempt, Run
+from jobs.models import Attempt
 from jobs.providers.gcp import GcpProvider
 from jobs.providers.gcp.credentials import (
     AVAILABLE_PERMISSIONS,
@@ -47,11 +44,11 @@ from jobs.providers.gcp.credentials import (
     StorageTokenBroker,
     gcs_scope,
 )
-from jobs.runs import runner_env, spec_of
 from jobs.server import CREDENTIALS_PATH, ControlPlaneApp, CredentialBroker, serve
 from jobs.settings import Settings
 from runner.store import gcs as gcs_store
 from tests.fakes.loopback import LoopbackServer, QuietHandler, read_body, reply_json
+from tests.jobs.broker_contract import assert_store_credentials
 from tests.jobs.rows import add_running_attempt, migrated_sqlite
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -527,28 +524,15 @@ def test_the_broker_is_built_and_announced_to_runners_only_on_gcp_with_the_accou
     provider = GcpProvider(
         project="trainbot-test", region="us-central1", credentials=AnonymousCredentials()
     )
-    try:
-        with Session(engine) as session:
-            run, attempt = session.get(Run, "r-1"), session.get(Attempt, "a-1")
-            assert run is not None and attempt is not None
-            for settings, expected in (
-                (Settings(**base, **gcp, gcp_runner_storage_service_account=STORAGE_SA), "broker"),
-                (Settings(**base, **gcp), None),
-                (Settings(**base, gcp_runner_storage_service_account=STORAGE_SA), None),
-            ):
-                deps = Deps(
-                    settings=settings,
-                    engine=engine,
-                    provider=provider,
-                    notifier=ConsoleNotifier(io.StringIO()),
-                    # As ControlPlane wires it: brokered only where a broker was built.
-                    store_credentials=build_credential_broker(settings) is not None,
-                )
-                env = runner_env(deps, run, attempt, spec_of(run))
-                assert env.get("TRAINBOT_STORE_CREDENTIALS") == expected
-                deps.close()
-    finally:
-        provider.close()
+    assert_store_credentials(
+        engine,
+        provider,
+        [
+            (Settings(**base, **gcp, gcp_runner_storage_service_account=STORAGE_SA), "broker"),
+            (Settings(**base, **gcp), None),
+            (Settings(**base, gcp_runner_storage_service_account=STORAGE_SA), None),
+        ],
+    )
 
 
 def test_deploy_gives_checkpoints_to_the_storage_account_and_not_the_instances() -> None:

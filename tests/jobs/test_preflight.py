@@ -167,16 +167,21 @@ def context(
     mtbp_s: float = 3600.0,
     request: ResourceRequest | None = None,
     store: str | None = None,
+    run_id: str = "r-pre",
+    env: dict[str, str] | None = None,
+    workdir: Path | None = None,
 ) -> PreflightContext:
+    """What preflight is given for ``job`` on ``provider``: by default a local store and
+    this checkout's runner, one torch thread, in ``tmp_path/work``."""
     return PreflightContext(
         spec=job,
-        run_id="r-pre",
+        run_id=run_id,
         provider=provider,
         request=request or resource_request(job, provider),
         checkpoint_uri=store or str(tmp_path / "ck"),
         mtbp_s=mtbp_s,
-        env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
-        workdir=tmp_path / "work",
+        env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"} if env is None else env,
+        workdir=workdir or tmp_path / "work",
     )
 
 

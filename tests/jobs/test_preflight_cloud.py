@@ -38,7 +38,6 @@ from jobs.preflight import (
     DryRunCheck,
     PreflightContext,
     Status,
-    resource_request,
     run_preflight,
 )
 from jobs.providers.aws import AwsProvider
@@ -50,6 +49,7 @@ from runner.cli import build_parser
 from tests.fakes import aws as fake_aws
 from tests.fakes.gce_api import FakeComputeApi
 from tests.jobs import test_aws_control_plane as on_aws
+from tests.jobs.test_preflight import context
 
 ADA = service.Actor(user="ada", channel="#ml")
 PUBLIC_URL = "https://trainbot.example.test"
@@ -249,15 +249,14 @@ def test_on_gcp_preflight_and_launch_run_nothing_here(tmp_path: Path, gce: FakeC
 def aws_context(
     tmp_path: Path, job: JobSpec, provider: Provider, *, store: str = "s3://ckpt/runs"
 ) -> PreflightContext:
-    return PreflightContext(
-        spec=job,
-        run_id="r-cloud",
-        provider=provider,
-        request=resource_request(job, provider),
-        checkpoint_uri=store,
+    return context(
+        tmp_path,
+        job,
+        provider,
         mtbp_s=6 * 3600.0,
+        store=store,
+        run_id="r-cloud",
         env={"PYTHONPATH": "/nowhere"},
-        workdir=tmp_path / "work",
     )
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import boto3
 import pytest
 
-from jobs.preflight import PreflightContext, PreflightPlan, Status
+from jobs.preflight import PreflightPlan, Status
 from jobs.preflight.secrets import SecretsCheck
 from jobs.providers.aws import AwsProvider
 from jobs.providers.base import ResourceRequest
@@ -30,6 +30,7 @@ from tests.fakes import aws as fake
 from tests.fakes.iam_simulation import serve_policy_simulation
 from tests.jobs.boot import aws_boot_env, stand_in
 from tests.jobs.providers.contract import launch_request
+from tests.jobs.test_preflight import context
 
 ROOT = Path(__file__).resolve().parents[2]
 REGION = "us-east-1"
@@ -76,13 +77,13 @@ def _aws(moto: dict[str, Any], profile: str, **more: Any) -> AwsProvider:
 
 def _check(aws: AwsProvider, secrets: dict[str, str], tmp_path: Path) -> Any:
     spec = parse_spec({"command": "python train.py", "secrets": secrets}, name="s")
-    ctx = PreflightContext(
-        spec=spec,
-        run_id="r-secrets",
-        provider=aws,
+    ctx = context(
+        tmp_path,
+        spec,
+        aws,
         request=T4,
-        checkpoint_uri="s3://bucket/x",
-        mtbp_s=3600.0,
+        store="s3://bucket/x",
+        run_id="r-secrets",
         env={},
         workdir=tmp_path,
     )

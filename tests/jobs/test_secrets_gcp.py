@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from google.auth.credentials import AnonymousCredentials
 
-from jobs.preflight import PreflightContext, PreflightPlan, Status
+from jobs.preflight import PreflightPlan, Status
 from jobs.preflight.secrets import SecretsCheck
 from jobs.providers.base import ResourceRequest
 from jobs.providers.gcp import GcpProvider
@@ -24,6 +24,7 @@ from jobs.spec import parse_spec
 from jobs.spec.env import secrets_env
 from tests.fakes.secret_manager import FakeSecretManager
 from tests.jobs.boot import gcp_boot_env
+from tests.jobs.test_preflight import context
 
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT = "team-1"
@@ -59,13 +60,13 @@ def _check(sm: FakeSecretManager, secrets: dict[str, str], tmp_path: Path) -> An
         secrets_endpoint=sm.url,
     )
     spec = parse_spec({"command": "python train.py", "secrets": secrets}, name="s")
-    ctx = PreflightContext(
-        spec=spec,
-        run_id="r-gcp-secrets",
-        provider=gcp,
+    ctx = context(
+        tmp_path,
+        spec,
+        gcp,
         request=A100,
-        checkpoint_uri="gs://bucket/x",
-        mtbp_s=3600.0,
+        store="gs://bucket/x",
+        run_id="r-gcp-secrets",
         env={},
         workdir=tmp_path,
     )
