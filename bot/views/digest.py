@@ -34,6 +34,13 @@ def digest(msg: DigestMessage) -> list[Block]:
             f"*Checkpoints kept*\n{size(storage.get('bytes_kept'))}, "
             f"{usd(storage.get('usd_per_month'))} a month"
         )
+        staged = storage.get("staged") or {}
+        if staged.get("copies"):
+            fields.append(
+                f"*Staged data*\n{size(staged.get('bytes_kept'))} in {staged['copies']} "
+                f"cop{'y' if staged['copies'] == 1 else 'ies'}, "
+                f"{usd(staged.get('usd_per_month'))} a month"
+            )
     blocks = [section(f":bar_chart: *{title}*", fields=fields)]
     badput = f.get("badput")
     if badput:

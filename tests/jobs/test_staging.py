@@ -21,6 +21,7 @@ from sqlmodel import select
 from bot.messages import digest_storage_line
 from bot.replies import run_list
 from bot.views.cards import run_card as card_blocks
+from bot.views.digest import digest as digest_blocks
 from bot.views.preflight import preflight_report
 from jobs.actor import Actor
 from jobs.db import session_scope
@@ -29,7 +30,7 @@ from jobs.deps import Deps
 from jobs.errors import PermissionDenied
 from jobs.lifecycle import RunState
 from jobs.models import Run
-from jobs.notify import CheckLine, PreflightMessage
+from jobs.notify import CheckLine, DigestMessage, PreflightMessage
 from jobs.preflight import (
     DataLocalityCheck,
     PreflightContext,
@@ -387,6 +388,10 @@ def test_retention_and_the_digest(moto_server: str, make_deps: Any, tmp_path: Pa
         assert digest["storage"]["staged"]["bytes_kept"] == 300_000
         line = digest_storage_line(digest["storage"], "yesterday")
         assert "· staged data 300.0 KB in 1 copy, " in line and line.endswith(" a month")
+        (head, *_) = digest_blocks(DigestMessage(channel="C0TRAIN", figures=digest))
+        assert any(
+            f["text"].startswith("*Staged data*\n300.0 KB in 1 copy, ") for f in head["fields"]
+        )
     assert expire_staged(deps, now=NOW + 7 * day) == []  # 6 days after the run ended
     assert copies() == 3
     assert expire_staged(deps, now=NOW + 8 * day) == [row.id]
