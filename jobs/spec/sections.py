@@ -442,8 +442,9 @@ class MetricThreshold(Section):
     above: float | None = None
     #: ...or below this.
     below: float | None = None
-    #: ...for this long without a break (0: at the first point).
-    for_s: Duration = Field(default=0.0, ge=0, alias="for")
+    #: ...for this long without a break (0: at the first point); at most the hour of
+    #: metrics the rules keep per run (``jobs.ingest.windows.WINDOW_SPAN_S``).
+    for_s: Duration = Field(default=0.0, ge=0, le=3600, alias="for")
     severity: Literal["info", "warning", "critical"] = "warning"
 
     @model_validator(mode="after")

@@ -121,6 +121,9 @@ def test_a_threshold_says_what_is_missing() -> None:
     bad = "command: [python, t.py]\nalerts:\n  thresholds: [{metric: val_loss, for: 5m}]\n"
     with pytest.raises(SpecError, match="give the threshold of val_loss one of above or below"):
         spec_from_text(bad, name="tiny")
+    too_long = "command: [python, t.py]\nalerts:\n  thresholds: [{metric: x, above: 1, for: 2h}]\n"
+    with pytest.raises(SpecError, match=r"alerts\.thresholds\[0\]\.for: must be at most 3600"):
+        spec_from_text(too_long, name="tiny")
     inline = spec_from_text(
         "command: [python, t.py]\n",
         name="tiny",
