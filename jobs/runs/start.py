@@ -134,14 +134,7 @@ def _preflight_then_launch(
     ctx = staging_for_preflight(deps, ctx)  # a staged copy of its data, or the offer of one
 
     def on_result(result: preflight.CheckResult) -> None:
-        deps.journal.record(
-            "preflight_check",
-            run_id,
-            check=result.name,
-            status=result.status.value,
-            detail=result.detail,
-            remedy=result.remedy,
-        )
+        _journal_check(deps, run_id, result)
 
     chosen = None if checks is None else [c for c in preflight.default_checks() if c.name in checks]
     report = preflight.run_preflight(ctx, chosen, on_result=on_result)
@@ -190,14 +183,7 @@ def _refuse_provider(deps: Deps, run_id: str, spec: JobSpec, exc: ProviderError)
         "change resources.cloud in the spec to a configured one",
         data={"cloud": spec.resources.cloud, "configured": list(deps.providers)},
     )
-    deps.journal.record(
-        "preflight_check",
-        run_id,
-        check=result.name,
-        status=result.status.value,
-        detail=result.detail,
-        remedy=result.remedy,
-    )
+    _journal_check(deps, run_id, result)
     report = preflight.PreflightReport(results=(result,))
     with session_scope(deps.engine) as session:
         run = get_run(session, run_id)
@@ -261,3 +247,14 @@ def confirm(deps: Deps, run_id: str, actor: Actor) -> Run:
         detach(session, run)
     deps.background(budget_then_launch, deps, run_id, budget=budget, thresholds=thresholds)
     return run
+
+
+def _journal_check(deps: Deps, run_id: str, result: preflight.CheckResult) -> None:
+    deps.journal.record(
+        "preflight_check",
+        run_id,
+        check=result.name,
+        status=result.status.value,
+        detail=result.detail,
+        remedy=result.remedy,
+    )
