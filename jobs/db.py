@@ -52,6 +52,7 @@ from sqlalchemy import (
     create_engine,
     delete,
     event,
+    inspect,
     text,
 )
 from sqlalchemy.engine import URL, make_url
@@ -62,6 +63,7 @@ from sqlmodel import Session
 from jobs.errors import ConflictError, DatabaseError, SettingsError
 
 __all__ = [
+    "COMPAT_TABLE",
     "MIGRATIONS_DIR",
     "alembic_config",
     "claim_rows",
@@ -70,6 +72,7 @@ __all__ = [
     "head_revision",
     "make_engine",
     "migrate",
+    "serves_from",
     "session_scope",
 ]
 
@@ -86,6 +89,9 @@ SQLITE_WAL_LIMIT_BYTES = SQLITE_WAL_CHECKPOINT_PAGES * 4096
 # Arbitrary constant: the PostgreSQL advisory lock that makes concurrent replicas
 # migrate one after the other instead of racing on CREATE TABLE.
 _MIGRATION_LOCK_ID = 0x7472_6169_6E62  # "trainb"
+
+#: The one-row table (migration 0020) that says which releases the schema serves.
+COMPAT_TABLE = "schema_compat"
 
 _URL_EXAMPLES = (
     "use sqlite:////absolute/path/trainbot.db or postgresql://user:password@host:5432/dbname"
@@ -279,6 +285,75 @@ def current_revision(engine: Engine) -> str | None:
         ) from exc
 
 
+def serves_from(script: ScriptDirectory | None = None) -> str:
+    """The oldest revision whose code still runs on the schema at this code's head.
+
+    Walking down from the head, every migration that declares ``expand_only = True``
+    (new tables, nullable columns, new indexes: nothing an older release reads or writes
+    changes) leaves the release before it able to run; the first one that does not
+    declare it (a drop, a rename, a type change, or simply undeclared) stops the walk.
+    """
+    script = script or ScriptDirectory.from_config(alembic_config())
+    revision = script.get_revision(head_revision())
+    while revision is not None and getattr(revision.module, "expand_only", False) is True:
+        down = revision.down_revision
+        if not isinstance(down, str):
+            break
+        revision = script.get_revision(down)
+    if revision is None:
+        raise DatabaseError("jobs/migrations has no revisions: the package is incomplete")
+    return revision.revision
+
+
+def _compat_row(connection: Connection) -> tuple[str, str] | None:
+    """The schema's (head, serves_from) as the newest code that migrated it wrote them;
+    ``None`` where no release has written them (the table arrived in 0020)."""
+    if COMPAT_TABLE not in inspect(connection).get_table_names():
+        return None
+    row = connection.execute(
+        text(f"SELECT head, serves_from FROM {COMPAT_TABLE} WHERE id = 1")
+    ).first()
+    return None if row is None else (str(row[0]), str(row[1]))
+
+
+def _runs_on_newer_schema(connection: Connection, script: ScriptDirectory) -> bool:
+    """Whether the schema is newer than this code but still serves it (an expand-only
+    step ahead: a rollback to this release); raises where it does not serve it."""
+    current = MigrationContext.configure(connection).get_current_revision()
+    if current is None or _known(script, current):
+        return False
+    compat = _compat_row(connection)
+    ours = head_revision()
+    if compat is None or not _known(script, compat[1]):
+        oldest = "a release it does not name" if compat is None else f"revision {compat[1]}"
+        raise DatabaseError(
+            f"the database's schema is at revision {current}, written by a newer trainbot, "
+            f"and serves {oldest} onward; this trainbot knows revisions up to {ours}. "
+            "If a newer trainbot has migrated it, run that version (or newer) instead"
+        )
+    return True
+
+
+def _known(script: ScriptDirectory, revision: str) -> bool:
+    try:
+        return script.get_revision(revision) is not None
+    except CommandError:
+        return False
+
+
+def _record_compat(connection: Connection, script: ScriptDirectory) -> None:
+    if COMPAT_TABLE not in inspect(connection).get_table_names():
+        return
+    head, oldest = head_revision(), serves_from(script)
+    if _compat_row(connection) == (head, oldest):
+        return
+    connection.execute(text(f"DELETE FROM {COMPAT_TABLE}"))
+    connection.execute(
+        text(f"INSERT INTO {COMPAT_TABLE} (id, head, serves_from) VALUES (1, :head, :oldest)"),
+        {"head": head, "oldest": oldest},
+    )
+
+
 def migrate(engine: Engine) -> None:
     """Bring the schema up to the newest revision (``alembic upgrade head``).
 
@@ -286,6 +361,11 @@ def migrate(engine: Engine) -> None:
     when the schema is current, and on PostgreSQL an advisory lock serialises
     concurrent callers. The whole upgrade is one transaction where the database
     allows (both do), so a failure leaves the previous schema intact.
+
+    Expand, then contract: the schema records which oldest revision it still serves
+    (:func:`serves_from`, in ``schema_compat``), so a release rolled back onto a schema
+    one expand-only step ahead of it runs on it unchanged; one further behind is
+    refused with the revisions named.
     """
     try:
         with engine.begin() as connection:
@@ -293,7 +373,11 @@ def migrate(engine: Engine) -> None:
                 connection.execute(
                     text("SELECT pg_advisory_xact_lock(:lock_id)"), {"lock_id": _MIGRATION_LOCK_ID}
                 )
+            script = ScriptDirectory.from_config(alembic_config())
+            if _runs_on_newer_schema(connection, script):
+                return
             command.upgrade(alembic_config(connection), "head")
+            _record_compat(connection, script)
     except CommandError as exc:
         raise DatabaseError(
             f"cannot migrate the database: {exc}. If a newer trainbot has migrated it, "
