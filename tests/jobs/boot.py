@@ -52,3 +52,15 @@ def runner_venv(root: Path) -> Path:
     (venv / "bin" / "python").symlink_to(sys.executable)
     stand_in(venv / "bin" / "trainbot-runner", "#!/bin/sh\n")
     return venv
+
+
+def secret_checker(variable: str) -> str:
+    """A training script that exits 0 when ``variable`` holds the value whose sha256 is
+    its argument, 3 otherwise, printing which and never the value."""
+    return (
+        "import hashlib, os, sys\n"
+        f"got = os.environ.get({variable!r})\n"
+        "ok = got is not None and hashlib.sha256(got.encode()).hexdigest() == sys.argv[1]\n"
+        'print("secret ok" if ok else "secret wrong", flush=True)\n'
+        "sys.exit(0 if ok else 3)\n"
+    )

@@ -20,8 +20,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,25 +33,26 @@ import pytest
 from botocore.exceptions import ClientError
 from moto.sts.models import sts_backends
 from sqlalchemy import Engine
-from sqlmodel import Session
 
 from jobs.bootstrap import build_credential_broker
 from jobs.errors import PermissionDenied
-from jobs.ingest import IngestService
-from jobs.lifecycle import AttemptState
-from jobs.models import Attempt
 from jobs.providers.aws import AwsProvider
 from jobs.providers.aws.credentials import (
     OBJECT_ACTIONS,
     StorageCredentialBroker,
     session_policy,
 )
-from jobs.server import CREDENTIALS_PATH, EVENTS_PATH, ControlPlaneApp, CredentialBroker, serve
+from jobs.server import EVENTS_PATH
 from jobs.settings import Settings
 from runner.checkpoint import list_committed, read_manifest
 from runner.store.s3 import S3Store
 from tests.fakes.aws import MOTO_ACCOUNT
-from tests.jobs.broker_contract import assert_store_credentials
+from tests.jobs.broker_contract import (
+    TOKEN,
+    Plane,
+    assert_store_credentials,
+    assert_tokens_refused,
+)
 from tests.jobs.rows import add_running_attempt, migrated_sqlite
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -188,30 +187,6 @@ def _denied(call: Any) -> str:
 # -- the control plane ----------------------------------------------------------------------
 
 
-TOKEN = "tok-live"
-
-
-class Plane:
-    """The real WSGI app over real HTTP, with a broker (or none)."""
-
-    def __init__(self, engine: Engine, broker: CredentialBroker | None) -> None:
-        self.engine = engine
-        self.app = ControlPlaneApp(engine, IngestService(engine), credentials=broker)
-        self.server = serve(self.app, "127.0.0.1", 0)
-        self.url = self.server.url
-
-    def credentials(self, token: str | None = TOKEN) -> tuple[int, dict[str, Any], Any]:
-        headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
-        request = urllib.request.Request(
-            self.url + CREDENTIALS_PATH, data=b"", method="POST", headers=headers
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=10) as reply:
-                return reply.status, json.loads(reply.read()), reply.headers
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read()), exc.headers
-
-
 #: A run with one running attempt whose token is TOKEN (pass token=None: revoked).
 add_attempt = functools.partial(add_running_attempt, provider="aws", token=TOKEN)
 
@@ -339,20 +314,7 @@ def test_unknown_revoked_and_missing_tokens_get_401(engine: Engine, plane: Plane
     add_attempt(
         engine, run_id="r-2", attempt_id="a-2", token=None, checkpoint_uri="s3://bucket-x/ckpt"
     )
-    assert plane.credentials()[0] == 200  # the live one, so the cache knows its token
-    for token in ("tok-unknown", None):
-        status, body, _ = plane.credentials(token)
-        assert status == 401 and "revoked" in body["error"]
-    # The attempt ends: its token is revoked at once, even though the look-up cache knew it.
-    with Session(engine) as session:
-        attempt = session.get(Attempt, "a-1")
-        assert attempt is not None
-        attempt.state, attempt.token_hash = AttemptState.PREEMPTED, None
-        session.add(attempt)
-        session.commit()
-    status, body, _ = plane.credentials()
-    assert status == 401 and "revoked" in body["error"]
-    assert TOKEN not in json.dumps(body)
+    assert_tokens_refused(engine, plane)
 
 
 def test_without_a_broker_or_an_s3_store_the_answer_is_404(engine: Engine, broker: Any) -> None:

@@ -30,13 +30,9 @@ import pytest
 import yaml
 from google.auth.credentials import AnonymousCredentials
 from sqlalchemy import Engine
-from sqlmodel import Session
 
 from jobs.bootstrap import build_credential_broker
 from jobs.errors import NotFound, PermissionDenied
-from jobs.ingest import IngestService
-from jobs.lifecycle import AttemptState
-from jobs.models import Attempt
 from jobs.providers.gcp import GcpProvider
 from jobs.providers.gcp.credentials import (
     AVAILABLE_PERMISSIONS,
@@ -44,15 +40,18 @@ from jobs.providers.gcp.credentials import (
     StorageTokenBroker,
     gcs_scope,
 )
-from jobs.server import CREDENTIALS_PATH, ControlPlaneApp, CredentialBroker, serve
 from jobs.settings import Settings
 from runner.store import gcs as gcs_store
 from tests.fakes.loopback import LoopbackServer, QuietHandler, read_body, reply_json
-from tests.jobs.broker_contract import assert_store_credentials
+from tests.jobs.broker_contract import (
+    TOKEN,
+    Plane,
+    assert_store_credentials,
+    assert_tokens_refused,
+)
 from tests.jobs.rows import add_running_attempt, migrated_sqlite
 
 ROOT = Path(__file__).resolve().parents[2]
-TOKEN = "tok-live"
 BUCKET = "ckpt-bucket"
 STORAGE_SA = "trainbot-runner-storage@trainbot-test.iam.gserviceaccount.com"
 #: The control plane's own (source) token, as application-default credentials give it.
@@ -279,26 +278,6 @@ def test_the_matcher_itself_reads_the_clauses_it_is_given() -> None:
 # -- the control plane ----------------------------------------------------------------------
 
 
-class Plane:
-    """The real WSGI app over real HTTP, with a broker (or none)."""
-
-    def __init__(self, engine: Engine, broker: CredentialBroker | None) -> None:
-        self.app = ControlPlaneApp(engine, IngestService(engine), credentials=broker)
-        self.server = serve(self.app, "127.0.0.1", 0)
-        self.url = self.server.url
-
-    def credentials(self, token: str | None = TOKEN) -> tuple[int, dict[str, Any], Any]:
-        headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
-        request = urllib.request.Request(
-            self.url + CREDENTIALS_PATH, data=b"", method="POST", headers=headers
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=10) as reply:
-                return reply.status, json.loads(reply.read()), reply.headers
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read()), exc.headers
-
-
 #: A run with one running attempt whose token is TOKEN (pass token=None: revoked).
 add_attempt = functools.partial(
     add_running_attempt, provider="gcp", token=TOKEN, checkpoint_uri=f"gs://{BUCKET}/ckpt"
@@ -401,18 +380,7 @@ def test_unknown_revoked_and_missing_tokens_get_401(
     engine: Engine, plane: Plane, google: FakeGoogle
 ) -> None:
     add_attempt(engine)
-    assert plane.credentials()[0] == 200
-    for token in ("tok-unknown", None):
-        status, body, _ = plane.credentials(token)
-        assert status == 401 and "revoked" in body["error"]
-    with Session(engine) as session:
-        attempt = session.get(Attempt, "a-1")
-        assert attempt is not None
-        attempt.state, attempt.token_hash = AttemptState.PREEMPTED, None
-        session.add(attempt)
-        session.commit()
-    status, body, _ = plane.credentials()
-    assert status == 401 and TOKEN not in json.dumps(body)
+    assert_tokens_refused(engine, plane)
     assert len(google.exchanges) == 1  # only the live call reached Google
 
 

@@ -36,6 +36,7 @@ from jobs.preflight import (
     DryRunCheck,
     InstanceShapeCheck,
     PreflightContext,
+    PreflightPlan,
     PreflightReport,
     QuotaCheck,
     Status,
@@ -47,6 +48,7 @@ from jobs.preflight import (
     run_preflight,
     target_steps,
 )
+from jobs.preflight.secrets import SecretsCheck
 from jobs.providers.base import (
     BucketLocation,
     Capabilities,
@@ -183,6 +185,30 @@ def context(
         env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"} if env is None else env,
         workdir=workdir or tmp_path / "work",
     )
+
+
+def secrets_check(
+    tmp_path: Path,
+    provider: Provider,
+    secrets: dict[str, str],
+    *,
+    request: ResourceRequest,
+    store: str,
+    run_id: str,
+) -> CheckResult:
+    """Preflight's secrets check of a spec whose ``secrets`` are these, on ``provider``."""
+    spec = parse_spec({"command": "python train.py", "secrets": secrets}, name="s")
+    ctx = context(
+        tmp_path,
+        spec,
+        provider,
+        request=request,
+        store=store,
+        run_id=run_id,
+        env={},
+        workdir=tmp_path,
+    )
+    return SecretsCheck().run(ctx, prior=PreflightPlan())
 
 
 @pytest.fixture

@@ -18,8 +18,7 @@ from typing import Any
 import boto3
 import pytest
 
-from jobs.preflight import PreflightPlan, Status
-from jobs.preflight.secrets import SecretsCheck
+from jobs.preflight import Status
 from jobs.providers.aws import AwsProvider
 from jobs.providers.base import ResourceRequest
 from jobs.providers.runner_install import RunnerInstall
@@ -28,21 +27,15 @@ from jobs.spec.env import secrets_env
 from runner import env as contract
 from tests.fakes import aws as fake
 from tests.fakes.iam_simulation import serve_policy_simulation
-from tests.jobs.boot import aws_boot_env, stand_in
+from tests.jobs.boot import aws_boot_env, secret_checker, stand_in
 from tests.jobs.providers.contract import launch_request
-from tests.jobs.test_preflight import context
+from tests.jobs.test_preflight import secrets_check
 
 ROOT = Path(__file__).resolve().parents[2]
 REGION = "us-east-1"
 T4 = ResourceRequest(cloud="aws", region=REGION, accelerator_type="T4", accelerator_count=1)
 VALUE = "wandb-" + uuid.uuid4().hex
-TRAIN = """\
-import hashlib, os, sys
-got = os.environ.get("WANDB_API_KEY")
-ok = got is not None and hashlib.sha256(got.encode()).hexdigest() == sys.argv[1]
-print("secret ok" if ok else "secret wrong", flush=True)
-sys.exit(0 if ok else 3)
-"""
+TRAIN = secret_checker("WANDB_API_KEY")
 
 
 @pytest.fixture
@@ -76,18 +69,9 @@ def _aws(moto: dict[str, Any], profile: str, **more: Any) -> AwsProvider:
 
 
 def _check(aws: AwsProvider, secrets: dict[str, str], tmp_path: Path) -> Any:
-    spec = parse_spec({"command": "python train.py", "secrets": secrets}, name="s")
-    ctx = context(
-        tmp_path,
-        spec,
-        aws,
-        request=T4,
-        store="s3://bucket/x",
-        run_id="r-secrets",
-        env={},
-        workdir=tmp_path,
+    return secrets_check(
+        tmp_path, aws, secrets, request=T4, store="s3://bucket/x", run_id="r-secrets"
     )
-    return SecretsCheck().run(ctx, prior=PreflightPlan())
 
 
 def test_preflight_asks_describe_and_the_role_never_the_value(

@@ -16,15 +16,14 @@ from typing import Any
 import pytest
 from google.auth.credentials import AnonymousCredentials
 
-from jobs.preflight import PreflightPlan, Status
-from jobs.preflight.secrets import SecretsCheck
+from jobs.preflight import Status
 from jobs.providers.base import ResourceRequest
 from jobs.providers.gcp import GcpProvider
 from jobs.spec import parse_spec
 from jobs.spec.env import secrets_env
 from tests.fakes.secret_manager import FakeSecretManager
-from tests.jobs.boot import gcp_boot_env
-from tests.jobs.test_preflight import context
+from tests.jobs.boot import gcp_boot_env, secret_checker
+from tests.jobs.test_preflight import secrets_check
 
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT = "team-1"
@@ -33,13 +32,7 @@ A100 = ResourceRequest(
     cloud="gcp", region="us-central1", accelerator_type="A100", accelerator_count=1
 )
 VALUE = "hf_" + hashlib.sha256(b"gcp-secret").hexdigest()[:24]
-TRAIN = """\
-import hashlib, os, sys
-got = os.environ.get("HF_TOKEN")
-ok = got is not None and hashlib.sha256(got.encode()).hexdigest() == sys.argv[1]
-print("secret ok" if ok else "secret wrong", flush=True)
-sys.exit(0 if ok else 3)
-"""
+TRAIN = secret_checker("HF_TOKEN")
 
 
 @pytest.fixture
@@ -59,18 +52,9 @@ def _check(sm: FakeSecretManager, secrets: dict[str, str], tmp_path: Path) -> An
         service_account=RUNNER,
         secrets_endpoint=sm.url,
     )
-    spec = parse_spec({"command": "python train.py", "secrets": secrets}, name="s")
-    ctx = context(
-        tmp_path,
-        spec,
-        gcp,
-        request=A100,
-        store="gs://bucket/x",
-        run_id="r-gcp-secrets",
-        env={},
-        workdir=tmp_path,
+    return secrets_check(
+        tmp_path, gcp, secrets, request=A100, store="gs://bucket/x", run_id="r-gcp-secrets"
     )
-    return SecretsCheck().run(ctx, prior=PreflightPlan())
 
 
 def test_preflight_reads_metadata_and_policy_never_the_payload(
