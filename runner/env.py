@@ -305,7 +305,12 @@ STOP_FILE = _var("TRAINBOT_STOP_FILE", PATH, None, "a file whose appearance asks
 DRY_RUN_PHASE = _var(
     "TRAINBOT_DRY_RUN_PHASE", _choice("save", "verify"), None, "the dry run's phase"
 )
-DATA_URI = _var("TRAINBOT_DATA_URI", TEXT, None, "a dry run's data sample to read")
+DATA_URI = _var(
+    "TRAINBOT_DATA_URI",
+    TEXT,
+    None,
+    "the run's data (its staged copy, if any); a dry run reads a sample",
+)
 SCRATCH_DIR = _var("TRAINBOT_SCRATCH_DIR", PATH, None, "the instance's scratch disk")
 SCRATCH_BYTES = _var("TRAINBOT_SCRATCH_BYTES", INDEX, None, "the scratch disk's declared size")
 SYSTEM_SAMPLE_S = _var(

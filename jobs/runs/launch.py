@@ -112,6 +112,8 @@ def runner_env(deps: Deps, run: Run, attempt: Attempt, spec: JobSpec) -> dict[st
             # When a standing step gets its stacks dumped (runner.stacks; the hung rule).
             contract.HANG_FACTOR: spec.alerts.hung.factor,
             contract.HANG_FLOOR_S: spec.alerts.hung.floor,
+            # The run's data: the staged copy in its region once there is one.
+            contract.DATA_URI: spec.data_uri or None,
             # The notices of the cloud the instance really is on, not the one a spec names.
             contract.PREEMPTION_SOURCES: None if local else provider.capabilities.preemption_source,
         }

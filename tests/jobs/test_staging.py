@@ -29,7 +29,7 @@ from jobs.deferred import finish, pending
 from jobs.deps import Deps
 from jobs.errors import PermissionDenied
 from jobs.lifecycle import RunState
-from jobs.models import Run
+from jobs.models import Attempt, Run
 from jobs.notify import CheckLine, DigestMessage, PreflightMessage
 from jobs.preflight import (
     DataLocalityCheck,
@@ -41,6 +41,7 @@ from jobs.preflight import (
 from jobs.providers.aws import AwsProvider
 from jobs.providers.local import LocalProvider
 from jobs.runs.cards import card
+from jobs.runs.launch import runner_env
 from jobs.settings import Settings, load_settings
 from jobs.spec import parse_spec
 from jobs.spend import digest_figures
@@ -330,6 +331,12 @@ def test_a_run_in_another_region_is_offered_a_copy_then_reads_it(
     passed = DataLocalityCheck().run(staged, prior={})
     assert passed.status is Status.PASS, passed.detail
     assert f"dataset {row.target} is in us-west-2" in passed.detail
+    # The training command is told where its data is: the copy.
+    with session_scope(deps.engine) as session:
+        stored = session.get(Run, "r-stage")
+        assert stored is not None
+        attempt = Attempt(run_id=stored.id, number=1, provider=deps.provider.name)
+        assert runner_env(deps, stored, attempt, staged.spec)["TRAINBOT_DATA_URI"] == row.target
     # The runner reads the copy with the store the training script's sample check uses.
     monkeypatch.setenv("TRAINBOT_S3_ENDPOINT_URL", moto_server)
     store = open_store(staged.spec.data_uri, credentials="default")
