@@ -17,7 +17,6 @@ import fnmatch
 import functools
 import json
 import os
-import subprocess
 import sys
 import textwrap
 import uuid
@@ -54,6 +53,7 @@ from tests.jobs.broker_contract import (
     assert_tokens_refused,
 )
 from tests.jobs.rows import add_running_attempt, migrated_sqlite
+from tests.runner.tinyproc import exec_synced
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy" / "aws"
@@ -395,18 +395,7 @@ def test_the_runner_checkpoints_with_brokered_credentials_and_the_child_keeps_it
         TRAINBOT_SPOOL_DIR=str(tmp_path / "spool"),
     )
     child_env = tmp_path / "child-env.json"
-    done = subprocess.run(
-        [
-            *(sys.executable, "-m", "runner.cli", "exec", "--sync-dir", str(sync)),
-            *("--settle", "0.1", "--", sys.executable, "-c", WRITER),
-            *(str(child_env), account.data_bucket),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
+    exec_synced(env, sync, sys.executable, "-c", WRITER, str(child_env), account.data_bucket)
 
     issued = [
         r

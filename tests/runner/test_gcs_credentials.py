@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 import time
@@ -30,6 +29,7 @@ from runner.errors import StoreError
 from runner.store.gcs import GCSStore
 from tests.fakes.broker import TOKEN, FakeBroker
 from tests.fakes.gcs_emulator import create_bucket, gcs_emulator
+from tests.runner.tinyproc import exec_synced
 
 __all__ = ["gcs_emulator"]  # the session's emulator, a fixture
 
@@ -197,17 +197,7 @@ def test_the_runner_checkpoints_with_the_token_and_the_child_never_sees_it(
         TRAINBOT_SPOOL_DIR=str(tmp_path / "spool"),
     )
     child_env = tmp_path / "child-env.json"
-    done = subprocess.run(
-        [
-            *(sys.executable, "-m", "runner.cli", "exec", "--sync-dir", str(sync)),
-            *("--settle", "0.1", "--", sys.executable, "-c", WRITER, str(child_env)),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
+    done = exec_synced(env, sync, sys.executable, "-c", WRITER, str(child_env))
 
     assert broker.issued, "the runner's store asked the broker"
     assert set(broker.requests) == {("/v1/credentials", f"Bearer {TOKEN}")}

@@ -81,3 +81,22 @@ def run_tiny(
 
 def metric_steps(events: list[tuple[str, float, dict]]) -> list[int]:
     return [d["step"] for t, _, d in events if t == "metrics"]
+
+
+def exec_synced(
+    env: Mapping[str, str], sync: Path, *command: str
+) -> subprocess.CompletedProcess[str]:
+    """``trainbot-runner exec`` of ``command`` with ``sync`` as its synced checkpoint
+    directory (settling 0.1 s), as an instance runs it; it must exit 0."""
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "runner.cli", "exec", "--sync-dir", str(sync)),
+            *("--settle", "0.1", "--", *command),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    return done
