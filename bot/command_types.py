@@ -168,6 +168,13 @@ class Stop(RunCommand, usage="/train stop <run>"):
     """
 
 
+class Release(RunCommand, usage="/train release <run>"):
+    """End a run's kept failed instance now (debug.keep_failed_instance), stop its billing.
+
+    Example: /train release r-7f3a2c
+    """
+
+
 class Resubmit(
     RunCommand,
     usage=(

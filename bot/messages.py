@@ -234,6 +234,8 @@ def digest(msg: DigestMessage) -> str:
     storage = f.get("storage")
     if storage:
         lines.append(f"  {digest_storage_line(storage, str(f.get('day_label', 'yesterday')))}")
+    if f.get("kept_usd"):
+        lines.append(f"  {digest_kept_line(f)}")
     badput = f.get("badput")
     if badput:
         lines.extend(f"  {line}" for line in badput_lines(badput))
@@ -262,9 +264,22 @@ def digest_run_line(row: Mapping[str, Any]) -> str:
 
 
 def _dry_run_share(row: Mapping[str, Any]) -> str:
-    """What of a run's spend its preflight dry runs' instances cost, when they cost any."""
+    """What of a run's spend its preflight dry runs' instances, and its failed instances
+    kept to look at, cost, when they cost any."""
     share = row.get("dry_run_usd")
-    return f" (dry run {usd(share)})" if share else ""
+    kept = row.get("kept_usd")
+    return (f" (dry run {usd(share)})" if share else "") + (
+        f" (kept failed instance {usd(kept)})" if kept else ""
+    )
+
+
+def digest_kept_line(figures: Mapping[str, Any]) -> str:
+    """What failed attempts' instances kept for people to look at cost
+    (``debug.keep_failed_instance``), of the compute above."""
+    return (
+        f"kept failed instances {usd(figures.get('kept_usd'))} of it "
+        "(debug.keep_failed_instance; `/train release <run>` ends one)"
+    )
 
 
 def digest_storage_line(storage: Mapping[str, Any], day_label: str) -> str:

@@ -96,7 +96,14 @@ def run_list(cards: Sequence[RunCard], scope: str) -> str:
         return (
             f"No {'' if scope == 'all' else scope + ' '}runs. Start one with /train launch <spec>."
         )
-    return "\n".join(run_card(c) + _spec_from(c) + _data_from(c) for c in cards)
+    return "\n".join(run_card(c) + _spec_from(c) + _data_from(c) + _kept(c) for c in cards)
+
+
+def _kept(card: RunCard) -> str:
+    """A failed attempt's instance kept to look at: until when, how to connect, how to end it."""
+    if not card.kept:
+        return ""
+    return f" · kept instance {card.kept} (billed; `/train release {card.run_id}` ends it)"
 
 
 def _data_from(card: RunCard) -> str:
@@ -215,3 +222,10 @@ def spec_list(found: Catalog) -> str:
             "repository listed in TRAINBOT_SPEC_SOURCES.",
         )
     return "\n".join(lines)
+
+
+def released(run_id: str, instances: Sequence[str]) -> str:
+    """``/train release``: which kept instances of the run were terminated."""
+    if not instances:
+        return f"{run_id}'s kept instance is already being terminated."
+    return f"Released {run_id}'s kept instance {', '.join(instances)}: terminated, billing stopped."

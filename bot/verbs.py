@@ -30,6 +30,7 @@ from bot.commands import (
     Logs,
     Oncall,
     Preflight,
+    Release,
     Resubmit,
     Snooze,
     Specs,
@@ -41,6 +42,7 @@ from bot.commands import (
 )
 from jobs import api_tokens, service
 from jobs.deps import Deps
+from jobs.runs import kept
 from jobs.service import Actor
 from jobs.staging import service as staging
 
@@ -206,6 +208,11 @@ def _stop(deps: Deps, command: Stop, actor: Actor, key: str | None) -> Reply:
     return Reply(text=replies.stopped(run.id), run_id=run.id)
 
 
+def _release(deps: Deps, command: Release, actor: Actor, key: str | None) -> Reply:
+    ended = kept.release(deps, command.run, actor)
+    return Reply(text=replies.released(command.run, [row.instance_id for row in ended]))
+
+
 def _resubmit(deps: Deps, command: Resubmit, actor: Actor, key: str | None) -> Reply:
     run = service.resubmit(
         deps,
@@ -315,6 +322,7 @@ _DECLARED: tuple[Verb[Any], ...] = (
     Verb(StatusCommand, policy=ANYONE, private=False, handle=_status, lines="runs"),
     Verb(ListRuns, policy=ANYONE, private=False, handle=_list, lines="runs"),
     Verb(Stop, policy=Permission(changes_run=True), private=True, handle=_stop),
+    Verb(Release, policy=Permission(changes_run=True), private=True, handle=_release),
     Verb(
         Resubmit,
         policy=Permission(starts_compute=True, changes_run=True),

@@ -527,3 +527,35 @@ class ApiToken(SQLModel, table=True):
     last_used_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
     #: Set by ``/train token revoke``: the token is refused from then on.
     revoked_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+
+
+class KeptInstance(SQLModel, table=True):
+    """The instance of a failed attempt kept running for a person to look at
+    (``debug.keep_failed_instance``; :mod:`jobs.runs.kept`).
+
+    The attempt stays FAILED and its token revoked; the instance bills until ``until``
+    (or an earlier ``/train release``), accrued like an attempt's time as spend records
+    of the attempt from ``kept_at``. ``until`` is stored, so the scheduled reconcile ends
+    it on time after a restart.
+    """
+
+    __tablename__ = "kept_instances"
+
+    attempt_id: str = Field(foreign_key="attempts.id", primary_key=True)
+    run_id: str = Field(foreign_key="runs.id", index=True)
+    provider: str
+    instance_id: str
+    zone: str | None = None
+    #: When the attempt ended and the keeping began (its spend records start here).
+    kept_at: datetime = Field(sa_type=UTCDateTime)
+    #: When reconcile terminates it.
+    until: datetime = Field(sa_type=UTCDateTime, index=True)
+    #: Price per instance-hour (the attempt's), and its instances (a gang's nodes).
+    price_per_hour: float | None = None
+    instances: int = 1
+    #: The command that connects to it (an SSM session, ``gcloud compute ssh``, a directory).
+    connect: str = ""
+    #: When it was terminated (its spend stops here); None while it is kept.
+    ended_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
+    #: Who ended it: a user id (``/train release``), or ``"time"``.
+    ended_by: str | None = None

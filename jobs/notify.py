@@ -74,6 +74,9 @@ class RunCard(Message):
     #: The staged copy the run reads and the dataset it copies
     #: (``s3://stage/… (staged copy of s3://data/…)``); None: it reads its data_uri as written.
     data_from: str | None = None
+    #: A failed attempt's instance kept to look at (debug.keep_failed_instance): until
+    #: when, and how to connect; None: none is kept.
+    kept: str | None = None
 
 
 @dataclass(frozen=True)

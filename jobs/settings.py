@@ -203,6 +203,9 @@ class Settings(BaseSettings):
     #: Days a run's cloud budget is kept after the run ends (its last costs arrive late in
     #: the billing data); 0 removes it when the run ends.
     cloud_budget_keep_days: float = Field(default=0.0, ge=0)
+    #: The longest a spec's ``debug.keep_failed_instance`` keeps a failed attempt's
+    #: instance running (seconds); a longer ask is cut to it, 0 turns the option off.
+    keep_failed_instance_max_s: float = Field(default=4 * 3600.0, ge=0)
     #: GCP provider: project, region, zones, the runner's service account.
     gcp_project: str | None = None
     gcp_region: str | None = None

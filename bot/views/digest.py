@@ -41,6 +41,8 @@ def digest(msg: DigestMessage) -> list[Block]:
                 f"cop{'y' if staged['copies'] == 1 else 'ies'}, "
                 f"{usd(staged.get('usd_per_month'))} a month"
             )
+    if f.get("kept_usd"):
+        fields.append(f"*Kept failed instances*\n{usd(f.get('kept_usd'))}")
     blocks = [section(f":bar_chart: *{title}*", fields=fields)]
     badput = f.get("badput")
     if badput:

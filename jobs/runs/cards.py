@@ -11,13 +11,14 @@ from collections.abc import Sequence
 from datetime import datetime
 
 from pydantic import ValidationError
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from jobs import alerts
 from jobs.deps import Deps
+from jobs.format import clock
 from jobs.lifecycle import AttemptState
 from jobs.metrics import run_metrics
-from jobs.models import Attempt, Run
+from jobs.models import Attempt, KeptInstance, Run
 from jobs.notify import MessageRef, RunCard, TextMessage
 from jobs.rules import RunContext, Severity, Signal
 from jobs.runs.rows import channel_of, latest_attempt
@@ -51,7 +52,21 @@ def card(session: Session, run: Run) -> RunCard:
         reason=run.reason,
         spec_from=_spec_from(run),
         data_from=_data_from(session, run),
+        kept=_kept(session, run),
     )
+
+
+def _kept(session: Session, run: Run) -> str | None:
+    """The run's kept failed instance, if any (:mod:`jobs.runs.kept`): which, until
+    when, how to connect."""
+    row = session.exec(
+        select(KeptInstance)
+        .where(KeptInstance.run_id == run.id, col(KeptInstance.ended_at).is_(None))
+        .order_by(col(KeptInstance.kept_at).desc())
+    ).first()
+    if row is None:
+        return None
+    return f"{row.instance_id} until {clock(row.until)}; connect: {row.connect}"
 
 
 def _data_from(session: Session, run: Run) -> str | None:

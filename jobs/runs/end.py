@@ -23,6 +23,7 @@ from jobs.providers.base import InstanceNotFound, InstanceState, ProviderError
 from jobs.rules import Obs, Trigger, evaluate_all, rules_on
 from jobs.runs.cards import raise_signals, refresh_card, run_context, say
 from jobs.runs.fence import check_fence
+from jobs.runs.kept import keep_failed
 from jobs.runs.profile import project
 from jobs.runs.resubmit import record_lost_work, restart_on_error
 from jobs.runs.rows import move_run
@@ -151,6 +152,8 @@ def end_attempt(
                 move_run(session, run, RunState.FAILED, now=now, reason=why)
                 deps.journal.record("run_finished", run.id, state="FAILED", reason=why)
                 say(deps, run, "error", f"Run {run.id} failed: {why}.", log_tail=log_tail)
+        # A failure's instance may be kept for a person to look at (debug.keep_failed_instance).
+        kept = state == AttemptState.FAILED and keep_failed(deps, session, run, attempt, now=now)
         refresh_card(deps, session, run)
         ended_run = run.id if run.state.is_terminal() else None
     if ended_run is not None:
@@ -169,7 +172,7 @@ def end_attempt(
             key=f"resubmit:{attempt_id}",
             previous_attempt_id=attempt_id,
         )
-    if instance_id is not None and state != AttemptState.TERMINATED:
+    if instance_id is not None and state != AttemptState.TERMINATED and not kept:
         # Off the caller's thread: the caller may be the ingest request that carried the
         # runner's exit, and the runner waits for that reply before its processes end, so
         # a provider whose terminate waits for them (the local one) would wait on itself

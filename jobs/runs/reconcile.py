@@ -30,6 +30,7 @@ from jobs.providers.base import (
 from jobs.rules import Trigger, evaluate_all, rules_on
 from jobs.runs.cards import flag_unreadable_spec, raise_signals, refresh_card, run_context
 from jobs.runs.end import end_attempt, terminate_instance
+from jobs.runs.kept import expire_kept, kept_attempt_ids
 from jobs.runs.launch import launch_attempt, provision
 from jobs.runs.resubmit import resubmit_if_due
 from jobs.runs.rows import active_attempt, latest_attempt, move_run, watched_spec
@@ -64,6 +65,9 @@ def reconcile(deps: Deps) -> dict[str, int]:
     (its attempts too), the others are reconciled."""
     now = deps.clock()
     counts = {"adopted": 0, "ended": 0, "orphans": 0, "launched": 0, "lost": 0}
+    # Kept instances whose time is up (debug.keep_failed_instance): they bill until they
+    # go; one the provider refused to terminate now stays kept, for the next pass.
+    counts["released"] = expire_kept(deps, now=now)
     with session_scope(deps.engine) as session:
         rows = session.exec(
             select(Attempt, Run)
@@ -88,8 +92,9 @@ def reconcile(deps: Deps) -> dict[str, int]:
             )
             for a, r in rows
         }
-        # A preflight dry run's instance is tagged with the dry run's id, not an attempt's.
-        dry_runs = live_dry_run_ids(session)
+        # A preflight dry run's instance is tagged with the dry run's id, not an attempt's;
+        # a kept instance (debug.keep_failed_instance) with its failed attempt's.
+        dry_runs = live_dry_run_ids(session) | kept_attempt_ids(session)
     for provider in deps.providers.values():
         mine = [a for a in live.values() if a.provider == provider.name]
         _reconcile_provider(deps, provider, mine, dry_runs, counts, now=now)

@@ -15,6 +15,7 @@ from jobs.spec.sections import (
     BudgetPolicy,
     CheckpointPolicy,
     Code,
+    Debug,
     DryRun,
     Notify,
     Profile,
@@ -124,6 +125,7 @@ class JobSpec(Section):
     notify: Notify = Field(default_factory=Notify)
     dry_run: DryRun = Field(default_factory=DryRun)
     profile: Profile = Field(default_factory=Profile)
+    debug: Debug = Field(default_factory=Debug)
     #: Where trainbot read this spec (a directory, a repository at a commit, pasted text):
     #: set by trainbot when it loads the spec, never by the spec itself.
     origin: SpecOrigin | None = None

@@ -552,3 +552,13 @@ class Profile(Section):
     #: budget or ``max_hours``, or the input pipeline starves the device; ``false`` only
     #: posts the projection.
     ask: bool = True
+
+
+class Debug(Section):
+    """Help for looking into a failure (the spec's ``debug``)."""
+
+    #: Keep a failed attempt's instance running this long (``30m``) for a person to
+    #: connect to, instead of terminating it; billed as the attempt was. Preemptions and
+    #: stops are never kept. At most the admin's ``TRAINBOT_KEEP_FAILED_INSTANCE_MAX_S``
+    #: (seconds); ``None`` or 0: off.
+    keep_failed_instance: Duration | None = Field(default=None, ge=0, le=7 * 24 * 3600)

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from typing import Any
 
 from sqlalchemy import func, or_
 from sqlmodel import Session, col, select
 
-from jobs.models import Attempt, DryRunInstance, Run, SpendRecord
+from jobs.models import Attempt, DryRunInstance, KeptInstance, Run, SpendRecord
 
 
 def accrue(session: Session, *, now: datetime) -> list[SpendRecord]:
@@ -46,22 +47,65 @@ def accrue(session: Session, *, now: datetime) -> list[SpendRecord]:
         assert attempt.started_at is not None and attempt.price_per_hour is not None
         start = _utc(accrued_until) if accrued_until is not None else attempt.started_at
         end = min(now, attempt.ended_at) if attempt.ended_at is not None else now
-        if end <= start:
-            continue
-        hours = (end - start).total_seconds() / 3600.0
-        record = SpendRecord(
-            attempt_id=attempt.id,
-            run_id=attempt.run_id,
-            period_start=start,
-            period_end=end,
-            usd=attempt.price_per_hour * hours * attempt.instances,
-            instances=attempt.instances,
-            price_per_hour=attempt.price_per_hour,
+        added += _paid(session, attempt, start, end, price_per_hour=attempt.price_per_hour)
+    session.flush()
+    added += _accrue_kept(session, last_end, now=now)
+    return added
+
+
+def _accrue_kept(session: Session, last_end: Any, *, now: datetime) -> list[SpendRecord]:
+    """The kept instances' time (:mod:`jobs.runs.kept`) as spend records of their failed
+    attempt, from ``kept_at`` until they end. After the attempts' own: an attempt is
+    closed out at its end first, so its records and the kept ones never overlap.
+    ``last_end``: the subquery of each attempt's last record's end."""
+    rows = session.exec(
+        select(KeptInstance, last_end.c.last_end)
+        .outerjoin(last_end, last_end.c.attempt_id == KeptInstance.attempt_id)
+        .where(
+            col(KeptInstance.price_per_hour).is_not(None),
+            or_(
+                col(KeptInstance.ended_at).is_(None),
+                last_end.c.last_end.is_(None),
+                last_end.c.last_end < KeptInstance.ended_at,
+            ),
         )
-        session.add(record)
-        added.append(record)
+        .order_by(col(KeptInstance.attempt_id))
+    ).all()
+    added: list[SpendRecord] = []
+    for row, accrued_until in rows:
+        assert row.price_per_hour is not None
+        start = row.kept_at if accrued_until is None else max(row.kept_at, _utc(accrued_until))
+        end = min(now, row.ended_at) if row.ended_at is not None else now
+        added += _paid(session, row, start, end, price_per_hour=row.price_per_hour)
     session.flush()
     return added
+
+
+def _paid(
+    session: Session,
+    paid: Attempt | KeptInstance,
+    start: datetime,
+    end: datetime,
+    *,
+    price_per_hour: float,
+) -> list[SpendRecord]:
+    """The record of what an attempt (or its kept instance) cost from ``start`` to
+    ``end``, added to the session; none when that is no time."""
+    if end <= start:
+        return []
+    hours = (end - start).total_seconds() / 3600.0
+    attempt_id = paid.id if isinstance(paid, Attempt) else paid.attempt_id
+    record = SpendRecord(
+        attempt_id=attempt_id,
+        run_id=paid.run_id,
+        period_start=start,
+        period_end=end,
+        usd=price_per_hour * hours * paid.instances,
+        instances=paid.instances,
+        price_per_hour=price_per_hour,
+    )
+    session.add(record)
+    return [record]
 
 
 def _utc(value: datetime) -> datetime:
@@ -117,6 +161,8 @@ class Piece:
     end: datetime
     #: A preflight dry run's instance, not an attempt's.
     dry_run: bool = False
+    #: A failed attempt's instance kept for a person to look at (debug.keep_failed_instance).
+    kept: bool = False
 
 
 def window_pieces(
@@ -131,7 +177,9 @@ def window_pieces(
     if channel is not None:
         query = query.join(Run, col(Run.id) == SpendRecord.run_id).where(Run.channel == channel)
     pieces = _dry_run_pieces(session, channel=channel, since=since, until=until)
-    for record in session.exec(query).all():
+    records = session.exec(query).all()
+    kept_since = _kept_since(session, {r.attempt_id for r in records})
+    for record in records:
         start = max(record.period_start, since)
         end = min(record.period_end, until)
         length = (record.period_end - record.period_start).total_seconds()
@@ -145,9 +193,24 @@ def window_pieces(
                 seconds=inside * record.instances,
                 start=start,
                 end=end,
+                kept=record.attempt_id in kept_since
+                and record.period_start >= kept_since[record.attempt_id],
             )
         )
     return pieces
+
+
+def _kept_since(session: Session, attempt_ids: set[str]) -> dict[str, datetime]:
+    """Of these attempts, those whose instance was kept after they failed, and since when:
+    their records from then on are the kept instance's."""
+    if not attempt_ids:
+        return {}
+    rows = session.exec(
+        select(KeptInstance.attempt_id, KeptInstance.kept_at).where(
+            col(KeptInstance.attempt_id).in_(sorted(attempt_ids))
+        )
+    ).all()
+    return {attempt_id: kept_at for attempt_id, kept_at in rows}
 
 
 def _dry_run_pieces(

@@ -68,10 +68,13 @@ def _window_figures(
     usd: dict[str, float] = defaultdict(float)
     paid: dict[str, float] = defaultdict(float)
     dry_runs: dict[str, float] = defaultdict(float)
+    kept: dict[str, float] = defaultdict(float)
     for piece in pieces:
         usd[piece.run_id] += piece.usd
         if piece.dry_run:  # spend, but no training time for goodput to judge
             dry_runs[piece.run_id] += piece.usd
+        elif piece.kept:  # a failed attempt's instance kept to look at: no training either
+            kept[piece.run_id] += piece.usd
         else:
             paid[piece.run_id] += piece.seconds
     lost: dict[str, float] = defaultdict(float)
@@ -107,12 +110,16 @@ def _window_figures(
         )
         if dry_runs.get(run_id):  # of its usd, what its preflight dry runs cost
             per_run[-1]["dry_run_usd"] = _cents(dry_runs[run_id])
+        if kept.get(run_id):  # of its usd, what its kept failed instances cost
+            per_run[-1]["kept_usd"] = _cents(kept[run_id])
     total_paid = sum(paid.values())
     total_lost = sum(lost.values())
     return {
         "usd": _cents(sum(usd.values())),
         # Of which preflight dry runs' instances (also in each run's usd).
         "dry_run_usd": _cents(sum(dry_runs.values())),
+        # Of which failed attempts' instances kept to look at (debug.keep_failed_instance).
+        "kept_usd": _cents(sum(kept.values())),
         "per_run": per_run,
         "per_user": [
             {"user": user, "usd": _cents(amount)}

@@ -45,7 +45,7 @@ def _example(verb: str) -> str:
 
 def test_every_verb_of_help_has_exactly_one_declaration() -> None:
     listed = _listed_verbs()
-    assert len(listed) == 17 and len(set(listed)) == len(listed)
+    assert len(listed) == 18 and len(set(listed)) == len(listed)
     assert Counter(v.name for v in declared()) == Counter(listed)
     assert [v.name for v in declared()] == listed  # in the order help lists them
     for verb in declared():
@@ -163,6 +163,7 @@ def test_each_verb_asks_what_its_declaration_says(
     )
     assert ask["preflight tiny"] == Ask(action="preflight", starts_compute=True)
     assert ask[f"stop {run_id}"] == Ask(action="stop", run=run_id, owner="bob")
+    assert ask[f"release {run_id}"] == Ask(action="release", run=run_id, owner="bob")
     assert ask[f"resubmit {run_id} from=10"] == Ask(
         action="resubmit", starts_compute=True, run=run_id, owner="bob"
     )
@@ -181,7 +182,7 @@ def test_each_verb_asks_what_its_declaration_says(
 def _commands(run_id: str) -> list[str]:
     return [
         "launch tiny", "launch", "launch tiny notify.channel=C0SECRET", "preflight tiny",
-        f"stop {run_id}", f"resubmit {run_id} from=10", "resubmit r-nosuchrun",
+        f"stop {run_id}", f"release {run_id}", f"resubmit {run_id} from=10", "resubmit r-nosuchrun",
         f"cleanup {run_id}", f"cleanup {run_id} --dry-run", "oncall @dana", "oncall",
         "status", f"status {run_id}", "list all", f"logs {run_id}", "ack al-1",
         "snooze al-1 2h", "spend week", "budget", "help stop",
@@ -199,6 +200,7 @@ def test_a_private_verbs_reply_is_for_the_caller_alone(
         "preflight",
         "specs",
         "stop",
+        "release",
         "resubmit",
         "logs",
         "ack",

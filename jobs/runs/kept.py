@@ -1,0 +1,226 @@
+"""Keeping a failed attempt's instance for a person to look at (``debug.keep_failed_instance``).
+
+A failed attempt's instance normally goes at once. With the option set, it is kept
+running until a stored deadline, billed as the attempt was (:mod:`jobs.spend.accrual`
+adds its time as spend records of the attempt), and the run's thread says how to
+connect. The attempt stays FAILED with its token revoked, the run stays where the
+failure put it: a kept instance is no attempt, so nothing launches, resumes or counts
+hours on it. It ends by ``/train release`` (its owner or an admin) or by the scheduled
+reconcile once its deadline passes, which a restarted control plane reads from the row.
+Preempted, lost and stopped attempts are never kept: there is nothing of theirs to see.
+"""
+
+from __future__ import annotations
+
+import logging
+import shlex
+from collections.abc import Callable
+from datetime import datetime, timedelta
+
+from sqlmodel import Session, col, select
+
+from jobs.actor import Actor, may_touch
+from jobs.db import session_scope
+from jobs.deps import Deps
+from jobs.errors import ConflictError
+from jobs.format import clock, duration, usd
+from jobs.models import Attempt, KeptInstance, Run
+from jobs.providers.base import InstanceNotFound, ProviderError
+from jobs.runs.cards import refresh_card, say
+from jobs.runs.fence import check_fence
+from jobs.runs.rows import get_run
+from jobs.settings import Settings
+from jobs.spec import Debug, stored_section
+
+log = logging.getLogger(__name__)
+
+
+def keep_seconds(settings: Settings, run: Run) -> tuple[float, float | None]:
+    """How long to keep the run's failed instances, and what the spec asked when the
+    admin's maximum cut it (else None); 0: not kept."""
+    asked = stored_section(run.spec, Debug, run_id=run.id).keep_failed_instance or 0.0
+    ceiling = settings.keep_failed_instance_max_s
+    if asked > ceiling:
+        return ceiling, asked
+    return asked, None
+
+
+def keep_failed(deps: Deps, session: Session, run: Run, attempt: Attempt, *, now: datetime) -> bool:
+    """In the transaction that ends ``attempt`` as FAILED: keep its instance when the
+    spec asks to, and say in the run's thread how to connect. True: kept (the caller
+    leaves it running)."""
+    if attempt.instance_id is None:
+        return False
+    seconds, asked = keep_seconds(deps.settings, run)
+    if seconds <= 0:
+        if asked:
+            say(deps, run, "info", _off_text(attempt, asked))
+        return False
+    row = KeptInstance(
+        attempt_id=attempt.id,
+        run_id=run.id,
+        provider=attempt.provider,
+        instance_id=attempt.instance_id,
+        zone=attempt.zone,
+        kept_at=now,
+        until=now + timedelta(seconds=seconds),
+        price_per_hour=attempt.price_per_hour,
+        instances=attempt.instances,
+    )
+    row.connect = connect_hint(deps.settings, row)
+    session.add(row)
+    deps.journal.record(
+        "instance_kept",
+        run.id,
+        attempt=attempt.number,
+        instance=attempt.instance_id,
+        until=row.until.isoformat(),
+    )
+    say(deps, run, "info", kept_text(row, attempt_number=attempt.number, cut=asked))
+    return True
+
+
+def kept_text(row: KeptInstance, *, attempt_number: int, cut: float | None = None) -> str:
+    """The thread's line for a kept instance: what it costs, until when, how to connect,
+    how to end it."""
+    hours = (row.until - row.kept_at).total_seconds()
+    price = (
+        f"{usd((row.price_per_hour or 0.0) * row.instances)}/h"
+        if row.price_per_hour is not None
+        else "its usual price"
+    )
+    cut_text = f" (asked {duration(cut)}; the admin's most is {duration(hours)})" if cut else ""
+    return (
+        f"Attempt {attempt_number}'s instance {row.instance_id} is kept running for you to "
+        f"look at, for {duration(hours)}{cut_text}, until {clock(row.until)}, billed at "
+        f"{price}. Connect: `{row.connect}`. "
+        f"End it sooner with `/train release {row.run_id}`."
+    )
+
+
+def _off_text(attempt: Attempt, asked: float) -> str:
+    return (
+        f"Attempt {attempt.number}'s instance is not kept ({duration(asked)} asked): the "
+        "admin has turned debug.keep_failed_instance off (TRAINBOT_KEEP_FAILED_INSTANCE_MAX_S=0)."
+    )
+
+
+def _aws_hint(settings: Settings, row: KeptInstance) -> str:
+    # An instance outside the provider's home region carries it: ``REGION/i-…``.
+    region, sep, raw = row.instance_id.rpartition("/")
+    if not sep:
+        region = settings.aws_region or (row.zone[:-1] if row.zone else "")
+    return shlex.join(
+        ["aws", "ssm", "start-session", "--target", raw, *(["--region", region] if region else [])]
+    )
+
+
+def _gcp_hint(settings: Settings, row: KeptInstance) -> str:
+    # GCP instance ids are ``ZONE/NAME``; a gang's id names its first node.
+    zone, _, name = row.instance_id.partition("/")
+    words = ["gcloud", "compute", "ssh", name or zone, "--zone", row.zone or zone]
+    if settings.gcp_project:
+        words += ["--project", settings.gcp_project]
+    return shlex.join(words)
+
+
+def _local_hint(settings: Settings, row: KeptInstance) -> str:
+    # The local provider's instances are directories under the state directory.
+    return shlex.join(["cd", str(settings.state_dir / "local" / row.instance_id)])
+
+
+#: How a person reaches a kept instance, per provider.
+CONNECT: dict[str, Callable[[Settings, KeptInstance], str]] = {
+    "aws": _aws_hint,
+    "gcp": _gcp_hint,
+    "local": _local_hint,
+}
+
+
+def connect_hint(settings: Settings, row: KeptInstance) -> str:
+    """The command that connects to a kept instance."""
+    hint = CONNECT.get(row.provider)
+    if hint is None:
+        return f"{row.provider} instance {row.instance_id}"
+    return hint(settings, row)
+
+
+def live_kept(session: Session) -> list[KeptInstance]:
+    """The instances kept now (not yet ended), oldest first."""
+    return list(
+        session.exec(
+            select(KeptInstance)
+            .where(col(KeptInstance.ended_at).is_(None))
+            .order_by(col(KeptInstance.kept_at))
+        ).all()
+    )
+
+
+def kept_attempt_ids(session: Session) -> set[str]:
+    """The attempts whose instance is kept: their instances are no orphans."""
+    return {row.attempt_id for row in live_kept(session)}
+
+
+def release(deps: Deps, run_id: str, actor: Actor) -> list[KeptInstance]:
+    """``/train release <run>``: end the run's kept instances now (its owner or an admin)."""
+    with session_scope(deps.engine) as session:
+        run = get_run(session, run_id)
+        may_touch(actor, run)
+        rows = [r for r in live_kept(session) if r.run_id == run.id]
+        if not rows:
+            raise ConflictError(
+                f"{run.id} has no kept instance: only a failed attempt's instance is kept, "
+                "when its spec sets debug.keep_failed_instance"
+            )
+    return [r for r in (_end(deps, row, by=actor.user) for row in rows) if r is not None]
+
+
+def expire_kept(deps: Deps, *, now: datetime) -> int:
+    """Terminate the kept instances whose time is up (the scheduled reconcile); how many."""
+    with session_scope(deps.engine) as session:
+        due = [r for r in live_kept(session) if r.until <= now]
+    return sum(_end(deps, row, by="time") is not None for row in due)
+
+
+def _end(deps: Deps, row: KeptInstance, *, by: str) -> KeptInstance | None:
+    """Terminate a kept instance and record its end (its spend stops there); None when it
+    could not be terminated now (reconcile tries again) or another call ended it."""
+    done, mine = deps.claim_termination(row.instance_id)
+    if not mine:
+        done.wait()
+    else:
+        try:
+            check_fence(deps, None, action=f"the termination of kept instance {row.instance_id}")
+            deps.provider_named(row.provider).terminate(row.instance_id)
+        except InstanceNotFound:
+            pass  # gone already: its spend ends now all the same
+        except ProviderError as exc:
+            log.warning("terminating kept instance %s failed (retried): %s", row.instance_id, exc)
+            return None
+        finally:
+            deps.release_termination(row.instance_id)
+    now = deps.clock()
+    with session_scope(deps.engine) as session:
+        kept = session.get(KeptInstance, row.attempt_id, with_for_update=True)
+        if kept is None or kept.ended_at is not None:
+            return None
+        kept.ended_at = max(now, kept.kept_at)
+        kept.ended_by = by
+        session.add(kept)
+        run = session.get(Run, kept.run_id)
+        held = duration((kept.ended_at - kept.kept_at).total_seconds())
+        deps.journal.record(
+            "kept_instance_ended", kept.run_id, instance=kept.instance_id, by=by, held=held
+        )
+        if run is not None:
+            why = "its time is up" if by == "time" else f"released by {by}"
+            say(
+                deps,
+                run,
+                "info",
+                f"Kept instance {kept.instance_id} is terminated ({why}) after {held}.",
+            )
+            refresh_card(deps, session, run)
+        session.flush()
+        session.expunge(kept)
+        return kept
