@@ -58,13 +58,14 @@ from sqlalchemy import (
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, IntegrityError, NoSuchModuleError, OperationalError
 from sqlalchemy.pool import StaticPool
-from sqlmodel import Session
+from sqlmodel import Field, Session, SQLModel
 
 from jobs.errors import ConflictError, DatabaseError, SettingsError
 
 __all__ = [
     "COMPAT_TABLE",
     "MIGRATIONS_DIR",
+    "SchemaCompat",
     "alembic_config",
     "claim_rows",
     "current_revision",
@@ -283,6 +284,22 @@ def current_revision(engine: Engine) -> str | None:
             f"cannot read the schema revision ({_first_line(exc)}): check that the database "
             "is running and that TRAINBOT_DATABASE_URL points at it"
         ) from exc
+
+
+class SchemaCompat(SQLModel, table=True):
+    """Which releases the schema serves (one row, id 1; migration 0020).
+
+    Written by :func:`migrate` after each upgrade and read, with plain SQL, by an older
+    release that finds a revision it does not know (a rollback).
+    """
+
+    __tablename__ = COMPAT_TABLE
+
+    id: int | None = Field(default=None, primary_key=True)
+    #: The newest revision, as the code that migrated the schema knows it.
+    head: str
+    #: The oldest revision whose release still runs on this schema.
+    serves_from: str
 
 
 def serves_from(script: ScriptDirectory | None = None) -> str:
