@@ -47,18 +47,24 @@ def empty_engine(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Eng
         yield engine
         engine.dispose()
         return
-    url = os.environ.get(POSTGRES_URL_ENV)
-    if not url:
-        pytest.skip(
-            f"{POSTGRES_URL_ENV} is not set: set it to a PostgreSQL URL such as "
-            "postgresql://postgres@127.0.0.1:5432/test to run the PostgreSQL variant"
-        )
+    url = postgres_or_skip("to run the PostgreSQL variant")
     with fresh_schema(url, "trainbot_test") as schema_url:
         engine = make_engine(schema_url)
         try:
             yield engine
         finally:
             engine.dispose()
+
+
+def postgres_or_skip(why: str) -> str:
+    """The test PostgreSQL's URL, or the test skipped saying how to set it and ``why``."""
+    url = os.environ.get(POSTGRES_URL_ENV)
+    if not url:
+        pytest.skip(
+            f"{POSTGRES_URL_ENV} is not set: set it to a PostgreSQL URL such as "
+            f"postgresql://postgres@127.0.0.1:5432/test {why}"
+        )
+    return url
 
 
 @contextmanager

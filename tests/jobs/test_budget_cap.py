@@ -428,6 +428,21 @@ def test_a_cloud_budget_is_removed_when_the_run_ends_or_days_later(
         deps.close()
 
 
+def _on_moto(tmp_path: Path, moto_server: str, **budget: str) -> Settings:
+    """A control plane on AWS (moto's server) with the AWS Budget settings ``budget``."""
+    return load_settings(
+        {
+            "TRAINBOT_STATE_DIR": str(tmp_path / "state"),
+            "TRAINBOT_PROVIDER": "aws",
+            "TRAINBOT_AWS_REGION": "us-east-1",
+            "TRAINBOT_AWS_ENDPOINT_URL": moto_server,
+            "TRAINBOT_CHECKPOINT_URI": "s3://checkpoints/runs",
+            "TRAINBOT_PUBLIC_URL": "https://trainbot.example.com",
+            **budget,
+        }
+    )
+
+
 def test_on_moto_the_aws_budget_notifies_the_configured_subscribers_and_goes_with_the_run(
     db_engine: Engine,
     moto_server: str,
@@ -437,17 +452,11 @@ def test_on_moto_the_aws_budget_notifies_the_configured_subscribers_and_goes_wit
     launched: list[str],
 ) -> None:
     topic = f"arn:aws:sns:us-east-1:{fake.MOTO_ACCOUNT}:trainbot-budgets"
-    settings = load_settings(
-        {
-            "TRAINBOT_STATE_DIR": str(tmp_path / "state"),
-            "TRAINBOT_PROVIDER": "aws",
-            "TRAINBOT_AWS_REGION": "us-east-1",
-            "TRAINBOT_AWS_ENDPOINT_URL": moto_server,
-            "TRAINBOT_CHECKPOINT_URI": "s3://checkpoints/runs",
-            "TRAINBOT_PUBLIC_URL": "https://trainbot.example.com",
-            "TRAINBOT_AWS_BUDGET_EMAILS": "oncall@x.io,lead@x.io",
-            "TRAINBOT_AWS_BUDGET_SNS_TOPIC_ARN": topic,
-        }
+    settings = _on_moto(
+        tmp_path,
+        moto_server,
+        TRAINBOT_AWS_BUDGET_EMAILS="oncall@x.io,lead@x.io",
+        TRAINBOT_AWS_BUDGET_SNS_TOPIC_ARN=topic,
     )
     deps = make_deps(db_engine, settings, from_settings(settings), clock, journal, launched)
     try:
@@ -483,17 +492,7 @@ def test_on_moto_a_resubmitted_run_gets_its_own_aws_budget_for_what_is_left(
     """The AWS Budget follows the run's tag, so the run a resubmit creates gets one of its
     own, for what is left of the budget after the $40 it carries; the old one's went
     with the old run."""
-    settings = load_settings(
-        {
-            "TRAINBOT_STATE_DIR": str(tmp_path / "state"),
-            "TRAINBOT_PROVIDER": "aws",
-            "TRAINBOT_AWS_REGION": "us-east-1",
-            "TRAINBOT_AWS_ENDPOINT_URL": moto_server,
-            "TRAINBOT_CHECKPOINT_URI": "s3://checkpoints/runs",
-            "TRAINBOT_PUBLIC_URL": "https://trainbot.example.com",
-            "TRAINBOT_AWS_BUDGET_EMAILS": "oncall@x.io",
-        }
-    )
+    settings = _on_moto(tmp_path, moto_server, TRAINBOT_AWS_BUDGET_EMAILS="oncall@x.io")
     deps = make_deps(db_engine, settings, from_settings(settings), clock, journal, launched)
     try:
         old = f"r-{uuid.uuid4().hex[:8]}"

@@ -19,7 +19,6 @@ from jobs.bootstrap import ControlPlane
 from jobs.db import session_scope
 from jobs.deferred import claim_due, run_claimed
 from jobs.lifecycle import RunState
-from jobs.models import Run
 from jobs.notify import Message, TextMessage
 from jobs.replica_tables import DeferredWork
 from jobs.scheduler import take_lease
@@ -36,7 +35,7 @@ from tests.jobs.test_aws_control_plane import (
     run_row,
     wait_until,
 )
-from tests.jobs.test_aws_failover import NO_ROOM, Gated
+from tests.jobs.test_aws_failover import NO_ROOM, Gated, _confirmed
 
 # The control-plane tests' fixtures, under their own names.
 gate, gated = base.gate, failover.gated
@@ -66,14 +65,6 @@ def lead(cp: ControlPlane) -> int:
     for work in claimed:
         run_claimed(deps, work)
     return len(claimed)
-
-
-def _confirmed(cp: ControlPlane, *overrides: str) -> Run:
-    run = service.submit(cp.deps, spec_name="gpu", overrides=list(overrides), actor=ADA)
-    wait_until(lambda: run_row(cp, run.id).state != RunState.PREFLIGHT, what="preflight")
-    assert run_row(cp, run.id).state == RunState.AWAITING_CONFIRMATION, run_row(cp, run.id).reason
-    service.confirm(cp.deps, run.id, ADA)
-    return run
 
 
 def _waits(records: list[dict[str, Any]]) -> list[dict[str, Any]]:

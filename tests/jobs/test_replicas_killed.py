@@ -48,7 +48,7 @@ from jobs.replica_tables import LEADER_LEASE, DeferredWork, SchedulerLease, Slac
 from tests.bot.test_slack_app import ResponseUrls, sign
 from tests.fakes.loopback import LoopbackServer, QuietHandler, read_body, reply
 from tests.fakes.slack_api import FakeSlack
-from tests.jobs.conftest import POSTGRES_URL_ENV, fresh_schema
+from tests.jobs.conftest import fresh_schema, postgres_or_skip
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
@@ -347,12 +347,7 @@ class Cluster:
 @pytest.fixture
 def postgres_url() -> Iterator[str]:
     """A URL whose connections use a fresh PostgreSQL schema, dropped afterwards."""
-    url = os.environ.get(POSTGRES_URL_ENV)
-    if not url:
-        pytest.skip(
-            f"{POSTGRES_URL_ENV} is not set: replicas share one PostgreSQL (SQLite is one "
-            "process's file); set it to e.g. postgresql://postgres@127.0.0.1:5432/test"
-        )
+    url = postgres_or_skip("(replicas share one PostgreSQL; SQLite is one process's file)")
     with fresh_schema(url, "trainbot_replicas") as schema_url:
         yield schema_url
 
