@@ -9,11 +9,13 @@ events, sent to the same host, are acknowledged and not recorded.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
 
+from runner.errors import StoreError
 from tests.fakes.loopback import ClosedOnExit, LoopbackServer, QuietHandler, read_body, reply_json
 
 TOKEN = "tok-runner"
@@ -61,3 +63,21 @@ class FakeBroker(ClosedOnExit):
         monkeypatch.setenv("TRAINBOT_INGEST_URL", self.url + "/v1/events")
         monkeypatch.setenv("TRAINBOT_TOKEN", TOKEN)
         monkeypatch.setenv("TRAINBOT_STORE_CREDENTIALS", "broker")
+
+
+def assert_refused_token_said(
+    open_store: Callable[[], object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What every store that takes its credentials from the broker says when it cannot:
+    a refused (revoked) token is a StoreError naming the 401 and never the token, and a
+    TRAINBOT_STORE_CREDENTIALS other than broker one that says to write 'broker'. The
+    runner's environment is the broker's (``FakeBroker.runner_env``) and is left with
+    TRAINBOT_STORE_CREDENTIALS=profile."""
+    monkeypatch.setenv("TRAINBOT_TOKEN", "tok-revoked")
+    with pytest.raises(StoreError, match=r"refused checkpoint credentials \(401") as caught:
+        open_store()
+    assert "tok-revoked" not in str(caught.value)
+    monkeypatch.setenv("TRAINBOT_TOKEN", TOKEN)
+    monkeypatch.setenv("TRAINBOT_STORE_CREDENTIALS", "profile")
+    with pytest.raises(StoreError, match="write 'broker'"):
+        open_store()

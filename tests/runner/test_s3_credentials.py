@@ -19,10 +19,9 @@ import pytest
 
 from runner.checkpoint import CheckpointWriter, list_committed, restore_latest
 from runner.cli import main
-from runner.errors import StoreError
 from runner.store.broker import credentials_url
 from runner.store.s3 import S3Store
-from tests.fakes.broker import TOKEN, FakeBroker
+from tests.fakes.broker import TOKEN, FakeBroker, assert_refused_token_said
 from tests.fakes.moto_server import create_bucket
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -123,13 +122,9 @@ def test_credentials_are_refreshed_before_they_expire(
 def test_a_refused_token_is_a_store_error_that_says_so(
     moto_server: str, runner_env: FakeAwsBroker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("TRAINBOT_TOKEN", "tok-revoked")
-    with pytest.raises(StoreError, match=r"refused checkpoint credentials \(401") as caught:
-        S3Store("some-bucket", "ckpt/r-1", endpoint_url=moto_server)
-    assert "tok-revoked" not in str(caught.value)
-    monkeypatch.setenv("TRAINBOT_STORE_CREDENTIALS", "profile")
-    with pytest.raises(StoreError, match="write 'broker'"):
-        S3Store("some-bucket", "ckpt/r-1", endpoint_url=moto_server)
+    assert_refused_token_said(
+        lambda: S3Store("some-bucket", "ckpt/r-1", endpoint_url=moto_server), monkeypatch
+    )
 
 
 def test_the_credentials_command_follows_the_credential_process_contract(
