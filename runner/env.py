@@ -375,6 +375,16 @@ CONTAINER_GPUS = _var(
     "TRAINBOT_CONTAINER_GPUS", FLAG, False, "give the container the instance's GPUs"
 )
 
+# --- the instance's end (deploy/aws/user-data.sh, deploy/gcp/startup-script.sh) -------
+
+KEEP_FAILED_S = _var(
+    "TRAINBOT_KEEP_FAILED_S",
+    COUNT,
+    None,
+    "seconds the boot script keeps the instance up after the runner failed"
+    " (debug.keep_failed_instance); the control plane terminates it by then",
+)
+
 # --- secrets, read on the instance (runner.secrets) -----------------------------------
 
 SECRETS = _var(

@@ -30,10 +30,25 @@ say() {
   echo "trainbot: $*" 2>/dev/null >>"$CONSOLE" || true
 }
 
+# debug.keep_failed_instance: after a failure (any code but 0 and the runner's preempted
+# 75) the instance stays up TRAINBOT_KEEP_FAILED_S seconds (from the env file) for a person
+# to look at. The control plane terminates it when its time is up or on /train release;
+# this wait only bounds it should the control plane not, and it halts as always after.
+keep_failed() {
+  local rc=$1 keep
+  if [ "$rc" -eq 0 ] || [ "$rc" -eq 75 ]; then return 0; fi
+  keep=$(sed -n "s/^TRAINBOT_KEEP_FAILED_S='\{0,1\}\([0-9][0-9]*\)'\{0,1\}\$/\1/p" \
+    "$ENV_FILE" 2>/dev/null | head -n 1)
+  if [ -z "$keep" ]; then return 0; fi
+  say "keeping this instance up to $keep s to look at the failure (debug.keep_failed_instance)"
+  sleep "$keep"
+}
+
 finish() {
   local rc=$?
   if [ -n "${RUNNER_RC:-}" ]; then rc=$RUNNER_RC; fi
   say "trainbot-runner exited with code $rc"
+  keep_failed "$rc"
   sync
   shutdown -h now
 }

@@ -41,9 +41,24 @@ finish() {
   curl -sS -X PUT -H "Metadata-Flavor: Google" --data "${code}" \
     "${MD_URL}/guest-attributes/trainbot/exit-code" >/dev/null 2>&1 || true
   touch "${STATE_DIR}/done"
+  keep_failed "${code}"
   echo "trainbot: runner exited ${code}; halting"
   ${HALT}
   exit 0
+}
+
+# debug.keep_failed_instance: after a failure (any code but 0 and the runner's preempted
+# 75) the instance stays up TRAINBOT_KEEP_FAILED_S seconds (from trainbot-env) for a person
+# to look at. The control plane deletes it when its time is up or on /train release; this
+# wait only bounds it should the control plane not, and it halts as always after.
+keep_failed() {
+  local code="$1" keep
+  if [ "${code}" = 0 ] || [ "${code}" = 75 ]; then return 0; fi
+  keep="$(md attributes/trainbot-env 2>/dev/null \
+    | grep -o '"TRAINBOT_KEEP_FAILED_S": *"[0-9][0-9]*"' | grep -o '[0-9][0-9]*' | head -n 1)"
+  if [ -z "${keep}" ]; then return 0; fi
+  echo "trainbot: keeping this instance up to ${keep} s to look at the failure (debug.keep_failed_instance)"
+  sleep "${keep}"
 }
 
 mkdir -p "${STATE_DIR}"

@@ -30,7 +30,7 @@ from jobs.runs.cards import refresh_card, say
 from jobs.runs.fence import check_fence
 from jobs.runs.rows import get_run
 from jobs.settings import Settings
-from jobs.spec import Debug, stored_section
+from jobs.spec import Debug, JobSpec, stored_section
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,15 @@ def keep_seconds(settings: Settings, run: Run) -> tuple[float, float | None]:
     if asked > ceiling:
         return ceiling, asked
     return asked, None
+
+
+def instance_keep_s(settings: Settings, spec: JobSpec) -> int | None:
+    """What an attempt's boot script is told to keep its instance up after a failure
+    (``TRAINBOT_KEEP_FAILED_S``): the spec's time within the admin's maximum, whole
+    seconds; None: not kept. The control plane still decides, and terminates it."""
+    asked = spec.debug.keep_failed_instance or 0.0
+    seconds = int(min(asked, settings.keep_failed_instance_max_s))
+    return seconds if seconds > 0 else None
 
 
 def keep_failed(deps: Deps, session: Session, run: Run, attempt: Attempt, *, now: datetime) -> bool:

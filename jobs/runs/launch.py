@@ -30,6 +30,7 @@ from jobs.runs import capacity, price
 from jobs.runs.cards import refresh_card, say
 from jobs.runs.fence import check_fence
 from jobs.runs.interval import auto_interval_mtbp, follow_measured_cost
+from jobs.runs.kept import instance_keep_s
 from jobs.runs.placement import NO_CAPACITY, NoPlacement, choose_placement
 from jobs.runs.profile import window
 from jobs.runs.rows import (
@@ -116,6 +117,8 @@ def runner_env(deps: Deps, run: Run, attempt: Attempt, spec: JobSpec) -> dict[st
             contract.DATA_URI: spec.data_uri or None,
             # The notices of the cloud the instance really is on, not the one a spec names.
             contract.PREEMPTION_SOURCES: None if local else provider.capabilities.preemption_source,
+            # debug.keep_failed_instance: the boot script's own bound on a kept instance.
+            contract.KEEP_FAILED_S: instance_keep_s(deps.settings, spec),
         }
     )
     env |= code_env(spec, local=local)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import os
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
@@ -36,13 +37,25 @@ from jobs.lifecycle import AttemptState, RunState
 from jobs.models import Attempt, KeptInstance, Run
 from jobs.notify import CallbackJournal, DigestMessage, Message, TextMessage
 from jobs.providers.base import InstanceState, ResourceRequest
+from jobs.providers.gcp import GcpProvider
 from jobs.providers.local import REGION, ZONE, LocalProvider
 from jobs.runs import kept, reconcile
 from jobs.runs.end import end_attempt
 from jobs.service import Actor
 from jobs.settings import Settings, load_settings
+from jobs.spec import JobSpec
+from runner import env as contract
+from tests.fakes.gce_api import FakeComputeApi
 from tests.jobs.local_plane import Clock, local_deps
+from tests.jobs.providers import test_boot_scripts as boot_scripts
 from tests.jobs.providers.contract import launch_request, wait_for_state
+from tests.jobs.providers.test_boot_scripts import (
+    AWS_T4,
+    GCP_A100,
+    GCP_ZONE,
+    run_startup_script,
+    run_user_data,
+)
 from tests.jobs.test_aws_control_plane import all_instances, make_aws
 from tests.waiting import wait_until
 
@@ -311,6 +324,12 @@ def test_the_admin_maximum_cuts_the_time_asked(settings: Settings) -> None:
     assert kept.keep_seconds(settings, run) == (7200.0, None)
     off = settings.model_copy(update={"keep_failed_instance_max_s": 0.0})
     assert kept.keep_seconds(off, run) == (0.0, 7200.0)
+    # What the attempt's boot script is told (TRAINBOT_KEEP_FAILED_S), within the maximum.
+    spec = JobSpec(name="t", command=["true"], debug={"keep_failed_instance": "2h"})
+    assert kept.instance_keep_s(capped, spec) == 600
+    assert kept.instance_keep_s(settings, spec) == 7200
+    assert kept.instance_keep_s(off, spec) is None
+    assert kept.instance_keep_s(settings, JobSpec(name="t", command=["true"])) is None
 
 
 # -- AWS on moto's server -------------------------------------------------------------------
@@ -320,13 +339,13 @@ def test_a_kept_ec2_instance_is_terminated_when_its_time_is_up_and_billed_in_the
     moto: dict[str, Any], session: boto3.session.Session, db_engine: Engine, tmp_path: Path
 ) -> None:
     settings = load_settings({"TRAINBOT_STATE_DIR": str(tmp_path / "state")})
-    aws = make_aws(moto, session)
+    ec2 = make_aws(moto, session)
     clock, posts = Clock(FAILED_AT), Posts()
     run_id, attempt_id = f"r-{uuid.uuid4().hex[:8]}", f"a-{uuid.uuid4().hex[:8]}"
     request = ResourceRequest(
         cloud="aws", region="us-east-1", accelerator_type="A10G", accelerator_count=1
     )
-    info = aws.launch(
+    info = ec2.launch(
         launch_request(
             request, ["trainbot-runner", "exec", "--", "python", "train.py"],
             zone="us-east-1a", run_id=run_id, attempt_id=attempt_id,
@@ -335,7 +354,7 @@ def test_a_kept_ec2_instance_is_terminated_when_its_time_is_up_and_billed_in_the
     deps = Deps(
         settings=settings,
         engine=db_engine,
-        provider=aws,
+        provider=ec2,
         notifier=posts,
         journal=CallbackJournal(lambda *_: None),
         clock=clock,
@@ -353,8 +372,51 @@ def test_a_kept_ec2_instance_is_terminated_when_its_time_is_up_and_billed_in_the
         instance_id = fail_then_expire(deps, clock, posts, run_id=run_id, attempt_id=attempt_id)
         hint = f"aws ssm start-session --target {instance_id} --region us-east-1"
         assert any(hint in t for t in posts.texts()), posts.texts()
-        [ec2] = [i for i in all_instances(moto["url"]) if i["InstanceId"] == instance_id]
-        assert ec2["State"]["Name"] in ("shutting-down", "terminated")
+        [described] = [i for i in all_instances(moto["url"]) if i["InstanceId"] == instance_id]
+        assert described["State"]["Name"] in ("shutting-down", "terminated")
         check_digest(deps, run_id=run_id)
     finally:
         deps.close()
+
+
+# -- the instance's own side: the boot scripts --------------------------------------------------
+
+#: The fake Compute API and a provider on it, as the boot scripts' tests have them.
+gce, gcp = boot_scripts.gce, boot_scripts.gcp
+
+
+@pytest.mark.parametrize(("code", "keeps"), [(3, True), (75, False), (0, False)])
+def test_the_aws_boot_script_keeps_a_failed_instance_up_for_its_time_then_halts(
+    moto: dict[str, Any], session: boto3.session.Session, tmp_path: Path, code: int, keeps: bool
+) -> None:
+    # A failure's instance waits TRAINBOT_KEEP_FAILED_S before it halts (the control plane
+    # terminates it by then); a preempted (75) or finished (0) runner halts at once.
+    env = {contract.KEEP_FAILED_S.name: "1"}
+    req = launch_request(AWS_T4, ["sh", "-c", f"exit {code}"], zone="us-east-1a", env=env)
+    began = time.monotonic()
+    script = make_aws(moto, session).render_user_data(req)
+    stderr = run_user_data(script, tmp_path, installed=True)
+    took = time.monotonic() - began
+    console = (tmp_path / "console").read_text()
+    assert f"trainbot-runner exited with code {code}" in console, stderr
+    assert ("keeping this instance up to 1 s" in console) is keeps, console
+    if keeps:
+        assert took >= 1.0, took
+    assert (tmp_path / "shutdown").read_text() == "shutdown -h now\n", "it halts all the same"
+
+
+@pytest.mark.parametrize(("code", "keeps"), [(3, True), (75, False)])
+def test_the_gcp_startup_script_keeps_a_failed_instance_up_for_its_time_then_halts(
+    gcp: GcpProvider, gce: FakeComputeApi, tmp_path: Path, code: int, keeps: bool
+) -> None:
+    env = {contract.KEEP_FAILED_S.name: "1"}
+    command = ["sh", "-c", f"exit {code}"]
+    info = gcp.launch(launch_request(GCP_A100, command, zone=GCP_ZONE, env=env))
+    began = time.monotonic()
+    done = run_startup_script(gcp, gce, info.instance_id, tmp_path)
+    took = time.monotonic() - began
+    out = done.stdout.decode(errors="replace")
+    assert f"runner exited {code}; halting" in out, (out, done.stderr)
+    assert ("keeping this instance up to 1 s" in out) is keeps, out
+    if keeps:
+        assert took >= 1.0, took
