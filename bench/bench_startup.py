@@ -267,15 +267,13 @@ def main(argv: list[str] | None = None) -> None:
                 setup_s.append(first.prepared.seconds)
                 built_s.append(first.code_s + first.prepared.seconds)
                 archive_bytes = store.list(f"{ENV_DIR}/{key}.tar.gz")[0].size
+                if not args.moved:  # a fresh instance, the same scratch path: nothing there
+                    shutil.rmtree(first.cwd)
                 settle(opts)
                 order = ("ours", "raw") if r % 2 == 0 else ("raw", "ours")
                 for contender in order:
                     if contender == "ours":
-                        if args.moved:
-                            code_dir = root / f"r{r}-attempt-2" / "code"
-                        else:  # a fresh instance, the same scratch path: nothing there yet
-                            code_dir = root / f"r{r}-attempt-1" / "code"
-                            shutil.rmtree(code_dir)
+                        code_dir = root / f"r{r}-attempt-{2 if args.moved else 1}" / "code"
                         second = attempt(base, archive, code_dir, store)
                         if second.prepared.how != "restored":
                             raise BenchError(f"attempt 2 did not restore: {second.lines()}")
