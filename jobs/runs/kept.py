@@ -25,7 +25,7 @@ from jobs.deps import Deps
 from jobs.errors import ConflictError
 from jobs.format import clock, duration, usd
 from jobs.models import Attempt, KeptInstance, Run
-from jobs.providers.base import InstanceNotFound, ProviderError
+from jobs.providers.base import InstanceNotFound, InstanceState, ProviderError
 from jobs.runs.cards import refresh_card, say
 from jobs.runs.fence import check_fence
 from jobs.runs.rows import get_run
@@ -184,11 +184,35 @@ def release(deps: Deps, run_id: str, actor: Actor) -> list[KeptInstance]:
     return [r for r in (_end(deps, row, by=actor.user) for row in rows) if r is not None]
 
 
+#: The states of a kept instance that ended without us: its keeping (and billing) ends.
+_GONE = (InstanceState.PREEMPTED, InstanceState.TERMINATED, InstanceState.LOST)
+
+
 def expire_kept(deps: Deps, *, now: datetime) -> int:
-    """Terminate the kept instances whose time is up (the scheduled reconcile); how many."""
+    """Terminate the kept instances whose time is up (the scheduled reconcile), and end
+    the keeping of those that went on their own (reclaimed, terminated outside
+    trainbot), so they bill no more; how many ended."""
     with session_scope(deps.engine) as session:
-        due = [r for r in live_kept(session) if r.until <= now]
-    return sum(_end(deps, row, by="time") is not None for row in due)
+        rows = live_kept(session)
+    ended = 0
+    for row in rows:
+        if row.until <= now:
+            ended += _end(deps, row, by="time") is not None
+        elif _gone(deps, row):
+            ended += _end(deps, row, by="gone") is not None
+    return ended
+
+
+def _gone(deps: Deps, row: KeptInstance) -> bool:
+    """Whether a kept instance is no more (a failed runner's process that ended is still
+    there to look at: its instance, or the local provider's directory)."""
+    try:
+        return deps.provider_named(row.provider).status(row.instance_id).state in _GONE
+    except InstanceNotFound:
+        return True
+    except ProviderError as exc:
+        log.info("status of kept instance %s: %s", row.instance_id, exc)
+        return False
 
 
 def _end(deps: Deps, row: KeptInstance, *, by: str) -> KeptInstance | None:
@@ -222,13 +246,12 @@ def _end(deps: Deps, row: KeptInstance, *, by: str) -> KeptInstance | None:
             "kept_instance_ended", kept.run_id, instance=kept.instance_id, by=by, held=held
         )
         if run is not None:
-            why = "its time is up" if by == "time" else f"released by {by}"
-            say(
-                deps,
-                run,
-                "info",
-                f"Kept instance {kept.instance_id} is terminated ({why}) after {held}.",
-            )
+            if by == "gone":
+                text = f"Kept instance {kept.instance_id} ended outside trainbot after {held}."
+            else:
+                why = "its time is up" if by == "time" else f"released by {by}"
+                text = f"Kept instance {kept.instance_id} is terminated ({why}) after {held}."
+            say(deps, run, "info", text)
             refresh_card(deps, session, run)
         session.flush()
         session.expunge(kept)

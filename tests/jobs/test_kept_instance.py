@@ -300,6 +300,25 @@ def test_release_ends_a_kept_instance_early_for_its_owner_only(
         assert spend.run_spent(session, "r-2") == pytest.approx(PRICE * (2 + 5 / 60))
 
 
+def test_a_kept_instance_that_ends_outside_trainbot_bills_no_more(
+    local: tuple[Deps, Clock, Posts],
+) -> None:
+    deps, clock, posts = local
+    instance_id, pid = running_sleeper(deps, 5)
+    clock.now = FAILED_AT
+    end_attempt(deps, "a-5", state=AttemptState.FAILED, exit_code=1, reason="exit 1")
+    deps.provider.terminate(instance_id)  # by hand, outside trainbot
+    assert not alive(pid)
+    clock.now = FAILED_AT + timedelta(minutes=2)
+    assert reconcile(deps)["released"] == 1
+    with session_scope(deps.engine) as session:
+        row = session.get(KeptInstance, "a-5")
+        assert row is not None and row.ended_by == "gone" and row.ended_at == clock.now
+        spend.accrue(session, now=FAILED_AT + timedelta(hours=1))
+        assert spend.run_spent(session, "r-5") == pytest.approx(PRICE * (2 + 2 / 60))
+    assert any(f"{instance_id} ended outside trainbot after 2 min" in t for t in posts.texts())
+
+
 def test_a_preempted_attempt_or_a_spec_without_the_option_is_not_kept(
     local: tuple[Deps, Clock, Posts],
 ) -> None:
