@@ -26,6 +26,7 @@ from jobs.errors import ConflictError
 from jobs.format import clock, duration, usd
 from jobs.models import Attempt, KeptInstance, Run
 from jobs.providers.base import InstanceNotFound, InstanceState, ProviderError
+from jobs.providers.gang import node_ids
 from jobs.runs.cards import refresh_card, say
 from jobs.runs.fence import check_fence
 from jobs.runs.rows import get_run
@@ -114,32 +115,32 @@ def _off_text(attempt: Attempt, asked: float) -> str:
     )
 
 
-def _aws_hint(settings: Settings, row: KeptInstance) -> str:
+def _aws_hint(settings: Settings, node: str, zone: str | None) -> str:
     # An instance outside the provider's home region carries it: ``REGION/i-…``.
-    region, sep, raw = row.instance_id.rpartition("/")
+    region, sep, raw = node.rpartition("/")
     if not sep:
-        region = settings.aws_region or (row.zone[:-1] if row.zone else "")
+        region = settings.aws_region or (zone[:-1] if zone else "")
     return shlex.join(
         ["aws", "ssm", "start-session", "--target", raw, *(["--region", region] if region else [])]
     )
 
 
-def _gcp_hint(settings: Settings, row: KeptInstance) -> str:
-    # GCP instance ids are ``ZONE/NAME``; a gang's id names its first node.
-    zone, _, name = row.instance_id.partition("/")
-    words = ["gcloud", "compute", "ssh", name or zone, "--zone", row.zone or zone]
+def _gcp_hint(settings: Settings, node: str, zone: str | None) -> str:
+    # GCP instance ids are ``ZONE/NAME``.
+    in_zone, _, name = node.partition("/")
+    words = ["gcloud", "compute", "ssh", name or in_zone, "--zone", in_zone if name else zone or ""]
     if settings.gcp_project:
         words += ["--project", settings.gcp_project]
     return shlex.join(words)
 
 
-def _local_hint(settings: Settings, row: KeptInstance) -> str:
+def _local_hint(settings: Settings, node: str, zone: str | None) -> str:
     # The local provider's instances are directories under the state directory.
-    return shlex.join(["cd", str(settings.state_dir / "local" / row.instance_id)])
+    return shlex.join(["cd", str(settings.state_dir / "local" / node)])
 
 
-#: How a person reaches a kept instance, per provider.
-CONNECT: dict[str, Callable[[Settings, KeptInstance], str]] = {
+#: How a person reaches one instance (one node of a gang), per provider.
+CONNECT: dict[str, Callable[[Settings, str, str | None], str]] = {
     "aws": _aws_hint,
     "gcp": _gcp_hint,
     "local": _local_hint,
@@ -147,11 +148,14 @@ CONNECT: dict[str, Callable[[Settings, KeptInstance], str]] = {
 
 
 def connect_hint(settings: Settings, row: KeptInstance) -> str:
-    """The command that connects to a kept instance."""
+    """The command that connects to a kept instance; for a gang, one per node."""
     hint = CONNECT.get(row.provider)
+    nodes = node_ids(row.instance_id)
     if hint is None:
         return f"{row.provider} instance {row.instance_id}"
-    return hint(settings, row)
+    if len(nodes) == 1:
+        return hint(settings, nodes[0], row.zone)
+    return "; ".join(f"node {rank}: {hint(settings, n, row.zone)}" for rank, n in enumerate(nodes))
 
 
 def live_kept(session: Session) -> list[KeptInstance]:

@@ -334,6 +334,26 @@ def test_a_preempted_attempt_or_a_spec_without_the_option_is_not_kept(
         assert session.get(KeptInstance, "a-4") is None
 
 
+def test_the_connect_command_names_each_node_of_a_gang_where_it_is(settings: Settings) -> None:
+    project = settings.model_copy(update={"gcp_project": "ml-prod"})
+
+    def row(provider: str, instance_id: str, zone: str) -> KeptInstance:
+        return KeptInstance(
+            attempt_id="a-1", run_id="r-1", provider=provider, instance_id=instance_id,
+            zone=zone, kept_at=FAILED_AT, until=FAILED_AT,
+        )  # fmt: skip
+
+    gang = row("aws", "i-0a+us-west-2/i-0b", "us-east-1c")
+    assert kept.connect_hint(settings, gang) == (
+        "node 0: aws ssm start-session --target i-0a --region us-east-1; "
+        "node 1: aws ssm start-session --target i-0b --region us-west-2"
+    )
+    gcp_node = row("gcp", "us-central1-b/trainbot-a-1-0123456789", "us-central1-b")
+    assert kept.connect_hint(project, gcp_node) == (
+        "gcloud compute ssh trainbot-a-1-0123456789 --zone us-central1-b --project ml-prod"
+    )
+
+
 def test_the_admin_maximum_cuts_the_time_asked(settings: Settings) -> None:
     capped = settings.model_copy(update={"keep_failed_instance_max_s": 600.0})
     run = Run(
