@@ -61,8 +61,16 @@ JOBS: dict[str, Callable[[Deps], Any]] = {
     "escalation": tasks.escalation_job,
     "cleanup": tasks.cleanup_job,
     "digest": tasks.digest_job,
+    "rollup": tasks.rollup_job,
 }
-INTERVALS_S = {"reconcile": 30, "price": 60, "spend": 60, "escalation": 60, "cleanup": 3600}
+INTERVALS_S = {
+    "reconcile": 30,
+    "price": 60,
+    "spend": 60,
+    "escalation": 60,
+    "cleanup": 3600,
+    "rollup": 3600,
+}
 LEASE = LEADER_LEASE
 #: Seconds a lease lasts unless renewed; the elector renews it every third of that, so
 #: a leader that dies is replaced within this time (and one that stalls steps down).

@@ -20,6 +20,7 @@ from jobs import alerts, spend
 from jobs.db import session_scope
 from jobs.deps import Deps
 from jobs.errors import SpecError, TrainbotError
+from jobs.event_rollup import prune_ended_runs
 from jobs.format import usd
 from jobs.lifecycle import AttemptState, RunState
 from jobs.locations import check_prefix, checkpoint_root
@@ -46,6 +47,7 @@ from jobs.runs import (
 from jobs.runs.relaunch import watch_prices
 from jobs.severity import Severity
 from jobs.spec import Notify, Retention, stored_section
+from jobs.spend.rollup import roll_up_spend
 from jobs.staging.retention import expire_staged
 from runner.errors import RunnerError
 from runner.retention import RetentionPolicy, prune
@@ -452,6 +454,24 @@ def cleanup_job(deps: Deps) -> list[dict[str, Any]]:
             select(Run.id).where(col(Run.last_committed_step).is_not(None))
         ).all()
     return [prune_run(deps, run_id) for run_id in run_ids]
+
+
+def rollup_job(deps: Deps) -> dict[str, int]:
+    """Bound the database's growth: roll old spend records up (per hour after a day,
+    per day after a month; :mod:`jobs.spend.rollup`) and prune the event streams of runs
+    ended past their retention (:mod:`jobs.event_rollup`). Figures read afterwards (the
+    digest, summaries, ``/metrics``) are the same."""
+    now = deps.clock()
+    with session_scope(deps.engine) as session:
+        spent = roll_up_spend(session, now=now)
+    with session_scope(deps.engine) as session:
+        pruned = prune_ended_runs(session, now=now)
+    return {
+        "spend_merged": spent.merged,
+        "spend_written": spent.written,
+        "events_deleted": pruned.events,
+        "points_thinned": pruned.points,
+    }
 
 
 # ----------------------------------------------------------------------------- digest

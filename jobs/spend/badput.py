@@ -36,6 +36,7 @@ from typing import Any
 from sqlalchemy import or_
 from sqlmodel import Session, col, select
 
+from jobs.event_rollup import weight
 from jobs.lifecycle import AttemptState
 from jobs.models import Attempt, EventRow, MetricBlock, Run, SpendRecord
 
@@ -175,7 +176,8 @@ def _facts(
                 step_s = _number(data.get("step_time_s"))
                 wait = _number(data.get("data_wait_fraction"))
                 if step_s is not None and wait is not None:
-                    points[block.attempt_id].append((float(at), step_s, wait))
+                    # A point thinned after the run's retention stands for several.
+                    points[block.attempt_id].append((float(at), step_s * weight(data), wait))
         paid: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
         for record in session.exec(
             select(SpendRecord).where(col(SpendRecord.attempt_id).in_(ids))
