@@ -207,8 +207,21 @@ def make_venv(venv: Path) -> None:
             text=True,
         ).stdout.strip()
         if purelib:
-            own = {sysconfig.get_paths()["purelib"], *site.getsitepackages()}
-            Path(purelib, "zz_trainbot_runner.pth").write_text("\n".join(sorted(own)) + "\n")
+            Path(purelib, "zz_trainbot_runner.pth").write_text("\n".join(_runner_sites()) + "\n")
+
+
+def _runner_sites() -> list[str]:
+    """The package directories the runner's own interpreter sees, in its order: its
+    virtual environment's, and the image's that a ``.pth`` there adds (the installer's
+    ``trainbot-image-packages.pth``: a Deep Learning AMI's torch lives in
+    ``/opt/pytorch``, not in the base interpreter a virtual environment is made from)."""
+    found = [sysconfig.get_paths()["purelib"], *site.getsitepackages()]
+    found += [
+        p
+        for p in sys.path
+        if os.path.basename(p.rstrip(os.sep)) in ("site-packages", "dist-packages")
+    ]
+    return [p for p in dict.fromkeys(found) if os.path.isdir(p)]
 
 
 def activated(environ: Mapping[str, str], venv: Path | None) -> dict[str, str]:

@@ -692,7 +692,7 @@ def test_gcp_image_the_spec_names_must_exist(gce: FakeComputeApi) -> None:
 
 #: The team's script: which commit it runs in, and the package its setup installed.
 CODE_PROBE = """\
-import json, os, pathlib, sys
+import importlib.util, json, os, pathlib, sys
 import tinydep
 
 json.dump(
@@ -701,6 +701,7 @@ json.dump(
         "cwd": os.getcwd(),
         "tinydep": tinydep.VERSION,
         "python": sys.prefix,
+        "torch": importlib.util.find_spec("torch") is not None,
     },
     open(sys.argv[1], "w"),
 )
@@ -801,6 +802,7 @@ def code_ran(team: TeamCode, out: Path, log: str, scratch: Path) -> None:
     assert got["tinydep"] == "1.0"
     assert Path(got["cwd"]) == scratch / "code"
     assert Path(got["python"]) == scratch / "code" / ".venv"
+    assert got["torch"], "the image's torch, seen from the code's virtual environment too"
 
 
 @pytest.mark.slow
