@@ -557,6 +557,6 @@ class KeptInstance(SQLModel, table=True):
     connect: str = ""
     #: When it was terminated (its spend stops here); None while it is kept.
     ended_at: datetime | None = Field(default=None, sa_type=UTCDateTime)
-    #: Who ended it: a user id (``/train release``), ``"time"``, or ``"gone"`` (it ended
-    #: outside trainbot: reclaimed, terminated by hand).
+    #: Who ended it: a user id (``/train release``), ``"time"``, ``"budget"`` (the run's
+    #: hard cap), or ``"gone"`` (it ended outside trainbot: reclaimed, terminated by hand).
     ended_by: str | None = None

@@ -31,7 +31,8 @@ from jobs.runs.cards import refresh_card, say
 from jobs.runs.fence import check_fence
 from jobs.runs.rows import get_run
 from jobs.settings import Settings
-from jobs.spec import Debug, JobSpec, stored_section
+from jobs.spec import BudgetPolicy, Debug, JobSpec, stored_section
+from jobs.spend import run_spent
 
 log = logging.getLogger(__name__)
 
@@ -198,13 +199,27 @@ def expire_kept(deps: Deps, *, now: datetime) -> int:
     trainbot), so they bill no more; how many ended."""
     with session_scope(deps.engine) as session:
         rows = live_kept(session)
+        capped = {row.run_id for row in rows if _at_hard_cap(session, row.run_id)}
     ended = 0
     for row in rows:
         if row.until <= now:
             ended += _end(deps, row, by="time") is not None
+        elif row.run_id in capped:
+            ended += _end(deps, row, by="budget") is not None
         elif _gone(deps, row):
             ended += _end(deps, row, by="gone") is not None
     return ended
+
+
+def _at_hard_cap(session: Session, run_id: str) -> bool:
+    """Whether the run's spend (its kept instances' included) reached its hard cap: a
+    kept instance bills, and the cap holds for it as it held for the attempts."""
+    run = session.get(Run, run_id)
+    if run is None or run.budget_usd is None:
+        return False
+    if not stored_section(run.spec, BudgetPolicy, run_id=run.id).caps_spend:
+        return False
+    return run_spent(session, run.id) >= run.budget_usd
 
 
 def _gone(deps: Deps, row: KeptInstance) -> bool:
@@ -217,6 +232,10 @@ def _gone(deps: Deps, row: KeptInstance) -> bool:
     except ProviderError as exc:
         log.info("status of kept instance %s: %s", row.instance_id, exc)
         return False
+
+
+#: Why a kept instance ended, by its ``ended_by`` (else a person released it).
+_WHY = {"time": "its time is up", "budget": "the run's spend reached its hard budget cap"}
 
 
 def _end(deps: Deps, row: KeptInstance, *, by: str) -> KeptInstance | None:
@@ -253,7 +272,7 @@ def _end(deps: Deps, row: KeptInstance, *, by: str) -> KeptInstance | None:
             if by == "gone":
                 text = f"Kept instance {kept.instance_id} ended outside trainbot after {held}."
             else:
-                why = "its time is up" if by == "time" else f"released by {by}"
+                why = _WHY.get(by, f"released by {by}")
                 text = f"Kept instance {kept.instance_id} is terminated ({why}) after {held}."
             say(deps, run, "info", text)
             refresh_card(deps, session, run)

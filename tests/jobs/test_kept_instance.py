@@ -101,11 +101,15 @@ def add_failing_attempt(
     instance_id: str,
     zone: str,
     keep: str | None = KEEP,
+    budget_usd: float | None = None,
 ) -> None:
-    """A run RUNNING on attempt 1, two hours in, whose spec keeps a failed instance."""
+    """A run RUNNING on attempt 1, two hours in, whose spec keeps a failed instance;
+    ``budget_usd``: its hard cap."""
     spec: dict[str, Any] = {"name": "tiny", "command": ["python", "train.py"]}
     if keep is not None:
         spec["debug"] = {"keep_failed_instance": keep}
+    if budget_usd is not None:
+        spec["budget"] = {"usd": budget_usd}
     with Session(engine) as session:
         session.add(
             Run(
@@ -115,6 +119,7 @@ def add_failing_attempt(
                 requester="ada",
                 channel="#ml",
                 state=RunState.RUNNING,
+                budget_usd=budget_usd,
             )
         )
         session.flush()
@@ -205,7 +210,9 @@ def local(tmp_path: Path, db_engine: Engine) -> Iterator[tuple[Deps, Clock, Post
         yield deps, clock, posts
 
 
-def running_sleeper(deps: Deps, n: int, *, keep: str | None = KEEP) -> tuple[str, int]:
+def running_sleeper(
+    deps: Deps, n: int, *, keep: str | None = KEEP, budget_usd: float | None = None
+) -> tuple[str, int]:
     """Run r-N on attempt a-N, whose local instance's process sleeps (``add_failing_attempt``):
     the instance's id and the process's pid."""
     run_id, attempt_id = f"r-{n}", f"a-{n}"
@@ -225,6 +232,7 @@ def running_sleeper(deps: Deps, n: int, *, keep: str | None = KEEP) -> tuple[str
         instance_id=info.instance_id,
         zone=ZONE,
         keep=keep,
+        budget_usd=budget_usd,
     )
     return info.instance_id, int(pid_file.read_text())
 
@@ -317,6 +325,26 @@ def test_a_kept_instance_that_ends_outside_trainbot_bills_no_more(
         spend.accrue(session, now=FAILED_AT + timedelta(hours=1))
         assert spend.run_spent(session, "r-5") == pytest.approx(PRICE * (2 + 2 / 60))
     assert any(f"{instance_id} ended outside trainbot after 2 min" in t for t in posts.texts())
+
+
+def test_a_kept_instance_stops_at_the_runs_hard_budget_cap(
+    local: tuple[Deps, Clock, Posts],
+) -> None:
+    deps, clock, posts = local
+    # Two hours at $1.20 spent $2.40 of $2.50: the kept instance has five minutes.
+    _, pid = running_sleeper(deps, 6, budget_usd=2.5)
+    clock.now = FAILED_AT
+    end_attempt(deps, "a-6", state=AttemptState.FAILED, exit_code=1, reason="exit 1")
+    for minutes, released in ((4, 0), (6, 1)):
+        clock.now = FAILED_AT + timedelta(minutes=minutes)
+        with session_scope(deps.engine) as session:
+            spend.accrue(session, now=clock.now)  # the spend job's minute
+        assert reconcile(deps)["released"] == released, minutes
+    assert not alive(pid)
+    with session_scope(deps.engine) as session:
+        row = session.get(KeptInstance, "a-6")
+        assert row is not None and row.ended_by == "budget"
+    assert any("reached its hard budget cap" in t for t in posts.texts()), posts.texts()
 
 
 def test_a_preempted_attempt_or_a_spec_without_the_option_is_not_kept(
