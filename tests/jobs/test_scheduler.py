@@ -105,6 +105,7 @@ def test_a_job_runs_its_body(db_engine, settings, tmp_path) -> None:  # type: ig
     try:
         assert run_job(deps, "reconcile") == {
             "adopted": 0, "ended": 0, "orphans": 0, "running": 0, "launched": 0, "lost": 0,
+            "watched": 0, "released": 0,
         }  # fmt: skip
         assert run_job(deps, "escalation") == []
         assert run_job(deps, "cleanup") == []
