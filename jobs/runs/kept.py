@@ -24,6 +24,7 @@ from jobs.db import session_scope
 from jobs.deps import Deps
 from jobs.errors import ConflictError
 from jobs.format import clock, duration, usd
+from jobs.lifecycle import RunState
 from jobs.models import Attempt, KeptInstance, Run
 from jobs.providers.base import InstanceNotFound, InstanceState, ProviderError
 from jobs.providers.gang import node_ids
@@ -56,11 +57,16 @@ def instance_keep_s(settings: Settings, spec: JobSpec) -> int | None:
     return seconds if seconds > 0 else None
 
 
+#: Runs ended on purpose (a person's stop, the budget cap) before their runner's failure
+#: came in: the failure is the stop's, and nothing is kept.
+_ENDED_ON_PURPOSE = (RunState.STOPPED, RunState.BUDGET_EXCEEDED)
+
+
 def keep_failed(deps: Deps, session: Session, run: Run, attempt: Attempt, *, now: datetime) -> bool:
     """In the transaction that ends ``attempt`` as FAILED: keep its instance when the
     spec asks to, and say in the run's thread how to connect. True: kept (the caller
     leaves it running)."""
-    if attempt.instance_id is None:
+    if attempt.instance_id is None or run.state in _ENDED_ON_PURPOSE:
         return False
     seconds, asked = keep_seconds(deps.settings, run)
     if seconds <= 0:

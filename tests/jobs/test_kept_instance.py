@@ -347,7 +347,7 @@ def test_a_kept_instance_stops_at_the_runs_hard_budget_cap(
     assert any("reached its hard budget cap" in t for t in posts.texts()), posts.texts()
 
 
-def test_a_preempted_attempt_or_a_spec_without_the_option_is_not_kept(
+def test_a_preempted_or_stopped_attempt_or_a_spec_without_the_option_is_not_kept(
     local: tuple[Deps, Clock, Posts],
 ) -> None:
     deps, _, _ = local
@@ -357,9 +357,18 @@ def test_a_preempted_attempt_or_a_spec_without_the_option_is_not_kept(
     second, _ = running_sleeper(deps, 4)
     end_attempt(deps, "a-4", state=AttemptState.PREEMPTED, exit_code=143, reason="preempted")
     wait_for_state(deps.provider, second, {InstanceState.TERMINATED})
+    # A person stopped the run, and its runner's failure came in before the stop's end.
+    third, _ = running_sleeper(deps, 7)
     with session_scope(deps.engine) as session:
-        assert session.get(KeptInstance, "a-3") is None
-        assert session.get(KeptInstance, "a-4") is None
+        run = session.get(Run, "r-7")
+        assert run is not None
+        run.state = RunState.STOPPED
+        session.add(run)
+    end_attempt(deps, "a-7", state=AttemptState.FAILED, exit_code=1, reason="exit 1")
+    wait_for_state(deps.provider, third, {InstanceState.TERMINATED})
+    with session_scope(deps.engine) as session:
+        for attempt_id in ("a-3", "a-4", "a-7"):
+            assert session.get(KeptInstance, attempt_id) is None, attempt_id
 
 
 def test_the_connect_command_names_each_node_of_a_gang_where_it_is(settings: Settings) -> None:
