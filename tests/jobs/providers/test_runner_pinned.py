@@ -374,54 +374,6 @@ def play_aws(script: str, root: Path, env: dict[str, str]) -> str:
     return (done.stdout + done.stderr).decode(errors="replace")
 
 
-@pytest.mark.slow
-def test_aws_instance_installs_the_control_planes_wheel_from_the_control_plane(
-    moto: dict[str, Any], plane: Plane, wheel: Wheel, tmp_path: Path
-) -> None:
-    """No index, no bucket access (no IMDS at all): the wheel comes from the control
-    plane, with the attempt's token from the root-only environment file."""
-    url, bucket = moto["url"], moto["bucket"]
-    aws = aws_provider(moto, RunnerInstall(mode="wheel"))
-    out = tmp_path / "ran.json"
-    req = launch_request(
-        T4,
-        ["python", "-c", PROBE, str(out)],
-        zone="us-east-1a",
-        env=attempt_env(plane, TRAINBOT_CHECKPOINT_URI=f"s3://{bucket}/ckpt"),
-    )
-    plane.add_attempt(req.run_id, req.attempt_id)
-    info = aws.launch(req)
-
-    # The default image: the Deep Learning AMI, through AWS's public SSM parameter.
-    [reservation] = fake.client("ec2", url).describe_instances(InstanceIds=[info.instance_id])[
-        "Reservations"
-    ]
-    assert reservation["Instances"][0]["ImageId"] == moto["image"]
-    script = user_data(url, info.instance_id)
-    assert runner_config(script)["wheel"] == {
-        "url": f"{plane.url}{RUNNER_WHEEL_PATH}?sha256={wheel.sha256}",
-        "sha256": wheel.sha256,
-        "size": wheel.path.stat().st_size,
-        "file": wheel.file_name,
-        "token_from": "env-file",
-    }
-    assert "KeyCount" in (listed := fake.client("s3", url).list_objects_v2(Bucket=bucket))
-    assert listed["KeyCount"] == 0, "nothing is put in the run's bucket"
-
-    imds = f"http://127.0.0.1:{closed_port()}"
-    log = play_aws(script, tmp_path / "instance", {"TRAINBOT_BOOT_IMDS_URL": imds, **no_index()})
-    got = ran(out, log)
-    venv = tmp_path / "instance" / "opt"
-    assert got["runner"].startswith(str(venv)), "the runner the instance runs is the wheel's"
-    assert got["version"] == control_plane_version() == wheel.version
-    assert got["torch"], "the image's torch, seen through the venv"
-    assert not list(venv.glob("lib/python*/site-packages/torch")), "torch was not installed"
-    assert f"fetching the runner wheel from {plane.url}{RUNNER_WHEEL_PATH}" in log
-    assert TOKEN not in log, "the token is never printed"
-    assert (tmp_path / "instance" / "shutdown").read_text() == "shutdown -h now\n"
-    assert "trainbot-runner exited with code 0" in (tmp_path / "instance" / "console").read_text()
-
-
 def test_aws_instance_with_a_token_the_control_plane_refuses_fails_clearly(
     moto: dict[str, Any], plane: Plane, wheel: Wheel, tmp_path: Path
 ) -> None:
@@ -601,40 +553,6 @@ def play_gcp(
     return (done.stdout + done.stderr).decode(errors="replace")
 
 
-@pytest.mark.slow
-def test_gcp_instance_installs_the_control_planes_wheel_from_the_control_plane(
-    gce: FakeComputeApi, plane: Plane, wheel: Wheel, tmp_path: Path
-) -> None:
-    """The token comes from the instance's trainbot-env metadata; no bucket, no index."""
-    gcp = gcp_provider(gce, RunnerInstall(mode="wheel"))
-    out = tmp_path / "ran.json"
-    req = launch_request(
-        A100,
-        [str(tmp_path / "instance" / "venv" / "bin" / "python"), "-c", PROBE, str(out)],
-        zone=GCP_ZONE,
-        env=attempt_env(plane, TRAINBOT_CHECKPOINT_URI="gs://no-such-bucket/ckpt"),
-    )
-    plane.add_attempt(req.run_id, req.attempt_id)
-    info = gcp.launch(req)
-
-    assert gce.boot_image(*info.instance_id.split("/", 1)) == GCP_DEFAULT_IMAGE, "a DLVM"
-    instance = gce.instance(*info.instance_id.split("/", 1))
-    assert instance is not None
-    metadata = {i["key"]: i["value"] for i in instance["metadata"]["items"]}
-    config = json.loads(metadata["trainbot-runner"])
-    assert config["wheel"]["url"] == f"{plane.url}{RUNNER_WHEEL_PATH}?sha256={wheel.sha256}"
-    assert config["wheel"]["token_from"] == "gce-metadata"
-    assert TOKEN not in json.dumps(config), "the token stays in trainbot-env only"
-
-    log = play_gcp(gce, gcp, info.instance_id, tmp_path / "instance", no_index())
-    got = ran(out, log)
-    assert got["runner"].startswith(str(tmp_path / "instance" / "venv"))
-    assert got["version"] == control_plane_version() == wheel.version
-    assert got["torch"]
-    assert TOKEN not in log
-    assert "runner exited 0" in log
-
-
 def test_gcp_instance_with_a_revoked_token_fails_clearly(
     gce: FakeComputeApi, plane: Plane, wheel: Wheel, tmp_path: Path
 ) -> None:
@@ -692,8 +610,8 @@ def test_gcp_image_the_spec_names_must_exist(gce: FakeComputeApi) -> None:
 
 #: The team's script: which commit it runs in, and the package its setup installed.
 CODE_PROBE = """\
-import importlib.util, json, os, pathlib, sys
-import tinydep
+import importlib.metadata, importlib.util, json, os, pathlib, sys
+import runner, tinydep
 
 json.dump(
     {
@@ -702,6 +620,8 @@ json.dump(
         "tinydep": tinydep.VERSION,
         "python": sys.prefix,
         "torch": importlib.util.find_spec("torch") is not None,
+        "runner": runner.__file__,
+        "version": importlib.metadata.version("trainbot"),
     },
     open(sys.argv[1], "w"),
 )
@@ -794,15 +714,38 @@ def team_code(tmp_path: Path) -> Iterator[TeamCode]:
         yield TeamCode(tmp_path / "team", base, repo)
 
 
-def code_ran(team: TeamCode, out: Path, log: str, scratch: Path) -> None:
+def code_ran(team: TeamCode, out: Path, log: str, scratch: Path) -> dict[str, Any]:
     """The probe ran in the pinned commit's checkout, with setup's package, in the
-    code's own virtual environment."""
+    code's own virtual environment; what it saw."""
     got = ran(out, log)
     assert got["commit"] == team.pinned != team.head, "the commit pinned at submit"
     assert got["tinydep"] == "1.0"
     assert Path(got["cwd"]) == scratch / "code"
     assert Path(got["python"]) == scratch / "code" / ".venv"
     assert got["torch"], "the image's torch, seen from the code's virtual environment too"
+    assert got["version"] == control_plane_version()
+    return got
+
+
+def launched_from_the_default_image_with_the_wheel(
+    moto: dict[str, Any], plane: Plane, wheel: Wheel, instance_id: str
+) -> None:
+    """The default image (the Deep Learning AMI, through AWS's public SSM parameter); the
+    user data names the control plane's wheel, its token read from the root-only
+    environment file; nothing is put in the run's bucket for it."""
+    [reservation] = fake.client("ec2", moto["url"]).describe_instances(InstanceIds=[instance_id])[
+        "Reservations"
+    ]
+    assert reservation["Instances"][0]["ImageId"] == moto["image"]
+    assert runner_config(user_data(moto["url"], instance_id))["wheel"] == {
+        "url": f"{plane.url}{RUNNER_WHEEL_PATH}?sha256={wheel.sha256}",
+        "sha256": wheel.sha256,
+        "size": wheel.path.stat().st_size,
+        "file": wheel.file_name,
+        "token_from": "env-file",
+    }
+    listed = fake.client("s3", moto["url"]).list_objects_v2(Bucket=moto["bucket"])
+    assert listed["KeyCount"] == 0, "nothing is put in the run's bucket"
 
 
 @pytest.mark.slow
@@ -831,11 +774,20 @@ def test_aws_boot_checks_out_the_pinned_commit_and_builds_then_restores_its_envi
             aws, plane, T4, zone="us-east-1a", number=number, out=out, store=s3
         )
         root = tmp_path / f"instance-{number}"
+        script = user_data(url, instance_id)
+        if number == 1:
+            launched_from_the_default_image_with_the_wheel(moto, plane, wheel, instance_id)
         image = {"TRAINBOT_BOOT_HOME": str(tmp_path / "instance-1" / "opt")} if number > 1 else {}
-        log = play_aws(user_data(url, instance_id), root, {**imds, **image})
-        code_ran(team_code, out, log, root / "scratch")
+        log = play_aws(script, root, {**imds, **image})
+        got = code_ran(team_code, out, log, root / "scratch")
         logs.append(log)
-    assert "fetching the runner wheel from" in logs[0]
+        venv = tmp_path / "instance-1" / "opt"
+        assert got["runner"].startswith(str(venv)), "the runner the instance runs is the wheel's"
+        assert f"tok-code-{number}" not in log, "the token is never printed"
+        assert (root / "shutdown").read_text() == "shutdown -h now\n"
+        assert "trainbot-runner exited with code 0" in (root / "console").read_text()
+    assert f"fetching the runner wheel from {plane.url}{RUNNER_WHEEL_PATH}" in logs[0]
+    assert not list(venv.glob("lib/python*/site-packages/torch")), "torch was not installed"
     team_code.built_then_restored(*logs)
     listed = fake.client("s3", url).list_objects_v2(Bucket=bucket, Prefix="ckpt/r-code/env/")
     names = sorted(o["Key"].rsplit("/", 1)[1] for o in listed.get("Contents", []))
@@ -864,10 +816,22 @@ def test_gcp_boot_checks_out_the_pinned_commit_and_builds_then_restores_its_envi
             gcp, plane, A100, zone=GCP_ZONE, number=number, out=out, store=gcs
         )
         root = tmp_path / f"instance-{number}"
+        if number == 1:
+            assert gce.boot_image(*instance_id.split("/", 1)) == GCP_DEFAULT_IMAGE, "a DLVM"
+            instance = gce.instance(*instance_id.split("/", 1))
+            assert instance is not None
+            metadata = {i["key"]: i["value"] for i in instance["metadata"]["items"]}
+            config = json.loads(metadata["trainbot-runner"])
+            assert config["wheel"]["url"] == f"{plane.url}{RUNNER_WHEEL_PATH}?sha256={wheel.sha256}"
+            assert config["wheel"]["token_from"] == "gce-metadata"
+            assert "tok-code-1" not in json.dumps(config), "the token stays in trainbot-env"
         image = {"TRAINBOT_VENV": str(tmp_path / "instance-1" / "venv")} if number > 1 else {}
         log = play_gcp(gce, gcp, instance_id, root, {**no_index(), **image})
-        code_ran(team_code, out, log, root / "state" / "scratch")
+        got = code_ran(team_code, out, log, root / "state" / "scratch")
         logs.append(log)
+        assert got["runner"].startswith(str(tmp_path / "instance-1" / "venv"))
+        assert f"tok-code-{number}" not in log
+        assert "runner exited 0" in log
     assert "installing the runner" in logs[0]
     team_code.built_then_restored(*logs)
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_emulator)
