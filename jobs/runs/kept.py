@@ -100,16 +100,16 @@ def keep_failed(deps: Deps, session: Session, run: Run, attempt: Attempt, *, now
 def kept_text(row: KeptInstance, *, attempt_number: int, cut: float | None = None) -> str:
     """The thread's line for a kept instance: what it costs, until when, how to connect,
     how to end it."""
-    hours = (row.until - row.kept_at).total_seconds()
+    seconds = (row.until - row.kept_at).total_seconds()
     price = (
         f"{usd((row.price_per_hour or 0.0) * row.instances)}/h"
         if row.price_per_hour is not None
         else "its usual price"
     )
-    cut_text = f" (asked {duration(cut)}; the admin's most is {duration(hours)})" if cut else ""
+    cut_text = f" ({duration(cut)} asked, cut to the admin's maximum)" if cut else ""
     return (
         f"Attempt {attempt_number}'s instance {row.instance_id} is kept running for you to "
-        f"look at, for {duration(hours)}{cut_text}, until {clock(row.until)}, billed at "
+        f"look at, for {duration(seconds)}{cut_text}, until {clock(row.until)}, billed at "
         f"{price}. Connect: `{row.connect}`. "
         f"End it sooner with `/train release {row.run_id}`."
     )
