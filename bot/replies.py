@@ -227,5 +227,9 @@ def spec_list(found: Catalog) -> str:
 def released(run_id: str, instances: Sequence[str]) -> str:
     """``/train release``: which kept instances of the run were terminated."""
     if not instances:
-        return f"{run_id}'s kept instance is already being terminated."
+        return (
+            f"{run_id}'s kept instance is not terminated yet: another request is terminating "
+            "it, or its provider refused for now and reconcile tries again. "
+            f"`/train status {run_id}` shows whether it is still kept."
+        )
     return f"Released {run_id}'s kept instance {', '.join(instances)}: terminated, billing stopped."
