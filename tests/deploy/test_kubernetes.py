@@ -37,7 +37,7 @@ from tests.deploy.kube import (
 
 KUBERNETES_VERSION = "1.30.0"
 IMAGE = "ghcr.io/acme/trainbot:1.2.3"
-KUSTOMIZATIONS = ("", "migrate", "monitoring")
+KUSTOMIZATIONS = ("", "migrate", "monitoring", "backup")
 Obj = dict[str, Any]
 
 
@@ -248,7 +248,7 @@ def test_manifests_validate_strictly(tmp_path: Path) -> None:
     tree = copy_tree(tmp_path)
     set_image(tree, IMAGE)
     files = []
-    for name in ("", "migrate"):  # monitoring/ is a CRD's object: no schema here
+    for name in ("", "migrate", "backup"):  # monitoring/ is a CRD's object: no schema here
         for i, obj in enumerate(render(tree / "deploy" / "kubernetes" / name)):
             path = tmp_path / f"{name or 'app'}-{i}-{obj['kind']}.yaml"
             path.write_text(yaml.safe_dump(obj))
@@ -334,3 +334,39 @@ def test_probes_and_scrapes_use_the_admin_port_which_the_public_service_does_not
     admin = docs[("Service", "trainbot-admin")]["spec"]
     assert admin["clusterIP"] == "None"
     assert [p["targetPort"] for p in admin["ports"]] == ["admin"]
+
+
+# --- backups ----------------------------------------------------------------------------
+
+
+def test_the_backup_cronjob_applies_after_the_install_and_runs_the_shipped_script(
+    tmp_path: Path,
+) -> None:
+    tree = copy_tree(tmp_path)
+    set_image(tree, IMAGE)
+    cluster = run_commands(readme_install(), tree, with_optional=False)
+    assert cluster.problems == []
+    for obj in render(tree / "deploy" / "kubernetes" / "backup"):
+        cluster.apply(obj)
+    assert cluster.problems == []
+    cron = of(cluster, "CronJob", "trainbot-backup")
+    assert cron["spec"]["concurrencyPolicy"] == "Forbid"
+    assert cluster.secrets_named_by(cron) == {"trainbot-database"}  # no Slack secret
+    pod = pod_spec(cron)
+    assert pod is not None
+    (container,) = containers(cron)
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["backups"]["persistentVolumeClaim"]["claimName"] == "trainbot-backups"
+    assert cluster.has("PersistentVolumeClaim", "trainbot-backups")
+    # The script it runs is the one tests/deploy/test_backup.py runs against PostgreSQL.
+    script = container["command"][-1]
+    assert script.startswith(mounts["scripts"] + "/")
+    scripts = of(cluster, "ConfigMap", volumes["scripts"]["configMap"]["name"])
+    shipped = KUBERNETES / "backup" / Path(script).name
+    assert scripts["data"][Path(script).name] == shipped.read_text()
+    env = {e["name"]: e for e in container["env"]}
+    assert env["DATABASE_URL"]["valueFrom"]["configMapKeyRef"]["key"] == "TRAINBOT_DATABASE_URL"
+    password = env["PGPASSWORD_FILE"]["value"]
+    assert password.startswith(mounts["secrets"] + "/")
+    assert env["BACKUP_DIR"]["value"] == mounts["backups"]
