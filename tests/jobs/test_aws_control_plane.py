@@ -523,6 +523,7 @@ def test_spot_launch_interruption_next_zones_and_stop(
             "instances": "pass",
             "data": "pass",
             "secrets": "pass",
+            "image": "pass",
             "dry_run": "warn",
             "budget": "pass",
         }

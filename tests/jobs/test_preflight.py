@@ -922,7 +922,9 @@ def test_full_preflight_with_the_real_dry_run(tmp_path: Path) -> None:
         names: list[str] = []
         report = run_preflight(ctx, on_result=lambda r: names.append(r.name))
 
-        assert names == ["quota", "capacity", "instances", "data", "secrets", "dry_run", "budget"]
+        assert names == [
+            "quota", "capacity", "instances", "data", "secrets", "image", "dry_run", "budget",
+        ]  # fmt: skip
         statuses = {r.name: r.status for r in report.results}
         assert statuses == dict.fromkeys(names, Status.PASS), [r.detail for r in report.results]
         assert report.ok and not report.needs_confirmation

@@ -157,6 +157,7 @@ def preflight_then_launch(cp: ControlPlane, notes: on_aws.Recorder, marker: Path
         "instances",
         "data",
         "secrets",
+        "image",
         "dry_run",
         "budget",
     ]
