@@ -26,11 +26,13 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
+from typing import Any
 
-from sqlalchemy import delete
+from sqlalchemy import Row, delete, insert
+from sqlalchemy import select as sa_select
 from sqlmodel import Session, col, select
 
-from jobs.models import KeptInstance, SpendRecord
+from jobs.models import KeptInstance, SpendRecord, table_of
 
 #: Records whose period ended this long ago are rolled up per hour.
 HOURLY_AFTER = timedelta(days=1)
@@ -39,6 +41,11 @@ DAILY_AFTER = timedelta(days=30)
 #: After a roll-up, the most records one attempt keeps per bucket: the roll-up and the
 #: one record that straddles the bucket's end.
 ROWS_PER_BUCKET = 2
+
+
+#: Ids per DELETE statement (well under SQLite's and PostgreSQL's parameter limits).
+_CHUNK = 5000
+_SPEND = table_of(SpendRecord)
 
 
 @dataclass(frozen=True)
@@ -69,36 +76,42 @@ def roll_up_spend(session: Session, *, now: datetime) -> RollupResult:
         (None, now - DAILY_AFTER, timedelta(days=1)),
         (now - DAILY_AFTER, now - HOURLY_AFTER, timedelta(hours=1)),
     ):
-        query = select(SpendRecord).where(col(SpendRecord.period_end) <= until)
+        # Plain rows, not ORM objects: a first pass over a long history reads hundreds
+        # of thousands, and the session's identity map would make each delete slow.
+        c = _SPEND.c
+        query = sa_select(_SPEND).where(c.period_end <= until)
         if since is not None:
-            query = query.where(col(SpendRecord.period_end) > since)
-        records = session.exec(
-            query.order_by(col(SpendRecord.attempt_id), col(SpendRecord.period_start))
-        ).all()
+            query = query.where(c.period_end > since)
+        records = session.execute(query.order_by(c.attempt_id, c.period_start)).all()
+        gone: list[int] = []
+        rolled: list[dict[str, object]] = []
         for group in _groups(records, size=size, kept_at=kept_at):
             if len(group) < 2:
                 continue
-            _merge(session, group)
-            merged += len(group)
-            written += 1
-        session.flush()
+            first, last = group[0], group[-1]
+            gone += [r.id for r in group]
+            rolled.append(
+                {
+                    "attempt_id": first.attempt_id,
+                    "run_id": first.run_id,
+                    "period_start": first.period_start,
+                    "period_end": last.period_end,
+                    "usd": math.fsum(r.usd for r in group),
+                    "instances": first.instances,
+                    "price_per_hour": first.price_per_hour,
+                }
+            )
+        for chunk in range(0, len(gone), _CHUNK):
+            ids = gone[chunk : chunk + _CHUNK]
+            session.execute(
+                delete(SpendRecord).where(col(SpendRecord.id).in_(ids)),
+                execution_options={"synchronize_session": False},
+            )
+        if rolled:
+            session.execute(insert(SpendRecord), rolled)
+        merged += len(gone)
+        written += len(rolled)
     return RollupResult(merged=merged, written=written)
-
-
-def _merge(session: Session, group: list[SpendRecord]) -> None:
-    first, last = group[0], group[-1]
-    session.execute(delete(SpendRecord).where(col(SpendRecord.id).in_([r.id for r in group])))
-    session.add(
-        SpendRecord(
-            attempt_id=first.attempt_id,
-            run_id=first.run_id,
-            period_start=first.period_start,
-            period_end=last.period_end,
-            usd=math.fsum(r.usd for r in group),
-            instances=first.instances,
-            price_per_hour=first.price_per_hour,
-        )
-    )
 
 
 def _floor(at: datetime, size: timedelta) -> datetime:
@@ -108,11 +121,11 @@ def _floor(at: datetime, size: timedelta) -> datetime:
 
 
 def _groups(
-    records: Sequence[SpendRecord], *, size: timedelta, kept_at: dict[str, datetime]
-) -> Iterator[list[SpendRecord]]:
+    records: Sequence[Row[Any]], *, size: timedelta, kept_at: dict[str, datetime]
+) -> Iterator[list[Row[Any]]]:
     """Runs of contiguous records of one attempt, price and instance count, wholly
     inside one bucket and on one side of the attempt's kept-instance moment."""
-    group: list[SpendRecord] = []
+    group: list[Row[Any]] = []
     key: tuple[object, ...] | None = None
     for record in records:
         start, end = _utc(record.period_start), _utc(record.period_end)
