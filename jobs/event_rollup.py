@@ -28,7 +28,9 @@ from sqlalchemy import delete, func
 from sqlmodel import Session, col, select
 
 from jobs.ingest.writers import event_datetime
-from jobs.models import EventRow, MetricBlock, Run
+from jobs.models import EventRow, MetricBlock, Run, table_of
+
+_EVENTS = table_of(EventRow)
 
 #: How long after its end a run keeps its whole event stream.
 KEEP_AFTER_END = timedelta(days=30)
@@ -64,11 +66,14 @@ def prune_ended_runs(
     """Prune the event streams of the runs that ended ``keep`` ago, in the caller's
     transaction. Running it again changes nothing."""
     ended = select(Run.id).where(col(Run.ended_at).is_not(None), col(Run.ended_at) < now - keep)
-    gone = session.execute(
-        delete(EventRow)
-        .where(col(EventRow.run_id).in_(ended), col(EventRow.type).not_in(KEPT_TYPES))
-        .returning(col(EventRow.id))
-    ).all()
+    # On the session's connection: a Core result, which has the rowcount.
+    gone = (
+        session.connection()
+        .execute(
+            delete(_EVENTS).where(_EVENTS.c.run_id.in_(ended), _EVENTS.c.type.not_in(KEPT_TYPES))
+        )
+        .rowcount
+    )
     dense = session.exec(
         select(MetricBlock.attempt_id)
         .where(col(MetricBlock.run_id).in_(ended))
@@ -77,7 +82,7 @@ def prune_ended_runs(
         .having(func.count() > 1)
     ).all()
     thinned = sum(_thin(session, attempt_id) for attempt_id in dense)
-    return PruneResult(events=len(gone), points=thinned)
+    return PruneResult(events=gone, points=thinned)
 
 
 def _thin(session: Session, attempt_id: str) -> int:
