@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -47,21 +46,38 @@ def server_url() -> str:
 
 @pytest.fixture
 def databases(server_url: str) -> Iterator[tuple[str, str]]:
-    """Two fresh databases on the test server: the source and the restore target."""
-    names = [f"trainbot_backup_{uuid.uuid4().hex[:10]}_{role}" for role in ("src", "dst")]
+    """Two empty databases on the test server: the source and the restore target.
+
+    Made once per xdist worker and emptied (their schema dropped and made again) before
+    and after each test, not dropped: DROP DATABASE waits for a checkpoint, seconds on a
+    busy server."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    names = [f"trainbot_backup_{worker}_{role}" for role in ("src", "dst")]
     admin = make_engine(server_url).execution_options(isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as connection:
-            for name in names:
+    base = make_url(server_url)
+    urls = [base.set(database=n).render_as_string(False) for n in names]
+    with admin.connect() as connection:
+        for name in names:
+            there = connection.execute(
+                text("SELECT 1 FROM pg_database WHERE datname = :name"), {"name": name}
+            ).first()
+            if there is None:
                 connection.execute(text(f'CREATE DATABASE "{name}"'))
-        base = make_url(server_url)
-        source, target = (base.set(database=n).render_as_string(False) for n in names)
-        yield source, target
+    admin.dispose()
+    _empty(urls)
+    try:
+        yield urls[0], urls[1]
     finally:
-        with admin.connect() as connection:
-            for name in names:
-                connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+        _empty(urls)
+
+
+def _empty(urls: list[str]) -> None:
+    for url in urls:
+        engine = make_engine(url)
+        with engine.begin() as connection:
+            connection.execute(text("DROP SCHEMA public CASCADE"))
+            connection.execute(text("CREATE SCHEMA public"))
+        engine.dispose()
 
 
 def _fill(engine: Engine) -> None:
