@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 _BASE_BACKOFF_S = 0.25
 #: How much of an error response body goes into the log.
 _BODY_LOG_CHARS = 500
+#: Events the control plane must hear at once, not at the next flush interval: a notice
+#: leaves a window of seconds, and the exit is the attempt's report.
+_PROMPT = frozenset({"preemption_notice", "exit"})
 
 
 @dataclass
@@ -137,8 +140,10 @@ class Reporter(EventSink):
         """Validate, number and spool one event; the sender thread ships it later."""
         payload = _validate(type, data)
         event = self._spool.append(type, unix_now() if time is None else time, payload)
-        if self._spool.pending >= self._pacing.batch_max:
+        prompt = type in _PROMPT
+        if prompt or self._spool.pending >= self._pacing.batch_max:
             with self._cond:
+                self._flush_wanted = self._flush_wanted or prompt
                 self._cond.notify_all()
         return event
 

@@ -162,6 +162,24 @@ def test_revoked_token_stops_sending_and_keeps_the_spool(
     again.close()
 
 
+@pytest.mark.parametrize("kind", ["preemption_notice", "exit"])
+def test_a_notice_and_an_exit_go_out_at_once(server: FakeIngest, tmp_path: Path, kind: str) -> None:
+    """Metrics wait for the flush interval; a notice (a window of seconds) and the exit
+    (the attempt's report) are sent as soon as they are emitted, with what came before."""
+    r = reporter(server, tmp_path, flush_interval_s=60)
+    r.emit("metrics", metric(0))
+    time.sleep(0.3)
+    assert server.accepted_seqs() == [], "metrics wait for the interval"
+    data = (
+        {"source": "signal", "time_left_s": 30.0}
+        if kind == "preemption_notice"
+        else {"code": 75, "reason": "preempted"}
+    )
+    r.emit(kind, data)
+    wait_until(lambda: server.accepted_seqs() == [0, 1], 5, f"the {kind} sent")
+    r.close()
+
+
 def test_a_rejected_batch_is_dropped_alone(
     server: FakeIngest, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
