@@ -265,8 +265,14 @@ class RankWriter:
         return self.gang.save(step, shared, metrics=metrics, copy=copy)
 
     def wait(self, timeout: float | None = None) -> CommitInfo | None:
+        """Wait for this rank's part, then (rank 0) the step's commit: ``timeout`` for
+        both together, not each (a notice window's wait must end by its deadline)."""
+        until = None if timeout is None else time.monotonic() + timeout
         part = self.part.wait(timeout=timeout)
-        return part if self.gang is None else self.gang.wait(timeout=timeout)
+        if self.gang is None:
+            return part
+        left = None if until is None else max(0.0, until - time.monotonic())
+        return self.gang.wait(timeout=left)
 
     def close(self) -> None:
         self.part.close()

@@ -35,8 +35,10 @@ from runner.distributed.gang import Gang
 from runner.distributed.parts import RankWriter, part_dir
 from runner.distributed.vote import GO, PREEMPT, STOP, Vote
 from runner.errors import CheckpointError, RunnerError, StoreError
+from runner.layout import MANIFEST, step_dir
 from runner.session import Session, Stateful
 from runner.session.config import SessionConfig
+from runner.session.notice import NoticeWindow
 from runner.state import capture_rng
 from runner.telemetry import FileSink
 
@@ -185,9 +187,33 @@ class DistributedSession(Session):
         # torn (and, with sharded state, the others waiting in DCP's collective save).
         return self.gang.all_ok(super()._should_flush(stopped))
 
+    def _flush_on_notice(self) -> None:
+        super()._flush_on_notice()
+        if self.rank and self._window is not None and self._flush_report is not None:
+            self._flush_report = self._gang_report(self._window)
+
+    def _gang_report(self, window: NoticeWindow) -> dict[str, Any]:
+        """The flush report of a rank other than 0, which knows that its own part landed,
+        not that the step did (rank 0 commits it once every part is in): what it says is
+        committed is what the store holds (one look; a listing only when the step is not
+        there), and a flush whose part alone landed did not land."""
+        committed = self.committed_step
+        try:
+            if committed is not None and not self.store.exists(f"{step_dir(committed)}/{MANIFEST}"):
+                below = [e.step for e in list_committed(self.store) if e.step < committed]
+                committed = max(below, default=None)
+        except StoreError as exc:
+            log.warning("could not tell which step is committed: %s", exc)
+        for flush in window.flushes:
+            if flush.landed and (committed is None or flush.step > committed):
+                flush.landed = False
+        return window.report(step=self.step, committed_step=committed, now=time.monotonic())
+
     def close(self) -> None:
         # Rank 0 may still wait for parts: no rank exits (and so no rank's torchrun
-        # agent tears the gang down) before the step is committed.
+        # agent tears the gang down) before the step is committed. A preempted rank's
+        # exit leaves first: the kill at the deadline comes whatever the ranks wait for.
+        self._send_preempted_exit()
         try:
             self.writer.wait()
             self.gang.barrier()

@@ -117,6 +117,8 @@ class Session(OnNotice):
         self._window: NoticeWindow | None = None
         #: What the flushes of a preempted exit did (the exit event's ``flush``).
         self._flush_report: dict[str, Any] | None = None
+        #: Whether the exit event has been emitted (a preempted one goes first).
+        self._exit_sent = False
         #: The script's alerts sent, per title (session.alert's wait).
         self._alerts = AlertGate()
         #: Whether the supervisor's notice (with the real deadline) has been read.
@@ -174,16 +176,7 @@ class Session(OnNotice):
         if self.prefetch is not None:
             self.prefetch.close()
             self.prefetch = None
-        data: dict[str, Any] = {"code": self.exit_code, "reason": self._exit_reason()}
-        preempted = data["reason"] == "preempted"
-        if preempted:
-            # The instance is going away: the exit (the flush report) leaves now, not after
-            # a write still in flight, which would hold it past the kill (issue 29). The
-            # write goes on while the process lives; the next attempt restores whatever
-            # is committed by then.
-            if self._flush_report is not None:
-                data["flush"] = self._flush_report
-            self.sink.emit("exit", data)
+        self._send_preempted_exit()
         self.writer.close()
         if self._pollers is not None:
             self._pollers.stop()
@@ -191,9 +184,24 @@ class Session(OnNotice):
         if self._signals is not None:
             self._signals.__exit__(None, None, None)
             self._signals = None
-        if not preempted:
-            self.sink.emit("exit", data)
+        if not self._exit_sent:
+            self._exit_sent = True
+            self.sink.emit("exit", {"code": self.exit_code, "reason": self._exit_reason()})
         self.sink.close()
+
+    def _send_preempted_exit(self) -> None:
+        """A preempted attempt's exit, with its flush report, sent now: the instance is
+        going away, and the exit must not wait for a write still in flight (or, on a
+        gang, for the other ranks), which would hold it past the kill (issue 29). The
+        write goes on while the process lives; the next attempt restores whatever is
+        committed by then. Any other exit is sent last, once everything is done."""
+        if self._exit_sent or self._exit_reason() != "preempted":
+            return
+        self._exit_sent = True
+        data: dict[str, Any] = {"code": self.exit_code, "reason": "preempted"}
+        if self._flush_report is not None:
+            data["flush"] = self._flush_report
+        self.sink.emit("exit", data)
 
     def _exit_reason(self) -> str:
         if self.exit_code == EXIT_SUCCEEDED:

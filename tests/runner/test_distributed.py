@@ -29,6 +29,7 @@ from runner.distributed import DistributedSession, Gang, WorldSizeError, part_di
 from runner.distributed.parts import GangWriter, PartWriter
 from runner.errors import CheckpointError
 from runner.session import EverySteps, SessionConfig
+from runner.session.notice import REPORT_S
 from runner.state import capture_rng
 from runner.store import run_store
 
@@ -361,3 +362,61 @@ def test_fsdp_saves_on_two_ranks_and_resumes_on_one_and_on_two(tmp_path: Path) -
     # Another world size without --fresh-local: each rank's own state cannot be split.
     stuck = _fsdp(ck, 1, "--steps", "12")
     assert "saved by 2 ranks and this run has 1" in stuck["error"]
+
+
+# -- a preempted gang's exit
+
+
+def _gang_noticed(tmp: Path, *, window_s: float, own_floats: int) -> list[dict[str, Any]]:
+    """Two ranks (processes of ddp_notice_child.py) noticed at the same step, their store
+    slowing down so that the flush outlasts the window: what each rank emitted, and when."""
+    init = tmp / "pg-init"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINBOT_")}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", WORLD_SIZE="2", GLOO_SOCKET_IFNAME="lo")
+    procs = []
+    for rank in range(2):
+        cmd = [
+            sys.executable, "-m", "tests.runner.ddp_notice_child", "--init", str(init),
+            "--store", str(tmp / "ck"), "--out", str(tmp / f"rank-{rank}.json"),
+            "--window-s", str(window_s), "--own-floats", str(own_floats),
+        ]  # fmt: skip
+        err = open(tmp / f"err-{rank}.txt", "w")  # noqa: SIM115 (closed below)
+        procs.append((subprocess.Popen(cmd, env={**env, "RANK": str(rank)}, stderr=err), err))
+    for proc, err in procs:
+        proc.wait(timeout=120)
+        err.close()
+    out = []
+    for rank, (proc, _) in enumerate(procs):
+        assert proc.returncode == 0, (tmp / f"err-{rank}.txt").read_text()[-3000:]
+        out.append(json.loads((tmp / f"rank-{rank}.json").read_text()))
+    return out
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    "own_floats",
+    [1 << 18, 1 << 16],
+    ids=["every-part-slow", "parts-land-the-step-does-not"],
+)
+def test_a_preempted_gang_sends_each_ranks_exit_before_the_deadline(
+    tmp_path: Path, own_floats: int
+) -> None:
+    """A flush that outlasts the window must not hold the exit (and its flush report)
+    past the kill on any rank: rank 0's commit waits for every rank's part, and the ranks
+    meet at the end, but the instance is killed at the deadline whatever they wait for.
+    With small parts, rank 0's own part lands in the window and the step's replicated
+    state does not: the wait for both together ends by the deadline (it once waited the
+    time left for each in turn)."""
+    window_s = 2.0
+    ranks = _gang_noticed(tmp_path, window_s=window_s, own_floats=own_floats)
+    for r in ranks:
+        [exit_event] = [e for e in r["events"] if e["type"] == "exit"]
+        assert exit_event["data"]["code"] == 75 and r["exit_code"] == 75, exit_event
+        before = r["deadline"] - exit_event["at"]
+        # Most of the report's time (REPORT_S, 0.4 s) is left for the exit to leave.
+        assert before > REPORT_S / 2, (r["rank"], before, exit_event["data"])
+        report = exit_event["data"]["flush"]
+        assert report["notice_step"] == 9 and report["committed_step"] == 5, report
+        assert not report["flushes"][0]["landed"], report
+        # The write went on after the exit: the processes ended once it was done.
+        assert r["closed"] > r["deadline"], (r["closed"], r["deadline"])

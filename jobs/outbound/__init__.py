@@ -1,0 +1,1 @@
+"""What the control plane sends out: typed notices for chat, PagerDuty events, and the backoff their senders share."""
