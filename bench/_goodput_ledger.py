@@ -1,7 +1,7 @@
 """Where a run's paid time went: the accounting of bench_goodput, over plain rows.
 
 Paid time is what the attempt rows say (``ended_at − started_at``, summed, as
-``jobs.tasks.run_summary`` sums it). Each attempt's span is cut at the times its
+``jobs.background.tasks.run_summary`` sums it). Each attempt's span is cut at the times its
 runner's events give (one clock: the control plane and the runner share the machine):
 
     launched ─ startup ─ up ─ set-up ─ first step … last step ─ tail ──────── ┐

@@ -30,7 +30,7 @@ replies arrived, for both contenders.
 
 Goal: ``ratio = HTTP p99 ÷ 100 ms <= 1`` (Slack's own deadline is 3,000 ms), met in
 five ``--quick`` runs of five rounds each (``p99_ms_by_round`` lists each round's p99).
-The server is the control plane's own (waitress, :mod:`jobs.server`); a change of server
+The server is the control plane's own (waitress, :mod:`jobs.web.server`); a change of server
 is judged against runs of the previous code taken in the same sitting, alternating with
 the new. The last line of stdout is one JSON object with the figures.
 """
@@ -62,11 +62,11 @@ from slack_bolt import BoltRequest
 from bench._ack_client import CHANNEL, SECRET, TEAM, USER, burst
 from bot.slack_notifier import SlackNotifier
 from bot.slack_wsgi import SlackFrontEnd, attach
-from jobs import service
-from jobs.bootstrap import ControlPlane
-from jobs.lifecycle import RunState
-from jobs.service import Actor
-from jobs.settings import load_settings
+from jobs.domain.lifecycle import RunState
+from jobs.process.bootstrap import ControlPlane
+from jobs.process.settings import load_settings
+from jobs.usecases import service
+from jobs.usecases.service import Actor
 from tests.fakes.slack_api import FakeSlack
 
 GOAL_P99_MS = 100.0

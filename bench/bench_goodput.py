@@ -1,6 +1,6 @@
 """Goodput of a long run under random preemptions, on the real control plane, time-compressed.
 
-The whole product runs as ``trainbot demo`` runs it: a :class:`~jobs.bootstrap.ControlPlane`
+The whole product runs as ``trainbot demo`` runs it: a :class:`~jobs.process.bootstrap.ControlPlane`
 on SQLite with its ingest API and scheduler, the local spot provider, ``trainbot-runner
 exec`` around a training process that uses the session API (``bench/_goodput_child.py``).
 A run of a fixed number of steps is submitted with ``checkpoint.interval: auto``, so the
@@ -128,19 +128,19 @@ from bench._goodput_ledger import (
     periodic_stalls,
     split_attempt,
 )
-from jobs import tasks
-from jobs.bootstrap import ControlPlane
-from jobs.db import session_scope
-from jobs.errors import TrainbotError
-from jobs.lifecycle import RunState
-from jobs.metrics import run_metrics
-from jobs.models import Attempt, EventRow, Run
-from jobs.notify import CallbackJournal, Message, MessageRef
+from jobs.background import tasks
+from jobs.database.db import session_scope
+from jobs.database.metrics import run_metrics
+from jobs.database.models import Attempt, EventRow, Run
+from jobs.domain.errors import TrainbotError
+from jobs.domain.lifecycle import RunState
+from jobs.outbound.notify import CallbackJournal, Message, MessageRef
+from jobs.process.bootstrap import ControlPlane
+from jobs.process.settings import load_settings
 from jobs.providers import local
 from jobs.providers.base import ProviderError
 from jobs.providers.local import LocalProvider
-from jobs.service import Actor, confirm, stop, submit, wait_for
-from jobs.settings import load_settings
+from jobs.usecases.service import Actor, confirm, stop, submit, wait_for
 from runner.checkpoint import CheckpointWriter
 from runner.errors import RunnerError
 from runner.preemption import daly_interval
@@ -834,7 +834,7 @@ def _figures(
                 )
             ).all()
         ]
-        events += [  # metrics are stored by the batch (jobs.metrics)
+        events += [  # metrics are stored by the batch (jobs.database.metrics)
             RunEvent(p.attempt_id, "metrics", p.time, p.data)
             for p in run_metrics(session.connection(), run_id)
         ]

@@ -50,10 +50,10 @@ from sqlalchemy import Engine, text
 from sqlalchemy.engine import make_url
 from sqlmodel import Session
 
-from jobs.db import make_engine, migrate
+from jobs.database.db import make_engine, migrate
+from jobs.database.models import Attempt, Run, hash_token
+from jobs.domain.lifecycle import AttemptState
 from jobs.ingest import IngestService
-from jobs.lifecycle import AttemptState
-from jobs.models import Attempt, Run, hash_token
 from jobs.rules import Rule, RunContext, Signal, default_rules
 from jobs.spec import AlertThresholds
 from runner.wire import Event, decode_batch_columns, encode_batch

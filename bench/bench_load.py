@@ -77,14 +77,14 @@ from bench._ack_client import SECRET, TEAM, USER
 from bench._common import BenchError, child_env, log, run
 from bench.bench_ack_latency import Sink, summary
 from bench.bench_ingest import postgres_engine
-from jobs.deps import load_secret
-from jobs.errors import TrainbotError
-from jobs.lifecycle import AttemptState, RunState
-from jobs.models import Attempt, EventRow, MetricBlock, Run, hash_token, table_of, utcnow
+from jobs.database.models import Attempt, EventRow, MetricBlock, Run, hash_token, table_of, utcnow
+from jobs.database.replica_tables import LEADER_LEASE, SchedulerLease
+from jobs.domain.errors import TrainbotError
+from jobs.domain.lifecycle import AttemptState, RunState
+from jobs.process.deps import load_secret
+from jobs.process.settings import SHIPPED_SPECS_DIR
 from jobs.providers.base import LaunchRequest, ResourceRequest
 from jobs.providers.local import LocalProvider
-from jobs.replica_tables import LEADER_LEASE, SchedulerLease
-from jobs.settings import SHIPPED_SPECS_DIR
 from jobs.spec import load_spec
 from tests.fakes.slack_api import FakeSlack
 

@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING, Any
 from bot import commands
 from bot.auth import Ask, Authorizer, Caller, Denial
 from bot.dispatch import dispatch
-from jobs import api_tokens
-from jobs.deps import Deps
-from jobs.errors import TrainbotError
+from jobs.domain.errors import TrainbotError
+from jobs.process.deps import Deps
+from jobs.web import api_tokens
 
 if TYPE_CHECKING:
     from wsgiref.types import StartResponse, WSGIEnvironment

@@ -31,8 +31,8 @@ from bot.listeners import home as home_listeners
 from bot.listeners import runs as run_listeners
 from bot.listeners import spec_yaml as spec_yaml_listeners
 from bot.workpool import WORK_THREADS, WorkPool
-from jobs.deps import Deps
-from jobs.settings import Settings
+from jobs.process.deps import Deps
+from jobs.process.settings import Settings
 
 __all__ = ["LISTENER_THREADS", "WORK_THREADS", "SlackSetupError", "build_app", "work_pool"]
 

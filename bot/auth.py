@@ -46,9 +46,9 @@ from dataclasses import dataclass
 from slack_sdk import WebClient
 from slack_sdk.errors import SlackApiError, SlackRequestError
 
-from jobs.notify import Journal
-from jobs.service import Actor
-from jobs.settings import Settings
+from jobs.outbound.notify import Journal
+from jobs.process.settings import Settings
+from jobs.usecases.service import Actor
 
 __all__ = [
     "CHANNEL_DENIED",

@@ -37,12 +37,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bot.commands import BotError
-from jobs.errors import SettingsError, TrainbotError
+from jobs.domain.errors import SettingsError, TrainbotError
 from jobs.providers import registration
 
 if TYPE_CHECKING:
-    from jobs.bootstrap import ControlPlane
-    from jobs.settings import Settings
+    from jobs.process.bootstrap import ControlPlane
+    from jobs.process.settings import Settings
 
 
 log = logging.getLogger(__name__)
@@ -177,8 +177,8 @@ def _shell() -> int:
     out (Ctrl-D, Ctrl-C, SIGTERM) stops its runs and their training processes and gives
     the scheduler lease back."""
     from bot.console import ConsoleNotifier, Shell
-    from jobs.bootstrap import ControlPlane
-    from jobs.settings import load_settings
+    from jobs.process.bootstrap import ControlPlane
+    from jobs.process.settings import load_settings
 
     settings = load_settings(shell_environ(os.environ))
     problem = shell_problem(settings)
@@ -211,7 +211,7 @@ def _shell() -> int:
 def shell_environ(environ: Mapping[str, str]) -> dict[str, str]:
     """The shell's settings: its ports are free ones unless set, so two shells (or a
     shell beside ``trainbot serve``) on one machine do not collide."""
-    from jobs.settings import ENV_PREFIX
+    from jobs.process.settings import ENV_PREFIX
 
     chosen = dict(environ)
     for name in ("INGEST_PORT", "ADMIN_PORT"):
@@ -254,10 +254,10 @@ def close_shell(cp: ControlPlane, *, started: bool = True) -> None:
     closed; then any training process of an on-this-machine provider still alive ends."""
     from sqlmodel import select
 
-    from jobs.actor import Actor
-    from jobs.db import session_scope
-    from jobs.models import Run
-    from jobs.service import stop
+    from jobs.database.db import session_scope
+    from jobs.database.models import Run
+    from jobs.domain.actor import Actor
+    from jobs.usecases.service import stop
 
     if started:
         with session_scope(cp.deps.engine) as session:
@@ -286,9 +286,9 @@ def close_shell(cp: ControlPlane, *, started: bool = True) -> None:
 def _migrate() -> int:
     """The schema upgrade alone, for a deploy step that runs before the replicas start
     (they also migrate at start, under the same lock; then there is nothing left to do)."""
-    from jobs.db import current_revision, make_engine, migrate
-    from jobs.logs import announce
-    from jobs.settings import load_settings
+    from jobs.database.db import current_revision, make_engine, migrate
+    from jobs.process.logs import announce
+    from jobs.process.settings import load_settings
 
     settings = load_settings(purpose="migrate")
     settings.state_dir.mkdir(parents=True, exist_ok=True)
@@ -320,9 +320,9 @@ def _serve(
     admin_port: int | None = None,
 ) -> int:
     from bot.console import ConsoleNotifier
-    from jobs.bootstrap import ControlPlane
-    from jobs.google_env import google_credentials_environ
-    from jobs.settings import ENV_PREFIX, load_settings
+    from jobs.process.bootstrap import ControlPlane
+    from jobs.process.google_env import google_credentials_environ
+    from jobs.process.settings import ENV_PREFIX, load_settings
 
     # The flags win over the environment, as in uvicorn and gunicorn; the settings are
     # validated with them (a public URL derived from the port, for one).
@@ -357,7 +357,7 @@ def _serve(
 def _banner(message: str, **fields: object) -> None:
     """The start-up line: a JSON record where the logs are JSON (a container's log
     shipper reads one format), with the version and Python it runs on."""
-    from jobs.logs import announce
+    from jobs.process.logs import announce
 
     try:
         version = importlib.metadata.version("trainbot")
@@ -417,7 +417,7 @@ def _serve_slack(settings: Settings, stop: threading.Event) -> int:
 
     from bot.slack_notifier import SlackNotifier
     from bot.slack_wsgi import attach
-    from jobs.bootstrap import ControlPlane
+    from jobs.process.bootstrap import ControlPlane
 
     problem = launch_policy_problem(settings)
     if problem is not None:
@@ -478,11 +478,11 @@ def missing_server_extra() -> list[str]:
 
 
 def _configure_logging(*, verbose: bool) -> None:
-    """Logs to stderr as TRAINBOT_LOG_FORMAT says (jobs.logs), the settings' secrets
+    """Logs to stderr as TRAINBOT_LOG_FORMAT says (jobs.process.logs), the settings' secrets
     redacted by value. Settings that do not validate are reported by the command itself;
     the logs then use the defaults and redact by pattern only."""
-    from jobs.logs import configure_logging, parse_log_level, secret_values
-    from jobs.settings import load_settings
+    from jobs.process.logs import configure_logging, parse_log_level, secret_values
+    from jobs.process.settings import load_settings
 
     # Raises SettingsError (one line, shown by main) for a value that is not a level.
     level = logging.INFO if verbose else parse_log_level(os.environ.get("TRAINBOT_LOG_LEVEL"))

@@ -22,8 +22,8 @@ from typing import TextIO
 from bot import messages
 from bot.auth import Caller, LocalAuthorizer, Policy
 from bot.dispatch import Reply, handle_text
-from jobs.deps import Deps
-from jobs.notify import AlertMessage, Message, MessageRef, RunCard
+from jobs.outbound.notify import AlertMessage, Message, MessageRef, RunCard
+from jobs.process.deps import Deps
 
 
 class ConsoleNotifier:

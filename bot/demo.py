@@ -23,18 +23,18 @@ from zoneinfo import ZoneInfo
 
 from bot import messages
 from bot.console import ConsoleNotifier, Shell
-from jobs import format as fmt
-from jobs import tasks
-from jobs.bootstrap import ControlPlane
-from jobs.db import session_scope
-from jobs.deps import Deps
-from jobs.lifecycle import RunState
-from jobs.models import Alert, Attempt, Run
-from jobs.notify import FanoutJournal, JsonlJournal
+from jobs.background import tasks
+from jobs.database.db import session_scope
+from jobs.database.models import Alert, Attempt, Run
+from jobs.domain import format as fmt
+from jobs.domain.lifecycle import RunState
+from jobs.outbound.notify import FanoutJournal, JsonlJournal
+from jobs.process.bootstrap import ControlPlane
+from jobs.process.deps import Deps
+from jobs.process.settings import load_settings
 from jobs.providers import gang
 from jobs.runs import active_attempt
-from jobs.service import wait_for
-from jobs.settings import load_settings
+from jobs.usecases.service import wait_for
 
 #: The event types a complete story contains (README: "Demo events").
 STORY = (

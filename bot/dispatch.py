@@ -16,7 +16,7 @@ Authorisation runs here too, for every front end: a front end passes the signed
 :class:`~bot.auth.Caller` and its :class:`~bot.auth.Authorizer`, and the command is
 described as an :class:`~bot.auth.Ask` (:func:`ask_for`, from its verb's declared
 permission) and decided before anything runs. Only in-process callers that already
-decided (the service's own tests) pass an :class:`~jobs.service.Actor` instead.
+decided (the service's own tests) pass an :class:`~jobs.usecases.service.Actor` instead.
 """
 
 from __future__ import annotations
@@ -33,14 +33,14 @@ from bot.auth import Ask, Authorizer, Caller
 from bot.command_types import RunCommand
 from bot.mentions import escape, mention
 from bot.verbs import ONCALL_KEY, VERBS, Reply, Verb
-from jobs.db import session_scope
-from jobs.deps import Deps
-from jobs.errors import PermissionDenied, TrainbotError
-from jobs.logs import bare_traceback
-from jobs.models import Run
-from jobs.service import Actor
+from jobs.database.db import session_scope
+from jobs.database.models import Run
+from jobs.domain.errors import PermissionDenied, TrainbotError
+from jobs.process.deps import Deps
+from jobs.process.logs import bare_traceback
 from jobs.spec import spec_from_text
 from jobs.spec.sources import load_spec_for, one_fetch_per_repository
+from jobs.usecases.service import Actor
 
 __all__ = ["Markup", "Reply", "ask_for", "dispatch", "handle_text"]
 

@@ -11,9 +11,9 @@ from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from jobs.format import clock, duration, percent, size, usd
-from jobs.format import loss as fmt_loss
-from jobs.notify import (
+from jobs.domain.format import clock, duration, percent, size, usd
+from jobs.domain.format import loss as fmt_loss
+from jobs.outbound.notify import (
     AlertMessage,
     DigestMessage,
     Message,
@@ -24,7 +24,7 @@ from jobs.notify import (
 )
 
 if TYPE_CHECKING:
-    from jobs.run_logs import RunLog
+    from jobs.usecases.run_logs import RunLog
 
 #: A reply's length: a screenful or two. Slack refuses ``text`` over 40,000 characters,
 #: and nobody reads a reply that long in a chat.

@@ -15,7 +15,7 @@ import io
 import math
 from collections.abc import Sequence
 
-from jobs.notify import DigestMessage
+from jobs.outbound.notify import DigestMessage
 
 LOSS_CURVE_FILENAME = "loss-curve.png"
 SPEND_CHART_FILENAME = "spend-chart.png"

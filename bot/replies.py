@@ -11,8 +11,8 @@ from datetime import datetime
 from typing import Any
 
 from bot.messages import MAX_REPLY_TEXT, more_not_shown, run_card
-from jobs.format import clock, percent, usd
-from jobs.notify import RunCard
+from jobs.domain.format import clock, percent, usd
+from jobs.outbound.notify import RunCard
 from jobs.spec.sources import Catalog
 
 

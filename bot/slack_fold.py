@@ -4,7 +4,7 @@ Slack takes about one message per second per channel: a runner batch of 300 warn
 posted one by one, is five minutes of queue in front of everything else in the channel.
 :class:`Folder` turns such lines into one message, edited:
 
-- Lines that share a ``fold`` key (:attr:`jobs.notify.Message.fold`, a run's runner
+- Lines that share a ``fold`` key (:attr:`jobs.outbound.notify.Message.fold`, a run's runner
   warnings) go into one message: its first line posts it; each later one replaces its
   content with the newest line and how many there were. Until the post goes out that
   is a change of the queued post (nothing more is queued); after, one ``chat.update``
@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 
-from jobs.notify import Message, MessageRef, TextMessage
+from jobs.outbound.notify import Message, MessageRef, TextMessage
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 :meth:`SlackNotifier.post` returns at once: the control plane calls it inside database
 transactions and request handlers, and Slack can take seconds, or answer 429. The
-returned :class:`~jobs.notify.MessageRef` carries a local handle
+returned :class:`~jobs.outbound.notify.MessageRef` carries a local handle
 (``"pending-<session>-<n>"``) in place of Slack's ``ts``; the caller stores it like a
 ts (a run's ``thread_ts``, an alert's ``message_ts``) and hands it back to
 :meth:`~SlackNotifier.update` or as a message's ``thread_ts``. One worker thread sends
@@ -79,8 +79,8 @@ from bot.plots import SPEND_CHART_FILENAME
 from bot.slack_fold import Folder
 from bot.slack_outbox import Outbox, OutboxLink
 from bot.slack_queue import DROPPED, HANDLE_PREFIX, Attachment, ChannelQueues, Op
-from jobs.backoff import Backoff
-from jobs.notify import AlertMessage, DigestMessage, Message, MessageRef, TextMessage
+from jobs.outbound.backoff import Backoff
+from jobs.outbound.notify import AlertMessage, DigestMessage, Message, MessageRef, TextMessage
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class _Outcome:
 
 
 class SlackNotifier:
-    """A :class:`jobs.notify.Notifier` that posts to Slack from a background worker."""
+    """A :class:`jobs.outbound.notify.Notifier` that posts to Slack from a background worker."""
 
     def __init__(
         self,
@@ -314,7 +314,7 @@ class SlackNotifier:
 
     def queue_depths(self) -> dict[str, int]:
         """Messages waiting per channel, the one in flight included (a
-        :class:`jobs.prometheus.PostQueue`, with :attr:`metrics` for the 429s)."""
+        :class:`jobs.web.prometheus.PostQueue`, with :attr:`metrics` for the 429s)."""
         with self._cond:
             return self._q.depths()
 

@@ -39,10 +39,11 @@ from sqlalchemy import Engine, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from bot.slack_queue import DROPPED, HANDLE_PREFIX, ChannelQueues, Op
-from jobs.db import claim_rows, delete_before, session_scope
-from jobs.errors import DatabaseError
-from jobs.models import table_of, utcnow
-from jobs.notify import (
+from jobs.database.db import claim_rows, delete_before, session_scope
+from jobs.database.models import table_of, utcnow
+from jobs.database.replica_tables import SlackOutbox, SlackPace
+from jobs.domain.errors import DatabaseError
+from jobs.outbound.notify import (
     AlertMessage,
     CheckLine,
     DigestMessage,
@@ -51,7 +52,6 @@ from jobs.notify import (
     RunCard,
     TextMessage,
 )
-from jobs.replica_tables import SlackOutbox, SlackPace
 
 log = logging.getLogger(__name__)
 

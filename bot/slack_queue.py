@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from jobs.notify import AlertMessage, Message
+from jobs.outbound.notify import AlertMessage, Message
 
 HANDLE_PREFIX = "pending-"
 #: The resolved value of a handle whose post Slack refused for good.

@@ -40,16 +40,16 @@ from bot.plots import LOSS_CURVE_FILENAME, loss_curve_png
 from bot.slack_notifier import AttachmentsFn, SlackNotifier
 from bot.slack_outbox import Outbox
 from bot.workpool import WorkPool
-from jobs.db import session_scope
-from jobs.metrics import run_metrics
-from jobs.notify import AlertMessage, Message
+from jobs.database.db import session_scope
+from jobs.database.metrics import run_metrics
+from jobs.outbound.notify import AlertMessage, Message
 
 if TYPE_CHECKING:
     from wsgiref.types import StartResponse, WSGIEnvironment
 
     from slack_bolt.adapter.socket_mode import SocketModeHandler
 
-    from jobs.bootstrap import ControlPlane
+    from jobs.process.bootstrap import ControlPlane
 
 __all__ = [
     "EVENTS_PATH",

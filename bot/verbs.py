@@ -40,11 +40,12 @@ from bot.commands import (
     Stop,
     Token,
 )
-from jobs import api_tokens, service
-from jobs.deps import Deps
+from jobs.process.deps import Deps
 from jobs.runs import kept
-from jobs.service import Actor
 from jobs.staging import service as staging
+from jobs.usecases import service
+from jobs.usecases.service import Actor
+from jobs.web import api_tokens
 
 __all__ = [
     "ANYONE",

@@ -26,9 +26,9 @@ from slack_sdk.errors import SlackApiError, SlackRequestError
 from slack_sdk.webhook import WebhookClient
 
 from bot.auth import Authorizer, Caller
-from jobs import service
-from jobs.deps import Deps
-from jobs.notify import Notifier, TextMessage
+from jobs.outbound.notify import Notifier, TextMessage
+from jobs.process.deps import Deps
+from jobs.usecases import service
 
 __all__ = [
     "ListenerContext",

@@ -28,11 +28,11 @@ from bot.commands import CommandError, parse_duration
 from bot.listeners import ListenerContext, action_key, caller_from_action, first_time, reply
 from bot.mentions import escape
 from bot.verbs import ANYONE, Permission
-from jobs import service
-from jobs.db import session_scope
-from jobs.errors import TrainbotError
-from jobs.models import Alert, Run
+from jobs.database.db import session_scope
+from jobs.database.models import Alert, Run
+from jobs.domain.errors import TrainbotError
 from jobs.staging import service as staging
+from jobs.usecases import service
 
 __all__ = ["ACTIONS", "DEFAULT_SNOOZE_S", "register"]
 

@@ -16,10 +16,11 @@ from slack_sdk.errors import SlackApiError, SlackRequestError
 from bot import views
 from bot.auth import Caller
 from bot.listeners import ListenerContext, caller_from_event
-from jobs import alerts, service
-from jobs.db import session_scope
-from jobs.models import Run
-from jobs.notify import AlertMessage, RunCard
+from jobs import alerts
+from jobs.database.db import session_scope
+from jobs.database.models import Run
+from jobs.outbound.notify import AlertMessage, RunCard
+from jobs.usecases import service
 
 __all__ = ["home_content", "publish_home", "register"]
 

@@ -8,7 +8,7 @@ is its root message, posted by the notifier; the person who typed the command ge
 ephemeral confirmation.
 
 A command is handled once however often Slack delivers it: its ``trigger_id`` is the
-key. A launch passes the key to :func:`jobs.service.submit`, which returns the run the
+key. A launch passes the key to :func:`jobs.usecases.service.submit`, which returns the run the
 first delivery created; every other command records the key and a repeat does nothing.
 """
 
@@ -47,8 +47,8 @@ from bot.listeners import (
 )
 from bot.mentions import escape
 from bot.verbs import VERBS
-from jobs import service
-from jobs.errors import TrainbotError
+from jobs.domain.errors import TrainbotError
+from jobs.usecases import service
 
 __all__ = [
     "CHANNEL_DENIED",

@@ -33,7 +33,7 @@ from bot.views.spec_yaml import (
     read_yaml_modal,
     yaml_modal,
 )
-from jobs.errors import SpecError
+from jobs.domain.errors import SpecError
 from jobs.spec import JobSpec, spec_from_text
 
 __all__ = ["PASTED_NAME", "register", "validate_pasted"]

@@ -19,7 +19,7 @@ from bot.views.blocks import (
     section,
 )
 from bot.views.text import clip
-from jobs.notify import AlertMessage
+from jobs.outbound.notify import AlertMessage
 
 ALERT_ACK = "alert_ack"
 ALERT_SNOOZE = "alert_snooze"

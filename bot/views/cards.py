@@ -5,9 +5,9 @@ from __future__ import annotations
 from bot import messages
 from bot.mentions import escape, mention
 from bot.views.blocks import Block, section
-from jobs.format import loss as fmt_loss
-from jobs.format import percent, usd
-from jobs.notify import RunCard, TextMessage
+from jobs.domain.format import loss as fmt_loss
+from jobs.domain.format import percent, usd
+from jobs.outbound.notify import RunCard, TextMessage
 
 _STATE_EMOJI = {
     "PENDING": ":hourglass:",

@@ -8,8 +8,8 @@ from bot import messages
 from bot.mentions import escape, mention
 from bot.views.blocks import MAX_SECTION_TEXT, Block, context, section
 from bot.views.text import channel_mention
-from jobs.format import percent, size, usd
-from jobs.notify import DigestMessage
+from jobs.domain.format import percent, size, usd
+from jobs.outbound.notify import DigestMessage
 
 
 def digest(msg: DigestMessage) -> list[Block]:

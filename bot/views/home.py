@@ -9,7 +9,7 @@ from bot import messages
 from bot.views.alerts import alert
 from bot.views.blocks import MAX_VIEW_BLOCKS, Block, context, divider, header
 from bot.views.cards import run_card
-from jobs.notify import AlertMessage, RunCard
+from jobs.outbound.notify import AlertMessage, RunCard
 
 
 def home_tab(

@@ -18,7 +18,7 @@ from bot.views.blocks import (
     section,
 )
 from bot.views.text import clip
-from jobs.notify import PreflightMessage
+from jobs.outbound.notify import PreflightMessage
 
 LAUNCH_ANYWAY = "launch_anyway"
 STAGE_DATA = "run_stage"

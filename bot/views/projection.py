@@ -8,7 +8,7 @@ from bot import messages
 from bot.mentions import escape
 from bot.views.blocks import MAX_BLOCK_ID, Block, button, context, section
 from bot.views.text import clip
-from jobs.notify import ProjectionMessage
+from jobs.outbound.notify import ProjectionMessage
 
 PROFILE_CONTINUE = "profile_continue"
 PROFILE_STOP = "profile_stop"

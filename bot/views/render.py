@@ -14,7 +14,7 @@ from bot.views.digest import digest
 from bot.views.preflight import preflight_report
 from bot.views.projection import projection
 from bot.views.text import clip_middle
-from jobs import notify
+from jobs.outbound import notify
 
 _RENDERERS: dict[type[notify.Message], Callable[[Any], list[Block]]] = {
     notify.RunCard: run_card,

@@ -22,12 +22,12 @@ stream of :class:`~jobs.rules.Signal` objects into a few alerts people can act o
   ``alerts.flap_window`` is flapping: the message says so, once.
 - Some alerts act: a signal's ``stop_after_s`` sets when trainbot stops the run if the
   alert is still open and unacknowledged (0: at once, acknowledged or not, as for a NaN
-  loss). :func:`stops_due` lists them; ``jobs.tasks`` stops the runs.
+  loss). :func:`stops_due` lists them; ``jobs.background.tasks`` stops the runs.
 
 Everything works inside the caller's session and never commits; the caller's
 ``session_scope`` does. Messages are posted from inside the transaction, after the
 row is flushed (so a racing duplicate is detected *before* anything is posted) and
-before commit (so the returned :class:`~jobs.notify.MessageRef` is stored with the
+before commit (so the returned :class:`~jobs.outbound.notify.MessageRef` is stored with the
 alert in the same transaction). ``Notifier.post`` only queues, so nothing waits on
 the network while rows are locked. The cost: if the transaction rolls back after the
 post, the queued message still goes out for an alert that was not stored; the next

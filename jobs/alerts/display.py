@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 from sqlmodel import Session
 
-from jobs.models import Alert, Run
-from jobs.notify import AlertMessage, MessageRef, Notifier
+from jobs.database.models import Alert, Run
+from jobs.outbound.notify import AlertMessage, MessageRef, Notifier
 
 
 @dataclass(frozen=True)

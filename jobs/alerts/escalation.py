@@ -9,9 +9,9 @@ from sqlalchemy import and_, or_
 from sqlmodel import Session, col, select
 
 from jobs.alerts import display
-from jobs.models import Alert, AlertState
-from jobs.notify import Journal, Notifier
-from jobs.severity import Severity
+from jobs.database.models import Alert, AlertState
+from jobs.domain.severity import Severity
+from jobs.outbound.notify import Journal, Notifier
 
 
 def escalate_due(

@@ -13,9 +13,9 @@ from datetime import datetime, timedelta
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
-from jobs.models import Alert, AlertState, alert_dedupe_key
+from jobs.database.models import Alert, AlertState, alert_dedupe_key
+from jobs.domain.severity import Severity
 from jobs.rules import Signal
-from jobs.severity import Severity
 from jobs.spec import AlertThresholds
 
 #: Severities in order: an alert's severity only ever rises.

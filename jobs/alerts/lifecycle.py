@@ -14,9 +14,9 @@ from sqlmodel import Session, col, select
 
 from jobs.alerts import display, incidents
 from jobs.alerts.display import AlertTarget
-from jobs.errors import ConflictError, NotFound, TrainbotError
-from jobs.models import Alert, AlertState, Run, alert_dedupe_key
-from jobs.notify import Journal, Notifier
+from jobs.database.models import Alert, AlertState, Run, alert_dedupe_key
+from jobs.domain.errors import ConflictError, NotFound, TrainbotError
+from jobs.outbound.notify import Journal, Notifier
 from jobs.rules import Signal
 from jobs.spec import AlertThresholds, stored_section
 

@@ -8,8 +8,8 @@ from sqlmodel import Session, col, select
 
 from jobs.alerts import display, incidents
 from jobs.alerts.lifecycle import UNRESOLVED
-from jobs.models import Alert, AlertState
-from jobs.notify import Notifier
+from jobs.database.models import Alert, AlertState
+from jobs.outbound.notify import Notifier
 
 
 def stops_due(session: Session, *, now: datetime) -> list[Alert]:

@@ -1,1 +1,3 @@
-"""Work that runs later or on a schedule: the scheduler and its leader lease, the scheduled jobs' bodies, deferred work rows and the worker pool."""
+"""Work that runs later or on a schedule: the scheduler and its leader lease, the scheduled jobs'
+bodies, deferred work rows and the worker pool.
+"""

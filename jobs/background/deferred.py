@@ -1,8 +1,9 @@
 """Deferred work: what is due later lives in a row, not in one process's timer.
 
 A resubmit after its backoff, a launch retry after no capacity, a day's digest: each is
-a row of ``deferred_work`` (:class:`jobs.replica_tables.DeferredWork`) holding a :class:`Later`
-kind, its keyword arguments as JSON, its due time and who has claimed it. The kinds are
+a row of ``deferred_work``
+(:class:`jobs.database.replica_tables.DeferredWork`) holding a :class:`Later` kind,
+its keyword arguments as JSON, its due time and who has claimed it. The kinds are
 named here and each is bound to one function by :func:`deferrable`; a row names its
 kind, never a pickled callable, so a row written by one version of trainbot is run by
 the function of that name in the next, or refused with a log line.
@@ -10,7 +11,7 @@ the function of that name in the next, or refused with a log line.
 Two things run rows, and a claim (one UPDATE, on PostgreSQL over rows locked ``FOR
 UPDATE SKIP LOCKED``; SQLite has a single writer) decides which one does:
 
-- **The replica that deferred it**, on a timer (:meth:`jobs.deps.Deps.later`): on time,
+- **The replica that deferred it**, on a timer (:meth:`jobs.process.deps.Deps.later`): on time,
   as before the rows existed, so the embedded control plane waits no longer than it did.
   Its claim lasts ``hold_s``; a replica that dies holding it frees it then.
 - **The leader** (:class:`DeferredRunner`, started with the scheduler): every
@@ -44,13 +45,13 @@ from sqlalchemy import Engine, and_, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlmodel import col
 
-from jobs.db import claim_rows, delete_before, session_scope
-from jobs.errors import DatabaseError, FencedOut
-from jobs.models import table_of
-from jobs.replica_tables import DeferredWork
+from jobs.database.db import claim_rows, delete_before, session_scope
+from jobs.database.models import table_of
+from jobs.database.replica_tables import DeferredWork
+from jobs.domain.errors import DatabaseError, FencedOut
 
 if TYPE_CHECKING:
-    from jobs.deps import Deps
+    from jobs.process.deps import Deps
 
 log = logging.getLogger(__name__)
 
@@ -82,10 +83,10 @@ class Later(str, Enum):
     #: ``jobs.staging.work.copy_staging(staging_id=…)``: a dataset's copy into another
     #: region's staging bucket, resumed where its row says; run by the leader only.
     STAGING = "staging"
-    #: ``jobs.scheduler.digest_day(posted=…, day=…)``: a day's digest, one
+    #: ``jobs.background.scheduler.digest_day(posted=…, day=…)``: a day's digest, one
     #: ``DIGEST_CHANNEL`` per channel.
     DIGEST = "digest"
-    #: ``jobs.scheduler.digest_channel(channel=…, posted=…, day=…)``: one channel's.
+    #: ``jobs.background.scheduler.digest_channel(channel=…, posted=…, day=…)``: one channel's.
     DIGEST_CHANNEL = "digest_channel"
 
 

@@ -10,7 +10,7 @@ run under the token of the tenure they started in, and their launches and termin
 check it is still current before the provider call (:func:`jobs.runs.fence.check_fence`),
 so a deposed leader's late call is refused.
 
-The leader also runs the deferred work that nobody else ran (:mod:`jobs.deferred`: a
+The leader also runs the deferred work that nobody else ran (:mod:`jobs.background.deferred`: a
 resubmit whose replica died during its backoff), and the digest is deferred work too:
 the daily trigger records the day's digest and one row per channel, each posted once,
 and a leader that takes over within the misfire grace of a digest time that no replica
@@ -35,9 +35,8 @@ from sqlalchemy import case, or_, update
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import col
 
-from jobs import tasks
-from jobs.db import session_scope
-from jobs.deferred import (
+from jobs.background import tasks
+from jobs.background.deferred import (
     DeferredRunner,
     Later,
     current_fence,
@@ -46,10 +45,11 @@ from jobs.deferred import (
     fenced,
     run_now,
 )
-from jobs.deps import PROCESS_REPLICA, Deps
-from jobs.errors import DatabaseError
-from jobs.replica_tables import LEADER_LEASE, SchedulerLease
-from jobs.settings import SCHEDULER_LEASE_S, Settings
+from jobs.database.db import session_scope
+from jobs.database.replica_tables import LEADER_LEASE, SchedulerLease
+from jobs.domain.errors import DatabaseError
+from jobs.process.deps import PROCESS_REPLICA, Deps
+from jobs.process.settings import SCHEDULER_LEASE_S, Settings
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,10 @@
 """The bodies of the scheduled jobs: reconcile, prices, spend, escalation, cleanup, digest.
 
 Each is a plain function of ``deps`` (and ``now`` from ``deps.clock``), so tests call
-them directly; ``jobs.scheduler`` only decides when they run and on which replica.
+them directly; ``jobs.background.scheduler`` only decides when they run and on which replica.
 They drive runs through :mod:`jobs.runs` (reconcile, ending an attempt) as the chat
-use-cases in :mod:`jobs.service` do; the states themselves are :mod:`jobs.lifecycle`'s.
+use-cases in :mod:`jobs.usecases.service` do; the states themselves are
+:mod:`jobs.domain.lifecycle`'s.
 """
 
 from __future__ import annotations
@@ -17,16 +18,17 @@ from zoneinfo import ZoneInfo
 from sqlmodel import Session, col, select
 
 from jobs import alerts, spend
-from jobs.db import session_scope
-from jobs.deps import Deps
-from jobs.errors import SpecError, TrainbotError
-from jobs.event_rollup import prune_ended_runs
-from jobs.format import usd
-from jobs.lifecycle import AttemptState, RunState
-from jobs.locations import check_prefix, checkpoint_root
-from jobs.models import Alert, Attempt, Checkpoint, OnCall, Run
-from jobs.notify import DigestMessage
+from jobs.database.db import session_scope
+from jobs.database.event_rollup import prune_ended_runs
+from jobs.database.models import Alert, Attempt, Checkpoint, OnCall, Run
+from jobs.domain.errors import SpecError, TrainbotError
+from jobs.domain.format import usd
+from jobs.domain.lifecycle import AttemptState, RunState
+from jobs.domain.locations import check_prefix, checkpoint_root
+from jobs.domain.severity import Severity
+from jobs.outbound.notify import DigestMessage
 from jobs.preflight.interval import request_in
+from jobs.process.deps import Deps
 from jobs.providers.base import ProviderError
 from jobs.rules import Signal
 from jobs.runs import (
@@ -45,7 +47,6 @@ from jobs.runs import (
     watched_spec,
 )
 from jobs.runs.relaunch import watch_prices
-from jobs.severity import Severity
 from jobs.spec import Notify, Retention, stored_section
 from jobs.spend.rollup import roll_up_spend
 from jobs.staging.retention import expire_staged
@@ -459,7 +460,7 @@ def cleanup_job(deps: Deps) -> list[dict[str, Any]]:
 def rollup_job(deps: Deps) -> dict[str, int]:
     """Bound the database's growth: roll old spend records up (per hour after a day,
     per day after a month; :mod:`jobs.spend.rollup`) and prune the event streams of runs
-    ended past their retention (:mod:`jobs.event_rollup`). Figures read afterwards (the
+    ended past their retention (:mod:`jobs.database.event_rollup`). Figures read afterwards (the
     digest, summaries, ``/metrics``) are the same."""
     now = deps.clock()
     with session_scope(deps.engine) as session:

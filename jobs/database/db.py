@@ -20,7 +20,7 @@ Migrations are Alembic's, configured in code (no ``alembic.ini``); to draft a ne
 revision against a scratch database::
 
     from alembic import command
-    from jobs.db import alembic_config, make_engine, migrate
+    from jobs.database.db import alembic_config, make_engine, migrate
     engine = make_engine("sqlite:////tmp/draft.db"); migrate(engine)
     with engine.begin() as conn:
         command.revision(alembic_config(conn), "add x", autogenerate=True, rev_id="0002")
@@ -60,7 +60,7 @@ from sqlalchemy.exc import ArgumentError, IntegrityError, NoSuchModuleError, Ope
 from sqlalchemy.pool import StaticPool
 from sqlmodel import Field, Session, SQLModel
 
-from jobs.errors import ConflictError, DatabaseError, SettingsError
+from jobs.domain.errors import ConflictError, DatabaseError, SettingsError
 
 __all__ = [
     "COMPAT_TABLE",
@@ -78,7 +78,7 @@ __all__ = [
 ]
 
 #: The Alembic script directory shipped in the package.
-MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
+MIGRATIONS_DIR = Path(__file__).resolve().parents[1] / "migrations"
 
 #: Seconds a SQLite connection waits for another's write lock before giving up.
 SQLITE_BUSY_TIMEOUT_S = 30.0

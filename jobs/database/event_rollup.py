@@ -27,8 +27,8 @@ from typing import Any
 from sqlalchemy import delete, func
 from sqlmodel import Session, col, select
 
+from jobs.database.models import EventRow, MetricBlock, Run, table_of
 from jobs.ingest.writers import event_datetime
-from jobs.models import EventRow, MetricBlock, Run, table_of
 
 _EVENTS = table_of(EventRow)
 

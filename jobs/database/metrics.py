@@ -1,7 +1,8 @@
 """A run's ``metrics`` events, read back from the blocks the ingest API stores them in.
 
-The ingest API stores the new metrics of each batch as one :class:`~jobs.models.MetricBlock`
-row (every other event type has a row of its own in ``events``). Readers (the status
+The ingest API stores the new metrics of each batch as one
+:class:`~jobs.database.models.MetricBlock` row (every other event type has a row of its own
+in ``events``). Readers (the status
 card's loss, the loss-curve attachment, the alert window after a restart, the goodput
 benchmark's accounting) want points: :func:`run_metrics` unpacks the newest blocks of a run
 into :class:`MetricPoint`\\ s, oldest first, reading only as many blocks as the points
@@ -17,7 +18,7 @@ from typing import Any
 
 from sqlalchemy import Connection, select
 
-from jobs.models import Attempt, MetricBlock, table_of
+from jobs.database.models import Attempt, MetricBlock, table_of
 from runner.wire import restore_floats
 
 __all__ = ["MetricPoint", "run_metrics"]

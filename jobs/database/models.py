@@ -13,9 +13,9 @@ Conventions that keep both databases alike:
   refer to them on both databases.
 
 The tables the replicas coordinate through (the leader's lease, deferred work, the
-outboxes) are in :mod:`jobs.replica_tables`, on the same conventions.
+outboxes) are in :mod:`jobs.database.replica_tables`, on the same conventions.
 
-The schema is created by the migrations in ``jobs/migrations`` (:func:`jobs.db.migrate`),
+The schema is created by the migrations in ``jobs/migrations`` (:func:`jobs.database.db.migrate`),
 never by ``create_all``; a test checks the two agree.
 """
 
@@ -41,8 +41,8 @@ from sqlalchemy import (
 from sqlalchemy.types import TypeDecorator
 from sqlmodel import Field, SQLModel
 
-from jobs.lifecycle import AttemptState, RunState
-from jobs.severity import Severity
+from jobs.domain.lifecycle import AttemptState, RunState
+from jobs.domain.severity import Severity
 
 __all__ = [
     "BIG_INT",
@@ -350,7 +350,7 @@ class MetricBlock(SQLModel, table=True):
     arrays of equal length, in seq order, with the block's seq and time range for the
     queries. Every other event type keeps a row of its own in ``events``. A seq is
     stored once per attempt across both tables (see :mod:`jobs.ingest`), and
-    :mod:`jobs.metrics` reads the points back.
+    :mod:`jobs.database.metrics` reads the points back.
     """
 
     __tablename__ = "metric_blocks"
@@ -505,7 +505,7 @@ class OnCall(SQLModel, table=True):
 
 
 class ApiToken(SQLModel, table=True):
-    """A person's token for the HTTP API (``/train token``; :mod:`jobs.api_tokens`).
+    """A person's token for the HTTP API (``/train token``; :mod:`jobs.web.api_tokens`).
 
     It acts as the person who asked for it, in the channel they asked in, with the
     permissions chat gives them there; only its hash is kept, so it is shown once.

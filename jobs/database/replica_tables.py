@@ -4,7 +4,7 @@ The leader's lease and its fencing token, the log of commands already handled, w
 deferred to a later time, and the outboxes of Slack and PagerDuty: each row outlives the
 replica that wrote it, so another replica (or the same one restarted) takes over what a
 dead one left. The run's own tables (runs, attempts, events, alerts, spend) are in
-:mod:`jobs.models`, whose column conventions these follow.
+:mod:`jobs.database.models`, whose column conventions these follow.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy import JSON
 from sqlmodel import Field, SQLModel
 
-from jobs.models import BIG_INT, UTCDateTime, utcnow
+from jobs.database.models import BIG_INT, UTCDateTime, utcnow
 
 #: The lease the scheduler's leader holds (``SchedulerLease.name``).
 LEADER_LEASE = "leader"
@@ -50,13 +50,14 @@ class CommandLog(SQLModel, table=True):
 
 class DeferredWork(SQLModel, table=True):
     """Work due later (a resubmit after its backoff, a launch retry, a day's digest),
-    kept in a row so that it outlives the replica that deferred it (``jobs.deferred``)."""
+    kept in a row so that it outlives the replica that deferred it
+    (``jobs.background.deferred``)."""
 
     __tablename__ = "deferred_work"
 
     #: What the work is for (``resubmit:<attempt>``): deferring it twice keeps one row.
     key: str = Field(primary_key=True)
-    #: The registered function that does it (``jobs.deferred.Later``), never a pickle.
+    #: The registered function that does it (``jobs.background.deferred.Later``), never a pickle.
     kind: str
     #: Its keyword arguments, JSON.
     args: dict[str, Any] = Field(default_factory=dict, sa_type=JSON)
@@ -113,7 +114,7 @@ class SlackPace(SQLModel, table=True):
 
 
 class PagerDutyOutbox(SQLModel, table=True):
-    """A PagerDuty event written before it is sent (:mod:`jobs.pagerduty`): a replica
+    """A PagerDuty event written before it is sent (:mod:`jobs.outbound.pagerduty`): a replica
     that dies leaves what it had queued to the others, or to itself restarted."""
 
     __tablename__ = "pagerduty_outbox"

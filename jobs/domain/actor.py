@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from sqlmodel import Session
 
-from jobs.errors import NotFound, PermissionDenied
-from jobs.models import Alert, Run
+from jobs.database.models import Alert, Run
+from jobs.domain.errors import NotFound, PermissionDenied
 
 __all__ = ["Actor", "may_see", "may_see_alert", "may_touch", "report_channel"]
 

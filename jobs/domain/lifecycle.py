@@ -2,7 +2,7 @@
 
 Every state change goes through :func:`transition`, which checks the tables below and
 fails loudly on an impossible move; terminal states are final. What moves runs and
-attempts lives in :mod:`jobs.runs`, :mod:`jobs.service` and :mod:`jobs.tasks`;
+attempts lives in :mod:`jobs.runs`, :mod:`jobs.usecases.service` and :mod:`jobs.background.tasks`;
 docs/architecture.md ("Runs and attempts") draws both machines and gives the reasons.
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from enum import Enum
 from typing import Any, overload
 
-from jobs.errors import IllegalTransition
+from jobs.domain.errors import IllegalTransition
 
 __all__ = [
     "ATTEMPT_TRANSITIONS",

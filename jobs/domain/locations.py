@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 from urllib.parse import unquote, urlparse
 
-from jobs.errors import SpecError
+from jobs.domain.errors import SpecError
 
 __all__ = ["Location", "check_prefix", "checkpoint_root", "dry_run_prefix", "parse_location"]
 

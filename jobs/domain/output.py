@@ -2,7 +2,7 @@
 
 What a script prints may quote its configuration and environment, secrets included: the
 run's ``env`` values, and whatever looks like a credential (the patterns of
-:class:`jobs.logs.RedactSecrets`), are replaced before any of it reaches a person.
+:class:`jobs.process.logs.RedactSecrets`), are replaced before any of it reaches a person.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from jobs.logs import RedactSecrets
+from jobs.process.logs import RedactSecrets
 
 
 def env_values(spec: Mapping[str, Any] | None) -> tuple[str, ...]:

@@ -24,10 +24,10 @@ from datetime import datetime
 
 from sqlalchemy import Engine, select
 
-from jobs.errors import SettingsError
-from jobs.models import Attempt, hash_token, table_of
+from jobs.database.models import Attempt, hash_token, table_of
+from jobs.database.replica_tables import LEADER_LEASE, SchedulerLease
+from jobs.domain.errors import SettingsError
 from jobs.providers.gang import node_token, parse_node_token
-from jobs.replica_tables import LEADER_LEASE, SchedulerLease
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from sqlalchemy import Engine, select, update
 from sqlalchemy.exc import SQLAlchemyError
 
+from jobs.database.models import DryRunInstance, hash_token, table_of
 from jobs.ingest.auth import bearer
 from jobs.ingest.service import IngestResult
-from jobs.models import DryRunInstance, hash_token, table_of
 from runner.errors import WireError
 from runner.wire import decode_dry_run_post
 

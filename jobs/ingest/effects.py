@@ -18,11 +18,11 @@ from typing import Any, NamedTuple
 from sqlalchemy import Connection, Engine, bindparam, case, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
-from jobs.errors import IllegalTransition
+from jobs.database.models import Attempt, Checkpoint, Run, table_of
+from jobs.domain.errors import IllegalTransition
+from jobs.domain.lifecycle import AttemptState, transition
 from jobs.ingest.windows import Point
 from jobs.ingest.writers import event_datetime
-from jobs.lifecycle import AttemptState, transition
-from jobs.models import Attempt, Checkpoint, Run, table_of
 from runner.wire import Batch, Event, json_safe
 
 log = logging.getLogger(__name__)

@@ -21,9 +21,9 @@ from typing import Any
 import orjson
 from sqlalchemy import Connection
 
+from jobs.domain.lifecycle import AttemptState
 from jobs.ingest.effects import Changes, Outcome
 from jobs.ingest.writers import BLOCK_COLUMNS, EventWrites
-from jobs.lifecycle import AttemptState
 
 _EVENTS = (
     "ev AS (INSERT INTO events (attempt_id, run_id, seq, type, time, data, received_at) "

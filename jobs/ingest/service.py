@@ -15,13 +15,13 @@ from typing import Any
 from sqlalchemy import Connection, Engine, Select, and_, bindparam, func, select, text
 from sqlalchemy.exc import SQLAlchemyError
 
+from jobs.database.models import Attempt, EventRow, MetricBlock, Run, table_of, utcnow
 from jobs.ingest.auth import REVOKED, Principal, Tokens, bearer
 from jobs.ingest.effects import Applied, Effects
 from jobs.ingest.postgres import write_batch
 from jobs.ingest.windows import WINDOW_EVENTS, Point, Windows, script_signals
 from jobs.ingest.writers import Kinds, SqliteWriter, event_writes
-from jobs.logs import log_context
-from jobs.models import Attempt, EventRow, MetricBlock, Run, table_of, utcnow
+from jobs.process.logs import log_context
 from jobs.rules import Rule, Signal
 from runner.errors import WireError
 from runner.wire import NODE_SEQ_SPAN, Batch, Event, decode_batch_columns

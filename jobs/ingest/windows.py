@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Engine, select
 from sqlmodel import Session
 
+from jobs.database.metrics import run_metrics
+from jobs.database.models import Attempt, EventRow, Run, table_of
 from jobs.ingest.writers import event_datetime
-from jobs.metrics import run_metrics
-from jobs.models import Attempt, EventRow, Run, table_of
 from jobs.rules import (
     Obs,
     Rule,

@@ -47,7 +47,7 @@ def _sqlite_insert_sql(rows: int) -> str:
 
 
 _SQLITE_INSERT_EVENTS = {rows: _sqlite_insert_sql(rows) for rows in _SQLITE_CHUNKS}
-#: The columns of a metrics block (see jobs.models.MetricBlock), in parameter order.
+#: The columns of a metrics block (see jobs.database.models.MetricBlock), in parameter order.
 BLOCK_COLUMNS = (
     "attempt_id",
     "run_id",
@@ -197,7 +197,7 @@ class SqliteWriter:
 def _block_values(
     attempt_id: str, run_id: str, new: Batch, positions: list[int], received: str, suffix: str
 ) -> tuple[Any, ...]:
-    """The batch's metrics as one :class:`~jobs.models.MetricBlock` row, in seq order.
+    """The batch's metrics as one :class:`~jobs.database.models.MetricBlock` row, in seq order.
 
     The payloads go in as the wire's JSON texts joined into an array, and the seqs and
     times as arrays encoded once: nothing is formatted per event. A seq already stored

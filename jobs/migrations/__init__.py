@@ -1,1 +1,4 @@
-"""Alembic migrations for the control plane's database; run them with ``jobs.db.migrate``."""
+"""Alembic migrations for the control plane's database.
+
+Run them with ``jobs.database.db.migrate``.
+"""

@@ -1,6 +1,6 @@
-"""Alembic environment: runs the migrations on the connection ``jobs.db`` hands over.
+"""Alembic environment: runs the migrations on the connection ``jobs.database.db`` hands over.
 
-There is no ``alembic.ini``: :func:`jobs.db.alembic_config` builds the configuration
+There is no ``alembic.ini``: :func:`jobs.database.db.alembic_config` builds the configuration
 and puts an open connection in ``config.attributes["connection"]``. Offline mode
 (``--sql``) renders SQL for the URL in the ``sqlalchemy.url`` option instead.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 from alembic import context
 from sqlmodel import SQLModel
 
-import jobs.models  # registers the tables on SQLModel.metadata
-import jobs.replica_tables  # noqa: F401  (and the replicas' own)
+import jobs.database.models  # registers the tables on SQLModel.metadata
+import jobs.database.replica_tables  # noqa: F401  (and the replicas' own)
 from jobs.staging import models as _staging  # noqa: F401  (and the staging copies')
 
 config = context.config
@@ -33,7 +33,8 @@ def run_online() -> None:
     connection = config.attributes.get("connection")
     if connection is None:
         raise RuntimeError(
-            "jobs/migrations needs an open connection: run them with jobs.db.migrate(engine)"
+            "jobs/migrations needs an open connection: "
+            "run them with jobs.database.db.migrate(engine)"
         )
     context.configure(
         connection=connection,

@@ -19,7 +19,7 @@ branch_labels: str | Sequence[str] | None = ${repr(branch_labels)}
 depends_on: str | Sequence[str] | None = ${repr(depends_on)}
 #: True only when this migration adds and changes nothing an older release reads or
 #: writes (a new table, a nullable column, an index): then that release runs on the
-#: schema it leaves (jobs.db.serves_from). A drop, rename or type change is False, and
+#: schema it leaves (jobs.database.db.serves_from). A drop, rename or type change is False, and
 #: belongs in a later release than the one that stopped using what it removes.
 expand_only: bool = False
 

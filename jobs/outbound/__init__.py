@@ -1,1 +1,3 @@
-"""What the control plane sends out: typed notices for chat, PagerDuty events, and the backoff their senders share."""
+"""What the control plane sends out: typed notices for chat, PagerDuty events, and the backoff
+their senders share.
+"""

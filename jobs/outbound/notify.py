@@ -17,7 +17,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-from jobs.models import utcnow
+from jobs.database.models import utcnow
 
 
 @dataclass(frozen=True)

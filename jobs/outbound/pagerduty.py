@@ -11,14 +11,15 @@ Why at escalation rather than at opening: the escalation delay is the time the c
 channel has to pick the alert up; PagerDuty wakes people, and should not for an alert
 someone acknowledged in Slack a minute after it opened.
 
-The bridge listens to the :class:`~jobs.notify.Journal` (``alert_escalated``,
+The bridge listens to the :class:`~jobs.outbound.notify.Journal` (``alert_escalated``,
 ``alert_acknowledged``, ``alert_resolved``), which every path that changes an alert
 already records to, and never blocks it on PagerDuty: :meth:`PagerDutyBridge.record`
 only queues. Acknowledge and resolve are sent only for alerts that paged.
 
 **Queued in the database, so a replica's death loses nothing.** Each event is a row of
-``pagerduty_outbox`` (:class:`jobs.replica_tables.PagerDutyOutbox`), written before anything is
-sent, in its own short transaction (on PostgreSQL at once; on SQLite, whose one writer
+``pagerduty_outbox`` (:class:`jobs.database.replica_tables.PagerDutyOutbox`), written
+before anything is sent, in its own short
+transaction (on PostgreSQL at once; on SQLite, whose one writer
 the caller's transaction holds, by the worker just after it). A row is its owner's while
 the owner renews ``owner_until``; a replica killed with its rows unsent stops renewing,
 and after ``hold_s`` another replica, or the same one restarted, claims them (``FOR
@@ -56,12 +57,12 @@ from sqlalchemy import Engine, delete, exists, func, insert, or_, select, update
 from sqlalchemy.exc import SQLAlchemyError
 from sqlmodel import Session
 
-from jobs.backoff import Backoff
-from jobs.db import claim_rows, session_scope
-from jobs.errors import TrainbotError
-from jobs.models import Alert, table_of, utcnow
-from jobs.replica_tables import PagerDutyOutbox
-from jobs.severity import Severity
+from jobs.database.db import claim_rows, session_scope
+from jobs.database.models import Alert, table_of, utcnow
+from jobs.database.replica_tables import PagerDutyOutbox
+from jobs.domain.errors import TrainbotError
+from jobs.domain.severity import Severity
+from jobs.outbound.backoff import Backoff
 
 __all__ = [
     "EventsClient",
@@ -174,7 +175,7 @@ class _Event:
 
 
 class PagerDutyBridge:
-    """A :class:`~jobs.notify.Journal` that forwards alert escalations, acknowledgements
+    """A :class:`~jobs.outbound.notify.Journal` that forwards alert escalations, acknowledgements
     and resolutions to PagerDuty through the ``pagerduty_outbox`` table, from a
     background thread, retrying with backoff."""
 

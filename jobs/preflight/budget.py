@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from jobs.format import duration, usd
+from jobs.domain.format import duration, usd
 from jobs.preflight.findings import CapacityFindings, CostEstimate, DryRunFindings
 from jobs.preflight.interval import checkpoint_interval, target_steps
 from jobs.preflight.regions import request_for

@@ -30,9 +30,10 @@ import msgspec
 from sqlalchemy import Engine
 from sqlmodel import Session, col, select
 
-from jobs.db import detach, session_scope
-from jobs.format import duration, usd
-from jobs.models import DryRunInstance, Run, hash_token
+from jobs.background.workers import waiting
+from jobs.database.db import detach, session_scope
+from jobs.database.models import DryRunInstance, Run, hash_token
+from jobs.domain.format import duration, usd
 from jobs.preflight.dry_run import dry_run_args
 from jobs.preflight.dry_run_limits import DryRunLimits, live_in_channel, slot_lock
 from jobs.preflight.report import CheckResult, PreflightContext, Status
@@ -44,7 +45,6 @@ from jobs.providers.base import (
     ResourceRequest,
 )
 from jobs.spec.env import code_env, secrets_env
-from jobs.workers import waiting
 from runner.dryrun_report import DRY_RUN_ID_ENV, DryRunReport
 from runner.wire import restore_floats
 
@@ -242,7 +242,7 @@ class CloudDryRun:
             f"{info.zone or launch.zone} at {usd(price)}/h; waiting up to {duration(timeout)} "
             "for it to boot, checkpoint, restart and report."
         )
-        # Hours, perhaps: the worker is given back to the pool meanwhile (jobs.workers).
+        # Hours, perhaps: the worker is given back to the pool meanwhile (jobs.background.workers).
         with waiting():
             return self._wait(ctx.provider, launch.attempt_id, info.instance_id, timeout_s=timeout)
 

@@ -17,7 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from jobs.format import duration, size
+from jobs.domain.format import duration, size
 from jobs.preflight.findings import DryRunFindings
 from jobs.preflight.interval import checkpoint_interval, interval_choice, interval_text
 from jobs.preflight.report import CheckResult, PreflightContext, PreflightPlan, Status

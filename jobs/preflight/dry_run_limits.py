@@ -21,12 +21,12 @@ from dataclasses import dataclass
 
 from sqlmodel import Session, col, select
 
-from jobs.format import usd
-from jobs.models import DryRunInstance, Run
+from jobs.database.models import DryRunInstance, Run
+from jobs.domain.format import usd
 from jobs.preflight.report import CheckResult, Status
+from jobs.process.settings import Settings
 from jobs.providers import PROVIDERS
 from jobs.providers.base import CPU_INSTANCE
-from jobs.settings import Settings
 
 __all__ = ["DryRunLimits", "live_in_channel", "slot_lock"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from jobs.format import duration
+from jobs.domain.format import duration
 from jobs.providers.base import Provider, ProviderError, ResourceRequest
 from jobs.spec import JobSpec, Resources
 from runner.preemption import IntervalChoice, choose_interval

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from jobs.locations import dry_run_prefix
-from jobs.notify import CheckLine, PreflightMessage
+from jobs.domain.locations import dry_run_prefix
+from jobs.outbound.notify import CheckLine, PreflightMessage
 from jobs.preflight.findings import CapacityFindings, CostEstimate, DryRunFindings, Finding
 from jobs.providers.base import Provider, ResourceRequest
 from jobs.spec import JobSpec

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
-from jobs.errors import TrainbotError
+from jobs.domain.errors import TrainbotError
 from jobs.preflight.budget import BudgetCheck
 from jobs.preflight.capacity import CapacityCheck
 from jobs.preflight.data import DataLocalityCheck

@@ -17,7 +17,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
-from jobs.format import usd
+from jobs.domain.format import usd
 from jobs.preflight.report import CheckResult, PreflightContext, PreflightPlan, Status
 from jobs.providers.base import Provider, ResourceRequest
 

@@ -17,15 +17,16 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from sqlalchemy import Engine
 
 from jobs import alerts
-from jobs.db import make_engine, migrate, session_scope
-from jobs.deps import Deps, load_secret
-from jobs.errors import SettingsError
+from jobs.background.scheduler import LeaderElector
+from jobs.database.db import make_engine, migrate, session_scope
+from jobs.database.models import Run
+from jobs.domain.errors import SettingsError
 from jobs.ingest import IngestService
 from jobs.ingest.auth import check_secret
-from jobs.models import Run
-from jobs.notify import FanoutJournal, Journal, Notifier, NullJournal
-from jobs.pagerduty import EventsClient, PagerDutyBridge
-from jobs.prometheus import ControlPlaneMetrics
+from jobs.outbound.notify import FanoutJournal, Journal, Notifier, NullJournal
+from jobs.outbound.pagerduty import EventsClient, PagerDutyBridge
+from jobs.process.deps import Deps, load_secret
+from jobs.process.settings import Settings
 from jobs.providers import (
     credential_broker_from_settings,
     providers_from_settings,
@@ -35,10 +36,9 @@ from jobs.rules import Signal
 from jobs.runs import on_attempt_event, raise_signals
 from jobs.runs.end import project_then_stop
 from jobs.runs.start import resume_preflights
-from jobs.scheduler import LeaderElector
-from jobs.server import ControlPlaneApp, CredentialBroker, ServerHandle, serve
-from jobs.settings import Settings
 from jobs.staging import work as _staging  # noqa: F401  (binds Later.STAGING)
+from jobs.web.prometheus import ControlPlaneMetrics
+from jobs.web.server import ControlPlaneApp, CredentialBroker, ServerHandle, serve
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import WSGIApplication

@@ -1,4 +1,4 @@
-"""The dependencies every use-case takes: built once by ``jobs.bootstrap``.
+"""The dependencies every use-case takes: built once by ``jobs.process.bootstrap``.
 
 Use-cases are plain functions of ``(deps, …)``; nothing here reaches for a global. Tests
 build a ``Deps`` of their own with a temp database, the local provider and an in-memory
@@ -25,16 +25,16 @@ from typing import Any
 
 from sqlalchemy.engine import Engine
 
-from jobs.deferred import Later, current_fence, defer, run_now
-from jobs.errors import DatabaseError
-from jobs.models import utcnow
-from jobs.notify import Journal, Notifier, NullJournal
-from jobs.pagerduty import PagerDutyBridge
+from jobs.background.deferred import Later, current_fence, defer, run_now
+from jobs.background.workers import Workers
+from jobs.database.models import utcnow
+from jobs.domain.errors import DatabaseError
+from jobs.outbound.notify import Journal, Notifier, NullJournal
+from jobs.outbound.pagerduty import PagerDutyBridge
+from jobs.process.settings import Settings
 from jobs.providers import ProviderNotConfigured, registration
 from jobs.providers.base import Provider, ProviderError
-from jobs.settings import Settings
 from jobs.spec import JobSpec, Resources
-from jobs.workers import Workers
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class Deps:
     #: then (the control plane makes it twice the scheduler lease).
     hold_s: float = 120.0
     #: Background work; a task waiting on a cloud instance gives its worker back
-    #: (:func:`jobs.workers.waiting`), up to 64 such waits at once.
+    #: (:func:`jobs.background.workers.waiting`), up to 64 such waits at once.
     _pool: Workers = field(
         default_factory=lambda: Workers(workers=4, max_waiting=64, name="trainbot")
     )
@@ -231,7 +231,7 @@ class Deps:
         """Run ``kind``'s function with ``args`` (JSON) after ``delay_s``: a resubmit's
         backoff, a launch retry. ``key`` names the work; deferring it again does nothing.
 
-        The work is a row first (:mod:`jobs.deferred`), then a timer here runs it on
+        The work is a row first (:mod:`jobs.background.deferred`), then a timer here runs it on
         time; if this replica dies or stops before, the leader runs it. Scheduled work
         defers under its fencing token, and the timer runs it under the same token.
         """

@@ -3,7 +3,7 @@
 Used where Google is (the GCP provider, a ``gs://`` store); without a key file the
 clients find the pod's Workload Identity or the instance's account through the metadata
 server. A ``GOOGLE_APPLICATION_CREDENTIALS`` naming no file is refused at load
-(:func:`jobs.settings.load_settings`).
+(:func:`jobs.process.settings.load_settings`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from jobs.settings import Settings
+    from jobs.process.settings import Settings
 
 __all__ = ["google_credentials_environ"]
 

@@ -17,7 +17,7 @@ record's message and traceback before it is formatted, by pattern (Slack tokens
 token, secret, password, key or creds (``AWS_SECRET_ACCESS_KEY=``, ``MY_CREDS:``), every
 value of a spec's ``env`` (``env.NAME=``, an ``"env": {…}`` mapping), Slack's ``v0=``
 signatures, URL passwords) and by value (the settings' secrets, read from the
-:class:`~jobs.settings.Settings` fields typed ``SecretStr``). That is the last line of
+:class:`~jobs.process.settings.Settings` fields typed ``SecretStr``). That is the last line of
 defence: code that logs what a person typed logs it parsed, with ``env`` masked by
 structure (a command's ``repr``), and a failure whose messages may quote it as a
 :func:`bare_traceback`.
@@ -39,10 +39,10 @@ from typing import IO, TYPE_CHECKING, Literal
 
 from pydantic import SecretStr
 
-from jobs.errors import SettingsError
+from jobs.domain.errors import SettingsError
 
 if TYPE_CHECKING:
-    from jobs.settings import Settings
+    from jobs.process.settings import Settings
 
 __all__ = [
     "REDACTED",

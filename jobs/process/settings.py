@@ -10,11 +10,11 @@ The state directory defaults to ``~/.trainbot`` rather than ``./.trainbot`` so t
 same runs. Set ``TRAINBOT_STATE_DIR`` to keep a project's state apart.
 
 Settings are validated once, at start (:func:`load_settings`); a bad value stops the
-process with a :class:`~jobs.errors.SettingsError` naming each variable and its fix.
+process with a :class:`~jobs.domain.errors.SettingsError` naming each variable and its fix.
 
 Secret settings (the ``SecretStr`` fields, the database URL and password) may also come
 from files, as Kubernetes and compose mount them: ``TRAINBOT_X_FILE=/path``, or a
-directory of them, ``TRAINBOT_SECRETS_DIR`` (:mod:`jobs.secret_files`).
+directory of them, ``TRAINBOT_SECRETS_DIR`` (:mod:`jobs.process.secret_files`).
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ from pydantic_settings import (
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
-from jobs.errors import SettingsError, describe_validation_error
-from jobs.logs import LOG_LEVELS, level_name
+from jobs.domain.errors import SettingsError, describe_validation_error
+from jobs.process.logs import LOG_LEVELS, level_name
+from jobs.process.secret_files import read_secret_files
 from jobs.providers import PROVIDERS, known_names, registration
-from jobs.secret_files import read_secret_files
 from runner.env import DEFAULT_TERMINATION_WINDOW_S
 
 __all__ = [
@@ -62,7 +62,7 @@ ENV_PREFIX = "TRAINBOT_"
 SCHEDULER_LEASE_S = 30.0
 
 #: The example specs that ship inside the package (``tiny``, ``diverge``).
-SHIPPED_SPECS_DIR = Path(__file__).resolve().parent / "specs"
+SHIPPED_SPECS_DIR = Path(__file__).resolve().parents[1] / "specs"
 
 _HHMM = re.compile(r"^([01]?\d|2[0-3]):([0-5]\d)$")
 _LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -271,7 +271,7 @@ class Settings(BaseSettings):
     #: run asks for on-demand capacity), whichever type it gets.
     dry_run_max_usd_per_hour: float = Field(default=8.0, gt=0)
     #: Log lines: ``text``, or ``json`` (one object per line, with the run and attempt
-    #: ids, for log shippers). Unset: text on a terminal, JSON otherwise (jobs.logs).
+    #: ids, for log shippers). Unset: text on a terminal, JSON otherwise (jobs.process.logs).
     log_format: Literal["text", "json"] | None = None
     #: The lowest level logged: ``debug``, ``info``, ``warning``, ``error`` or ``critical``,
     #: any case (``-v``: info).

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from jobs.providers.base import Provider, ProviderError
 
 if TYPE_CHECKING:
-    from jobs.settings import Settings
+    from jobs.process.settings import Settings
 
 __all__ = [
     "PROVIDERS",

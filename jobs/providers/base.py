@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Protocol, runtime_checkable
 
-from jobs.errors import TrainbotError
+from jobs.domain.errors import TrainbotError
 
 __all__ = [
     "CPU_INSTANCE",

@@ -348,7 +348,7 @@ class ServedWheels:
             self._preparing -= 1
 
 
-#: The process's served wheels (what :class:`jobs.server.ControlPlaneApp` serves).
+#: The process's served wheels (what :class:`jobs.web.server.ControlPlaneApp` serves).
 SERVED_WHEELS = ServedWheels()
 
 

@@ -4,7 +4,7 @@
 thresholds are the job spec's ``alerts`` section (:class:`jobs.spec.AlertThresholds`).
 Every rule is registered in :data:`RULES` and says when it is evaluated (its
 :class:`Trigger`); each place where a trigger happens evaluates :func:`rules_on` it.
-Budget alerts are not a rule: the spend job raises them (``jobs.tasks``). See
+Budget alerts are not a rule: the spend job raises them (``jobs.background.tasks``). See
 docs/architecture.md, "Alert rules".
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from jobs.errors import TrainbotError
+from jobs.domain.errors import TrainbotError
 from jobs.rules.base import (
     AlertThresholds,
     Obs,

@@ -15,7 +15,7 @@ from itertools import chain
 from operator import attrgetter
 from typing import Any, NamedTuple, Protocol, overload
 
-from jobs.severity import Severity
+from jobs.domain.severity import Severity
 from jobs.spec import AlertThresholds
 
 __all__ = [

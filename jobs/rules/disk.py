@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from jobs import format as fmt
+from jobs.domain import format as fmt
 from jobs.rules import base
 
 __all__ = ["Disk"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from jobs import format as fmt
+from jobs.domain import format as fmt
 from jobs.rules.base import Obs, RunContext, Severity, Signal, Thresholded, Trigger, Verdict
 
 __all__ = ["LostHeartbeat"]

@@ -16,7 +16,7 @@ import statistics
 from collections.abc import Sequence
 from itertools import pairwise
 
-from jobs import format as fmt
+from jobs.domain import format as fmt
 from jobs.rules.base import (
     Obs,
     RunContext,

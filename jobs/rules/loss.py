@@ -6,7 +6,7 @@ import math
 import statistics
 from collections.abc import Sequence
 
-from jobs import format as fmt
+from jobs.domain import format as fmt
 from jobs.rules.base import (
     Obs,
     RunContext,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from jobs import format as fmt
+from jobs.domain import format as fmt
 from jobs.rules.base import (
     TIME,
     Obs,

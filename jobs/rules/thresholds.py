@@ -12,7 +12,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jobs import format as fmt
+from jobs.domain import format as fmt
 from jobs.rules.base import (
     Obs,
     RunContext,

@@ -1,8 +1,8 @@
 """The attempt machinery: what drives a run through its attempts, one instance each.
 
-The boundaries, from the bottom up: ``jobs.lifecycle`` holds only the run and attempt
-state machines; this package moves runs and attempts through them; ``jobs.service``
-holds the chat use-cases that call it; ``jobs.tasks`` the scheduled jobs that call it.
+The boundaries, from the bottom up: ``jobs.domain.lifecycle`` holds only the run and attempt
+state machines; this package moves runs and attempts through them; ``jobs.usecases.service``
+holds the chat use-cases that call it; ``jobs.background.tasks`` the scheduled jobs that call it.
 
 - ``rows``: reading a run and its attempts, moving the run's state.
 - ``cards``: the run's card, messages in its thread, and where its alerts go.

@@ -29,13 +29,13 @@ from typing import Any
 
 from sqlmodel import Session, col, select
 
-from jobs import format as fmt
-from jobs.deferred import Later, current_fence, defer
-from jobs.deps import Deps
-from jobs.lifecycle import AttemptState
-from jobs.models import Attempt, Run
-from jobs.notify import MessageRef, TextMessage
-from jobs.replica_tables import DeferredWork
+from jobs.background.deferred import Later, current_fence, defer
+from jobs.database.models import Attempt, Run
+from jobs.database.replica_tables import DeferredWork
+from jobs.domain import format as fmt
+from jobs.domain.lifecycle import AttemptState
+from jobs.outbound.notify import MessageRef, TextMessage
+from jobs.process.deps import Deps
 from jobs.runs.cards import refresh_card
 from jobs.runs.placement import NO_CAPACITY, NoPlacement
 from jobs.runs.rows import channel_of

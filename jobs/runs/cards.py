@@ -14,12 +14,12 @@ from pydantic import ValidationError
 from sqlmodel import Session, col, select
 
 from jobs import alerts
-from jobs.deps import Deps
-from jobs.format import clock
-from jobs.lifecycle import AttemptState
-from jobs.metrics import run_metrics
-from jobs.models import Attempt, KeptInstance, Run
-from jobs.notify import MessageRef, RunCard, TextMessage
+from jobs.database.metrics import run_metrics
+from jobs.database.models import Attempt, KeptInstance, Run
+from jobs.domain.format import clock
+from jobs.domain.lifecycle import AttemptState
+from jobs.outbound.notify import MessageRef, RunCard, TextMessage
+from jobs.process.deps import Deps
 from jobs.rules import RunContext, Severity, Signal
 from jobs.runs.rows import channel_of, latest_attempt
 from jobs.spec import AlertThresholds, JobSpec, Notify, stored_section

@@ -13,12 +13,12 @@ from typing import Any
 
 from sqlmodel import Session
 
-from jobs.db import session_scope
-from jobs.deferred import Later
-from jobs.deps import Deps
-from jobs.lifecycle import AttemptState, RunState, transition
-from jobs.models import Attempt, Run
-from jobs.notify import ProjectionMessage
+from jobs.background.deferred import Later
+from jobs.database.db import session_scope
+from jobs.database.models import Attempt, Run
+from jobs.domain.lifecycle import AttemptState, RunState, transition
+from jobs.outbound.notify import ProjectionMessage
+from jobs.process.deps import Deps
 from jobs.providers.base import InstanceNotFound, InstanceState, ProviderError
 from jobs.rules import Obs, Trigger, evaluate_all, rules_on
 from jobs.runs.cards import raise_signals, refresh_card, run_context, say
@@ -165,7 +165,7 @@ def end_attempt(
         # The backoff runs from the end, not from when the old instance is gone: a runner
         # reports a preempted exit before its processes have torn down, and terminating
         # them can take the provider's grace period. A row, not a timer: the resubmit
-        # outlives this replica (jobs.deferred).
+        # outlives this replica (jobs.background.deferred).
         deps.later(
             resubmit_after,
             Later.RESUBMIT,
@@ -223,7 +223,7 @@ def terminate_instance(
     ``provider``: the name of the provider it is on (an attempt's); None: the default.
 
     Scheduled work (reconcile, a spend stop) is fenced: a deposed leader's call raises
-    :class:`~jobs.errors.FencedOut` before it reaches the provider."""
+    :class:`~jobs.domain.errors.FencedOut` before it reaches the provider."""
     done, mine = deps.claim_termination(instance_id)
     if not mine:
         if wait:

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from jobs.db import session_scope
-from jobs.deps import Deps
-from jobs.lifecycle import AttemptState, RunState
-from jobs.models import Attempt, Run
-from jobs.notify import TextMessage
-from jobs.output import env_values, redact_output
+from jobs.database.db import session_scope
+from jobs.database.models import Attempt, Run
+from jobs.domain.lifecycle import AttemptState, RunState
+from jobs.domain.output import env_values, redact_output
+from jobs.outbound.notify import TextMessage
+from jobs.process.deps import Deps
 from jobs.runs.cards import refresh_card, say
 from jobs.runs.end import end_attempt
 from jobs.runs.rows import channel_of, move_run

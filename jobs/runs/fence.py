@@ -1,7 +1,7 @@
 """Fencing: scheduled work a deposed leader started is refused before the provider call.
 
 The scheduler's leader holds a lease whose token rises at each change of holder; work it
-starts carries the token (:func:`jobs.deps.current_fence`), and the launch and the
+starts carries the token (:func:`jobs.process.deps.current_fence`), and the launch and the
 termination of an instance check here that it is still the lease's. Its own module
 because both the launch and the end of an attempt ask it.
 """
@@ -12,10 +12,10 @@ import logging
 
 from sqlmodel import Session
 
-from jobs.db import session_scope
-from jobs.deps import Deps, current_fence
-from jobs.errors import FencedOut
-from jobs.replica_tables import LEADER_LEASE, SchedulerLease
+from jobs.database.db import session_scope
+from jobs.database.replica_tables import LEADER_LEASE, SchedulerLease
+from jobs.domain.errors import FencedOut
+from jobs.process.deps import Deps, current_fence
 
 __all__ = ["check_fence"]
 

@@ -13,8 +13,8 @@ import statistics
 
 from sqlmodel import Session, col, select
 
-from jobs.deps import Deps
-from jobs.models import Attempt, EventRow, Run
+from jobs.database.models import Attempt, EventRow, Run
+from jobs.process.deps import Deps
 from jobs.runs.rows import dry_run_findings
 from jobs.spec import JobSpec
 from runner.preemption import MEASURED_SAVES_MIN, choose_interval

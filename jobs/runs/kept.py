@@ -19,19 +19,19 @@ from datetime import datetime, timedelta
 
 from sqlmodel import Session, col, select
 
-from jobs.actor import Actor, may_touch
-from jobs.db import session_scope
-from jobs.deps import Deps
-from jobs.errors import ConflictError
-from jobs.format import clock, duration, usd
-from jobs.lifecycle import RunState
-from jobs.models import Attempt, KeptInstance, Run
+from jobs.database.db import session_scope
+from jobs.database.models import Attempt, KeptInstance, Run
+from jobs.domain.actor import Actor, may_touch
+from jobs.domain.errors import ConflictError
+from jobs.domain.format import clock, duration, usd
+from jobs.domain.lifecycle import RunState
+from jobs.process.deps import Deps
+from jobs.process.settings import Settings
 from jobs.providers.base import InstanceNotFound, InstanceState, ProviderError
 from jobs.providers.gang import node_ids
 from jobs.runs.cards import refresh_card, say
 from jobs.runs.fence import check_fence
 from jobs.runs.rows import get_run
-from jobs.settings import Settings
 from jobs.spec import BudgetPolicy, Debug, JobSpec, stored_section
 from jobs.spend import run_spent
 

@@ -17,14 +17,14 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from jobs.db import detach, session_scope
-from jobs.deferred import Later, deferrable
-from jobs.deps import Deps
-from jobs.errors import ConflictError
-from jobs.lifecycle import AttemptState, RunState, transition
-from jobs.models import Attempt, Run, hash_token
+from jobs.background.deferred import Later, deferrable
+from jobs.database.db import detach, session_scope
+from jobs.database.models import Attempt, Run, hash_token
+from jobs.domain.errors import ConflictError
+from jobs.domain.lifecycle import AttemptState, RunState, transition
 from jobs.preflight import resource_request
 from jobs.preflight.interval import request_in
+from jobs.process.deps import Deps
 from jobs.providers.base import CapacityError, LaunchRequest, ProviderError
 from jobs.runs import capacity, price
 from jobs.runs.cards import refresh_card, say
@@ -461,7 +461,7 @@ def _launch_failed(deps: Deps, attempt_id: str, exc: ProviderError, *, now: date
         run_id = run.id
     # The next zone at once: one zone's refusal says nothing of the next. Once every zone
     # has refused, the run waits with a backoff (jobs.runs.capacity). A row, not a timer:
-    # the retry outlives this replica (jobs.deferred).
+    # the retry outlives this replica (jobs.background.deferred).
     deps.later(0.0, Later.LAUNCH, key=f"launch-after:{attempt_id}", run_id=run_id)
 
 

@@ -27,11 +27,11 @@ from dataclasses import dataclass, replace
 
 from sqlmodel import Session, col, select
 
-from jobs.deps import Deps
-from jobs.lifecycle import AttemptState
-from jobs.models import Attempt, Run
+from jobs.database.models import Attempt, Run
+from jobs.domain.lifecycle import AttemptState
 from jobs.preflight.data import BucketLookup, region_refusal
 from jobs.preflight.interval import request_in, resource_request
+from jobs.process.deps import Deps
 from jobs.providers.base import Provider, ProviderError, ZoneCapacity
 from jobs.spec import JobSpec
 

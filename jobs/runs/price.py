@@ -17,9 +17,9 @@ from datetime import datetime
 
 from sqlmodel import Session
 
-from jobs.deps import Deps
-from jobs.models import Run
+from jobs.database.models import Run
 from jobs.preflight.interval import request_in
+from jobs.process.deps import Deps
 from jobs.providers.base import ProviderError
 from jobs.runs.cards import refresh_card, say
 from jobs.runs.placement import Placement

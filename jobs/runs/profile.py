@@ -26,12 +26,12 @@ from datetime import datetime, timedelta
 from sqlmodel import Session, select
 
 from jobs import preflight
-from jobs.db import session_scope
-from jobs.deps import Deps
-from jobs.lifecycle import RunState
-from jobs.metrics import run_metrics
-from jobs.models import Attempt, EventRow, Run
-from jobs.notify import ProjectionMessage
+from jobs.database.db import session_scope
+from jobs.database.metrics import run_metrics
+from jobs.database.models import Attempt, EventRow, Run
+from jobs.domain.lifecycle import RunState
+from jobs.outbound.notify import ProjectionMessage
+from jobs.process.deps import Deps
 from jobs.runs.cards import refresh_card
 from jobs.runs.rows import channel_of, move_run, run_hours, spec_of
 from jobs.spec import JobSpec

@@ -15,11 +15,11 @@ from datetime import datetime, timedelta
 
 from sqlmodel import col, select
 
-from jobs.db import session_scope
-from jobs.deps import Deps
-from jobs.lifecycle import AttemptState, RunState
-from jobs.models import Attempt, Run
+from jobs.database.db import session_scope
+from jobs.database.models import Attempt, Run
+from jobs.domain.lifecycle import AttemptState, RunState
 from jobs.preflight import live_dry_run_ids
+from jobs.process.deps import Deps
 from jobs.providers.base import (
     InstanceInfo,
     InstanceNotFound,

@@ -12,11 +12,11 @@ import logging
 
 from sqlmodel import col, select
 
-from jobs.db import session_scope
-from jobs.deferred import Later, deferrable
-from jobs.deps import Deps
-from jobs.lifecycle import RunState
-from jobs.models import Run
+from jobs.background.deferred import Later, deferrable
+from jobs.database.db import session_scope
+from jobs.database.models import Run
+from jobs.domain.lifecycle import RunState
+from jobs.process.deps import Deps
 from jobs.runs import capacity
 from jobs.runs.launch import launch_attempt
 from jobs.runs.rows import active_attempt

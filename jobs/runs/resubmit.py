@@ -13,11 +13,11 @@ from datetime import datetime
 
 from sqlmodel import Session, col, select
 
-from jobs.db import session_scope
-from jobs.deferred import Later, deferrable
-from jobs.deps import Deps
-from jobs.lifecycle import AttemptState, RunState
-from jobs.models import Attempt, Checkpoint, Run
+from jobs.background.deferred import Later, deferrable
+from jobs.database.db import session_scope
+from jobs.database.models import Attempt, Checkpoint, Run
+from jobs.domain.lifecycle import AttemptState, RunState
+from jobs.process.deps import Deps
 from jobs.rules import Obs, Trigger, evaluate_all, rules_on
 from jobs.runs.cards import alert_config, raise_signals, run_context
 from jobs.runs.launch import launch_attempt, placement_record

@@ -13,9 +13,9 @@ from datetime import datetime
 from pydantic import ValidationError
 from sqlmodel import Session, col, select
 
-from jobs.errors import NotFound
-from jobs.lifecycle import RunState, transition
-from jobs.models import Attempt, Run
+from jobs.database.models import Attempt, Run
+from jobs.domain.errors import NotFound
+from jobs.domain.lifecycle import RunState, transition
 from jobs.preflight.findings import DryRunFindings
 from jobs.spec import JobSpec
 

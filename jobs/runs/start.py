@@ -1,8 +1,8 @@
 """A run's start: its preflight checks, then its launch, its budget first.
 
-:func:`jobs.service.submit` records the run and hands it here in the background;
+:func:`jobs.usecases.service.submit` records the run and hands it here in the background;
 "Launch anyway" after warnings is :func:`confirm`; a
-resubmit with changes (:mod:`jobs.resubmits`) runs the checks its changes need; a
+resubmit with changes (:mod:`jobs.usecases.resubmits`) runs the checks its changes need; a
 control plane that restarts mid-preflight runs them again (:func:`resume_preflights`).
 """
 
@@ -15,16 +15,16 @@ from pathlib import Path
 
 from sqlmodel import select
 
-from jobs import format as fmt
 from jobs import preflight
-from jobs.actor import Actor, may_touch
-from jobs.db import detach, session_scope
-from jobs.deps import Deps
-from jobs.errors import ConflictError
-from jobs.lifecycle import RunState
-from jobs.logs import log_context
-from jobs.models import Run
+from jobs.database.db import detach, session_scope
+from jobs.database.models import Run
+from jobs.domain import format as fmt
+from jobs.domain.actor import Actor, may_touch
+from jobs.domain.errors import ConflictError
+from jobs.domain.lifecycle import RunState
 from jobs.preflight import resource_request
+from jobs.process.deps import Deps
+from jobs.process.logs import log_context
 from jobs.providers.base import Provider, ProviderError
 from jobs.runs.cards import refresh_card, say
 from jobs.runs.launch import budget_then_launch, launcher_refused

@@ -14,11 +14,11 @@ from datetime import datetime
 
 from sqlmodel import Session, col, select
 
-from jobs.db import session_scope
-from jobs.deps import Deps
-from jobs.lifecycle import AttemptState, RunState
-from jobs.metrics import run_metrics
-from jobs.models import Attempt, EventRow, Run
+from jobs.database.db import session_scope
+from jobs.database.metrics import run_metrics
+from jobs.database.models import Attempt, EventRow, Run
+from jobs.domain.lifecycle import AttemptState, RunState
+from jobs.process.deps import Deps
 from jobs.rules import Obs, Trigger, evaluate_all, rules_on
 from jobs.runs.cards import raise_signals, run_context
 from jobs.spec import AlertThresholds, stored_section

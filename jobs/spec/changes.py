@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jobs.errors import SpecError, clip
+from jobs.domain.errors import SpecError, clip
 from jobs.spec.env import is_secret_path
 from jobs.spec.load import parse_spec
 from jobs.spec.model import JobSpec

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import ValidationError
 
-from jobs.errors import SpecError, clip, describe_validation_error
+from jobs.domain.errors import SpecError, clip, describe_validation_error
 from jobs.spec.env import FROM_PEOPLE, shown_override
 from jobs.spec.model import JobSpec
 from jobs.spec.overrides import apply_overrides

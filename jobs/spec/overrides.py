@@ -7,7 +7,7 @@ from typing import Any
 
 import yaml
 
-from jobs.errors import CLIP_CHARS, SpecError, clip
+from jobs.domain.errors import CLIP_CHARS, SpecError, clip
 from jobs.spec.env import is_secret_path, shown_override
 from jobs.spec.problems import short_path
 from jobs.spec.strict_yaml import MAX_OVERRIDE_CHARS, MAX_OVERRIDE_NODES, load_yaml

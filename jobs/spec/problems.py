@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel
 
-from jobs.errors import CLIP_CHARS, clip, describe_validation_error
+from jobs.domain.errors import CLIP_CHARS, clip, describe_validation_error
 from jobs.spec.env import is_secret_path
 from jobs.spec.model import JobSpec
 

@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
-from jobs.errors import clip
+from jobs.domain.errors import clip
 from jobs.providers import PROVIDERS, known_names
 from runner import env as contract
 from runner.duration import parse_duration

@@ -29,7 +29,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Literal
 from urllib.parse import parse_qs, urlsplit
 
-from jobs.errors import SpecError, clip
+from jobs.domain.errors import SpecError, clip
 from jobs.spec.load import parse_spec, spec_mapping
 from jobs.spec.model import JobSpec
 from jobs.spec.origin import SpecOrigin
@@ -39,7 +39,7 @@ from jobs.spec.spec_repo import SpecRepo, one_fetch_per_repository
 from jobs.spec.spec_repo import without_credentials as _without_credentials
 
 if TYPE_CHECKING:
-    from jobs.settings import Settings
+    from jobs.process.settings import Settings
 
 __all__ = [
     "Catalog",

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from jobs.errors import SpecError, clip
+from jobs.domain.errors import SpecError, clip
 from jobs.spec.strict_yaml import MAX_SPEC_FILE_CHARS
 
 __all__ = [

@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from jobs.errors import SpecError, clip
+from jobs.domain.errors import SpecError, clip
 
 # What one YAML document may expand to. Aliases are refused outright (a few hundred
 # characters of them expand to gigabytes); these bound what plain YAML can build.

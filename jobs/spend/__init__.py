@@ -1,6 +1,6 @@
 """What runs cost: accrual, totals, budgets, and the figures of the daily digest.
 
-Money is recorded as :class:`~jobs.models.SpendRecord` rows, one per attempt per
+Money is recorded as :class:`~jobs.database.models.SpendRecord` rows, one per attempt per
 accrual interval: the attempt's current price per instance-hour (spot price at launch,
 refreshed by whoever updates ``Attempt.price_per_hour``) × hours × instances. Records
 tile each attempt's paid time without gaps or overlaps: each starts where the last

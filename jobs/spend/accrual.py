@@ -13,7 +13,7 @@ from typing import Any
 from sqlalchemy import func, or_
 from sqlmodel import Session, col, select
 
-from jobs.models import Attempt, DryRunInstance, KeptInstance, Run, SpendRecord
+from jobs.database.models import Attempt, DryRunInstance, KeptInstance, Run, SpendRecord
 
 
 def accrue(session: Session, *, now: datetime) -> list[SpendRecord]:

@@ -36,9 +36,9 @@ from typing import Any
 from sqlalchemy import or_
 from sqlmodel import Session, col, select
 
-from jobs.event_rollup import weight
-from jobs.lifecycle import AttemptState
-from jobs.models import Attempt, EventRow, MetricBlock, Run, SpendRecord
+from jobs.database.event_rollup import weight
+from jobs.database.models import Attempt, EventRow, MetricBlock, Run, SpendRecord
+from jobs.domain.lifecycle import AttemptState
 
 __all__ = ["CATEGORIES", "LABELS", "AttemptFacts", "attempt_badput", "badput_figures"]
 

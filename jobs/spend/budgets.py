@@ -10,10 +10,10 @@ from sqlalchemy import or_
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
-from jobs import format as fmt
-from jobs.errors import ConflictError
-from jobs.lifecycle import RunState
-from jobs.models import Budget, Run
+from jobs.database.models import Budget, Run
+from jobs.domain import format as fmt
+from jobs.domain.errors import ConflictError
+from jobs.domain.lifecycle import RunState
 from jobs.spec import BudgetPolicy, stored_section
 from jobs.spend.accrual import run_spent, team_spent
 
@@ -171,7 +171,7 @@ def resubmit_budget(
     budget = raised_usd if raised_usd is not None else old.budget_usd
     policy = stored_section(old.spec, BudgetPolicy, run_id=old.id)
     if raised_usd is not None:
-        # A raised budget is the new run's spec's (jobs.resubmits.raise_budget): capped
+        # A raised budget is the new run's spec's (jobs.usecases.resubmits.raise_budget): capped
         # as one written there is, by the one definition, BudgetPolicy.caps_spend.
         policy = policy.model_copy(update={"usd": raised_usd})
     if policy.caps_spend and budget is not None and carried >= budget:

@@ -9,14 +9,14 @@ from typing import TYPE_CHECKING
 
 from sqlmodel import col, select
 
-from jobs.db import session_scope
-from jobs.lifecycle import RunState
-from jobs.models import Run
+from jobs.database.db import session_scope
+from jobs.database.models import Run
+from jobs.domain.lifecycle import RunState
 from jobs.providers.base import ProviderError
 from jobs.spec import Resources, stored_section
 
 if TYPE_CHECKING:
-    from jobs.deps import Deps
+    from jobs.process.deps import Deps
 
 
 log = logging.getLogger(__name__)

@@ -14,10 +14,10 @@ from typing import Any
 
 from sqlmodel import Session, col, select
 
-from jobs.errors import TrainbotError
-from jobs.format import usd as usd_text
-from jobs.lifecycle import AttemptState
-from jobs.models import Attempt, Run
+from jobs.database.models import Attempt, Run
+from jobs.domain.errors import TrainbotError
+from jobs.domain.format import usd as usd_text
+from jobs.domain.lifecycle import AttemptState
 from jobs.spec import Resources, stored_section
 from jobs.spend.accrual import team_spent, window_pieces
 from jobs.spend.badput import badput_figures

@@ -32,7 +32,7 @@ from sqlalchemy import Row, delete, insert
 from sqlalchemy import select as sa_select
 from sqlmodel import Session, col, select
 
-from jobs.models import KeptInstance, SpendRecord, table_of
+from jobs.database.models import KeptInstance, SpendRecord, table_of
 
 #: Records whose period ended this long ago are rolled up per hour.
 HOURLY_AFTER = timedelta(days=1)

@@ -22,8 +22,8 @@ from typing import Any
 from sqlalchemy import or_
 from sqlmodel import Session, col, select
 
-from jobs.errors import TrainbotError
-from jobs.models import Attempt, Checkpoint, Run
+from jobs.database.models import Attempt, Checkpoint, Run
+from jobs.domain.errors import TrainbotError
 from jobs.providers.data import read_table
 from jobs.spec import Resources, stored_section
 from runner.store import store_kind as runner_store_kind

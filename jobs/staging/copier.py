@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import urlparse
 
-from jobs.errors import TrainbotError
+from jobs.domain.errors import TrainbotError
 
 __all__ = [
     "Copier",

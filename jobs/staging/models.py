@@ -17,7 +17,7 @@ from typing import Any
 from sqlalchemy import JSON, BigInteger, Integer
 from sqlmodel import Field, SQLModel
 
-from jobs.models import EnumText, UTCDateTime, utcnow
+from jobs.database.models import EnumText, UTCDateTime, utcnow
 
 __all__ = ["Staging", "StagingState"]
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jobs.errors import TrainbotError
+from jobs.domain.errors import TrainbotError
 from jobs.providers.data import read_table
 from jobs.spend.storage import BILLED_GB, store_kind
 

@@ -14,9 +14,9 @@ from datetime import datetime, timedelta
 
 from sqlmodel import Session, col, select
 
-from jobs.db import session_scope
-from jobs.deps import Deps
-from jobs.models import Run
+from jobs.database.db import session_scope
+from jobs.database.models import Run
+from jobs.process.deps import Deps
 from jobs.staging.copier import split_uri
 from jobs.staging.models import Staging, StagingState
 from jobs.staging.work import copier_for

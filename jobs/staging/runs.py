@@ -16,14 +16,14 @@ from dataclasses import replace
 from sqlalchemy import Engine
 from sqlmodel import Session, col, select
 
-from jobs import format as fmt
-from jobs.db import session_scope
-from jobs.deps import Deps
-from jobs.models import Run
+from jobs.database.db import session_scope
+from jobs.database.models import Run
+from jobs.domain import format as fmt
 from jobs.preflight.regions import region_requests
 from jobs.preflight.report import PreflightContext
+from jobs.process.deps import Deps
+from jobs.process.settings import Settings
 from jobs.runs.cards import say
-from jobs.settings import Settings
 from jobs.spec import JobSpec
 from jobs.staging.copier import StagingError, split_uri
 from jobs.staging.models import Staging, StagingState

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from sqlmodel import col, select
 
-from jobs import format as fmt
-from jobs.actor import Actor, may_touch
-from jobs.db import session_scope
-from jobs.deps import Deps
-from jobs.models import Run
+from jobs.database.db import session_scope
+from jobs.database.models import Run
+from jobs.domain import format as fmt
+from jobs.domain.actor import Actor, may_touch
+from jobs.process.deps import Deps
 from jobs.staging.copier import StagingError
 from jobs.staging.models import Staging, StagingState
 from jobs.staging.work import offer, start

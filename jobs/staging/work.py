@@ -25,13 +25,13 @@ from typing import Protocol, runtime_checkable
 from sqlalchemy import Engine
 from sqlmodel import Session, col, select
 
-from jobs import format as fmt
-from jobs.db import session_scope
-from jobs.deferred import Later, current_fence, defer, deferrable, pending
-from jobs.deps import Deps
-from jobs.notify import MessageRef, TextMessage
+from jobs.background.deferred import Later, current_fence, defer, deferrable, pending
+from jobs.database.db import session_scope
+from jobs.domain import format as fmt
+from jobs.outbound.notify import MessageRef, TextMessage
+from jobs.process.deps import Deps
+from jobs.process.settings import Settings
 from jobs.runs.fence import check_fence
-from jobs.settings import Settings
 from jobs.staging.copier import (
     Copier,
     ObjectRef,

@@ -1,8 +1,8 @@
 """What a person does in their channels besides driving a run: seeing runs, logs, spend,
 budgets and on-call; acknowledging and snoozing alerts, setting who is on call, cleaning
 up checkpoints; and the command log that makes a retried command count once. Always
-scoped to the person's channels (:mod:`jobs.actor`). The use-cases that move a run
-through its states live in :mod:`jobs.service`, which re-exports these for the front ends.
+scoped to the person's channels (:mod:`jobs.domain.actor`). The use-cases that move a run
+through its states live in :mod:`jobs.usecases.service`, which re-exports these for the front ends.
 """
 
 from __future__ import annotations
@@ -15,20 +15,20 @@ from zoneinfo import ZoneInfo
 from sqlmodel import col, select
 
 from jobs import alerts, spend
-from jobs.actor import Actor, may_see, may_see_alert, may_touch
-from jobs.db import detach, session_scope
-from jobs.deps import Deps
-from jobs.errors import ConflictError
-from jobs.lifecycle import RunState
-from jobs.models import Alert, OnCall, Run, utcnow
-from jobs.notify import RunCard
-from jobs.replica_tables import CommandLog
-from jobs.run_logs import RunLog, run_log
+from jobs.database.db import detach, session_scope
+from jobs.database.models import Alert, OnCall, Run, utcnow
+from jobs.database.replica_tables import CommandLog
+from jobs.domain.actor import Actor, may_see, may_see_alert, may_touch
+from jobs.domain.errors import ConflictError
+from jobs.domain.lifecycle import RunState
+from jobs.outbound.notify import RunCard
+from jobs.process.deps import Deps
 from jobs.runs import (
     card,
     get_run,
 )
 from jobs.spec import list_specs
+from jobs.usecases.run_logs import RunLog, run_log
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def list_runs(deps: Deps, scope: str, actor: Actor) -> list[RunCard]:
 def logs(
     deps: Deps, run_id: str, actor: Actor, *, attempt: int | None = None, node: int = 0
 ) -> RunLog:
-    """The end of what a run's command printed (:mod:`jobs.run_logs`): from the run's
+    """The end of what a run's command printed (:mod:`jobs.usecases.run_logs`): from the run's
     store on every provider, after the instance is gone."""
     return run_log(deps, run_id, actor, attempt=attempt, node=node)
 
@@ -147,7 +147,7 @@ def oncall(deps: Deps, user: str | None, actor: Actor) -> str | None:
 
 def cleanup(deps: Deps, run_id: str, actor: Actor, *, dry_run: bool = False) -> dict[str, Any]:
     """Prune one run's checkpoints by its retention policy now."""
-    from jobs.tasks import prune_run
+    from jobs.background.tasks import prune_run
 
     with session_scope(deps.engine) as session:
         run = get_run(session, run_id)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from jobs.errors import SpecError
+from jobs.domain.errors import SpecError
 from jobs.spec import JobSpec
 from runner.code import CodeError, resolve_ref
 

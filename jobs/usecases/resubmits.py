@@ -1,6 +1,6 @@
 """Resubmitting a run: ``/train resubmit``, in one place.
 
-:func:`resubmit` is the use-case the front ends call (through :mod:`jobs.service`). A run
+:func:`resubmit` is the use-case the front ends call (through :mod:`jobs.usecases.service`). A run
 awaiting confirmation is confirmed, a recovering one gets its next attempt now, and a
 run that is over (stopped, failed, stopped at its budget cap) gets a new run
 (:func:`successor`) that carries the spend so far and resumes the newest checkpoint, or
@@ -19,16 +19,15 @@ from typing import Any
 
 from sqlmodel import Session
 
-from jobs import format as fmt
 from jobs import preflight, spend
-from jobs.actor import Actor, may_touch
-from jobs.code_pin import pin_code, short_commit
-from jobs.db import detach, session_scope
-from jobs.deps import Deps
-from jobs.errors import ConflictError, SpecError
-from jobs.lifecycle import RunState
-from jobs.locations import check_prefix, checkpoint_root
-from jobs.models import Run, new_id
+from jobs.database.db import detach, session_scope
+from jobs.database.models import Run, new_id
+from jobs.domain import format as fmt
+from jobs.domain.actor import Actor, may_touch
+from jobs.domain.errors import ConflictError, SpecError
+from jobs.domain.lifecycle import RunState
+from jobs.domain.locations import check_prefix, checkpoint_root
+from jobs.process.deps import Deps
 from jobs.runs import (
     budget_then_launch,
     card,
@@ -50,6 +49,7 @@ from jobs.spec.changes import (
     checks_for,
     hidden_change,
 )
+from jobs.usecases.code_pin import pin_code, short_commit
 from runner.errors import RunnerError
 from runner.layout import copy_step, list_committed
 from runner.store import run_store

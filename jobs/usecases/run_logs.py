@@ -16,13 +16,13 @@ from dataclasses import dataclass, replace
 
 from sqlmodel import col, select
 
-from jobs.actor import Actor, may_see
-from jobs.db import session_scope
-from jobs.deps import Deps
-from jobs.errors import NotFound, SpecError
-from jobs.locations import check_prefix, checkpoint_root
-from jobs.models import Attempt
-from jobs.output import env_values, redact_output
+from jobs.database.db import session_scope
+from jobs.database.models import Attempt
+from jobs.domain.actor import Actor, may_see
+from jobs.domain.errors import NotFound, SpecError
+from jobs.domain.locations import check_prefix, checkpoint_root
+from jobs.domain.output import env_values, redact_output
+from jobs.process.deps import Deps
 from jobs.providers import gang
 from jobs.providers.base import InstanceNotFound, ProviderError
 from jobs.runs.rows import checkpoint_prefix, get_run

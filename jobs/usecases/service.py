@@ -2,12 +2,12 @@
 
 The chat front ends (console, Slack) parse a command, call one of these, and render
 what it returns. Slow work (preflight, launch) runs in the background and reports into
-the run's thread; the command returns at once. Errors are ``jobs.errors`` exceptions
+the run's thread; the command returns at once. Errors are ``jobs.domain.errors`` exceptions
 whose messages are written for the person who typed the command.
 
-The boundary: a run's states are :mod:`jobs.lifecycle`'s; what moves a run through its
+The boundary: a run's states are :mod:`jobs.domain.lifecycle`'s; what moves a run through its
 attempts (launch, runner events, end, resubmit, reconcile) is :mod:`jobs.runs`; this
-module is only what a person asks for; :mod:`jobs.tasks` is what the scheduler runs.
+module is only what a person asks for; :mod:`jobs.background.tasks` is what the scheduler runs.
 """
 
 from __future__ import annotations
@@ -18,29 +18,13 @@ from collections.abc import Sequence
 from sqlmodel import select
 
 from jobs import preflight, spend
-from jobs.actor import Actor, may_touch, report_channel
-from jobs.channel_ops import (
-    LIST_LIMIT,
-    acknowledge,
-    budgets,
-    cleanup,
-    list_runs,
-    logs,
-    oncall,
-    remember_command,
-    snooze,
-    spend_report,
-    status,
-    wait_for,
-)
-from jobs.code_pin import pin_code
-from jobs.db import detach, session_scope
-from jobs.deps import Deps
-from jobs.errors import ConflictError, SpecError
-from jobs.lifecycle import AttemptState, RunState
-from jobs.locations import checkpoint_root
-from jobs.models import Run, new_id
-from jobs.resubmits import resubmit
+from jobs.database.db import detach, session_scope
+from jobs.database.models import Run, new_id
+from jobs.domain.actor import Actor, may_touch, report_channel
+from jobs.domain.errors import ConflictError, SpecError
+from jobs.domain.lifecycle import AttemptState, RunState
+from jobs.domain.locations import checkpoint_root
+from jobs.process.deps import Deps
 from jobs.runs import (
     active_attempt,
     capacity,
@@ -55,6 +39,22 @@ from jobs.runs.start import PREFLIGHT_ONLY, confirm, preflight_then_launch
 from jobs.spec import Resources, spec_from_text, stored_section
 from jobs.spec.origin import SpecOrigin
 from jobs.spec.sources import Catalog, catalog_for, load_spec_for, names_for
+from jobs.usecases.channel_ops import (
+    LIST_LIMIT,
+    acknowledge,
+    budgets,
+    cleanup,
+    list_runs,
+    logs,
+    oncall,
+    remember_command,
+    snooze,
+    spend_report,
+    status,
+    wait_for,
+)
+from jobs.usecases.code_pin import pin_code
+from jobs.usecases.resubmits import resubmit
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The admin port's app: ``/healthz``, ``/readyz`` and ``/metrics``.
 
-:func:`jobs.server.serve` runs it on a listener of its own, so that probes and scrapes
+:func:`jobs.web.server.serve` runs it on a listener of its own, so that probes and scrapes
 never queue behind the public port, and the public port shows nobody the figures.
 
 Liveness and readiness ask different questions, because a platform acts on them
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from sqlalchemy import Engine, text
 
-from jobs.prometheus import ControlPlaneMetrics
+from jobs.web.prometheus import ControlPlaneMetrics
 
 if TYPE_CHECKING:
     from wsgiref.types import StartResponse, WSGIEnvironment

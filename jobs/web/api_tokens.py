@@ -15,11 +15,11 @@ from datetime import datetime, timedelta
 
 from sqlmodel import col, select
 
-from jobs.actor import Actor
-from jobs.db import session_scope
-from jobs.deps import Deps
-from jobs.errors import NotFound, PermissionDenied
-from jobs.models import ApiToken, hash_token
+from jobs.database.db import session_scope
+from jobs.database.models import ApiToken, hash_token
+from jobs.domain.actor import Actor
+from jobs.domain.errors import NotFound, PermissionDenied
+from jobs.process.deps import Deps
 
 __all__ = [
     "MAX_TOKENS",

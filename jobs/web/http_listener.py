@@ -1,6 +1,6 @@
 """One hardened waitress listener: its own socket map, loop thread and thread pool.
 
-:func:`jobs.server.serve` runs two of these, the public port (Slack, runner ingest) and
+:func:`jobs.web.server.serve` runs two of these, the public port (Slack, runner ingest) and
 the admin port (``/healthz``, ``/readyz``, ``/metrics``); nothing one does can hold the
 other up, because they share no loop, no connection count and no thread.
 

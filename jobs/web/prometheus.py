@@ -1,4 +1,4 @@
-"""The control plane's Prometheus metrics, served at ``/metrics`` by :mod:`jobs.server`.
+"""The control plane's Prometheus metrics, served at ``/metrics`` by :mod:`jobs.web.server`.
 
 Each :class:`ControlPlaneMetrics` owns a ``CollectorRegistry`` of its own (never the
 library's global default registry), so a test process with several control planes, or a
@@ -64,10 +64,19 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from sqlalchemy import Connection, Engine, func, or_, select
 
-from jobs.lifecycle import AttemptState, RunState
-from jobs.models import Alert, AlertState, Attempt, Budget, Run, SpendRecord, table_of, utcnow
-from jobs.replica_tables import LEADER_LEASE, SchedulerLease
-from jobs.severity import Severity
+from jobs.database.models import (
+    Alert,
+    AlertState,
+    Attempt,
+    Budget,
+    Run,
+    SpendRecord,
+    table_of,
+    utcnow,
+)
+from jobs.database.replica_tables import LEADER_LEASE, SchedulerLease
+from jobs.domain.lifecycle import AttemptState, RunState
+from jobs.domain.severity import Severity
 
 if TYPE_CHECKING:
     from apscheduler.schedulers.base import BaseScheduler
@@ -124,7 +133,7 @@ class ControlPlaneMetrics:
     ) -> None:
         """``engine``: the database the scrape-time figures come from (None: none);
         ``holder``: this process's scheduler lease holder name (default: the one
-        :mod:`jobs.scheduler` uses)."""
+        :mod:`jobs.background.scheduler` uses)."""
         self.registry = CollectorRegistry(auto_describe=True)
         self.ingest_events, self.ingest_batches = (
             Counter(name, doc, [label], registry=self.registry)
@@ -578,7 +587,7 @@ def _instance_seconds(s: Any) -> Any:
 
 
 def _scheduler_holder() -> str:
-    """The lease holder name :mod:`jobs.scheduler` takes the lease under in this process."""
-    from jobs import scheduler
+    """The lease holder name :mod:`jobs.background.scheduler` takes the lease under here."""
+    from jobs.background import scheduler
 
     return scheduler._holder

@@ -23,7 +23,7 @@ default), never on the public one:
   so a database blip restarts no replica;
 - ``GET /readyz`` (readiness): 200 when the database answers ``SELECT 1`` and the public
   port accepts; 503 when the database does not, or once the replica drains for shutdown;
-- ``GET /metrics``: Prometheus exposition from :mod:`jobs.prometheus` (OpenMetrics when
+- ``GET /metrics``: Prometheus exposition from :mod:`jobs.web.prometheus` (OpenMetrics when
   the scraper asks for it).
 
 **The server is waitress**, run in-process by :func:`serve` (``trainbot serve``, the
@@ -58,7 +58,7 @@ request. The limits, and where each is enforced:
   silent for :data:`CHANNEL_TIMEOUT_S` (idle keep-alive) is closed. One client address
   holds at most :data:`MAX_CONNECTIONS_PER_CLIENT` connections; at
   :data:`CONNECTION_LIMIT` the connection with the oldest unfinished request makes room
-  for a new one (:mod:`jobs.http_listener`). A request being answered is never cut off.
+  for a new one (:mod:`jobs.web.http_listener`). A request being answered is never cut off.
 - **Probes and scrapes never queue behind the public port.** The admin port is another
   socket, loop thread and thread pool: a public port full of slow clients, or all of its
   threads busy, does not delay ``/healthz``, so an attack on the public port never gets
@@ -84,17 +84,17 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 from sqlmodel import Session
 
-from jobs.admin import ADMIN_PATHS, AdminApp
-from jobs.errors import NotFound, PermissionDenied
-from jobs.http_listener import Limits, Listening, listen
+from jobs.database.models import Run
+from jobs.domain.errors import NotFound, PermissionDenied
+from jobs.domain.locations import dry_run_prefix
 from jobs.ingest import IngestResult, IngestService
 from jobs.ingest.dry_run import DryRunIngest
-from jobs.locations import dry_run_prefix
-from jobs.models import Run
-from jobs.prometheus import ControlPlaneMetrics
 from jobs.providers.base import ProviderError
 from jobs.providers.runner_install import SERVED_WHEELS, WHEEL_ROUTE, ServedWheel, ServedWheels
 from jobs.runs import checkpoint_prefix
+from jobs.web.admin import ADMIN_PATHS, AdminApp
+from jobs.web.http_listener import Limits, Listening, listen
+from jobs.web.prometheus import ControlPlaneMetrics
 from runner.wire import DRY_RUN_ROUTE
 from runner.wire.dry_run import MAX_BODY_BYTES as _DRY_RUN_MAX_BODY
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import text
 
-from jobs.db import make_engine
+from jobs.database.db import make_engine
 from tests.bench.running import last_line
 
 SMALLEST = [

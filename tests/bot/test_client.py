@@ -22,9 +22,9 @@ import pytest
 from sqlmodel import select
 
 from bot import client
-from jobs.db import session_scope
-from jobs.lifecycle import RunState
-from jobs.models import ApiToken, Run
+from jobs.database.db import session_scope
+from jobs.database.models import ApiToken, Run
+from jobs.domain.lifecycle import RunState
 from tests.bot.test_slack_app import (
     ADA,
     BOB,

@@ -6,8 +6,8 @@ import io
 from pathlib import Path
 
 from bot.console import ConsoleNotifier, Shell
-from jobs.bootstrap import ControlPlane
-from jobs.settings import load_settings
+from jobs.process.bootstrap import ControlPlane
+from jobs.process.settings import load_settings
 
 
 def test_shell_runs_commands_and_prints_replies(tmp_path: Path) -> None:

@@ -24,11 +24,11 @@ from botocore.stub import Stubber
 from bot.slack_notifier import SlackNotifier
 from bot.slack_wsgi import attach
 from bot.views import LAUNCH_ANYWAY
-from jobs.bootstrap import ControlPlane
-from jobs.lifecycle import RunState
-from jobs.models import Attempt
-from jobs.notify import CallbackJournal
-from jobs.settings import load_settings
+from jobs.database.models import Attempt
+from jobs.domain.lifecycle import RunState
+from jobs.outbound.notify import CallbackJournal
+from jobs.process.bootstrap import ControlPlane
+from jobs.process.settings import load_settings
 from tests.bot.test_security import answer, press, run_ids
 from tests.bot.test_slack_app import SECRET, TOKEN, ResponseUrls, Slack
 from tests.fakes import aws as fake

@@ -34,15 +34,15 @@ from bot.console import ConsoleNotifier, Shell
 from bot.listeners.runs import MODAL_CALLBACK
 from bot.slack_notifier import SlackNotifier
 from bot.slack_wsgi import attach
-from jobs import service
-from jobs.bootstrap import ControlPlane
-from jobs.db import session_scope
-from jobs.lifecycle import RunState
-from jobs.models import AlertState, Run
-from jobs.notify import CallbackJournal
-from jobs.service import Actor
-from jobs.settings import load_settings
+from jobs.database.db import session_scope
+from jobs.database.models import AlertState, Run
+from jobs.domain.lifecycle import RunState
+from jobs.outbound.notify import CallbackJournal
+from jobs.process.bootstrap import ControlPlane
+from jobs.process.settings import load_settings
 from jobs.spec import JobSpec
+from jobs.usecases import service
+from jobs.usecases.service import Actor
 from tests.bot.test_security import (
     alert_row,
     answer,

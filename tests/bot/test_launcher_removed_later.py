@@ -16,10 +16,10 @@ import time
 from sqlmodel import col, select
 
 from bot.auth import Authorizer, Policy
-from jobs.db import session_scope
-from jobs.lifecycle import RunState
-from jobs.models import Attempt, Run
-from jobs.notify import CallbackJournal
+from jobs.database.db import session_scope
+from jobs.database.models import Attempt, Run
+from jobs.domain.lifecycle import RunState
+from jobs.outbound.notify import CallbackJournal
 from jobs.runs import reconcile
 from jobs.runs.launch import LAUNCHER_REMOVED
 from tests.bot import test_launcher_authz

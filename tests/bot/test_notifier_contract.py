@@ -1,4 +1,4 @@
-"""One contract for every Notifier (jobs.notify.Notifier): the console's and Slack's.
+"""One contract for every Notifier (jobs.outbound.notify.Notifier): the console's and Slack's.
 
 Each front end is read the way a person reads it: the console's printed lines, and the
 messages the fake Slack Web API holds for the channel (after the notifier has flushed).
@@ -17,7 +17,7 @@ import pytest
 
 from bot.console import ConsoleNotifier
 from bot.slack_notifier import SlackNotifier
-from jobs.notify import AlertMessage, Message, MessageRef, Notifier, RunCard, TextMessage
+from jobs.outbound.notify import AlertMessage, Message, MessageRef, Notifier, RunCard, TextMessage
 from tests.fakes.slack_api import FakeSlack
 
 CHANNEL = "C0RUNS"

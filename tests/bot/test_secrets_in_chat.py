@@ -20,11 +20,11 @@ from sqlalchemy.exc import IntegrityError
 from bot.commands import MAX_COMMAND_CHARS, CommandError, parse, summary
 from bot.dispatch import handle_text
 from bot.replies import unexpected
-from jobs.db import session_scope
-from jobs.lifecycle import RunState
-from jobs.logs import make_handler
-from jobs.models import Run
-from jobs.service import Actor
+from jobs.database.db import session_scope
+from jobs.database.models import Run
+from jobs.domain.lifecycle import RunState
+from jobs.process.logs import make_handler
+from jobs.usecases.service import Actor
 from tests.bot import test_security
 from tests.bot.test_security import ADA, EVE, RANDOM, answer, run_ids, waiting_run
 from tests.bot.test_slack_app import FAST, Slack, wait_until

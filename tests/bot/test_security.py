@@ -25,12 +25,12 @@ from sqlmodel import select
 
 from bot.auth import Authorizer, Caller, Policy, redact_command
 from bot.listeners.runs import EXTERNAL_DENIED, LAUNCH_DENIED, ONCALL_DENIED
-from jobs.db import session_scope
-from jobs.lifecycle import RunState
-from jobs.models import Alert, AlertState, OnCall, Run
-from jobs.notify import CallbackJournal
+from jobs.database.db import session_scope
+from jobs.database.models import Alert, AlertState, OnCall, Run
+from jobs.domain.lifecycle import RunState
+from jobs.outbound.notify import CallbackJournal
+from jobs.process.settings import load_settings
 from jobs.rules import Severity, Signal
-from jobs.settings import load_settings
 from runner.checkpoint import CheckpointWriter, list_committed
 from runner.store import LocalStore
 from tests.bot.test_slack_app import (

@@ -24,11 +24,11 @@ import pytest
 from sqlmodel import select
 
 from bot.cli import shell_problem
-from jobs.db import make_engine, session_scope
-from jobs.lifecycle import RunState
-from jobs.models import Run
-from jobs.replica_tables import SchedulerLease
-from jobs.settings import load_settings
+from jobs.database.db import make_engine, session_scope
+from jobs.database.models import Run
+from jobs.database.replica_tables import SchedulerLease
+from jobs.domain.lifecycle import RunState
+from jobs.process.settings import load_settings
 from tests.bot.test_slack_app import wait_until
 
 

@@ -32,16 +32,17 @@ from bot.auth import Authorizer, Caller, Policy
 from bot.listeners.runs import CHANNEL_DENIED
 from bot.slack_notifier import SlackNotifier
 from bot.slack_wsgi import SlackFrontEnd, attach
-from jobs import alerts, tasks
-from jobs.bootstrap import ControlPlane
-from jobs.db import session_scope
-from jobs.lifecycle import RunState
-from jobs.models import Alert, Attempt, Run
-from jobs.notify import CallbackJournal, MessageRef
-from jobs.replica_tables import CommandLog
+from jobs import alerts
+from jobs.background import tasks
+from jobs.database.db import session_scope
+from jobs.database.models import Alert, Attempt, Run
+from jobs.database.replica_tables import CommandLog
+from jobs.domain.lifecycle import RunState
+from jobs.outbound.notify import CallbackJournal, MessageRef
+from jobs.process.bootstrap import ControlPlane
+from jobs.process.settings import Settings, load_settings
 from jobs.rules import Severity, Signal
 from jobs.runs import active_attempt, alert_target
-from jobs.settings import Settings, load_settings
 from tests.fakes.loopback import LoopbackServer, QuietHandler, read_body, reply
 from tests.fakes.slack_api import FakeMessage, FakeSlack
 from tests.waiting import wait_until

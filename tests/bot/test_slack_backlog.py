@@ -19,14 +19,14 @@ from pathlib import Path
 import pytest
 
 from bot.slack_notifier import SlackNotifier
-from jobs.bootstrap import ControlPlane
-from jobs.db import session_scope
-from jobs.lifecycle import AttemptState, RunState
-from jobs.models import Attempt, Run, hash_token
-from jobs.notify import MessageRef, NullJournal
+from jobs.database.db import session_scope
+from jobs.database.models import Attempt, Run, hash_token
+from jobs.domain.lifecycle import AttemptState, RunState
+from jobs.outbound.notify import MessageRef, NullJournal
+from jobs.process.bootstrap import ControlPlane
+from jobs.process.settings import load_settings
 from jobs.runs.cards import card
-from jobs.server import EVENTS_PATH
-from jobs.settings import load_settings
+from jobs.web.server import EVENTS_PATH
 from tests.bot.test_slack_app import SECRET, TOKEN, terminate_instances
 from tests.fakes.slack_api import FakeSlack
 from tests.jobs.test_ingest import body, metrics

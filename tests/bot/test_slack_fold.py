@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bot.slack_notifier import SlackNotifier
-from jobs.notify import AlertMessage, RunCard, TextMessage
+from jobs.outbound.notify import AlertMessage, RunCard, TextMessage
 from tests.bot.test_slack_notifier import fake as fake  # the fixtures
 from tests.bot.test_slack_notifier import make_notifier as make_notifier
 from tests.fakes.slack_api import FakeSlack

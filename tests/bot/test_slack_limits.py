@@ -21,10 +21,11 @@ from slack_sdk.errors import SlackApiError
 from bot.mentions import MentionResolver
 from bot.slack_notifier import SlackNotifier
 from jobs import alerts
-from jobs.db import session_scope
-from jobs.lifecycle import RunState
-from jobs.models import Alert, AlertState, Run
-from jobs.notify import (
+from jobs.database.db import session_scope
+from jobs.database.models import Alert, AlertState, Run
+from jobs.domain.lifecycle import RunState
+from jobs.domain.severity import Severity
+from jobs.outbound.notify import (
     AlertMessage,
     CallbackJournal,
     CheckLine,
@@ -32,7 +33,6 @@ from jobs.notify import (
     PreflightMessage,
     TextMessage,
 )
-from jobs.severity import Severity
 from tests.bot.test_slack_app import CHANNEL, Slack
 from tests.bot.test_slack_app import slack as slack  # the fixture
 from tests.fakes.slack_api import FakeSlack
@@ -369,8 +369,8 @@ def test_train_list_all_over_200_runs_is_clipped_honestly_and_escaped(slack: Sla
     shown = len(re.findall(r"^\[r-\d{4}\]", reply, flags=re.M))
     more = re.search(r"…and (\d+) more runs not shown", reply)
     assert more is not None and shown > 0
-    from jobs import service
-    from jobs.service import Actor
+    from jobs.usecases import service
+    from jobs.usecases.service import Actor
 
     listed = service.list_runs(slack.cp.deps, "all", Actor(user="U0ADA", channel=CHANNEL))
     assert shown + int(more.group(1)) == len(listed)

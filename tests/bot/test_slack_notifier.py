@@ -19,7 +19,14 @@ from slack_sdk.errors import SlackApiError
 
 from bot import plots, views
 from bot.slack_notifier import HANDLE_PREFIX, SlackNotifier
-from jobs.notify import AlertMessage, DigestMessage, Message, MessageRef, RunCard, TextMessage
+from jobs.outbound.notify import (
+    AlertMessage,
+    DigestMessage,
+    Message,
+    MessageRef,
+    RunCard,
+    TextMessage,
+)
 from tests.fakes.slack_api import FakeSlack
 
 WINDOW_S = 0.02

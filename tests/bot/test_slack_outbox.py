@@ -23,8 +23,9 @@ from sqlmodel import col, select
 from bot import views
 from bot.slack_notifier import SlackNotifier
 from bot.slack_outbox import Outbox, decode, encode
-from jobs.db import session_scope
-from jobs.notify import (
+from jobs.database.db import session_scope
+from jobs.database.replica_tables import SlackOutbox
+from jobs.outbound.notify import (
     AlertMessage,
     CheckLine,
     DigestMessage,
@@ -32,7 +33,6 @@ from jobs.notify import (
     RunCard,
     TextMessage,
 )
-from jobs.replica_tables import SlackOutbox
 from tests.fakes.slack_api import FakeSlack
 from tests.waiting import wait_until
 

@@ -25,8 +25,8 @@ from pydantic import SecretStr
 from bot.app import SlackSetupError
 from bot.slack_notifier import SlackNotifier
 from bot.slack_wsgi import SlackFrontEnd, attach
-from jobs.bootstrap import ControlPlane
-from jobs.settings import Settings
+from jobs.process.bootstrap import ControlPlane
+from jobs.process.settings import Settings
 from tests.bot.test_slack_app import (
     ADA,
     CHANNEL,

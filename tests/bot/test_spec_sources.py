@@ -24,14 +24,14 @@ from bot.listeners.spec_yaml import validate_pasted
 from bot.slack_notifier import SlackNotifier
 from bot.slack_wsgi import attach
 from bot.views.spec_yaml import YAML_MODAL_CALLBACK, YAML_SHORTCUT
-from jobs import service
-from jobs.bootstrap import ControlPlane
-from jobs.db import session_scope
-from jobs.errors import SpecError
-from jobs.models import Run
-from jobs.notify import CallbackJournal
-from jobs.settings import load_settings
+from jobs.database.db import session_scope
+from jobs.database.models import Run
+from jobs.domain.errors import SpecError
+from jobs.outbound.notify import CallbackJournal
+from jobs.process.bootstrap import ControlPlane
+from jobs.process.settings import load_settings
 from jobs.spec import MAX_SPEC_FILE_CHARS
+from jobs.usecases import service
 from tests.bot.test_slack_app import (
     CHANNEL,
     SECRET,

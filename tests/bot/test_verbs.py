@@ -20,15 +20,15 @@ from bot.console import ConsoleNotifier
 from bot.dispatch import ask_for, dispatch, handle_text
 from bot.listeners.runs import _modal_command_text
 from bot.verbs import ANYONE, VERBS, Permission, Reply, Verb, declared, index
-from jobs.bootstrap import ControlPlane
-from jobs.db import session_scope
-from jobs.deps import Deps
-from jobs.lifecycle import RunState
-from jobs.models import Run
-from jobs.notify import CallbackJournal
-from jobs.service import Actor
-from jobs.settings import load_settings
+from jobs.database.db import session_scope
+from jobs.database.models import Run
+from jobs.domain.lifecycle import RunState
+from jobs.outbound.notify import CallbackJournal
+from jobs.process.bootstrap import ControlPlane
+from jobs.process.deps import Deps
+from jobs.process.settings import load_settings
 from jobs.spec import load_spec
+from jobs.usecases.service import Actor
 
 
 def _listed_verbs() -> list[str]:

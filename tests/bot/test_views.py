@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from bot import messages, plots, views
-from jobs.notify import (
+from jobs.outbound.notify import (
     AlertMessage,
     CheckLine,
     DigestMessage,

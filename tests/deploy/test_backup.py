@@ -21,8 +21,8 @@ from sqlalchemy import Engine, inspect, text
 from sqlalchemy.engine import make_url
 from sqlmodel import Session
 
-from jobs.db import current_revision, head_revision, make_engine, migrate
-from jobs.models import EventRow, SpendRecord
+from jobs.database.db import current_revision, head_revision, make_engine, migrate
+from jobs.database.models import EventRow, SpendRecord
 from jobs.spend.accrual import run_spent
 from tests.jobs.rows import add_running_attempt
 

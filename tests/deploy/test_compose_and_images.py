@@ -14,7 +14,7 @@ import yaml
 from sqlalchemy.engine import make_url
 
 from bot.cli import DRAIN_S
-from jobs.settings import Settings, env_name
+from jobs.process.settings import Settings, env_name
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import yaml
 
-from jobs.google_env import google_credentials_environ
-from jobs.settings import load_settings
+from jobs.process.google_env import google_credentials_environ
+from jobs.process.settings import load_settings
 from tests.deploy.kube import (
     KUBERNETES,
     PLACEHOLDER_REGISTRY,

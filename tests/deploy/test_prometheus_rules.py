@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from jobs.admin import ADMIN_PATHS
+from jobs.web.admin import ADMIN_PATHS
 from tests.deploy.kube import KUBERNETES, ROOT, render_here
 
 PROMETHEUS = ROOT / "deploy" / "prometheus"

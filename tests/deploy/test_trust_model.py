@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from jobs.settings import Settings, env_name
+from jobs.process.settings import Settings, env_name
 from tests.deploy.kube import render_here
 
 ROOT = Path(__file__).resolve().parents[2]

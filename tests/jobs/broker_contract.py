@@ -15,15 +15,15 @@ from sqlalchemy import Engine
 from sqlmodel import Session
 
 from bot.console import ConsoleNotifier
-from jobs.bootstrap import build_credential_broker
-from jobs.deps import Deps
+from jobs.database.models import Attempt, Run
+from jobs.domain.lifecycle import AttemptState
 from jobs.ingest import IngestService
-from jobs.lifecycle import AttemptState
-from jobs.models import Attempt, Run
+from jobs.process.bootstrap import build_credential_broker
+from jobs.process.deps import Deps
+from jobs.process.settings import Settings
 from jobs.providers.base import Provider
 from jobs.runs import runner_env, spec_of
-from jobs.server import CREDENTIALS_PATH, ControlPlaneApp, CredentialBroker, serve
-from jobs.settings import Settings
+from jobs.web.server import CREDENTIALS_PATH, ControlPlaneApp, CredentialBroker, serve
 
 #: The running attempt's token in both brokers' tests.
 TOKEN = "tok-live"

@@ -22,8 +22,8 @@ from botocore.stub import Stubber
 from sqlalchemy import Engine, text
 from sqlalchemy.engine import make_url
 
-from jobs.db import make_engine, migrate
-from jobs.settings import Settings, load_settings
+from jobs.database.db import make_engine, migrate
+from jobs.process.settings import Settings, load_settings
 from tests.fakes import aws as fake_aws
 
 POSTGRES_URL_ENV = "TRAINBOT_TEST_POSTGRES_URL"

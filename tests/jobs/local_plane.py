@@ -14,10 +14,10 @@ from typing import Any
 from sqlalchemy import Engine
 
 from bot.console import ConsoleNotifier
-from jobs.deps import Deps
-from jobs.notify import CallbackJournal
+from jobs.outbound.notify import CallbackJournal
+from jobs.process.deps import Deps
+from jobs.process.settings import Settings
 from jobs.providers.local import LocalProvider
-from jobs.settings import Settings
 
 
 class Clock:

@@ -1,7 +1,7 @@
 """One replica's PagerDuty bridge as its own process, for the test that kills it.
 
 ``python -m tests.jobs.pagerduty_process`` builds the bridge ``trainbot serve`` builds
-(:class:`jobs.pagerduty.PagerDutyBridge` on the shared database), from the environment:
+(:class:`jobs.outbound.pagerduty.PagerDutyBridge` on the shared database), from the environment:
 
 - ``PD_DATABASE_URL``: the database (the test's schema);
 - ``PD_URL``, ``PD_ROUTING_KEY``: the Events API v2 to send to;
@@ -22,8 +22,8 @@ import os
 import sys
 import threading
 
-from jobs.db import make_engine
-from jobs.pagerduty import EventsClient, PagerDutyBridge
+from jobs.database.db import make_engine
+from jobs.outbound.pagerduty import EventsClient, PagerDutyBridge
 
 
 def main() -> int:

@@ -31,8 +31,8 @@ from slack_sdk import WebClient
 
 from bot.slack_notifier import SlackNotifier
 from bot.slack_wsgi import attach
-from jobs.bootstrap import ControlPlane
-from jobs.settings import load_settings
+from jobs.process.bootstrap import ControlPlane
+from jobs.process.settings import load_settings
 
 
 def main() -> int:

@@ -9,9 +9,9 @@ from pathlib import Path
 from sqlalchemy import Engine
 from sqlmodel import Session
 
-from jobs.db import make_engine, migrate
-from jobs.lifecycle import AttemptState, RunState
-from jobs.models import Attempt, Run, hash_token
+from jobs.database.db import make_engine, migrate
+from jobs.database.models import Attempt, Run, hash_token
+from jobs.domain.lifecycle import AttemptState, RunState
 
 
 def migrated_sqlite(tmp_path: Path) -> Iterator[Engine]:

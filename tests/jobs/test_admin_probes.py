@@ -17,10 +17,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import Engine
 
-from jobs.db import make_engine, migrate
+from jobs.database.db import make_engine, migrate
 from jobs.ingest import IngestService
-from jobs.prometheus import ControlPlaneMetrics
-from jobs.server import ControlPlaneApp, ServerHandle, serve
+from jobs.web.prometheus import ControlPlaneMetrics
+from jobs.web.server import ControlPlaneApp, ServerHandle, serve
 
 
 def get(url: str) -> tuple[int, str]:

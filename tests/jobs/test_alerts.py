@@ -20,12 +20,12 @@ from jobs.alerts import (
     resolve,
     snooze,
 )
-from jobs.db import session_scope
-from jobs.errors import ConflictError, NotFound, TrainbotError
-from jobs.models import Alert, AlertState, Run
-from jobs.notify import AlertMessage, Message, MessageRef
+from jobs.database.db import session_scope
+from jobs.database.models import Alert, AlertState, Run
+from jobs.domain.errors import ConflictError, NotFound, TrainbotError
+from jobs.domain.severity import Severity
+from jobs.outbound.notify import AlertMessage, Message, MessageRef
 from jobs.rules import Signal
-from jobs.severity import Severity
 
 T0 = datetime(2024, 5, 14, 9, 0, tzinfo=timezone.utc)
 TARGET = AlertTarget(channel="C-ml", thread_ts="1715677200.000100", oncall_group="S-oncall")
@@ -683,7 +683,7 @@ def test_a_divergence_is_due_to_stop_unless_acknowledged_and_nan_stops_at_once(
 
 @pytest.fixture
 def stop_deps(db_engine: Engine, settings: Any, tmp_path: Any) -> Any:
-    from jobs.deps import Deps
+    from jobs.process.deps import Deps
     from jobs.providers.local import LocalProvider
 
     provider = LocalProvider(tmp_path / "local")
@@ -701,8 +701,8 @@ def stop_deps(db_engine: Engine, settings: Any, tmp_path: Any) -> Any:
 
 def running_run(engine: Engine, *, spec: dict[str, Any] | None = None) -> Run:
     """A running run with one live attempt and checkpoints at steps 10, 30, 50 and 70."""
-    from jobs.lifecycle import AttemptState, RunState
-    from jobs.models import Attempt, Checkpoint
+    from jobs.database.models import Attempt, Checkpoint
+    from jobs.domain.lifecycle import AttemptState, RunState
 
     with session_scope(engine) as session:
         run = Run(
@@ -723,7 +723,7 @@ def running_run(engine: Engine, *, spec: dict[str, Any] | None = None) -> Run:
 
 
 def _run_and_attempt(engine: Engine) -> tuple[Run, Any]:
-    from jobs.models import Attempt
+    from jobs.database.models import Attempt
 
     with Session(engine) as session:
         run, attempt = session.get(Run, "r-1"), session.get(Attempt, "a-1")
@@ -732,8 +732,8 @@ def _run_and_attempt(engine: Engine) -> tuple[Run, Any]:
 
 
 def test_a_nan_loss_stops_the_run_and_offers_the_checkpoint_before_it(stop_deps: Any) -> None:
-    from jobs import tasks
-    from jobs.lifecycle import AttemptState, RunState
+    from jobs.background import tasks
+    from jobs.domain.lifecycle import AttemptState, RunState
 
     deps = stop_deps
     run = running_run(deps.engine)
@@ -762,8 +762,8 @@ def test_a_nan_loss_stops_the_run_and_offers_the_checkpoint_before_it(stop_deps:
 
 
 def test_an_unacknowledged_divergence_stops_after_stop_after(stop_deps: Any) -> None:
-    from jobs import tasks
-    from jobs.lifecycle import RunState
+    from jobs.background import tasks
+    from jobs.domain.lifecycle import RunState
 
     deps = stop_deps
     run = running_run(deps.engine)
@@ -779,8 +779,8 @@ def test_an_unacknowledged_divergence_stops_after_stop_after(stop_deps: Any) -> 
 
 
 def test_an_acknowledged_divergence_keeps_running(stop_deps: Any) -> None:
-    from jobs import tasks
-    from jobs.lifecycle import RunState
+    from jobs.background import tasks
+    from jobs.domain.lifecycle import RunState
 
     deps = stop_deps
     run = running_run(deps.engine)
@@ -794,8 +794,8 @@ def test_an_acknowledged_divergence_keeps_running(stop_deps: Any) -> None:
 
 
 def test_on_nan_alert_only_alerts(stop_deps: Any) -> None:
-    from jobs import tasks
-    from jobs.lifecycle import RunState
+    from jobs.background import tasks
+    from jobs.domain.lifecycle import RunState
     from jobs.rules.loss import DivergentLoss
     from jobs.spec import AlertThresholds
 

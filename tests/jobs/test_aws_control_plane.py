@@ -32,21 +32,21 @@ import pytest
 from botocore.stub import Stubber
 from sqlmodel import col, select
 
-from jobs import service
-from jobs.bootstrap import ControlPlane
-from jobs.db import session_scope
-from jobs.lifecycle import AttemptState, RunState
-from jobs.models import Attempt, Run, hash_token
-from jobs.notify import CallbackJournal, Message, MessageRef, PreflightMessage
+from jobs.database.db import session_scope
+from jobs.database.models import Attempt, Run, hash_token
+from jobs.domain.lifecycle import AttemptState, RunState
+from jobs.outbound.notify import CallbackJournal, Message, MessageRef, PreflightMessage
 from jobs.preflight import PreflightContext, PreflightReport, Status, run_preflight
 from jobs.preflight import resource_request as preflight_request
+from jobs.process.bootstrap import ControlPlane
+from jobs.process.settings import load_settings
 from jobs.providers import base
 from jobs.providers.aws import AwsProvider, budget_name
 from jobs.providers.base import InstanceState, LaunchRequest
 from jobs.runs import reconcile, resource_request, runner_command, runner_env, spec_of
-from jobs.service import Actor
-from jobs.settings import load_settings
 from jobs.spec import JobSpec, parse_spec
+from jobs.usecases import service
+from jobs.usecases.service import Actor
 from runner.wire import Event, encode_batch
 from tests.fakes import aws as fake
 from tests.fakes.aws import stub

@@ -16,15 +16,15 @@ import boto3
 import pytest
 from botocore.stub import Stubber
 
-from jobs import service
-from jobs.bootstrap import ControlPlane
-from jobs.lifecycle import AttemptState, RunState
-from jobs.models import Run
-from jobs.notify import TextMessage
+from jobs.database.models import Run
+from jobs.domain.lifecycle import AttemptState, RunState
+from jobs.outbound.notify import TextMessage
 from jobs.preflight.interval import request_in
+from jobs.process.bootstrap import ControlPlane
 from jobs.providers.aws import AwsProvider
 from jobs.providers.base import InstanceState
 from jobs.runs import reconcile, spec_of
+from jobs.usecases import service
 from tests.fakes import aws as fake
 from tests.jobs import test_aws_control_plane as base
 from tests.jobs.test_aws_control_plane import (

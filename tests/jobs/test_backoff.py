@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jobs.backoff import Backoff
+from jobs.outbound.backoff import Backoff
 
 
 def test_doubles_from_the_first_delay_up_to_the_cap() -> None:

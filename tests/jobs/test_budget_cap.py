@@ -1,7 +1,7 @@
 """The budget's hard cap holds across resubmits, ``max_hours`` stops a run, and a run's
 cloud budget notifies someone and goes away when the run ends.
 
-Real databases and the real use-cases (``jobs.service``, ``jobs.tasks``, the chat
+Real databases and the real use-cases (``jobs.usecases.service``, ``jobs.background.tasks``, the chat
 dispatcher); launches are recorded instead of run, and time is the ``deps`` clock.
 """
 
@@ -23,24 +23,24 @@ from sqlmodel import Session, select
 
 from bot.console import ConsoleNotifier
 from bot.dispatch import handle_text
-from jobs import service
-from jobs.bootstrap import ControlPlane
-from jobs.db import session_scope
-from jobs.deps import Deps
-from jobs.errors import ConflictError
-from jobs.lifecycle import AttemptState, RunState
-from jobs.models import Alert, Attempt, Run, SpendRecord
-from jobs.notify import CallbackJournal
+from jobs.background.tasks import cleanup_job, spend_job
+from jobs.database.db import session_scope
+from jobs.database.models import Alert, Attempt, Run, SpendRecord
+from jobs.domain.errors import ConflictError
+from jobs.domain.lifecycle import AttemptState, RunState
+from jobs.outbound.notify import CallbackJournal
+from jobs.process.bootstrap import ControlPlane
+from jobs.process.deps import Deps
+from jobs.process.settings import Settings, load_settings
 from jobs.providers.aws import from_settings
 from jobs.providers.aws.budgets import budget_name
 from jobs.providers.base import TAG_RUN_ID
 from jobs.providers.local import LocalProvider
 from jobs.runs.launch import cloud_budget
-from jobs.service import Actor
-from jobs.settings import Settings, load_settings
 from jobs.spec import JobSpec
 from jobs.spend import remove_cloud_budgets, run_spent
-from jobs.tasks import cleanup_job, spend_job
+from jobs.usecases import service
+from jobs.usecases.service import Actor
 from tests.fakes import aws as fake
 from tests.waiting import wait_until
 

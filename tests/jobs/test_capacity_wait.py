@@ -14,14 +14,14 @@ from typing import Any
 
 from sqlmodel import col, select
 
-from jobs import service
-from jobs.bootstrap import ControlPlane
-from jobs.db import session_scope
-from jobs.deferred import claim_due, run_claimed
-from jobs.lifecycle import RunState
-from jobs.notify import Message, TextMessage
-from jobs.replica_tables import DeferredWork
-from jobs.scheduler import take_lease
+from jobs.background.deferred import claim_due, run_claimed
+from jobs.background.scheduler import take_lease
+from jobs.database.db import session_scope
+from jobs.database.replica_tables import DeferredWork
+from jobs.domain.lifecycle import RunState
+from jobs.outbound.notify import Message, TextMessage
+from jobs.process.bootstrap import ControlPlane
+from jobs.usecases import service
 from tests.jobs import test_aws_control_plane as base
 from tests.jobs import test_aws_failover as failover
 from tests.jobs.test_aws_control_plane import (

@@ -35,19 +35,19 @@ from moto.sts.models import sts_backends
 from sqlalchemy import Engine
 from sqlmodel import Session
 
-from jobs import service
-from jobs.bootstrap import ControlPlane
-from jobs.db import make_engine, session_scope
+from jobs.database.db import make_engine, session_scope
+from jobs.database.models import DryRunInstance, Run, hash_token
+from jobs.domain.lifecycle import RunState
 from jobs.ingest import IngestService
-from jobs.lifecycle import RunState
-from jobs.models import DryRunInstance, Run, hash_token
-from jobs.notify import CallbackJournal, CheckLine, TextMessage
+from jobs.outbound.notify import CallbackJournal, CheckLine, TextMessage
+from jobs.process.bootstrap import ControlPlane
+from jobs.process.settings import load_settings
 from jobs.providers.aws import AwsProvider
 from jobs.providers.base import TAG_DRY_RUN, TAG_RUN_ID, Provider, ResourceRequest
 from jobs.providers.gcp import GcpProvider
 from jobs.runs import reconcile
-from jobs.server import CREDENTIALS_PATH, ControlPlaneApp, serve
-from jobs.settings import load_settings
+from jobs.usecases import service
+from jobs.web.server import CREDENTIALS_PATH, ControlPlaneApp, serve
 from runner.store.gcs import GCSStore
 from runner.wire import DRY_RUN_ROUTE, encode_dry_run_post
 from tests.bot.test_shell_cleanup import start_shell
@@ -538,11 +538,11 @@ def test_gcp_dry_run_on_one_a100_commits_to_gcs_restores_and_is_deleted(
 _GCP_PLANE = """
 import sys, time
 from google.auth.credentials import AnonymousCredentials
-from jobs import service
-from jobs.bootstrap import ControlPlane
-from jobs.notify import CallbackJournal
+from jobs.usecases import service
+from jobs.process.bootstrap import ControlPlane
+from jobs.outbound.notify import CallbackJournal
 from jobs.providers.gcp import GcpProvider
-from jobs.settings import load_settings
+from jobs.process.settings import load_settings
 from tests.jobs.test_aws_control_plane import Recorder
 
 url, project, zones, account = sys.argv[1:5]

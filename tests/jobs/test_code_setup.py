@@ -17,13 +17,13 @@ import pytest
 from sqlmodel import select
 
 from bot.console import ConsoleNotifier
-from jobs import service
-from jobs.bootstrap import ControlPlane
-from jobs.db import session_scope
-from jobs.errors import SpecError
-from jobs.lifecycle import AttemptState, RunState
-from jobs.models import Attempt, Run
-from jobs.notify import CallbackJournal
+from jobs.database.db import session_scope
+from jobs.database.models import Attempt, Run
+from jobs.domain.errors import SpecError
+from jobs.domain.lifecycle import AttemptState, RunState
+from jobs.outbound.notify import CallbackJournal
+from jobs.process.bootstrap import ControlPlane
+from jobs.usecases import service
 from runner.logship import read_tail
 from runner.store import run_store
 from tests.fakes.code_servers import GitRepo, build_wheel, serve_directory, write_simple_index

@@ -20,16 +20,16 @@ from sqlmodel import func, select
 
 from bot.console import ConsoleNotifier
 from bot.dispatch import handle_text
-from jobs import service
-from jobs.bootstrap import ControlPlane
-from jobs.db import session_scope
-from jobs.lifecycle import AttemptState, RunState
-from jobs.models import Alert, Attempt, EventRow, MetricBlock, Run, hash_token
-from jobs.notify import CallbackJournal
+from jobs.database.db import session_scope
+from jobs.database.models import Alert, Attempt, EventRow, MetricBlock, Run, hash_token
+from jobs.domain.lifecycle import AttemptState, RunState
+from jobs.outbound.notify import CallbackJournal
+from jobs.process.bootstrap import ControlPlane
+from jobs.process.settings import load_settings
 from jobs.providers.base import InstanceState, LaunchRequest
 from jobs.runs import reconcile, resource_request, spec_of
-from jobs.service import Actor
-from jobs.settings import load_settings
+from jobs.usecases import service
+from jobs.usecases.service import Actor
 from tests.bot.test_shell_cleanup import start_shell
 from tests.waiting import wait_until
 
@@ -863,7 +863,7 @@ def test_the_demo_tells_the_whole_story(tmp_path: Path) -> None:
 
 def test_the_spend_job_refreshes_prices_of_live_attempts(plane) -> None:  # type: ignore[no-untyped-def]
     cp, _ = plane
-    from jobs.tasks import refresh_prices
+    from jobs.background.tasks import refresh_prices
 
     with session_scope(cp.deps.engine) as session:
         run = Run(

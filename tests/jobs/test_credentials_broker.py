@@ -33,16 +33,16 @@ from botocore.exceptions import ClientError
 from moto.sts.models import sts_backends
 from sqlalchemy import Engine
 
-from jobs.bootstrap import build_credential_broker
-from jobs.errors import PermissionDenied
+from jobs.domain.errors import PermissionDenied
+from jobs.process.bootstrap import build_credential_broker
+from jobs.process.settings import Settings
 from jobs.providers.aws import AwsProvider
 from jobs.providers.aws.credentials import (
     OBJECT_ACTIONS,
     StorageCredentialBroker,
     session_policy,
 )
-from jobs.server import EVENTS_PATH
-from jobs.settings import Settings
+from jobs.web.server import EVENTS_PATH
 from runner.checkpoint import list_committed, read_manifest
 from runner.store.s3 import S3Store
 from tests.fakes.aws import MOTO_ACCOUNT

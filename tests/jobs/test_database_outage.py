@@ -26,12 +26,12 @@ import pytest
 from sqlalchemy import Engine, func, select
 from sqlmodel import Session
 
-from jobs.db import make_engine, migrate
+from jobs.database.db import make_engine, migrate
+from jobs.database.models import Attempt, EventRow, MetricBlock, Run, hash_token
+from jobs.domain.lifecycle import AttemptState
 from jobs.ingest import IngestService
-from jobs.lifecycle import AttemptState
-from jobs.models import Attempt, EventRow, MetricBlock, Run, hash_token
-from jobs.prometheus import ControlPlaneMetrics
-from jobs.server import EVENTS_PATH, ControlPlaneApp, serve
+from jobs.web.prometheus import ControlPlaneMetrics
+from jobs.web.server import EVENTS_PATH, ControlPlaneApp, serve
 from runner.wire import Event as WireEvent
 from runner.wire import encode_batch
 

@@ -14,7 +14,7 @@ from sqlalchemy import Engine, inspect, text
 from sqlalchemy.exc import StatementError
 from sqlmodel import SQLModel, select
 
-from jobs.db import (
+from jobs.database.db import (
     alembic_config,
     current_revision,
     head_revision,
@@ -22,9 +22,7 @@ from jobs.db import (
     migrate,
     session_scope,
 )
-from jobs.errors import ConflictError, DatabaseError, SettingsError
-from jobs.lifecycle import AttemptState, RunState
-from jobs.models import (
+from jobs.database.models import (
     Alert,
     AlertState,
     Attempt,
@@ -38,8 +36,10 @@ from jobs.models import (
     hash_token,
     table_of,
 )
-from jobs.replica_tables import CommandLog, SchedulerLease
-from jobs.settings import load_settings
+from jobs.database.replica_tables import CommandLog, SchedulerLease
+from jobs.domain.errors import ConflictError, DatabaseError, SettingsError
+from jobs.domain.lifecycle import AttemptState, RunState
+from jobs.process.settings import load_settings
 from jobs.spec import JobSpec, load_spec
 
 NOW = datetime(2024, 3, 1, 12, 0, tzinfo=timezone.utc)

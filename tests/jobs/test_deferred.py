@@ -21,19 +21,19 @@ from sqlalchemy import Engine
 from sqlmodel import select
 
 from bot.console import ConsoleNotifier
-from jobs import deferred
-from jobs import scheduler as scheduler_module
-from jobs.db import session_scope
-from jobs.deferred import DeferredRunner, Later, claim, current_fence, fenced, pending
-from jobs.deps import Deps
-from jobs.errors import FencedOut
-from jobs.lifecycle import RunState
-from jobs.models import Run
-from jobs.notify import DigestMessage
+from jobs.background import deferred
+from jobs.background import scheduler as scheduler_module
+from jobs.background.deferred import DeferredRunner, Later, claim, current_fence, fenced, pending
+from jobs.background.scheduler import catch_up_digest, take_lease
+from jobs.database.db import session_scope
+from jobs.database.models import Run
+from jobs.database.replica_tables import DeferredWork
+from jobs.domain.errors import FencedOut
+from jobs.domain.lifecycle import RunState
+from jobs.outbound.notify import DigestMessage
+from jobs.process.deps import Deps
+from jobs.process.settings import Settings, load_settings
 from jobs.providers.local import LocalProvider
-from jobs.replica_tables import DeferredWork
-from jobs.scheduler import catch_up_digest, take_lease
-from jobs.settings import Settings, load_settings
 from tests.waiting import wait_until
 
 

@@ -23,13 +23,14 @@ import pytest
 from botocore.stub import Stubber
 
 from bot import messages
-from jobs import service, spend
-from jobs.bootstrap import ControlPlane
-from jobs.db import session_scope
-from jobs.lifecycle import RunState
-from jobs.notify import CallbackJournal
-from jobs.server import CREDENTIALS_PATH
-from jobs.settings import load_settings
+from jobs import spend
+from jobs.database.db import session_scope
+from jobs.domain.lifecycle import RunState
+from jobs.outbound.notify import CallbackJournal
+from jobs.process.bootstrap import ControlPlane
+from jobs.process.settings import load_settings
+from jobs.usecases import service
+from jobs.web.server import CREDENTIALS_PATH
 from tests.fakes import aws as fake
 from tests.jobs import test_aws_control_plane as on_aws
 from tests.jobs.test_cloud_dry_run import (

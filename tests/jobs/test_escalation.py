@@ -18,14 +18,14 @@ from alembic import command
 from sqlalchemy import Engine, text
 
 from bot.slack_notifier import SlackNotifier
-from jobs import tasks
 from jobs.alerts import AlertTarget, acknowledge, escalate_due, process_signals, resolve, snooze
-from jobs.db import alembic_config, migrate, session_scope
-from jobs.deps import Deps
-from jobs.models import Alert, OnCall, Run
-from jobs.notify import AlertMessage
+from jobs.background import tasks
+from jobs.database.db import alembic_config, migrate, session_scope
+from jobs.database.models import Alert, OnCall, Run
+from jobs.outbound.notify import AlertMessage
+from jobs.process.deps import Deps
+from jobs.process.settings import load_settings
 from jobs.providers.local import LocalProvider
-from jobs.settings import load_settings
 from tests.fakes.slack_api import FakeSlack
 from tests.jobs.test_alerts import T0, ListJournal, RecordingNotifier, signal, stored
 

@@ -31,8 +31,9 @@ import yaml
 from google.auth.credentials import AnonymousCredentials
 from sqlalchemy import Engine
 
-from jobs.bootstrap import build_credential_broker
-from jobs.errors import NotFound, PermissionDenied
+from jobs.domain.errors import NotFound, PermissionDenied
+from jobs.process.bootstrap import build_credential_broker
+from jobs.process.settings import Settings
 from jobs.providers.gcp import GcpProvider
 from jobs.providers.gcp.credentials import (
     AVAILABLE_PERMISSIONS,
@@ -40,7 +41,6 @@ from jobs.providers.gcp.credentials import (
     StorageTokenBroker,
     gcs_scope,
 )
-from jobs.settings import Settings
 from runner.store import gcs as gcs_store
 from tests.fakes.loopback import LoopbackServer, QuietHandler, read_body, reply_json
 from tests.jobs.broker_contract import (

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 from google.auth.credentials import AnonymousCredentials
 
-from jobs import service
-from jobs.lifecycle import AttemptState, RunState
-from jobs.notify import TextMessage
+from jobs.domain.lifecycle import AttemptState, RunState
+from jobs.outbound.notify import TextMessage
 from jobs.providers.base import InstanceState
 from jobs.providers.gcp import GcpProvider
 from jobs.runs import reconcile
+from jobs.usecases import service
 from tests.fakes.gce_api import FakeComputeApi
 from tests.jobs.test_aws_control_plane import (
     attempt_launched,

@@ -19,13 +19,13 @@ import pytest
 from sqlmodel import select
 
 from bot.dispatch import dispatch
-from jobs import service
-from jobs.bootstrap import ControlPlane
-from jobs.db import session_scope
-from jobs.lifecycle import AttemptState, RunState
-from jobs.metrics import run_metrics
-from jobs.models import Alert, Run
+from jobs.database.db import session_scope
+from jobs.database.metrics import run_metrics
+from jobs.database.models import Alert, Run
+from jobs.domain.lifecycle import AttemptState, RunState
+from jobs.process.bootstrap import ControlPlane
 from jobs.runs.cards import card
+from jobs.usecases import service
 from tests.jobs.test_aws_control_plane import run_row
 from tests.jobs.test_control_plane import (
     ADA,

@@ -17,11 +17,12 @@ import pytest
 from sqlmodel import col, select
 
 from bot.dispatch import dispatch
-from jobs import alerts, tasks
-from jobs.db import session_scope
-from jobs.lifecycle import AttemptState, RunState
-from jobs.models import Alert, EventRow
-from jobs.notify import AlertMessage
+from jobs import alerts
+from jobs.background import tasks
+from jobs.database.db import session_scope
+from jobs.database.models import Alert, EventRow
+from jobs.domain.lifecycle import AttemptState, RunState
+from jobs.outbound.notify import AlertMessage
 from jobs.rules import AlertThresholds, Hung, Obs, RunContext
 from jobs.runs import reconcile
 from jobs.spec.sections import HungWatch

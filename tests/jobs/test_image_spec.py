@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.errors import SpecError
+from jobs.domain.errors import SpecError
 from jobs.preflight.image import ImageCheck
 from jobs.preflight.report import PreflightPlan, Status
 from jobs.providers.local import LocalProvider

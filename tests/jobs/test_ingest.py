@@ -20,10 +20,10 @@ from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session
 from sqlmodel import select as sm_select
 
+from jobs.database.models import Attempt, Checkpoint, EventRow, MetricBlock, Run, hash_token
+from jobs.domain.lifecycle import AttemptState
 from jobs.ingest import RECENT_OBS, IngestService
 from jobs.ingest.writers import time_texts
-from jobs.lifecycle import AttemptState
-from jobs.models import Attempt, Checkpoint, EventRow, MetricBlock, Run, hash_token
 from jobs.providers.gang import node_token
 from jobs.rules import DivergentLoss, Rule, Signal
 from runner.wire import NODE_SEQ_SPAN, encode_batch

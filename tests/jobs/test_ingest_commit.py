@@ -14,7 +14,7 @@ import pytest
 from sqlalchemy import Engine, event, select
 from sqlmodel import Session
 
-from jobs.models import Checkpoint, Run
+from jobs.database.models import Checkpoint, Run
 from tests.jobs.test_ingest import AUTH, add_run, body, metrics, service, system
 
 

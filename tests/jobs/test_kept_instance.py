@@ -30,20 +30,20 @@ from bot.console import ConsoleNotifier
 from bot.dispatch import dispatch
 from bot.messages import digest
 from jobs import spend
-from jobs.db import session_scope
-from jobs.deps import Deps
-from jobs.errors import ConflictError
-from jobs.lifecycle import AttemptState, RunState
-from jobs.models import Attempt, KeptInstance, Run
-from jobs.notify import CallbackJournal, DigestMessage, Message, TextMessage
+from jobs.database.db import session_scope
+from jobs.database.models import Attempt, KeptInstance, Run
+from jobs.domain.errors import ConflictError
+from jobs.domain.lifecycle import AttemptState, RunState
+from jobs.outbound.notify import CallbackJournal, DigestMessage, Message, TextMessage
+from jobs.process.deps import Deps
+from jobs.process.settings import Settings, load_settings
 from jobs.providers.base import InstanceState, ResourceRequest
 from jobs.providers.gcp import GcpProvider
 from jobs.providers.local import REGION, ZONE, LocalProvider
 from jobs.runs import kept, reconcile
 from jobs.runs.end import end_attempt
-from jobs.service import Actor
-from jobs.settings import Settings, load_settings
 from jobs.spec import JobSpec
+from jobs.usecases.service import Actor
 from runner import env as contract
 from tests.fakes.gce_api import FakeComputeApi
 from tests.jobs.local_plane import Clock, local_deps

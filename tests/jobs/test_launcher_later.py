@@ -15,16 +15,16 @@ import pytest
 from sqlalchemy import Engine
 from sqlmodel import select
 
-from jobs import tasks
-from jobs.db import session_scope
-from jobs.deps import Deps
-from jobs.lifecycle import AttemptState, RunState
-from jobs.models import Attempt, Run
+from jobs.background import tasks
+from jobs.database.db import session_scope
+from jobs.database.models import Attempt, Run
+from jobs.domain.lifecycle import AttemptState, RunState
+from jobs.process.deps import Deps
+from jobs.process.settings import Settings
 from jobs.providers.local import LocalProvider
 from jobs.runs import resubmit_if_due
 from jobs.runs.launch import LAUNCHER_REMOVED
 from jobs.runs.start import preflight_then_launch
-from jobs.settings import Settings
 from jobs.spec import JobSpec
 from tests.jobs.local_plane import local_deps
 

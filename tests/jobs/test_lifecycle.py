@@ -4,8 +4,8 @@ import itertools
 
 import pytest
 
-from jobs.errors import IllegalTransition
-from jobs.lifecycle import (
+from jobs.domain.errors import IllegalTransition
+from jobs.domain.lifecycle import (
     ATTEMPT_TRANSITIONS,
     RUN_TRANSITIONS,
     AttemptState,

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from bot.slack_notifier import SlackNotifier
-from jobs.logs import (
+from jobs.outbound.notify import TextMessage
+from jobs.process.logs import (
     REDACTED,
     JsonFormatter,
     RedactSecrets,
@@ -28,8 +29,7 @@ from jobs.logs import (
     make_handler,
     secret_values,
 )
-from jobs.notify import TextMessage
-from jobs.settings import load_settings
+from jobs.process.settings import load_settings
 from tests.fakes.slack_api import FakeSlack
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -197,9 +197,9 @@ def test_the_cli_logs_in_the_format_asked_and_never_the_token(tmp_path: Path, fm
         "import logging, sys\n"
         "from bot.cli import _configure_logging\n"
         "_configure_logging(verbose=True)\n"
-        "log = logging.getLogger('jobs.bootstrap')\n"
+        "log = logging.getLogger('jobs.process.bootstrap')\n"
         f"log.warning('started with %s and %s', {BOT_TOKEN!r}, 'Bearer {RUNNER_TOKEN}')\n"
-        "with __import__('jobs.logs').logs.log_context(run_id='r-7'):\n"
+        "with __import__('jobs.process.logs').process.logs.log_context(run_id='r-7'):\n"
         "    log.error('failed for %s', 'r-7')\n"
     )
     env = {
@@ -223,8 +223,11 @@ def test_the_cli_logs_in_the_format_asked_and_never_the_token(tmp_path: Path, fm
     assert no_secret(done.stderr), done.stderr
     if fmt == "json":
         first, second = (json.loads(line) for line in err)
-        assert first["logger"] == "jobs.bootstrap" and first["level"] == "warning"
+        assert first["logger"] == "jobs.process.bootstrap" and first["level"] == "warning"
         assert second["run_id"] == "r-7"
     else:
-        assert "WARNING jobs.bootstrap: started with [redacted] and Bearer [redacted]" in err[0]
+        assert (
+            "WARNING jobs.process.bootstrap: started with [redacted] and Bearer [redacted]"
+            in err[0]
+        )
         assert "[r-7]" in err[1]

@@ -1,7 +1,7 @@
 """Thresholds on reported metrics (issue 27, point 6): ``alerts.thresholds`` in the spec.
 
 ``{metric: val_loss, above: 2.5, for: 5m}`` through the real ingest path (wire batches
-to the service ``jobs.bootstrap.build_ingest`` wires, the alert tables behind it): the
+to the service ``jobs.process.bootstrap.build_ingest`` wires, the alert tables behind it): the
 alert opens once the metric has been past its line for the duration, not a second
 before, and resolves when it comes back. Time is the control plane's clock (``Deps.clock``)
 and the events' own times, both set by the test.
@@ -18,13 +18,13 @@ import pytest
 from sqlalchemy import Engine
 
 from jobs import alerts
-from jobs.bootstrap import build_ingest
-from jobs.db import session_scope
-from jobs.deps import Deps
-from jobs.errors import SpecError
+from jobs.database.db import session_scope
+from jobs.database.models import Alert, Run
+from jobs.domain.errors import SpecError
 from jobs.ingest import IngestService
-from jobs.models import Alert, Run
-from jobs.settings import Settings
+from jobs.process.bootstrap import build_ingest
+from jobs.process.deps import Deps
+from jobs.process.settings import Settings
 from jobs.spec import spec_from_text
 from runner.wire import Event, encode_batch
 from tests.jobs.local_plane import Clock, local_deps

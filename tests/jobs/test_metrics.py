@@ -12,10 +12,10 @@ import math
 from sqlalchemy import Engine
 from sqlmodel import Session, select
 
+from jobs.database.metrics import MetricPoint, run_metrics
+from jobs.database.models import MetricBlock
+from jobs.domain.lifecycle import AttemptState
 from jobs.ingest import IngestService
-from jobs.lifecycle import AttemptState
-from jobs.metrics import MetricPoint, run_metrics
-from jobs.models import MetricBlock
 from tests.jobs.test_ingest import AUTH, T0, Clock, add_run, body, metrics, system
 
 

@@ -17,10 +17,9 @@ from pathlib import Path
 import pytest
 
 from bot.console import ConsoleNotifier
-from jobs import service
-from jobs.bootstrap import ControlPlane
-from jobs.lifecycle import AttemptState, RunState
-from jobs.notify import CallbackJournal
+from jobs.domain.lifecycle import AttemptState, RunState
+from jobs.outbound.notify import CallbackJournal
+from jobs.process.bootstrap import ControlPlane
 from jobs.providers import gang
 from jobs.providers.base import (
     TAG_NODE,
@@ -32,6 +31,7 @@ from jobs.providers.base import (
 )
 from jobs.providers.local import LocalProvider
 from jobs.runs import reconcile
+from jobs.usecases import service
 from tests.jobs.test_control_plane import (
     ADA,
     FAST,

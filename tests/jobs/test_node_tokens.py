@@ -18,16 +18,16 @@ from sqlalchemy import Engine
 from sqlmodel import Session, select
 
 from bot.console import ConsoleNotifier
-from jobs.bootstrap import ControlPlane
-from jobs.db import session_scope
+from jobs.database.db import session_scope
+from jobs.database.models import Attempt, EventRow, Run
+from jobs.domain.lifecycle import AttemptState, RunState
 from jobs.ingest import IngestService
-from jobs.lifecycle import AttemptState, RunState
-from jobs.models import Attempt, EventRow, Run
+from jobs.process.bootstrap import ControlPlane
+from jobs.process.settings import load_settings
 from jobs.providers import gang
 from jobs.providers.base import LaunchRequest, ResourceRequest
 from jobs.providers.local import LocalProvider
 from jobs.runs import launch_attempt
-from jobs.settings import load_settings
 from runner.wire import NODE_SEQ_SPAN, Event, encode_batch
 from tests.jobs.rows import add_running_attempt
 

@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine
 
-from jobs import tasks
 from jobs.alerts import acknowledge, escalate_due, resolve
-from jobs.bootstrap import ControlPlane, build_pager
-from jobs.db import session_scope
-from jobs.models import Alert, OnCall
-from jobs.notify import FanoutJournal
-from jobs.pagerduty import EventsClient, PagerDutyBridge, PagerDutyRejected
-from jobs.settings import load_settings
+from jobs.background import tasks
+from jobs.database.db import session_scope
+from jobs.database.models import Alert, OnCall
+from jobs.outbound.notify import FanoutJournal
+from jobs.outbound.pagerduty import EventsClient, PagerDutyBridge, PagerDutyRejected
+from jobs.process.bootstrap import ControlPlane, build_pager
+from jobs.process.settings import load_settings
 from tests.fakes.pagerduty import FakePagerDuty
 from tests.jobs.test_alerts import T0, ListJournal, RecordingNotifier
 from tests.jobs.test_escalation import RUNS, open_critical

@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, select
 
-from jobs.db import session_scope
-from jobs.models import Alert
-from jobs.replica_tables import PagerDutyOutbox
+from jobs.database.db import session_scope
+from jobs.database.models import Alert
+from jobs.database.replica_tables import PagerDutyOutbox
 from tests.fakes.pagerduty import FakePagerDuty
 from tests.jobs.test_alerts import ListJournal, RecordingNotifier
 from tests.jobs.test_escalation import open_critical

@@ -23,9 +23,8 @@ import pytest
 from sqlalchemy import Engine
 
 from bot.console import ConsoleNotifier
-from jobs.deps import Deps
-from jobs.errors import SpecError
-from jobs.notify import PreflightMessage
+from jobs.domain.errors import SpecError
+from jobs.outbound.notify import PreflightMessage
 from jobs.preflight import (
     DEFAULT_SPOT_MTBP_S,
     BudgetCheck,
@@ -49,6 +48,8 @@ from jobs.preflight import (
     target_steps,
 )
 from jobs.preflight.secrets import SecretsCheck
+from jobs.process.deps import Deps
+from jobs.process.settings import Settings
 from jobs.providers.base import (
     BucketLocation,
     Capabilities,
@@ -64,7 +65,6 @@ from jobs.providers.base import (
     ZoneCapacity,
 )
 from jobs.providers.local import LocalProvider
-from jobs.settings import Settings
 from jobs.spec import JobSpec, parse_spec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -1025,8 +1025,8 @@ def test_several_instances_are_submitted_and_checked_with_the_larger_instance(
 ) -> None:
     """Through submit, as a chat command reaches it: N instances validate, and preflight
     says that one larger instance of this machine's catalogue (8 A100s, $1/h) holds it."""
-    from jobs.actor import Actor
-    from jobs.service import submit
+    from jobs.domain.actor import Actor
+    from jobs.usecases.service import submit
 
     with LocalProvider(
         tmp_path / "state", gpu_names=["NVIDIA A100-SXM4-40GB"] * 8, spot_usd_per_hour=1.0

@@ -27,10 +27,8 @@ import pytest
 from botocore.stub import Stubber
 from google.auth.credentials import AnonymousCredentials
 
-from jobs import service
-from jobs.bootstrap import ControlPlane
-from jobs.lifecycle import RunState
-from jobs.notify import CallbackJournal, CheckLine
+from jobs.domain.lifecycle import RunState
+from jobs.outbound.notify import CallbackJournal, CheckLine
 from jobs.preflight import (
     BudgetCheck,
     CapacityCheck,
@@ -40,11 +38,13 @@ from jobs.preflight import (
     Status,
     run_preflight,
 )
+from jobs.process.bootstrap import ControlPlane
+from jobs.process.settings import load_settings
 from jobs.providers.aws import AwsProvider
 from jobs.providers.base import Provider
 from jobs.providers.gcp import GcpProvider
-from jobs.settings import load_settings
 from jobs.spec import JobSpec, parse_spec
+from jobs.usecases import service
 from runner.cli import build_parser
 from tests.fakes import aws as fake_aws
 from tests.fakes.gce_api import FakeComputeApi
@@ -558,7 +558,7 @@ def advice(provider: Any, *overrides: str) -> str | None:
 
 
 def test_on_gcp_four_a100_pairs_are_one_a2_highgpu_8g(gce: FakeComputeApi) -> None:
-    from jobs.format import usd
+    from jobs.domain.format import usd
     from jobs.providers.base import ResourceRequest
 
     gcp = GcpProvider(

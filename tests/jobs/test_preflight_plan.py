@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jobs.models import Run
+from jobs.database.models import Run
 from jobs.preflight import (
     BudgetCheck,
     CapacityCheck,

@@ -23,19 +23,19 @@ from sqlalchemy import Engine
 from sqlmodel import select
 
 from bot.console import ConsoleNotifier
-from jobs import service
-from jobs.bootstrap import build_ingest
-from jobs.db import session_scope
-from jobs.deps import Deps
-from jobs.errors import ConflictError
-from jobs.lifecycle import AttemptState, RunState
-from jobs.models import Attempt, Run, hash_token
-from jobs.notify import CallbackJournal
+from jobs.database.db import session_scope
+from jobs.database.models import Attempt, Run, hash_token
+from jobs.domain.errors import ConflictError
+from jobs.domain.lifecycle import AttemptState, RunState
+from jobs.outbound.notify import CallbackJournal
+from jobs.process.bootstrap import build_ingest
+from jobs.process.deps import Deps
+from jobs.process.settings import Settings
 from jobs.providers.local import LocalProvider
 from jobs.runs.profile import epochs, projection_reasons, window
-from jobs.service import Actor
-from jobs.settings import Settings
 from jobs.spec import JobSpec
+from jobs.usecases import service
+from jobs.usecases.service import Actor
 from runner.wire import Event as WireEvent
 from runner.wire import encode_batch
 from tests.bot import test_slack_app
@@ -272,7 +272,7 @@ def test_the_reasons_to_ask() -> None:
 
 def test_the_projection_message_renders_its_buttons_only_when_it_asks() -> None:
     from bot import messages, views
-    from jobs.notify import ProjectionMessage
+    from jobs.outbound.notify import ProjectionMessage
 
     msg = ProjectionMessage(
         channel=CHANNEL, run_id="r-1", step=100, target_steps=5000, zone="us-east-1b",

@@ -23,15 +23,15 @@ from sqlalchemy import Engine
 from sqlmodel import Session
 
 from bot.slack_notifier import SlackNotifier
-from jobs.db import make_engine, migrate
+from jobs.database.db import make_engine, migrate
+from jobs.database.models import Alert, AlertState, Attempt, Budget, Run, SpendRecord, hash_token
+from jobs.database.replica_tables import SchedulerLease
+from jobs.domain.lifecycle import AttemptState, RunState
+from jobs.domain.severity import Severity
 from jobs.ingest import IngestService
-from jobs.lifecycle import AttemptState, RunState
-from jobs.models import Alert, AlertState, Attempt, Budget, Run, SpendRecord, hash_token
-from jobs.notify import TextMessage
-from jobs.prometheus import ControlPlaneMetrics
-from jobs.replica_tables import SchedulerLease
-from jobs.server import EVENTS_PATH, ControlPlaneApp, ServerHandle, serve
-from jobs.severity import Severity
+from jobs.outbound.notify import TextMessage
+from jobs.web.prometheus import ControlPlaneMetrics
+from jobs.web.server import EVENTS_PATH, ControlPlaneApp, ServerHandle, serve
 from runner.wire import Event as WireEvent
 from runner.wire import encode_batch
 from tests.fakes.slack_api import FakeSlack

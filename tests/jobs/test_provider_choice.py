@@ -26,17 +26,17 @@ from botocore.stub import Stubber
 from google.auth.credentials import AnonymousCredentials
 
 from bot import messages
-from jobs import service
-from jobs.bootstrap import ControlPlane
-from jobs.errors import SettingsError
-from jobs.lifecycle import AttemptState, RunState
-from jobs.notify import CallbackJournal, RunCard
+from jobs.domain.errors import SettingsError
+from jobs.domain.lifecycle import AttemptState, RunState
+from jobs.outbound.notify import CallbackJournal, RunCard
+from jobs.process.bootstrap import ControlPlane
+from jobs.process.settings import load_settings
 from jobs.providers import base
 from jobs.providers.aws import AwsProvider
 from jobs.providers.base import InstanceState, Provider
 from jobs.providers.gcp import GcpProvider
 from jobs.runs import reconcile
-from jobs.settings import load_settings
+from jobs.usecases import service
 from tests.fakes import aws as fake
 from tests.fakes.gce_api import FakeComputeApi
 from tests.jobs import test_aws_control_plane as on_aws

@@ -21,17 +21,17 @@ import pytest
 from sqlalchemy import Engine
 
 from bot.console import ConsoleNotifier
-from jobs import scheduler as scheduler_module
-from jobs.bootstrap import ControlPlane
-from jobs.db import current_revision, head_revision, migrate, session_scope
-from jobs.deferred import fenced
-from jobs.deps import Deps
-from jobs.errors import FencedOut
-from jobs.models import utcnow
+from jobs.background import scheduler as scheduler_module
+from jobs.background.deferred import fenced
+from jobs.database.db import current_revision, head_revision, migrate, session_scope
+from jobs.database.models import utcnow
+from jobs.database.replica_tables import LEADER_LEASE, SchedulerLease
+from jobs.domain.errors import FencedOut
+from jobs.process.bootstrap import ControlPlane
+from jobs.process.deps import Deps
+from jobs.process.settings import load_settings
 from jobs.providers.local import LocalProvider
-from jobs.replica_tables import LEADER_LEASE, SchedulerLease
 from jobs.runs import launch_attempt, provision, terminate_instance
-from jobs.settings import load_settings
 from tests.waiting import wait_until
 
 #: Short, so that a takeover happens within the test: renewed every third of it.

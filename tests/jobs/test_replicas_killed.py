@@ -38,13 +38,13 @@ import requests
 from sqlalchemy import Engine
 from sqlmodel import col, select
 
-from jobs.db import make_engine, migrate, session_scope
-from jobs.deps import load_secret
-from jobs.lifecycle import AttemptState, RunState
-from jobs.models import Alert, Attempt, Run
+from jobs.database.db import make_engine, migrate, session_scope
+from jobs.database.models import Alert, Attempt, Run
+from jobs.database.replica_tables import LEADER_LEASE, DeferredWork, SchedulerLease, SlackOutbox
+from jobs.domain.lifecycle import AttemptState, RunState
+from jobs.process.deps import load_secret
 from jobs.providers.base import InstanceInfo, InstanceState
 from jobs.providers.local import LocalProvider
-from jobs.replica_tables import LEADER_LEASE, DeferredWork, SchedulerLease, SlackOutbox
 from tests.bot.test_slack_app import ResponseUrls, sign
 from tests.fakes.loopback import LoopbackServer, QuietHandler, read_body, reply
 from tests.fakes.slack_api import FakeSlack

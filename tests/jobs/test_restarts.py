@@ -16,14 +16,14 @@ from typing import Any
 
 import pytest
 
-from jobs import service
-from jobs.bootstrap import ControlPlane
-from jobs.db import session_scope
-from jobs.deps import Deps
-from jobs.lifecycle import AttemptState, RunState
-from jobs.models import Attempt, Run
-from jobs.notify import CallbackJournal, TextMessage
+from jobs.database.db import session_scope
+from jobs.database.models import Attempt, Run
+from jobs.domain.lifecycle import AttemptState, RunState
+from jobs.outbound.notify import CallbackJournal, TextMessage
+from jobs.process.bootstrap import ControlPlane
+from jobs.process.deps import Deps
 from jobs.runs import end_attempt, reconcile
+from jobs.usecases import service
 from tests.jobs import test_runs
 from tests.jobs.test_aws_control_plane import Recorder
 from tests.jobs.test_control_plane import (

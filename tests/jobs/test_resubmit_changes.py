@@ -23,16 +23,16 @@ from sqlalchemy import Engine
 from sqlmodel import col, select
 
 from bot.dispatch import handle_text
-from jobs import tasks
-from jobs.db import session_scope
-from jobs.deps import Deps
-from jobs.lifecycle import AttemptState, RunState
-from jobs.models import Attempt, Run
+from jobs.background import tasks
+from jobs.database.db import session_scope
+from jobs.database.models import Attempt, Run
+from jobs.domain.lifecycle import AttemptState, RunState
+from jobs.process.deps import Deps
+from jobs.process.settings import Settings
 from jobs.providers.local import LocalProvider
 from jobs.runs import resubmit_if_due
-from jobs.service import Actor
-from jobs.settings import Settings
 from jobs.spec import JobSpec
+from jobs.usecases.service import Actor
 from tests.bot import test_slack_app
 from tests.bot.test_slack_app import ADA, BOB, CHANNEL, Slack, wait_until
 from tests.jobs import test_resubmit_from

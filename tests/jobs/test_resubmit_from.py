@@ -18,11 +18,12 @@ from typing import Any
 from sqlmodel import col, select
 
 from bot import views
-from jobs import alerts, tasks
-from jobs.db import session_scope
-from jobs.lifecycle import RunState
-from jobs.models import Attempt, Checkpoint, Run
-from jobs.notify import AlertMessage
+from jobs import alerts
+from jobs.background import tasks
+from jobs.database.db import session_scope
+from jobs.database.models import Attempt, Checkpoint, Run
+from jobs.domain.lifecycle import RunState
+from jobs.outbound.notify import AlertMessage
 from jobs.rules import Severity, Signal
 from jobs.runs import alert_target, spec_of
 from jobs.runs.launch import runner_env

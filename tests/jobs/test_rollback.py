@@ -22,11 +22,11 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, text
 from sqlmodel import Session
 
-from jobs.db import COMPAT_TABLE, alembic_config, current_revision, head_revision, migrate
-from jobs.db import serves_from as oldest_served
-from jobs.errors import DatabaseError
-from jobs.metrics import run_metrics
-from jobs.models import SpendRecord
+from jobs.database.db import COMPAT_TABLE, alembic_config, current_revision, head_revision, migrate
+from jobs.database.db import serves_from as oldest_served
+from jobs.database.metrics import run_metrics
+from jobs.database.models import SpendRecord
+from jobs.domain.errors import DatabaseError
 from jobs.spend.accrual import run_spent
 from tests.jobs.rows import add_running_attempt, migrated_sqlite
 
@@ -36,12 +36,17 @@ REPO = Path(__file__).resolve().parents[2]
 #: (migrate), a runner's batch through its ingest service, then the run's points, card
 #: and spend read back. It is written against the API both releases share.
 PREVIOUS_RELEASE = r"""
-import json, sys, time
+import json, os, sys, time
 from sqlmodel import Session
-from jobs.db import current_revision, make_engine, migrate
 from jobs.ingest import IngestService
-from jobs.metrics import run_metrics
-from jobs.models import Run
+if os.path.isdir("jobs/database"):  # the release's own tree is the working directory
+    from jobs.database.db import current_revision, make_engine, migrate
+    from jobs.database.metrics import run_metrics
+    from jobs.database.models import Run
+else:  # a release from before jobs/ was grouped into packages
+    from jobs.db import current_revision, make_engine, migrate
+    from jobs.metrics import run_metrics
+    from jobs.models import Run
 from jobs.runs.cards import card
 from jobs.spend.accrual import run_spent
 from runner.wire import Event, encode_batch

@@ -4,7 +4,7 @@ One channel, two runs of two instances priced per minute as accrual writes them:
 ended 37 days ago after three days (its records roll up per day, its event stream is
 pruned), one running for three days up to now (rolled up per hour past a day, its last
 day left by the minute). The digest, the run summaries and the Prometheus figures are
-read before and after :func:`jobs.tasks.rollup_job`.
+read before and after :func:`jobs.background.tasks.rollup_job`.
 """
 
 from __future__ import annotations
@@ -20,16 +20,16 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import Engine, func, insert
 from sqlmodel import Session, col, select
 
-from jobs import tasks
-from jobs.deps import Deps
-from jobs.event_rollup import KEPT_TYPES, POINTS_PER_ATTEMPT
-from jobs.lifecycle import AttemptState, RunState
-from jobs.metrics import run_metrics
-from jobs.models import Attempt, EventRow, MetricBlock, Run, SpendRecord
-from jobs.prometheus import ControlPlaneMetrics
-from jobs.settings import Settings
+from jobs.background import tasks
+from jobs.database.event_rollup import KEPT_TYPES, POINTS_PER_ATTEMPT
+from jobs.database.metrics import run_metrics
+from jobs.database.models import Attempt, EventRow, MetricBlock, Run, SpendRecord
+from jobs.domain.lifecycle import AttemptState, RunState
+from jobs.process.deps import Deps
+from jobs.process.settings import Settings
 from jobs.spend.digest import digest_figures
 from jobs.spend.rollup import ROWS_PER_BUCKET
+from jobs.web.prometheus import ControlPlaneMetrics
 from tests.jobs.local_plane import Clock, local_deps
 
 NOW = datetime(2026, 12, 6, 9, 0, tzinfo=UTC)

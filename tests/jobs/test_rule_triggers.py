@@ -3,7 +3,7 @@
 A rule registered in :data:`jobs.rules.RULES` with a trigger fires where that trigger
 happens, with no list of rule names to edit elsewhere: shown here with rules defined only
 in this file, through the real ingest path (signed batches to the service that
-``jobs.bootstrap.build_ingest`` wires, the attempt lifecycle behind it, the alert tables).
+``jobs.process.bootstrap.build_ingest`` wires, the attempt lifecycle behind it, the alert tables).
 """
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ import pytest
 from sqlalchemy import Engine
 
 from jobs import alerts
-from jobs.bootstrap import build_ingest
-from jobs.db import session_scope
-from jobs.deps import Deps
-from jobs.errors import TrainbotError
+from jobs.database.db import session_scope
+from jobs.database.models import Attempt, Run, hash_token
+from jobs.domain.errors import TrainbotError
+from jobs.domain.lifecycle import AttemptState, RunState
 from jobs.ingest import IngestService
-from jobs.lifecycle import AttemptState, RunState
-from jobs.models import Attempt, Run, hash_token
+from jobs.process.bootstrap import build_ingest
+from jobs.process.deps import Deps
+from jobs.process.settings import Settings
 from jobs.rules import (
     RULES,
     AlertThresholds,
@@ -36,7 +37,6 @@ from jobs.rules import (
     rules_on,
 )
 from jobs.rules.base import Thresholded, Verdict, of_type
-from jobs.settings import Settings
 from runner.wire import Event as WireEvent
 from runner.wire import encode_batch
 from tests.jobs.local_plane import local_deps

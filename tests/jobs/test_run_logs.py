@@ -24,13 +24,13 @@ from bot.commands import CommandError, Logs, parse
 from bot.dispatch import dispatch
 from bot.messages import FAILURE_TAIL_CHARS, MAX_REPLY_TEXT
 from bot.views.cards import text_line
-from jobs import service
-from jobs.bootstrap import ControlPlane
-from jobs.lifecycle import AttemptState, RunState
-from jobs.notify import CallbackJournal, TextMessage
+from jobs.domain.lifecycle import AttemptState, RunState
+from jobs.outbound.notify import CallbackJournal, TextMessage
+from jobs.process.bootstrap import ControlPlane
+from jobs.process.settings import load_settings
 from jobs.providers.base import InstanceState
-from jobs.service import Actor
-from jobs.settings import load_settings
+from jobs.usecases import service
+from jobs.usecases.service import Actor
 from runner.logship import LogLimits, LogShipper, read_tail
 from runner.store import run_store
 from runner.supervisor import Supervisor

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine
 
-from jobs.deps import Deps
-from jobs.models import Attempt, Run
+from jobs.database.models import Attempt, Run
+from jobs.process.deps import Deps
+from jobs.process.settings import Settings
 from jobs.runs.launch import runner_env
-from jobs.settings import Settings
 from jobs.spec import parse_spec
 from runner import env as contract
 from runner.session.config import SessionConfig

@@ -15,11 +15,13 @@ from sqlalchemy import Engine
 from sqlmodel import select
 
 from bot.console import ConsoleNotifier
-from jobs.db import session_scope
-from jobs.deps import Deps
-from jobs.errors import SpecError
-from jobs.lifecycle import AttemptState, RunState
-from jobs.models import Alert, Attempt, EventRow, Run
+from jobs.background.tasks import run_summary
+from jobs.database.db import session_scope
+from jobs.database.models import Alert, Attempt, EventRow, Run
+from jobs.domain.errors import SpecError
+from jobs.domain.lifecycle import AttemptState, RunState
+from jobs.process.deps import Deps
+from jobs.process.settings import Settings
 from jobs.providers.base import ZoneCapacity
 from jobs.runs import (
     end_attempt,
@@ -29,9 +31,7 @@ from jobs.runs import (
     reconcile,
 )
 from jobs.runs.placement import NO_CAPACITY, NoPlacement, Placement, decide
-from jobs.settings import Settings
 from jobs.spec import JobSpec, parse_spec
-from jobs.tasks import run_summary
 from tests.jobs.local_plane import Clock, local_deps
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)

@@ -14,11 +14,7 @@ from apscheduler.jobstores.memory import MemoryJobStore
 from sqlalchemy import delete, inspect
 
 from bot.console import ConsoleNotifier
-from jobs.deps import Deps
-from jobs.models import utcnow
-from jobs.providers.local import LocalProvider
-from jobs.replica_tables import SchedulerLease
-from jobs.scheduler import (
+from jobs.background.scheduler import (
     INTERVALS_S,
     release_lease,
     run_job,
@@ -26,6 +22,10 @@ from jobs.scheduler import (
     stop_scheduler,
     take_lease,
 )
+from jobs.database.models import utcnow
+from jobs.database.replica_tables import SchedulerLease
+from jobs.process.deps import Deps
+from jobs.providers.local import LocalProvider
 
 
 def make_deps(db_engine, settings, tmp_path: Path) -> Deps:  # type: ignore[no-untyped-def]
@@ -159,8 +159,8 @@ def test_a_failed_renewal_keeps_the_lease_until_its_renew_deadline(
     """The database failing a renewal for a moment leaves the leader and its scheduler
     in place; failing for two thirds of a lease (a third before another replica could
     take it over) steps it down; once the database answers again it leads again."""
-    from jobs.db import make_engine
-    from jobs.scheduler import LeaderElector
+    from jobs.background.scheduler import LeaderElector
+    from jobs.database.db import make_engine
 
     deps = make_deps(db_engine, settings, tmp_path)
     now = [utcnow()]
@@ -171,7 +171,7 @@ def test_a_failed_renewal_keeps_the_lease_until_its_renew_deadline(
         first = elector.scheduler
         # The database goes away: its engine now reaches a database that cannot be opened.
         deps.engine = make_engine(f"sqlite:///{tmp_path / 'away' / 'trainbot.db'}")
-        caplog.set_level(logging.WARNING, logger="jobs.scheduler")
+        caplog.set_level(logging.WARNING, logger="jobs.background.scheduler")
         now[0] += timedelta(seconds=15)
         assert elector.elect() and elector.leading
         assert elector.scheduler is first, "a failed renewal restarted the scheduler"

@@ -16,14 +16,14 @@ import pytest
 from sqlmodel import select
 
 from bot.slack_notifier import SlackNotifier
-from jobs import service
-from jobs.bootstrap import ControlPlane
-from jobs.db import session_scope
-from jobs.errors import SpecError
-from jobs.lifecycle import AttemptState, RunState
-from jobs.models import Attempt, Run
-from jobs.notify import CallbackJournal
+from jobs.database.db import session_scope
+from jobs.database.models import Attempt, Run
+from jobs.domain.errors import SpecError
+from jobs.domain.lifecycle import AttemptState, RunState
+from jobs.outbound.notify import CallbackJournal
+from jobs.process.bootstrap import ControlPlane
 from jobs.spec import parse_spec
+from jobs.usecases import service
 from tests.fakes.slack_api import FakeSlack
 from tests.jobs.test_control_plane import ADA, run_state, settings_for, wait_until
 

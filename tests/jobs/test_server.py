@@ -23,12 +23,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import Engine, func, select
 from sqlmodel import Session
 
-from jobs.db import make_engine, migrate
+from jobs.database.db import make_engine, migrate
+from jobs.database.models import Attempt, Checkpoint, EventRow, MetricBlock, Run, hash_token
+from jobs.domain.lifecycle import AttemptState
 from jobs.ingest import IngestService
-from jobs.lifecycle import AttemptState
-from jobs.models import Attempt, Checkpoint, EventRow, MetricBlock, Run, hash_token
 from jobs.rules import Signal
-from jobs.server import (
+from jobs.web.server import (
     CHANNEL_TIMEOUT_S,
     CONNECTION_LIMIT,
     DRAIN_FACTOR,
@@ -478,9 +478,9 @@ def test_a_silent_connection_is_closed_after_the_channel_timeout(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     assert 5.0 <= CHANNEL_TIMEOUT_S <= 60.0  # the real setting; shortened here
-    monkeypatch.setattr("jobs.server.CHANNEL_TIMEOUT_S", 1.0)
-    monkeypatch.setattr("jobs.server._CLEANUP_INTERVAL_S", 0.2)
-    monkeypatch.setattr("jobs.server.REQUEST_DEADLINE_S", 60.0)  # silence, not the deadline
+    monkeypatch.setattr("jobs.web.server.CHANNEL_TIMEOUT_S", 1.0)
+    monkeypatch.setattr("jobs.web.server._CLEANUP_INTERVAL_S", 0.2)
+    monkeypatch.setattr("jobs.web.server.REQUEST_DEADLINE_S", 60.0)  # silence, not the deadline
     engine = make_engine(f"sqlite:///{tmp_path / 'x.db'}")
     migrate(engine)
     server = serve(ControlPlaneApp(engine, IngestService(engine)), "127.0.0.1", 0)

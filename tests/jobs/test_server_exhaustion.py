@@ -24,10 +24,10 @@ from pathlib import Path
 
 import pytest
 
-from jobs.db import make_engine, migrate
-from jobs.errors import SettingsError
-from jobs.server import CONNECTION_LIMIT, MAX_CONNECTIONS_PER_CLIENT, serve
-from jobs.settings import load_settings
+from jobs.database.db import make_engine, migrate
+from jobs.domain.errors import SettingsError
+from jobs.process.settings import load_settings
+from jobs.web.server import CONNECTION_LIMIT, MAX_CONNECTIONS_PER_CLIENT, serve
 from tests.jobs.test_server import TOKEN, Plane, add_attempt, get, post, wire_body
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -348,9 +348,9 @@ def test_health_and_metrics_are_on_the_admin_port_only(served: Plane) -> None:
 
 _OUT_OF_DESCRIPTORS = """
 import os, resource, sys, time
-from jobs.db import make_engine, migrate
+from jobs.database.db import make_engine, migrate
 from jobs.ingest import IngestService
-from jobs.server import ControlPlaneApp, serve
+from jobs.web.server import ControlPlaneApp, serve
 engine = make_engine("sqlite:///" + sys.argv[1])
 migrate(engine)
 server = serve(ControlPlaneApp(engine, IngestService(engine)), "127.0.0.1", 0, admin_port=None)

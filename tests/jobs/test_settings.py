@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from jobs.errors import SettingsError, TrainbotError
-from jobs.settings import SHIPPED_SPECS_DIR, Settings, env_name, load_settings
+from jobs.domain.errors import SettingsError, TrainbotError
+from jobs.process.settings import SHIPPED_SPECS_DIR, Settings, env_name, load_settings
 
 
 def test_defaults_are_the_embedded_setup() -> None:

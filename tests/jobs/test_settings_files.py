@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from jobs.errors import SettingsError
-from jobs.google_env import google_credentials_environ
-from jobs.logs import parse_log_level
-from jobs.settings import load_settings
+from jobs.domain.errors import SettingsError
+from jobs.process.google_env import google_credentials_environ
+from jobs.process.logs import parse_log_level
+from jobs.process.settings import load_settings
 
 SLACK = {"TRAINBOT_NOTIFIER": "slack"}
 

@@ -23,15 +23,15 @@ from sqlalchemy import Engine
 from sqlmodel import select
 
 from bot.console import ConsoleNotifier
-from jobs.bootstrap import ControlPlane
-from jobs.db import session_scope
-from jobs.errors import SettingsError
-from jobs.lifecycle import AttemptState, RunState
-from jobs.models import Attempt, Run
+from jobs.database.db import session_scope
+from jobs.database.models import Attempt, Run
+from jobs.domain.errors import SettingsError
+from jobs.domain.lifecycle import AttemptState, RunState
+from jobs.process.bootstrap import ControlPlane
+from jobs.process.settings import load_settings
 from jobs.providers.base import InstanceInfo, LaunchRequest
 from jobs.providers.local import LocalProvider
 from jobs.runs import launch_attempt, provision
-from jobs.settings import load_settings
 from runner.wire import Event, encode_batch
 from tests.waiting import wait_until
 

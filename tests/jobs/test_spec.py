@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from jobs.errors import SpecError, TrainbotError
-from jobs.settings import SHIPPED_SPECS_DIR
+from jobs.domain.errors import SpecError, TrainbotError
+from jobs.process.settings import SHIPPED_SPECS_DIR
 from jobs.spec import (
     TUNABLE_ENV,
     JobSpec,

@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 
 from bot.console import ConsoleNotifier
-from jobs import service
-from jobs.bootstrap import ControlPlane
-from jobs.db import session_scope
-from jobs.errors import SettingsError, SpecError
-from jobs.lifecycle import RunState
-from jobs.models import Run
-from jobs.notify import CallbackJournal
+from jobs.database.db import session_scope
+from jobs.database.models import Run
+from jobs.domain.errors import SettingsError, SpecError
+from jobs.domain.lifecycle import RunState
+from jobs.outbound.notify import CallbackJournal
+from jobs.process.bootstrap import ControlPlane
 from jobs.spec.sources import catalog_for, configured, load_spec_for
+from jobs.usecases import service
 from tests.fakes.code_servers import GitRepo, serve_directory
 from tests.jobs.test_control_plane import ADA, settings_for, wait_until
 

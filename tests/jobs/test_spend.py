@@ -13,13 +13,14 @@ import pytest
 from sqlalchemy import Engine
 from sqlmodel import Session, select
 
-from jobs.db import session_scope
-from jobs.deps import Deps
-from jobs.errors import TrainbotError
-from jobs.lifecycle import AttemptState, RunState
-from jobs.models import Alert, Attempt, Budget, Run, SpendRecord
-from jobs.settings import Settings
-from jobs.severity import Severity
+from jobs.background.tasks import spend_job
+from jobs.database.db import session_scope
+from jobs.database.models import Alert, Attempt, Budget, Run, SpendRecord
+from jobs.domain.errors import TrainbotError
+from jobs.domain.lifecycle import AttemptState, RunState
+from jobs.domain.severity import Severity
+from jobs.process.deps import Deps
+from jobs.process.settings import Settings
 from jobs.spec import JobSpec
 from jobs.spend import (
     BudgetStatus,
@@ -31,7 +32,6 @@ from jobs.spend import (
     spend_report,
     team_spent,
 )
-from jobs.tasks import spend_job
 from tests.jobs.local_plane import local_deps
 
 T0 = datetime(2024, 5, 14, 10, 0, tzinfo=timezone.utc)

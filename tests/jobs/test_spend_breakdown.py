@@ -21,16 +21,16 @@ from sqlmodel import Session, select
 from bot import messages, replies
 from bot.console import ConsoleNotifier
 from bot.views.digest import digest as digest_blocks
-from jobs.db import session_scope
-from jobs.deps import Deps
-from jobs.lifecycle import AttemptState, RunState
-from jobs.models import Attempt, Checkpoint, EventRow, MetricBlock, Run
-from jobs.notify import DigestMessage
+from jobs.background.tasks import prune_run, run_summary
+from jobs.database.db import session_scope
+from jobs.database.models import Attempt, Checkpoint, EventRow, MetricBlock, Run
+from jobs.domain.lifecycle import AttemptState, RunState
+from jobs.outbound.notify import DigestMessage
+from jobs.process.deps import Deps
+from jobs.process.settings import Settings, load_settings
 from jobs.providers.local import LocalProvider
-from jobs.settings import Settings, load_settings
 from jobs.spend import accrue, digest_figures, spend_chart_png
 from jobs.spend.storage import BILLED_GB, storage_price
-from jobs.tasks import prune_run, run_summary
 from runner.checkpoint import CheckpointWriter
 from runner.store import run_store
 from tests.fakes import aws as fake_aws

@@ -23,14 +23,14 @@ from bot.replies import run_list
 from bot.views.cards import run_card as card_blocks
 from bot.views.digest import digest as digest_blocks
 from bot.views.preflight import preflight_report
-from jobs.actor import Actor
-from jobs.db import session_scope
-from jobs.deferred import finish, pending
-from jobs.deps import Deps
-from jobs.errors import PermissionDenied
-from jobs.lifecycle import RunState
-from jobs.models import Attempt, Run
-from jobs.notify import CheckLine, DigestMessage, PreflightMessage
+from jobs.background.deferred import finish, pending
+from jobs.background.tasks import cleanup_job
+from jobs.database.db import session_scope
+from jobs.database.models import Attempt, Run
+from jobs.domain.actor import Actor
+from jobs.domain.errors import PermissionDenied
+from jobs.domain.lifecycle import RunState
+from jobs.outbound.notify import CheckLine, DigestMessage, PreflightMessage
 from jobs.preflight import (
     DataLocalityCheck,
     PreflightContext,
@@ -38,11 +38,12 @@ from jobs.preflight import (
     resource_request,
     run_preflight,
 )
+from jobs.process.deps import Deps
+from jobs.process.settings import Settings, load_settings
 from jobs.providers.aws import AwsProvider
 from jobs.providers.local import LocalProvider
 from jobs.runs.cards import card
 from jobs.runs.launch import runner_env
-from jobs.settings import Settings, load_settings
 from jobs.spec import parse_spec
 from jobs.spend import digest_figures
 from jobs.staging import Staging, StagingError, StagingState
@@ -52,7 +53,6 @@ from jobs.staging.retention import expire_staged
 from jobs.staging.runs import for_preflight, staged_from
 from jobs.staging.service import stage_run, stage_status
 from jobs.staging.work import copy_staging, offer, staged_copy, start
-from jobs.tasks import cleanup_job
 from runner.store import open_store
 from tests.bot.test_slack_app import ADA, BOB, CHANNEL, TOKEN, slack_plane, slack_settings
 from tests.fakes.gcs_emulator import create_bucket as create_gcs_bucket

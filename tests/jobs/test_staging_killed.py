@@ -35,8 +35,8 @@ import requests
 from sqlalchemy import Engine
 from sqlmodel import select
 
-from jobs.db import make_engine, migrate, session_scope
-from jobs.deps import load_secret
+from jobs.database.db import make_engine, migrate, session_scope
+from jobs.process.deps import load_secret
 from jobs.staging import Staging, StagingState
 from tests.bot.test_slack_app import ResponseUrls, sign
 from tests.fakes.slack_api import FakeSlack

@@ -1,6 +1,6 @@
 """The scheduled jobs in time: the real APScheduler and the real notifier, freezegun's clock.
 
-The scheduler is the one :func:`jobs.scheduler.start_scheduler` builds (its triggers, the
+The scheduler is the one :func:`jobs.background.scheduler.start_scheduler` builds (its triggers, the
 digest's ``CronTrigger`` in ``TRAINBOT_TIMEZONE``, its in-memory job store, its job
 defaults). Only its thread is left out: the test plays that thread's loop itself: it
 calls ``_process_jobs()`` (what the loop calls on each wakeup), takes the seconds it
@@ -33,17 +33,17 @@ from sqlmodel import select
 
 from bot.console import ConsoleNotifier
 from jobs import alerts
-from jobs import scheduler as scheduler_module
-from jobs.db import session_scope
-from jobs.deps import Deps
-from jobs.lifecycle import AttemptState, RunState
-from jobs.models import Alert, Attempt, Budget, OnCall, Run, SpendRecord
-from jobs.notify import AlertMessage, DigestMessage
+from jobs.background import scheduler as scheduler_module
+from jobs.background.scheduler import JOBS, DailyTrigger, start_scheduler
+from jobs.database.db import session_scope
+from jobs.database.models import Alert, Attempt, Budget, OnCall, Run, SpendRecord
+from jobs.domain.lifecycle import AttemptState, RunState
+from jobs.domain.severity import Severity
+from jobs.outbound.notify import AlertMessage, DigestMessage
+from jobs.process.deps import Deps
+from jobs.process.settings import load_settings
 from jobs.providers.local import LocalProvider
 from jobs.rules import Signal
-from jobs.scheduler import JOBS, DailyTrigger, start_scheduler
-from jobs.settings import load_settings
-from jobs.severity import Severity
 from tests.jobs.test_alerts import ListJournal
 
 NEW_YORK = ZoneInfo("America/New_York")

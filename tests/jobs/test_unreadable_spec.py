@@ -13,13 +13,13 @@ import pytest
 from sqlalchemy import Engine
 from sqlmodel import select
 
-from jobs.db import session_scope
-from jobs.deps import Deps
-from jobs.lifecycle import AttemptState, RunState
-from jobs.models import Alert, Attempt, Run, SpendRecord
+from jobs.background.tasks import cleanup_job, spend_job
+from jobs.database.db import session_scope
+from jobs.database.models import Alert, Attempt, Run, SpendRecord
+from jobs.domain.lifecycle import AttemptState, RunState
+from jobs.process.deps import Deps
+from jobs.process.settings import Settings
 from jobs.runs import end_attempt, reconcile
-from jobs.settings import Settings
-from jobs.tasks import cleanup_job, spend_job
 from tests.jobs.local_plane import Clock, local_deps
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)

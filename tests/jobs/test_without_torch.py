@@ -20,8 +20,8 @@ class NoTorch(importlib.abc.MetaPathFinder):
 
 sys.meta_path.insert(0, NoTorch())
 from bot.console import ConsoleNotifier
-from jobs.bootstrap import ControlPlane
-from jobs.settings import load_settings
+from jobs.process.bootstrap import ControlPlane
+from jobs.process.settings import load_settings
 
 with ControlPlane(load_settings(), notifier=ConsoleNotifier()) as cp:
     assert urllib.request.urlopen(f"{cp.server.admin_url}/healthz").status == 200

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from jobs.workers import Workers, waiting
+from jobs.background.workers import Workers, waiting
 
 TIMEOUT = 30.0
 

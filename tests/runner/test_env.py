@@ -223,7 +223,7 @@ def _keywords(text: str) -> list[tuple[int, str]]:
 def undeclared_reads(root: Path, packages: tuple[str, ...]) -> list[str]:
     """``path:line: NAME`` for each runner variable read (or set) in ``packages`` that
     the contract does not declare. In jobs/ the control plane's own settings (read from
-    ``os.environ`` by jobs.settings) are not the runner's and are left out."""
+    ``os.environ`` by jobs.process.settings) are not the runner's and are left out."""
     found = []
     for package in packages:
         for path in sorted((root / package).rglob("*.py")):

@@ -2,7 +2,7 @@
 someone acknowledges.
 
 The real session makes the event, the real wire carries it (encoded and decoded), the
-real ingest service (``jobs.bootstrap.build_ingest``) stores it and raises the alert
+real ingest service (``jobs.process.bootstrap.build_ingest``) stores it and raises the alert
 through the same lifecycle as the built-in rules, and the real Slack notifier posts it to
 the fake Slack Web API.
 """
@@ -19,13 +19,13 @@ from sqlalchemy import Engine
 
 from bot.slack_notifier import SlackNotifier
 from jobs import alerts
-from jobs.bootstrap import build_ingest
-from jobs.db import session_scope
-from jobs.deps import Deps
+from jobs.database.db import session_scope
+from jobs.database.models import Alert
 from jobs.ingest import IngestService
-from jobs.models import Alert
+from jobs.process.bootstrap import build_ingest
+from jobs.process.deps import Deps
+from jobs.process.settings import Settings
 from jobs.providers.local import LocalProvider
-from jobs.settings import Settings
 from runner.errors import RunnerError
 from runner.session import Session, SessionConfig
 from runner.wire import Event, encode_batch

@@ -1,4 +1,4 @@
-"""Initial schema: every table of jobs/models.py.
+"""Initial schema: every table of jobs/database/models.py.
 
 Drafted with Alembic's autogenerate, then reviewed: the types are plain SQLAlchemy ones
 (VARCHAR(32) for states, timezone-aware DATETIME, portable JSON) so this file never

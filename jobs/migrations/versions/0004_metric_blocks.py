@@ -3,7 +3,7 @@
 A runner's ``metrics`` events are nearly all it sends, many a second. One ``events`` row
 each cost the ingest API most of its time, so the new metrics of a batch now go into one
 ``metric_blocks`` row: their seqs, times (unix seconds) and payloads as three JSON arrays
-(see :class:`jobs.models.MetricBlock`). Every other event type keeps its row in
+(see :class:`jobs.database.models.MetricBlock`). Every other event type keeps its row in
 ``events``.
 
 The upgrade moves the metrics rows already in ``events`` into blocks of up to

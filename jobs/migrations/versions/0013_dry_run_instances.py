@@ -2,7 +2,7 @@
 
 The row is written with the instance's token hash before the launch, so a restarted
 control plane can terminate an instance it launched and never heard back from (see
-:class:`jobs.models.DryRunInstance`). A new table; nothing existing changes.
+:class:`jobs.database.models.DryRunInstance`). A new table; nothing existing changes.
 
 Revision ID: 0013
 Revises: 0012

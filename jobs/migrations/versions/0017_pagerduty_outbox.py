@@ -2,7 +2,7 @@
 
 A replica used to hold them in memory and lose them when it died; each is now a row
 written before it is sent, claimed by one replica at a time and adopted by another when
-its owner stops renewing the claim (:mod:`jobs.pagerduty`). A new table; nothing
+its owner stops renewing the claim (:mod:`jobs.outbound.pagerduty`). A new table; nothing
 existing changes, so the previous release runs on this schema.
 
 Revision ID: 0017

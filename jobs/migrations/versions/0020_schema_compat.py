@@ -2,7 +2,7 @@
 
 Expand, then contract: a migration that only adds (a table, a nullable column, an
 index) declares ``expand_only = True``, and the code that migrates writes here the
-oldest revision whose release still runs on the schema (:func:`jobs.db.serves_from`).
+oldest revision whose release still runs on the schema (:func:`jobs.database.db.serves_from`).
 A release rolled back onto a newer schema reads the row instead of refusing the
 revision it does not know. A new table; nothing existing changes.
 

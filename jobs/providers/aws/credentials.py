@@ -17,11 +17,11 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
-from jobs.errors import NotFound, PermissionDenied
+from jobs.domain.errors import NotFound, PermissionDenied
 from jobs.providers.base import ProviderError
 
 if TYPE_CHECKING:
-    from jobs.settings import Settings
+    from jobs.process.settings import Settings
 
 __all__ = [
     "OBJECT_ACTIONS",

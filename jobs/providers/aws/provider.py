@@ -30,7 +30,7 @@ from jobs.providers.runner_install import (
 from runner.secrets import SecretRef
 
 if TYPE_CHECKING:
-    from jobs.settings import Settings
+    from jobs.process.settings import Settings
 
 __all__ = ["AwsProvider", "from_settings", "make"]
 

@@ -1,7 +1,7 @@
 """``TRAINBOT_AWS_*`` settings the AWS provider owns (issue 24: each provider its own).
 
 The older AWS settings (region, image, subnets …) are still read by
-:mod:`jobs.settings` and passed in by :func:`jobs.providers.aws.provider.from_settings`.
+:mod:`jobs.process.settings` and passed in by :func:`jobs.providers.aws.provider.from_settings`.
 """
 
 from __future__ import annotations

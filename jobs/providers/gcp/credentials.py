@@ -31,11 +31,11 @@ from google.auth.exceptions import GoogleAuthError, OAuthError
 from google.auth.transport.requests import Request
 from google.oauth2 import sts
 
-from jobs.errors import NotFound, PermissionDenied
+from jobs.domain.errors import NotFound, PermissionDenied
 from jobs.providers.base import ProviderError
 
 if TYPE_CHECKING:
-    from jobs.settings import Settings
+    from jobs.process.settings import Settings
 
 __all__ = [
     "AVAILABLE_PERMISSIONS",

@@ -42,7 +42,7 @@ from runner.preemption import WINDOWS_S
 from runner.secrets import SecretRef
 
 if TYPE_CHECKING:
-    from jobs.settings import Settings
+    from jobs.process.settings import Settings
 
 __all__ = ["GcpProvider", "from_settings", "make"]
 

@@ -1,6 +1,6 @@
 """``TRAINBOT_GCP_*`` settings the GCP provider owns (issue 24: each provider its own).
 
-The older GCP settings (project, region, zones …) are still read by :mod:`jobs.settings`
+The older GCP settings (project, region, zones …) are still read by :mod:`jobs.process.settings`
 and passed in by :func:`jobs.providers.gcp.provider.from_settings`.
 """
 

@@ -38,7 +38,7 @@ from runner import env as contract
 from runner.nodes import free_port
 
 if TYPE_CHECKING:
-    from jobs.settings import Settings
+    from jobs.process.settings import Settings
 
 __all__ = ["LocalProvider", "from_settings", "make"]
 

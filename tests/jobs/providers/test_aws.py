@@ -704,8 +704,8 @@ def test_budget_notifies_the_configured_emails_and_topic_and_is_deleted(
 
 
 def test_budget_subscribers_come_from_settings(moto: dict[str, Any]) -> None:
+    from jobs.process.settings import load_settings
     from jobs.providers.aws import from_settings
-    from jobs.settings import load_settings
 
     topic = f"arn:aws:sns:{REGION}:{fake.MOTO_ACCOUNT}:budgets"
     aws = from_settings(

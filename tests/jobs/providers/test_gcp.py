@@ -30,6 +30,7 @@ from jobs.preflight import (
     resource_request,
     run_preflight,
 )
+from jobs.process.settings import load_settings
 from jobs.providers import make_provider
 from jobs.providers.base import (
     TAG_ATTEMPT_ID,
@@ -57,7 +58,6 @@ from jobs.providers.gcp import (
     make,
     prices_from_catalog,
 )
-from jobs.settings import load_settings
 from jobs.spec import JobSpec, parse_spec
 from tests.fakes.gce_api import FakeComputeApi
 from tests.jobs.boot import gcp_boot_env, runner_venv

@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 
 from bot import messages
-from jobs import service
-from jobs.bootstrap import ControlPlane
-from jobs.errors import SettingsError
-from jobs.lifecycle import AttemptState, RunState
-from jobs.notify import CallbackJournal, RunCard
+from jobs.domain.errors import SettingsError
+from jobs.domain.lifecycle import AttemptState, RunState
+from jobs.outbound.notify import CallbackJournal, RunCard
+from jobs.process.bootstrap import ControlPlane
+from jobs.process.settings import load_settings
 from jobs.providers import PROVIDERS, Registration, make_provider, register
 from jobs.providers.base import ResourceRequest
 from jobs.runs import reconcile
-from jobs.settings import load_settings
+from jobs.usecases import service
 from tests.jobs.providers.contract import ProviderContract
 from tests.jobs.providers.lab import REGION, ZONES, LabProvider
 from tests.jobs.test_aws_control_plane import (

@@ -42,11 +42,10 @@ from google.auth.credentials import AnonymousCredentials
 from sqlalchemy import Engine
 from sqlmodel import Session
 
-from jobs.code_pin import pin_code
-from jobs.db import make_engine, migrate
+from jobs.database.db import make_engine, migrate
+from jobs.database.models import Attempt, DryRunInstance, Run, hash_token
+from jobs.domain.lifecycle import AttemptState
 from jobs.ingest import IngestService
-from jobs.lifecycle import AttemptState
-from jobs.models import Attempt, DryRunInstance, Run, hash_token
 from jobs.preflight import (
     CapacityCheck,
     PreflightContext,
@@ -70,9 +69,10 @@ from jobs.providers.runner_install import (
     built_wheel,
     control_plane_version,
 )
-from jobs.server import RUNNER_WHEEL_PATH, ControlPlaneApp, ServerHandle, serve
 from jobs.spec import JobSpec, parse_spec
 from jobs.spec.env import code_env
+from jobs.usecases.code_pin import pin_code
+from jobs.web.server import RUNNER_WHEEL_PATH, ControlPlaneApp, ServerHandle, serve
 from runner.store import run_store
 from tests.fakes import aws as fake
 from tests.fakes.code_servers import GitRepo, build_wheel, serve_directory, write_simple_index
