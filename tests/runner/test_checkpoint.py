@@ -270,19 +270,36 @@ def test_files_checkpoint_round_trip(tmp_path: Path) -> None:
         load_checkpoint(store, manifest)
 
 
-WRITER_CHILD = textwrap.dedent(
+#: Imports torch once, then forks one writer per line it reads (``<root> <first step>``):
+#: each round kills a fresh process mid-write without paying the interpreter's and
+#: torch's start again (seconds a round on a busy machine). The forked writer says
+#: ``ready <pid>`` and saves a stream of checkpoints until it is killed; the parent reaps
+#: it and says how it ended (``ended <signal>``).
+WRITER_ZYGOTE = textwrap.dedent(
     """
-    import sys, torch
+    import os, sys, torch
     from runner.checkpoint import CheckpointWriter
     from runner.store import LocalStore
-    writer = CheckpointWriter(LocalStore(sys.argv[1]), shard_bytes=4 << 20, chunk_bytes=1 << 20)
-    t = torch.empty(3 << 20)  # 12 MiB, several shards
-    print("ready", flush=True)
-    step = int(sys.argv[2])
-    while True:
-        step += 1
-        t.fill_(float(step))
-        writer.save(step, {"t": t, "step": step})
+    for line in sys.stdin:
+        root, first = line.split()
+        sys.stdout.flush()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                writer = CheckpointWriter(
+                    LocalStore(root), shard_bytes=4 << 20, chunk_bytes=1 << 20
+                )
+                t = torch.empty(3 << 20)  # 12 MiB, several shards
+                os.write(1, f"ready {os.getpid()}\\n".encode())
+                step = int(first)
+                while True:
+                    step += 1
+                    t.fill_(float(step))
+                    writer.save(step, {"t": t, "step": step})
+            finally:
+                os._exit(1)
+        _, status = os.waitpid(pid, 0)
+        print("ended", os.WTERMSIG(status) if os.WIFSIGNALED(status) else -1, flush=True)
     """
 )
 
@@ -293,23 +310,33 @@ def test_kill_9_during_writes_never_loads_a_torn_checkpoint(tmp_path: Path) -> N
     complete checkpoint, and its content is exactly what that step saved."""
     rng = random.Random(1234)
     root = tmp_path / "ck"
-    for _round in range(6):
-        proc = subprocess.Popen(
-            [sys.executable, "-c", WRITER_CHILD, str(root), str(_round * 100_000)],
-            stdout=subprocess.PIPE,
-            env={**os.environ, "PYTHONPATH": str(Path.cwd())},
-        )
-        assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
-        time.sleep(rng.uniform(0.05, 0.6))
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        store = LocalStore(root)
-        committed = [e.step for e in list_committed(store)]
-        if not committed:
-            continue
-        restored = restore_latest(store)
-        assert restored.skipped == []
-        assert restored.step == committed[-1]
-        assert restored.state["step"] == restored.step
-        assert torch.equal(restored.state["t"], torch.full((3 << 20,), float(restored.step)))
+    zygote = subprocess.Popen(
+        [sys.executable, "-c", WRITER_ZYGOTE],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path.cwd())},
+    )
+    assert zygote.stdin is not None and zygote.stdout is not None
+    try:
+        for _round in range(6):
+            zygote.stdin.write(f"{root} {_round * 100_000}\n")
+            zygote.stdin.flush()
+            ready, pid = zygote.stdout.readline().split()
+            assert ready == "ready"
+            time.sleep(rng.uniform(0.05, 0.6))
+            os.kill(int(pid), signal.SIGKILL)
+            assert zygote.stdout.readline().split() == ["ended", str(int(signal.SIGKILL))]
+            store = LocalStore(root)
+            committed = [e.step for e in list_committed(store)]
+            if not committed:
+                continue
+            restored = restore_latest(store)
+            assert restored.skipped == []
+            assert restored.step == committed[-1]
+            assert restored.state["step"] == restored.step
+            assert torch.equal(restored.state["t"], torch.full((3 << 20,), float(restored.step)))
+    finally:
+        zygote.kill()
+        zygote.wait()
     assert list_committed(LocalStore(root)), "no checkpoint was ever committed"
