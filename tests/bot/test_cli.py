@@ -13,7 +13,7 @@ from pathlib import Path
 
 import requests
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.paths import ROOT
 
 
 def trainbot_env(tmp_path: Path, **extra: str) -> dict[str, str]:

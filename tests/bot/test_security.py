@@ -45,11 +45,11 @@ from tests.bot.test_slack_app import (
     wait_until,
 )
 from tests.fakes.slack_api import FakeSlack
+from tests.paths import ROOT
 
 TRAIN, VISION, RANDOM = "C0TRAIN", "C0VISION", "C0RANDOM"
 ADA, BOB, CAROL, EVE, MALLORY = "U0ADA", "U0BOB", "U0CAROL", "U0EVE", "U0MALLORY"
 OTHER_TEAM = "T0OTHERORG"
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

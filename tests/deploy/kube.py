@@ -26,7 +26,8 @@ from typing import Any
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.paths import ROOT
+
 KUBERNETES = ROOT / "deploy" / "kubernetes"
 #: The image ``image/kustomization.yaml`` ships with, until a team sets its own.
 PLACEHOLDER_REGISTRY = "registry.example.com/"

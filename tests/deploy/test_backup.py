@@ -25,8 +25,9 @@ from jobs.database.db import current_revision, head_revision, make_engine, migra
 from jobs.database.models import EventRow, SpendRecord
 from jobs.spend.accrual import run_spent
 from tests.jobs.rows import add_running_attempt
+from tests.paths import ROOT
 
-BACKUP = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes" / "backup"
+BACKUP = ROOT / "deploy" / "kubernetes" / "backup"
 TOOLS = ("pg_dump", "pg_restore", "psql")
 
 

@@ -7,7 +7,6 @@ and runs the images where podman is installed.)"""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Any
 
 import yaml
@@ -15,8 +14,8 @@ from sqlalchemy.engine import make_url
 
 from bot.cli import DRAIN_S
 from jobs.process.settings import Settings, env_name
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 
 

@@ -30,10 +30,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.paths import ROOT
+
 # Building the images the first time takes longer than the suite's per-test limit.
 pytestmark = [pytest.mark.container, pytest.mark.timeout(1800)]
 
-ROOT = Path(__file__).resolve().parents[2]
 ENABLE_ENV = "TRAINBOT_TEST_CONTAINERS"
 BASE_IMAGE = "localhost/debian-python:bookworm"
 APP_IMAGE = "localhost/trainbot:test"

@@ -6,14 +6,13 @@ anyone else's VM. The README's binding command passes it."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Any
 
 import yaml
 
 from jobs.providers.gcp.names import instance_name
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 PROJECT = "projects/p-1"
 
 

@@ -7,15 +7,14 @@ from anywhere and the admin port only from the monitoring namespace."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Any
 
 import yaml
 
 from jobs.process.settings import Settings, env_name
 from tests.deploy.kube import render_here
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 KUBERNETES = ROOT / "deploy" / "kubernetes"
 TABLE_TITLE = "**The settings of the trust model**"
 

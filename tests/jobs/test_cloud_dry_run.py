@@ -56,10 +56,10 @@ from tests.fakes.gce_api import FakeComputeApi
 from tests.fakes.gcs_emulator import create_bucket, gcs_emulator
 from tests.jobs import test_aws_control_plane as on_aws
 from tests.jobs.boot import aws_boot_env, gcp_boot_env, stand_in
+from tests.paths import ROOT
 
 __all__ = ["gcs_emulator"]  # the session's emulator, a fixture
 
-ROOT = Path(__file__).resolve().parents[2]
 ADA = service.Actor(user="ada", channel="#ml")
 TINY = "python -m runner.examples.tiny --dim 32 --batch 8 --steps 100"
 NO_SESSION = "python -c 'print(42)'"

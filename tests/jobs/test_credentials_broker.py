@@ -53,9 +53,9 @@ from tests.jobs.broker_contract import (
     assert_tokens_refused,
 )
 from tests.jobs.rows import add_running_attempt, migrated_sqlite
+from tests.paths import ROOT
 from tests.runner.tinyproc import exec_synced
 
-ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy" / "aws"
 REGION = "us-east-1"
 

@@ -50,8 +50,8 @@ from tests.jobs.broker_contract import (
     assert_tokens_refused,
 )
 from tests.jobs.rows import add_running_attempt, migrated_sqlite
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 BUCKET = "ckpt-bucket"
 STORAGE_SA = "trainbot-runner-storage@trainbot-test.iam.gserviceaccount.com"
 #: The control plane's own (source) token, as application-default credentials give it.

@@ -13,7 +13,6 @@ after the instance directory is gone. The two runs go side by side.
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import pytest
 from sqlmodel import select
@@ -34,12 +33,13 @@ from tests.jobs.test_control_plane import (
     run_state,
 )
 from tests.jobs.test_restarts import Plane, plane  # noqa: F401 (the fixture)
+from tests.paths import ROOT
 from tests.waiting import wait_until
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hf_trainer.py"
+EXAMPLE = ROOT / "examples" / "hf_trainer.py"
 #: Every 10 steps a checkpoint-N/ folder; 50 ms a step, so a preemption lands mid-run.
 TRAIN = f"python {EXAMPLE} --max-steps 100000 --save-steps 10 --step-s 0.05"
 COMMON = (

@@ -31,8 +31,8 @@ from jobs.process.logs import (
 )
 from jobs.process.settings import load_settings
 from tests.fakes.slack_api import FakeSlack
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 BOT_TOKEN = "xoxb-1234567890-0987654321-AbCdEfGhIjKlMnOpQrStUvWx"
 USER_TOKEN = "xoxp-1111111111-2222222222-abcdefabcdef"
 APP_TOKEN = "xapp-1-A0123456789-1234567890-0123456789abcdef"

@@ -17,7 +17,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,8 +28,8 @@ from jobs.database.replica_tables import PagerDutyOutbox
 from tests.fakes.pagerduty import FakePagerDuty
 from tests.jobs.test_alerts import ListJournal, RecordingNotifier
 from tests.jobs.test_escalation import open_critical
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 HOLD_S = 1.0
 
 

@@ -66,8 +66,8 @@ from jobs.providers.base import (
 )
 from jobs.providers.local import LocalProvider
 from jobs.spec import JobSpec, parse_spec
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 TINY_COMMAND = "python -m runner.examples.tiny --dim 32 --batch 8 --steps 100"
 
 

@@ -35,8 +35,8 @@ from jobs.web.server import EVENTS_PATH, ControlPlaneApp, ServerHandle, serve
 from runner.wire import Event as WireEvent
 from runner.wire import encode_batch
 from tests.fakes.slack_api import FakeSlack
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 NOW = datetime.now(timezone.utc)
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 

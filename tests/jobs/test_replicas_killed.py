@@ -49,11 +49,11 @@ from tests.bot.test_slack_app import ResponseUrls, sign
 from tests.fakes.loopback import LoopbackServer, QuietHandler, read_body, reply
 from tests.fakes.slack_api import FakeSlack
 from tests.jobs.conftest import fresh_schema, postgres_or_skip
+from tests.paths import ROOT
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 
-ROOT = Path(__file__).resolve().parents[2]
 SECRET = "8f742231b10e8888abcd99yyyzzz85a5"
 TOKEN = "xoxb-replicas"
 TEAM = "T0TEST"

@@ -29,8 +29,7 @@ from jobs.database.models import SpendRecord
 from jobs.domain.errors import DatabaseError
 from jobs.spend.accrual import run_spent
 from tests.jobs.rows import add_running_attempt, migrated_sqlite
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.paths import ROOT
 
 #: What the previous release does on the new schema, with its own code: a start
 #: (migrate), a runner's batch through its ingest service, then the run's points, card
@@ -88,7 +87,7 @@ def engine(tmp_path: Path) -> Iterator[Engine]:
 
 def _git(*args: str) -> str:
     done = subprocess.run(
-        ["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=60, check=False
+        ["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=60, check=False
     )
     if done.returncode != 0:
         pytest.skip(f"git {' '.join(args[:2])} failed here ({done.stderr.strip()[:200]})")
@@ -98,7 +97,7 @@ def _git(*args: str) -> str:
 def _previous_release() -> str:
     """The commit before the one that added the newest migration (HEAD itself while
     that migration is not committed yet)."""
-    if shutil.which("git") is None or not (REPO / ".git").exists():
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
         pytest.skip("the rollback test needs the git history of the checkout: no git here")
     if _git("rev-parse", "--is-shallow-repository") == "true":
         pytest.skip(
@@ -108,7 +107,7 @@ def _previous_release() -> str:
     script = ScriptDirectory.from_config(alembic_config())
     newest = script.get_revision(head_revision())
     assert newest is not None
-    path = Path(newest.path).resolve().relative_to(REPO)
+    path = Path(newest.path).resolve().relative_to(ROOT)
     added = _git("log", "-1", "--format=%H", "--diff-filter=A", "--", str(path))
     return f"{added}^" if added else "HEAD"
 
@@ -122,7 +121,7 @@ def previous_release(tmp_path: Path) -> Iterator[Path]:
         yield tree
     finally:
         subprocess.run(
-            ["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)],
+            ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)],
             capture_output=True,
             timeout=60,
             check=False,

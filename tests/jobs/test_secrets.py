@@ -26,6 +26,7 @@ from jobs.spec import parse_spec
 from jobs.usecases import service
 from tests.fakes.slack_api import FakeSlack
 from tests.jobs.test_control_plane import ADA, run_state, settings_for, wait_until
+from tests.paths import ROOT
 
 VALUE = "s3cr3t-Value-9f1c2e"
 
@@ -220,10 +221,9 @@ def test_the_dry_run_reads_the_secrets_as_the_run_will(tmp_path: Path) -> None:
         "    sys.exit(3)\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
-    root = Path(__file__).resolve().parents[2]
     env = {
         "PATH": os.environ["PATH"],
-        "PYTHONPATH": str(root),
+        "PYTHONPATH": str(ROOT),
         "TRAINBOT_LOCAL_SECRETS_DIR": str(folder),
         "TRAINBOT_SECRETS": json.dumps({"MY_TOKEN": "local://token"}),
     }

@@ -30,8 +30,8 @@ from tests.fakes.iam_simulation import serve_policy_simulation
 from tests.jobs.boot import aws_boot_env, secret_checker, stand_in
 from tests.jobs.providers.contract import launch_request
 from tests.jobs.test_preflight import secrets_check
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 REGION = "us-east-1"
 T4 = ResourceRequest(cloud="aws", region=REGION, accelerator_type="T4", accelerator_count=1)
 VALUE = "wandb-" + uuid.uuid4().hex

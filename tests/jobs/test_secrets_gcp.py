@@ -24,8 +24,8 @@ from jobs.spec.env import secrets_env
 from tests.fakes.secret_manager import FakeSecretManager
 from tests.jobs.boot import gcp_boot_env, secret_checker
 from tests.jobs.test_preflight import secrets_check
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 PROJECT = "team-1"
 RUNNER = "trainbot-runner@team-1.iam.gserviceaccount.com"
 A100 = ResourceRequest(

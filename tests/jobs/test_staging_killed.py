@@ -41,11 +41,11 @@ from jobs.staging import Staging, StagingState
 from tests.bot.test_slack_app import ResponseUrls, sign
 from tests.fakes.slack_api import FakeSlack
 from tests.jobs.test_staging import s3_bucket
+from tests.paths import ROOT
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "xoxb-staging"
 CHANNEL = "C0TRAIN"
 ADA = "U0ADA"

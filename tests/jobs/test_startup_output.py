@@ -13,8 +13,6 @@ import requests
 
 from tests.bot.test_cli import serving, trainbot_env
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def _trainbot(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(

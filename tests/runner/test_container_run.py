@@ -49,11 +49,11 @@ from tests.deploy.test_container import (
 from tests.fakes.ingest import FakeIngest
 from tests.jobs.providers.contract import launch_request, wait_for_state
 from tests.jobs.test_preflight import context
+from tests.paths import ROOT
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.container, pytest.mark.timeout(900)]
 
-ROOT = Path(__file__).resolve().parents[2]
 PY = f"{sys.version_info[0]}.{sys.version_info[1]}"
 #: The training image: the base, this environment's torch, no trainbot.
 TORCH_IMAGE = f"localhost/trainbot-test-torch:{torch.__version__.replace('+', '-')}-py{PY}"

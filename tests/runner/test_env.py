@@ -17,8 +17,7 @@ import pytest
 
 from runner import env as contract
 from runner.env import VARS, EnvError, Var
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.paths import ROOT
 
 #: A value of each kind that its rendering carries exactly.
 _SAMPLES: dict[int, list[Any]] = {

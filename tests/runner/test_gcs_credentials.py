@@ -29,11 +29,10 @@ from runner.errors import StoreError
 from runner.store.gcs import GCSStore
 from tests.fakes.broker import TOKEN, FakeBroker, assert_refused_token_said
 from tests.fakes.gcs_emulator import create_bucket, gcs_emulator
+from tests.paths import ROOT
 from tests.runner.tinyproc import exec_synced
 
 __all__ = ["gcs_emulator"]  # the session's emulator, a fixture
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 class FakeGcpBroker(FakeBroker):

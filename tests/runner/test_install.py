@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.paths import ROOT
 
 #: The control plane's libraries (the ``server`` extra): none may be on an instance.
 SERVER_MODULES = (

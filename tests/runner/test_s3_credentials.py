@@ -11,7 +11,6 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from datetime import datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 import boto3
@@ -23,8 +22,7 @@ from runner.store.broker import credentials_url
 from runner.store.s3 import S3Store
 from tests.fakes.broker import TOKEN, FakeBroker, assert_refused_token_said
 from tests.fakes.moto_server import create_bucket
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.paths import ROOT
 
 
 class FakeAwsBroker(FakeBroker):

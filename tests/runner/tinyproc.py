@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from runner.telemetry import follow_file
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 #: A small, fast configuration of the example.
 TINY = ["--dim", "32", "--batch", "8"]
 

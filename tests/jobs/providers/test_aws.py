@@ -62,8 +62,8 @@ from tests.fakes.aws import stub
 from tests.fakes.moto_server import refusing_s3
 from tests.jobs.boot import aws_boot_env
 from tests.jobs.providers.contract import ProviderContract, launch_request, wait_for_state
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[3]
 REGION = "us-east-1"
 T4 = ResourceRequest(cloud="aws", region=REGION, accelerator_type="T4", accelerator_count=1)
 A10G = ResourceRequest(cloud="aws", region=REGION, accelerator_type="A10G", accelerator_count=1)

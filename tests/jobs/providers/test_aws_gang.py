@@ -20,7 +20,6 @@ from collections.abc import Callable
 from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from fnmatch import fnmatchcase
-from pathlib import Path
 from typing import Any
 
 import boto3
@@ -41,8 +40,8 @@ from jobs.providers.base import (
 from tests.fakes import aws as fake
 from tests.fakes.aws import stub
 from tests.jobs.providers.contract import launch_request, wait_for_state
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[3]
 REGION = "us-east-1"
 ZONE = "us-east-1b"
 A10G = ResourceRequest(cloud="aws", region=REGION, accelerator_type="A10G", accelerator_count=1)

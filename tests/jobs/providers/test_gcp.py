@@ -62,8 +62,8 @@ from jobs.spec import JobSpec, parse_spec
 from tests.fakes.gce_api import FakeComputeApi
 from tests.jobs.boot import gcp_boot_env, runner_venv
 from tests.jobs.providers.contract import ProviderContract, launch_request, wait_for_state
+from tests.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[3]
 REGION = "us-central1"
 ZONE_A, ZONE_B, ZONE_C, ZONE_F = (f"{REGION}-{z}" for z in "abcf")
 RUNNER_SA = "trainbot-runner@trainbot-test.iam.gserviceaccount.com"
