@@ -1,9 +1,14 @@
-"""The database away for 30 s (issue 28, point 1): on a PostgreSQL this test starts itself
-(the machine's initdb and pg_ctl), stops for 30 s and starts again, a serving control
+"""The database away for a while (issue 28, point 1: 30 s): on a PostgreSQL this test
+starts itself (the machine's initdb and pg_ctl), stops and starts again, a serving control
 plane's readiness turns red and its liveness stays green throughout (so a platform takes
 it out of the load balancer and restarts nothing), and once the database is back it is
 ready again and a runner that kept what was refused loses nothing: every event it sent is
-stored exactly once."""
+stored exactly once.
+
+The outage lasts ``TRAINBOT_TEST_OUTAGE_S`` seconds: 8 in the suite (eight probes of each
+kind, dozens of refused batches), the issue's 30 with
+``TRAINBOT_TEST_OUTAGE_S=30 pytest -s tests/jobs/test_database_outage.py``.
+"""
 
 from __future__ import annotations
 
@@ -34,10 +39,12 @@ from jobs.web.prometheus import ControlPlaneMetrics
 from jobs.web.server import EVENTS_PATH, ControlPlaneApp, serve
 from runner.wire import Event as WireEvent
 from runner.wire import encode_batch
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
-OUTAGE_S = 30.0
+#: How long the database is away (the issue's case is 30 s; see the module's docstring).
+OUTAGE_S = float(os.environ.get("TRAINBOT_TEST_OUTAGE_S", "8"))
 TOKEN = "tok-outage"
 
 
@@ -89,8 +96,8 @@ class LocalPostgres:
             "-o", options, "-w", "-t", "60", "start",
         )  # fmt: skip
 
-    def stop(self) -> None:
-        self._run(str(self.bin / "pg_ctl"), "-D", str(self.data), "-m", "fast", "-w", "stop")
+    def stop(self, mode: str = "fast") -> None:
+        self._run(str(self.bin / "pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "stop")
 
 
 @pytest.fixture
@@ -111,7 +118,7 @@ def postgres() -> Iterator[LocalPostgres]:
         yield server
     finally:
         try:
-            server.stop()
+            server.stop("immediate")  # its data is thrown away: no shutdown checkpoint
         except AssertionError:
             pass  # already stopped
         shutil.rmtree(root, ignore_errors=True)
@@ -196,7 +203,7 @@ class Runner:
         assert not self._queue, "the runner could not deliver its spool after the outage"
 
 
-def test_thirty_seconds_without_the_database_turn_readiness_red_and_leave_liveness_green(
+def test_the_database_away_turns_readiness_red_and_leaves_liveness_green(
     postgres: LocalPostgres,
 ) -> None:
     engine = make_engine(postgres.url)
@@ -215,7 +222,8 @@ def test_thirty_seconds_without_the_database_turn_readiness_red_and_leave_livene
         healthz, readyz = f"{server.admin_url}/healthz", f"{server.admin_url}/readyz"
         assert (_get(healthz), _get(readyz)) == (200, 200)
         runner.start()
-        time.sleep(2)
+        # Some events are stored before the outage, so it interrupts a runner mid-stream.
+        wait_until(lambda: runner.answers.count(200) >= 3, timeout=30, what="stored batches")
 
         postgres.stop()
         stopped = time.monotonic()
@@ -235,7 +243,11 @@ def test_thirty_seconds_without_the_database_turn_readiness_red_and_leave_livene
             assert time.monotonic() - restarted < 30, "not ready 30 s after the database"
             time.sleep(0.5)
         print(f"ready {time.monotonic() - restarted:.1f} s after the database came back")
-        time.sleep(2)
+        # The runner's spool drains and new batches are stored again after the outage.
+        since = len(runner.answers)
+        wait_until(
+            lambda: runner.answers[since:].count(200) >= 3, timeout=30, what="stored batches"
+        )
     finally:
         runner.stop()
         server.shutdown()
