@@ -29,7 +29,7 @@ from typing import IO, Any
 
 from runner import env as contract
 from runner.container import Container
-from runner.dryrun import Phase, finish_report
+from runner.dryrun_phase import Phase, finish_report
 from runner.dryrun_report import DryRunReport
 from runner.errors import CheckpointError, StoreError
 from runner.frameworks import FrameworkMetrics
