@@ -20,8 +20,10 @@ not bound, and this listener does:
 - **The connection limit, without a lock-out.** waitress stops accepting at its limit,
   so whoever holds the limit locks everyone else out until they let go. Here, at the
   limit, a new connection takes the place of the connection whose unfinished request
-  arrives slowest (bytes a second since its first byte; a connection not read from yet
-  is spared for a moment, and idle keep-alive ones go last): a client that sends its
+  arrives slowest (bytes a second since its first byte, counting the bytes the kernel
+  already holds for it, so that a loop busy with a flood, which has not read a steady
+  upload's latest pieces, does not take it for a slow one; a connection not read from
+  yet is spared for a moment, and idle keep-alive ones go last): a client that sends its
   request at once, or uploads a batch at any real link's pace, is never the slowest
   while tricklers hold slots, so tricklers from many addresses are evicted and the limit
   costs the clients who behave nothing but a reconnect of an idle socket. A flood that
@@ -31,6 +33,7 @@ not bound, and this listener does:
 
 from __future__ import annotations
 
+import array
 import errno
 import heapq
 import json
@@ -47,6 +50,15 @@ from waitress.adjustments import Adjustments
 from waitress.channel import HTTPChannel
 from waitress.server import TcpWSGIServer
 from waitress.task import ErrorTask, ThreadedTaskDispatcher
+
+try:
+    import fcntl
+    import termios
+
+    #: The ioctl that says how many received bytes wait unread in a socket (Linux, macOS).
+    _FIONREAD: int | None = termios.FIONREAD
+except (ImportError, AttributeError):  # Windows: pace from the bytes read alone
+    _FIONREAD = None
 
 if TYPE_CHECKING:
     from wsgiref.types import WSGIApplication
@@ -254,7 +266,8 @@ class _Listener(TcpWSGIServer):
 
     def _evict(self) -> bool:
         """Make room: close the connections whose unfinished requests arrive slowest
-        (bytes a second since each began, :data:`_PACE_PRIOR_BYTES` included), then the
+        (bytes a second since each began, read or waiting unread in the kernel,
+        :data:`_PACE_PRIOR_BYTES` included), then the
         ones not read from yet, then the longest idle ones; a twentieth of the
         limit at once, so that a flood costs one scan per twenty connections, not one
         each. False when every connection is answering or sending a response."""
@@ -267,7 +280,9 @@ class _Listener(TcpWSGIServer):
             if not channel.heard and now - channel.creation_time < _UNHEARD_GRACE_S:
                 # Accepted a moment ago, in this turn of the loop perhaps: not read yet.
                 return (1, channel.creation_time, 0.0)
-            sent = channel.request_bytes + _PACE_PRIOR_BYTES
+            # What the kernel holds counts as received: the loop reads each connection a
+            # recv at a time, and a flood can leave an upload's latest pieces unread.
+            sent = channel.request_bytes + _unread_bytes(channel.socket) + _PACE_PRIOR_BYTES
             return (0, sent / max(now - since, 0.001), since)
 
         candidates = [
@@ -295,6 +310,18 @@ class _Listener(TcpWSGIServer):
             client,
             why,
         )
+
+
+def _unread_bytes(sock: Any) -> int:
+    """Bytes received for ``sock`` that wait in the kernel, unread; 0 where it cannot say."""
+    if _FIONREAD is None:
+        return 0
+    held = array.array("i", [0])
+    try:
+        fcntl.ioctl(sock.fileno(), _FIONREAD, held, True)
+    except (OSError, ValueError):  # closed meanwhile
+        return 0
+    return held[0]
 
 
 def _ensure_descriptors(wanted: int) -> int:
