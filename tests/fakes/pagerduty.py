@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from tests.fakes.loopback import LoopbackServer, QuietHandler, read_body, reply_json
+from tests.fakes.loopback import ClosedOnExit, LoopbackServer, QuietHandler, read_body, reply_json
 
 SEVERITIES = ("critical", "error", "warning", "info")
 ACTIONS = ("trigger", "acknowledge", "resolve")
@@ -41,7 +41,7 @@ class Received:
 
 
 @dataclass
-class FakePagerDuty:
+class FakePagerDuty(ClosedOnExit):
     """The fake server; use it as a context manager. ``url`` is its base URL."""
 
     routing_key: str = "R0UTINGKEY0000000000000000000000"
@@ -85,9 +85,6 @@ class FakePagerDuty:
 
     def __enter__(self) -> FakePagerDuty:
         return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # ------------------------------------------------------------------ the API
 

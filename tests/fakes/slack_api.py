@@ -54,11 +54,12 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from types import TracebackType
 from typing import Any
 from urllib.parse import parse_qsl
 
 from slack_sdk import WebClient
+
+from tests.fakes.loopback import ClosedOnExit
 
 API_PREFIX = "/api/"
 UPLOAD_PREFIX = "/upload/v1/"
@@ -178,7 +179,7 @@ class _Server(ThreadingHTTPServer):
         return None  # reset connections are the point of some tests
 
 
-class FakeSlack:
+class FakeSlack(ClosedOnExit):
     """The Slack Web API on 127.0.0.1:<port>; use as a context manager."""
 
     def __init__(
@@ -261,14 +262,6 @@ class FakeSlack:
 
     def __enter__(self) -> FakeSlack:
         return self.start() if self._server is None else self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     # ------------------------------------------------------------------ test controls
 

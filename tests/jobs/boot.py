@@ -9,11 +9,36 @@ import sys
 from pathlib import Path
 
 
-def stand_in(path: Path, body: str) -> None:
-    """An executable at ``path`` (its folders made) whose text is ``body``."""
+def stand_in(path: Path, body: str) -> Path:
+    """An executable at ``path`` (its folders made) whose text is ``body``; the path."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(body)
     path.chmod(0o755)
+    return path
+
+
+def root_commands(root: Path, *, apt_get: bool = True) -> Path:
+    """``root/bin`` holding stand-ins for the commands the AWS user data runs as root on a
+    fresh instance; the folder, to put first on PATH.
+
+    ``shutdown`` appends its arguments to ``root/shutdown``; ``runuser`` runs its command as
+    this user; ``id``, ``useradd``, ``chgrp`` and ``chown`` succeed; ``apt-get`` fails (no
+    package comes from the network), unless ``apt_get=False`` leaves it out.
+    """
+    bin_dir = root / "bin"
+    bodies = {
+        "shutdown": f'echo "shutdown $*" >> {root / "shutdown"}',
+        "runuser": 'while [ "$1" != "--" ]; do shift; done; shift; exec "$@"',
+        "id": "exit 0",
+        "useradd": "exit 0",
+        "chgrp": "exit 0",
+        "chown": "exit 0",
+    }
+    if apt_get:
+        bodies["apt-get"] = "exit 1"
+    for name, body in bodies.items():
+        stand_in(bin_dir / name, f"#!/bin/sh\n{body}\n")
+    return bin_dir
 
 
 def aws_boot_env(root: Path, home: Path, *, path: str) -> dict[str, str]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,9 @@ from sqlalchemy.engine import make_url
 
 from jobs.database.db import make_engine, migrate
 from jobs.process.settings import Settings, load_settings
+from jobs.providers.aws import AwsProvider
 from tests.fakes import aws as fake_aws
+from tests.fakes.gce_api import FakeComputeApi
 
 POSTGRES_URL_ENV = "TRAINBOT_TEST_POSTGRES_URL"
 
@@ -126,9 +128,37 @@ def session() -> boto3.session.Session:
 
 
 @pytest.fixture
+def make_aws(
+    moto: dict[str, Any], stubbers: list[Stubber], session: boto3.session.Session
+) -> Callable[..., AwsProvider]:
+    """AwsProviders on moto, with the runner's instance profile and a registered AMI; a
+    test's ``options`` replace any of these."""
+
+    def build(**options: Any) -> AwsProvider:
+        options.setdefault("session", session)
+        options.setdefault("region", "us-east-1")
+        options.setdefault("endpoint_url", moto["url"])
+        options.setdefault("image_id", moto["image"])
+        options.setdefault("instance_profile", "trainbot-runner")
+        return AwsProvider(**options)
+
+    return build
+
+
+@pytest.fixture
 def stubbers() -> Iterator[list[Stubber]]:
     """Stubbers attached during a test (``tests.fakes.aws.stub``); deactivated at its end."""
     made: list[Stubber] = []
     yield made
     for stubber in made:
         stubber.deactivate()
+
+
+# -- GCP on the fake Compute API -----------------------------------------------------------
+
+
+@pytest.fixture
+def gce() -> Iterator[FakeComputeApi]:
+    """The fake Compute Engine API (its default project, regions and zones)."""
+    with FakeComputeApi() as api:
+        yield api

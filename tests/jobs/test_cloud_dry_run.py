@@ -55,7 +55,7 @@ from tests.fakes import aws as fake
 from tests.fakes.gce_api import FakeComputeApi
 from tests.fakes.gcs_emulator import create_bucket, gcs_emulator
 from tests.jobs import test_aws_control_plane as on_aws
-from tests.jobs.boot import aws_boot_env, gcp_boot_env, stand_in
+from tests.jobs.boot import aws_boot_env, gcp_boot_env, root_commands, stand_in
 from tests.paths import ROOT
 
 __all__ = ["gcs_emulator"]  # the session's emulator, a fixture
@@ -88,16 +88,7 @@ def play_aws(url: str, instance_id: str, tmp_path: Path) -> subprocess.Popen[byt
     )
     script = base64.b64decode(answer["UserData"]["Value"]).decode()
     root = tmp_path / instance_id
-    bin_dir, home = root / "bin", root / "opt"
-    for name, body in {
-        "shutdown": f'echo "shutdown $*" >> {root / "shutdown"}',
-        "runuser": 'while [ "$1" != "--" ]; do shift; done; shift; exec "$@"',
-        "id": "exit 0",
-        "useradd": "exit 0",
-        "chgrp": "exit 0",
-        "chown": "exit 0",
-    }.items():
-        stand_in(bin_dir / name, f"#!/bin/sh\n{body}\n")
+    bin_dir, home = root_commands(root, apt_get=False), root / "opt"
     install_runner(home / "bin")
     env = aws_boot_env(root, home, path=f"{bin_dir}:/usr/bin:/bin")
     log = open(root / "boot.log", "wb")  # noqa: SIM115 (closed with the process)
@@ -407,12 +398,6 @@ def test_aws_kill_9_during_the_dry_run_then_restart_terminates_its_instance(
 
 
 # -- GCP: the control plane on the fake Compute API, the store on the GCS emulator -------------
-
-
-@pytest.fixture
-def gce() -> Iterator[FakeComputeApi]:
-    with FakeComputeApi() as api:
-        yield api
 
 
 def gcp_provider(gce: FakeComputeApi) -> GcpProvider:

@@ -78,12 +78,6 @@ def store_on_moto(monkeypatch: pytest.MonkeyPatch, moto: dict[str, Any]) -> str:
     return str(moto["bucket"])
 
 
-@pytest.fixture
-def gce() -> Iterator[FakeComputeApi]:
-    with FakeComputeApi() as api:
-        yield api
-
-
 # -- helpers -----------------------------------------------------------------------------
 
 

@@ -60,7 +60,7 @@ from jobs.spec import JobSpec, parse_spec
 from tests.fakes import aws as fake
 from tests.fakes.aws import stub
 from tests.fakes.moto_server import refusing_s3
-from tests.jobs.boot import aws_boot_env
+from tests.jobs.boot import aws_boot_env, root_commands, stand_in
 from tests.jobs.providers.contract import ProviderContract, launch_request, wait_for_state
 from tests.paths import ROOT
 
@@ -69,23 +69,6 @@ T4 = ResourceRequest(cloud="aws", region=REGION, accelerator_type="T4", accelera
 A10G = ResourceRequest(cloud="aws", region=REGION, accelerator_type="A10G", accelerator_count=1)
 WORKLOAD = ["trainbot-runner", "exec", "--", "python", "train.py", "--steps", "100"]
 G_SPOT, G_ON_DEMAND = "L-3819A6DF", "L-DB2E81BA"
-
-
-@pytest.fixture
-def make_aws(
-    moto: dict[str, Any], stubbers: list[Stubber], session: boto3.session.Session
-) -> Callable[..., AwsProvider]:
-    """AwsProviders on moto, with the runner's instance profile and a registered AMI."""
-
-    def build(**options: Any) -> AwsProvider:
-        options.setdefault("session", session)
-        options.setdefault("region", REGION)
-        options.setdefault("endpoint_url", moto["url"])
-        options.setdefault("image_id", moto["image"])
-        options.setdefault("instance_profile", "trainbot-runner")
-        return AwsProvider(**options)
-
-    return build
 
 
 def quotas(stubber: Stubber, *pairs: tuple[str, float]) -> None:
@@ -912,28 +895,13 @@ def test_user_data_installs_runs_reports_and_shuts_down(
     )
     script = make_aws(runner=RunnerInstall(mode="index", version="0.1.0")).render_user_data(req)
     assert "@@" not in script
-    bin_dir, home = tmp_path / "bin", tmp_path / "opt"
-    (home / "bin").mkdir(parents=True)
-    bin_dir.mkdir()
-    record = tmp_path / "record"
-    stand_ins = {
-        "shutdown": f'echo "shutdown $*" >> {record}',
-        "runuser": 'while [ "$1" != "--" ]; do shift; done; shift; exec "$@"',
-        "id": "exit 0",
-        "useradd": "exit 0",
-        "chgrp": "exit 0",
-        "chown": "exit 0",
-    }
-    for name, body in stand_ins.items():
-        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
-        (bin_dir / name).chmod(0o755)
-    runner = home / "bin" / "trainbot-runner"
-    runner.write_text(
+    bin_dir, home = root_commands(tmp_path, apt_get=False), tmp_path / "opt"
+    stand_in(
+        home / "bin" / "trainbot-runner",
         "#!/usr/bin/env python3\nimport json, os, sys\n"
         f"json.dump({{'argv': sys.argv[1:], 'env': dict(os.environ), 'cwd': os.getcwd()}},"
-        f" open({str(tmp_path / 'ran.json')!r}, 'w'))\nsys.exit(3)\n"
+        f" open({str(tmp_path / 'ran.json')!r}, 'w'))\nsys.exit(3)\n",
     )
-    runner.chmod(0o755)
     env = aws_boot_env(tmp_path, home, path=f"{bin_dir}:{os.environ['PATH']}")
     done = subprocess.run(
         ["bash", "-c", script], env=env, capture_output=True, text=True, timeout=30
@@ -945,7 +913,7 @@ def test_user_data_installs_runs_reports_and_shuts_down(
     assert ran["env"]["TRAINBOT_SCRATCH_BYTES"] == "123"
     assert "AWS_ACCESS_KEY_ID" not in ran["env"], "the environment is rebuilt from the file"
     assert ran["cwd"] == str(tmp_path / "scratch")
-    assert record.read_text() == "shutdown -h now\n"
+    assert (tmp_path / "shutdown").read_text() == "shutdown -h now\n"
     assert "trainbot-runner exited with code 3" in (tmp_path / "console").read_text()
     assert token not in done.stdout + done.stderr + (tmp_path / "console").read_text()
     assert (tmp_path / "etc" / "runner.env").stat().st_mode & 0o777 == 0o640

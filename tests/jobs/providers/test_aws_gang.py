@@ -49,19 +49,6 @@ WORKLOAD = ["trainbot-runner", "exec", "--", "python", "train.py"]
 G_SPOT, G_ON_DEMAND = "L-3819A6DF", "L-DB2E81BA"
 
 
-@pytest.fixture
-def make_aws(moto: dict[str, Any], session: boto3.session.Session) -> Callable[..., AwsProvider]:
-    def build(**options: Any) -> AwsProvider:
-        options.setdefault("session", session)
-        options.setdefault("region", REGION)
-        options.setdefault("endpoint_url", moto["url"])
-        options.setdefault("image_id", moto["image"])
-        options.setdefault("instance_profile", "trainbot-runner")
-        return AwsProvider(**options)
-
-    return build
-
-
 def gang_request(nodes: int = 2, *, key: str | None = None, zone: str = ZONE) -> LaunchRequest:
     """A launch as the service layer builds one for ``resources.instances=nodes``, with
     an attempt id of its own (the placement group is named after it)."""

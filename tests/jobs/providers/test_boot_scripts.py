@@ -14,7 +14,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import boto3
@@ -28,7 +27,7 @@ from jobs.providers.runner_install import RunnerInstall, installer_source
 from jobs.spec import JobSpec
 from jobs.spec.env import image_env
 from tests.fakes.gce_api import FakeComputeApi
-from tests.jobs.boot import aws_boot_env, gcp_boot_env, runner_venv, stand_in
+from tests.jobs.boot import aws_boot_env, gcp_boot_env, root_commands, runner_venv, stand_in
 from tests.jobs.providers.contract import launch_request
 
 AWS_T4 = ResourceRequest(
@@ -117,17 +116,7 @@ def run_user_data(script: str, tmp_path: Path, *, installed: bool) -> str:
     ``tmp_path/installs.jsonl`` and leaves a runner; tests/jobs/providers/
     test_runner_pinned.py runs the real one).
     """
-    bin_dir, home, ran = tmp_path / "bin", tmp_path / "opt", tmp_path / "ran.json"
-    for name, body in {
-        "shutdown": f'echo "shutdown $*" >> {tmp_path / "shutdown"}',
-        "runuser": 'while [ "$1" != "--" ]; do shift; done; shift; exec "$@"',
-        "id": "exit 0",
-        "useradd": "exit 0",
-        "chgrp": "exit 0",
-        "chown": "exit 0",
-        "apt-get": "exit 1",
-    }.items():
-        stand_in(bin_dir / name, f"#!/bin/sh\n{body}\n")
+    bin_dir, home, ran = root_commands(tmp_path), tmp_path / "opt", tmp_path / "ran.json"
     runner = RECORDER.format(python=sys.executable, out=str(ran))
     installer = (
         f"#!{sys.executable}\nimport json, os, sys\n"
@@ -203,12 +192,6 @@ def test_aws_refuses_a_nul_in_the_command(aws: AwsProvider) -> None:
 
 
 # -- GCP ---------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def gce() -> Iterator[FakeComputeApi]:
-    with FakeComputeApi() as api:
-        yield api
 
 
 @pytest.fixture

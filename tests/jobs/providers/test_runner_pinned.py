@@ -25,13 +25,12 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
-from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, ThreadingHTTPServer
+from http.server import SimpleHTTPRequestHandler
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -78,7 +77,9 @@ from tests.fakes import aws as fake
 from tests.fakes.code_servers import GitRepo, build_wheel, serve_directory, write_simple_index
 from tests.fakes.gce_api import FakeComputeApi
 from tests.fakes.gcs_emulator import create_bucket, gcs_emulator
+from tests.fakes.loopback import QuietHandler, serving
 from tests.fakes.moto_server import closed_port
+from tests.jobs.boot import root_commands, stand_in
 from tests.jobs.providers.contract import launch_request
 
 __all__ = ["gcs_emulator"]  # the session's emulator, a fixture
@@ -95,13 +96,6 @@ PROBE = (
     "json.dump({'runner': runner.__file__, 'version': md.version('trainbot'),"
     " 'torch': importlib.util.find_spec('torch') is not None}, open(sys.argv[1], 'w'))"
 )
-
-
-def stand_in(path: Path, body: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(body)
-    path.chmod(0o755)
-    return path
 
 
 def image_python(bin_dir: Path) -> Path:
@@ -209,7 +203,7 @@ def tampering_proxy(upstream: str) -> Iterator[str]:
     """A man in the middle on loopback: forwards GETs to ``upstream`` (headers and all)
     and flips one byte of every body it passes on; its URL."""
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         def do_GET(self) -> None:
             headers = {"Authorization": self.headers.get("Authorization", "")}
             request = urllib.request.Request(upstream + self.path, headers=headers)
@@ -227,17 +221,8 @@ def tampering_proxy(upstream: str) -> Iterator[str]:
             self.end_headers()
             self.wfile.write(bytes(body))
 
-        def log_message(self, format: str, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(Handler) as url:
+        yield url
 
 
 def runner_config(script: str) -> dict[str, Any]:
@@ -345,17 +330,7 @@ def user_data(url: str, instance_id: str) -> str:
 
 def play_aws(script: str, root: Path, env: dict[str, str]) -> str:
     """Run the user data as cloud-init would, as root on a fresh instance; its output."""
-    bin_dir = root / "bin"
-    for name, body in {
-        "shutdown": f'echo "shutdown $*" >> {root / "shutdown"}',
-        "runuser": 'while [ "$1" != "--" ]; do shift; done; shift; exec "$@"',
-        "id": "exit 0",
-        "useradd": "exit 0",
-        "chgrp": "exit 0",
-        "chown": "exit 0",
-        "apt-get": "exit 1",
-    }.items():
-        stand_in(bin_dir / name, f"#!/bin/sh\n{body}\n")
+    bin_dir = root_commands(root)
     image_python(bin_dir)
     done = subprocess.run(
         ["bash", "-c", script],
@@ -509,12 +484,6 @@ def test_aws_image_missing_in_the_region_fails_with_what_to_set(
 
 
 # -- GCP ----------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def gce() -> Iterator[FakeComputeApi]:
-    with FakeComputeApi() as api:
-        yield api
 
 
 def gcp_provider(gce: FakeComputeApi, runner: RunnerInstall, **options: Any) -> GcpProvider:
@@ -926,7 +895,7 @@ def loopback_index(root: Path, wheel: Wheel) -> Iterator[tuple[str, list[str]]]:
     )
     requested: list[str] = []
 
-    class Handler(SimpleHTTPRequestHandler):
+    class Handler(QuietHandler, SimpleHTTPRequestHandler):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, directory=str(root), **kwargs)
 
@@ -934,17 +903,8 @@ def loopback_index(root: Path, wheel: Wheel) -> Iterator[tuple[str, list[str]]]:
             requested.append(self.path)
             super().do_GET()
 
-        def log_message(self, format: str, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/simple", requested
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(Handler) as url:
+        yield f"{url}/simple", requested
 
 
 def test_preflight_fails_a_spec_whose_image_is_not_in_the_region(
