@@ -193,7 +193,7 @@ class Trigger(str, enum.Enum):
     STREAM = "stream"
     #: An attempt ended preempted (``jobs.runs.end``): the window is its ``exit``.
     PREEMPTED = "preempted"
-    #: The next attempt was launched after a preemption (``jobs.runs.resubmit``): the
+    #: The next attempt was launched after a preemption (``jobs.runs.recovery``): the
     #: window is its ``resubmitted`` observation.
     RESUBMITTED = "resubmitted"
     #: The reconcile job found an attempt silent past its heartbeat deadline

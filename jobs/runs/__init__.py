@@ -13,7 +13,8 @@ holds the chat use-cases that call it; ``jobs.background.tasks`` the scheduled j
 - ``launch``: recording an attempt and provisioning its instance.
 - ``events``: what a stored runner event does to its attempt and run.
 - ``end``: ending an attempt, terminating its instance.
-- ``resubmit``: the work a preemption lost, and the next attempt after the backoff.
+- ``recovery``: the same run's next attempt after a preemption or a listed exit code, and
+  the work lost (a resubmit that starts a new run is ``jobs.usecases.resubmits``).
 - ``reconcile``: the provider's instances against the database, repaired.
 - ``fence``: refusing a deposed leader's late launch or termination.
 - ``capacity``, ``relaunch``: a run waiting for capacity or a price, and its next try.
@@ -43,8 +44,8 @@ from jobs.runs.launch import (
 )
 from jobs.runs.placement import NO_CAPACITY, Placement, choose_placement
 from jobs.runs.reconcile import ADOPT_AFTER_S, reconcile
+from jobs.runs.recovery import next_attempt_now, record_lost_work, resubmit_if_due
 from jobs.runs.relaunch import watch_prices
-from jobs.runs.resubmit import record_lost_work, resubmit_if_due
 from jobs.runs.rows import (
     active_attempt,
     channel_of,
@@ -77,6 +78,7 @@ __all__ = [
     "launcher_refused",
     "measured_interval",
     "move_run",
+    "next_attempt_now",
     "on_attempt_event",
     "provision",
     "raise_signals",

@@ -25,7 +25,7 @@ from jobs.runs.cards import raise_signals, refresh_card, run_context, say
 from jobs.runs.fence import check_fence
 from jobs.runs.kept import keep_failed
 from jobs.runs.profile import project
-from jobs.runs.resubmit import record_lost_work, restart_on_error
+from jobs.runs.recovery import record_lost_work, restart_on_error
 from jobs.runs.rows import move_run
 from jobs.spec import AlertThresholds, ResubmitPolicy, stored_section
 from jobs.spend import remove_cloud_budgets

@@ -32,7 +32,7 @@ from jobs.runs.cards import flag_unreadable_spec, raise_signals, refresh_card, r
 from jobs.runs.end import end_attempt, terminate_instance
 from jobs.runs.kept import expire_kept, kept_attempt_ids
 from jobs.runs.launch import launch_attempt, provision
-from jobs.runs.resubmit import resubmit_if_due
+from jobs.runs.recovery import resubmit_if_due
 from jobs.runs.rows import active_attempt, latest_attempt, move_run, watched_spec
 from jobs.runs.watch import watch_running
 from jobs.spec import AlertThresholds, stored_section

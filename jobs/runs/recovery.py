@@ -1,9 +1,14 @@
-"""Resubmitting after a preemption: the work it lost, and the next attempt after the backoff.
+"""A run's recovery: the next attempt of the *same* run after a preemption, or after an
+exit code its spec lists (``resubmit.recover_on_exit_codes``), and the work it lost.
 
-:func:`jobs.runs.end.end_attempt` records the lost work and defers the resubmit by the
-backoff (a row in ``deferred_work``, which the leader runs if this replica dies first);
-reconcile's backstop calls :func:`resubmit_if_due` too. Whichever comes second finds the
-next attempt launched and does nothing.
+:func:`jobs.runs.end.end_attempt` records the lost work, moves the run to RECOVERING and
+defers :func:`resubmit_if_due` by the backoff (a row in ``deferred_work``, which the
+leader runs if this replica dies first); reconcile's backstop calls it too, and a
+person's ``/train resubmit`` of a recovering run calls it at once
+(:func:`next_attempt_now`). Whichever comes second finds the next attempt launched and
+does nothing. A resubmit that starts a *new* run (of a stopped, failed or capped one) is
+the use-case :mod:`jobs.usecases.resubmits`, which calls this module and is never called
+by it.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from jobs.process.deps import Deps
 from jobs.rules import Obs, Trigger, evaluate_all, rules_on
 from jobs.runs.cards import alert_config, raise_signals, run_context
 from jobs.runs.launch import launch_attempt, placement_record
-from jobs.runs.rows import active_attempt, spec_of
+from jobs.runs.rows import active_attempt, latest_attempt, spec_of
 from jobs.spec import ResubmitPolicy, stored_section
 
 
@@ -105,8 +110,11 @@ def resubmit_if_due(deps: Deps, previous_attempt_id: str) -> bool:
     """Launch the next attempt after a preemption (or a restart after a listed exit code),
     reporting the work lost.
 
-    Called by the backoff timer and by reconcile's backstop; whichever comes second
-    finds the attempt launched and does nothing. True when this call launched it.
+    Called by the backoff timer, by reconcile's backstop and by a person's resubmit of
+    the recovering run; whichever comes second finds the attempt launched and does
+    nothing. So does a late timer of an earlier attempt (its successor launched, and
+    ended, meanwhile): the next attempt follows the latest one, after its own backoff.
+    True when this call launched it.
     """
     with session_scope(deps.engine) as session:
         prev = session.get(Attempt, previous_attempt_id)
@@ -114,6 +122,9 @@ def resubmit_if_due(deps: Deps, previous_attempt_id: str) -> bool:
         if prev is None or run is None or run.state != RunState.RECOVERING:
             return False
         if active_attempt(session, run.id) is not None:
+            return False
+        latest = latest_attempt(session, run.id)
+        if latest is not None and latest.id != prev.id:
             return False
         run_id = run.id
     attempt = launch_attempt(deps, run_id)
@@ -152,3 +163,16 @@ def resubmit_if_due(deps: Deps, previous_attempt_id: str) -> bool:
         )
         raise_signals(deps, session, run, signals, now=now)
     return True
+
+
+def next_attempt_now(deps: Deps, run_id: str) -> bool:
+    """A recovering run's next attempt now instead of after its backoff (a person's
+    ``/train resubmit``), launched and reported as the timer would launch it: the
+    record, the lost work and the alert are the same, and the timer, when it fires,
+    finds it launched. True when this call launched it."""
+    with session_scope(deps.engine) as session:
+        prev = latest_attempt(session, run_id)
+        prev_id = prev.id if prev is not None else None
+    if prev_id is None:  # recovering before any attempt: nothing was lost
+        return launch_attempt(deps, run_id) is not None
+    return resubmit_if_due(deps, prev_id)

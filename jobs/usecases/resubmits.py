@@ -8,7 +8,11 @@ a copy of the one at or before a step (:func:`resubmit_from`), and may change it
 on the way (:func:`resubmit_changed`): the changes are validated as a launch's overrides
 are, the checks they need run again, and both threads record old → new and who changed
 it (an ``env`` key only as changed, added or removed: its value may be a credential).
-The next attempt after a preemption, within one run, is :mod:`jobs.runs.resubmit`.
+
+The next attempt of the *same* run (after a preemption, or an exit code the spec lists)
+is the run's recovery, :mod:`jobs.runs.recovery`: a recovering run's resubmit asks it
+for that attempt now, rather than launching one itself, so that it is recorded and
+reported as the one the backoff would have launched.
 """
 
 from __future__ import annotations
@@ -33,8 +37,8 @@ from jobs.runs import (
     card,
     checkpoint_prefix,
     get_run,
-    launch_attempt,
     move_run,
+    next_attempt_now,
     refresh_card,
     run_hours,
     say,
@@ -154,7 +158,7 @@ def resubmit(
         # A new run: its own cloud budget, as every way into LAUNCHING gets.
         deps.background(budget_then_launch, deps, run.id, budget=budget, thresholds=thresholds)
         return run
-    deps.background(launch_attempt, deps, run_id)
+    deps.background(next_attempt_now, deps, run_id)
     with session_scope(deps.engine) as session:
         run = get_run(session, run_id)
         detach(session, run)
