@@ -54,7 +54,6 @@ class OnNotice:
         def _write_measured(self) -> tuple[float | None, float]: ...
         def _flush_fits(self, nbytes: int, left: float | None) -> bool: ...
         def _save(self, *, copy: bool = True) -> None: ...
-        def _save_now(self, timeout: float | None = None) -> bool: ...
 
     def _train_on(self) -> bool:
         """Whether the loop may take another step after a preemption notice.
@@ -173,11 +172,9 @@ class OnNotice:
             left = self._time_left() or 0.0
             fits = window.second_fits(left=left, stall_s=stall, estimate_s=estimate)
             if self.committed_step != self.step and fits:
-                window.started(self.step, now=time.monotonic())
-                self._save_now(timeout=self._time_left())
+                self._flush_last(window)
         elif self._should_flush(stopped):
-            window.started(self.step, now=time.monotonic())
-            self._save_now(timeout=self._time_left())
+            self._flush_last(window)
         if self.stop_reason == "stopped":
             self.exit_code = EXIT_SUCCEEDED if self.committed_step == self.step else EXIT_FAILED
         else:
@@ -187,6 +184,16 @@ class OnNotice:
                 step=self.step, committed_step=self.committed_step, now=time.monotonic()
             )
             log.info("preempted: %s", self._flush_report["summary"])
+
+    def _flush_last(self, window: NoticeWindow) -> None:
+        """Write the step the loop ended at and wait for it in the window. The wait is
+        timed from when the save is handed to the writer, not from before its snapshot:
+        on a loaded machine that snapshot alone can take a good part of the time the
+        exit report needs (issue 29)."""
+        window.started(self.step, now=time.monotonic())
+        # The loop has ended: the state is written from where it is, without a copy.
+        self._save(copy=False)
+        self._wait_in_window()
 
     def _wait_in_window(self) -> None:
         """Wait for the save in flight, but not into the time the exit report needs."""
