@@ -34,6 +34,7 @@ not bound, and this listener does:
 from __future__ import annotations
 
 import array
+import bisect
 import errno
 import heapq
 import json
@@ -266,32 +267,16 @@ class _Listener(TcpWSGIServer):
 
     def _evict(self) -> bool:
         """Make room: close the connections whose unfinished requests arrive slowest
-        (bytes a second since each began, read or waiting unread in the kernel,
-        :data:`_PACE_PRIOR_BYTES` included), then the
-        ones not read from yet, then the longest idle ones; a twentieth of the
-        limit at once, so that a flood costs one scan per twenty connections, not one
-        each. False when every connection is answering or sending a response."""
-        now = time.time()
-
-        def pace(channel: _Channel) -> tuple[int, float, float]:
-            since = channel.request_since
-            if since is None:
-                return (2, channel.last_activity, 0.0)  # idle between requests
-            if not channel.heard and now - channel.creation_time < _UNHEARD_GRACE_S:
-                # Accepted a moment ago, in this turn of the loop perhaps: not read yet.
-                return (1, channel.creation_time, 0.0)
-            # What the kernel holds counts as received: the loop reads each connection a
-            # recv at a time, and a flood can leave an upload's latest pieces unread.
-            sent = channel.request_bytes + _unread_bytes(channel.socket) + _PACE_PRIOR_BYTES
-            return (0, sent / max(now - since, 0.001), since)
-
+        (:func:`_pace`), then the ones not read from yet, then the longest idle ones; a
+        twentieth of the limit at once, so that a flood costs one scan per twenty
+        connections, not one each. False when every connection is answering or sending
+        a response."""
         candidates = [
             channel
             for channel in self.active_channels.values()
             if not (channel.requests or channel.total_outbufs_len or channel.close_when_flushed)
         ]
-        room = max(1, self.limits.connection_limit // 20)
-        victims = heapq.nsmallest(room, candidates, key=pace)
+        victims = _slowest(candidates, max(1, self.limits.connection_limit // 20), time.time())
         for victim in victims:
             victim.handle_close()
         return bool(victims)
@@ -310,6 +295,41 @@ class _Listener(TcpWSGIServer):
             client,
             why,
         )
+
+
+def _pace(channel: _Channel, now: float, unread: int) -> tuple[int, float, float]:
+    """How fast ``channel``'s unfinished request arrives, slowest first: bytes a second
+    since it began, :data:`_PACE_PRIOR_BYTES` and ``unread`` (the bytes the kernel holds
+    for it) included; then the connections not read from yet, then the idle ones."""
+    since = channel.request_since
+    if since is None:
+        return (2, channel.last_activity, 0.0)  # idle between requests
+    if not channel.heard and now - channel.creation_time < _UNHEARD_GRACE_S:
+        # Accepted a moment ago, in this turn of the loop perhaps: not read yet.
+        return (1, channel.creation_time, 0.0)
+    sent = channel.request_bytes + unread + _PACE_PRIOR_BYTES
+    return (0, sent / max(now - since, 0.001), since)
+
+
+def _slowest(channels: list[_Channel], room: int, now: float) -> list[_Channel]:
+    """The ``room`` channels that :func:`_pace` puts first.
+
+    The loop reads a connection a ``recv`` at a time, and one busy with a flood can
+    leave a steady upload's latest pieces unread: what the kernel holds counts as
+    received. Asking costs a system call, which hands the interpreter to other threads
+    (a slow scan when the application's threads are busy), so it is asked only of the
+    channels that the bytes read alone put first, until no channel left, whatever it
+    holds, can be slower than those found: the bytes held only raise a pace."""
+    by_read = [(_pace(channel, now, 0), n, channel) for n, channel in enumerate(channels)]
+    heapq.heapify(by_read)
+    found: list[tuple[tuple[int, float, float], int, _Channel]] = []
+    while by_read and (len(found) < room or by_read[0][0] < found[-1][0]):
+        key, n, channel = heapq.heappop(by_read)
+        if key[0] == 0:
+            key = _pace(channel, now, _unread_bytes(channel.socket))
+        bisect.insort(found, (key, n, channel))
+        del found[room:]
+    return [channel for _, _, channel in found]
 
 
 def _unread_bytes(sock: Any) -> int:
