@@ -169,10 +169,21 @@ def next_attempt_now(deps: Deps, run_id: str) -> bool:
     """A recovering run's next attempt now instead of after its backoff (a person's
     ``/train resubmit``), launched and reported as the timer would launch it: the
     record, the lost work and the alert are the same, and the timer, when it fires,
-    finds it launched. True when this call launched it."""
+    finds it launched. A run that recovers from a launch the cloud refused (no capacity)
+    lost no work: its next try is a plain launch, as the retry's. True when this call
+    launched it."""
     with session_scope(deps.engine) as session:
         prev = latest_attempt(session, run_id)
-        prev_id = prev.id if prev is not None else None
-    if prev_id is None:  # recovering before any attempt: nothing was lost
+        prev_id = prev.id if prev is not None and recovers_from(prev) else None
+    if prev_id is None:
         return launch_attempt(deps, run_id) is not None
     return resubmit_if_due(deps, prev_id)
+
+
+def recovers_from(attempt: Attempt) -> bool:
+    """Whether the run's next attempt is a resubmit after ``attempt``: it was preempted
+    or lost, or exited with a code (a listed one: the run would have failed otherwise);
+    not a launch the cloud refused, which ran nothing."""
+    if attempt.state in (AttemptState.PREEMPTED, AttemptState.LOST):
+        return True
+    return attempt.state == AttemptState.FAILED and attempt.exit_code is not None

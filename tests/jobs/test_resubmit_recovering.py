@@ -4,7 +4,8 @@ A person's ``/train resubmit`` of a run that waits out its backoff after a preem
 launches the next attempt now, recorded and reported as the backoff's timer would have
 launched it (the ``resubmitted`` record with the work lost); the timer, when it fires,
 finds it launched. A late timer of an earlier attempt launches nothing: the next attempt
-follows the latest one.
+follows the latest one. A run recovering from a launch the cloud refused lost nothing:
+its resubmit is a plain launch.
 """
 
 from __future__ import annotations
@@ -117,3 +118,20 @@ def test_a_late_timer_of_an_earlier_attempt_launches_nothing(deps: Deps) -> None
 
     assert resubmit_if_due(deps, second_id) is True  # attempt 2's own timer
     assert attempt_numbers(deps, run_id) == [1, 2, 3]
+
+
+def test_a_resubmit_after_a_refused_launch_is_a_plain_launch(deps: Deps) -> None:
+    """Attempt 1 never ran (no capacity: FAILED, no exit code): no work was lost, so
+    the next attempt is not reported as a resubmit."""
+    run_id, (first_id,) = recovering_run(deps, preempted=1)
+    with session_scope(deps.engine) as session:
+        first = session.get(Attempt, first_id)
+        assert first is not None
+        first.state, first.lost_steps, first.lost_seconds = AttemptState.FAILED, 0, 0.0
+        session.add(first)
+
+    resubmit(deps, run_id, ADA)
+
+    assert attempt_numbers(deps, run_id) == [1, 2]
+    assert records(deps, "resubmitted", run_id) == []
+    assert records(deps, "placed", run_id)[-1]["attempt"] == 2
