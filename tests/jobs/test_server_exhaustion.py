@@ -9,8 +9,10 @@ one address's cap does not hide what the others do.
 
 from __future__ import annotations
 
+import heapq
 import json
 import os
+import random
 import resource
 import selectors
 import socket
@@ -28,7 +30,7 @@ import pytest
 from jobs.database.db import make_engine, migrate
 from jobs.domain.errors import SettingsError
 from jobs.process.settings import load_settings
-from jobs.web.http_listener import Limits, Listening, listen
+from jobs.web.http_listener import Limits, Listening, _pace, _slowest, _unread_bytes, listen
 from jobs.web.server import CONNECTION_LIMIT, MAX_CONNECTIONS_PER_CLIENT, serve
 from tests.jobs.test_server import TOKEN, Plane, add_attempt, get, post, wire_body
 
@@ -376,6 +378,60 @@ def test_at_the_limit_an_upload_the_loop_has_not_read_yet_is_not_the_slowest() -
         assert answer.split(b"\r\n", 1)[0] == b"HTTP/1.1 200 OK", outcomes
         assert b'{"received": %d}' % _HELD_BODY in answer, outcomes
         assert closed >= 1, outcomes  # a trickler made room
+
+
+def test_the_eviction_asks_the_kernel_of_few_and_picks_as_if_it_asked_all() -> None:
+    """The eviction's scan asks the kernel's unread bytes only of the channels that the
+    bytes read put among the slowest (an ioctl each), and picks what a scan asking every
+    channel picks: 120 connections of several ages, some of whose bytes wait unread."""
+    limits = Limits(
+        threads=1,
+        connection_limit=200,
+        channel_timeout_s=30.0,
+        request_deadline_s=30.0,
+        max_connections_per_client=0,
+        max_request_body_size=1 << 20,
+    )
+    listening = listen(_count_body, "127.0.0.1", 0, name="scan", limits=limits)
+    listener = listening._listeners[0]
+    rng = random.Random(23)
+    conns: list[socket.socket] = []
+    picks: list[tuple[list[int], list[int]]] = []
+    stalled, sent, compared = threading.Event(), threading.Event(), threading.Event()
+
+    def compare() -> None:
+        stalled.set()
+        sent.wait(10)
+        channels = list(listener.active_channels.values())
+        now = time.time()
+        for room in (1, 10, 50):
+            full = heapq.nsmallest(
+                room, channels, key=lambda c: _pace(c, now, _unread_bytes(c.socket))
+            )
+            picks.append(([id(c) for c in _slowest(channels, room, now)], [id(c) for c in full]))
+        compared.set()
+
+    try:
+        for n in range(120):
+            conn = socket.create_connection(("127.0.0.1", listening.port), timeout=10)
+            conn.sendall(b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: 99999\r\n")
+            conns.append(conn)
+            if n % 20 == 19:
+                time.sleep(0.1)  # six ages
+        _loop_turned(listening)
+        listening._in_loop(compare)
+        assert stalled.wait(10)
+        for conn in rng.sample(conns, 40):  # unread: the loop stands still
+            conn.sendall(b"\r\n" + b"u" * rng.choice([10, 300, 3000, 30_000]))
+        sent.set()
+        assert compared.wait(10)
+    finally:
+        for conn in conns:
+            conn.close()
+        listening.shutdown(1.0)
+    assert len(picks) == 3
+    for lazy, full in picks:
+        assert lazy == full, picks
 
 
 def test_one_address_holds_at_most_its_cap(served: Plane) -> None:
