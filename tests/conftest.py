@@ -50,7 +50,14 @@ def no_credentials(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """A retry is for a test that says why it needs one: ``flaky`` (pytest-rerunfailures)
-    without a ``reason`` is a collection error, so no test is retried blindly."""
+    without a ``reason`` is a collection error, so no test is retried blindly.
+
+    The modules that hold a ``slow`` test run first (each module whole and in its order,
+    so a module-scoped fixture is still set up once): under ``-n 2 --dist worksteal`` the
+    suite then ends on short tests, instead of one worker idling while the other finishes
+    a minute-long one it picked up last."""
+    with_slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in with_slow)  # stable: order kept within
     unexplained = [
         item.nodeid
         for item in items
