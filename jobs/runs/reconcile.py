@@ -32,7 +32,7 @@ from jobs.runs.cards import flag_unreadable_spec, raise_signals, refresh_card, r
 from jobs.runs.end import end_attempt, terminate_instance
 from jobs.runs.kept import expire_kept, kept_attempt_ids
 from jobs.runs.launch import launch_attempt, provision
-from jobs.runs.recovery import resubmit_if_due
+from jobs.runs.recovery import recovers_from, resubmit_if_due
 from jobs.runs.rows import active_attempt, latest_attempt, move_run, watched_spec
 from jobs.runs.watch import watch_running
 from jobs.spec import AlertThresholds, stored_section
@@ -235,9 +235,10 @@ def _lost_heartbeat(deps: Deps, attempt_id: str, *, now: datetime, since: dateti
 def _launch_due(deps: Deps, *, now: datetime) -> int:
     """Runs waiting for an attempt whose backoff is over (the backstop for lost timers)."""
     due: list[str] = []
-    #: Runs whose last attempt was preempted or lost: relaunched as a resubmit, so the
-    #: record, the lost work and the alert are the same whichever of the timer and this
-    #: backstop gets there first.
+    #: Runs whose last attempt was preempted, lost or restarts after its exit code
+    #: (:func:`recovers_from`): relaunched as a resubmit, so the record, the lost work
+    #: and the alert are the same whichever of the timer and this backstop gets there
+    #: first.
     resubmits: dict[str, str] = {}
     with session_scope(deps.engine) as session:
         runs = session.exec(
@@ -254,11 +255,7 @@ def _launch_due(deps: Deps, *, now: datetime) -> int:
             backoff = timedelta(seconds=spec.resubmit.backoff_s)
             if prev is None or prev.ended_at is None or now - prev.ended_at >= backoff:
                 due.append(run.id)
-                if (
-                    prev is not None
-                    and run.state == RunState.RECOVERING
-                    and prev.state in (AttemptState.PREEMPTED, AttemptState.LOST)
-                ):
+                if prev is not None and run.state == RunState.RECOVERING and recovers_from(prev):
                     resubmits[run.id] = prev.id
     launched = 0
     for run_id in due:

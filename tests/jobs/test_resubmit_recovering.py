@@ -5,12 +5,14 @@ launches the next attempt now, recorded and reported as the backoff's timer woul
 launched it (the ``resubmitted`` record with the work lost); the timer, when it fires,
 finds it launched. A late timer of an earlier attempt launches nothing: the next attempt
 follows the latest one. A run recovering from a launch the cloud refused lost nothing:
-its resubmit is a plain launch.
+its resubmit is a plain launch. Reconcile's backstop, for a timer that never fired,
+launches the same next attempt as the timer, a restart after a listed exit code included.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +26,10 @@ from jobs.domain.actor import Actor
 from jobs.domain.lifecycle import AttemptState, RunState
 from jobs.process.deps import Deps
 from jobs.process.settings import Settings
-from jobs.runs import resubmit_if_due
+from jobs.runs import reconcile, resubmit_if_due
 from jobs.spec import JobSpec
 from jobs.usecases.service import resubmit
-from tests.jobs.local_plane import local_deps
+from tests.jobs.local_plane import Clock, local_deps
 
 ADA = Actor(user="ada", channel="C-ml")
 
@@ -135,3 +137,25 @@ def test_a_resubmit_after_a_refused_launch_is_a_plain_launch(deps: Deps) -> None
     assert attempt_numbers(deps, run_id) == [1, 2]
     assert records(deps, "resubmitted", run_id) == []
     assert records(deps, "placed", run_id)[-1]["attempt"] == 2
+
+
+def test_reconciles_backstop_restarts_after_an_exit_code_as_the_timer_would(
+    deps: Deps,
+) -> None:
+    """Attempt 1 exited 134 (listed: the run restarts) and its timer never fired (the
+    replica died): once the backoff is over, reconcile launches attempt 2 and reports it
+    as the timer would have, with the work lost."""
+    run_id, (first_id,) = recovering_run(deps, preempted=1)
+    with session_scope(deps.engine) as session:
+        first = session.get(Attempt, first_id)
+        assert first is not None
+        first.state, first.exit_code = AttemptState.FAILED, 134
+        session.add(first)
+
+    assert reconcile(deps)["launched"] == 0  # the backoff (an hour) is not over
+    deps.clock = Clock(deps.clock() + timedelta(hours=2))
+    assert reconcile(deps)["launched"] == 1
+
+    assert attempt_numbers(deps, run_id) == [1, 2]
+    (record,) = records(deps, "resubmitted", run_id)
+    assert record["lost_steps"] == 7
