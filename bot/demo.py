@@ -113,7 +113,11 @@ def _settings(state_dir: Path) -> Any:
         {
             "TRAINBOT_STATE_DIR": str(state_dir),
             "TRAINBOT_INGEST_PORT": "0",
-            "TRAINBOT_LOCAL_PRICE_PER_HOUR_USD": "6",
+            # The slow-input run's $0.10 budget reaches its hard cap after 40 s of this
+            # price: the demo's longest wait, since that run's cap ends its story. Long
+            # enough for its low-utilisation and disk alerts to come first (about 10 s
+            # after its training starts), short enough not to keep a person waiting.
+            "TRAINBOT_LOCAL_PRICE_PER_HOUR_USD": "9",
             "TRAINBOT_LOCAL_TERMINATION_WINDOW_S": "30",
             "TRAINBOT_ASSUMED_MTBP_S": "120",
             "TRAINBOT_ESCALATION_DELAY_S": "600",
