@@ -21,10 +21,12 @@ from runner.errors import WireError
 from runner.wire.checks import ENVELOPE, Invalid, describe, event_fields, expected
 from runner.wire.schema import (
     EVENT_STRUCTS,
+    FIELDS,
     WIRE_VERSION,
     AnyEvent,
     Body,
     Event,
+    Info,
     json_safe,
     restore_declared,
 )
@@ -245,6 +247,45 @@ def _head(obj: Any) -> tuple[str, str, list[Any], int]:
     return obj["attempt"], obj["run"], obj["events"], obj.get("node", 0)
 
 
+def _holds_float(info: Info) -> bool:
+    if isinstance(info, msgspec.inspect.Metadata):
+        return _holds_float(info.type)
+    if isinstance(info, msgspec.inspect.UnionType):
+        return any(map(_holds_float, info.types))
+    return isinstance(info, msgspec.inspect.FloatType)
+
+
+#: Per type, its fields that take a float, and whether in an object's values (metrics).
+_FLOAT_FIELDS = {
+    kind: tuple(
+        (f.name, isinstance(f.info, msgspec.inspect.DictType))
+        for f in fields
+        if _holds_float(f.info)
+        or (isinstance(f.info, msgspec.inspect.DictType) and _holds_float(f.info.value_type))
+    )
+    for kind, fields in FIELDS.items()
+}
+
+
+def _as_stored(kind: str, sent: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
+    """The payload as sent ("NaN" strings, extra fields kept), with what checking it
+    changed: the defaults of fields added later, and an integer in a float field as the
+    float it became. 2**63 - 1 sent as a loss is stored as 2.0**63, which the text must
+    decode to, as the fast path's text (encoded from the values) does."""
+    stored = sent
+    if len(data) > len(sent):
+        stored = {**sent, **{k: json_safe(v) for k, v in data.items() if k not in sent}}
+    for name, in_map in _FLOAT_FIELDS[kind]:
+        value = sent.get(name)
+        if type(value) is int or (
+            in_map and type(value) is dict and int in map(type, value.values())
+        ):
+            if stored is sent:
+                stored = dict(sent)
+            stored[name] = json_safe(data[name])
+    return stored
+
+
 def _decode_general(body: bytes, max_events: int) -> Batch:
     """Any batch: parsed into plain values, then each event checked against the schema,
     field by field where it does not convert at once; extra payload fields pass through,
@@ -277,10 +318,7 @@ def _decode_general(body: bytes, max_events: int) -> Batch:
         types.append(kind)
         times.append(time)
         datas.append(data)
-        sent = item["data"]  # as sent: "NaN" strings and 1 for 1.0 kept
-        if len(data) > len(sent):  # with the defaults of fields added later, as stored
-            sent = {**sent, **{k: json_safe(v) for k, v in data.items() if k not in sent}}
-        texts.append(_text(sent))
+        texts.append(_text(_as_stored(kind, item["data"], data)))
     return Batch(attempt, run, seqs, types, times, datas, texts, node)
 
 
