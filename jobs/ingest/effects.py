@@ -298,6 +298,11 @@ class Effects:
                 {"attempt_id": changes.attempt["attempt_id"], "p_now": now},
             )
             applied.profile_due = marked.rowcount == 1
+        self.tell(outcome, applied)
+
+    @staticmethod
+    def tell(outcome: Outcome, applied: Applied) -> None:
+        """Tell ``applied`` what the rules need of the run."""
         applied.last_step = outcome.last_step
         applied.last_committed_step = outcome.last_committed_step
         applied.budget_usd = outcome.budget_usd

@@ -12,15 +12,15 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, Engine, Select, and_, bindparam, func, select, text
+from sqlalchemy import Connection, Engine, Row, and_, bindparam, select, text
 from sqlalchemy.exc import SQLAlchemyError
 
 from jobs.database.models import Attempt, EventRow, MetricBlock, Run, table_of, utcnow
 from jobs.ingest.auth import REVOKED, Principal, Tokens, bearer
-from jobs.ingest.effects import Applied, Effects
-from jobs.ingest.postgres import write_batch
+from jobs.ingest.effects import Applied, Changes, Effects
+from jobs.ingest.postgres import AttemptCache, AttemptView, BatchTransaction
 from jobs.ingest.windows import WINDOW_EVENTS, Point, Windows, script_signals
-from jobs.ingest.writers import Kinds, SqliteWriter, event_writes
+from jobs.ingest.writers import EventWrites, Kinds, SqliteWriter, event_writes
 from jobs.process.logs import log_context
 from jobs.rules import Rule, Signal
 from runner.errors import WireError
@@ -112,6 +112,8 @@ class IngestService:
         self._windows = Windows(engine, rules_for=rules_for)
         self._effects = Effects(engine)
         self._sqlite_writer = SqliteWriter()
+        #: PostgreSQL: the attempts' rows as the last batches left them.
+        self._attempts = AttemptCache()
         #: Whether the server compresses TOAST with lz4 (PostgreSQL 14 and newer, built
         #: with it); asked at the first batch.
         self._lz4: bool | None = None
@@ -212,7 +214,7 @@ class IngestService:
         """Build the statements once; SQLAlchemy's cache then compiles each once."""
         attempts = _ATTEMPTS.c
         events = _EVENTS.c
-        read_attempt = select(
+        columns = [
             attempts.token_hash,
             attempts.number,
             attempts.state,
@@ -223,20 +225,8 @@ class IngestService:
             attempts.profile_until_step,
             attempts.profile_until_s,
             attempts.profiled_at,
-        ).where(attempts.id == bindparam("attempt_id"))
-        self._read_attempt = read_attempt
-        #: PostgreSQL: (lz4, telemetry only) -> the read, which also sets the
-        #: transaction's settings (no round trip of their own; see _store).
-        self._pg_reads: dict[tuple[bool, bool], Select[Any]] = {}
-        for lz4 in (False, True):
-            for telemetry in (False, True):
-                read = read_attempt.with_for_update()
-                if lz4:
-                    lz4_toast = func.set_config("default_toast_compression", "lz4", True)
-                    read = read.add_columns(lz4_toast)
-                if telemetry:
-                    read = read.add_columns(func.set_config("synchronous_commit", "off", True))
-                self._pg_reads[(lz4, telemetry)] = read
+        ]
+        self._read_attempt = select(*columns).where(attempts.id == bindparam("attempt_id"))
         self._existing_seqs = select(events.seq).where(
             and_(
                 events.attempt_id == bindparam("attempt_id"),
@@ -262,74 +252,153 @@ class IngestService:
         Each event's ``data`` column gets the JSON text the wire decoded it from
         (:attr:`runner.wire.Batch.texts`), not an encoding of the normalised dict.
         """
-        attempt_id = principal.attempt_id
+        if self._postgres:
+            return self._store_postgres(principal, batch, kinds, now=now)
         with self._engine.begin() as connection:
-            read = self._read_attempt
-            if self._postgres:
-                if self._lz4 is None:
-                    self._lz4 = bool(connection.execute(_HAS_LZ4).scalar())
-                read = self._pg_reads[(self._lz4, kinds.telemetry_only)]
-            attempt = connection.execute(read, {"attempt_id": attempt_id}).first()
+            params = {"attempt_id": principal.attempt_id}
+            attempt = connection.execute(self._read_attempt, params).first()
             if attempt is None or attempt.token_hash != principal.token_hash:
                 return None
-            # A node after the first numbers its events from node × NODE_SEQ_SPAN, above
-            # the attempt's high-water mark (node 0's): its batches are always checked.
-            last_seq = _I64_MAX if batch.node else attempt.last_seq
-            new = self._new_events(connection, last_seq, attempt_id, batch)
-            applied = Applied(
-                accepted=len(new),
-                duplicates=len(batch) - len(new),
-                run_id=principal.run_id,
-                attempt_number=attempt.number,
-            )
-            if not new:
+            applied, writes = self._prepare(connection, principal, batch, kinds, attempt, now=now)
+            if writes is None:
                 return applied
-            # The hot path: whole columns, no object per event (see writers.event_writes).
-            types, times = new.types, new.times
-            if new is not batch:  # some were stored already
-                kinds = Kinds.of(types)
-            data = new.data
-            # Only node 0 reports the run's progress (see runner.supervisor).
-            metrics = [] if batch.node else [data[i] for i in kinds.metrics]
-            steps = [d["step"] for d in metrics]
-            step_times = [s for s in (d["step_time_s"] for d in metrics) if s == s]  # not NaN
-            applied.observations["metrics"] = list(
-                zip([times[i] for i in kinds.metrics], metrics, strict=True)
-            )
-            system: list[Point] = []
-            for index in kinds.others:  # a few per batch
-                if types[index] == "system":
-                    system.append((times[index], data[index]))
-                elif batch.node:
-                    self._from_other_node(new.event(index), applied)
-                else:
-                    self._rare(new.event(index), attempt.number, steps, applied)
-            applied.observations["system"] = system
-            applied.max_time = max(times)
-            events = event_writes(
-                attempt_id=attempt_id,
-                run_id=principal.run_id,
-                new=new,
-                kinds=kinds,
-                now=now,
-                suffix="+00:00" if self._postgres else "",
-            )
-            changes = self._effects.changes(
-                attempt,
-                new,
-                steps=steps,
-                step_times=step_times,
-                applied=applied,
-                now=now,
-                node=batch.node,
-            )
-            if self._postgres:
-                outcome = write_batch(connection, events, changes, run_id=principal.run_id)
-            else:
-                self._sqlite_writer.insert(connection, events)
-                outcome = self._effects.apply(connection, changes, run_id=principal.run_id)
+            events, changes = writes
+            self._sqlite_writer.insert(connection, events)
+            outcome = self._effects.apply(connection, changes, run_id=principal.run_id)
             self._effects.finish(connection, changes, outcome, applied=applied, now=now)
         return applied
+
+    def _store_postgres(
+        self, principal: Principal, batch: Batch, kinds: Kinds, *, now: datetime
+    ) -> Applied | None:
+        """:meth:`_store` on PostgreSQL: one round trip when the attempt's row is as the
+        last batch left it, two otherwise (see :mod:`jobs.ingest.postgres`)."""
+        attempt_id = principal.attempt_id
+        with self._engine.connect() as connection:
+            if self._lz4 is None:
+                self._lz4 = bool(connection.execute(_HAS_LZ4).scalar())
+                connection.rollback()
+            known = self._attempts.get(attempt_id)
+            if (
+                known is not None
+                and known.token_hash == principal.token_hash
+                and not batch.node
+                and (known.last_seq is None or min(batch.seqs) > known.last_seq)
+            ):  # every event is new: nothing to look up first
+                with BatchTransaction(connection, lz4=self._lz4) as transaction:
+                    done = self._write_postgres(
+                        transaction, connection, principal, batch, kinds, known, now=now
+                    )
+                if done is not None:
+                    return done
+            with BatchTransaction(connection, lz4=self._lz4) as transaction:
+                attempt = transaction.read(attempt_id)
+                if attempt is None or attempt.token_hash != principal.token_hash:
+                    self._attempts.put(attempt_id, None)
+                    return None
+                done = self._write_postgres(
+                    transaction, connection, principal, batch, kinds, attempt, now=now
+                )
+            if done is None:  # the row is locked since it was read: cannot happen
+                raise RuntimeError(f"attempt {attempt_id} changed under its lock")
+            return done
+
+    def _write_postgres(
+        self,
+        transaction: BatchTransaction,
+        connection: Connection,
+        principal: Principal,
+        batch: Batch,
+        kinds: Kinds,
+        attempt: AttemptView,
+        *,
+        now: datetime,
+    ) -> Applied | None:
+        """Work the batch out from ``attempt`` and write it; None when the attempt's row
+        was no longer ``attempt`` (nothing was written)."""
+        applied, writes = self._prepare(connection, principal, batch, kinds, attempt, now=now)
+        if writes is None:
+            return applied  # every event was stored already: rolled back, nothing to do
+        events, changes = writes
+        written = transaction.commit_batch(
+            events,
+            changes,
+            attempt=attempt,
+            run_id=principal.run_id,
+            profiled=changes.profile_ended,
+        )
+        self._attempts.put(principal.attempt_id, written.attempt)
+        if not written.written:
+            return None
+        applied.profile_due = changes.profile_ended
+        self._effects.tell(written.outcome, applied)
+        return applied
+
+    def _prepare(
+        self,
+        connection: Connection,
+        principal: Principal,
+        batch: Batch,
+        kinds: Kinds,
+        attempt: Row[Any] | AttemptView,
+        *,
+        now: datetime,
+    ) -> tuple[Applied, tuple[EventWrites, Changes] | None]:
+        """What the batch's new events are and change, from the attempt as read (and
+        locked); the writes are None when every event was stored already."""
+        attempt_id = principal.attempt_id
+        # A node after the first numbers its events from node × NODE_SEQ_SPAN, above
+        # the attempt's high-water mark (node 0's): its batches are always checked.
+        last_seq = _I64_MAX if batch.node else attempt.last_seq
+        new = self._new_events(connection, last_seq, attempt_id, batch)
+        applied = Applied(
+            accepted=len(new),
+            duplicates=len(batch) - len(new),
+            run_id=principal.run_id,
+            attempt_number=attempt.number,
+        )
+        if not new:
+            return applied, None
+        # The hot path: whole columns, no object per event (see writers.event_writes).
+        types, times = new.types, new.times
+        if new is not batch:  # some were stored already
+            kinds = Kinds.of(types)
+        data = new.data
+        # Only node 0 reports the run's progress (see runner.supervisor).
+        metrics = [] if batch.node else [data[i] for i in kinds.metrics]
+        steps = [d["step"] for d in metrics]
+        step_times = [s for s in (d["step_time_s"] for d in metrics) if s == s]  # not NaN
+        applied.observations["metrics"] = list(
+            zip([times[i] for i in kinds.metrics], metrics, strict=True)
+        )
+        system: list[Point] = []
+        for index in kinds.others:  # a few per batch
+            if types[index] == "system":
+                system.append((times[index], data[index]))
+            elif batch.node:
+                self._from_other_node(new.event(index), applied)
+            else:
+                self._rare(new.event(index), attempt.number, steps, applied)
+        applied.observations["system"] = system
+        applied.max_time = max(times)
+        events = event_writes(
+            attempt_id=attempt_id,
+            run_id=principal.run_id,
+            new=new,
+            kinds=kinds,
+            now=now,
+            suffix="+00:00" if self._postgres else "",
+        )
+        changes = self._effects.changes(
+            attempt,
+            new,
+            steps=steps,
+            step_times=step_times,
+            applied=applied,
+            now=now,
+            node=batch.node,
+        )
+        return applied, (events, changes)
 
     @staticmethod
     def _from_other_node(event: Event, applied: Applied) -> None:

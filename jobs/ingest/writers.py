@@ -95,11 +95,6 @@ def time_texts(times: Sequence[float], *, suffix: str = "") -> list[str]:
     return texts
 
 
-#: The event types that are measurements only: a batch of nothing else may be committed
-#: without waiting for the disk on PostgreSQL (see docs/architecture.md, "Ingest").
-TELEMETRY = frozenset({"metrics", "system", "heartbeat"})
-
-
 @dataclass
 class Kinds:
     """Where each kind of event is in a batch's columns."""
@@ -108,16 +103,13 @@ class Kinds:
     metrics: list[int]
     #: Positions of every other event.
     others: list[int]
-    #: Whether every event is telemetry (:data:`TELEMETRY`): no lifecycle event, no log.
-    telemetry_only: bool
 
     @classmethod
     def of(cls, types: Sequence[str]) -> Kinds:
         metrics = [i for i, kind in enumerate(types) if kind == "metrics"]
         if len(metrics) == len(types):
-            return cls(metrics, [], True)
-        others = [i for i, kind in enumerate(types) if kind != "metrics"]
-        return cls(metrics, others, all(types[i] in TELEMETRY for i in others))
+            return cls(metrics, [])
+        return cls(metrics, [i for i, kind in enumerate(types) if kind != "metrics"])
 
 
 def event_datetime(seconds: float) -> datetime:
