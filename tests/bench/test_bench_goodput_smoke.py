@@ -30,7 +30,7 @@ from tests.bench.running import last_line, run_bench
 
 # Seed 2 draws a first gap longer than the run: one attempt each, the quickest story.
 SMALLEST = [
-    *("--quick", "--progress-s", "240", "--contenders", "auto,short", "--seed", "2"),
+    *("--quick", "--progress-s", "120", "--contenders", "auto,short", "--seed", "2"),
     *("--regimes", "notice"),  # quick's notice-jitter regime is the same run, slowed
 ]
 
