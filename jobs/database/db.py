@@ -30,6 +30,7 @@ then review the generated file; ``tests/jobs/test_db.py`` checks it matches the 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
@@ -56,7 +57,13 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import ArgumentError, IntegrityError, NoSuchModuleError, OperationalError
+from sqlalchemy.exc import (
+    ArgumentError,
+    DisconnectionError,
+    IntegrityError,
+    NoSuchModuleError,
+    OperationalError,
+)
 from sqlalchemy.pool import StaticPool
 from sqlmodel import Field, Session, SQLModel
 
@@ -86,6 +93,8 @@ SQLITE_BUSY_TIMEOUT_S = 30.0
 SQLITE_WAL_CHECKPOINT_PAGES = 16384
 #: The WAL file is truncated back to this many bytes after a checkpoint.
 SQLITE_WAL_LIMIT_BYTES = SQLITE_WAL_CHECKPOINT_PAGES * 4096
+#: Seconds a pooled PostgreSQL connection may sit idle and be handed out unpinged.
+POSTGRES_PING_IDLE_S = 1.0
 
 # Arbitrary constant: the PostgreSQL advisory lock that makes concurrent replicas
 # migrate one after the other instead of racing on CREATE TABLE.
@@ -131,12 +140,41 @@ def make_engine(url: str, *, echo: bool = False) -> Engine:
     if parsed.get_backend_name() == "sqlite":
         return _sqlite_engine(parsed, echo=echo)
     try:
-        return create_engine(parsed, echo=echo, pool_pre_ping=True, hide_parameters=True)
+        engine = create_engine(parsed, echo=echo, hide_parameters=True)
     except (ModuleNotFoundError, NoSuchModuleError):
         raise SettingsError(
             "TRAINBOT_DATABASE_URL names PostgreSQL but its driver is missing: "
             "pip install 'trainbot[postgres]' (psycopg2-binary)"
         ) from None
+    _ping_when_idle(engine)
+    return engine
+
+
+def _ping_when_idle(engine: Engine) -> None:
+    """Ping a pooled connection before handing it out when it sat idle
+    ``POSTGRES_PING_IDLE_S`` or more: one that was dropped (a restarted server, a proxy's
+    idle timeout) is replaced, not given to a caller. SQLAlchemy's ``pool_pre_ping`` pings
+    at every checkout, a round trip of its own for every runner batch (the ingest API's
+    hot path is one round trip without it); a connection in use a moment ago is no more
+    likely dead than one pinged a moment ago."""
+
+    @event.listens_for(engine, "connect")
+    def _connected(_dbapi_connection: Any, record: Any) -> None:
+        record.info["idle_since"] = time.monotonic()
+
+    @event.listens_for(engine, "checkin")
+    def _checked_in(_dbapi_connection: Any, record: Any) -> None:
+        record.info["idle_since"] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _checked_out(dbapi_connection: Any, record: Any, _proxy: Any) -> None:
+        since = record.info.get("idle_since")
+        if since is not None and time.monotonic() - since < POSTGRES_PING_IDLE_S:
+            return
+        try:
+            engine.dialect.do_ping(dbapi_connection)
+        except engine.dialect.loaded_dbapi.Error as exc:
+            raise DisconnectionError(f"a pooled connection was dropped: {exc}") from exc
 
 
 def _sqlite_engine(parsed: URL, *, echo: bool) -> Engine:
