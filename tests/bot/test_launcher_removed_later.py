@@ -26,6 +26,7 @@ from tests.bot import test_launcher_authz
 from tests.bot.test_launcher_authz import ADA, BOB, EVE, EVERYONE, TRAIN, Deployment
 from tests.bot.test_security import press, waiting_run
 from tests.bot.test_slack_app import TOKEN, Slack, wait_until
+from tests.jobs.rows import all_detached, detached
 
 deployment = test_launcher_authz.deployment
 
@@ -48,19 +49,11 @@ def redeploy_keeping_instances(deployment: Deployment, launchers: str) -> Slack:
 
 
 def attempts_of(slack: Slack, run_id: str) -> list[Attempt]:
-    with session_scope(slack.cp.deps.engine) as session:
-        rows = list(session.exec(select(Attempt).where(Attempt.run_id == run_id)).all())
-        for row in rows:
-            session.expunge(row)
-        return rows
+    return all_detached(slack.cp.deps.engine, select(Attempt).where(Attempt.run_id == run_id))
 
 
 def run_row(slack: Slack, run_id: str) -> Run:
-    with session_scope(slack.cp.deps.engine) as session:
-        run = session.get(Run, run_id)
-        assert run is not None
-        session.expunge(run)
-        return run
+    return detached(slack.cp.deps.engine, Run, run_id)
 
 
 def said(slack: Slack) -> str:

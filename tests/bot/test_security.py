@@ -45,6 +45,7 @@ from tests.bot.test_slack_app import (
     wait_until,
 )
 from tests.fakes.slack_api import FakeSlack
+from tests.jobs.rows import detached
 from tests.paths import ROOT
 
 TRAIN, VISION, RANDOM = "C0TRAIN", "C0VISION", "C0RANDOM"
@@ -166,11 +167,7 @@ def open_alert(slack: Slack, run_id: str) -> str:
 
 
 def alert_row(slack: Slack, alert_id: str) -> Alert:
-    with session_scope(slack.cp.deps.engine) as session:
-        alert = session.get(Alert, alert_id)
-        assert alert is not None
-        session.expunge(alert)
-        return alert
+    return detached(slack.cp.deps.engine, Alert, alert_id)
 
 
 # ----------------------------------------------------------------------------- who

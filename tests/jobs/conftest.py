@@ -23,10 +23,12 @@ from sqlalchemy import Engine, text
 from sqlalchemy.engine import make_url
 
 from jobs.database.db import make_engine, migrate
+from jobs.process.deps import Deps
 from jobs.process.settings import Settings, load_settings
 from jobs.providers.aws import AwsProvider
 from tests.fakes import aws as fake_aws
 from tests.fakes.gce_api import FakeComputeApi
+from tests.jobs.local_plane import local_deps
 
 POSTGRES_URL_ENV = "TRAINBOT_TEST_POSTGRES_URL"
 
@@ -103,6 +105,14 @@ def database_url(empty_engine: Engine) -> str:
 def settings(tmp_path: Path) -> Settings:
     """The embedded defaults, with the state directory under the test's tmp_path."""
     return load_settings({"TRAINBOT_STATE_DIR": str(tmp_path / "state")})
+
+
+@pytest.fixture
+def deps(db_engine: Engine, settings: Settings, tmp_path: Path) -> Iterator[Deps]:
+    """The use-cases' dependencies on the local provider (``local_deps``); a module whose
+    tests need a clock of their own, or background work done at once, defines its own."""
+    with local_deps(settings, db_engine, tmp_path) as made:
+        yield made
 
 
 # -- AWS on moto's server ------------------------------------------------------------------

@@ -51,6 +51,7 @@ from runner.wire import Event, encode_batch
 from tests.fakes import aws as fake
 from tests.fakes.aws import stub
 from tests.fakes.loopback import LoopbackServer, QuietHandler, read_body, reply
+from tests.jobs.rows import all_detached, detached
 from tests.waiting import wait_until
 
 REGION = "us-east-1"
@@ -295,21 +296,12 @@ def control_plane(
 
 
 def run_row(cp: ControlPlane, run_id: str) -> Run:
-    with session_scope(cp.deps.engine) as session:
-        run = session.get(Run, run_id)
-        assert run is not None
-        session.expunge(run)
-        return run
+    return detached(cp.deps.engine, Run, run_id)
 
 
 def attempts_of(cp: ControlPlane, run_id: str) -> list[Attempt]:
-    with session_scope(cp.deps.engine) as session:
-        rows = session.exec(
-            select(Attempt).where(Attempt.run_id == run_id).order_by(col(Attempt.number))
-        ).all()
-        for row in rows:
-            session.expunge(row)
-        return list(rows)
+    query = select(Attempt).where(Attempt.run_id == run_id).order_by(col(Attempt.number))
+    return all_detached(cp.deps.engine, query)
 
 
 def attempt_launched(cp: ControlPlane, run_id: str, number: int) -> Attempt | None:

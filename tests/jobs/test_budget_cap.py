@@ -103,7 +103,7 @@ def make_deps(
         # budget) runs at once.
         if fn.__name__ == "budget_then_launch" and kwargs["budget"]:
             cloud_budget(args[0], args[1], kwargs["budget"], kwargs["thresholds"])
-        if fn.__name__ in ("launch_attempt", "budget_then_launch"):
+        if fn.__name__ in ("launch_attempt", "next_attempt_now", "budget_then_launch"):
             launched.append(args[1])
         else:
             fn(*args, **kwargs)

@@ -30,7 +30,6 @@ from typing import Any
 import boto3
 import pytest
 from botocore.stub import Stubber
-from google.auth.credentials import AnonymousCredentials
 from moto.sts.models import sts_backends
 from sqlalchemy import Engine
 from sqlmodel import Session
@@ -56,6 +55,7 @@ from tests.fakes.gce_api import FakeComputeApi
 from tests.fakes.gcs_emulator import create_bucket, gcs_emulator
 from tests.jobs import test_aws_control_plane as on_aws
 from tests.jobs.boot import aws_boot_env, gcp_boot_env, root_commands, stand_in
+from tests.jobs.on_gcp import gcp_on
 from tests.paths import ROOT
 
 __all__ = ["gcs_emulator"]  # the session's emulator, a fixture
@@ -401,14 +401,7 @@ def test_aws_kill_9_during_the_dry_run_then_restart_terminates_its_instance(
 
 
 def gcp_provider(gce: FakeComputeApi) -> GcpProvider:
-    return GcpProvider(
-        project=gce.project,
-        region="us-central1",
-        zones=list(GCP_ZONES),
-        api_endpoint=gce.url,
-        credentials=AnonymousCredentials(),
-        service_account="trainbot-runner@trainbot-test.iam.gserviceaccount.com",
-    )
+    return gcp_on(gce, zones=list(GCP_ZONES))
 
 
 def play_gcp(gce: FakeComputeApi, inst: dict[str, Any], tmp_path: Path) -> None:

@@ -56,6 +56,7 @@ from tests.jobs.providers.test_boot_scripts import (
     run_startup_script,
     run_user_data,
 )
+from tests.jobs.rows import add_run, running_attempt, tiny_run
 from tests.jobs.test_aws_control_plane import all_instances, make_aws
 from tests.waiting import wait_until
 
@@ -111,24 +112,19 @@ def add_failing_attempt(
     if budget_usd is not None:
         spec["budget"] = {"usd": budget_usd}
     with Session(engine) as session:
-        session.add(
-            Run(
-                id=run_id,
-                spec_name="tiny",
+        add_run(
+            session,
+            tiny_run(
+                run_id,
                 spec=spec,
                 requester="ada",
                 channel="#ml",
                 state=RunState.RUNNING,
                 budget_usd=budget_usd,
-            )
-        )
-        session.flush()
-        session.add(
-            Attempt(
-                id=attempt_id,
-                run_id=run_id,
-                number=1,
-                state=AttemptState.RUNNING,
+            ),
+            running_attempt(
+                attempt_id,
+                run_id,
                 provider=provider,
                 instance_id=instance_id,
                 zone=zone,
@@ -136,7 +132,7 @@ def add_failing_attempt(
                 started_at=STARTED_AT,
                 created_at=STARTED_AT,
                 last_heartbeat=FAILED_AT,
-            )
+            ),
         )
         session.commit()
 
@@ -457,8 +453,9 @@ def test_a_kept_ec2_instance_is_terminated_when_its_time_is_up_and_billed_in_the
 
 # -- the instance's own side: the boot scripts --------------------------------------------------
 
-#: The fake Compute API and a provider on it, as the boot scripts' tests have them.
-gce, gcp = boot_scripts.gce, boot_scripts.gcp
+#: A provider on the fake Compute API (tests/jobs/conftest.py's ``gce``), as the boot
+#: scripts' tests have it.
+gcp = boot_scripts.gcp
 
 
 @pytest.mark.parametrize(("code", "keeps"), [(3, True), (75, False), (0, False)])

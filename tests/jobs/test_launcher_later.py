@@ -27,6 +27,7 @@ from jobs.runs.launch import LAUNCHER_REMOVED
 from jobs.runs.start import preflight_then_launch
 from jobs.spec import JobSpec
 from tests.jobs.local_plane import local_deps
+from tests.jobs.rows import all_detached, detached
 
 CHANNEL = "C0TRAIN"
 
@@ -81,19 +82,11 @@ def new_run(deps: Deps, *, requester: str, state: RunState, **spec: Any) -> str:
 
 
 def attempts(deps: Deps, run_id: str) -> list[Attempt]:
-    with session_scope(deps.engine) as session:
-        rows = list(session.exec(select(Attempt).where(Attempt.run_id == run_id)).all())
-        for row in rows:
-            session.expunge(row)
-        return rows
+    return all_detached(deps.engine, select(Attempt).where(Attempt.run_id == run_id))
 
 
 def run_row(deps: Deps, run_id: str) -> Run:
-    with session_scope(deps.engine) as session:
-        run = session.get(Run, run_id)
-        assert run is not None
-        session.expunge(run)
-        return run
+    return detached(deps.engine, Run, run_id)
 
 
 def live(deps: Deps) -> list[str]:

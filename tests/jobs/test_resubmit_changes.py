@@ -37,6 +37,7 @@ from tests.bot import test_slack_app
 from tests.bot.test_slack_app import ADA, BOB, CHANNEL, Slack, wait_until
 from tests.jobs import test_resubmit_from
 from tests.jobs.local_plane import local_deps
+from tests.jobs.rows import all_detached
 from tests.jobs.test_resubmit_from import write_checkpoints
 
 slack = test_slack_app.slack
@@ -80,12 +81,7 @@ def stopped_run(deps: Deps, tmp_path: Path, *, requester: str = ADA, **spec: Any
 
 
 def new_runs(deps: Deps, old: str) -> list[Run]:
-    with session_scope(deps.engine) as session:
-        rows = session.exec(select(Run).where(Run.id != old).order_by(col(Run.created_at)))
-        runs = list(rows)
-        for run in runs:
-            session.expunge(run)
-        return runs
+    return all_detached(deps.engine, select(Run).where(Run.id != old).order_by(col(Run.created_at)))
 
 
 def test_a_resubmit_with_a_new_env_resumes_the_checkpoint_with_the_change(

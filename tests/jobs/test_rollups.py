@@ -23,7 +23,7 @@ from sqlmodel import Session, col, select
 from jobs.background import tasks
 from jobs.database.event_rollup import KEPT_TYPES, POINTS_PER_ATTEMPT
 from jobs.database.metrics import run_metrics
-from jobs.database.models import Attempt, EventRow, MetricBlock, Run, SpendRecord
+from jobs.database.models import EventRow, MetricBlock, SpendRecord
 from jobs.domain.lifecycle import AttemptState, RunState
 from jobs.process.deps import Deps
 from jobs.process.settings import Settings
@@ -31,6 +31,7 @@ from jobs.spend.digest import digest_figures
 from jobs.spend.rollup import ROWS_PER_BUCKET
 from jobs.web.prometheus import ControlPlaneMetrics
 from tests.jobs.local_plane import Clock, local_deps
+from tests.jobs.rows import add_run, running_attempt, tiny_run
 
 NOW = datetime(2026, 12, 6, 9, 0, tzinfo=UTC)
 PRICE = 2.0
@@ -52,34 +53,27 @@ def deps(settings: Settings, db_engine: Engine, tmp_path: Path) -> Iterator[Deps
 
 
 def _run(session: Session, run_id: str, start: datetime, end: datetime | None) -> None:
-    session.add(
-        Run(
-            id=run_id,
-            spec_name="tiny",
-            spec={"name": "tiny", "command": ["true"]},
-            requester="U1",
+    add_run(
+        session,
+        tiny_run(
+            run_id,
             channel="C1",
             budget_usd=5000.0,
             state=RunState.SUCCEEDED if end else RunState.RUNNING,
             created_at=start - timedelta(minutes=5),
             ended_at=end,
-        )
-    )
-    session.flush()
-    session.add(
-        Attempt(
-            id=f"{run_id}-a1",
-            run_id=run_id,
-            number=1,
+        ),
+        running_attempt(
+            f"{run_id}-a1",
+            run_id,
             state=AttemptState.SUCCEEDED if end else AttemptState.RUNNING,
             provider="local",
             instances=INSTANCES,
             price_per_hour=PRICE,
             started_at=start,
             ended_at=end,
-        )
+        ),
     )
-    session.flush()
     minutes = int(((end or NOW) - start).total_seconds() // 60)
     session.execute(
         insert(SpendRecord),

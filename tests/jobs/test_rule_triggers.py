@@ -9,11 +9,9 @@ in this file, through the real ingest path (signed batches to the service that
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine
 
 from jobs import alerts
 from jobs.database.db import session_scope
@@ -23,7 +21,6 @@ from jobs.domain.lifecycle import AttemptState, RunState
 from jobs.ingest import IngestService
 from jobs.process.bootstrap import build_ingest
 from jobs.process.deps import Deps
-from jobs.process.settings import Settings
 from jobs.rules import (
     RULES,
     AlertThresholds,
@@ -39,7 +36,6 @@ from jobs.rules import (
 from jobs.rules.base import Thresholded, Verdict, of_type
 from runner.wire import Event as WireEvent
 from runner.wire import encode_batch
-from tests.jobs.local_plane import local_deps
 
 TOKEN = "tok-trigger"
 
@@ -87,12 +83,6 @@ def registered() -> Iterator[Callable[[Any], None]]:
     yield add
     for name in names:
         RULES.pop(name, None)
-
-
-@pytest.fixture
-def deps(db_engine: Engine, settings: Settings, tmp_path: Path) -> Iterator[Deps]:
-    with local_deps(settings, db_engine, tmp_path) as made:
-        yield made
 
 
 def running_attempt(deps: Deps) -> tuple[str, str]:

@@ -5,20 +5,13 @@ and reads back (runner.env)."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
-from sqlalchemy import Engine
 
 from jobs.database.models import Attempt, Run
 from jobs.process.deps import Deps
-from jobs.process.settings import Settings
 from jobs.runs.launch import runner_env
 from jobs.spec import parse_spec
 from runner import env as contract
 from runner.session.config import SessionConfig
-from tests.jobs.local_plane import local_deps
 
 #: What a person may put in a spec's env: any text, and the one tunable runner knob.
 SPEC_ENV = {
@@ -27,12 +20,6 @@ SPEC_ENV = {
     "EMPTY": "",
     "TRAINBOT_SYSTEM_SAMPLE_S": "2.5",
 }
-
-
-@pytest.fixture
-def deps(db_engine: Engine, settings: Settings, tmp_path: Path) -> Iterator[Deps]:
-    with local_deps(settings, db_engine, tmp_path) as made:
-        yield made
 
 
 def test_the_spec_env_passes_through_and_every_runner_variable_is_the_contracts(

@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import io
-import sys
 import threading
-from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
-from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine
 from sqlmodel import select
 
 from bot.console import ConsoleNotifier
@@ -21,7 +17,6 @@ from jobs.database.models import Alert, Attempt, EventRow, Run
 from jobs.domain.errors import SpecError
 from jobs.domain.lifecycle import AttemptState, RunState
 from jobs.process.deps import Deps
-from jobs.process.settings import Settings
 from jobs.providers.base import ZoneCapacity
 from jobs.runs import (
     end_attempt,
@@ -32,34 +27,22 @@ from jobs.runs import (
 )
 from jobs.runs.placement import NO_CAPACITY, NoPlacement, Placement, decide
 from jobs.spec import JobSpec, parse_spec
-from tests.jobs.local_plane import Clock, local_deps
+from tests.jobs.local_plane import Clock
+from tests.jobs.rows import add_run, sleeping_spec, tiny_run
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
 
 
-@pytest.fixture
-def deps(db_engine: Engine, settings: Settings, tmp_path: Path) -> Iterator[Deps]:
-    with local_deps(settings, db_engine, tmp_path) as made:
-        yield made
-
-
-def _spec(**extra: Any) -> dict[str, Any]:
-    return {
-        "name": "tiny",
-        "command": [sys.executable, "-c", "import time; time.sleep(60)"],
-        "dry_run": {"enabled": False},
-        "resubmit": {"backoff_s": 3600},  # no resubmit during the test
-        **extra,
-    }
+def _run_row(run_id: str, state: RunState, **fields: Any) -> Run:
+    """Run ``run_id`` of the sleeping spec, requested by ada, in ``state``."""
+    return tiny_run(run_id, spec=sleeping_spec(), requester="ada", state=state, **fields)
 
 
 def _running(deps: Deps, run_id: str, *, committed: int, **attempt: Any) -> None:
     """A running run whose newest commit (and step) is ``committed``, with one attempt
     running since T0 (``attempt`` gives its id, number and any other fields)."""
     with session_scope(deps.engine) as session:
-        run = Run(
-            id=run_id, spec_name="tiny", spec=_spec(), requester="ada", state=RunState.RUNNING
-        )
+        run = _run_row(run_id, RunState.RUNNING)
         run.last_committed_step = committed
         run.last_step = committed
         session.add(run)
@@ -158,11 +141,7 @@ def test_a_failed_exit_after_a_preemption_notice_is_a_preemption(deps: Deps, not
 
 def _new_run(deps: Deps, run_id: str) -> None:
     with session_scope(deps.engine) as session:
-        session.add(
-            Run(
-                id=run_id, spec_name="tiny", spec=_spec(), requester="ada", state=RunState.LAUNCHING
-            )
-        )
+        session.add(_run_row(run_id, RunState.LAUNCHING))
 
 
 def test_reconcile_moves_a_run_whose_attempt_runs_to_running(deps: Deps) -> None:
@@ -238,6 +217,46 @@ def test_reconcile_racing_a_launch_records_one_instance_once(deps: Deps) -> None
     assert per_attempt == {a.id: 1 for a in attempts}
 
 
+def _recovering_after(
+    deps: Deps,
+    run_id: str,
+    *,
+    preflight: dict[str, Any],
+    last_step: int,
+    saves: list[tuple[int, float]],
+) -> None:
+    """Run ``run_id`` RECOVERING at a 30 s interval after its attempt 1 was preempted at
+    ``last_step``, having committed a checkpoint at each ``(step, stall_s)`` of ``saves``,
+    a second apart from T0."""
+    with session_scope(deps.engine) as session:
+        run = _run_row(
+            run_id,
+            RunState.RECOVERING,
+            preflight=preflight,
+            checkpoint_interval_s=30.0,
+        )
+        attempt = Attempt(
+            id=f"{run_id}-a1",
+            run_id=run_id,
+            number=1,
+            provider="local",
+            state=AttemptState.PREEMPTED,
+            last_step=last_step,
+        )
+        add_run(session, run, attempt)
+        for seq, (step, stall) in enumerate(saves):
+            session.add(
+                EventRow(
+                    attempt_id=attempt.id,
+                    run_id=run_id,
+                    seq=seq,
+                    type="checkpoint_committed",
+                    time=T0 + timedelta(seconds=seq),
+                    data={"step": step, "bytes": 1, "write_s": 2.0, "stall_s": stall, "uri": "x"},
+                )
+            )
+
+
 def test_an_auto_interval_follows_the_stall_the_run_measured(deps: Deps) -> None:
     """Preflight's dry run ran on the control plane's CPU; once the run's own periodic
     saves are known, the next attempt checkpoints at the rule's interval for their cost
@@ -247,40 +266,8 @@ def test_an_auto_interval_follows_the_stall_the_run_measured(deps: Deps) -> None
     preflight = {
         "results": [{"name": "dry_run", "data": {"interval_mtbp_s": 6000.0, "interval_s": 30.0}}]
     }
-    with session_scope(deps.engine) as session:
-        run = Run(
-            id="r-follow",
-            spec_name="tiny",
-            spec=_spec(),
-            requester="ada",
-            state=RunState.RECOVERING,
-            preflight=preflight,
-            checkpoint_interval_s=30.0,
-        )
-        session.add(run)
-        session.flush()
-        attempt = Attempt(
-            id="a-follow-1",
-            run_id=run.id,
-            number=1,
-            provider="local",
-            state=AttemptState.PREEMPTED,
-            last_step=100,
-        )
-        session.add(attempt)
-        session.flush()
-        saves = [(20, 0.4), (40, 0.5), (60, 0.6), (80, 0.5), (100, 0.001)]
-        for seq, (step, stall) in enumerate(saves):
-            session.add(
-                EventRow(
-                    attempt_id=attempt.id,
-                    run_id=run.id,
-                    seq=seq,
-                    type="checkpoint_committed",
-                    time=T0 + timedelta(seconds=seq),
-                    data={"step": step, "bytes": 1, "write_s": 2.0, "stall_s": stall, "uri": "x"},
-                )
-            )
+    saves = [(20, 0.4), (40, 0.5), (60, 0.6), (80, 0.5), (100, 0.001)]
+    _recovering_after(deps, "r-follow", preflight=preflight, last_step=100, saves=saves)
     with session_scope(deps.engine) as session:
         row = session.get(Run, "r-follow")
         assert row is not None
@@ -297,30 +284,8 @@ def test_an_auto_interval_follows_the_stall_the_run_measured(deps: Deps) -> None
 
 
 def test_too_few_saves_leave_the_interval_alone(deps: Deps) -> None:
-    with session_scope(deps.engine) as session:
-        run = Run(
-            id="r-few",
-            spec_name="tiny",
-            spec=_spec(),
-            requester="ada",
-            state=RunState.RECOVERING,
-            preflight={"results": [{"name": "dry_run", "data": {"interval_mtbp_s": 6000.0}}]},
-            checkpoint_interval_s=30.0,
-        )
-        session.add(run)
-        session.flush()
-        session.add(Attempt(id="a-few", run_id=run.id, number=1, provider="local", last_step=50))
-        session.flush()
-        session.add(
-            EventRow(
-                attempt_id="a-few",
-                run_id=run.id,
-                seq=0,
-                type="checkpoint_committed",
-                time=T0,
-                data={"step": 20, "bytes": 1, "write_s": 2.0, "stall_s": 0.5, "uri": "x"},
-            )
-        )
+    preflight = {"results": [{"name": "dry_run", "data": {"interval_mtbp_s": 6000.0}}]}
+    _recovering_after(deps, "r-few", preflight=preflight, last_step=50, saves=[(20, 0.5)])
     with session_scope(deps.engine) as session:
         row = session.get(Run, "r-few")
         assert row is not None and measured_interval(session, row) is None

@@ -10,7 +10,6 @@ SQLite (a file both open) and on PostgreSQL when ``TRAINBOT_TEST_POSTGRES_URL`` 
 from __future__ import annotations
 
 import io
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -24,7 +23,7 @@ from sqlmodel import select
 
 from bot.console import ConsoleNotifier
 from jobs.database.db import session_scope
-from jobs.database.models import Attempt, Run
+from jobs.database.models import Attempt
 from jobs.domain.errors import SettingsError
 from jobs.domain.lifecycle import AttemptState, RunState
 from jobs.process.bootstrap import ControlPlane
@@ -33,6 +32,7 @@ from jobs.providers.base import InstanceInfo, LaunchRequest
 from jobs.providers.local import LocalProvider
 from jobs.runs import launch_attempt, provision
 from runner.wire import Event, encode_batch
+from tests.jobs.rows import sleeping_spec, tiny_run
 from tests.waiting import wait_until
 
 SHARED = "a" * 16 + "shared-runner-token-secret"
@@ -95,16 +95,8 @@ def make_replica(database_url: str, tmp_path: Path) -> Iterator[Callable[..., Co
 
 
 def new_run(engine: Engine, run_id: str) -> None:
-    spec = {
-        "name": "tiny",
-        "command": [sys.executable, "-c", "import time; time.sleep(60)"],
-        "dry_run": {"enabled": False},
-        "resubmit": {"backoff_s": 3600},
-    }
     with session_scope(engine) as session:
-        session.add(
-            Run(id=run_id, spec_name="tiny", spec=spec, requester="U1", state=RunState.LAUNCHING)
-        )
+        session.add(tiny_run(run_id, spec=sleeping_spec(), state=RunState.LAUNCHING))
 
 
 def attempt_of(engine: Engine, run_id: str) -> Attempt:

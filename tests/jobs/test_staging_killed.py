@@ -35,11 +35,12 @@ import requests
 from sqlalchemy import Engine
 from sqlmodel import select
 
-from jobs.database.db import make_engine, migrate, session_scope
+from jobs.database.db import make_engine, migrate
 from jobs.process.deps import load_secret
 from jobs.staging import Staging, StagingState
 from tests.bot.test_slack_app import ResponseUrls, sign
 from tests.fakes.slack_api import FakeSlack
+from tests.jobs.rows import all_detached, detached
 from tests.jobs.test_staging import s3_bucket
 from tests.paths import ROOT
 from tests.waiting import wait_until
@@ -133,20 +134,13 @@ def command(url: str, hooks: str, text: str) -> None:
 
 
 def _only_row(engine: Engine) -> Staging | None:
-    with session_scope(engine) as session:
-        rows = session.exec(select(Staging)).all()
-        for row in rows:
-            session.expunge(row)
+    rows = all_detached(engine, select(Staging))
     assert len(rows) <= 1
     return rows[0] if rows else None
 
 
 def staging_row(engine: Engine, staging_id: str) -> Staging:
-    with session_scope(engine) as session:
-        row = session.get(Staging, staging_id)
-        assert row is not None
-        session.expunge(row)
-        return row
+    return detached(engine, Staging, staging_id)
 
 
 def test_a_copy_killed_mid_part_resumes_after_restart(

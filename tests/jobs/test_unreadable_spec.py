@@ -3,7 +3,6 @@ by hand) is skipped and flagged by the passes over every run; the others go on."
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -21,6 +20,7 @@ from jobs.process.deps import Deps
 from jobs.process.settings import Settings
 from jobs.runs import end_attempt, reconcile
 from tests.jobs.local_plane import Clock, local_deps
+from tests.jobs.rows import add_run, running_attempt, sleeping_spec
 
 T0 = datetime(2026, 11, 29, 12, 0, tzinfo=timezone.utc)
 #: A spec that once validated: its command is empty now, its budget section is a string.
@@ -34,18 +34,13 @@ def deps(db_engine: Engine, settings: Settings, tmp_path: Path) -> Iterator[Deps
 
 
 def _good_spec(**extra: Any) -> dict[str, Any]:
-    return {
-        "name": "tiny",
-        "command": [sys.executable, "-c", "import time; time.sleep(60)"],
-        "dry_run": {"enabled": False},
-        "resubmit": {"backoff_s": 60},
-        **extra,
-    }
+    return sleeping_spec(resubmit={"backoff_s": 60}, **extra)
 
 
 def _run(deps: Deps, run_id: str, spec: dict[str, Any], **fields: Any) -> None:
     with session_scope(deps.engine) as session:
-        session.add(
+        add_run(
+            session,
             Run(
                 id=run_id,
                 spec_name=str(spec.get("name")),
@@ -53,19 +48,10 @@ def _run(deps: Deps, run_id: str, spec: dict[str, Any], **fields: Any) -> None:
                 requester="ada",
                 state=RunState.RUNNING,
                 **fields,
-            )
-        )
-        session.flush()
-        session.add(
-            Attempt(
-                id=f"{run_id}-a1",
-                run_id=run_id,
-                number=1,
-                provider="local",
-                state=AttemptState.RUNNING,
-                started_at=T0,
-                last_heartbeat=T0,
-            )
+            ),
+            running_attempt(
+                f"{run_id}-a1", run_id, provider="local", started_at=T0, last_heartbeat=T0
+            ),
         )
 
 

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import boto3
 import pytest
-from google.auth.credentials import AnonymousCredentials
 
 from jobs.providers.aws import AwsProvider
 from jobs.providers.base import ProviderError, ResourceRequest
@@ -28,6 +27,7 @@ from jobs.spec import JobSpec
 from jobs.spec.env import image_env
 from tests.fakes.gce_api import FakeComputeApi
 from tests.jobs.boot import aws_boot_env, gcp_boot_env, root_commands, runner_venv, stand_in
+from tests.jobs.on_gcp import gcp_on
 from tests.jobs.providers.contract import launch_request
 
 AWS_T4 = ResourceRequest(
@@ -196,13 +196,7 @@ def test_aws_refuses_a_nul_in_the_command(aws: AwsProvider) -> None:
 
 @pytest.fixture
 def gcp(gce: FakeComputeApi) -> GcpProvider:
-    return GcpProvider(
-        project=gce.project,
-        region="us-central1",
-        api_endpoint=gce.url,
-        credentials=AnonymousCredentials(),
-        service_account="trainbot-runner@trainbot-test.iam.gserviceaccount.com",
-    )
+    return gcp_on(gce)
 
 
 def run_startup_script(

@@ -37,13 +37,11 @@ from typing import Any
 
 import boto3
 import pytest
-from google.auth.credentials import AnonymousCredentials
 from sqlalchemy import Engine
 from sqlmodel import Session
 
 from jobs.database.db import make_engine, migrate
 from jobs.database.models import Attempt, DryRunInstance, Run, hash_token
-from jobs.domain.lifecycle import AttemptState
 from jobs.ingest import IngestService
 from jobs.preflight import (
     CapacityCheck,
@@ -80,7 +78,9 @@ from tests.fakes.gcs_emulator import create_bucket, gcs_emulator
 from tests.fakes.loopback import QuietHandler, serving
 from tests.fakes.moto_server import closed_port
 from tests.jobs.boot import root_commands, stand_in
+from tests.jobs.on_gcp import gcp_on
 from tests.jobs.providers.contract import launch_request
+from tests.jobs.rows import running_attempt, tiny_run
 
 __all__ = ["gcs_emulator"]  # the session's emulator, a fixture
 
@@ -149,23 +149,11 @@ class Plane:
     ) -> None:
         with Session(self.engine) as session:
             if session.get(Run, run_id) is None:
-                session.add(
-                    Run(
-                        id=run_id,
-                        spec_name="tiny",
-                        spec={"name": "tiny", "command": ["true"]},
-                        requester="U1",
-                    )
-                )
+                session.add(tiny_run(run_id))
                 session.flush()
             session.add(
-                Attempt(
-                    id=attempt_id,
-                    run_id=run_id,
-                    number=number,
-                    state=AttemptState.RUNNING,
-                    provider="aws",
-                    token_hash=hash_token(token),
+                running_attempt(
+                    attempt_id, run_id, number=number, provider="aws", token_hash=hash_token(token)
                 )
             )
             session.commit()
@@ -487,15 +475,7 @@ def test_aws_image_missing_in_the_region_fails_with_what_to_set(
 
 
 def gcp_provider(gce: FakeComputeApi, runner: RunnerInstall, **options: Any) -> GcpProvider:
-    return GcpProvider(
-        project=gce.project,
-        region="us-central1",
-        api_endpoint=gce.url,
-        credentials=AnonymousCredentials(),
-        service_account="trainbot-runner@trainbot-test.iam.gserviceaccount.com",
-        runner=runner,
-        **options,
-    )
+    return gcp_on(gce, runner=runner, **options)
 
 
 def play_gcp(
