@@ -205,6 +205,21 @@ class Slack:
         }
         return self.send(urlencode({"payload": json.dumps(payload)}).encode()), path
 
+    def submit_view(
+        self, view: dict[str, Any], values: dict[str, Any], *, user: str = ADA
+    ) -> requests.Response:
+        """``view`` (a modal as views.open got it) submitted by ``user`` with ``values`` as
+        its state."""
+        payload = {
+            "type": "view_submission",
+            "team": {"id": TEAM},
+            "user": {"id": user, "team_id": TEAM},
+            "api_app_id": "A0TRAIN",
+            "trigger_id": f"trg-{uuid.uuid4().hex[:8]}",
+            "view": {**view, "hash": "1", "state": {"values": values}},
+        }
+        return self.send(urlencode({"payload": json.dumps(payload)}).encode())
+
     def event(self, event: dict[str, Any]) -> requests.Response:
         envelope = {
             "token": "legacy-verification-token",
@@ -527,20 +542,7 @@ def test_the_launch_modal_and_the_app_home(slack: Slack) -> None:
             "spec": {"spec": {"type": "static_select", "selected_option": {"value": spec}}},
             "overrides": {"overrides": {"type": "plain_text_input", "value": overrides}},
         }
-        payload = {
-            "type": "view_submission",
-            "team": {"id": TEAM},
-            "user": {"id": ADA, "team_id": TEAM},
-            "api_app_id": "A0TRAIN",
-            "trigger_id": f"trg-{uuid.uuid4().hex[:8]}",
-            "view": {
-                **view,
-                "id": view["id"],
-                "hash": "1",
-                "state": {"values": values},
-            },
-        }
-        return slack.send(urlencode({"payload": json.dumps(payload)}).encode())
+        return slack.submit_view(view, values)
 
     bad = submit("tiny", "budget.usd")
     assert bad.json()["response_action"] == "errors"

@@ -24,7 +24,7 @@ from pydantic import SecretStr
 
 from bot.app import SlackSetupError
 from bot.slack_notifier import SlackNotifier
-from bot.slack_wsgi import SlackFrontEnd, attach
+from bot.slack_wsgi import SlackFrontEnd
 from jobs.process.bootstrap import ControlPlane
 from jobs.process.settings import Settings
 from tests.bot.test_slack_app import (
@@ -34,8 +34,8 @@ from tests.bot.test_slack_app import (
     TEAM,
     TOKEN,
     ResponseUrls,
+    slack_plane,
     slack_settings,
-    terminate_instances,
     wait_until,
 )
 from tests.fakes.slack_api import FakeSlack
@@ -92,22 +92,10 @@ def socket_slack(tmp_path: Path) -> Iterator[SocketSlack]:
         burst=5,
         whole_second_retry_after=False,
     ).start()
-    server = FakeSocketMode(fake).start()
-    hooks = ResponseUrls()
-    notifier = SlackNotifier(fake.client(TOKEN), min_interval_s=0.02, backoff_s=0.05)
-    cp = ControlPlane(socket_settings(tmp_path / "state"), notifier=notifier, scheduler=False)
-    front = attach(cp, client=fake.client(TOKEN), notifier=notifier)
-    cp.start()
-    try:
-        yield SocketSlack(cp, fake, server, hooks, notifier, front)
-    finally:
-        front.close()
-        cp.close()  # first: a terminated instance looks preempted, and would be resubmitted
-        terminate_instances(cp)
-        notifier.close(timeout=5)
-        hooks.close()
-        server.close()
-        fake.close()
+    settings = socket_settings(tmp_path / "state")
+    # The socket's server listens before the app connects, and stops after it.
+    with FakeSocketMode(fake) as server, slack_plane(fake, settings) as slack:
+        yield SocketSlack(slack.cp, fake, server, slack.hooks, slack.notifier, slack.front)
 
 
 def socket_threads() -> set[threading.Thread]:

@@ -84,15 +84,7 @@ class Team:
                 "channel": {"type": "conversations_select", "selected_conversation": CHANNEL}
             },
         }
-        payload = {
-            "type": "view_submission",
-            "team": {"id": TEAM},
-            "user": {"id": user, "team_id": TEAM},
-            "api_app_id": "A0TRAIN",
-            "trigger_id": f"trg-{uuid.uuid4().hex[:8]}",
-            "view": {**view, "hash": "1", "state": {"values": values}},
-        }
-        return self.slack.send(urlencode({"payload": json.dumps(payload)}).encode())
+        return self.slack.submit_view(view, values, user=user)
 
     def runs(self) -> list[Run]:
         with session_scope(self.slack.cp.deps.engine) as session:
