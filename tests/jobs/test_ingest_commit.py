@@ -98,8 +98,20 @@ def test_every_batch_commits_durably_whatever_it_holds(postgres: Engine) -> None
 
 
 def test_a_batch_after_the_first_is_one_round_trip(postgres: Engine, statements: list[str]) -> None:
-    svc = service(postgres)
-    assert svc.handle(AUTH, body([metrics(0), system()])).status == 200
+    """Every column the batch is worked out from set (a started, noticed, profiled
+    attempt), and each one compared as it comes back from the database."""
+    with postgres.begin() as connection:
+        connection.execute(
+            text("UPDATE attempts SET profile_until_step = 5, profile_until_s = 30.5")
+        )
+    due: list[str] = []
+    svc = service(postgres, on_profile_due=due.append)
+    first_items = [
+        ("started", {"pid": 7, "host": "h"}),
+        ("preemption_notice", {"source": "aws", "time_left_s": 120.0}),
+        *[metrics(step) for step in range(2, 10)],
+    ]
+    assert svc.handle(AUTH, body(first_items)).status == 200
     first = list(statements)
     statements.clear()
 
@@ -118,8 +130,11 @@ def test_a_batch_after_the_first_is_one_round_trip(postgres: Engine, statements:
     assert len(ours) == 5
     assert all(s.startswith("BEGIN; ") and "; COMMIT; " in s for s in ours)
     assert not any("FOR UPDATE" in s for s in ours)
-    assert count_events(postgres) == 52
-    assert attempt_row(postgres).last_seq == 59
+    assert count_events(postgres) == 60
+    attempt = attempt_row(postgres)
+    assert (attempt.last_seq, attempt.last_step, attempt.state.value) == (59, 59, "RUNNING")
+    assert None not in (attempt.started_at, attempt.preemption_notice_at, attempt.profiled_at)
+    assert due == ["a-1"]
 
 
 def test_a_row_changed_by_another_replica_is_read_again_and_nothing_is_lost(
