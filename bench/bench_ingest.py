@@ -19,9 +19,9 @@ service), per event; the rest is storing.
 
 Goal: ``ratio = sqlite events/s ÷ 100,000 >= 1`` and alert latency <= 1 s; when
 PostgreSQL ran, ``postgres_to_sqlite`` (PostgreSQL's events/s ÷ SQLite's, medians of the
-same run) >= 0.5. Every batch of the mix carries a checkpoint, so every PostgreSQL commit
-here waits for the disk (a batch of telemetry only would not: see docs/architecture.md,
-"Ingest").
+same run) >= 0.5. Every PostgreSQL commit waits for the disk (an acknowledged batch survives
+a crash of the server), and every batch of the mix carries a checkpoint (an upsert and the
+run's update more than a batch of telemetry): the harder case for PostgreSQL.
 """
 
 from __future__ import annotations
@@ -350,8 +350,7 @@ def run(
                 decode_samples.append(decode_us_per_event(bodies, per_round))
     rules_s = targets[0].rules_s[0]
     # The same rounds with no checkpoint in any batch: what most batches of a real run
-    # are (it checkpoints every few minutes), and on PostgreSQL a commit that does not
-    # wait for the disk (see docs/architecture.md, "Ingest"). A figure, not the goal.
+    # are (it checkpoints every few minutes). A figure, not the goal.
     for round_ in range(args.repeats):
         for target in targets if round_ % 2 == 0 else reversed(targets):
             bodies = make_bodies(
