@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ from jobs.domain.lifecycle import AttemptState, RunState
 from jobs.outbound.notify import CallbackJournal
 from jobs.process.bootstrap import ControlPlane
 from jobs.process.settings import load_settings
-from jobs.providers.base import InstanceState, LaunchRequest
+from jobs.providers.base import InstanceState, LaunchRequest, Provider
 from jobs.runs import reconcile, resource_request, spec_of
 from jobs.usecases import service
 from jobs.usecases.service import Actor
@@ -56,6 +57,14 @@ def settings_for(state: Path, **extra: str) -> object:
     return load_settings(env)
 
 
+def terminate_all(provider: Provider) -> None:
+    """Every instance of ``provider`` that has not ended, terminated at once: each waits
+    for its runner's last flush (seconds on a busy machine), so one by one they add up."""
+    live = [i.instance_id for i in provider.list_instances() if not i.state.is_terminal()]
+    with ThreadPoolExecutor(max_workers=max(1, len(live))) as pool:
+        list(pool.map(provider.terminate, live))
+
+
 @pytest.fixture
 def plane(tmp_path: Path) -> Iterator[tuple[ControlPlane, list[dict]]]:
     records: list[dict] = []
@@ -70,9 +79,7 @@ def plane(tmp_path: Path) -> Iterator[tuple[ControlPlane, list[dict]]]:
         yield cp, records
     # Local instances outlive their control plane, like cloud ones: end them here, once it
     # is closed (a terminated instance looks preempted, and would be resubmitted).
-    for inst in cp.deps.provider.list_instances():
-        if not inst.state.is_terminal():
-            cp.deps.provider.terminate(inst.instance_id)
+    terminate_all(cp.deps.provider)
     cp.deps.provider.close()  # type: ignore[attr-defined]
 
 
@@ -628,10 +635,9 @@ def test_kill_9_at_random_moments_from_submit_to_the_first_step(reaped_state: Pa
             for pid in dry_run_processes(state):
                 os.kill(pid, signal.SIGKILL)
     # Instances outlive their control plane: end them once it is closed (a terminated
-    # instance looks preempted, and an open one would resubmit it).
-    for inst in cp.deps.provider.list_instances():
-        if not inst.state.is_terminal():
-            cp.deps.provider.terminate(inst.instance_id)
+    # instance looks preempted, and an open one would resubmit it). Six runners each
+    # flush a checkpoint on the way out: together, not one after the other.
+    terminate_all(cp.deps.provider)
     cp.deps.provider.close()  # type: ignore[attr-defined]
     assert not trainbot_processes(state)
 
