@@ -12,10 +12,8 @@ import io
 import json
 import uuid
 from collections.abc import Iterator
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlencode
 
 import pytest
 from sqlmodel import select
@@ -40,7 +38,6 @@ from jobs.domain.lifecycle import RunState
 from jobs.outbound.notify import CallbackJournal
 from jobs.process.bootstrap import ControlPlane
 from jobs.process.settings import load_settings
-from jobs.spec import JobSpec
 from jobs.usecases import service
 from jobs.usecases.service import Actor
 from tests.bot.test_security import (
@@ -62,6 +59,7 @@ from tests.bot.test_slack_app import (
     wait_until,
 )
 from tests.fakes.slack_api import FakeSlack
+from tests.jobs.test_profile import asked_run
 
 TRAIN, PRIVATE = "C0TRAIN", "C0SECRET"
 ADA, BOB, CAROL, EVE, DAVE = "U0ADA", "U0BOB", "U0CAROL", "U0EVE", "U0DAVE"
@@ -139,19 +137,9 @@ def _stopped_run(slack: Slack, *, user: str) -> str:
 
 
 def _asked_run(slack: Slack, *, user: str) -> str:
-    """A run its projection stopped to ask Continue or Stop (as in tests/jobs/test_profile.py:
-    the row the projection leaves, without a profiled attempt's minutes)."""
-    now = datetime.now(timezone.utc)
-    spec = JobSpec.model_validate({"name": "tiny", "command": ["python", "-c", "pass"]})
-    with session_scope(slack.cp.deps.engine) as session:
-        run = Run(
-            spec_name="tiny", spec=spec.model_dump(mode="json"), state=RunState.STOPPED,
-            requester=user, channel=TRAIN, last_committed_step=0,
-            projection={"asked": True, "cost_usd": 1.0}, created_at=now, updated_at=now,
-        )  # fmt: skip
-        session.add(run)
-        session.flush()
-        return run.id
+    """A run its projection stopped to ask Continue or Stop (tests/jobs/test_profile.py)."""
+    engine = slack.cp.deps.engine
+    return asked_run(engine, requester=user, channel=TRAIN, command=["python", "-c", "pass"])
 
 
 def _submit_modal(slack: Slack, *, user: str, overrides: str) -> None:
@@ -160,22 +148,13 @@ def _submit_modal(slack: Slack, *, user: str, overrides: str) -> None:
         "spec": {"spec": {"type": "static_select", "selected_option": {"value": "tiny"}}},
         "overrides": {"overrides": {"type": "plain_text_input", "value": overrides}},
     }
-    payload = {
-        "type": "view_submission",
-        "team": {"id": TEAM},
-        "user": {"id": user, "team_id": TEAM},
-        "api_app_id": "A0TRAIN",
-        "trigger_id": f"trg-{uuid.uuid4().hex[:8]}",
-        "view": {
-            "id": f"V{uuid.uuid4().hex[:8].upper()}",
-            "type": "modal",
-            "callback_id": MODAL_CALLBACK,
-            "private_metadata": json.dumps({"channel": TRAIN}),
-            "hash": "1",
-            "state": {"values": values},
-        },
+    view = {
+        "id": f"V{uuid.uuid4().hex[:8].upper()}",
+        "type": "modal",
+        "callback_id": MODAL_CALLBACK,
+        "private_metadata": json.dumps({"channel": TRAIN}),
     }
-    response = slack.send(urlencode({"payload": json.dumps(payload)}).encode())
+    response = slack.submit_view(view, values, user=user)
     assert response.status_code == 200 and response.text == ""
 
 

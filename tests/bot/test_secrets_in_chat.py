@@ -28,6 +28,7 @@ from jobs.usecases.service import Actor
 from tests.bot import test_security
 from tests.bot.test_security import ADA, EVE, RANDOM, answer, run_ids, waiting_run
 from tests.bot.test_slack_app import FAST, Slack, wait_until
+from tests.jobs.test_logs import on_the_root_logger
 
 #: Two channels trainbot serves (one of them Ada's), launchers named, a fake Slack.
 slack = test_security.slack
@@ -58,20 +59,12 @@ class Logs(logging.Handler):
 
 @pytest.fixture
 def logs() -> Iterator[Logs]:
-    root = logging.getLogger()
-    level = root.level
     found = Logs()
     json_lines = make_handler("json", stream=found.stream)
     json_lines.setLevel(logging.INFO)
-    root.addHandler(found)  # first: it sees each record before a filter rewrites it
-    root.addHandler(json_lines)
-    root.setLevel(logging.INFO)
-    try:
+    # ``found`` first: it sees each record before a filter rewrites it.
+    with on_the_root_logger(found, json_lines):
         yield found
-    finally:
-        root.removeHandler(json_lines)
-        root.removeHandler(found)
-        root.setLevel(level)
 
 
 def everything(slack: Slack, logs: Logs) -> str:

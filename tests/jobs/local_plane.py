@@ -70,3 +70,21 @@ def local_deps(
             if not instance.state.is_terminal():
                 provider.terminate(instance.instance_id)
         provider.close()
+
+
+@contextmanager
+def closing_each(build: Callable[..., Deps]) -> Iterator[Callable[..., Deps]]:
+    """``build`` (Deps from a test's arguments), each Deps it makes closed with its provider
+    at the end of the block: for a test that makes several, as replicas."""
+    made: list[Deps] = []
+
+    def make(*args: Any, **kwargs: Any) -> Deps:
+        made.append(build(*args, **kwargs))
+        return made[-1]
+
+    try:
+        yield make
+    finally:
+        for deps in made:
+            deps.close()
+            deps.provider.close()

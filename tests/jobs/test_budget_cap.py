@@ -42,6 +42,7 @@ from jobs.spend import remove_cloud_budgets, run_spent
 from jobs.usecases import service
 from jobs.usecases.service import Actor
 from tests.fakes import aws as fake
+from tests.jobs.rows import detached
 from tests.waiting import wait_until
 
 T0 = datetime(2024, 5, 14, 10, 0, tzinfo=timezone.utc)
@@ -115,19 +116,25 @@ def make_deps(
 
 
 @pytest.fixture
-def deps(
-    db_engine: Engine,
-    settings: Settings,
-    tmp_path: Path,
-    clock: Clock,
-    journal: list[dict[str, Any]],
-    launched: list[str],
-) -> Iterator[Deps]:
-    deps = make_deps(
-        db_engine, settings, LocalProvider(tmp_path / "local"), clock, journal, launched
-    )
-    yield deps
-    deps.close()
+def build_deps(
+    db_engine: Engine, clock: Clock, journal: list[dict[str, Any]], launched: list[str]
+) -> Iterator[Callable[[Settings, Any], Deps]]:
+    """``make_deps`` with this test's clock, journal and launches, for the settings and the
+    provider a test gives; each closed at the test's end."""
+    made: list[Deps] = []
+
+    def build(settings: Settings, provider: Any) -> Deps:
+        made.append(make_deps(db_engine, settings, provider, clock, journal, launched))
+        return made[-1]
+
+    yield build
+    for deps in made:
+        deps.close()
+
+
+@pytest.fixture
+def deps(build_deps: Callable[[Settings, Any], Deps], settings: Settings, tmp_path: Path) -> Deps:
+    return build_deps(settings, LocalProvider(tmp_path / "local"))
 
 
 def add_run(
@@ -183,11 +190,7 @@ def add_run(
 
 
 def get(engine: Engine, run_id: str) -> Run:
-    with Session(engine) as session:
-        run = session.get(Run, run_id)
-        assert run is not None
-        session.expunge(run)
-        return run
+    return detached(engine, Run, run_id)
 
 
 def run_count(engine: Engine) -> int:
@@ -406,26 +409,21 @@ def test_a_cloud_budget_is_removed_when_the_run_ends_or_days_later(
     settings: Settings,
     tmp_path: Path,
     clock: Clock,
-    journal: list[dict[str, Any]],
-    launched: list[str],
+    build_deps: Callable[[Settings, Any], Deps],
     keep_days: float,
 ) -> None:
     provider = BudgetsProvider(tmp_path / "local")
-    settings = settings.model_copy(update={"cloud_budget_keep_days": keep_days})
-    deps = make_deps(db_engine, settings, provider, clock, journal, launched)
-    try:
-        add_run(db_engine, "r-1", state=RunState.RUNNING, spent=0.0, started=T0)
-        service.stop(deps, "r-1", ADA)  # ends the attempt and the run
-        if keep_days:
-            assert provider.deleted == []
-            clock.now = T0 + timedelta(days=keep_days)
-            cleanup_job(deps)
-        assert provider.deleted == ["r-1"]
-        assert get(db_engine, "r-1").cloud_budget_removed_at == clock.now
-        assert remove_cloud_budgets(deps, now=clock.now + timedelta(days=9)) == []  # once
-        assert provider.deleted == ["r-1"]
-    finally:
-        deps.close()
+    deps = build_deps(settings.model_copy(update={"cloud_budget_keep_days": keep_days}), provider)
+    add_run(db_engine, "r-1", state=RunState.RUNNING, spent=0.0, started=T0)
+    service.stop(deps, "r-1", ADA)  # ends the attempt and the run
+    if keep_days:
+        assert provider.deleted == []
+        clock.now = T0 + timedelta(days=keep_days)
+        cleanup_job(deps)
+    assert provider.deleted == ["r-1"]
+    assert get(db_engine, "r-1").cloud_budget_removed_at == clock.now
+    assert remove_cloud_budgets(deps, now=clock.now + timedelta(days=9)) == []  # once
+    assert provider.deleted == ["r-1"]
 
 
 def _on_moto(tmp_path: Path, moto_server: str, **budget: str) -> Settings:
@@ -443,73 +441,66 @@ def _on_moto(tmp_path: Path, moto_server: str, **budget: str) -> Settings:
     )
 
 
+@pytest.fixture
+def on_moto(
+    build_deps: Callable[[Settings, Any], Deps], moto_server: str, tmp_path: Path
+) -> Callable[..., Deps]:
+    """Deps on AWS (moto's server) with the AWS Budget settings a test gives."""
+
+    def make(**budget: str) -> Deps:
+        settings = _on_moto(tmp_path, moto_server, **budget)
+        return build_deps(settings, from_settings(settings))
+
+    return make
+
+
 def test_on_moto_the_aws_budget_notifies_the_configured_subscribers_and_goes_with_the_run(
-    db_engine: Engine,
-    moto_server: str,
-    tmp_path: Path,
-    clock: Clock,
-    journal: list[dict[str, Any]],
-    launched: list[str],
+    db_engine: Engine, journal: list[dict[str, Any]], on_moto: Callable[..., Deps]
 ) -> None:
     topic = f"arn:aws:sns:us-east-1:{fake.MOTO_ACCOUNT}:trainbot-budgets"
-    settings = _on_moto(
-        tmp_path,
-        moto_server,
-        TRAINBOT_AWS_BUDGET_EMAILS="oncall@x.io,lead@x.io",
-        TRAINBOT_AWS_BUDGET_SNS_TOPIC_ARN=topic,
+    deps = on_moto(
+        TRAINBOT_AWS_BUDGET_EMAILS="oncall@x.io,lead@x.io", TRAINBOT_AWS_BUDGET_SNS_TOPIC_ARN=topic
     )
-    deps = make_deps(db_engine, settings, from_settings(settings), clock, journal, launched)
-    try:
-        run_id = f"r-{uuid.uuid4().hex[:8]}"
-        add_run(db_engine, run_id, state=RunState.RUNNING, spent=0.0, started=T0)
-        name = deps.provider.create_budget(run_id=run_id, usd=100.0, thresholds=[80, 100])
-        stored = budgets_backends[fake.MOTO_ACCOUNT]["aws"].budgets[fake.MOTO_ACCOUNT]
-        subscribers = {
-            float(n.details["Threshold"]): sorted(
-                (s["SubscriptionType"], s["Address"]) for s in n.subscribers
-            )
-            for n in stored[name].notifications
-        }
-        everyone = [("EMAIL", "lead@x.io"), ("EMAIL", "oncall@x.io"), ("SNS", topic)]
-        assert subscribers == {80.0: everyone, 100.0: everyone}
+    run_id = f"r-{uuid.uuid4().hex[:8]}"
+    add_run(db_engine, run_id, state=RunState.RUNNING, spent=0.0, started=T0)
+    name = deps.provider.create_budget(run_id=run_id, usd=100.0, thresholds=[80, 100])
+    stored = budgets_backends[fake.MOTO_ACCOUNT]["aws"].budgets[fake.MOTO_ACCOUNT]
+    subscribers = {
+        float(n.details["Threshold"]): sorted(
+            (s["SubscriptionType"], s["Address"]) for s in n.subscribers
+        )
+        for n in stored[name].notifications
+    }
+    everyone = [("EMAIL", "lead@x.io"), ("EMAIL", "oncall@x.io"), ("SNS", topic)]
+    assert subscribers == {80.0: everyone, 100.0: everyone}
 
-        service.stop(deps, run_id, ADA)
-        assert name not in stored
-        assert get(db_engine, run_id).cloud_budget_removed_at == T0
-        assert {"type": "cloud_budget_removed", "run": run_id} in journal
-    finally:
-        deps.close()
+    service.stop(deps, run_id, ADA)
+    assert name not in stored
+    assert get(db_engine, run_id).cloud_budget_removed_at == T0
+    assert {"type": "cloud_budget_removed", "run": run_id} in journal
 
 
 def test_on_moto_a_resubmitted_run_gets_its_own_aws_budget_for_what_is_left(
     db_engine: Engine,
-    moto_server: str,
-    tmp_path: Path,
-    clock: Clock,
     journal: list[dict[str, Any]],
     launched: list[str],
+    on_moto: Callable[..., Deps],
 ) -> None:
     """The AWS Budget follows the run's tag, so the run a resubmit creates gets one of its
     own, for what is left of the budget after the $40 it carries; the old one's went
     with the old run."""
-    settings = _on_moto(tmp_path, moto_server, TRAINBOT_AWS_BUDGET_EMAILS="oncall@x.io")
-    deps = make_deps(db_engine, settings, from_settings(settings), clock, journal, launched)
-    try:
-        old = f"r-{uuid.uuid4().hex[:8]}"
-        add_run(db_engine, old, state=RunState.STOPPED, spent=40.0)
-        new = service.resubmit(deps, old, ADA)
-        assert launched == [new.id]
-        stored = budgets_backends[fake.MOTO_ACCOUNT]["aws"].budgets[fake.MOTO_ACCOUNT]
-        budget = stored[budget_name(new.id)]
-        assert float(budget.budget["BudgetLimit"]["Amount"]) == pytest.approx(60.0)
-        assert budget.budget["CostFilters"] == {"TagKeyValue": [f"user:{TAG_RUN_ID}${new.id}"]}
-        assert {r["run"]: r["usd"] for r in journal if r["type"] == "cloud_budget"} == {
-            new.id: 60.0
-        }
-        service.stop(deps, new.id, ADA)
-        assert budget_name(new.id) not in stored
-    finally:
-        deps.close()
+    deps = on_moto(TRAINBOT_AWS_BUDGET_EMAILS="oncall@x.io")
+    old = f"r-{uuid.uuid4().hex[:8]}"
+    add_run(db_engine, old, state=RunState.STOPPED, spent=40.0)
+    new = service.resubmit(deps, old, ADA)
+    assert launched == [new.id]
+    stored = budgets_backends[fake.MOTO_ACCOUNT]["aws"].budgets[fake.MOTO_ACCOUNT]
+    budget = stored[budget_name(new.id)]
+    assert float(budget.budget["BudgetLimit"]["Amount"]) == pytest.approx(60.0)
+    assert budget.budget["CostFilters"] == {"TagKeyValue": [f"user:{TAG_RUN_ID}${new.id}"]}
+    assert {r["run"]: r["usd"] for r in journal if r["type"] == "cloud_budget"} == {new.id: 60.0}
+    service.stop(deps, new.id, ADA)
+    assert budget_name(new.id) not in stored
 
 
 # --- end to end: a real control plane, local instances ---------------------------------

@@ -34,6 +34,7 @@ from jobs.outbound.notify import DigestMessage
 from jobs.process.deps import Deps
 from jobs.process.settings import Settings, load_settings
 from jobs.providers.local import LocalProvider
+from tests.jobs.local_plane import closing_each
 from tests.waiting import wait_until
 
 
@@ -41,10 +42,8 @@ from tests.waiting import wait_until
 def replicas(
     db_engine: Engine, settings: Settings, tmp_path: Path
 ) -> Iterator[Callable[..., Deps]]:
-    made: list[Deps] = []
-
-    def make(name: str, **kwargs: Any) -> Deps:
-        deps = Deps(
+    def replica(name: str, **kwargs: Any) -> Deps:
+        return Deps(
             settings=kwargs.pop("settings", settings),
             engine=db_engine,
             provider=LocalProvider(tmp_path / name),
@@ -53,13 +52,9 @@ def replicas(
             hold_s=kwargs.pop("hold_s", 60.0),
             **kwargs,
         )
-        made.append(deps)
-        return deps
 
-    yield make
-    for deps in made:
-        deps.close()
-        deps.provider.close()
+    with closing_each(replica) as make:
+        yield make
 
 
 @pytest.fixture

@@ -26,6 +26,7 @@ from jobs.outbound.notify import AlertMessage
 from jobs.process.deps import Deps
 from jobs.process.settings import load_settings
 from jobs.providers.local import LocalProvider
+from tests.bot.test_slack_limits import notifier as notifier  # the fixture, on this fake
 from tests.fakes.slack_api import FakeSlack
 from tests.jobs.test_alerts import T0, ListJournal, RecordingNotifier, signal, stored
 
@@ -39,13 +40,6 @@ def fake() -> Iterator[FakeSlack]:
         fake.add_usergroup("S0ONCALL", "ml-oncall", ["U0GRACE"])
         fake.add_usergroup("S0LEADS", "ml-leads", ["U0ADA"])
         yield fake
-
-
-@pytest.fixture
-def notifier(fake: FakeSlack) -> Iterator[SlackNotifier]:
-    notifier = SlackNotifier(fake.client(retry_handlers=[]), min_interval_s=0.0, backoff_s=0.01)
-    yield notifier
-    notifier.close(timeout=5)
 
 
 def open_critical(engine: Engine, notifier: Any, journal: ListJournal) -> Alert:

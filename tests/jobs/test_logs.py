@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -51,15 +52,24 @@ def captured() -> Iterator[io.StringIO]:
         }
     )
     out = io.StringIO()
-    handler = make_handler("json", stream=out, secrets=secret_values(settings))
+    with on_the_root_logger(make_handler("json", stream=out, secrets=secret_values(settings))):
+        yield out
+
+
+@contextmanager
+def on_the_root_logger(*handlers: logging.Handler) -> Iterator[None]:
+    """``handlers`` on the root logger, at INFO, for the block (added in order: the first
+    sees each record first); then the logger as it was."""
     root = logging.getLogger()
     level = root.level
-    root.addHandler(handler)
+    for handler in handlers:
+        root.addHandler(handler)
     root.setLevel(logging.INFO)
     try:
-        yield out
+        yield
     finally:
-        root.removeHandler(handler)
+        for handler in handlers:
+            root.removeHandler(handler)
         root.setLevel(level)
 
 

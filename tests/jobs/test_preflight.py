@@ -70,6 +70,9 @@ from tests.paths import ROOT
 
 TINY_COMMAND = "python -m runner.examples.tiny --dim 32 --batch 8 --steps 100"
 
+#: The checks a preflight runs, in the order their answers are needed.
+CHECKS = ("quota", "capacity", "instances", "data", "secrets", "image", "dry_run", "budget")
+
 
 # -- helpers -----------------------------------------------------------------------------
 
@@ -873,16 +876,7 @@ def test_resource_request_and_assumed_mtbp(tmp_path: Path, local: LocalProvider)
     assert assumed_mtbp_s(local) == DEFAULT_SPOT_MTBP_S
     with LocalProvider(tmp_path / "s2", mean_time_between_preemptions_s=600) as preempting:
         assert assumed_mtbp_s(preempting) == 600
-    assert [c.name for c in default_checks()] == [
-        "quota",
-        "capacity",
-        "instances",
-        "data",
-        "secrets",
-        "image",
-        "dry_run",
-        "budget",
-    ]
+    assert [c.name for c in default_checks()] == list(CHECKS)
 
 
 # -- the dry run -----------------------------------------------------------------------------

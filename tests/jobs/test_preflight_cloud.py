@@ -49,7 +49,7 @@ from runner.cli import build_parser
 from tests.fakes import aws as fake_aws
 from tests.fakes.gce_api import FakeComputeApi
 from tests.jobs import test_aws_control_plane as on_aws
-from tests.jobs.test_preflight import context
+from tests.jobs.test_preflight import CHECKS, context
 
 ADA = service.Actor(user="ada", channel="#ml")
 PUBLIC_URL = "https://trainbot.example.test"
@@ -145,16 +145,7 @@ def preflight_then_launch(cp: ControlPlane, notes: on_aws.Recorder, marker: Path
     assert not marker.exists(), "preflight ran the spec's command on the control plane"
     assert on_aws.run_row(cp, run.id).state == RunState.AWAITING_CONFIRMATION
     report = notes.preflight(run.id)
-    assert [c.name for c in report.checks] == [
-        "quota",
-        "capacity",
-        "instances",
-        "data",
-        "secrets",
-        "image",
-        "dry_run",
-        "budget",
-    ]
+    assert [c.name for c in report.checks] == list(CHECKS)
     service.confirm(cp.deps, run.id, ADA)
     on_aws.wait_until(lambda: on_aws.attempt_launched(cp, run.id, 1), what="attempt 1")
     assert not marker.exists(), "the launch ran the spec's command on the control plane"

@@ -40,6 +40,7 @@ from runner.wire import Event as WireEvent
 from runner.wire import encode_batch
 from tests.bot import test_slack_app
 from tests.bot.test_slack_app import ADA, BOB, CAROL, CHANNEL, FAST, Slack, wait_until
+from tests.jobs.rows import all_detached
 
 slack = test_slack_app.slack
 
@@ -193,25 +194,41 @@ def test_a_run_within_its_budget_goes_on_without_asking(
 
 
 def _attempt(slack: Slack, run_id: str) -> Attempt:
-    with session_scope(slack.cp.deps.engine) as session:
-        attempt = session.exec(select(Attempt).where(Attempt.run_id == run_id)).one()
-        session.expunge(attempt)
-        return attempt
+    (attempt,) = all_detached(slack.cp.deps.engine, select(Attempt).where(Attempt.run_id == run_id))
+    return attempt
+
+
+def asked_run(
+    engine: Engine,
+    *,
+    requester: str,
+    channel: str,
+    command: list[str],
+    committed: int = 0,
+    cost_usd: float = 1.0,
+) -> str:
+    """A run its projection stopped to ask Continue or Stop, ``committed`` steps in and
+    projected at ``cost_usd``: the row the projection leaves, without a profiled attempt's
+    minutes; its id."""
+    now = datetime.now(timezone.utc)
+    spec = JobSpec.model_validate({"name": "tiny", "command": command})
+    with session_scope(engine) as session:
+        run = Run(
+            spec_name="tiny", spec=spec.model_dump(mode="json"), state=RunState.STOPPED,
+            requester=requester, channel=channel, last_committed_step=committed,
+            projection={"asked": True, "cost_usd": cost_usd}, created_at=now, updated_at=now,
+        )  # fmt: skip
+        session.add(run)
+        session.flush()
+        return run.id
 
 
 def test_stop_keeps_a_profiled_run_stopped_and_answers_once(slack: Slack) -> None:
     deps = slack.cp.deps
-    now = datetime.now(timezone.utc)
-    spec = JobSpec.model_validate({"name": "tiny", "command": ["python", "train.py"]})
-    with session_scope(deps.engine) as session:
-        run = Run(
-            spec_name="tiny", spec=spec.model_dump(mode="json"), state=RunState.STOPPED,
-            requester=ADA, channel=CHANNEL, last_committed_step=40,
-            projection={"asked": True, "cost_usd": 12.0}, created_at=now, updated_at=now,
-        )  # fmt: skip
-        session.add(run)
-        session.flush()
-        run_id = run.id
+    run_id = asked_run(
+        deps.engine, requester=ADA, channel=CHANNEL, command=["python", "train.py"],
+        committed=40, cost_usd=12.0,
+    )  # fmt: skip
     _, path = slack.action("profile_stop", run_id, user=ADA)
     slack.wait_journal("profile_answered", run=run_id, timeout=15)
     with session_scope(deps.engine) as session:
@@ -222,6 +239,8 @@ def test_stop_keeps_a_profiled_run_stopped_and_answers_once(slack: Slack) -> Non
     assert "already chose stop" in slack.hooks.wait(path)["text"]
     assert _run_ids(slack) == [run_id]
     # A run that asked nothing has no question to answer.
+    now = datetime.now(timezone.utc)
+    spec = JobSpec.model_validate({"name": "tiny", "command": ["python", "train.py"]})
     with session_scope(deps.engine) as session:
         plain = Run(
             spec_name="tiny", spec=spec.model_dump(mode="json"), state=RunState.STOPPED,

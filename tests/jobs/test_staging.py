@@ -58,6 +58,7 @@ from tests.bot.test_slack_app import ADA, BOB, CHANNEL, TOKEN, slack_plane, slac
 from tests.fakes.gcs_emulator import create_bucket as create_gcs_bucket
 from tests.fakes.gcs_emulator import gcs_emulator
 from tests.fakes.slack_api import FakeSlack
+from tests.jobs.local_plane import closing_each
 from tests.jobs.test_alerts import RecordingNotifier
 
 __all__ = ["gcs_emulator"]  # the session's emulator, a fixture
@@ -83,23 +84,17 @@ def staging_settings(tmp_path: Path, **env: str) -> Settings:
 
 @pytest.fixture
 def make_deps(db_engine: Engine, tmp_path: Path) -> Iterator[Any]:
-    made: list[Deps] = []
-
-    def make(settings: Settings) -> Deps:
-        deps = Deps(
+    def build(settings: Settings) -> Deps:
+        return Deps(
             settings=settings,
             engine=db_engine,
             provider=LocalProvider(tmp_path / "local"),
             notifier=RecordingNotifier(),
             replica="test",
         )
-        made.append(deps)
-        return deps
 
-    yield make
-    for deps in made:
-        deps.close()
-        deps.provider.close()
+    with closing_each(build) as make:
+        yield make
 
 
 def test_s3_copy_across_regions(moto_server: str, make_deps: Any, tmp_path: Path) -> None:
