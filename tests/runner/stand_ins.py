@@ -1,13 +1,17 @@
 """What the runner tests hand a session in place of the training script's own parts: an
-event sink that keeps what it is given, and tracked state of a chosen size or step."""
+event sink that keeps what it is given, tracked state of a chosen size or step, and a
+supervisor of a few lines of Python."""
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+
+from runner.supervisor import Supervisor
 
 
 class Recorder:
@@ -60,3 +64,11 @@ class Counter:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
+
+
+def supervising(code: str, sink: Recorder, *, env: Mapping[str, str], **options: Any) -> Supervisor:
+    """A Supervisor of ``python -c code`` reporting to ``sink``; this process's signal
+    handlers are left alone (a test's notice comes through ``options["flag"]``)."""
+    return Supervisor(
+        [sys.executable, "-c", code], sink=sink, install_signals=False, env=dict(env), **options
+    )

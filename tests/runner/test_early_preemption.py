@@ -28,10 +28,9 @@ from runner import EXIT_PREEMPTED, EXIT_SUCCEEDED
 from runner.layout import list_committed
 from runner.preemption import Notice, PreemptionFlag
 from runner.store import LocalStore
-from runner.supervisor import Supervisor
 from runner.sync import CheckpointSync
-from tests.runner.stand_ins import Recorder
-from tests.runner.tinyproc import TINY, tiny_env
+from tests.runner.stand_ins import Recorder, supervising
+from tests.runner.tinyproc import TINY, preempt_when, tiny_env
 
 EXEC = [sys.executable, "-m", "runner.cli", "exec"]
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -66,21 +65,6 @@ def _children(pid: int) -> list[int]:
     except OSError:
         pass
     return out
-
-
-def _preempt_when(
-    proc: subprocess.Popen[str], ready: Callable[[], bool], timeout: float = 60
-) -> tuple[int, str, str]:
-    """SIGTERM the attempt's process group once ``ready()``; its exit code and output."""
-    deadline = time.monotonic() + timeout
-    while not ready():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            out, err = proc.communicate(timeout=30)
-            pytest.fail(f"the moment never came (exit {proc.returncode}): {err[-2000:]}")
-        time.sleep(0.001)
-    os.killpg(proc.pid, signal.SIGTERM)
-    out, err = proc.communicate(timeout=60)
-    return proc.returncode, out, err
 
 
 def _committed(store: Path) -> list[int]:
@@ -139,14 +123,8 @@ def test_a_notice_before_the_command_starts_does_not_start_it(tmp_path: Path) ->
     flag.set(Notice(source="aws", reason="test", received_at=now, deadline=now + 120))
     sink = Recorder()
     sync = CheckpointSync(store=LocalStore(tmp_path / "ck"), root=tmp_path / "sync")
-    code = Supervisor(
-        [sys.executable, "-c", f"open({str(marker)!r}, 'w')"],
-        sink=sink,
-        flag=flag,
-        install_signals=False,
-        sync=sync,
-        env=_env(tmp_path, "r-before"),
-    ).run()
+    script = f"open({str(marker)!r}, 'w')"
+    code = supervising(script, sink, env=_env(tmp_path, "r-before"), flag=flag, sync=sync).run()
     assert code == EXIT_PREEMPTED
     assert not marker.exists()
     assert [t for t, _ in sink.events] == ["preemption_notice", "exit"]
@@ -177,14 +155,7 @@ def test_a_plain_script_ends_preempted_whatever_it_exits_after_a_notice(
     )
     flag = PreemptionFlag()
     sink = Recorder()
-    sup = Supervisor(
-        [sys.executable, "-c", script],
-        sink=sink,
-        flag=flag,
-        install_signals=False,
-        env=_env(tmp_path, "r-codes"),
-        poll_s=0.02,
-    )
+    sup = supervising(script, sink, env=_env(tmp_path, "r-codes"), flag=flag, poll_s=0.02)
 
     def notice() -> None:
         while sup.child is None:
@@ -239,7 +210,7 @@ def test_a_plain_script_preempted_at_any_moment_resumes(tmp_path: Path, moment: 
     }[moment]
     sync1 = tmp_path / "instance-1" / "ckpt"
     proc = _start(["--sync-dir", str(sync1), "--settle", "0.3", "--", *script], env)
-    code, _, err = _preempt_when(proc, ready)
+    code, _, err = preempt_when(proc, ready)
     assert code == EXIT_PREEMPTED, err
     committed = _committed(store)
     if moment in ("start", "before_first"):
@@ -308,7 +279,7 @@ def test_a_session_script_preempted_at_any_moment_resumes(
         "before_last": lambda: steps() >= 10,
     }[moment]
     proc = _start(["--", *tiny], env)
-    code, _, err = _preempt_when(proc, ready)
+    code, _, err = preempt_when(proc, ready)
     assert code == EXIT_PREEMPTED, err
     committed = _committed(store)
     if moment == "start":

@@ -20,10 +20,9 @@ import pytest
 from runner import EXIT_PREEMPTED, EXIT_SUCCEEDED
 from runner.layout import list_committed, read_manifest
 from runner.store import LocalStore
-from runner.supervisor import Supervisor
 from runner.sync import FILES_LABEL, CheckpointSync, file_step
-from tests.runner.stand_ins import Recorder
-from tests.runner.tinyproc import tiny_env
+from tests.runner.stand_ins import Recorder, supervising
+from tests.runner.tinyproc import preempt_when, tiny_env
 
 EXEC = [sys.executable, "-m", "runner.cli", "exec"]
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -96,14 +95,7 @@ def test_a_file_the_script_still_has_open_is_not_committed_when_it_dies(tmp_path
     env = tiny_env(tmp_path)
     env.pop("TRAINBOT_EVENTS_FILE")
     sink = Recorder()
-    sup = Supervisor(
-        [sys.executable, "-c", script],
-        sink=sink,
-        sync=sync,
-        install_signals=False,
-        env=env,
-        poll_s=0.05,
-    )
+    sup = supervising(script, sink, env=env, sync=sync, poll_s=0.05)
     assert sup.run() == 1
     assert [e.step for e in list_committed(sync.store)] == [5]
     assert sync.torn == {"ckpt-7.pt"}
@@ -118,9 +110,7 @@ def test_a_script_that_writes_nothing_syncable_is_told_so(tmp_path: Path) -> Non
     env = tiny_env(tmp_path)
     env.pop("TRAINBOT_EVENTS_FILE")
     sink = Recorder()
-    code = Supervisor(
-        [sys.executable, "-c", script], sink=sink, sync=sync, install_signals=False, env=env
-    ).run()
+    code = supervising(script, sink, env=env, sync=sync).run()
     assert code == EXIT_SUCCEEDED
     warnings = [d["message"] for t, d in sink.events if t == "log" and d["level"] == "warning"]
     assert len(warnings) == 1
@@ -145,15 +135,14 @@ def _preempt_after_a_checkpoint(
         text=True,
         start_new_session=True,
     )
-    deadline = time.monotonic() + 120
-    while not any(e.step >= at for e in list_committed(store)):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            _, err = proc.communicate(timeout=30)
-            pytest.fail(f"no checkpoint committed (exit {proc.returncode}): {err[-3000:]}")
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == EXIT_PREEMPTED, err
+    code, _, err = preempt_when(
+        proc,
+        lambda: any(e.step >= at for e in list_committed(store)),
+        what=f"a checkpoint of step {at}",
+        timeout=120,
+        poll_s=0.05,
+    )
+    assert code == EXIT_PREEMPTED, err
     return list_committed(store)[-1].step
 
 

@@ -29,7 +29,7 @@ from runner.preemption import Notice, PreemptionFlag
 from runner.store import LocalStore
 from runner.supervisor import Supervisor
 from runner.sync import CheckpointSync
-from tests.runner.stand_ins import Recorder
+from tests.runner.stand_ins import Recorder, supervising
 from tests.runner.tinyproc import tiny_env
 
 
@@ -304,15 +304,7 @@ def test_at_the_notice_what_is_whole_is_synced_before_the_script_is_stopped(
     notifier = threading.Thread(target=notice_once_written)
     notifier.start()
     sink = Recorder()
-    code = Supervisor(
-        [sys.executable, "-c", WRITES_THEN_WAITS],
-        sink=sink,
-        sync=sync,
-        flag=flag,
-        install_signals=False,
-        env=env,
-        poll_s=0.05,
-    ).run()
+    code = supervising(WRITES_THEN_WAITS, sink, env=env, sync=sync, flag=flag, poll_s=0.05).run()
     notifier.join()
     assert code == EXIT_PREEMPTED
     assert [e.step for e in list_committed(sync.store)] == [40]

@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,14 @@ from runner.checkpoint import (
 from runner.store.gcs import GCSStore
 from tests.fakes.gcs_emulator import create_bucket, gcs_emulator
 from tests.fakes.ingest import FakeIngest
-from tests.runner.tinyproc import ROOT, TINY, run_tiny, tiny_env
+from tests.runner.tinyproc import (
+    ROOT,
+    TINY,
+    first_line_then_stop,
+    preempt_once_synced,
+    run_tiny,
+    tiny_env,
+)
 
 __all__ = ["gcs_emulator"]  # the session's emulator, a fixture
 
@@ -132,12 +138,7 @@ def test_exec_sync_dir_syncs_to_gs_and_restores_on_a_new_instance(
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.monotonic() + 60
-    while len(list(sync.glob("epoch-*"))) < 3 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    time.sleep(0.8)  # past the settle time, so the early folders are synced
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
+    err = preempt_once_synced(proc, sync)
     assert proc.returncode == EXIT_PREEMPTED, err
     store = GCSStore(bucket, "ck/r-files", emulator_host=gcs_emulator)
     steps = [e.step for e in list_committed(store)]
@@ -153,10 +154,7 @@ def test_exec_sync_dir_syncs_to_gs_and_restores_on_a_new_instance(
         stderr=subprocess.PIPE,
         text=True,
     )
-    assert proc.stdout is not None
-    first_line = proc.stdout.readline()
-    proc.send_signal(signal.SIGTERM)
-    proc.communicate(timeout=60)
+    first_line = first_line_then_stop(proc)
     assert first_line.strip() == f"start {steps[-1]}"
     restored = sync2 / f"epoch-{steps[-1]}" / "weights.bin"
     assert restored.read_bytes() == bytes([steps[-1] % 256]) * 100_000

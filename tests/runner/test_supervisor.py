@@ -20,7 +20,7 @@ from runner.store import LocalStore
 from runner.supervisor import Supervisor
 from runner.telemetry import NullSink
 from tests.fakes.ingest import FakeIngest
-from tests.runner.tinyproc import ROOT, TINY, tiny_env
+from tests.runner.tinyproc import ROOT, TINY, first_line_then_stop, preempt_once_synced, tiny_env
 
 pytestmark = pytest.mark.slow
 
@@ -117,13 +117,7 @@ def test_a_script_that_only_writes_files_gets_them_synced_and_restored(tmp_path:
     proc = _exec(
         ["--sync-dir", str(sync), "--settle", "0.3", "--", sys.executable, "-c", FILE_WRITER], env
     )
-    # Wait until the script has written a few folders (slow machines start slowly).
-    deadline = time.monotonic() + 60
-    while len(list(sync.glob("epoch-*"))) < 3 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    time.sleep(0.8)  # past the settle time, so the early folders are synced
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=30)
+    err = preempt_once_synced(proc, sync, timeout_s=30)
     # The script exits 0 after SIGTERM, but the run was preempted with files committed.
     assert proc.returncode == EXIT_PREEMPTED, err
     store = LocalStore(tmp_path / "ck" / "r-files")
@@ -139,10 +133,7 @@ def test_a_script_that_only_writes_files_gets_them_synced_and_restored(tmp_path:
         env,
     )
     # The script resumes from the restored epoch; stop it once it says so.
-    assert proc.stdout is not None
-    first_line = proc.stdout.readline()
-    proc.send_signal(signal.SIGTERM)
-    proc.communicate(timeout=30)
+    first_line = first_line_then_stop(proc, timeout_s=30)
     assert first_line.strip() == f"start {steps[-1]}"
     restored = sync2 / f"epoch-{steps[-1]}" / "weights.bin"
     assert restored.read_bytes() == bytes([steps[-1] % 256]) * 1000

@@ -100,3 +100,51 @@ def exec_synced(
     )
     assert done.returncode == 0, done.stderr
     return done
+
+
+def preempt_once_synced(
+    proc: subprocess.Popen[str], sync: Path, *, settle_s: float = 0.8, timeout_s: float = 60
+) -> str:
+    """SIGTERM ``proc`` (``trainbot-runner exec --sync-dir sync`` over a script writing
+    ``epoch-N`` folders) once three folders are there (slow machines start slowly) and
+    ``settle_s`` later, past the settle time, so the early ones are synced; its stderr once
+    it exited."""
+    deadline = time.monotonic() + 60
+    while len(list(sync.glob("epoch-*"))) < 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(settle_s)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=timeout_s)
+    return err
+
+
+def first_line_then_stop(proc: subprocess.Popen[str], *, timeout_s: float = 60) -> str:
+    """The first line ``proc`` prints (its script's first word once the runner restored
+    what it needs); then ``proc`` is sent SIGTERM and waited for."""
+    assert proc.stdout is not None
+    first_line = proc.stdout.readline()
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=timeout_s)
+    return first_line
+
+
+def preempt_when(
+    proc: subprocess.Popen[str],
+    ready: Callable[[], bool],
+    *,
+    what: str = "the moment",
+    timeout: float = 60,
+    poll_s: float = 0.001,
+) -> tuple[int, str, str]:
+    """SIGTERM the attempt's process group (``proc`` started a session) once ``ready()``;
+    its exit code and output. The test fails, saying ``what`` never came, when ``proc``
+    ends first or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _, err = proc.communicate(timeout=30)
+            pytest.fail(f"{what} never came (exit {proc.returncode}): {err[-3000:]}")
+        time.sleep(poll_s)
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    return proc.returncode, out, err
