@@ -24,7 +24,7 @@ from jobs.process.bootstrap import ControlPlane
 from jobs.process.deps import Deps
 from jobs.runs import end_attempt, reconcile
 from jobs.usecases import service
-from tests.jobs import test_runs
+from tests.jobs.rows import sleeping_spec
 from tests.jobs.test_aws_control_plane import Recorder
 from tests.jobs.test_control_plane import (
     ADA,
@@ -35,9 +35,6 @@ from tests.jobs.test_control_plane import (
     settings_for,
 )
 from tests.waiting import wait_until
-
-# The unit tests' control plane (a database and the local provider), under its name.
-deps = test_runs.deps
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "crash_once.py"
 
@@ -145,7 +142,7 @@ def test_preemptions_beyond_the_old_max_attempts_do_not_fail_the_run(plane: Plan
 def _run_with(deps: Deps, resubmit: dict[str, Any], *, preemptions: int, failed: int) -> str:
     """A running run with ``resubmit`` in its spec, ``preemptions`` and ``failed`` earlier
     attempts (those exited 134), and attempt "a-now" running."""
-    spec = {**test_runs._spec(), "resubmit": {"backoff_s": 3600, **resubmit}}
+    spec = sleeping_spec(resubmit={"backoff_s": 3600, **resubmit})
     with session_scope(deps.engine) as session:
         run = Run(id="r-count", spec_name="tiny", spec=spec, requester="ada")
         run.state, run.preemptions, run.last_committed_step = RunState.RUNNING, preemptions, 40
