@@ -249,8 +249,9 @@ class IngestService:
     ) -> Applied | None:
         """One transaction; ``None`` when the token was revoked meanwhile.
 
-        Each event's ``data`` column gets the JSON text the wire decoded it from
-        (:attr:`runner.wire.Batch.texts`), not an encoding of the normalised dict.
+        Each event's ``data`` column gets :attr:`runner.wire.Batch.texts`: the payload as
+        standard JSON text that decodes to the values the rules saw (an integer sent for a
+        float field stored as the float it became), made once by the decoder.
         """
         if self._postgres:
             return self._store_postgres(principal, batch, kinds, now=now)
