@@ -304,9 +304,9 @@ class Settings(BaseSettings):
             raise ValueError(f"expected one of {', '.join(LOG_LEVELS)} (any case)")
         return level
 
-    @field_validator("state_dir", mode="after")
+    @field_validator("state_dir", "specs_dir", mode="after")
     @classmethod
-    def _absolute_state_dir(cls, value: Path) -> Path:
+    def _absolute_dir(cls, value: Path) -> Path:
         return value.expanduser().absolute()
 
     @field_validator("staging_buckets", mode="after")
@@ -319,11 +319,6 @@ class Settings(BaseSettings):
                     f"{pair!r} is not REGION=BUCKET_URI (us-west-2=s3://team-stage-usw2)"
                 )
         return value
-
-    @field_validator("specs_dir", mode="after")
-    @classmethod
-    def _absolute_specs_dir(cls, value: Path) -> Path:
-        return value.expanduser().absolute()
 
     @field_validator("spec_sources", mode="after")
     @classmethod
