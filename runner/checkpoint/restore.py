@@ -1,7 +1,8 @@
 """Restoring a session's state: the newest committed checkpoint that verifies.
 
 A checkpoint that fails to read or verify is skipped for the one before it.
-:class:`Prefetch` does the same on a background thread while the caller builds its model.
+:class:`Reading` does the same on a background thread, which the caller can cancel;
+:class:`Prefetch` starts one while the caller builds its model.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import io
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,13 +112,17 @@ def _restore_from(
     below: int | None,
     cancel: threading.Event | None,
     t0: float,
+    seen: Callable[[Manifest], None] | None = None,
 ) -> Restored:
+    """``seen`` is told each manifest before its checkpoint is read."""
     skipped: list[tuple[int, str]] = []
     for entry in reversed(entries):
         if below is not None and entry.step >= below:
             continue
         try:
             manifest = read_manifest(store, entry.step)
+            if seen is not None:
+                seen(manifest)
             state = load_checkpoint(store, manifest, cancel=cancel)
         except (CheckpointError, StoreError) as exc:
             log.warning(
@@ -145,21 +151,22 @@ def none_usable(store: Store, skipped: list[tuple[int, str]]) -> CheckpointError
     return NoCheckpointError(f"no committed checkpoint in {store.uri}")
 
 
-class Prefetch:
-    """The newest usable checkpoint, read and verified on a background thread.
-
-    A :class:`~runner.session.Session` starts one when it is created, so that reading the
-    shards and hashing them (both release the GIL) overlap with the caller building its
-    model and optimizer. Fallback past a corrupt checkpoint happens here too. The memory
-    it holds is the state the restore needs anyway, and :meth:`take` hands it over once.
+class Reading:
+    """The newest usable checkpoint (below ``below``), read and verified on a background
+    thread, so that the caller can watch something else meanwhile (a preemption notice:
+    a session gives a restore up when the window has no room left for it) and cancel it.
     """
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, *, below: int | None = None) -> None:
         self.store = store
+        self.below = below
         self._cancel = threading.Event()
-        #: Newest committed step when the prefetch listed the store; unset if listing failed.
+        #: Newest committed step when the reading listed the store; unset if listing failed.
         self._newest: int | None = None
         self._listed = False
+        #: The manifest of the checkpoint being read, once it has been read.
+        self.manifest: Manifest | None = None
+        self._candidate: int | None = None
         self._result: Restored | None = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="ckpt-prefetch", daemon=True)
@@ -170,17 +177,64 @@ class Prefetch:
         try:
             entries = list_committed(self.store)
             self._newest = entries[-1].step if entries else None
+            wanted = [e.step for e in entries if self.below is None or e.step < self.below]
+            self._candidate = wanted[-1] if wanted else None
             self._listed = True
             self._result = _restore_from(
-                self.store, entries, below=None, cancel=self._cancel, t0=t0
+                self.store, entries, below=self.below, cancel=self._cancel, t0=t0, seen=self._seen
             )
-        except BaseException as exc:  # handed to the caller by take()
+        except BaseException as exc:  # handed to the caller by result() or take()
             self._error = exc
+
+    def _seen(self, manifest: Manifest) -> None:
+        self.manifest = manifest
+        self._candidate = manifest.step
+
+    @property
+    def step(self) -> int | None:
+        """The step being read: the newest committed (below ``below``) once listed, the
+        one actually read once its manifest is in; None before the listing."""
+        return self._candidate
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until the reading is over (done, failed or cancelled); False on timeout."""
         self._thread.join(timeout)
         return not self._thread.is_alive()
+
+    def cancel(self) -> None:
+        """Stop reading at the next chunk, without waiting for it: the reading thread ends
+        on its own, and what it read is dropped."""
+        self._cancel.set()
+
+    def result(self) -> Restored:
+        """Wait for the reading and hand over its checkpoint; raises what restoring raised
+        (no checkpoint, none usable, :class:`PrefetchCancelled`)."""
+        self._thread.join()
+        result, error = self._result, self._error
+        self._result = self._error = None
+        if error is not None:
+            raise error
+        assert result is not None
+        return result
+
+    def close(self) -> None:
+        """Stop reading (at the next chunk), wait for the threads and drop what was read."""
+        self._cancel.set()
+        self._thread.join()
+        self._result = self._error = None
+
+
+class Prefetch(Reading):
+    """The newest usable checkpoint, read and verified on a background thread.
+
+    A :class:`~runner.session.Session` starts one when it is created, so that reading the
+    shards and hashing them (both release the GIL) overlap with the caller building its
+    model and optimizer. Fallback past a corrupt checkpoint happens here too. The memory
+    it holds is the state the restore needs anyway, and :meth:`take` hands it over once.
+    """
+
+    def __init__(self, store: Store) -> None:
+        super().__init__(store)
 
     def take(self) -> Restored | None:
         """Wait for the prefetch and hand over its checkpoint.
@@ -205,12 +259,6 @@ class Prefetch:
         if error is not None:
             raise error
         return result
-
-    def close(self) -> None:
-        """Stop reading (at the next chunk), wait for the threads and drop what was read."""
-        self._cancel.set()
-        self._thread.join()
-        self._result = self._error = None
 
 
 def verify(store: Store, step: int) -> list[str]:

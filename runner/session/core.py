@@ -21,7 +21,7 @@ from typing import Any, Protocol, Self
 
 from runner import EXIT_FAILED, EXIT_PREEMPTED, EXIT_SUCCEEDED
 from runner._site import sitecustomize as stack_hook
-from runner.checkpoint import CheckpointWriter, CommitInfo, Prefetch, Restored, restore_latest
+from runner.checkpoint import CheckpointWriter, CommitInfo, Prefetch
 from runner.errors import NoCheckpointError, RunnerError
 from runner.preemption import (
     Notice,
@@ -37,6 +37,7 @@ from runner.session.config import SessionConfig, default_sink
 from runner.session.notice import NoticeWindow
 from runner.session.on_notice import OnNotice
 from runner.session.policy import EverySteps, SaveDecision
+from runner.session.restoring import Restoring
 from runner.state import capture_rng, flatten, restore_rng, state_digest
 from runner.store import Store, run_store
 from runner.telemetry import EventSink
@@ -54,14 +55,16 @@ class Stateful(Protocol):
     def load_state_dict(self, state: Any, /) -> Any: ...
 
 
-class Session(OnNotice):
+class Session(Restoring, OnNotice):
     """One process's part of a run. Use it as a context manager around the training loop.
 
     Creating it starts reading and verifying the newest committed checkpoint on background
     threads (unless ``prefetch=False``), so create it before building the model and
     optimizer: the read then overlaps with their construction, and :meth:`restore` only
     waits for what is left. The memory held is the checkpoint's size, which the restore
-    needs anyway; closing the session without restoring stops the read and frees it.
+    needs anyway; closing the session without restoring stops the read and frees it. A
+    preemption notice while it restores ends the attempt at once when the window has no
+    room left for the restore, a step and a flush (:mod:`runner.session.restoring`).
     """
 
     def __init__(
@@ -279,15 +282,6 @@ class Session(OnNotice):
         if self.config.dry_run_phase == "verify":
             self._report_dry_run("restored")
         return self.step
-
-    def _read_latest(self, below: int | None) -> Restored:
-        """The checkpoint to restore: the prefetched one, or the newest below ``below``."""
-        return self._take_prefetched() or restore_latest(self.store, below=below)
-
-    def _take_prefetched(self) -> Restored | None:
-        """The checkpoint read since the session was created; None to read it now."""
-        prefetch, self.prefetch = self.prefetch, None
-        return prefetch.take() if prefetch is not None else None
 
     # -- the loop
 

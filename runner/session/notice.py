@@ -72,6 +72,9 @@ class NoticeWindow:
     stopped_because: str = ""
     #: The step training stopped at.
     stopped_step: int | None = None
+    #: Whether the notice came while the session was still restoring and it gave the
+    #: restore up (no room left in the window for a step and a flush after it).
+    restore_given_up: bool = False
 
     # -- the record
 
@@ -160,6 +163,8 @@ class NoticeWindow:
             "trained_on_steps": max(0, step - self.notice_step),
             "given_up_steps": max(0, given_up),
         }
+        if self.restore_given_up:
+            data["restore_given_up"] = True
         data["summary"] = summarize(self, step=step, committed_step=committed_step)
         return data
 
@@ -189,6 +194,8 @@ def _flush_words(flush: Flush, window_s: float | None) -> str:
 
 def summarize(window: NoticeWindow, *, step: int, committed_step: int | None) -> str:
     """One sentence for a tired on-call engineer."""
+    if window.restore_given_up:
+        return _restore_words(window, committed_step=committed_step)
     landed = [f for f in window.flushes if f.landed]
     missed = [f for f in window.flushes if not f.landed]
     parts: list[str] = []
@@ -213,3 +220,18 @@ def summarize(window: NoticeWindow, *, step: int, committed_step: int | None) ->
     else:
         parts.append("nothing given up")
     return "; ".join(parts)
+
+
+def _restore_words(window: NoticeWindow, *, committed_step: int | None) -> str:
+    """The sentence of an attempt noticed while it was still restoring."""
+    of = f" {window.window_s:.3g} s" if window.window_s is not None else ""
+    head = (
+        f"the notice came while the attempt was still restoring; with no room left in "
+        f"the{of} window for a step and a flush after it, the restore was given up"
+    )
+    if committed_step is None:
+        return f"{head}; nothing was trained in this attempt, so nothing was lost"
+    return (
+        f"{head}; nothing was trained since step {committed_step}, so nothing was lost: "
+        f"the next attempt resumes from step {committed_step}"
+    )
