@@ -13,6 +13,7 @@ import os
 import socket
 import statistics
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Mapping
@@ -34,6 +35,7 @@ from runner.preemption import (
 from runner.session import phases
 from runner.session.alerts import DEFAULT_WAIT_S, AlertGate, alert_payload
 from runner.session.config import SessionConfig, default_sink
+from runner.session.exit_guard import ExitGuard
 from runner.session.notice import NoticeWindow
 from runner.session.on_notice import OnNotice
 from runner.session.policy import EverySteps, SaveDecision
@@ -120,8 +122,12 @@ class Session(Restoring, OnNotice):
         self._window: NoticeWindow | None = None
         #: What the flushes of a preempted exit did (the exit event's ``flush``).
         self._flush_report: dict[str, Any] | None = None
-        #: Whether the exit event has been emitted (a preempted one goes first).
+        #: Whether the exit event has been emitted (a preempted one goes first); set under
+        #: ``_exit_lock``, since the exit guard's thread may send it too.
         self._exit_sent = False
+        self._exit_lock = threading.Lock()
+        #: Sends a preempted exit just before the deadline if the main thread has not.
+        self._guard: ExitGuard | None = None
         #: The script's alerts sent, per title (session.alert's wait).
         self._alerts = AlertGate()
         #: Whether the supervisor's notice (with the real deadline) has been read.
@@ -160,6 +166,10 @@ class Session(Restoring, OnNotice):
         # started with ``python -I``, which skips the site hook; a no-op outside it.
         stack_hook.install()
         self.sink.emit("started", {"pid": os.getpid(), "host": socket.gethostname()})
+        self._guard = ExitGuard(
+            self.flag, send=self._send_late_exit, refresh=self._read_relayed_notice
+        )
+        self._guard.start()
         return self
 
     def __exit__(
@@ -187,10 +197,18 @@ class Session(Restoring, OnNotice):
         if self._signals is not None:
             self._signals.__exit__(None, None, None)
             self._signals = None
-        if not self._exit_sent:
-            self._exit_sent = True
+        if self._guard is not None:
+            self._guard.stop()  # before the sink closes: it may be sending the exit
+            self._guard = None
+        if self._mark_exit_sent():
             self.sink.emit("exit", {"code": self.exit_code, "reason": self._exit_reason()})
         self.sink.close()
+
+    def _mark_exit_sent(self) -> bool:
+        """Mark the exit sent; whether it was not already (so the caller sends it)."""
+        with self._exit_lock:
+            sent, self._exit_sent = self._exit_sent, True
+        return not sent
 
     def _send_preempted_exit(self) -> None:
         """A preempted attempt's exit, with its flush report, sent now: the instance is
@@ -198,9 +216,8 @@ class Session(Restoring, OnNotice):
         gang, for the other ranks), which would hold it past the kill (issue 29). The
         write goes on while the process lives; the next attempt restores whatever is
         committed by then. Any other exit is sent last, once everything is done."""
-        if self._exit_sent or self._exit_reason() != "preempted":
+        if self._exit_reason() != "preempted" or not self._mark_exit_sent():
             return
-        self._exit_sent = True
         data: dict[str, Any] = {"code": self.exit_code, "reason": "preempted"}
         if self._flush_report is not None:
             data["flush"] = self._flush_report

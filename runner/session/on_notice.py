@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from runner import EXIT_FAILED, EXIT_PREEMPTED, EXIT_SUCCEEDED
 from runner.preemption import read_notice, write_seconds
+from runner.session.exit_guard import GUARD_S
 from runner.session.notice import REPORT_S, NoticeWindow
 
 if TYPE_CHECKING:
@@ -54,6 +55,8 @@ class OnNotice:
         def _write_measured(self) -> tuple[float | None, float]: ...
         def _flush_fits(self, nbytes: int, left: float | None) -> bool: ...
         def _save(self, *, copy: bool = True) -> None: ...
+        def _mark_exit_sent(self) -> bool: ...
+        def _reading_step(self) -> int | None: ...
 
     def _train_on(self) -> bool:
         """Whether the loop may take another step after a preemption notice.
@@ -156,6 +159,40 @@ class OnNotice:
     def _notice_source(self) -> str | None:
         notice = self.flag.notice
         return notice.source if notice else None
+
+    def _send_late_exit(self) -> None:
+        """The exit guard's exit (:mod:`runner.session.exit_guard`), sent from its thread
+        when the main thread has not come back by then: a step of the script's still
+        running, or anything else stuck. Not after a stop request, which no kill follows."""
+        if self._notice_source() == "stop" or not self._mark_exit_sent():
+            return
+        report = self._late_report()
+        log.warning("preempted: %s", report["summary"])
+        self.sink.emit("exit", {"code": EXIT_PREEMPTED, "reason": "preempted", "flush": report})
+
+    def _late_report(self) -> dict[str, Any]:
+        """What is known just before the kill, the main thread being elsewhere: the
+        notice window's record if the loop opened one, the newest committed step (during
+        a restore, the one being read) and the steps done since."""
+        notice = self.flag.notice
+        now = time.monotonic()
+        committed = self.committed_step
+        if committed is None:
+            committed = self._reading_step()
+        step = max(self.step, committed or 0)
+        window = self._window or NoticeWindow(
+            notice_step=step,
+            received_at=notice.received_at if notice else now,
+            window_s=notice.deadline - notice.received_at if notice else None,
+        )
+        report = window.report(step=step, committed_step=committed, now=now)
+        report["late"] = True
+        report["summary"] = (
+            f"the training script had not handed control back to trainbot {GUARD_S:.2g} s "
+            "before the kill (a step still running, or the restore), so this report was "
+            "sent without it: " + report["summary"]
+        )
+        return report
 
     # -- checkpoints
 

@@ -36,6 +36,9 @@ WATCH_S = 0.05
 class Restoring:
     """The session's restore read (a mixin: the state is the session's)."""
 
+    #: The read under way (the last one, once over).
+    _reading: Reading | None = None
+
     if TYPE_CHECKING:
         config: SessionConfig
         sink: EventSink
@@ -61,13 +64,18 @@ class Restoring:
         Either read is waited for with the flag in view (:meth:`_await_read`)."""
         prefetch, self.prefetch = self.prefetch, None
         if prefetch is not None:
+            self._reading = prefetch
             self._await_read(prefetch)
             restored = prefetch.take()
             if restored is not None:
                 return restored
-        reading = Reading(self.store, below=below)
+        self._reading = reading = Reading(self.store, below=below)
         self._await_read(reading)
         return reading.result()
+
+    def _reading_step(self) -> int | None:
+        """The step a restore is reading (or read); None before it has listed the store."""
+        return self._reading.step if self._reading is not None else None
 
     def _await_read(self, reading: Reading) -> None:
         """Wait for ``reading`` to end; on a notice that leaves no room for it, cancel it

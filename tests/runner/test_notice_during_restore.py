@@ -100,6 +100,7 @@ def _child(argv: Sequence[str]) -> None:
     parser.add_argument("root")
     parser.add_argument("--read-s", type=float, required=True)
     parser.add_argument("--no-prefetch", action="store_true")
+    parser.add_argument("--step-s", type=float, default=STEP_S)
     args = parser.parse_args(argv)
     store = SlowReads(LocalStore(Path(args.root) / RUN), STATE_BYTES / args.read_s)
     weights = Weights(STATE_FLOATS)
@@ -107,7 +108,7 @@ def _child(argv: Sequence[str]) -> None:
         s.track(weights=weights)
         for step in s.steps(100_000):
             weights.t[step % STATE_FLOATS] += 1.0
-            time.sleep(STEP_S)
+            time.sleep(args.step_s)
     sys.exit(s.exit_code)
 
 
@@ -151,9 +152,17 @@ class Attempt:
 
 
 def _run_attempt(
-    root: Path, *, read_s: float, window_s: float, train_on: bool, prefetch: bool = True
+    root: Path,
+    *,
+    read_s: float,
+    window_s: float,
+    train_on: bool,
+    prefetch: bool = True,
+    step_s: float = STEP_S,
+    notice_on: str = "started",
 ) -> Attempt:
-    """Start the child and send it SIGTERM once it has started (it is restoring then).
+    """Start the child and send it SIGTERM once it has sent ``notice_on`` ("started": it
+    is restoring then).
     At the deadline the child is SIGKILLed, as a spot instance's end does, unless its exit
     (which is what the control plane waits for) has been written by then: it is then left
     to end, to see how it ends."""
@@ -170,7 +179,8 @@ def _run_attempt(
         OMP_NUM_THREADS="1",
     )
     cmd = [sys.executable, "-m", "tests.runner.test_notice_during_restore", str(root)]
-    cmd += ["--read-s", str(read_s)] + ([] if prefetch else ["--no-prefetch"])
+    cmd += ["--read-s", str(read_s), "--step-s", str(step_s)]
+    cmd += [] if prefetch else ["--no-prefetch"]
     follower = follow_file(events_path)
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     attempt = Attempt()
@@ -178,7 +188,7 @@ def _run_attempt(
     while proc.poll() is None and time.monotonic() < give_up_at:
         now = time.monotonic()
         attempt.events.extend((t, dict(d), now) for t, _, d in follower)
-        if not attempt.signalled_at and any(t == "started" for t, _, _ in attempt.events):
+        if not attempt.signalled_at and any(t == notice_on for t, _, _ in attempt.events):
             attempt.seen_before_notice = [t for t, _, _ in attempt.events]
             proc.send_signal(signal.SIGTERM)
             attempt.signalled_at = time.monotonic()
@@ -251,6 +261,28 @@ def test_a_restore_that_fits_the_window_trains_on_and_flushes(tmp_path: Path) ->
     committed = report["committed_step"]
     assert committed is not None and committed >= COMMITTED
     assert restore_latest(LocalStore(tmp_path / RUN)).step >= committed
+
+
+def test_a_step_running_past_the_deadline_still_reports_the_exit(tmp_path: Path) -> None:
+    """The notice comes during a 4 s step of the script's, with a 1.5 s window: the main
+    thread is not back before the kill, so the exit guard sends the exit, with what is
+    committed, before the deadline; the loop's own end later sends no second one."""
+    _first_attempt(tmp_path)
+    attempt = _run_attempt(
+        tmp_path, read_s=0.2, window_s=1.5, train_on=False, step_s=4.0, notice_on="restored"
+    )
+    assert not attempt.killed, f"killed at the deadline with no exit: {attempt.stderr}"
+    [(exit_data, read_at)] = attempt.of("exit")
+    print(f"\nexit read {attempt.deadline - read_at:.2f} s before the deadline")
+    assert read_at < attempt.deadline
+    report = exit_data["flush"]
+    assert exit_data["code"] == EXIT_PREEMPTED and report["late"] is True
+    assert report["committed_step"] == COMMITTED and report["given_up_steps"] == 0
+    assert "had not handed control back" in report["summary"], report["summary"]
+    # Left to end (no kill in this test), it stops after its step, as preempted.
+    assert attempt.code == EXIT_PREEMPTED, attempt.stderr
+    assert "Traceback" not in attempt.stderr, attempt.stderr
+    assert restore_latest(LocalStore(tmp_path / RUN)).step == COMMITTED
 
 
 if __name__ == "__main__":
