@@ -283,7 +283,7 @@ def test_sigterm_to_one_rank_stops_both_and_resumes_bit_exactly(tmp_path: Path) 
     kept = [e.step for e in list_committed(run_store(str(tmp_path / "pre" / "ck"), "ddp"))]
     preempted_at: list[int] = []
     for launch in range(1, 8):
-        if len(preempted_at) >= 3:
+        if len(preempted_at) >= 2:
             result = _torchrun(tmp_path / "pre", launch)
         else:
             rank = rng.randrange(2)
@@ -295,7 +295,7 @@ def test_sigterm_to_one_rank_stops_both_and_resumes_bit_exactly(tmp_path: Path) 
         assert result["exit_code"] == 75 and result["exit_codes"] == [75, 75], result
         assert {r["stop_reason"] for r in result["ranks"]} == {"preempted"}
         preempted_at.append(result["step"])
-    assert len(preempted_at) >= 3, preempted_at
+    assert len(preempted_at) >= 2, preempted_at
     assert result["step"] == 40
     assert result["params_sha256"] == clean["params_sha256"]
     first_restore = next(

@@ -199,30 +199,43 @@ def _trial_at(at: StoreAt, slowdown: float, later: bool, window_s: float) -> Out
     return _trial(at.open(), slowdown=slowdown, later=later, window_s=window_s)
 
 
-def trials(
-    stores: list[StoreAt], *, slowdown: float, later: bool, window_s: float = WINDOW_S
-) -> list[Outcome]:
-    """One trial per store, :data:`AT_ONCE` at a time, each in a process of its own (as
-    each attempt is): a case costs a few windows. Threads of this process shared one GIL,
-    and on a busy machine a trial's loop could wait behind the others' writes (and
-    moto's request handling) long past its step: 1 trial in 20, in about one S3 run of
-    four, sent its exit after the deadline, a measure of the test's own GIL rather than
-    of the runner."""
+@pytest.fixture(scope="module")
+def trial_pool() -> Iterator[ProcessPoolExecutor]:
+    """The processes the module's trials run in, :data:`AT_ONCE` of them, started once
+    for all its cases: each imports torch and the runner, which on the busy machine took
+    longer than a case's trials (a pool per case started 20 such processes per module)."""
     context = multiprocessing.get_context("spawn")  # no fork of this process's threads
     with ProcessPoolExecutor(max_workers=AT_ONCE, mp_context=context) as pool:
-        futures = [
-            pool.submit(_trial_at, at, slowdown, later, window_s)  # type: ignore[arg-type]
-            for at in stores
-        ]
-        return [f.result(timeout=180) for f in futures]
+        yield pool
+
+
+def trials(
+    pool: ProcessPoolExecutor,
+    stores: list[StoreAt],
+    *,
+    slowdown: float,
+    later: bool,
+    window_s: float = WINDOW_S,
+) -> list[Outcome]:
+    """One trial per store, :data:`AT_ONCE` at a time, each in a process of its own (as
+    each attempt is; a process runs one trial at a time): a case costs a few windows.
+    Threads of this process shared one GIL, and on a busy machine a trial's loop could
+    wait behind the others' writes (and moto's request handling) long past its step: 1
+    trial in 20, in about one S3 run of four, sent its exit after the deadline, a measure
+    of the test's own GIL rather than of the runner."""
+    futures = [
+        pool.submit(_trial_at, at, slowdown, later, window_s)  # type: ignore[arg-type]
+        for at in stores
+    ]
+    return [f.result(timeout=180) for f in futures]
 
 
 @pytest.mark.parametrize("later", [False, True], ids=["first-attempt", "later-attempt"])
 @pytest.mark.parametrize("slowdown", [2.0, 4.0], ids=["2x", "4x"])
 def test_a_write_slowing_down_at_the_notice_never_costs_the_notice_step(
-    tmp_path: Path, busy: None, slowdown: float, later: bool
+    tmp_path: Path, busy: None, trial_pool: ProcessPoolExecutor, slowdown: float, later: bool
 ) -> None:
     stores = [StoreAt(str(tmp_path / f"t{n}" / "r")) for n in range(TRIALS)]
-    outcomes = trials(stores, slowdown=slowdown, later=later)
+    outcomes = trials(trial_pool, stores, slowdown=slowdown, later=later)
     label = f"local {slowdown:g}x {'later' if later else 'first'}"
     _judge(outcomes, slowdown=slowdown, label=label)

@@ -9,12 +9,22 @@ busy machine: 1 trial in 20, in about one module run of four, was retried for it
 
 from __future__ import annotations
 
+from concurrent.futures import ProcessPoolExecutor
+
 import pytest
 
 from tests.fakes.moto_server import create_bucket
-from tests.runner.test_notice_slow_write import TRIALS, StoreAt, _judge, busy, trials
+from tests.runner.test_notice_slow_write import (
+    TRIALS,
+    StoreAt,
+    _judge,
+    busy,
+    trial_pool,
+    trials,
+)
 
-__all__ = ["busy"]  # the module's CPU burners, as a fixture here too
+# The module's CPU burners and the processes its trials run in, as fixtures here too.
+__all__ = ["busy", "trial_pool"]
 
 #: The trials' window: each upload also crosses the loopback and moto's handler, which
 #: the burners slow down too.
@@ -23,11 +33,11 @@ S3_WINDOW_S = 4.0
 
 @pytest.mark.parametrize("later", [False, True], ids=["first-attempt", "later-attempt"])
 def test_s3_slowing_down_4x_at_the_notice_never_costs_the_notice_step(
-    moto_server: str, busy: None, later: bool
+    moto_server: str, busy: None, trial_pool: ProcessPoolExecutor, later: bool
 ) -> None:
     """Every attempt keeps the notice's step; the flush after it may be lost."""
     bucket = create_bucket(moto_server)  # one bucket, a run prefix per trial: cheaper
     stores = [StoreAt(f"ckpt/r{n}", bucket=bucket, endpoint_url=moto_server) for n in range(TRIALS)]
-    outcomes = trials(stores, slowdown=4.0, later=later, window_s=S3_WINDOW_S)
+    outcomes = trials(trial_pool, stores, slowdown=4.0, later=later, window_s=S3_WINDOW_S)
     label = f"s3 4x {'later' if later else 'first'}"
     _judge(outcomes, slowdown=4.0, label=label, window_s=S3_WINDOW_S)
