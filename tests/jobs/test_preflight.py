@@ -1033,7 +1033,8 @@ def test_several_instances_are_submitted_and_checked_with_the_larger_instance(
         )
         ada = Actor(user="ada", channel="#ml")
         run = submit(deps, spec_name="tiny", actor=ada, launch=False,
-                     overrides=["resources.instances=4", "resources.accelerator=A100:2"])  # fmt: skip
+                     overrides=["resources.instances=4", "resources.accelerator=A100:2",
+                                "dry_run.enabled=false"])  # fmt: skip
         job = JobSpec.model_validate(run.spec)
         assert job.resources.instances == 4
         got = InstanceShapeCheck().run(context(tmp_path, job, provider), prior={})
