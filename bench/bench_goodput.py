@@ -887,8 +887,13 @@ def _figures(
     # What each preempted attempt's flushes kept (issue 29): none may end with less
     # committed than the step it was at when the notice came.
     reports = [e.data["flush"] for e in events if e.type == "exit" and e.data.get("flush")]
+    # An attempt that gave its restore up at the notice trained nothing: what it had at
+    # the notice is what was committed before it, whether or not it had listed the store.
     below_notice = [
-        r for r in reports if r["committed_step"] is None or r["committed_step"] < r["notice_step"]
+        r
+        for r in reports
+        if not r.get("restore_given_up")
+        and (r["committed_step"] is None or r["committed_step"] < r["notice_step"])
     ]
     # An attempt the preemptor killed whose exit carried no report: what it kept is unknown,
     # so it counts against the check instead of passing it by saying nothing.

@@ -121,8 +121,11 @@ class ExitData(Payload):
     #: (seconds to the deadline when the loop saw it), ``used_s``, ``flushes`` (each
     #: ``step``, ``started_s`` after the notice, ``landed``, ``write_s``),
     #: ``committed_step``, ``trained_on_steps``, ``given_up_steps`` (trained and not
-    #: committed) and ``summary`` (one sentence for the run's thread). None: no notice
-    #: seen (an older runner, a kill without one).
+    #: committed) and ``summary`` (one sentence for the run's thread); ``restore_given_up``
+    #: when the notice came while the attempt still restored and it ended at once (nothing
+    #: trained, nothing lost), ``late`` when the session's exit guard sent it because the
+    #: training script had not handed control back by the deadline. None: no notice seen
+    #: (an older runner, a kill without one).
     flush: dict[str, Any] | None = None
 
     #: The command's last lines of output (at most a few kilobytes), for the run's
