@@ -27,6 +27,8 @@ import pytest
 
 from runner import EXIT_PREEMPTED
 from runner.checkpoint import list_committed, restore_latest
+from runner.preemption import Notice
+from runner.preemption.relay import write_notice
 from runner.session import EverySteps, Session, SessionConfig
 from runner.store import LocalStore, ObjectInfo, Store, WriteStream
 from runner.telemetry import follow_file
@@ -168,6 +170,9 @@ def _run_attempt(
     to end, to see how it ends."""
     events_path = root / f"events-{time.monotonic_ns()}.jsonl"
     events_path.touch()
+    # The deadline, written before the signal as the supervisor writes it: the child's
+    # is then this test's, not the moment its handler ran (later on a loaded machine).
+    notice_path = events_path.with_suffix(".notice")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINBOT_")}
     env.update(
         PYTHONPATH=str(ROOT),
@@ -176,6 +181,7 @@ def _run_attempt(
         TRAINBOT_EVENTS_FILE=str(events_path),
         TRAINBOT_TERMINATION_WINDOW_S=str(window_s),
         TRAINBOT_TRAIN_THROUGH_NOTICE="1" if train_on else "0",
+        TRAINBOT_NOTICE_FILE=str(notice_path),
         OMP_NUM_THREADS="1",
     )
     cmd = [sys.executable, "-m", "tests.runner.test_notice_during_restore", str(root)]
@@ -190,9 +196,12 @@ def _run_attempt(
         attempt.events.extend((t, dict(d), now) for t, _, d in follower)
         if not attempt.signalled_at and any(t == notice_on for t, _, _ in attempt.events):
             attempt.seen_before_notice = [t for t, _, _ in attempt.events]
-            proc.send_signal(signal.SIGTERM)
             attempt.signalled_at = time.monotonic()
             attempt.deadline = attempt.signalled_at + window_s
+            write_notice(
+                notice_path, Notice("signal", "test", attempt.signalled_at, attempt.deadline)
+            )
+            proc.send_signal(signal.SIGTERM)
         if attempt.deadline and now >= attempt.deadline and not attempt.of("exit"):
             proc.kill()  # the instance goes away, and no exit has left it
             attempt.killed = True
