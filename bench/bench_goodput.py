@@ -889,10 +889,12 @@ def _figures(
     reports = [e.data["flush"] for e in events if e.type == "exit" and e.data.get("flush")]
     # An attempt that gave its restore up at the notice trained nothing: what it had at
     # the notice is what was committed before it, whether or not it had listed the store.
+    # Nor did one the notice's signal ended before its session started (the supervisor's
+    # `before_start` report): this benchmark's child trains only inside its session.
     below_notice = [
         r
         for r in reports
-        if not r.get("restore_given_up")
+        if not (r.get("restore_given_up") or r.get("before_start"))
         and (r["committed_step"] is None or r["committed_step"] < r["notice_step"])
     ]
     # An attempt the preemptor killed whose exit carried no report: what it kept is unknown,

@@ -6,9 +6,11 @@ The control plane reads it (with the events) to tell a preemption from a failure
 
 from __future__ import annotations
 
+from typing import Any
+
 from runner import EXIT_PREEMPTED, EXIT_SUCCEEDED
 
-__all__ = ["exit_code"]
+__all__ = ["exit_code", "flush_before_start"]
 
 
 def exit_code(code: int, *, reported: int | None, under_torchrun: bool, noticed: bool) -> int:
@@ -30,3 +32,23 @@ def exit_code(code: int, *, reported: int | None, under_torchrun: bool, noticed:
     if code < 0:
         return 128 - code  # killed by signal N: the shell's 128 + N
     return code
+
+
+def flush_before_start() -> dict[str, Any]:
+    """The exit's flush report for a command that the notice's signal killed before it
+    had sent a single event: no trainbot session had caught the signal (none had
+    started, or the script uses none), and it made no flush; the next attempt resumes
+    from the newest committed checkpoint. Issue 29: a notice in the milliseconds between
+    a session script's imports and its session's start killed it with no report at all.
+    """
+    return {
+        "before_start": True,
+        "notice_step": None,
+        "committed_step": None,
+        "flushes": [],
+        "trained_on_steps": 0,
+        "given_up_steps": 0,
+        "summary": "the notice's signal ended the training script without a report of its "
+        "own (no trainbot session had started, or it uses none), so it made no flush; the "
+        "next attempt resumes from the newest committed checkpoint",
+    }

@@ -35,7 +35,7 @@ from runner import EXIT_FAILED, EXIT_PREEMPTED, EXIT_SUCCEEDED
 from runner import env as contract
 from runner.container import Container, ContainerError, run_paths
 from runner.errors import CheckpointError, RunnerError, StoreError
-from runner.exits import exit_code
+from runner.exits import exit_code, flush_before_start
 from runner.frameworks import FrameworkMetrics
 from runner.logship import LogShipper, pump
 from runner.preemption import PreemptionFlag, SignalHandlers, start_pollers, write_notice
@@ -123,8 +123,8 @@ class Supervisor:
         self._child_reason: str | None = None
         #: What the session's flushes did in its notice window (its exit's ``flush``).
         self._child_flush: dict[str, Any] | None = None
-        #: Whether the child committed checkpoints itself (session API).
-        self._child_checkpoints = False
+        #: Whether the child committed checkpoints itself (session API); sent any event.
+        self._child_checkpoints = self._child_spoke = False
         #: Whether the exit was reported already (a preempted session's, before teardown).
         self._exit_reported = False
         #: Whether the preemption notice was reported (it must come before the exit).
@@ -384,8 +384,7 @@ class Supervisor:
             sampler.start()
         while True:
             code = child.poll()
-            # A notice that comes once the child has ended (during the last sync, say)
-            # does not change how it ended.
+            # A notice once the child has ended (the last sync, say) changes nothing.
             noticed = self.flag.is_set
             self._forward(follower)
             if code is None and self.stacks is not None:
@@ -464,11 +463,14 @@ class Supervisor:
         data: dict[str, Any] = {"code": EXIT_PREEMPTED, "reason": "preempted"}
         if self._child_flush is not None:
             data["flush"] = self._child_flush
+        elif self.flag.is_set and not self._child_spoke and (self.child_code or 0) < 0:
+            data["flush"] = flush_before_start()  # killed by the notice before a word
         data.update(self._log_tail())
         return data
 
     def _forward(self, follower: FileFollower) -> None:
         for type_, when, data in follower:
+            self._child_spoke = True
             if type_ == "exit":
                 self._child_reported = int(data["code"])
                 self._child_reason = str(data.get("reason") or "") or None

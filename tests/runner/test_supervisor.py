@@ -20,6 +20,7 @@ from runner.store import LocalStore
 from runner.supervisor import Supervisor
 from runner.telemetry import NullSink
 from tests.fakes.ingest import FakeIngest
+from tests.runner.stand_ins import Recorder
 from tests.runner.tinyproc import ROOT, TINY, first_line_then_stop, preempt_once_synced, tiny_env
 
 pytestmark = pytest.mark.slow
@@ -309,3 +310,65 @@ def test_the_child_learns_the_notices_real_deadline_before_its_sigterm(tmp_path:
     assert code == EXIT_PREEMPTED
     left = float(out.read_text())
     assert 0.0 < left <= 5.0
+
+
+NO_HANDLER_YET = textwrap.dedent(
+    """
+    import pathlib, sys, time
+    pathlib.Path(sys.argv[1]).write_text("up")  # imports done; no session, no handler yet
+    time.sleep(30)
+    """
+)
+
+
+@pytest.mark.parametrize("spoke", [False, True], ids=["before-a-word", "after-a-word"])
+def test_a_command_the_notice_kills_before_its_session_is_reported_as_such(
+    tmp_path: Path, spoke: bool
+) -> None:
+    """A notice in the moments between a script's imports and its session's start: the
+    forwarded SIGTERM kills it (no handler yet), and the exit still carries a flush report
+    saying so, instead of none (issue 29, bench_goodput's unreported attempt). Once the
+    command has said anything, the supervisor invents no report for it."""
+    up = tmp_path / "up"
+    script = NO_HANDLER_YET
+    if spoke:  # a line of its own through the events file, as a session's would be
+        script = script.replace(
+            "time.sleep(30)",
+            "import json, os\n"
+            "with open(os.environ['TRAINBOT_EVENTS_FILE'], 'a') as f:\n"
+            "    f.write(json.dumps({'type': 'log', 'time': time.time(), "
+            "'data': {'level': 'info', 'message': 'step 1'}}) + '\\n')\n"
+            "time.sleep(30)",
+        )
+    sink = Recorder()
+    flag = PreemptionFlag()
+    supervisor = Supervisor(
+        [sys.executable, "-c", script, str(up)],
+        sink=sink,
+        flag=flag,
+        env=tiny_env(tmp_path),
+        window_s=5.0,
+        install_signals=False,
+    )
+
+    def notice_when_up() -> None:
+        end = time.monotonic() + 30
+        while not up.exists() and time.monotonic() < end:
+            time.sleep(0.01)
+        time.sleep(0.5 if spoke else 0.0)  # its line is read on the next poll
+        now = time.monotonic()
+        flag.set(Notice("aws", "instance-action", received_at=now, deadline=now + 5.0))
+
+    thread = threading.Thread(target=notice_when_up, daemon=True)
+    thread.start()
+    code = supervisor.run()
+    thread.join(timeout=5)
+    assert code == EXIT_PREEMPTED and supervisor.child_code == -signal.SIGTERM
+    [exit_data] = sink.of("exit")
+    assert exit_data["code"] == EXIT_PREEMPTED and exit_data["reason"] == "preempted"
+    if spoke:
+        assert "flush" not in exit_data, exit_data
+        return
+    flush = exit_data["flush"]
+    assert flush["before_start"] is True and flush["flushes"] == []
+    assert "no trainbot session had started" in flush["summary"]
