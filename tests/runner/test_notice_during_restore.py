@@ -21,7 +21,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import pytest
 
@@ -30,9 +30,10 @@ from runner.checkpoint import list_committed, restore_latest
 from runner.preemption import Notice
 from runner.preemption.relay import write_notice
 from runner.session import EverySteps, Session, SessionConfig
-from runner.store import LocalStore, ObjectInfo, Store, WriteStream
+from runner.store import LocalStore
 from runner.telemetry import follow_file
 from tests.paths import ROOT
+from tests.runner.paced_store import SlowReads
 from tests.runner.stand_ins import Recorder, Weights
 
 RUN = "r-restore"
@@ -41,59 +42,7 @@ STATE_FLOATS = 1 << 20
 STATE_BYTES = 4 * STATE_FLOATS
 #: The step the first attempt commits.
 COMMITTED = 5
-#: Bytes a paced read hands over at a time (the reader checks for a cancel between them).
-PIECE = 64 << 10
 STEP_S = 0.01
-
-
-class _PacedRead:
-    """A file read at a set pace, a piece at a time."""
-
-    def __init__(self, inner: BinaryIO, bps: float) -> None:
-        self.inner = inner
-        self.bps = bps
-
-    def readinto(self, view: memoryview) -> int:
-        n = self.inner.readinto(view[:PIECE])  # type: ignore[attr-defined]
-        time.sleep(n / self.bps)
-        return int(n or 0)
-
-    def __enter__(self) -> _PacedRead:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.inner.close()
-
-
-class SlowReads:
-    """A store whose file reads move at ``bps`` bytes a second; everything else (the
-    manifest, listings, writes) at the inner store's speed."""
-
-    def __init__(self, inner: Store, bps: float) -> None:
-        self.inner = inner
-        self.uri = inner.uri
-        self.bps = bps
-
-    def open_read(self, key: str) -> BinaryIO:
-        return _PacedRead(self.inner.open_read(key), self.bps)  # type: ignore[return-value]
-
-    def open_write(self, key: str) -> WriteStream:
-        return self.inner.open_write(key)
-
-    def put_bytes(self, key: str, data: bytes) -> None:
-        self.inner.put_bytes(key, data)
-
-    def get_bytes(self, key: str) -> bytes:
-        return self.inner.get_bytes(key)
-
-    def list(self, prefix: str = "") -> list[ObjectInfo]:
-        return self.inner.list(prefix)
-
-    def delete(self, keys: Sequence[str]) -> int:
-        return self.inner.delete(keys)
-
-    def exists(self, key: str) -> bool:
-        return self.inner.exists(key)
 
 
 def _child(argv: Sequence[str]) -> None:
