@@ -110,6 +110,13 @@ def test_an_unmodified_hf_trainer_script_is_first_class(plane: Plane) -> None:  
     wait_until(lambda: (run_row(cp, run).last_committed_step or 0) >= 20, timeout=90, what="sync")
     first = _started(cp, run, 1)
     assert first is not None and first.instance_id is not None
+    # The step time comes from two writes of trainer_state.json seen by the supervisor's
+    # poll: on a loaded machine the sync can be reported before it (a CI run failed so).
+    wait_until(
+        lambda: (a := _started(cp, run, 1)) is not None and a.step_time_s is not None,
+        timeout=90,
+        what="a step time",
+    )
     cp.deps.provider.preempt(first.instance_id)  # type: ignore[attr-defined]
     one, two = _preempted_then_resubmitted(cp, run)
     assert one.state == AttemptState.PREEMPTED
