@@ -264,6 +264,27 @@ def test_a_preempted_session_is_reported_ended_before_its_process_tears_down(
     )
 
 
+def _run_noticed_once(
+    supervisor: Supervisor, flag: PreemptionFlag, *, when: Path, after_s: float = 0.0
+) -> int:
+    """Run ``supervisor``; a metadata notice (5 s to the kill) comes ``after_s`` after the
+    child has written the file ``when``."""
+
+    def notice() -> None:
+        end = time.monotonic() + 30
+        while not when.exists() and time.monotonic() < end:
+            time.sleep(0.01)
+        time.sleep(after_s)
+        now = time.monotonic()
+        flag.set(Notice("aws", "instance-action", received_at=now, deadline=now + 5.0))
+
+    thread = threading.Thread(target=notice, daemon=True)
+    thread.start()
+    code = supervisor.run()
+    thread.join(timeout=5)
+    return code
+
+
 RELAY_READER = textwrap.dedent(
     """
     import os, pathlib, signal, sys, time
@@ -296,17 +317,7 @@ def test_the_child_learns_the_notices_real_deadline_before_its_sigterm(tmp_path:
         install_signals=False,
     )
 
-    def notice_when_ready() -> None:
-        end = time.monotonic() + 30
-        while not ready.exists() and time.monotonic() < end:
-            time.sleep(0.01)
-        now = time.monotonic()
-        flag.set(Notice("aws", "instance-action", received_at=now, deadline=now + 5.0))
-
-    thread = threading.Thread(target=notice_when_ready, daemon=True)
-    thread.start()
-    code = supervisor.run()
-    thread.join(timeout=5)
+    code = _run_noticed_once(supervisor, flag, when=ready)
     assert code == EXIT_PREEMPTED
     left = float(out.read_text())
     assert 0.0 < left <= 5.0
@@ -351,18 +362,8 @@ def test_a_command_the_notice_kills_before_its_session_is_reported_as_such(
         install_signals=False,
     )
 
-    def notice_when_up() -> None:
-        end = time.monotonic() + 30
-        while not up.exists() and time.monotonic() < end:
-            time.sleep(0.01)
-        time.sleep(0.5 if spoke else 0.0)  # its line is read on the next poll
-        now = time.monotonic()
-        flag.set(Notice("aws", "instance-action", received_at=now, deadline=now + 5.0))
-
-    thread = threading.Thread(target=notice_when_up, daemon=True)
-    thread.start()
-    code = supervisor.run()
-    thread.join(timeout=5)
+    # With a line said, the notice waits for the poll that reads it.
+    code = _run_noticed_once(supervisor, flag, when=up, after_s=0.5 if spoke else 0.0)
     assert code == EXIT_PREEMPTED and supervisor.child_code == -signal.SIGTERM
     [exit_data] = sink.of("exit")
     assert exit_data["code"] == EXIT_PREEMPTED and exit_data["reason"] == "preempted"
