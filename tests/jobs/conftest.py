@@ -1,10 +1,12 @@
 """Shared fixtures for the control plane's tests.
 
 ``db_engine`` is a migrated database, once on SQLite (a file in the test's temporary
-directory) and once on PostgreSQL when ``TRAINBOT_TEST_POSTGRES_URL`` is set (each
-test gets a fresh schema, dropped afterwards). Tests that take it run against both,
-so nothing works on one database by accident. ``empty_engine`` is the same before
-migration. ``settings`` are the embedded defaults with the state under ``tmp_path``.
+directory) and once on PostgreSQL when ``TRAINBOT_TEST_POSTGRES_URL`` is set. Tests
+that take it run against both, so nothing works on one database by accident. Each test
+gets the database in the migrated state with no rows from another test, without paying
+for a migration (``tests.jobs.databases``). ``empty_engine`` is a database before
+migration (a fresh PostgreSQL schema, dropped afterwards). ``settings`` are the
+embedded defaults with the state under ``tmp_path``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import boto3
 import pytest
 from botocore.stub import Stubber
 from sqlalchemy import Engine, text
-from sqlalchemy.engine import make_url
 
 from jobs.database.db import make_engine, migrate
 from jobs.process.deps import Deps
@@ -28,25 +29,22 @@ from jobs.process.settings import Settings, load_settings
 from jobs.providers.aws import AwsProvider
 from tests.fakes import aws as fake_aws
 from tests.fakes.gce_api import FakeComputeApi
+from tests.jobs.databases import PostgresSchemas, SqliteTemplate, with_search_path
 from tests.jobs.local_plane import local_deps
 
 POSTGRES_URL_ENV = "TRAINBOT_TEST_POSTGRES_URL"
 
 
-def _with_search_path(url: str, schema: str) -> str:
-    """The URL with libpq's ``options`` set so every connection uses ``schema``."""
-    parsed = make_url(url)
-    options = parsed.query.get("options", "")
-    if isinstance(options, tuple):
-        options = " ".join(options)
-    options = f"{options} -csearch_path={schema}".strip()
-    return parsed.update_query_dict({"options": options}).render_as_string(hide_password=False)
-
-
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def empty_engine(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Engine]:
+def database_kind(request: pytest.FixtureRequest) -> str:
+    """Which database a test's ``db_engine`` or ``empty_engine`` is: each test runs on both."""
+    return str(request.param)
+
+
+@pytest.fixture
+def empty_engine(database_kind: str, tmp_path: Path) -> Iterator[Engine]:
     """An engine on an empty database: SQLite, or a fresh PostgreSQL schema."""
-    if request.param == "sqlite":
+    if database_kind == "sqlite":
         engine = make_engine(f"sqlite:///{tmp_path / 'trainbot.db'}")
         yield engine
         engine.dispose()
@@ -80,18 +78,48 @@ def fresh_schema(url: str, prefix: str) -> Iterator[str]:
     with admin.begin() as connection:
         connection.execute(text(f'CREATE SCHEMA "{schema}"'))
     try:
-        yield _with_search_path(url, schema)
+        yield with_search_path(url, schema)
     finally:
         with admin.begin() as connection:
             connection.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
         admin.dispose()
 
 
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> SqliteTemplate:
+    """The worker's migrated SQLite file, copied for each test."""
+    return SqliteTemplate(tmp_path_factory.mktemp("migrated"))
+
+
+@pytest.fixture(scope="session")
+def postgres_schemas() -> Iterator[PostgresSchemas]:
+    """The worker's migrated PostgreSQL schema, emptied between tests."""
+    schemas = PostgresSchemas(postgres_or_skip("to run the PostgreSQL variant"))
+    yield schemas
+    schemas.close()
+
+
 @pytest.fixture
-def db_engine(empty_engine: Engine) -> Engine:
-    """An engine on a database migrated to the newest revision."""
-    migrate(empty_engine)
-    return empty_engine
+def db_engine(
+    database_kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[Engine]:
+    """An engine on a database migrated to the newest revision, with no rows."""
+    if "empty_engine" in request.fixturenames:
+        # The same database as the test's empty_engine, as a test that takes both expects.
+        engine = request.getfixturevalue("empty_engine")
+        migrate(engine)
+        yield engine
+        return
+    if database_kind == "sqlite":
+        path = tmp_path / "trainbot.db"
+        request.getfixturevalue("sqlite_template").copy_to(path)
+        engine = make_engine(f"sqlite:///{path}")
+    else:
+        engine = make_engine(request.getfixturevalue("postgres_schemas").acquire())
+    try:
+        yield engine
+    finally:
+        engine.dispose()
 
 
 @pytest.fixture
