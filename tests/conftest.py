@@ -10,6 +10,9 @@ import pytest
 
 from tests.fakes.moto_server import MotoServer
 
+# db_engine and empty_engine (SQLite, and PostgreSQL where TRAINBOT_TEST_POSTGRES_URL is set).
+pytest_plugins = ("tests.jobs.databases",)
+
 
 @pytest.fixture(scope="session")
 def moto_server() -> Iterator[str]:

@@ -54,6 +54,11 @@ def process_signals(
         key = incidents.group(signal)
         alert = _find_unresolved(session, run_id, signal.rule, key)
         if signal.resolved:
+            if alert is not None and alert.stopped_at is not None:
+                # trainbot stopped the run for this alert: the last points of a stopped
+                # run are no recovery, and the checkpoint its resubmit offer names is kept
+                # only while it is open. A person acknowledges or resolves it.
+                continue
             cleared = incidents.clear(alert, signal) if alert is not None else None
             if alert is not None and cleared is True:
                 _resolve(session, alert, user=None, now=now, notifier=notifier, journal=journal)

@@ -1,4 +1,10 @@
-"""Migrated test databases without a migration per test.
+"""The tests' databases: ``db_engine``, a migrated database, once on SQLite (a file in
+the test's temporary directory) and once on PostgreSQL when ``TRAINBOT_TEST_POSTGRES_URL``
+is set, so nothing works on one database by accident; ``empty_engine``, a database
+before migration (a fresh PostgreSQL schema, dropped afterwards). ``tests/conftest.py``
+loads this module as a plugin, so every test package has these fixtures.
+
+A migrated database without a migration per test.
 
 Migrating costs 0.2 s on SQLite and 0.7-1 s on PostgreSQL (about 120 DDL statements,
 then ``DROP SCHEMA … CASCADE``), and some 500 tests take a migrated database. Each test
@@ -17,12 +23,16 @@ still gets a database in exactly the migrated state:
 
 from __future__ import annotations
 
+import os
 import shutil
 import sqlite3
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from sqlalchemy import Connection, inspect, text
+import pytest
+from sqlalchemy import Connection, Engine, inspect, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -209,3 +219,95 @@ class PostgresSchemas:
             f"SELECT coalesce(string_agg(t::text, ',' ORDER BY t::text), '') FROM \"{table}\" t"
         )
         return str(connection.execute(text(every_row)).scalar_one())
+
+
+# -- the fixtures (a plugin of tests/conftest.py, so every test package has them) -------
+
+POSTGRES_URL_ENV = "TRAINBOT_TEST_POSTGRES_URL"
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def database_kind(request: pytest.FixtureRequest) -> str:
+    """Which database a test's ``db_engine`` or ``empty_engine`` is: each test runs on both."""
+    return str(request.param)
+
+
+@pytest.fixture
+def empty_engine(database_kind: str, tmp_path: Path) -> Iterator[Engine]:
+    """An engine on an empty database: SQLite, or a fresh PostgreSQL schema."""
+    if database_kind == "sqlite":
+        engine = make_engine(f"sqlite:///{tmp_path / 'trainbot.db'}")
+        yield engine
+        engine.dispose()
+        return
+    url = postgres_or_skip("to run the PostgreSQL variant")
+    with fresh_schema(url, "trainbot_test") as schema_url:
+        engine = make_engine(schema_url)
+        try:
+            yield engine
+        finally:
+            engine.dispose()
+
+
+def postgres_or_skip(why: str) -> str:
+    """The test PostgreSQL's URL, or the test skipped saying how to set it and ``why``."""
+    url = os.environ.get(POSTGRES_URL_ENV)
+    if not url:
+        pytest.skip(
+            f"{POSTGRES_URL_ENV} is not set: set it to a PostgreSQL URL such as "
+            f"postgresql://postgres@127.0.0.1:5432/test {why}"
+        )
+    return url
+
+
+@contextmanager
+def fresh_schema(url: str, prefix: str) -> Iterator[str]:
+    """A URL whose connections use a new PostgreSQL schema (``prefix`` and a random
+    suffix) of the database at ``url``; the schema is dropped at the end."""
+    schema = f"{prefix}_{uuid.uuid4().hex[:12]}"
+    admin = make_engine(url)
+    with admin.begin() as connection:
+        connection.execute(text(f'CREATE SCHEMA "{schema}"'))
+    try:
+        yield with_search_path(url, schema)
+    finally:
+        with admin.begin() as connection:
+            connection.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> SqliteTemplate:
+    """The worker's migrated SQLite file, copied for each test."""
+    return SqliteTemplate(tmp_path_factory.mktemp("migrated"))
+
+
+@pytest.fixture(scope="session")
+def postgres_schemas() -> Iterator[PostgresSchemas]:
+    """The worker's migrated PostgreSQL schema, emptied between tests."""
+    schemas = PostgresSchemas(postgres_or_skip("to run the PostgreSQL variant"))
+    yield schemas
+    schemas.close()
+
+
+@pytest.fixture
+def db_engine(
+    database_kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[Engine]:
+    """An engine on a database migrated to the newest revision, with no rows."""
+    if "empty_engine" in request.fixturenames:
+        # The same database as the test's empty_engine, as a test that takes both expects.
+        engine = request.getfixturevalue("empty_engine")
+        migrate(engine)
+        yield engine
+        return
+    if database_kind == "sqlite":
+        path = tmp_path / "trainbot.db"
+        request.getfixturevalue("sqlite_template").copy_to(path)
+        engine = make_engine(f"sqlite:///{path}")
+    else:
+        engine = make_engine(request.getfixturevalue("postgres_schemas").acquire())
+    try:
+        yield engine
+    finally:
+        engine.dispose()

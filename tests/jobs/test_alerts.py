@@ -778,6 +778,31 @@ def test_an_unacknowledged_divergence_stops_after_stop_after(stop_deps: Any) -> 
         assert alert.resume_step == 30
 
 
+def test_an_alert_that_stopped_its_run_stays_open_through_the_runs_last_points(
+    stop_deps: Any,
+) -> None:
+    """The stopped run's flush sends a few more losses; one back near the baseline used to
+    resolve the alert, so the person's /train ack found nothing to acknowledge, and its
+    resubmit offer's checkpoint lost its protection."""
+    from jobs.background import tasks
+
+    deps = stop_deps
+    run = running_run(deps.engine)
+    [alert] = feed(deps.engine, run, [divergence("spike", began=31)], now=T0,
+                   notifier=deps.notifier, journal=deps.journal)  # fmt: skip
+    assert tasks.stop_diverged(deps, now=T0 + timedelta(minutes=31)) == ["r-1"]
+    later = T0 + timedelta(minutes=32)
+    feed(deps.engine, run, [divergence("spike", resolved=True)], now=later,
+         notifier=deps.notifier, journal=deps.journal)  # fmt: skip
+    with Session(deps.engine) as session:
+        assert [a.id for a in open_alerts(session, run_id="r-1")] == [alert.id]
+        assert tasks._protected_steps(session, "r-1") == {30}
+    with session_scope(deps.engine) as session:
+        acked = acknowledge(session, alert.id, user="U-bob", now=later,
+                            notifier=deps.notifier, journal=deps.journal)  # fmt: skip
+        assert acked.state is AlertState.ACKED
+
+
 def test_an_acknowledged_divergence_keeps_running(stop_deps: Any) -> None:
     from jobs.background import tasks
     from jobs.domain.lifecycle import RunState

@@ -13,8 +13,7 @@ from sqlmodel import select
 
 from jobs.database.db import current_revision, head_revision, make_engine, migrate, session_scope
 from jobs.database.models import Checkpoint, Run
-from tests.jobs.conftest import fresh_schema, postgres_or_skip
-from tests.jobs.databases import PostgresSchemas, SqliteTemplate
+from tests.jobs.databases import PostgresSchemas, SqliteTemplate, fresh_schema, postgres_or_skip
 from tests.jobs.rows import tiny_run
 
 NOW = datetime(2026, 12, 6, 12, tzinfo=UTC)

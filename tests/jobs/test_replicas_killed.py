@@ -48,7 +48,7 @@ from jobs.providers.local import LocalProvider
 from tests.bot.test_slack_app import ResponseUrls, sign
 from tests.fakes.loopback import LoopbackServer, QuietHandler, read_body, reply
 from tests.fakes.slack_api import FakeSlack
-from tests.jobs.conftest import fresh_schema, postgres_or_skip
+from tests.jobs.databases import fresh_schema, postgres_or_skip
 from tests.paths import ROOT
 from tests.waiting import wait_until
 

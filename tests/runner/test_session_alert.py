@@ -42,8 +42,6 @@ from tests.runner.stand_ins import Recorder
 # and the control plane's database (SQLite, or PostgreSQL where the tests have one).
 fake = test_escalation.fake
 notifier = test_escalation.notifier
-empty_engine = jobs_fixtures.empty_engine
-db_engine = jobs_fixtures.db_engine
 settings = jobs_fixtures.settings
 
 NOW = datetime(2026, 12, 6, 9, 0, tzinfo=UTC)
