@@ -161,8 +161,11 @@ class PostgresSchemas:
                     table: self._rows_of(connection, table) for table in MIGRATE_WRITES
                 }
             sorted_tables = inspect(engine).get_sorted_table_and_fkc_names()
-        finally:
+        except BaseException:
             engine.dispose()
+            self._drop(schema, lock_timeout_s=5)  # no schema left behind by a failure
+            raise
+        engine.dispose()
         names = [name for name, _ in sorted_tables if name is not None]
         # Children before their parents, so no foreign key refuses a delete.
         self._delete_order = [name for name in reversed(names) if name not in MIGRATE_WRITES]
