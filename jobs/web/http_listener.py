@@ -394,7 +394,8 @@ class Listening:
                 listener.socket.close()
             closed.set()
 
-        self._in_loop(stop_accepting)
+        if not self._in_loop(stop_accepting):
+            stop_accepting()
         closed.wait(max(0.0, deadline - time.monotonic()))
         dispatcher = self._dispatcher
         while time.monotonic() < deadline:
@@ -411,13 +412,31 @@ class Listening:
                     each.close()
             self._map.clear()
 
-        self._in_loop(close_all)
+        if not self._in_loop(close_all):
+            close_all()  # the loop cannot be told: its sockets are closed from here
         self._thread.join(max(0.1, deadline - time.monotonic()))
         dispatcher.shutdown(cancel_pending=True, timeout=max(0.1, deadline - time.monotonic()))
 
-    def _in_loop(self, thunk: Callable[[], None]) -> None:
-        """Run ``thunk`` on the listener's loop thread (the only one that may touch sockets)."""
-        self._listeners[0].trigger.pull_trigger(thunk)
+    def _in_loop(self, thunk: Callable[[], None]) -> bool:
+        """Run ``thunk`` on the listener's loop thread (the only one that may touch sockets).
+
+        False where the loop cannot be reached: its wake-up pipe is closed (the loop
+        closes it on a hang-up or an error of the pipe), so nothing pulled would run."""
+        trigger = self._listeners[0].trigger
+        try:
+            if trigger._closed:  # waitress's own flag: the pipe's descriptors are gone
+                raise OSError(errno.EBADF, "the listener's wake-up pipe is closed")
+            trigger.pull_trigger(thunk)
+        except OSError as exc:
+            with trigger.lock:  # what was queued will never run
+                trigger.thunks.clear()
+            log.warning(
+                "port %d: its loop cannot be reached (%s); closing its sockets from here",
+                self.port,
+                exc.strerror or exc,
+            )
+            return False
+        return True
 
 
 def listen(app: WSGIApplication, host: str, port: int, *, name: str, limits: Limits) -> Listening:

@@ -323,7 +323,14 @@ def test_runner_image_builds_without_torch(podman: Podman) -> None:
     print(f"built runner image (no torch) in {seconds:.0f} s")
     proc = podman.run("run", "--rm", RUNNER_IMAGE, "--help")
     assert "exec" in proc.stdout
-    assert podman.run("run", "--rm", "--entrypoint", "id", RUNNER_IMAGE, "-u").stdout.strip()
+    # Its user, read from the container's log: an attached `podman run --rm` of a command
+    # this short once returned 0 with no output at all (a fresh-clone run, under load).
+    container = podman.run("run", "-d", "--entrypoint", "id", RUNNER_IMAGE, "-u").stdout.strip()
+    try:
+        assert podman.run("wait", container).stdout.strip() == "0"
+        assert podman.run("logs", container).stdout.strip() == "10001"  # not root
+    finally:
+        podman.run("rm", "-f", container, check=False)
 
 
 @pytest.fixture
