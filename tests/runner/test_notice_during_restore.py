@@ -52,12 +52,15 @@ def _child(argv: Sequence[str]) -> None:
     parser.add_argument("--read-s", type=float, required=True)
     parser.add_argument("--no-prefetch", action="store_true")
     parser.add_argument("--step-s", type=float, default=STEP_S)
+    parser.add_argument("--stepping-file", type=Path, required=True)
     args = parser.parse_args(argv)
     store = SlowReads(LocalStore(Path(args.root) / RUN), STATE_BYTES / args.read_s)
     weights = Weights(STATE_FLOATS)
     with Session.from_env(store=store, prefetch=not args.no_prefetch) as s:
         s.track(weights=weights)
         for step in s.steps(100_000):
+            if not args.stepping_file.exists():
+                args.stepping_file.touch()  # the script's own step has begun
             weights.t[step % STATE_FLOATS] += 1.0
             time.sleep(args.step_s)
     sys.exit(s.exit_code)
@@ -113,7 +116,7 @@ def _run_attempt(
     notice_on: str = "started",
 ) -> Attempt:
     """Start the child and send it SIGTERM once it has sent ``notice_on`` ("started": it
-    is restoring then).
+    is restoring then), or for ``"stepping"`` once its first step's body has begun.
     At the deadline the child is SIGKILLed, as a spot instance's end does, unless its exit
     (which is what the control plane waits for) has been written by then: it is then left
     to end, to see how it ends."""
@@ -134,7 +137,8 @@ def _run_attempt(
         OMP_NUM_THREADS="1",
     )
     cmd = [sys.executable, "-m", "tests.runner.test_notice_during_restore", str(root)]
-    cmd += ["--read-s", str(read_s), "--step-s", str(step_s)]
+    stepping = events_path.with_suffix(".stepping")
+    cmd += ["--read-s", str(read_s), "--step-s", str(step_s), "--stepping-file", str(stepping)]
     cmd += [] if prefetch else ["--no-prefetch"]
     follower = follow_file(events_path)
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, cwd=ROOT)
@@ -143,7 +147,12 @@ def _run_attempt(
     while proc.poll() is None and time.monotonic() < give_up_at:
         now = time.monotonic()
         attempt.events.extend((t, dict(d), now) for t, _, d in follower)
-        if not attempt.signalled_at and any(t == notice_on for t, _, _ in attempt.events):
+        due = (
+            stepping.exists()
+            if notice_on == "stepping"
+            else any(t == notice_on for t, _, _ in attempt.events)
+        )
+        if not attempt.signalled_at and due:
             attempt.seen_before_notice = [t for t, _, _ in attempt.events]
             attempt.signalled_at = time.monotonic()
             attempt.deadline = attempt.signalled_at + window_s
@@ -222,12 +231,13 @@ def test_a_restore_that_fits_the_window_trains_on_and_flushes(tmp_path: Path) ->
 
 
 def test_a_step_running_past_the_deadline_still_reports_the_exit(tmp_path: Path) -> None:
-    """The notice comes during a 4 s step of the script's, with a 1.5 s window: the main
-    thread is not back before the kill, so the exit guard sends the exit, with what is
+    """The notice comes during a 4 s step of the script's (once its body has begun: a
+    notice before it is seen by the session and answered at once, with no guard), with a
+    1.5 s window: the main thread is not back before the kill, so the exit guard sends the exit, with what is
     committed, before the deadline; the loop's own end later sends no second one."""
     _first_attempt(tmp_path)
     attempt = _run_attempt(
-        tmp_path, read_s=0.2, window_s=1.5, train_on=False, step_s=4.0, notice_on="restored"
+        tmp_path, read_s=0.2, window_s=1.5, train_on=False, step_s=4.0, notice_on="stepping"
     )
     assert not attempt.killed, f"killed at the deadline with no exit: {attempt.stderr}"
     [(exit_data, read_at)] = attempt.of("exit")
